@@ -1,0 +1,1 @@
+"""Privacy-preserving synthetic image buffers (conditional StyleGAN2-ADA + LPIPS)."""

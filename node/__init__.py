@@ -1,0 +1,1 @@
+"""The p2pfl-node daemon and CLI."""

@@ -1,0 +1,375 @@
+"""The `p2pfl-node` command line.
+
+Every mistake a person can make (bad YAML, missing file, unknown peer, wrong
+key) prints one line naming the file, the field and the fix, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import yaml
+
+from p2pfl.config import (
+    ConfigError,
+    SiteConfig,
+    check_config_files,
+    config_schema,
+    dump_config,
+    load_config,
+)
+from p2pfl.errors import UserError
+from p2pfl.identity import ADDRESS_PLACEHOLDER, IdentityError, LocalIdentity, Roster, load_card
+from p2pfl.protocol_params import protocol_names
+
+log = logging.getLogger("p2pfl-node")
+
+SUBCOMMANDS = (
+    "run",
+    "check",
+    "schema",
+    "keygen",
+    "provision",
+    "partition",
+    "genbuffer",
+    "evaluate",
+    "roster",
+)
+
+
+def _user_error(message: str) -> int:
+    print(f"p2pfl-node: {message}", file=sys.stderr)
+    return 2
+
+
+# ----------------------------------------------------------------------------- check / schema
+
+
+def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
+    """Config + roster + keys, cross-checked; raises UserError."""
+    cfg = load_config(path, check_files=False)
+    if not cfg.federation.roster.exists():
+        raise ConfigError(
+            path,
+            "federation.roster",
+            f"file not found: {cfg.federation.roster}",
+            "create it with `p2pfl-node provision` or `p2pfl-node roster add`",
+        )
+    roster = Roster.load(cfg.federation.roster)
+    if cfg.node.name not in roster:
+        raise ConfigError(
+            path,
+            "node.name",
+            f"site {cfg.node.name!r} is not in the roster {cfg.federation.roster}",
+            "add its card with `p2pfl-node roster add`",
+        )
+    check_config_files(cfg, path)
+    identity = LocalIdentity.load(cfg.node.name, cfg.signing_key_path, cfg.agreement_key_path)
+    card = roster[cfg.node.name].card
+    if identity.card().signing_key != card.signing_key:
+        raise ConfigError(
+            path,
+            "identity.signing_key",
+            f"key {cfg.signing_key_path} does not match the roster's public key for {cfg.node.name!r}",
+            "point identity.signing_key at this site's own key or update the roster card",
+        )
+    if identity.card().agreement_key != card.agreement_key:
+        raise ConfigError(
+            path,
+            "identity.agreement_key",
+            f"key {cfg.agreement_key_path} does not match the roster's public key for {cfg.node.name!r}",
+            "point identity.agreement_key at this site's own key or update the roster card",
+        )
+    return cfg, roster, identity
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    cfg, roster, _ = load_site(Path(args.config))
+    print(dump_config(cfg), end="")
+    print(
+        f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"
+    )
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+# ----------------------------------------------------------------------------- keys and federation
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    sign_path = out / f"{args.name}.sign.pem"
+    if sign_path.exists() and not args.force:
+        return _user_error(
+            f"{sign_path}: key already exists — keep it, or pass --force to replace it (peers will need the new card)"
+        )
+    identity = LocalIdentity.generate(args.name)
+    sign_path, kex_path = identity.save(out)
+    card = identity.card(args.address or ADDRESS_PLACEHOLDER)
+    text = yaml.safe_dump(card.to_dict(), sort_keys=False)
+    (out / f"{args.name}.card.yaml").write_text(text)
+    print(f"# private keys (mode 0600, never share): {sign_path} {kex_path}", file=sys.stderr)
+    print(
+        f"# public card, also in {out / (args.name + '.card.yaml')} — send it to the other sites:",
+        file=sys.stderr,
+    )
+    print(text, end="")
+    return 0
+
+
+def site_yaml(
+    name: str,
+    *,
+    federation: str,
+    port: int,
+    status_port: int,
+    protocol: dict,
+    data_source: str,
+    training: dict | None = None,
+    roster: str = "../roster.yaml",
+    seed: int = 0,
+) -> dict:
+    return {
+        "node": {"name": name, "listen": f"127.0.0.1:{port}", "state_dir": "state"},
+        "federation": {"id": federation, "roster": roster, "seed": seed},
+        "data": {"source": data_source},
+        "model": {"name": "small_cnn"},
+        "training": training or {"epochs": 1, "batch_size": 32, "lr": 0.001},
+        "protocol": protocol,
+        "selection": {"name": "random"},
+        "status": {"host": "127.0.0.1", "port": status_port},
+    }
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    names = [s.strip() for s in args.sites.split(",") if s.strip()]
+    if len(names) < 2 or len(set(names)) != len(names):
+        return _user_error(
+            f"--sites {args.sites!r}: give at least two distinct comma-separated names, e.g. --sites a,b,c"
+        )
+    if args.protocol not in protocol_names():
+        return _user_error(
+            f"--protocol {args.protocol!r}: unknown — use one of {', '.join(protocol_names())}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cards = []
+    for i, name in enumerate(names):
+        identity = LocalIdentity.generate(name)
+        identity.save(out / name / "state" / "keys")
+        cards.append(identity.card(f"127.0.0.1:{args.base_port + i}"))
+    Roster(cards).save(out / "roster.yaml")
+    site_data = Path(args.site_data).resolve() if args.site_data else None
+    for i, name in enumerate(names):
+        if site_data is not None:
+            data_source = str(site_data / f"site_{i}.npz")
+        else:
+            data_source = args.data if args.data == "digits" else str(Path(args.data).resolve())
+        cfg = site_yaml(
+            name,
+            federation=args.federation,
+            port=args.base_port + i,
+            status_port=args.status_base_port + i,
+            protocol={"name": args.protocol, "rounds": args.rounds},
+            data_source=data_source,
+            seed=args.seed,
+        )
+        (out / name / "site.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if getattr(args, "compose", False):
+        from node.deploy import write_compose
+
+        write_compose(out, names, base_port=args.base_port, status_base_port=args.status_base_port)
+    print(f"provisioned {len(names)} sites in {out}: roster {out / 'roster.yaml'}")
+    for i, name in enumerate(names):
+        print(
+            f"  {name}: p2pfl-node --config {out / name / 'site.yaml'}   (peer port {args.base_port + i}, status http://127.0.0.1:{args.status_base_port + i}/)"
+        )
+    return 0
+
+
+def cmd_roster(args: argparse.Namespace) -> int:
+    path = Path(args.roster)
+    roster = Roster.load(path) if path.exists() else Roster([], path)
+    cards = {c.name: c for c in roster.cards()}
+    if args.roster_command == "add":
+        card = load_card(Path(args.card))
+        if card.address == ADDRESS_PLACEHOLDER:
+            return _user_error(
+                f"{args.card}: address is still {ADDRESS_PLACEHOLDER} — ask the site for its reachable HOST:PORT and edit the card"
+            )
+        cards[card.name] = card
+        Roster(list(cards.values()), path).save(path)
+        print(
+            f"{path}: {card.name} added ({len(cards)} sites); send SIGHUP to running nodes to reload"
+        )
+    elif args.roster_command == "remove":
+        if args.name not in cards:
+            return _user_error(
+                f"{path}: no site named {args.name!r} — known: {', '.join(sorted(cards)) or '(none)'}"
+            )
+        del cards[args.name]
+        Roster(list(cards.values()), path).save(path)
+        print(
+            f"{path}: {args.name} removed ({len(cards)} sites); send SIGHUP to running nodes to reload"
+        )
+    else:
+        for card in roster.cards():
+            print(f"{card.name}\t{card.address}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg, roster, identity = load_site(Path(args.config))
+    from node.daemon import run_node
+
+    return run_node(cfg, roster, identity, config_path=Path(args.config))
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2pfl-node", description="Decentralized federated-learning node."
+    )
+    parser.add_argument(
+        "--log-level", default=None, help="override logging.level (DEBUG, INFO, ...)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the daemon (the default)")
+    p.add_argument("--config", required=True, help="site.yaml")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "check", help="validate site.yaml, roster and keys; print the resolved config"
+    )
+    p.add_argument("--config", required=True)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of site.yaml")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("keygen", help="create this site's private keys and print its public card")
+    p.add_argument("--name", required=True)
+    p.add_argument("--out", required=True, help="directory for the keys (e.g. state/keys)")
+    p.add_argument("--address", default=None, help="HOST:PORT peers reach this site at")
+    p.add_argument("--force", action="store_true", help="replace existing keys")
+    p.set_defaults(func=cmd_keygen)
+
+    p = sub.add_parser("provision", help="keys + roster + site.yaml for a local federation")
+    p.add_argument("--sites", required=True, help="comma-separated site names, e.g. a,b,c")
+    p.add_argument("--out", required=True)
+    p.add_argument("--base-port", type=int, default=7000)
+    p.add_argument("--status-base-port", type=int, default=8000)
+    p.add_argument("--federation", default="local")
+    p.add_argument("--protocol", default="fedavgp2p")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument(
+        "--data",
+        default="digits",
+        help="'digits', an .npz or an ImageFolder directory (same for all sites)",
+    )
+    p.add_argument(
+        "--site-data",
+        default=None,
+        help="directory of site_<i>.npz files from `p2pfl-node partition`",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compose", action="store_true", help="also write compose.yaml")
+    p.set_defaults(func=cmd_provision)
+
+    p = sub.add_parser("roster", help="edit the roster: add a public card, remove a site, list")
+    rsub = p.add_subparsers(dest="roster_command", required=True)
+    q = rsub.add_parser("add")
+    q.add_argument("card")
+    q.add_argument("--roster", required=True)
+    q = rsub.add_parser("remove")
+    q.add_argument("name")
+    q.add_argument("--roster", required=True)
+    q = rsub.add_parser("list")
+    q.add_argument("--roster", required=True)
+    p.set_defaults(func=cmd_roster)
+
+    for name, register in _optional_commands():
+        register(sub, name)
+    return parser
+
+
+def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction, str], None]]]:
+    """Sub-commands that live with their feature."""
+    out = []
+
+    def partition(sub: argparse._SubParsersAction, name: str) -> None:
+        from p2pfl.data.partition import add_partition_arguments, run_partition
+
+        p = sub.add_parser(
+            name, help="split a data set into per-site sets (+ class-distribution PNG)"
+        )
+        add_partition_arguments(p)
+        p.set_defaults(func=run_partition)
+
+    def genbuffer(sub: argparse._SubParsersAction, name: str) -> None:
+        from genbuffer.cli import add_genbuffer_parser, run_genbuffer
+
+        add_genbuffer_parser(sub)
+        sub.choices[name].set_defaults(func=run_genbuffer)
+
+    def evaluate(sub: argparse._SubParsersAction, name: str) -> None:
+        from node.evaluate import add_evaluate_arguments, run_evaluate
+
+        p = sub.add_parser(name, help="cross-site / ensemble evaluation of node models")
+        add_evaluate_arguments(p)
+        p.set_defaults(func=run_evaluate)
+
+    for name, fn in (("partition", partition), ("genbuffer", genbuffer), ("evaluate", evaluate)):
+        out.append((name, _tolerant(fn)))
+    return out
+
+
+def _tolerant(
+    register: Callable[[argparse._SubParsersAction, str], None],
+) -> Callable[[argparse._SubParsersAction, str], None]:
+    def wrapped(sub: argparse._SubParsersAction, name: str) -> None:
+        try:
+            register(sub, name)
+        except ImportError as exc:  # feature not installed in this build
+            log.debug("sub-command %s unavailable: %s", name, exc)
+
+    return wrapped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("--config"):
+        argv = ["run", *argv]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, ConfigError, IdentityError) as exc:
+        return _user_error(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""p2pfl foundation: config, identity, wire, tensors codec, data, models, training, metrics."""

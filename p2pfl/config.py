@@ -1,0 +1,403 @@
+"""site.yaml as pydantic v2 models.
+
+Every section forbids unknown keys, so a typo is an error rather than a silently
+ignored setting. `load_config` turns every failure a person can cause (missing
+file, YAML syntax, wrong type, unknown protocol, missing key file) into one
+`ConfigError` whose message names the file, the field path and the fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from p2pfl.errors import UserError
+from p2pfl.protocol_params import ProtocolParams, protocol_names
+
+
+class ConfigError(UserError):
+    """A configuration mistake a person can fix; `str()` is the one-line message."""
+
+    def __init__(self, file: str | Path, field: str, problem: str, fix: str = "") -> None:
+        self.file = str(file)
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        where = f"{self.file}: {field}" if field else self.file
+        super().__init__(f"{where}: {problem}" + (f" — {fix}" if fix else ""))
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """'127.0.0.1:7000' or '[::1]:7000' -> (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} out of range 1-65535")
+    return host.strip("[]"), port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class NodeSection(Section):
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="site name, as in the roster"
+    )
+    listen: str = Field("127.0.0.1:7000", description="HOST:PORT the peer transport binds to")
+    advertise: str | None = Field(
+        None, description="HOST:PORT peers use to reach this node; defaults to listen"
+    )
+    state_dir: Path = Field(Path("state"), description="keys, spool, checkpoints, metrics, log")
+
+    @field_validator("listen", "advertise")
+    @classmethod
+    def _hostport(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_hostport(v)
+        return v
+
+
+class IdentitySection(Section):
+    signing_key: Path | None = Field(
+        None, description="Ed25519 private key (PEM); default STATE/keys/<name>.sign.pem"
+    )
+    agreement_key: Path | None = Field(
+        None, description="X25519 private key (PEM); default STATE/keys/<name>.kex.pem"
+    )
+
+
+class FederationSection(Section):
+    id: str = Field(
+        min_length=1, max_length=64, description="federation id carried in every message header"
+    )
+    roster: Path = Field(description="roster YAML listing every site's address and public keys")
+    seed: int = Field(0, description="shared seed (rings, partitions, tie-breaks)")
+
+
+class DataSection(Section):
+    source: str = Field(
+        "digits",
+        description="'digits' (embedded), a MedMNIST-style .npz, or an ImageFolder directory",
+    )
+    image_size: int = Field(28, ge=8, le=1024)
+    channels: int = Field(1, ge=1, le=4)
+    val_fraction: float = Field(
+        0.15, ge=0.0, lt=1.0, description="split off train when the source has no val split"
+    )
+    label_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="keep labels for this share of train; rest becomes unlabeled",
+    )
+    augment: Literal["none", "weak", "strong"] = "weak"
+
+
+class SiameseSection(Section):
+    enabled: bool = False
+    margin: float = Field(1.0, gt=0.0, description="contrastive-loss margin m")
+    embedding_dim: int = Field(64, ge=2)
+
+
+class ModelSection(Section):
+    name: str = Field(
+        "small_cnn",
+        description="small_cnn, resnet18, efficientnet_b0, mobilenetv2_100, vit_tiny_patch16_224, ...",
+    )
+    weights: Path | None = Field(
+        None, description="local weights file (safetensors or torch state dict) to start from"
+    )
+    init: Literal["default", "xavier"] = "default"
+    pretrained_from: Path | None = Field(
+        None, description="encoder weights from a pre-training run (Fed-MAE)"
+    )
+    siamese: SiameseSection = SiameseSection()
+
+
+class TrainingSection(Section):
+    epochs: int = Field(1, ge=1, description="local epochs per round (E)")
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    weight_decay: float = Field(0.0, ge=0.0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int = Field(1, ge=1, description="data-parallel processes for local training")
+    seed: int = 0
+    max_steps_per_epoch: int | None = Field(
+        None, ge=1, description="cap local steps (demos, tests)"
+    )
+
+
+class SelectionSection(Section):
+    name: Literal["random", "n_latest", "f1", "cosine"] = "random"
+    n: int = Field(1, ge=0, description="n_latest: how many recent neighbours to avoid")
+    prefer: Literal["dissimilar", "similar"] = "dissimilar"
+    vector: Literal["f1", "model_stats"] = Field(
+        "f1", description="cosine: compare per-class F1 or model statistics"
+    )
+
+
+class StatusSection(Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, lt=65536)
+    token: str | None = Field(
+        None, min_length=16, description="bearer token; required off loopback"
+    )
+    token_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> StatusSection:
+        if self.enabled and not is_loopback(self.host) and not (self.token or self.token_file):
+            raise ValueError(
+                f"status endpoint bound to non-loopback address {self.host!r} needs a bearer token: "
+                "set status.token (16+ characters) or status.token_file, or bind status.host to 127.0.0.1"
+            )
+        return self
+
+
+class WireSection(Section):
+    max_message_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    clock_skew_s: float = Field(300.0, gt=0.0)
+    encryption: bool = False
+    replay_cache_size: int = Field(100_000, ge=16)
+
+
+class TLSSection(Section):
+    cert: Path
+    key: Path
+    ca: Path = Field(description="CA bundle used to verify peers' certificates")
+
+
+class TransportSection(Section):
+    connect_timeout_s: float = Field(5.0, gt=0)
+    request_timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(4, ge=0)
+    backoff_base_s: float = Field(0.2, gt=0)
+    backoff_max_s: float = Field(10.0, gt=0)
+    breaker_failures: int = Field(
+        5, ge=1, description="consecutive failures that open a peer's circuit"
+    )
+    breaker_reset_s: float = Field(15.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0)
+    suspect_after_s: float = Field(6.0, gt=0)
+    dead_after_s: float = Field(15.0, gt=0)
+    inbox_size: int = Field(256, ge=1)
+    rate_limit_per_s: float = Field(
+        200.0, gt=0, description="messages per second accepted from one peer"
+    )
+    tls: TLSSection | None = None
+
+
+class LoggingSection(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+
+
+class SiteConfig(Section):
+    node: NodeSection
+    identity: IdentitySection = IdentitySection()
+    federation: FederationSection
+    data: DataSection = DataSection()
+    model: ModelSection = ModelSection()
+    training: TrainingSection = TrainingSection()
+    protocol: Annotated[ProtocolParams, Field(discriminator="name")]
+    selection: SelectionSection = SelectionSection()
+    status: StatusSection = StatusSection()
+    wire: WireSection = WireSection()
+    transport: TransportSection = TransportSection()
+    logging: LoggingSection = LoggingSection()
+
+    # Resolved paths (filled by load_config relative to the config file).
+    @property
+    def state_dir(self) -> Path:
+        return self.node.state_dir
+
+    @property
+    def signing_key_path(self) -> Path:
+        return (
+            self.identity.signing_key or self.node.state_dir / "keys" / f"{self.node.name}.sign.pem"
+        )
+
+    @property
+    def agreement_key_path(self) -> Path:
+        return (
+            self.identity.agreement_key
+            or self.node.state_dir / "keys" / f"{self.node.name}.kex.pem"
+        )
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif item in protocol_names() and parts and parts[-1] == "protocol":
+            continue  # discriminated-union tag: the user wrote protocol.<field>, not protocol.<name>.<field>
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def _describe(err: dict[str, Any]) -> tuple[str, str]:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return (
+            "unknown key",
+            "remove it or check its spelling (`p2pfl-node schema` lists every key)",
+        )
+    if kind == "missing":
+        return "required key is missing", "add it (`p2pfl-node schema` shows its type)"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        return (
+            f"unknown protocol {err.get('input', {}).get('name') if isinstance(err.get('input'), dict) else ''!r}".replace(
+                "''", "(none)"
+            ),
+            "set protocol.name to one of: " + ", ".join(protocol_names()),
+        )
+    if kind == "literal_error":
+        return err["msg"], "use one of the listed values"
+    if kind == "value_error":
+        return err["msg"].removeprefix("Value error, "), ""
+    return err["msg"], "fix the value (`p2pfl-node schema` shows the expected type)"
+
+
+def _resolve(path: Path | None, base: Path) -> Path | None:
+    if path is None:
+        return None
+    path = path.expanduser()
+    return path if path.is_absolute() else (base / path)
+
+
+def load_config(path: str | Path, *, check_files: bool = True) -> SiteConfig:
+    """Read, validate and resolve a site.yaml. Raises ConfigError only."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            path, "", "file not found", "pass the path of an existing site.yaml (--config)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            path, "", f"cannot read: {exc}", "check the file's permissions and encoding"
+        ) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "YAML"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            path, where, f"YAML syntax error: {problem}", "fix the indentation or quoting there"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            path,
+            "",
+            "top level must be a mapping of sections",
+            "start from `p2pfl-node provision` output",
+        )
+    return config_from_dict(raw, path, check_files=check_files)
+
+
+def config_from_dict(
+    raw: dict[str, Any], path: str | Path = "<config>", *, check_files: bool = True
+) -> SiteConfig:
+    path = Path(path)
+    try:
+        cfg = SiteConfig.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        problem, fix = _describe(err)
+        loc = tuple(err["loc"])
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc = ("protocol", "name")
+        raise ConfigError(path, _field_path(loc), problem, fix) from None
+    base = path.parent if path.name else Path(".")
+    cfg.node.state_dir = _resolve(cfg.node.state_dir, base)  # type: ignore[assignment]
+    cfg.federation.roster = _resolve(cfg.federation.roster, base)  # type: ignore[assignment]
+    for section, attr in (
+        (cfg.identity, "signing_key"),
+        (cfg.identity, "agreement_key"),
+        (cfg.model, "weights"),
+        (cfg.model, "pretrained_from"),
+        (cfg.status, "token_file"),
+    ):
+        setattr(section, attr, _resolve(getattr(section, attr), base))
+    if cfg.transport.tls:
+        for attr in ("cert", "key", "ca"):
+            setattr(cfg.transport.tls, attr, _resolve(getattr(cfg.transport.tls, attr), base))
+    if cfg.data.source != "digits" and not Path(cfg.data.source).is_absolute():
+        cfg.data.source = str(base / cfg.data.source)
+    if check_files:
+        check_config_files(cfg, path)
+    return cfg
+
+
+def check_config_files(cfg: SiteConfig, path: Path) -> None:
+    required: list[tuple[str, Path | None, str]] = [
+        (
+            "federation.roster",
+            cfg.federation.roster,
+            "create it with `p2pfl-node provision` or `p2pfl-node roster add`",
+        ),
+        ("identity.signing_key", cfg.signing_key_path, "create it with `p2pfl-node keygen`"),
+        ("identity.agreement_key", cfg.agreement_key_path, "create it with `p2pfl-node keygen`"),
+        (
+            "model.weights",
+            cfg.model.weights,
+            "point it at an existing weights file or remove the key",
+        ),
+        (
+            "model.pretrained_from",
+            cfg.model.pretrained_from,
+            "run pre-training first or remove the key",
+        ),
+        (
+            "status.token_file",
+            cfg.status.token_file,
+            "write the token into that file or remove the key",
+        ),
+    ]
+    if cfg.transport.tls:
+        for attr in ("cert", "key", "ca"):
+            required.append(
+                (f"transport.tls.{attr}", getattr(cfg.transport.tls, attr), "provide the PEM file")
+            )
+    if cfg.data.source != "digits":
+        required.append(
+            (
+                "data.source",
+                Path(cfg.data.source),
+                "use 'digits', an .npz file or an ImageFolder directory",
+            )
+        )
+    for field, file, fix in required:
+        if file is not None and not Path(file).exists():
+            raise ConfigError(path, field, f"file not found: {file}", fix)
+
+
+def config_schema() -> dict[str, Any]:
+    return SiteConfig.model_json_schema()
+
+
+def dump_config(cfg: SiteConfig) -> str:
+    return yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False)

@@ -1,0 +1,316 @@
+"""Site identity (Ed25519 signing + X25519 key agreement) and the federation roster.
+
+A site's private keys are PEM files (PKCS#8, mode 0600) that never leave it.
+What it shares is its public card: name, address and both public keys as
+base64 of the raw 32 bytes. The roster is the list of cards: the allow-list of
+who may talk to whom. A roster entry may carry a previous signing key with a
+grace deadline, so keys rotate without downtime.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+from p2pfl.errors import UserError
+
+ADDRESS_PLACEHOLDER = "HOST:PORT"
+
+
+class IdentityError(UserError):
+    """Missing, unreadable or malformed key, card or roster."""
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str, what: str, where: str) -> bytes:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise IdentityError(
+            f"{where}: {what} is not valid base64 — copy it again from the site's public card"
+        ) from None
+    if len(raw) != 32:
+        raise IdentityError(
+            f"{where}: {what} must be 32 bytes, got {len(raw)} — copy it again from the site's public card"
+        )
+    return raw
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Card:
+    """A site's public identity, as exchanged between institutions."""
+
+    name: str
+    address: str
+    signing_key: str  # base64 raw Ed25519 public key
+    agreement_key: str  # base64 raw X25519 public key
+    previous_signing_key: str | None = None
+    previous_valid_until: float | None = None  # unix seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "address": self.address,
+            "signing_key": self.signing_key,
+            "agreement_key": self.agreement_key,
+        }
+        if self.previous_signing_key:
+            out["previous_signing_key"] = self.previous_signing_key
+            out["previous_valid_until"] = self.previous_valid_until
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> Card:
+        if not isinstance(data, dict):
+            raise IdentityError(
+                f"{where}: a site entry must be a mapping with name, address, signing_key, agreement_key"
+            )
+        missing = [k for k in ("name", "address", "signing_key", "agreement_key") if k not in data]
+        if missing:
+            raise IdentityError(
+                f"{where}: missing {', '.join(missing)} — copy the site's public card (p2pfl-node keygen prints it)"
+            )
+        unknown = set(data) - {
+            "name",
+            "address",
+            "signing_key",
+            "agreement_key",
+            "previous_signing_key",
+            "previous_valid_until",
+        }
+        if unknown:
+            raise IdentityError(f"{where}: unknown keys {sorted(unknown)} — remove them")
+        card = cls(
+            name=str(data["name"]),
+            address=str(data["address"]),
+            signing_key=str(data["signing_key"]),
+            agreement_key=str(data["agreement_key"]),
+            previous_signing_key=data.get("previous_signing_key"),
+            previous_valid_until=data.get("previous_valid_until"),
+        )
+        _unb64(card.signing_key, "signing_key", f"{where} ({card.name})")
+        _unb64(card.agreement_key, "agreement_key", f"{where} ({card.name})")
+        if card.previous_signing_key:
+            _unb64(card.previous_signing_key, "previous_signing_key", f"{where} ({card.name})")
+        return card
+
+
+@dataclass
+class LocalIdentity:
+    """This site's private keys."""
+
+    name: str
+    signing: Ed25519PrivateKey
+    agreement: X25519PrivateKey
+
+    @property
+    def signing_public(self) -> bytes:
+        return self.signing.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    @property
+    def agreement_public(self) -> bytes:
+        return self.agreement.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+
+    def card(self, address: str = ADDRESS_PLACEHOLDER) -> Card:
+        return Card(self.name, address, b64(self.signing_public), b64(self.agreement_public))
+
+    def sign(self, data: bytes) -> bytes:
+        return self.signing.sign(data)
+
+    def shared_secret(self, peer_agreement_public: X25519PublicKey) -> bytes:
+        return self.agreement.exchange(peer_agreement_public)
+
+    @classmethod
+    def generate(cls, name: str) -> LocalIdentity:
+        return cls(name, Ed25519PrivateKey.generate(), X25519PrivateKey.generate())
+
+    def save(self, out_dir: Path) -> tuple[Path, Path]:
+        pem = serialization.PrivateFormat.PKCS8
+        none = serialization.NoEncryption()
+        sign_path = out_dir / f"{self.name}.sign.pem"
+        kex_path = out_dir / f"{self.name}.kex.pem"
+        _write_private(sign_path, self.signing.private_bytes(serialization.Encoding.PEM, pem, none))
+        _write_private(
+            kex_path, self.agreement.private_bytes(serialization.Encoding.PEM, pem, none)
+        )
+        return sign_path, kex_path
+
+    @classmethod
+    def load(cls, name: str, signing_path: Path, agreement_path: Path) -> LocalIdentity:
+        signing = _load_private(signing_path, Ed25519PrivateKey, "Ed25519 signing")
+        agreement = _load_private(agreement_path, X25519PrivateKey, "X25519 agreement")
+        return cls(name, signing, agreement)  # type: ignore[arg-type]
+
+
+def _load_private(path: Path, kind: type, what: str) -> Any:
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise IdentityError(
+            f"{path}: {what} key not found — create it with `p2pfl-node keygen`"
+        ) from None
+    except OSError as exc:
+        raise IdentityError(
+            f"{path}: cannot read {what} key ({exc.strerror}) — check its owner and mode 0600"
+        ) from None
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise IdentityError(
+            f"{path}: not a PEM private key — regenerate it with `p2pfl-node keygen`"
+        ) from None
+    if not isinstance(key, kind):
+        raise IdentityError(
+            f"{path}: holds a {type(key).__name__}, expected an {what} key — check identity.* in site.yaml"
+        )
+    return key
+
+
+@dataclass
+class RosterSite:
+    """A roster entry with its keys parsed."""
+
+    card: Card
+    signing_keys: list[tuple[Ed25519PublicKey, float | None]] = field(
+        default_factory=list
+    )  # (key, valid_until)
+    agreement_key: X25519PublicKey | None = None
+
+    @property
+    def name(self) -> str:
+        return self.card.name
+
+    @property
+    def address(self) -> str:
+        return self.card.address
+
+    def verify(self, signature: bytes, data: bytes, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        for key, valid_until in self.signing_keys:
+            if valid_until is not None and now > valid_until:
+                continue
+            try:
+                key.verify(signature, data)
+                return True
+            except InvalidSignature:
+                continue
+        return False
+
+
+class Roster:
+    """The federation's sites by name."""
+
+    def __init__(self, cards: list[Card], path: Path | None = None) -> None:
+        self.path = path
+        self.sites: dict[str, RosterSite] = {}
+        for card in cards:
+            if card.name in self.sites:
+                raise IdentityError(
+                    f"{path or 'roster'}: site {card.name!r} listed twice — keep one entry"
+                )
+            keys: list[tuple[Ed25519PublicKey, float | None]] = [
+                (
+                    Ed25519PublicKey.from_public_bytes(
+                        _unb64(card.signing_key, "signing_key", card.name)
+                    ),
+                    None,
+                )
+            ]
+            if card.previous_signing_key:
+                raw = _unb64(card.previous_signing_key, "previous_signing_key", card.name)
+                keys.append(
+                    (Ed25519PublicKey.from_public_bytes(raw), card.previous_valid_until or 0.0)
+                )
+            agreement = X25519PublicKey.from_public_bytes(
+                _unb64(card.agreement_key, "agreement_key", card.name)
+            )
+            self.sites[card.name] = RosterSite(card, keys, agreement)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.sites
+
+    def __getitem__(self, name: str) -> RosterSite:
+        return self.sites[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.sites)
+
+    def cards(self) -> list[Card]:
+        return [self.sites[n].card for n in self.names()]
+
+    @classmethod
+    def load(cls, path: Path) -> Roster:
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise IdentityError(
+                f"{path}: roster not found — create it with `p2pfl-node provision` or `p2pfl-node roster add`"
+            ) from None
+        except yaml.YAMLError as exc:
+            raise IdentityError(
+                f"{path}: roster is not valid YAML ({str(exc).splitlines()[0]}) — fix its syntax"
+            ) from None
+        except OSError as exc:
+            raise IdentityError(f"{path}: cannot read roster ({exc.strerror})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("sites"), list):
+            raise IdentityError(
+                f"{path}: roster must be a mapping with a `sites:` list of public cards"
+            )
+        cards = [
+            Card.from_dict(entry, f"{path}: sites[{i}]") for i, entry in enumerate(raw["sites"])
+        ]
+        return cls(cards, path)
+
+    def save(self, path: Path | None = None) -> Path:
+        path = Path(path or self.path or "roster.yaml")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            yaml.safe_dump({"sites": [c.to_dict() for c in self.cards()]}, sort_keys=False)
+        )
+        os.replace(tmp, path)
+        return path
+
+
+def load_card(path: Path) -> Card:
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IdentityError(
+            f"{path}: card not found — ask the site for the output of `p2pfl-node keygen`"
+        ) from None
+    except yaml.YAMLError:
+        raise IdentityError(f"{path}: card is not valid YAML") from None
+    return Card.from_dict(raw, str(path))

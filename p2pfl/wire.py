@@ -1,0 +1,371 @@
+"""Signed envelopes: what travels between nodes.
+
+Frame:  b"P2FL" | u32 header length (big-endian) | header | Ed25519 signature (64) | payload
+
+The header is a msgpack map in fixed key order (v, fed, kind, from, to, round,
+id, ts, len, sha256, enc); the signature covers the header bytes, and the header
+carries the payload's length and SHA-256, so a receiver can verify everything
+but the payload before reading it, then hash the payload while it streams in.
+
+Encryption (optional): X25519(sender, recipient) -> HKDF-SHA256(salt = message
+id) -> a key used once -> ChaCha20-Poly1305. The digest covers the ciphertext,
+so tampering is caught before decryption; the header stays clear and signed.
+
+Checks, in order, each a `WireError` reason: oversize, undecodable_header,
+unsupported_version, wrong_federation, unknown_sender, wrong_recipient,
+bad_signature, stale_timestamp, replayed, digest_mismatch, decryption_failed,
+payload_schema. Nothing else escapes `WireCodec`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from p2pfl import tensors
+from p2pfl.identity import LocalIdentity, Roster
+
+VERSION = 1
+MAGIC = b"P2FL"
+PREFIX_LEN = 8  # magic + header length
+SIG_LEN = 64
+MAX_HEADER = 2048
+TAG_LEN = 16
+HEADER_KEYS = ("v", "fed", "kind", "from", "to", "round", "id", "ts", "len", "sha256", "enc")
+
+REASONS = (
+    "oversize",
+    "undecodable_header",
+    "unsupported_version",
+    "wrong_federation",
+    "unknown_sender",
+    "wrong_recipient",
+    "bad_signature",
+    "stale_timestamp",
+    "replayed",
+    "digest_mismatch",
+    "decryption_failed",
+    "payload_schema",
+)
+
+
+class WireError(Exception):
+    """A rejected message. `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    federation: str
+    kind: str
+    sender: str
+    recipient: str
+    round: int
+    msg_id: bytes
+    timestamp_ms: int
+    payload_len: int
+    payload_sha256: bytes
+    encrypted: bool
+
+    def pack(self) -> bytes:
+        values = (
+            self.version,
+            self.federation,
+            self.kind,
+            self.sender,
+            self.recipient,
+            self.round,
+            self.msg_id,
+            self.timestamp_ms,
+            self.payload_len,
+            self.payload_sha256,
+            self.encrypted,
+        )
+        return tensors.dumps(dict(zip(HEADER_KEYS, values, strict=True)))
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> Header:
+        try:
+            obj = tensors.decode(bytes(raw))
+        except tensors.CodecError as exc:
+            raise WireError("undecodable_header", exc.reason) from None
+        if not isinstance(obj, dict) or tuple(obj) != HEADER_KEYS:
+            raise WireError("undecodable_header", "header keys missing or out of order")
+        types = (int, str, str, str, str, int, bytes, int, int, bytes, bool)
+        for key, typ in zip(HEADER_KEYS, types, strict=True):
+            value = obj[key]
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise WireError("undecodable_header", f"header field {key!r} has the wrong type")
+        if len(obj["id"]) != 16 or len(obj["sha256"]) != 32 or obj["len"] < 0:
+            raise WireError("undecodable_header", "bad id, digest or length")
+        return cls(*(obj[k] for k in HEADER_KEYS))
+
+    @property
+    def id_hex(self) -> str:
+        return self.msg_id.hex()
+
+
+@dataclass
+class OutgoingMessage:
+    header: Header
+    chunks: list[bytes | memoryview]  # frame prefix, header, signature, payload pieces
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+@dataclass
+class Delivered:
+    header: Header
+    payload: Any
+    nbytes: int
+
+
+class ReplayCache:
+    """Message ids seen recently. Bounded: when full, the oldest id is dropped and
+    every message stamped at or before it is refused, so an evicted id can never
+    be replayed (under a flood the window only narrows)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[bytes, int] = OrderedDict()
+        self.floor_ms = 0
+
+    def seen(self, msg_id: bytes, timestamp_ms: int) -> bool:
+        return msg_id in self._ids or timestamp_ms <= self.floor_ms
+
+    def add(self, msg_id: bytes, timestamp_ms: int) -> None:
+        self._ids[msg_id] = timestamp_ms
+        while len(self._ids) > self.capacity:
+            _, ts = self._ids.popitem(last=False)
+            self.floor_ms = max(self.floor_ms, ts)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def _payload_key(shared: bytes, header: Header) -> bytes:
+    info = (
+        b"p2pfl-payload-v1|"
+        + "|".join((header.federation, header.sender, header.recipient)).encode()
+    )
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=header.msg_id, info=info).derive(shared)
+
+
+def _aad(header: Header) -> bytes:
+    return header.msg_id + header.kind.encode() + struct.pack(">q", header.round)
+
+
+_NONCE = bytes(12)  # every key is used for exactly one message
+
+
+class WireCodec:
+    """Encode/sign/encrypt and verify/decrypt/decode for one node."""
+
+    def __init__(
+        self,
+        identity: LocalIdentity,
+        roster: Roster,
+        federation: str,
+        *,
+        max_message_bytes: int = 512 * 1024 * 1024,
+        clock_skew_s: float = 300.0,
+        replay_cache_size: int = 100_000,
+    ) -> None:
+        self.identity = identity
+        self.roster = roster
+        self.federation = federation
+        self.max_message_bytes = max_message_bytes
+        self.clock_skew_ms = int(clock_skew_s * 1000)
+        self.replay = ReplayCache(replay_cache_size)
+        self._shared: dict[str, bytes] = {}
+
+    # ------------------------------------------------------------------ send
+    def encode(
+        self,
+        kind: str,
+        recipient: str,
+        payload: Any,
+        *,
+        round: int = 0,
+        encrypt: bool = False,
+        msg_id: bytes | None = None,
+        timestamp_ms: int | None = None,
+    ) -> OutgoingMessage:
+        encoded = tensors.encode(payload)
+        msg_id = msg_id or os.urandom(16)
+        ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        pieces: list[bytes | memoryview] = encoded.chunks
+        if encrypt:
+            header0 = Header(
+                VERSION,
+                self.federation,
+                kind,
+                self.identity.name,
+                recipient,
+                round,
+                msg_id,
+                ts,
+                0,
+                bytes(32),
+                True,
+            )
+            key = _payload_key(self._secret(recipient), header0)
+            plain = encoded.to_bytes() if len(encoded.chunks) != 1 else encoded.chunks[0]
+            sealed = bytearray(len(plain) + TAG_LEN)
+            ChaCha20Poly1305(key).encrypt_into(_NONCE, plain, _aad(header0), sealed)
+            pieces = [sealed]
+        digest = hashlib.sha256()
+        for piece in pieces:
+            digest.update(piece)
+        nbytes = sum(len(p) for p in pieces)
+        header = Header(
+            VERSION,
+            self.federation,
+            kind,
+            self.identity.name,
+            recipient,
+            round,
+            msg_id,
+            ts,
+            nbytes,
+            digest.digest(),
+            encrypt,
+        )
+        header_bytes = header.pack()
+        prefix = MAGIC + struct.pack(">I", len(header_bytes))
+        return OutgoingMessage(
+            header, [prefix, header_bytes, self.identity.sign(header_bytes), *pieces]
+        )
+
+    def _secret(self, peer: str) -> bytes:
+        if peer not in self._shared:
+            if peer not in self.roster:
+                raise WireError("unknown_sender", f"{peer!r} is not in the roster")
+            agreement = self.roster[peer].agreement_key
+            assert agreement is not None
+            self._shared[peer] = self.identity.shared_secret(agreement)
+        return self._shared[peer]
+
+    # ------------------------------------------------------------------ receive
+    def header_length(self, prefix: bytes | memoryview) -> int:
+        """Bytes of header + signature that follow the 8-byte prefix."""
+        if len(prefix) < PREFIX_LEN or bytes(prefix[:4]) != MAGIC:
+            raise WireError("undecodable_header", "missing P2FL frame magic")
+        (n,) = struct.unpack(">I", prefix[4:8])
+        if not 0 < n <= MAX_HEADER:
+            raise WireError("undecodable_header", f"header length {n} out of range")
+        return n
+
+    def verify_header(
+        self,
+        header_bytes: bytes | memoryview,
+        signature: bytes | memoryview,
+        *,
+        total_len: int | None = None,
+    ) -> Header:
+        """Checks 2-9 (everything but the payload). Does not mark the id seen."""
+        header = Header.unpack(header_bytes)
+        if header.payload_len + PREFIX_LEN + len(header_bytes) + SIG_LEN > self.max_message_bytes:
+            raise WireError("oversize", f"payload of {header.payload_len} bytes exceeds the limit")
+        if header.version != VERSION:
+            raise WireError(
+                "unsupported_version", f"version {header.version}, this node speaks {VERSION}"
+            )
+        if header.federation != self.federation:
+            raise WireError("wrong_federation", f"{header.federation!r}")
+        if header.sender not in self.roster:
+            raise WireError("unknown_sender", f"{header.sender!r} is not in the roster")
+        if header.recipient != self.identity.name:
+            raise WireError("wrong_recipient", f"addressed to {header.recipient!r}")
+        if not self.roster[header.sender].verify(bytes(signature), bytes(header_bytes)):
+            raise WireError("bad_signature", f"from {header.sender!r}")
+        now_ms = int(time.time() * 1000)
+        if abs(now_ms - header.timestamp_ms) > self.clock_skew_ms:
+            raise WireError(
+                "stale_timestamp",
+                f"{(now_ms - header.timestamp_ms) / 1000:.0f} s off this node's clock",
+            )
+        if self.replay.seen(header.msg_id, header.timestamp_ms):
+            raise WireError("replayed", header.id_hex)
+        if (
+            total_len is not None
+            and total_len != PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
+        ):
+            raise WireError("digest_mismatch", "frame length does not match the header")
+        return header
+
+    def open_payload(
+        self,
+        header: Header,
+        payload: bytearray | bytes | memoryview,
+        *,
+        digest: bytes | None = None,
+        require_finite: bool = False,
+    ) -> Any:
+        """Checks 10-12 on the payload bytes; `digest` if the caller hashed while streaming.
+        On success the message id is marked seen."""
+        if len(payload) != header.payload_len:
+            raise WireError("digest_mismatch", "payload length differs from the header")
+        if digest is None:
+            digest = hashlib.sha256(payload).digest()
+        if digest != header.payload_sha256:
+            raise WireError("digest_mismatch", "payload SHA-256 differs from the signed header")
+        if header.encrypted:
+            if len(payload) < TAG_LEN:
+                raise WireError("decryption_failed", "ciphertext too short")
+            key = _payload_key(self._secret(header.sender), header)
+            plain = bytearray(len(payload) - TAG_LEN)
+            try:
+                ChaCha20Poly1305(key).decrypt_into(_NONCE, payload, _aad(header), plain)
+            except (InvalidTag, ValueError):
+                raise WireError("decryption_failed", "authentication tag mismatch") from None
+            payload = plain
+        try:
+            obj = tensors.decode(payload)
+            if require_finite:
+                tensors.check_finite(obj)
+        except tensors.CodecError as exc:
+            raise WireError(
+                "payload_schema", exc.reason + (f" ({exc.detail})" if exc.detail else "")
+            ) from None
+        self.replay.add(header.msg_id, header.timestamp_ms)
+        return obj
+
+    def decode(
+        self, frame: bytes | bytearray | memoryview, *, require_finite: bool = False
+    ) -> Delivered:
+        """Verify and decode a whole frame held in memory."""
+        if len(frame) > self.max_message_bytes:
+            raise WireError("oversize", f"{len(frame)} bytes exceeds the limit")
+        view = memoryview(frame)
+        n = self.header_length(view[:PREFIX_LEN])
+        if len(view) < PREFIX_LEN + n + SIG_LEN:
+            raise WireError("undecodable_header", "frame shorter than its header")
+        header_bytes = view[PREFIX_LEN : PREFIX_LEN + n]
+        signature = view[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN]
+        header = self.verify_header(header_bytes, signature, total_len=len(view))
+        payload = view[PREFIX_LEN + n + SIG_LEN :]
+        return Delivered(
+            header, self.open_payload(header, payload, require_finite=require_finite), len(view)
+        )

@@ -1,0 +1,131 @@
+"""The one surface a protocol sees: `Protocol.run(ctx)` with a `RoundContext`.
+
+A protocol never touches sockets, files or retries. The node daemon
+(node/driver.py) implements RoundContext over aiohttp; protocols/memory.py
+implements it in memory for fast tests and simulations of many nodes. The
+same protocol code runs on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from p2pfl.config import SiteConfig
+
+
+class PeerUnavailable(Exception):
+    """A peer did not answer (dead, partitioned, breaker open, or timed out)."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+class NotReady(Exception):
+    """Raised by a serve() handler: the asked-for thing does not exist (yet)."""
+
+
+@dataclass
+class PeerInfo:
+    """A peer as seen through heartbeats."""
+
+    name: str
+    state: str = "unknown"  # alive | suspect | dead | unknown
+    round: int = -1
+    phase: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)  # what the peer publish()ed
+    last_seen: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "alive"
+
+
+@dataclass
+class Received:
+    """A verified push taken from an inbox."""
+
+    sender: str
+    kind: str
+    round: int
+    payload: Any
+    msg_id: str = ""
+
+
+# serve() handler: (requester, query) -> payload; raise NotReady if not available.
+Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
+
+
+class RoundContext(ABC):
+    """What the node (or a simulator) gives a protocol."""
+
+    me: str
+    config: SiteConfig
+    round: int = 0
+
+    @abstractmethod
+    def peers(self, alive_only: bool = True) -> list[PeerInfo]:
+        """Other sites (never me), with their gossiped metadata."""
+
+    @abstractmethod
+    def roster(self) -> list[str]:
+        """Every site of the federation, me included, sorted."""
+
+    @abstractmethod
+    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
+        """Push; returns once the peer acknowledged it. Raises PeerUnavailable."""
+
+    @abstractmethod
+    async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        """Pull; the peer's serve(kind) handler answers. Raises PeerUnavailable."""
+
+    @abstractmethod
+    def serve(self, kind: str, handler: Handler) -> None:
+        """Answer request()s of that kind."""
+
+    @abstractmethod
+    def inbox(self, kind: str) -> asyncio.Queue[Received]:
+        """Verified pushes of that kind."""
+
+    @abstractmethod
+    def publish(self, key: str, value: Any) -> None:
+        """Small metadata gossiped to every peer in heartbeats."""
+
+    @abstractmethod
+    async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run blocking torch work off the event loop."""
+
+    @abstractmethod
+    def checkpoint(self, state: dict[str, Any]) -> None:
+        """Crash-safe per-round state (tensors allowed)."""
+
+    @abstractmethod
+    def restore(self) -> dict[str, Any] | None:
+        """The last checkpoint, or None on a fresh start."""
+
+    @abstractmethod
+    def log_metrics(self, round: int, **values: float) -> None:
+        """To metrics.jsonl, /status and /metrics."""
+
+    def set_phase(self, phase: str) -> None:
+        """What the node is doing now (train, exchange, aggregate, evaluate, done)."""
+        self.phase = phase
+
+    def record_choice(self, chosen: list[str]) -> None:
+        """Who this node chose as neighbours this round (for /peers)."""
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class Protocol(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    async def run(self, ctx: RoundContext) -> None:
+        """The whole federated loop for this node."""

@@ -1,0 +1,184 @@
+"""keygen, provision, check, schema, roster: good configs exit 0, bad ones exit 2
+with one line naming the file and the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node.cli import main
+from p2pfl.config import ConfigError, load_config
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def federation(tmp_path: Path) -> Path:
+    assert (
+        main(
+            ["provision", "--sites", "a,b,c", "--out", str(tmp_path / "fed"), "--base-port", "7100"]
+        )
+        == 0
+    )
+    return tmp_path / "fed"
+
+
+def test_keygen_writes_private_keys_0600_and_prints_card(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "keygen",
+                "--name",
+                "site1",
+                "--out",
+                str(tmp_path / "keys"),
+                "--address",
+                "10.0.0.5:7000",
+            ]
+        )
+        == 0
+    )
+    card = yaml.safe_load(capsys.readouterr().out)
+    assert card["name"] == "site1" and card["address"] == "10.0.0.5:7000"
+    assert len(card["signing_key"]) == 44 and len(card["agreement_key"]) == 44
+    for suffix in ("sign.pem", "kex.pem"):
+        path = tmp_path / "keys" / f"site1.{suffix}"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert path.read_text().startswith("-----BEGIN PRIVATE KEY-----")
+    # Refuses to overwrite without --force.
+    assert main(["keygen", "--name", "site1", "--out", str(tmp_path / "keys")]) == 2
+
+
+def test_provision_makes_a_ready_federation(federation, capsys):
+    roster = yaml.safe_load((federation / "roster.yaml").read_text())
+    assert [s["name"] for s in roster["sites"]] == ["a", "b", "c"]
+    ports, status_ports, states = set(), set(), set()
+    for name in "abc":
+        cfg = load_config(federation / name / "site.yaml")
+        ports.add(cfg.node.listen)
+        status_ports.add(cfg.status.port)
+        states.add(cfg.node.state_dir)
+        assert cfg.node.listen.startswith("127.0.0.1:")
+        assert main(["check", "--config", str(federation / name / "site.yaml")]) == 0
+    assert len(ports) == len(status_ports) == len(states) == 3
+    assert "# ok: c in federation 'local' with 3 sites" in capsys.readouterr().out
+
+
+def test_console_script_check_and_schema(federation):
+    out = run_cli("check", "--config", str(federation / "a" / "site.yaml"))
+    assert out.returncode == 0, out.stderr
+    assert "name: fedavgp2p" in out.stdout
+    schema = json.loads(run_cli("schema").stdout)
+    assert "protocol" in schema["properties"] and "node" in schema["required"]
+
+
+def edit(path: Path, fn) -> Path:
+    data = yaml.safe_load(path.read_text())
+    fn(data)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+BAD = {
+    "unknown_key": (lambda d: d["node"].update(colour="red"), "node.colour", "unknown key"),
+    "wrong_type": (lambda d: d["training"].update(epochs="many"), "training.epochs", "integer"),
+    "unknown_protocol": (
+        lambda d: d["protocol"].update(name="fedmagic"),
+        "protocol.name",
+        "fedavgp2p",
+    ),
+    "protocol_param": (
+        lambda d: d["protocol"].update(fraction=2.5),
+        "protocol.fraction",
+        "less than or equal to 1",
+    ),
+    "missing_roster": (
+        lambda d: d["federation"].update(roster="nowhere.yaml"),
+        "federation.roster",
+        "file not found",
+    ),
+    "missing_section": (lambda d: d.pop("federation"), "federation", "missing"),
+    "public_status_without_token": (
+        lambda d: d["status"].update(host="0.0.0.0"),
+        "status",
+        "bearer token",
+    ),
+    "bad_listen": (lambda d: d["node"].update(listen="localhost"), "node.listen", "HOST:PORT"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_configs_exit_2_with_one_line(federation, case, capsys):
+    change, field, words = BAD[case]
+    path = edit(federation / "a" / "site.yaml", change)
+    assert main(["check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert str(path) in err and f": {field}:" in err and words in err, err
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("node:\n  name: a\n  listen: [oops\n")
+    out = run_cli("check", "--config", str(path))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "site.yaml: line" in out.stderr and "YAML syntax error" in out.stderr
+
+
+def test_missing_config_and_wrong_key(federation, tmp_path):
+    out = run_cli("--config", str(tmp_path / "absent.yaml"))
+    assert out.returncode == 2 and "file not found" in out.stderr
+    # b's config pointing at a's signing key: the roster says otherwise.
+    path = edit(
+        federation / "b" / "site.yaml",
+        lambda d: d.update(
+            identity={"signing_key": str(federation / "a" / "state" / "keys" / "a.sign.pem")}
+        ),
+    )
+    out = run_cli("check", "--config", str(path))
+    assert (
+        out.returncode == 2
+        and "identity.signing_key" in out.stderr
+        and "does not match" in out.stderr
+    )
+
+
+def test_unknown_site_is_refused(federation, capsys):
+    path = edit(federation / "a" / "site.yaml", lambda d: d["node"].update(name="zed"))
+    assert main(["check", "--config", str(path)]) == 2
+    assert "node.name" in capsys.readouterr().err
+
+
+def test_roster_add_and_remove(tmp_path, federation, capsys):
+    roster = federation / "roster.yaml"
+    assert (
+        main(["keygen", "--name", "d", "--out", str(tmp_path / "d"), "--address", "127.0.0.1:7200"])
+        == 0
+    )
+    assert (
+        main(["roster", "add", str(tmp_path / "d" / "d.card.yaml"), "--roster", str(roster)]) == 0
+    )
+    assert [s["name"] for s in yaml.safe_load(roster.read_text())["sites"]] == ["a", "b", "c", "d"]
+    assert main(["roster", "remove", "b", "--roster", str(roster)]) == 0
+    assert [s["name"] for s in yaml.safe_load(roster.read_text())["sites"]] == ["a", "c", "d"]
+    assert main(["roster", "remove", "nobody", "--roster", str(roster)]) == 2
+
+
+def test_config_error_type(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "mapping" in str(err.value)
+    os.chmod(path, 0o644)

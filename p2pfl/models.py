@@ -1,0 +1,272 @@
+"""Model factory: our small CNN, timm backbones, and the Siamese variant.
+
+`create_model(name, in_chans=, num_classes=, image_size=)` is the one place a
+site.yaml `model.name` becomes a module (timm style). `create_site_model(cfg)`
+adds the Siamese wrapper when `model.siamese.enabled` and loads `model.weights`.
+
+Siamese variant (DFU paper, Sec. 2.1 and Fig. 4): one encoder with shared
+weights embeds both images of a pair; the contrastive loss (Eq. 1) pulls
+same-class embeddings together and pushes different-class ones at least the
+margin m apart. A sample is classified by its nearest class prototype, the mean
+training embedding of each class, and the softmax over negative distances to
+the prototypes gives scores for the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from p2pfl.config import ModelSection
+
+log = logging.getLogger(__name__)
+
+TIMM_MODELS = ("efficientnet_b0", "mobilenetv2_100", "resnet18", "vit_tiny_patch16_224")
+KNOWN_MODELS = ("small_cnn", *TIMM_MODELS)
+
+
+class ModelError(Exception):
+    """A model that cannot be built or loaded; `reason` is a stable code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class SmallCNN(nn.Module):
+    """Three conv-BN-ReLU blocks (16, 32, 64 channels), the first two followed by
+    2x2 max pooling, global average pooling and a linear classifier. Works from
+    8x8 upward and trains in well under a second per epoch on a few hundred
+    28x28 images on one CPU core."""
+
+    def __init__(
+        self, in_chans: int = 1, num_classes: int = 10, widths: tuple[int, int, int] = (16, 32, 64)
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        previous = in_chans
+        for index, width in enumerate(widths):
+            layers += [
+                nn.Conv2d(previous, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+            ]
+            if index < len(widths) - 1:
+                layers.append(nn.MaxPool2d(2, ceil_mode=True))
+            previous = width
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.num_features = previous
+        self.classifier = nn.Linear(previous, num_classes)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        return self.pool(self.features(x)).flatten(1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.forward_features(x))
+
+
+def vit_patch_size(image_size: int) -> int:
+    """Largest of 16, 14, 8, 7, 4, 2, 1 that divides image_size and leaves a grid of
+    at least 7x7 patches (224 -> 16, 28 -> 4, 8 -> 1)."""
+    for patch in (16, 14, 8, 7, 4, 2, 1):
+        if image_size % patch == 0 and image_size // patch >= 7:
+            return patch
+    return 1
+
+
+def xavier_init_(model: nn.Module) -> nn.Module:
+    """Xavier-uniform weights and zero biases for every conv and linear layer."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d | nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    return model
+
+
+def read_weights_file(path: str | Path) -> dict[str, Tensor]:
+    """A state dict from a safetensors file (when the package is installed) or a
+    torch file loaded with weights_only=True; {'state_dict': ...} / {'model': ...}
+    wrappers are unwrapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(
+            "weights_not_found",
+            f"{path}: weights file not found — fix model.weights or remove the key",
+        )
+    try:
+        if path.suffix == ".safetensors":
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise ModelError(
+                    "safetensors_missing",
+                    f"{path}: a .safetensors file needs the 'safetensors' package — pip install safetensors",
+                ) from None
+            state: object = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch/safetensors raise many types for a bad file
+        raise ModelError(
+            "corrupt_weights", f"{path}: cannot read weights ({exc}) — re-export the file"
+        ) from None
+    if isinstance(state, dict):
+        for wrapper in ("state_dict", "model"):
+            if wrapper in state and isinstance(state[wrapper], dict):
+                state = state[wrapper]
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ModelError(
+            "corrupt_weights", f"{path}: not a state dict of tensors — save model.state_dict()"
+        )
+    return state  # type: ignore[return-value]
+
+
+def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load a local weights file into `model` (strict)."""
+    state = read_weights_file(path)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ModelError(
+            "weights_mismatch",
+            f"{path}: weights do not fit the model: {str(exc).splitlines()[0]} — "
+            "check model.name, data.channels and the number of classes",
+        ) from None
+    return model
+
+
+def create_model(
+    name: str,
+    *,
+    in_chans: int,
+    num_classes: int,
+    image_size: int,
+    init: Literal["default", "xavier"] = "default",
+    weights: Path | None = None,
+) -> nn.Module:
+    """Build `name` (one of KNOWN_MODELS) with random weights, optionally Xavier
+    initialised, optionally loaded from a local weights file."""
+    if name == "small_cnn":
+        model: nn.Module = SmallCNN(in_chans=in_chans, num_classes=num_classes)
+    elif name in TIMM_MODELS:
+        import timm
+
+        kwargs: dict[str, object] = {
+            "pretrained": False,
+            "in_chans": in_chans,
+            "num_classes": num_classes,
+        }
+        if name.startswith("vit_"):
+            kwargs.update(img_size=image_size, patch_size=vit_patch_size(image_size))
+        model = timm.create_model(name, **kwargs)
+    else:
+        raise ValueError(f"unknown model {name!r}: known models are {', '.join(KNOWN_MODELS)}")
+    if init == "xavier":
+        xavier_init_(model)
+    elif init != "default":
+        raise ValueError(f"unknown init {init!r}: use 'default' or 'xavier'")
+    if weights is not None:
+        load_weights(model, weights)
+    return model
+
+
+# ---------------------------------------------------------------------- Siamese
+
+
+def contrastive_loss(embeddings: Tensor, labels: Tensor, margin: float) -> Tensor:
+    """DFU paper Eq. 1 over every pair (i < j) of a batch:
+    (1 - Y) * 1/2 * D^2 + Y * 1/2 * max(0, m - D)^2, with Y = 1 for a dissimilar
+    (different-class) pair and D the Euclidean distance of the two embeddings.
+    Similar and dissimilar pairs are averaged separately and added, so the
+    (usually rarer) similar pairs are not drowned out."""
+    diff = embeddings[:, None, :] - embeddings[None, :, :]
+    squared = diff.pow(2).sum(-1)
+    distance = (squared + 1e-12).sqrt()
+    n = len(labels)
+    upper = torch.triu(torch.ones(n, n, dtype=torch.bool, device=labels.device), diagonal=1)
+    dissimilar = (labels[:, None] != labels[None, :]) & upper
+    similar = (labels[:, None] == labels[None, :]) & upper
+    loss = embeddings.new_zeros(())
+    if similar.any():
+        loss = loss + 0.5 * squared[similar].mean()
+    if dissimilar.any():
+        loss = loss + 0.5 * (margin - distance[dissimilar]).clamp_min(0).pow(2).mean()
+    return loss
+
+
+class SiameseNet(nn.Module):
+    """Twin encoder (one set of weights) + nearest-prototype classifier.
+
+    `embed(x)` gives L2-normalised embeddings; `forward(x)` gives class scores
+    -distance / T to each prototype, T = 0.1 * margin, so softmax(forward(x)) is a
+    probability per class. Prototypes are a non-persistent buffer: they are not
+    part of the state dict peers exchange, and each site recomputes them from its
+    own training set (`set_prototypes`). Classes without a prototype score -1e4."""
+
+    def __init__(
+        self, encoder: nn.Module, *, num_classes: int, embedding_dim: int, margin: float = 1.0
+    ) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.num_classes = num_classes
+        self.embedding_dim = embedding_dim
+        self.margin = margin
+        self.temperature = 0.1 * margin
+        self.register_buffer(
+            "prototypes", torch.zeros(num_classes, embedding_dim), persistent=False
+        )
+        self.register_buffer(
+            "has_prototype", torch.zeros(num_classes, dtype=torch.bool), persistent=False
+        )
+
+    def embed(self, x: Tensor) -> Tensor:
+        return nn.functional.normalize(self.encoder(x), dim=1)
+
+    @torch.no_grad()
+    def set_prototypes(self, embeddings: Tensor, labels: Tensor) -> None:
+        """Prototype of class c = mean embedding of the samples labelled c."""
+        for cls in range(self.num_classes):
+            mask = labels == cls
+            self.has_prototype[cls] = bool(mask.any())
+            if mask.any():
+                self.prototypes[cls] = embeddings[mask].mean(0).to(self.prototypes.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        embeddings = self.embed(x).float()
+        squared = (embeddings[:, None, :] - self.prototypes[None, :, :].float()).pow(2).sum(-1)
+        scores = -(squared + 1e-12).sqrt() / self.temperature
+        return scores.masked_fill(~self.has_prototype[None, :], -1e4)
+
+
+def create_site_model(
+    model_cfg: ModelSection, *, in_chans: int, num_classes: int, image_size: int
+) -> nn.Module:
+    """The model a site.yaml asks for: `create_model(model.name, ...)`, wrapped in a
+    SiameseNet (encoder head = embedding_dim outputs) when model.siamese.enabled,
+    then `model.weights` loaded into the whole thing."""
+    siamese = model_cfg.siamese
+    head = siamese.embedding_dim if siamese.enabled else num_classes
+    model = create_model(
+        model_cfg.name,
+        in_chans=in_chans,
+        num_classes=head,
+        image_size=image_size,
+        init=model_cfg.init,
+    )
+    if siamese.enabled:
+        model = SiameseNet(
+            model,
+            num_classes=num_classes,
+            embedding_dim=siamese.embedding_dim,
+            margin=siamese.margin,
+        )
+    if model_cfg.weights is not None:
+        load_weights(model, model_cfg.weights)
+    return model

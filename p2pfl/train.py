@@ -1,0 +1,389 @@
+"""Local training and evaluation of one site's model.
+
+`LocalSite` owns a model, its optimizer, the site's data and the device. Every
+method is plain blocking PyTorch work; protocols call them off the event loop
+with `await ctx.train(site.method, ...)`. The same object trains a plain
+classifier and the Siamese variant of the DFU paper (twin encoder + contrastive
+loss, nearest-prototype classification): callers do not need to know which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from p2pfl.config import SiameseSection, TrainingSection
+from p2pfl.data import SiteData, load_site_data
+from p2pfl.data.augment import strong_augment_batch, weak_augment_batch
+from p2pfl.metrics import classification_report
+from p2pfl.models import SiameseNet, contrastive_loss, create_site_model
+
+if TYPE_CHECKING:
+    from p2pfl.config import SiteConfig
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+
+
+class TrainingError(Exception):
+    """A training/evaluation request that cannot be served; `reason` is a stable code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TrainingError(
+            "no_cuda",
+            "training.device is 'cuda' but no CUDA device is available — set training.device to 'auto' or 'cpu'",
+        )
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) generators."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+class LocalSite:
+    """One site's model + optimizer + data + device.
+
+    Build it with `LocalSite.from_config(cfg)` or directly from a model, a
+    `SiteData` and a `TrainingSection`. `augment` is 'none', 'weak' or 'strong'
+    (training batches only). Pass `siamese` when `model` is a `SiameseNet`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: SiteData,
+        training: TrainingSection,
+        *,
+        augment: str = "none",
+        siamese: SiameseSection | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if augment not in ("none", "weak", "strong"):
+            raise ValueError(f"augment must be 'none', 'weak' or 'strong', got {augment!r}")
+        self.training = training
+        self.data = data
+        self.augment = augment
+        self.device = resolve_device(training.device) if device is None else torch.device(device)
+        self.model = model.to(self.device)
+        self.siamese = siamese if isinstance(model, SiameseNet) else None
+        if isinstance(model, SiameseNet) and self.siamese is None:
+            self.siamese = SiameseSection(
+                enabled=True, margin=model.margin, embedding_dim=model.embedding_dim
+            )
+        self.use_amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.optimizer = self._build_optimizer()
+        self.last_loss: float | None = None
+        self._shuffle_calls = 0
+        self._prototypes_stale = True
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, cfg: SiteConfig, data: SiteData | None = None) -> LocalSite:
+        """Seed, load the site's data (unless given), build the model, wire the optimizer."""
+        seed_everything(cfg.training.seed)
+        if data is None:
+            data = load_site_data(cfg.data, seed=cfg.federation.seed + cfg.training.seed)
+        model = create_site_model(
+            cfg.model,
+            in_chans=data.channels,
+            num_classes=data.num_classes,
+            image_size=data.image_size,
+        )
+        return cls(
+            model,
+            data,
+            cfg.training,
+            augment=cfg.data.augment,
+            siamese=cfg.model.siamese if cfg.model.siamese.enabled else None,
+        )
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        t = self.training
+        if t.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
+        return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
+
+    def reset_optimizer(self) -> None:
+        """Fresh optimizer state (FedER and FedPerl rebuild Adam every round)."""
+        self.optimizer = self._build_optimizer()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_train(self) -> int:
+        """Labelled training samples: the weight of this site in a weighted average."""
+        return len(self.data.train)
+
+    @property
+    def num_classes(self) -> int:
+        return self.data.num_classes
+
+    @property
+    def is_siamese(self) -> bool:
+        return isinstance(self.model, SiameseNet)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on CUDA (when supported), a no-op elsewhere."""
+        if self.use_amp:
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ batches
+
+    def _split_tensors(self, split: str) -> tuple[Tensor, Tensor]:
+        if split not in SPLITS:
+            raise TrainingError(
+                "unknown_split", f"unknown split {split!r}: use one of {', '.join(SPLITS)}"
+            )
+        dataset = getattr(self.data, split)
+        if dataset is None or len(dataset) == 0:
+            raise TrainingError(
+                "missing_split",
+                f"this site has no {split!r} split (source {self.data.source!r}) — "
+                f"add {split}_images/{split}_labels (npz) or a {split}/ folder, "
+                "or evaluate another split",
+            )
+        images, labels = dataset.tensors
+        return images, labels
+
+    def batches(
+        self, split: str = "train", *, shuffle: bool | None = None, batch_size: int | None = None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """(x, y) CPU batches of a split. Train batches are shuffled with a seeded
+        generator whose seed advances on every call, so epochs differ but a run
+        repeats exactly."""
+        images, labels = self._split_tensors(split)
+        shuffle = (split == "train") if shuffle is None else shuffle
+        size = batch_size or self.training.batch_size
+        if shuffle:
+            gen = torch.Generator().manual_seed(
+                self.training.seed * 1_000_003 + self._shuffle_calls
+            )
+            self._shuffle_calls += 1
+            order = torch.randperm(len(labels), generator=gen)
+        else:
+            order = torch.arange(len(labels))
+        for start in range(0, len(order), size):
+            idx = order[start : start + size]
+            yield images[idx], labels[idx]
+
+    # ------------------------------------------------------------------ losses
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        """Training loss of one batch already on the device: cross-entropy, or the
+        contrastive loss (DFU paper Eq. 1) over all pairs of the batch for Siamese."""
+        with self.autocast():
+            if isinstance(self.model, SiameseNet):
+                embeddings = self.model.embed(x)
+                return contrastive_loss(embeddings.float(), y, margin=self.model.margin)
+            logits = self.model(x)
+            return F.cross_entropy(logits.float(), y)
+
+    def _augment(self, x: Tensor) -> Tensor:
+        if self.augment == "weak":
+            return weak_augment_batch(x)
+        if self.augment == "strong":
+            return strong_augment_batch(x)
+        return x
+
+    # ------------------------------------------------------------------ training
+
+    def train_epochs(self, epochs: int | None = None) -> dict[str, float]:
+        """Local training for `epochs` (default training.epochs) epochs.
+
+        Returns {'loss': mean batch loss, 'steps', 'samples', 'seconds'}."""
+        epochs = self.training.epochs if epochs is None else epochs
+        start = time.perf_counter()
+        self.model.train()
+        losses: list[float] = []
+        samples = 0
+        for _ in range(epochs):
+            for step, (x, y) in enumerate(self.batches("train")):
+                if (
+                    self.training.max_steps_per_epoch is not None
+                    and step >= self.training.max_steps_per_epoch
+                ):
+                    break
+                if len(y) < 2:  # BatchNorm cannot train on a single sample
+                    continue
+                x = self._augment(x).to(self.device, non_blocking=True)
+                y = y.to(self.device, non_blocking=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self.loss(x, y)
+                loss.backward()
+                self.optimizer.step()
+                losses.append(float(loss.detach()))
+                samples += len(y)
+        self._prototypes_stale = True
+        self.last_loss = float(np.mean(losses)) if losses else None
+        return {
+            "loss": self.last_loss if self.last_loss is not None else float("nan"),
+            "steps": len(losses),
+            "samples": samples,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def compute_gradient(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Gradient of the batch loss w.r.t. every trainable parameter, by name, on CPU
+        (float32). The model is in train mode, so BatchNorm statistics move as in an
+        ordinary step. The loss is kept in `self.last_loss`."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(x.to(self.device), y.to(self.device))
+        loss.backward()
+        self.last_loss = float(loss.detach())
+        grads: dict[str, Tensor] = {}
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad:
+                continue
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grads[name] = grad.detach().float().cpu().clone()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    def apply_gradient(self, grads: dict[str, Tensor]) -> None:
+        """One optimizer step with the given gradients (e.g. the mean of peers' gradients)."""
+        params = dict(self.model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in grads]
+        unknown = [n for n in grads if n not in params]
+        if missing or unknown:
+            raise TrainingError(
+                "gradient_mismatch",
+                f"gradient names do not match the model: missing {missing[:3]}, unknown {unknown[:3]} "
+                "— all sites must use the same model.name and data shape",
+            )
+        for name, param in params.items():
+            if not param.requires_grad:
+                continue
+            grad = grads[name]
+            if tuple(grad.shape) != tuple(param.shape):
+                raise TrainingError(
+                    "gradient_mismatch",
+                    f"gradient {name} has shape {tuple(grad.shape)}, model has {tuple(param.shape)}",
+                )
+            param.grad = grad.to(device=param.device, dtype=param.dtype)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._prototypes_stale = True
+
+    # ------------------------------------------------------------------ inference
+
+    def _refresh_prototypes(self) -> None:
+        """Siamese: class prototypes = mean embedding of each class over this site's
+        labelled training set, with the current encoder."""
+        if not isinstance(self.model, SiameseNet) or not self._prototypes_stale:
+            return
+        self.model.eval()
+        chunks: list[Tensor] = []
+        labels: list[Tensor] = []
+        with torch.no_grad():
+            for x, y in self.batches("train", shuffle=False, batch_size=256):
+                with self.autocast():
+                    chunks.append(self.model.embed(x.to(self.device)).float())
+                labels.append(y.to(self.device))
+        self.model.set_prototypes(torch.cat(chunks), torch.cat(labels))
+        self._prototypes_stale = False
+
+    def predict_proba(self, x: Tensor) -> Tensor:
+        """Class probabilities (CPU float32, shape N x num_classes) in eval mode.
+        Siamese: softmax over negative distances to the class prototypes."""
+        self._refresh_prototypes()
+        self.model.eval()
+        out: list[Tensor] = []
+        with torch.no_grad():
+            for start in range(0, len(x), 512):
+                chunk = x[start : start + 512].to(self.device)
+                with self.autocast():
+                    logits = self.model(chunk)
+                out.append(torch.softmax(logits.float(), dim=1).cpu())
+        if not out:
+            return torch.zeros(0, self.num_classes)
+        return torch.cat(out)
+
+    def evaluate(self, split: str = "val") -> dict[str, Any]:
+        """classification_report on a split plus 'loss' (NLL of the predicted
+        probabilities), 'split' and 'n'. A missing split raises TrainingError."""
+        images, labels = self._split_tensors(split)
+        proba = self.predict_proba(images)
+        y_true = labels.numpy()
+        report = classification_report(y_true, proba.numpy(), num_classes=self.num_classes)
+        picked = proba[torch.arange(len(labels)), labels].clamp_min(1e-12)
+        report["loss"] = float(-picked.log().mean())
+        report["split"] = split
+        report["n"] = len(labels)
+        return report
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """CPU clones of the model's state (parameters and buffers)."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, Tensor], strict: bool = True) -> None:
+        try:
+            self.model.load_state_dict(state, strict=strict)
+        except RuntimeError as exc:
+            raise TrainingError(
+                "state_mismatch",
+                f"model state does not fit this site's model: {str(exc).splitlines()[0]} "
+                "— all sites must use the same model.name, channels and image_size",
+            ) from None
+        self._prototypes_stale = True
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer state in a codec-friendly form (string keys, tensors, plain values)."""
+        raw = self.optimizer.state_dict()
+        state = {
+            str(pid): {
+                k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v)
+                for k, v in entry.items()
+            }
+            for pid, entry in raw["state"].items()
+        }
+        return {"state": state, "param_groups": raw["param_groups"]}
+
+    def load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        restored = {
+            "state": {int(pid): dict(entry) for pid, entry in saved["state"].items()},
+            "param_groups": [dict(g) for g in saved["param_groups"]],
+        }
+        self.optimizer.load_state_dict(restored)
+
+    def model_stats_vector(self) -> list[float]:
+        """FedPerl feature vector: for every state-dict entry except
+        `num_batches_tracked`, in key order, its mean and unbiased std (0.0 for a
+        single-element entry, whose unbiased std is undefined)."""
+        stats: list[float] = []
+        for key, value in self.model.state_dict().items():
+            if key.endswith("num_batches_tracked"):
+                continue
+            flat = value.detach().float().flatten()
+            stats.append(float(flat.mean()))
+            stats.append(float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0)
+        return stats

@@ -1,0 +1,281 @@
+"""Data loaders, partitioners and augmentations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from p2pfl.config import DataSection
+from p2pfl.data import (
+    DataError,
+    convert_images,
+    load_site_data,
+    read_source,
+    to_float_tensor,
+    to_uint8_images,
+)
+from p2pfl.data.augment import augment_batch, strong_augment_batch, weak_augment_batch
+from p2pfl.data.partition import (
+    PartitionError,
+    add_partition_arguments,
+    parse_scheme,
+    partition_dataset,
+    run_partition,
+)
+
+
+def _write_npz(
+    path: Path, n_train: int = 60, size: int = 12, classes: int = 3, **extra: np.ndarray
+) -> Path:
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_images": rng.integers(0, 256, (n_train, size, size), dtype=np.uint8),
+        "train_labels": (np.arange(n_train) % classes).reshape(-1, 1),  # MedMNIST keeps (n, 1)
+        "test_images": rng.integers(0, 256, (15, size, size), dtype=np.uint8),
+        "test_labels": (np.arange(15) % classes).reshape(-1, 1),
+    }
+    arrays.update(extra)
+    np.savez(path, **arrays)
+    return path
+
+
+def _write_png_tree(root: Path, size: int = 10, mode: str = "L") -> Path:
+    rng = np.random.default_rng(1)
+    layout = {"train": {"cat": 6, "dog": 4}, "test": {"cat": 2, "dog": 3}}
+    for split, classes in layout.items():
+        for cls, count in classes.items():
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(count):
+                shape = (size, size) if mode == "L" else (size, size, 3)
+                Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode).save(
+                    folder / f"{i}.png"
+                )
+    (root / "unlabeled").mkdir()
+    for i in range(5):
+        shape = (size, size) if mode == "L" else (size, size, 3)
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode=mode).save(
+            root / "unlabeled" / f"u{i}.png"
+        )
+    return root
+
+
+# ---------------------------------------------------------------------- loaders
+
+
+def test_digits_loads_embedded_with_expected_shapes() -> None:
+    data = load_site_data(DataSection(source="digits", image_size=8, channels=1), seed=0)
+    assert data.num_classes == 10
+    assert data.class_names == [str(i) for i in range(10)]
+    assert len(data.train) + len(data.val) + len(data.test) == 1797
+    x, y = data.train.tensors
+    assert x.shape == (len(data.train), 1, 8, 8) and x.dtype == torch.float32
+    assert y.dtype == torch.int64 and set(y.tolist()) == set(range(10))
+    assert float(x.min()) >= -1.0 and float(x.max()) <= 1.0
+    assert (
+        data.train_uint8.shape == (len(data.train), 8, 8, 1) and data.train_uint8.dtype == np.uint8
+    )
+    # the uint8 arrays and the float tensors are the same images
+    assert np.array_equal(to_uint8_images(x), data.train_uint8)
+
+
+def test_npz_round_trip_resize_channels_and_val_split(tmp_path: Path) -> None:
+    path = _write_npz(tmp_path / "set.npz", n_train=60, size=12)
+    raw = read_source(str(path))
+    assert raw.train_images.shape == (60, 12, 12, 1) and raw.train_labels.shape == (60,)
+    data = load_site_data(
+        DataSection(source=str(path), image_size=16, channels=3, val_fraction=0.2), seed=3
+    )
+    assert data.train.tensors[0].shape[1:] == (3, 16, 16)
+    assert data.channels == 3 and data.image_size == 16
+    # no val split in the file: 20 % of every class is split off train
+    assert data.class_counts("val") == [4, 4, 4]
+    assert data.class_counts("train") == [16, 16, 16]
+    assert len(data.test) == 15
+    # grayscale -> RGB repeats the channel
+    rgb = data.train_uint8
+    assert np.array_equal(rgb[..., 0], rgb[..., 1]) and np.array_equal(rgb[..., 1], rgb[..., 2])
+
+
+def test_convert_images_rgb_to_gray_and_shrink() -> None:
+    red = np.zeros((2, 32, 32, 3), np.uint8)
+    red[..., 0] = 200
+    gray = convert_images(red, 8, 1)
+    assert gray.shape == (2, 8, 8, 1)
+    assert int(gray[0, 0, 0, 0]) == round(0.299 * 200)
+    back = to_uint8_images(to_float_tensor(gray))
+    assert np.array_equal(back, gray)
+
+
+def test_label_fraction_moves_the_rest_to_unlabeled(tmp_path: Path) -> None:
+    path = _write_npz(
+        tmp_path / "set.npz", n_train=60, size=8, unlabeled_images=np.zeros((7, 8, 8), np.uint8)
+    )
+    cfg = DataSection(source=str(path), image_size=8, val_fraction=0.0, label_fraction=0.25)
+    data = load_site_data(cfg, seed=0)
+    assert data.val is None
+    assert data.class_counts("train") == [5, 5, 5]  # 25 % of 20 per class
+    assert len(data.unlabeled) == 7 + 45  # file's own unlabeled pool + the unlabelled 75 %
+    assert data.unlabeled.tensors[0].shape == (52, 1, 8, 8)
+    assert data.unlabeled_uint8.shape == (52, 8, 8, 1)
+
+
+def test_image_folder_tree(tmp_path: Path) -> None:
+    root = _write_png_tree(tmp_path / "tree", size=10)
+    data = load_site_data(
+        DataSection(source=str(root), image_size=10, channels=1, val_fraction=0.0), seed=0
+    )
+    assert data.class_names == ["cat", "dog"]
+    assert data.class_counts("train") == [6, 4]
+    assert data.class_counts("test") == [2, 3]
+    assert len(data.unlabeled) == 5
+    # pixel values survive the PNG round trip exactly
+    first = np.asarray(Image.open(root / "train" / "cat" / "0.png"))
+    assert np.array_equal(data.train_uint8[0, ..., 0], first)
+
+
+def test_image_folder_rgb_to_gray(tmp_path: Path) -> None:
+    root = _write_png_tree(tmp_path / "tree", size=12, mode="RGB")
+    data = load_site_data(DataSection(source=str(root), image_size=8, channels=1), seed=0)
+    assert data.train.tensors[0].shape[1:] == (1, 8, 8)
+
+
+def test_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="not found") as err:
+        read_source(str(tmp_path / "nope.npz"))
+    assert err.value.reason == "missing_source"
+
+    corrupt = tmp_path / "bad.npz"
+    corrupt.write_bytes(b"not a zip at all")
+    with pytest.raises(DataError, match="bad.npz") as err:
+        read_source(str(corrupt))
+    assert err.value.reason == "corrupt_source"
+
+    np.savez(
+        tmp_path / "short.npz", train_images=np.zeros((4, 8, 8), np.uint8), train_labels=np.zeros(3)
+    )
+    with pytest.raises(DataError, match="3 labels for 4 images") as err:
+        read_source(str(tmp_path / "short.npz"))
+    assert err.value.reason == "length_mismatch"
+
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    with pytest.raises(DataError, match="no class folders") as err:
+        read_source(str(tmp_path / "empty"))
+    assert err.value.reason == "no_classes"
+
+    root = _write_png_tree(tmp_path / "tree", size=10)
+    Image.fromarray(np.zeros((11, 10), np.uint8)).save(root / "train" / "dog" / "odd.png")
+    with pytest.raises(DataError, match="odd.png") as err:
+        read_source(str(root))
+    assert err.value.reason == "mismatched_sizes"
+
+    (root / "train" / "dog" / "odd.png").write_bytes(b"\x89PNG garbage")
+    with pytest.raises(DataError, match="odd.png") as err:
+        read_source(str(root))
+    assert err.value.reason == "corrupt_image"
+
+
+# ---------------------------------------------------------------------- partition
+
+
+def _site_counts(out: Path, sites: int) -> np.ndarray:
+    counts = []
+    for i in range(sites):
+        with np.load(out / f"site_{i}.npz") as f:
+            counts.append(np.bincount(f["train_labels"], minlength=10))
+    return np.array(counts)
+
+
+def test_partition_counts_add_up_and_files_written(tmp_path: Path) -> None:
+    summary = partition_dataset("digits", 4, "dirichlet:0.5", tmp_path / "p", seed=0)
+    raw = read_source("digits")
+    counts = _site_counts(tmp_path / "p", 4)
+    assert np.array_equal(counts.sum(0), np.bincount(raw.train_labels))
+    on_disk = json.loads((tmp_path / "p" / "partition.json").read_text())
+    assert on_disk["per_site"][2]["train"] == counts[2].tolist() == summary["per_site"][2]["train"]
+    png = (tmp_path / "p" / "partition.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    # val and test are fully distributed and follow each site's train classes
+    for split in ("val", "test"):
+        per_site = np.array([row[split] for row in summary["per_site"]])
+        assert np.array_equal(per_site.sum(0), np.bincount(getattr(raw, f"{split}_labels")))
+        assert np.all(per_site[counts == 0] == 0)
+    # each site file is itself a loadable data source
+    site = load_site_data(
+        DataSection(source=str(tmp_path / "p" / "site_1.npz"), image_size=8), seed=0
+    )
+    assert site.num_classes == 10 and len(site.train) == counts[1].sum()
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks(tmp_path: Path) -> None:
+    skews = [
+        partition_dataset("digits", 5, f"dirichlet:{alpha}", tmp_path / str(alpha), seed=2)[
+            "label_skew"
+        ]
+        for alpha in (100.0, 1.0, 0.1)
+    ]
+    assert skews[0] < skews[1] < skews[2]
+    assert skews[0] < 0.1 and skews[2] > 0.4
+
+
+def test_shards_and_quantity_schemes(tmp_path: Path) -> None:
+    partition_dataset("digits", 5, "shards:2", tmp_path / "s", seed=0)
+    counts = _site_counts(tmp_path / "s", 5)
+    # two label-sorted shards per site: at most a handful of classes each
+    assert all((row > 0).sum() <= 4 for row in counts)
+    assert counts.sum() == len(read_source("digits").train_labels)
+
+    summary = partition_dataset("digits", 4, "quantity:0.3", tmp_path / "q", seed=0)
+    sizes = [sum(row["train"]) for row in summary["per_site"]]
+    assert max(sizes) > 3 * min(sizes) and min(sizes) >= 10
+    assert summary["label_skew"] < 0.25  # labels stay close to iid
+
+
+def test_partition_label_fraction(tmp_path: Path) -> None:
+    summary = partition_dataset("digits", 3, "iid", tmp_path / "p", label_fraction=0.2, seed=0)
+    for row in summary["per_site"]:
+        with np.load(tmp_path / "p" / row["file"]) as f:
+            total = len(f["train_labels"]) + len(f["unlabeled_images"])
+            assert len(f["train_labels"]) == row["labelled"]
+            assert abs(row["labelled"] - 0.2 * total) <= 10  # stratified rounding, >= 1 per class
+
+
+def test_bad_scheme_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("dirichlet", "dirichlet:-1", "shards:0", "banana", "iid:3"):
+        with pytest.raises(PartitionError, match="dirichlet:ALPHA"):
+            parse_scheme(bad)
+    parser = add_partition_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--data", "digits", "--sites", "2", "--scheme", "nope", "--out", str(tmp_path)]
+    )
+    assert run_partition(args) == 2
+    assert "bad partition scheme 'nope'" in capsys.readouterr().err
+    args = parser.parse_args(
+        ["--data", "digits", "--sites", "2", "--scheme", "iid", "--out", str(tmp_path / "ok")]
+    )
+    assert run_partition(args) == 0
+    assert (tmp_path / "ok" / "site_1.npz").is_file()
+
+
+# ---------------------------------------------------------------------- augment
+
+
+@pytest.mark.parametrize(("channels", "size"), [(1, 8), (1, 28), (3, 8), (3, 28)])
+def test_augmentations_keep_shape_and_range(channels: int, size: int) -> None:
+    torch.manual_seed(0)
+    x = to_float_tensor(
+        np.random.default_rng(0).integers(0, 256, (6, size, size, channels), dtype=np.uint8)
+    )
+    for out in (weak_augment_batch(x), strong_augment_batch(x), augment_batch(x, "strong")):
+        assert out.shape == x.shape and out.dtype == torch.float32
+        assert float(out.min()) >= -1.0 - 1e-6 and float(out.max()) <= 1.0 + 1e-6
+        assert not torch.equal(out, x)
+    assert augment_batch(x, "none") is x
+    with pytest.raises(ValueError, match="unknown augmentation"):
+        augment_batch(x, "medium")  # type: ignore[arg-type]

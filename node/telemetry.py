@@ -1,0 +1,498 @@
+"""What a node has seen: traffic, rejections, neighbour choices, peers, metrics.
+
+One `Telemetry` per node, owned by the Node object (no module-level state). It
+is written from the event loop and from training threads, so every mutation and
+every snapshot happens under one lock. Readers get plain dicts (JSON-ready:
+non-finite floats become None) for /status, /peers and /history, and
+Prometheus text (exposition format 0.0.4) for /metrics.
+
+Times: `last_seen` given to `set_peer` and every `last` in an edge are wall-clock
+epoch seconds (`time.time()`), so a browser can show "seen 3 s ago".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+SENT = "sent"
+RECEIVED = "received"
+
+# Peer names and kinds on the wire are short; anything longer is not worth a label.
+_MAX_NAME_CHARS = 128
+# A rejected message's claimed sender is unverified: bound how many we track apart.
+_MAX_REJECTING_PEERS = 256
+_OTHER_PEER = "<other>"
+# Edges a single peer may report in one gossip (a federation is tens of sites).
+_MAX_REMOTE_EDGES_PER_PEER = 4096
+
+
+@dataclass
+class EdgeStats:
+    """Traffic along one directed edge source -> target."""
+
+    messages: int = 0
+    bytes: int = 0
+    last: float = 0.0
+
+
+@dataclass
+class PeerGauge:
+    """A peer as last reported by the heartbeat layer."""
+
+    state: str = "unknown"
+    round: int = -1
+    phase: str = ""
+    last_seen: float = 0.0
+
+
+@dataclass
+class TrafficCounter:
+    messages: int = 0
+    bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.messages += 1
+        self.bytes += nbytes
+
+
+@dataclass
+class MetricPoint:
+    round: int
+    time: float
+    values: dict[str, float]
+
+
+class RemoteEdge(BaseModel):
+    """One edge as a peer gossips it (untrusted input, so validated)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    source: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
+    target: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
+    messages: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    last: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+
+
+class RemoteChoice(BaseModel):
+    """One who-chose-whom count as a peer gossips it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    chooser: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
+    chosen: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
+    count: int = Field(ge=0)
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _prom_number(value: float) -> str:
+    """A sample value as Prometheus text writes it (NaN, +Inf, -Inf, ints without .0)."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _prom_label_value(value: str) -> str:
+    # Exposition format 0.0.4: backslash, double quote and line feed are escaped.
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _prom_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+class _PromWriter:
+    """Builds one exposition: each family's HELP and TYPE, then its samples."""
+
+    def __init__(self, common_labels: dict[str, str]) -> None:
+        self._common = common_labels
+        self._lines: list[str] = []
+
+    def family(
+        self,
+        name: str,
+        kind: str,
+        help_text: str,
+        samples: Iterable[tuple[dict[str, str], float]],
+    ) -> None:
+        self._lines.append(f"# HELP {name} {_prom_help(help_text)}")
+        self._lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            merged = {**self._common, **labels}
+            label_text = ",".join(
+                f'{key}="{_prom_label_value(val)}"' for key, val in merged.items()
+            )
+            self._lines.append(f"{name}{{{label_text}}} {_prom_number(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self._lines) + "\n"
+
+
+class Telemetry:
+    """Counters, gauges and metric history of one node; safe across threads."""
+
+    def __init__(
+        self,
+        me: str,
+        *,
+        max_history: int = 10_000,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.me = me
+        self._wall_clock = wall_clock
+        self._started_monotonic = time.monotonic()
+        self._started_at = wall_clock()
+        self._lock = threading.Lock()
+
+        self._round = 0
+        self._phase = "starting"
+        self._traffic_by_kind: dict[tuple[str, str], TrafficCounter] = {}
+        self._traffic_by_peer: dict[tuple[str, str], TrafficCounter] = {}
+        self._edges: dict[tuple[str, str], EdgeStats] = {}
+        self._remote_edges: dict[str, dict[tuple[str, str], EdgeStats]] = {}
+        self._rejections: dict[str, int] = {}
+        self._rejections_by_peer: dict[str, int] = {}
+        self._choices: dict[tuple[str, str], int] = {}
+        self._remote_choices: dict[str, dict[tuple[str, str], int]] = {}
+        self._queue_depths: dict[str, int] = {}
+        self._peers: dict[str, PeerGauge] = {}
+        self._community: dict[str, Any] = {}
+        self._history: deque[MetricPoint] = deque(maxlen=max_history)
+        self._latest_metrics: dict[str, float] = {}
+        self._latest_metrics_round: int | None = None
+
+    # ---- traffic -----------------------------------------------------------
+
+    def record_sent(self, peer: str, kind: str, nbytes: int) -> None:
+        """One message of `nbytes` pushed or answered to `peer` (edge me -> peer)."""
+        self._record_traffic(SENT, peer, kind, nbytes, edge=(self.me, peer))
+
+    def record_received(self, peer: str, kind: str, nbytes: int) -> None:
+        """One verified message of `nbytes` from `peer` (edge peer -> me)."""
+        self._record_traffic(RECEIVED, peer, kind, nbytes, edge=(peer, self.me))
+
+    def _record_traffic(
+        self, direction: str, peer: str, kind: str, nbytes: int, edge: tuple[str, str]
+    ) -> None:
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        now = self._wall_clock()
+        with self._lock:
+            self._traffic_by_kind.setdefault((direction, kind), TrafficCounter()).add(nbytes)
+            self._traffic_by_peer.setdefault((direction, peer), TrafficCounter()).add(nbytes)
+            stats = self._edges.setdefault(edge, EdgeStats())
+            stats.messages += 1
+            stats.bytes += nbytes
+            stats.last = now
+
+    def record_rejection(self, reason: str, peer: str | None = None) -> None:
+        """A message refused with a reason code; `peer` is the claimed sender, if any."""
+        with self._lock:
+            self._rejections[reason] = self._rejections.get(reason, 0) + 1
+            if peer is None:
+                return
+            if peer not in self._rejections_by_peer and (
+                len(self._rejections_by_peer) >= _MAX_REJECTING_PEERS or len(peer) > _MAX_NAME_CHARS
+            ):
+                peer = _OTHER_PEER
+            self._rejections_by_peer[peer] = self._rejections_by_peer.get(peer, 0) + 1
+
+    def record_choice(self, chooser: str, chosen: list[str]) -> None:
+        """`chooser` picked `chosen` as neighbours this round (who-chose-whom matrix)."""
+        with self._lock:
+            for name in chosen:
+                key = (chooser, name)
+                self._choices[key] = self._choices.get(key, 0) + 1
+
+    # ---- what peers tell us about the rest of the graph ---------------------
+
+    def local_edges(self) -> list[dict[str, Any]]:
+        """Edges this node took part in, in the shape `merge_remote_edges` accepts."""
+        with self._lock:
+            return [_edge_dict(key, stats) for key, stats in sorted(self._edges.items())]
+
+    def local_choices(self) -> list[dict[str, Any]]:
+        """This node's own choices, in the shape `merge_remote_choices` accepts."""
+        with self._lock:
+            return [
+                {"chooser": chooser, "chosen": chosen, "count": count}
+                for (chooser, chosen), count in sorted(self._choices.items())
+                if chooser == self.me
+            ]
+
+    def merge_remote_edges(self, peer_name: str, edges: list[dict[str, Any]]) -> int:
+        """Replace what `peer_name` last reported about its own edges.
+
+        Counts are cumulative, so a new report replaces the old one. A peer
+        speaks only for edges it is an end of; other or malformed entries are
+        dropped. Returns how many edges were kept.
+        """
+        kept: dict[tuple[str, str], EdgeStats] = {}
+        for raw in edges[:_MAX_REMOTE_EDGES_PER_PEER]:
+            try:
+                edge = RemoteEdge.model_validate(raw)
+            except ValidationError as error:
+                logger.debug("dropping malformed edge from %s: %s", peer_name, error)
+                continue
+            if peer_name not in (edge.source, edge.target) or edge.source == edge.target:
+                continue
+            kept[(edge.source, edge.target)] = EdgeStats(edge.messages, edge.bytes, edge.last)
+        with self._lock:
+            self._remote_edges[peer_name] = kept
+        return len(kept)
+
+    def merge_remote_choices(self, peer_name: str, choices: list[dict[str, Any]]) -> int:
+        """Replace `peer_name`'s reported choices (only those it made itself)."""
+        kept: dict[tuple[str, str], int] = {}
+        for raw in choices[:_MAX_REMOTE_EDGES_PER_PEER]:
+            try:
+                choice = RemoteChoice.model_validate(raw)
+            except ValidationError as error:
+                logger.debug("dropping malformed choice from %s: %s", peer_name, error)
+                continue
+            if choice.chooser == peer_name:
+                kept[(choice.chooser, choice.chosen)] = choice.count
+        with self._lock:
+            self._remote_choices[peer_name] = kept
+        return len(kept)
+
+    # ---- gauges --------------------------------------------------------------
+
+    def set_queue_depth(self, kind: str, n: int) -> None:
+        with self._lock:
+            self._queue_depths[kind] = n
+
+    def set_round(self, round: int) -> None:
+        with self._lock:
+            self._round = round
+
+    def set_phase(self, phase: str) -> None:
+        with self._lock:
+            self._phase = phase
+
+    def set_peer(
+        self, name: str, state: str, round: int = -1, phase: str = "", last_seen: float = 0.0
+    ) -> None:
+        """A peer's heartbeat view; `last_seen` in epoch seconds (0 = never)."""
+        with self._lock:
+            self._peers[name] = PeerGauge(
+                state=state, round=round, phase=phase, last_seen=last_seen
+            )
+
+    def set_community(self, community: dict[str, Any]) -> None:
+        """Free-form, JSON-serialisable protocol state shown on /status (replaces the last)."""
+        detached = json.loads(json.dumps(community, default=str, allow_nan=False))
+        with self._lock:
+            self._community = detached
+
+    # ---- metrics -------------------------------------------------------------
+
+    def log_metrics(self, round: int, **values: float) -> None:
+        """Train/eval metrics of a round; history is bounded, the latest kept apart."""
+        numbers: dict[str, float] = {}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}")
+            numbers[name] = float(value)
+        point = MetricPoint(round=round, time=self._wall_clock(), values=numbers)
+        with self._lock:
+            self._history.append(point)
+            self._latest_metrics.update(numbers)
+            self._latest_metrics_round = round
+
+    # ---- readers -------------------------------------------------------------
+
+    def status_json(self, node_name: str, protocol: str) -> dict[str, Any]:
+        """The /status document."""
+        now = self._wall_clock()
+        with self._lock:
+            peers = [
+                self._peer_entry(name, gauge, now) for name, gauge in sorted(self._peers.items())
+            ]
+            return {
+                "node": node_name,
+                "protocol": protocol,
+                "round": self._round,
+                "phase": self._phase,
+                "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
+                "started_at": self._started_at,
+                "time": now,
+                "peers": peers,
+                "metrics": {k: _finite_or_none(v) for k, v in self._latest_metrics.items()},
+                "metrics_round": self._latest_metrics_round,
+                "rejected": dict(sorted(self._rejections.items())),
+                "rejected_total": sum(self._rejections.values()),
+                "rejected_by_peer": dict(sorted(self._rejections_by_peer.items())),
+                "messages": self._traffic_summary("messages"),
+                "bytes": self._traffic_summary("bytes"),
+                "queues": dict(sorted(self._queue_depths.items())),
+                "community": self._community,
+            }
+
+    def _peer_entry(self, name: str, gauge: PeerGauge, now: float) -> dict[str, Any]:
+        sent = self._traffic_by_peer.get((SENT, name), TrafficCounter())
+        received = self._traffic_by_peer.get((RECEIVED, name), TrafficCounter())
+        return {
+            "name": name,
+            "state": gauge.state,
+            "round": gauge.round,
+            "phase": gauge.phase,
+            "last_seen": gauge.last_seen,
+            "seen_ago_s": round(now - gauge.last_seen, 3) if gauge.last_seen > 0 else None,
+            "messages_out": sent.messages,
+            "messages_in": received.messages,
+            "bytes_out": sent.bytes,
+            "bytes_in": received.bytes,
+        }
+
+    def _traffic_summary(self, field_name: str) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        for direction in (SENT, RECEIVED):
+            by_kind = {
+                kind: getattr(counter, field_name)
+                for (d, kind), counter in sorted(self._traffic_by_kind.items())
+                if d == direction
+            }
+            summary[direction] = {"total": sum(by_kind.values()), "by_kind": by_kind}
+        return summary
+
+    def peer_graph(self) -> dict[str, Any]:
+        """The /peers document: nodes, directed edges, who-chose-whom counts.
+
+        An edge seen by both of its ends is counted by each; the larger count
+        wins (the receiver may have refused some of what the sender sent).
+        """
+        with self._lock:
+            edges: dict[tuple[str, str], EdgeStats] = {}
+            for reported in [self._edges, *self._remote_edges.values()]:
+                for key, stats in reported.items():
+                    best = edges.get(key)
+                    if best is None:
+                        edges[key] = EdgeStats(stats.messages, stats.bytes, stats.last)
+                    else:
+                        best.messages = max(best.messages, stats.messages)
+                        best.bytes = max(best.bytes, stats.bytes)
+                        best.last = max(best.last, stats.last)
+            choices = dict(self._choices)
+            for reported_choices in self._remote_choices.values():
+                for key, count in reported_choices.items():
+                    choices[key] = max(choices.get(key, 0), count)
+
+            nodes: dict[str, dict[str, Any]] = {
+                self.me: {"id": self.me, "state": "alive", "round": self._round, "self": True}
+            }
+            for name, gauge in self._peers.items():
+                if name != self.me:
+                    nodes[name] = {"id": name, "state": gauge.state, "round": gauge.round}
+            for source, target in [*edges, *choices]:
+                for name in (source, target):
+                    nodes.setdefault(name, {"id": name, "state": "unknown", "round": -1})
+            return {
+                "me": self.me,
+                "nodes": [nodes[name] for name in sorted(nodes)],
+                "edges": [_edge_dict(key, stats) for key, stats in sorted(edges.items())],
+                "choices": [
+                    {"chooser": chooser, "chosen": chosen, "count": count}
+                    for (chooser, chosen), count in sorted(choices.items())
+                ],
+            }
+
+    def metrics_history(self) -> dict[str, Any]:
+        """The /history document: per metric, the (round, value) points in log order."""
+        with self._lock:
+            points = list(self._history)
+            latest = {k: _finite_or_none(v) for k, v in self._latest_metrics.items()}
+            latest_round = self._latest_metrics_round
+        series: dict[str, list[dict[str, Any]]] = {}
+        for point in points:
+            for name, value in point.values.items():
+                series.setdefault(name, []).append(
+                    {"round": point.round, "value": _finite_or_none(value), "time": point.time}
+                )
+        return {"series": series, "latest": latest, "latest_round": latest_round}
+
+    def prometheus_text(self, node_name: str) -> str:
+        """Exposition format 0.0.4; every sample carries a `node` label."""
+        writer = _PromWriter({"node": node_name})
+        with self._lock:
+            writer.family("p2pfl_up", "gauge", "1 while the node daemon runs.", [({}, 1)])
+            writer.family(
+                "p2pfl_uptime_seconds",
+                "gauge",
+                "Seconds since the node started.",
+                [({}, round(time.monotonic() - self._started_monotonic, 3))],
+            )
+            writer.family(
+                "p2pfl_round", "gauge", "Federated round this node is in.", [({}, self._round)]
+            )
+            for family, field_name, help_text in (
+                ("p2pfl_messages_total", "messages", "Messages sent or received, by kind."),
+                ("p2pfl_bytes_total", "bytes", "Message bytes sent or received, by kind."),
+            ):
+                writer.family(
+                    family,
+                    "counter",
+                    help_text,
+                    [
+                        ({"direction": direction, "kind": kind}, getattr(counter, field_name))
+                        for (direction, kind), counter in sorted(self._traffic_by_kind.items())
+                    ],
+                )
+            writer.family(
+                "p2pfl_rejected_total",
+                "counter",
+                "Messages refused, by reason code.",
+                [({"reason": reason}, n) for reason, n in sorted(self._rejections.items())],
+            )
+            writer.family(
+                "p2pfl_queue_depth",
+                "gauge",
+                "Messages waiting in each inbox, by kind.",
+                [({"kind": kind}, n) for kind, n in sorted(self._queue_depths.items())],
+            )
+            writer.family(
+                "p2pfl_peer_up",
+                "gauge",
+                "1 if the peer answers heartbeats (alive), else 0.",
+                [
+                    ({"peer": name}, 1 if gauge.state == "alive" else 0)
+                    for name, gauge in sorted(self._peers.items())
+                ],
+            )
+            writer.family(
+                "p2pfl_metric",
+                "gauge",
+                "Latest value of each train/eval metric the protocol logged.",
+                [({"name": name}, v) for name, v in sorted(self._latest_metrics.items())],
+            )
+        return writer.text()
+
+
+def _edge_dict(key: tuple[str, str], stats: EdgeStats) -> dict[str, Any]:
+    source, target = key
+    return {
+        "source": source,
+        "target": target,
+        "messages": stats.messages,
+        "bytes": stats.bytes,
+        "last": stats.last,
+    }

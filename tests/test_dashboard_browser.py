@@ -1,0 +1,137 @@
+"""The dashboard in headless Chromium: the peer graph and curves really render."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from browser_util import dump_dom, png_size, screenshot
+from PIL import Image
+
+from node.status import create_status_app, start_status_server
+from node.telemetry import Telemetry
+
+pytestmark = pytest.mark.browser
+
+TOKEN = "dashboard-test-token-0123456789"
+PEERS = ("a", "b", "c", "d")
+ALIVE_GREEN = (0x1F, 0x9D, 0x55)
+DEAD_RED = (0xC2, 0x41, 0x0C)
+
+
+class DomSummary(HTMLParser):
+    """What a person would see: peers drawn inside an SVG, charts, rows, the title."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.svg_depth = 0
+        self.peers_in_svg: set[str] = set()
+        self.metric_charts: set[str] = set()
+        self.peer_rows: set[str] = set()
+        self.title = ""
+        self.in_title = False
+        self.auth_banner_shown = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "svg":
+            self.svg_depth += 1
+            if attributes.get("data-metric"):
+                self.metric_charts.add(attributes["data-metric"] or "")
+        if self.svg_depth and attributes.get("data-peer"):
+            self.peers_in_svg.add(attributes["data-peer"] or "")
+        if tag == "tr" and attributes.get("data-peer-row"):
+            self.peer_rows.add(attributes["data-peer-row"] or "")
+        if attributes.get("id") == "auth-banner" and "show" in (attributes.get("class") or ""):
+            self.auth_banner_shown = True
+        self.in_title = tag == "title" and not self.svg_depth
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "svg":
+            self.svg_depth -= 1
+        self.in_title = False
+
+    def handle_data(self, data: str) -> None:
+        if self.in_title:
+            self.title += data
+
+
+def summarize(dom: str) -> DomSummary:
+    summary = DomSummary()
+    summary.feed(dom)
+    return summary
+
+
+def four_node_telemetry() -> Telemetry:
+    now = time.time()
+    telemetry = Telemetry("a")
+    telemetry.set_peer("b", "alive", round=4, phase="train", last_seen=now - 1)
+    telemetry.set_peer("c", "suspect", round=3, phase="exchange", last_seen=now - 8)
+    telemetry.set_peer("d", "dead", round=2, phase="", last_seen=now - 60)
+    for _ in range(5):
+        telemetry.record_sent("b", "model", 250_000)
+        telemetry.record_received("b", "model", 250_000)
+    telemetry.record_sent("c", "model", 250_000)
+    telemetry.record_received("d", "heartbeat", 120)
+    telemetry.merge_remote_edges(
+        "b", [{"source": "b", "target": "c", "messages": 6, "bytes": 900_000, "last": now}]
+    )
+    telemetry.merge_remote_edges(
+        "c", [{"source": "c", "target": "d", "messages": 2, "bytes": 2_000, "last": now}]
+    )
+    telemetry.record_rejection("bad_signature", "mallory")
+    for round_index in range(5):
+        telemetry.record_choice("a", ["b", "c"])
+        telemetry.log_metrics(
+            round_index, train_loss=1.0 / (round_index + 1), val_acc=0.5 + 0.08 * round_index
+        )
+    telemetry.set_round(4)
+    telemetry.set_phase("aggregate")
+    return telemetry
+
+
+@pytest.fixture
+async def dashboard_url() -> AsyncIterator[str]:
+    app = create_status_app(
+        four_node_telemetry(), node_name="a", protocol_name="fedavgp2p", token=TOKEN
+    )
+    runner, port = await start_status_server(app, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{port}/"
+    await runner.cleanup()
+
+
+async def test_dashboard_draws_every_peer_and_metric_with_the_token_from_the_url(
+    dashboard_url: str,
+) -> None:
+    summary = summarize(await dump_dom(dashboard_url + f"#token={TOKEN}"))
+    assert summary.peers_in_svg == set(PEERS)
+    assert summary.peer_rows == {"b", "c", "d"}
+    assert summary.metric_charts == {"train_loss", "val_acc"}
+    assert not summary.auth_banner_shown
+    for part in ("a", "fedavgp2p", "round 4", "aggregate"):
+        assert part in summary.title
+
+
+async def test_dashboard_without_token_asks_for_it_and_shows_no_data(dashboard_url: str) -> None:
+    summary = summarize(await dump_dom(dashboard_url))
+    assert summary.auth_banner_shown
+    assert summary.peers_in_svg == set()
+    assert summary.peer_rows == set()
+
+
+async def test_dashboard_screenshot_shows_the_coloured_graph(
+    dashboard_url: str, tmp_path: Path
+) -> None:
+    path = await screenshot(dashboard_url + f"#token={TOKEN}", tmp_path / "dashboard.png")
+    assert png_size(path) == (1280, 900)
+    assert path.stat().st_size > 20_000
+    with Image.open(path) as image:
+        pixels = image.convert("RGB")
+        colours = pixels.getcolors(maxcolors=1_000_000) or []
+    assert len(colours) > 200, "a blank or nearly blank page"
+    present = {colour for _, colour in colours}
+    # Node discs are filled with the state colours: b is alive, d is dead.
+    assert ALIVE_GREEN in present and DEAD_RED in present

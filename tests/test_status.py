@@ -1,0 +1,439 @@
+"""The status endpoint over a real socket, backed by a real Telemetry."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from node.status import create_status_app, start_status_server
+from node.telemetry import Telemetry
+
+TOKEN = "s3cret-status-token-0123456789"
+NOW = 1_700_000_000.0
+
+ServerFactory = Callable[..., Awaitable[str]]
+
+
+def populated_telemetry() -> Telemetry:
+    """Node "a" after a few rounds with peers b (alive), c (suspect), d (dead)."""
+    telemetry = Telemetry("a", wall_clock=lambda: NOW)
+    telemetry.set_peer("b", "alive", round=3, phase="train", last_seen=NOW - 1.5)
+    telemetry.set_peer("c", "suspect", round=2, phase="exchange", last_seen=NOW - 9.0)
+    telemetry.set_peer("d", "dead", round=1, phase="", last_seen=0.0)
+    for _ in range(3):
+        telemetry.record_sent("b", "model", 1000)
+    telemetry.record_sent("c", "heartbeat", 40)
+    telemetry.record_received("b", "model", 900)
+    telemetry.record_received("b", "heartbeat", 50)
+    telemetry.record_received("c", "heartbeat", 60)
+    telemetry.merge_remote_edges(
+        "b", [{"source": "b", "target": "c", "messages": 4, "bytes": 4096, "last": NOW}]
+    )
+    telemetry.record_rejection("bad_signature", "mallory")
+    telemetry.record_rejection("bad_signature", "mallory")
+    telemetry.record_rejection("replay", None)
+    telemetry.record_choice("a", ["b", "c"])
+    telemetry.record_choice("a", ["b"])
+    telemetry.record_choice("b", ["a"])
+    telemetry.log_metrics(0, train_loss=1.25, val_acc=0.5)
+    telemetry.log_metrics(1, train_loss=0.75, val_acc=0.625)
+    telemetry.log_metrics(2, train_loss=0.5, val_acc=0.75)
+    telemetry.set_round(3)
+    telemetry.set_phase("aggregate")
+    telemetry.set_queue_depth("model", 2)
+    telemetry.set_community({"cluster": 1, "members": ["a", "b"]})
+    return telemetry
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[ServerFactory]:
+    """serve(telemetry, token=None) -> base URL of a status server on 127.0.0.1:<free port>."""
+    runners = []
+
+    async def start(telemetry: Telemetry, token: str | None = None) -> str:
+        app = create_status_app(telemetry, node_name="a", protocol_name="fedavgp2p", token=token)
+        runner, port = await start_status_server(app, "127.0.0.1", 0)
+        runners.append(runner)
+        assert port > 0
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def fetch(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
+        return response.status, dict(response.headers), await response.text()
+
+
+def strict_json(text: str) -> Any:
+    """json.loads that refuses NaN/Infinity, as a browser's JSON.parse does."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# ---- routes ------------------------------------------------------------------
+
+
+async def test_healthz_answers_ok(serve: ServerFactory) -> None:
+    base = await serve(Telemetry("a"))
+    status, _, body = await fetch(base + "/healthz")
+    assert (status, body) == (200, "ok")
+
+
+async def test_status_reports_round_phase_peers_metrics_rejections_and_traffic(
+    serve: ServerFactory,
+) -> None:
+    base = await serve(populated_telemetry())
+    status, headers, body = await fetch(base + "/status")
+    assert status == 200
+    assert headers["Content-Type"].startswith("application/json")
+    doc = strict_json(body)
+
+    assert (doc["node"], doc["protocol"], doc["round"], doc["phase"]) == (
+        "a",
+        "fedavgp2p",
+        3,
+        "aggregate",
+    )
+    assert doc["uptime_s"] >= 0
+    peers = {peer["name"]: peer for peer in doc["peers"]}
+    assert set(peers) == {"b", "c", "d"}
+    assert peers["b"] == {
+        "name": "b",
+        "state": "alive",
+        "round": 3,
+        "phase": "train",
+        "last_seen": NOW - 1.5,
+        "seen_ago_s": 1.5,
+        "messages_out": 3,
+        "messages_in": 2,
+        "bytes_out": 3000,
+        "bytes_in": 950,
+    }
+    assert peers["c"]["state"] == "suspect" and peers["c"]["seen_ago_s"] == 9.0
+    assert peers["d"]["state"] == "dead" and peers["d"]["seen_ago_s"] is None
+
+    assert doc["metrics"] == {"train_loss": 0.5, "val_acc": 0.75}
+    assert doc["metrics_round"] == 2
+    assert doc["rejected"] == {"bad_signature": 2, "replay": 1}
+    assert doc["rejected_total"] == 3
+    assert doc["rejected_by_peer"] == {"mallory": 2}
+    assert doc["messages"]["sent"] == {"total": 4, "by_kind": {"heartbeat": 1, "model": 3}}
+    assert doc["messages"]["received"] == {"total": 3, "by_kind": {"heartbeat": 2, "model": 1}}
+    assert doc["bytes"]["sent"] == {"total": 3040, "by_kind": {"heartbeat": 40, "model": 3000}}
+    assert doc["bytes"]["received"]["total"] == 1010
+    assert doc["queues"] == {"model": 2}
+    assert doc["community"] == {"cluster": 1, "members": ["a", "b"]}
+
+
+async def test_peers_graph_has_states_directed_edges_and_choice_counts(
+    serve: ServerFactory,
+) -> None:
+    base = await serve(populated_telemetry())
+    status, _, body = await fetch(base + "/peers")
+    assert status == 200
+    graph = strict_json(body)
+
+    nodes = {node["id"]: node for node in graph["nodes"]}
+    assert {name: node["state"] for name, node in nodes.items()} == {
+        "a": "alive",
+        "b": "alive",
+        "c": "suspect",
+        "d": "dead",
+    }
+    assert nodes["a"]["round"] == 3 and nodes["a"].get("self") is True
+    edges = {(e["source"], e["target"]): (e["messages"], e["bytes"]) for e in graph["edges"]}
+    assert edges == {
+        ("a", "b"): (3, 3000),
+        ("a", "c"): (1, 40),
+        ("b", "a"): (2, 950),
+        ("c", "a"): (1, 60),
+        ("b", "c"): (4, 4096),  # learnt from b's gossip
+    }
+    assert all(e["last"] == NOW for e in graph["edges"])
+    choices = {(c["chooser"], c["chosen"]): c["count"] for c in graph["choices"]}
+    assert choices == {("a", "b"): 2, ("a", "c"): 1, ("b", "a"): 1}
+
+
+async def test_history_gives_each_metric_per_round_and_nan_as_null(serve: ServerFactory) -> None:
+    telemetry = populated_telemetry()
+    telemetry.log_metrics(3, train_loss=math.nan, val_acc=math.inf)
+    base = await serve(telemetry)
+    status, _, body = await fetch(base + "/history")
+    assert status == 200
+    history = strict_json(body)  # a browser's JSON.parse would choke on NaN
+    assert [(p["round"], p["value"]) for p in history["series"]["train_loss"]] == [
+        (0, 1.25),
+        (1, 0.75),
+        (2, 0.5),
+        (3, None),
+    ]
+    assert [p["value"] for p in history["series"]["val_acc"]] == [0.5, 0.625, 0.75, None]
+    assert history["latest"] == {"train_loss": None, "val_acc": None}
+    assert history["latest_round"] == 3
+
+
+# ---- Prometheus ----------------------------------------------------------------
+
+METRIC_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\\\|\\"|\\n)*)"')
+SAMPLE = re.compile(rf"^({METRIC_NAME})(?:\{{(.*)\}})? (\S+)(?: (-?\d+))?$")
+HELP = re.compile(rf"^# HELP ({METRIC_NAME}) (.*)$")
+TYPE = re.compile(rf"^# TYPE ({METRIC_NAME}) (counter|gauge|histogram|summary|untyped)$")
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    position = 0
+    while position < len(text):
+        match = LABEL.match(text, position)
+        assert match, f"bad label syntax at {text[position:]!r}"
+        name, raw = match.groups()
+        assert name not in labels, f"duplicate label {name}"
+        labels[name] = re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], raw)
+        position = match.end()
+        if position < len(text):
+            assert text[position] == ",", f"expected ',' at {text[position:]!r}"
+            position += 1
+    return labels
+
+
+def parse_prometheus(text: str) -> dict[str, Any]:
+    """Strict reader of exposition format 0.0.4 for what this node writes.
+
+    Returns {family: {"type", "help", "samples": [(labels, value)]}}; fails on
+    a sample before its family's TYPE, a family declared twice, bad syntax.
+    """
+    assert text.endswith("\n"), "exposition must end with a line feed"
+    families: dict[str, dict[str, Any]] = {}
+    current: str | None = None
+    for line in text[:-1].split("\n"):
+        if help_match := HELP.match(line):
+            name = help_match[1]
+            assert name not in families, f"family {name} declared twice"
+            families[name] = {"help": help_match[2], "type": None, "samples": []}
+            current = name
+        elif type_match := TYPE.match(line):
+            name = type_match[1]
+            assert name == current and families[name]["type"] is None, f"TYPE {name} out of place"
+            assert not families[name]["samples"], "TYPE must come before samples"
+            families[name]["type"] = type_match[2]
+        else:
+            sample = SAMPLE.match(line)
+            assert sample, f"not a sample line: {line!r}"
+            name, label_text, value_text, _ = sample.groups()
+            assert name == current, f"sample {name} outside its family block"
+            assert families[name]["type"] is not None, f"sample {name} before its TYPE"
+            assert value_text in ("NaN", "+Inf", "-Inf") or re.fullmatch(
+                r"-?\d+(\.\d+)?([eE][-+]?\d+)?", value_text
+            ), f"bad value {value_text!r}"
+            families[name]["samples"].append((parse_labels(label_text or ""), float(value_text)))
+    return families
+
+
+def sample_value(families: dict[str, Any], family: str, **labels: str) -> float:
+    matches = [
+        value
+        for sample_labels, value in families[family]["samples"]
+        if all(sample_labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(matches) == 1, f"{family}{labels}: {len(matches)} samples"
+    return matches[0]
+
+
+async def test_metrics_is_valid_prometheus_text_with_every_family(serve: ServerFactory) -> None:
+    base = await serve(populated_telemetry())
+    status, headers, body = await fetch(base + "/metrics")
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    families = parse_prometheus(body)
+
+    expected_types = {
+        "p2pfl_up": "gauge",
+        "p2pfl_round": "gauge",
+        "p2pfl_messages_total": "counter",
+        "p2pfl_bytes_total": "counter",
+        "p2pfl_rejected_total": "counter",
+        "p2pfl_queue_depth": "gauge",
+        "p2pfl_peer_up": "gauge",
+        "p2pfl_metric": "gauge",
+    }
+    for family, kind in expected_types.items():
+        assert families[family]["type"] == kind
+        assert families[family]["help"]
+    assert sample_value(families, "p2pfl_up", node="a") == 1
+    assert sample_value(families, "p2pfl_round") == 3
+    assert sample_value(families, "p2pfl_messages_total", direction="sent", kind="model") == 3
+    assert (
+        sample_value(families, "p2pfl_messages_total", direction="received", kind="heartbeat") == 2
+    )
+    assert sample_value(families, "p2pfl_bytes_total", direction="sent", kind="model") == 3000
+    assert sample_value(families, "p2pfl_rejected_total", reason="bad_signature") == 2
+    assert sample_value(families, "p2pfl_queue_depth", kind="model") == 2
+    assert sample_value(families, "p2pfl_peer_up", peer="b") == 1
+    assert sample_value(families, "p2pfl_peer_up", peer="c") == 0
+    assert sample_value(families, "p2pfl_metric", name="val_acc") == 0.75
+
+
+def test_prometheus_label_values_are_escaped_and_non_finite_values_spelled_out() -> None:
+    telemetry = Telemetry("a")
+    awkward = 'we"ird\\reason\nline2'
+    telemetry.record_rejection(awkward, None)
+    telemetry.log_metrics(0, loss=math.nan, ratio=-math.inf)
+    families = parse_prometheus(telemetry.prometheus_text('node "a"'))
+    assert sample_value(families, "p2pfl_rejected_total", reason=awkward) == 1
+    assert families["p2pfl_up"]["samples"][0][0] == {"node": 'node "a"'}
+    assert math.isnan(sample_value(families, "p2pfl_metric", name="loss"))
+    assert sample_value(families, "p2pfl_metric", name="ratio") == -math.inf
+
+
+# ---- access control ------------------------------------------------------------
+
+
+async def test_token_guards_data_routes_but_not_healthz(serve: ServerFactory) -> None:
+    base = await serve(populated_telemetry(), token=TOKEN)
+    for route in ("/status", "/peers", "/metrics", "/history"):
+        status, headers, body = await fetch(base + route)
+        assert status == 401, route
+        assert headers["WWW-Authenticate"].startswith("Bearer")
+        assert "fedavgp2p" not in body and "mallory" not in body
+        status, _, _ = await fetch(base + route, {"Authorization": "Bearer wrong-token-000000000"})
+        assert status == 401, route
+        status, _, _ = await fetch(base + route, {"Authorization": TOKEN})  # scheme missing
+        assert status == 401, route
+        status, _, _ = await fetch(base + route, {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200, route
+    status, _, body = await fetch(base + "/healthz")
+    assert (status, body) == (200, "ok")
+    # The page shell carries no data, so a browser can open it and send the token itself.
+    status, _, body = await fetch(base + "/")
+    assert status == 200 and "<title>p2pfl-node</title>" in body
+    assert "mallory" not in body and "fedavgp2p" not in body
+
+
+async def test_non_loopback_bind_without_token_is_refused() -> None:
+    app = create_status_app(Telemetry("a"), node_name="a", protocol_name="fedavgp2p", token=None)
+    with pytest.raises(ValueError, match="needs a bearer token"):
+        await start_status_server(app, "0.0.0.0", 0)
+
+
+# ---- dashboard -----------------------------------------------------------------
+
+
+async def test_dashboard_is_self_contained_and_locked_to_its_origin(serve: ServerFactory) -> None:
+    base = await serve(Telemetry("a"))
+    status, headers, html = await fetch(base + "/")
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/html")
+    csp = headers["Content-Security-Policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    # Nothing is loaded from anywhere: no src/href/url()/@import with a scheme or //host.
+    external = re.findall(
+        r"""(?:src|href|action)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:|//)|url\(\s*["']?\s*(?:[a-z]+:|//)|@import""",
+        html,
+        flags=re.IGNORECASE,
+    )
+    assert external == []
+    # The one URL-looking string is the SVG namespace name, which is never fetched.
+    assert set(re.findall(r"https?://[^\s\"'<>)]+", html)) == {"http://www.w3.org/2000/svg"}
+    assert "<script src" not in html and "<link" not in html
+    for path in ('"status"', '"peers"', '"history"'):
+        assert path in html  # polls the three data routes of its own origin
+
+
+# ---- Telemetry on its own ------------------------------------------------------------
+
+
+def test_remote_edges_are_limited_to_the_reporting_peer_and_validated() -> None:
+    telemetry = Telemetry("a")
+    telemetry.record_received("b", "model", 100)
+    kept = telemetry.merge_remote_edges(
+        "b",
+        [
+            {"source": "b", "target": "a", "messages": 3, "bytes": 300, "last": 5.0},
+            {"source": "c", "target": "d", "messages": 9, "bytes": 9, "last": 5.0},  # not b's edge
+            {"source": "b", "target": "c", "messages": -1, "bytes": 9},  # negative count
+            {"source": "b", "target": "c"},  # fields missing
+            "not a dict",
+        ],
+    )
+    assert kept == 1
+    edges = {(e["source"], e["target"]): e for e in telemetry.peer_graph()["edges"]}
+    assert set(edges) == {("b", "a")}
+    # Both ends count b -> a; the larger count wins (a may have refused some).
+    assert (edges[("b", "a")]["messages"], edges[("b", "a")]["bytes"]) == (3, 300)
+    # A newer report replaces the older one.
+    telemetry.merge_remote_edges("b", [{"source": "b", "target": "c", "messages": 1, "bytes": 1}])
+    assert {(e["source"], e["target"]) for e in telemetry.peer_graph()["edges"]} == {
+        ("b", "a"),
+        ("b", "c"),
+    }
+    telemetry.merge_remote_choices(
+        "b",
+        [{"chooser": "b", "chosen": "c", "count": 4}, {"chooser": "c", "chosen": "a", "count": 9}],
+    )
+    assert telemetry.peer_graph()["choices"] == [{"chooser": "b", "chosen": "c", "count": 4}]
+
+
+def test_local_edges_round_trip_through_a_peers_merge() -> None:
+    sender = Telemetry("a")
+    sender.record_sent("b", "model", 10)
+    sender.record_choice("a", ["b"])
+    receiver = Telemetry("b")
+    assert receiver.merge_remote_edges("a", sender.local_edges()) == 1
+    assert receiver.merge_remote_choices("a", sender.local_choices()) == 1
+    graph = receiver.peer_graph()
+    assert [(e["source"], e["target"], e["messages"]) for e in graph["edges"]] == [("a", "b", 1)]
+    assert graph["choices"] == [{"chooser": "a", "chosen": "b", "count": 1}]
+
+
+def test_metric_history_is_bounded_and_keeps_the_latest() -> None:
+    telemetry = Telemetry("a", max_history=5)
+    for round_index in range(8):
+        telemetry.log_metrics(round_index, loss=1.0 / (round_index + 1))
+    history = telemetry.metrics_history()
+    assert [p["round"] for p in history["series"]["loss"]] == [3, 4, 5, 6, 7]
+    assert history["latest"] == {"loss": 1.0 / 8}
+    with pytest.raises(TypeError, match="must be a number"):
+        telemetry.log_metrics(8, loss="low")  # type: ignore[arg-type]
+
+
+def test_counters_stay_exact_under_concurrent_threads() -> None:
+    telemetry = Telemetry("a")
+
+    def hammer(peer: str) -> None:
+        for _ in range(2000):
+            telemetry.record_sent(peer, "model", 3)
+            telemetry.record_rejection("replay", peer)
+
+    threads = [threading.Thread(target=hammer, args=(f"p{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    doc = telemetry.status_json("a", "fedavgp2p")
+    assert doc["messages"]["sent"]["total"] == 8000
+    assert doc["bytes"]["sent"]["total"] == 24000
+    assert doc["rejected"] == {"replay": 8000}
+
+
+def test_unverified_senders_of_rejected_messages_cannot_grow_memory_without_bound() -> None:
+    telemetry = Telemetry("a")
+    for i in range(1000):
+        telemetry.record_rejection("unknown_sender", f"forged-{i}")
+    by_peer = telemetry.status_json("a", "x")["rejected_by_peer"]
+    assert len(by_peer) <= 257
+    assert sum(by_peer.values()) == 1000
+    assert by_peer["<other>"] == 1000 - 256

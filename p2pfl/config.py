@@ -65,6 +65,14 @@ class NodeSection(Section):
         None, description="HOST:PORT peers use to reach this node; defaults to listen"
     )
     state_dir: Path = Field(Path("state"), description="keys, spool, checkpoints, metrics, log")
+    startup_wait_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="wait up to this long for every roster peer before starting the protocol",
+    )
+    exit_when_done: bool = Field(
+        False, description="exit once the protocol finished and every peer is done or gone"
+    )
 
     @field_validator("listen", "advertise")
     @classmethod

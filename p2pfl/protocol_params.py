@@ -45,7 +45,17 @@ class FedSGDP2PParams(_Params):
     )
 
 
-ProtocolParams = FedAvgP2PParams | FedSGDP2PParams
+class ProbeParams(_Params):
+    """A connectivity and throughput check of the federation (no learning)."""
+
+    name: Literal["probe"]
+    payload_kb: int = Field(
+        64, ge=0, le=1024 * 1024, description="size of the tensor pushed to each peer per round"
+    )
+    interval_s: float = Field(0.0, ge=0.0, description="pause between rounds")
+
+
+ProtocolParams = FedAvgP2PParams | FedSGDP2PParams | ProbeParams
 
 
 def protocol_names() -> list[str]:

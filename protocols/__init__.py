@@ -14,6 +14,7 @@ from protocols.base import Protocol
 REGISTRY: dict[str, str] = {
     "fedavgp2p": "protocols.fedavgp2p:FedAvgP2P",
     "fedsgdp2p": "protocols.fedsgdp2p:FedSgdP2P",
+    "probe": "protocols.probe:Probe",
 }
 
 _params_adapter: TypeAdapter[Any] = TypeAdapter(ProtocolParams)

@@ -1,0 +1,87 @@
+"""Membership: the roster is the allow-list; signed heartbeats say who is alive.
+
+Each node sends every roster peer a heartbeat every `transport.heartbeat_s`
+carrying its round, phase, the metadata its protocol published and its traffic
+edges. A peer heard from within `suspect_after_s` is alive, within
+`dead_after_s` suspect, otherwise dead; a goodbye heartbeat marks it dead at
+once. A node that starts late learns everyone's round and metadata from the
+first heartbeats it receives (and it answers with its own at once).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from p2pfl.config import TransportSection
+from protocols.base import PeerInfo
+
+
+@dataclass
+class PeerRecord:
+    info: PeerInfo
+    heard_monotonic: float = 0.0
+    said_goodbye: bool = False
+    done: bool = False
+
+
+class PeerTable:
+    def __init__(self, me: str, names: list[str], cfg: TransportSection) -> None:
+        self.me = me
+        self.cfg = cfg
+        self.records: dict[str, PeerRecord] = {}
+        self.set_roster(names)
+
+    def set_roster(self, names: list[str]) -> None:
+        wanted = {n for n in names if n != self.me}
+        for name in list(self.records):
+            if name not in wanted:
+                del self.records[name]
+        for name in wanted:
+            self.records.setdefault(name, PeerRecord(PeerInfo(name=name)))
+
+    def heard(self, name: str, heartbeat: dict[str, Any]) -> None:
+        record = self.records.get(name)
+        if record is None:
+            return
+        info = record.info
+        round_ = heartbeat.get("round")
+        info.round = round_ if isinstance(round_, int) else info.round
+        phase = heartbeat.get("phase")
+        info.phase = phase if isinstance(phase, str) else info.phase
+        meta = heartbeat.get("meta")
+        if isinstance(meta, dict):
+            info.meta = meta
+        info.last_seen = time.time()
+        record.heard_monotonic = time.monotonic()
+        record.said_goodbye = bool(heartbeat.get("bye", False))
+        record.done = bool(heartbeat.get("done", False))
+
+    def state_of(self, record: PeerRecord, now: float) -> str:
+        if record.heard_monotonic == 0.0:
+            return "unknown"
+        if record.said_goodbye:
+            return "dead"
+        age = now - record.heard_monotonic
+        if age <= self.cfg.suspect_after_s:
+            return "alive"
+        if age <= self.cfg.dead_after_s:
+            return "suspect"
+        return "dead"
+
+    def refresh(self) -> None:
+        now = time.monotonic()
+        for record in self.records.values():
+            record.info.state = self.state_of(record, now)
+
+    def peers(self, alive_only: bool = True) -> list[PeerInfo]:
+        self.refresh()
+        infos = [r.info for r in self.records.values()]
+        if alive_only:
+            infos = [i for i in infos if i.state == "alive"]
+        return sorted(infos, key=lambda i: i.name)
+
+    def all_done_or_gone(self) -> bool:
+        self.refresh()
+        return all(r.done or r.info.state == "dead" for r in self.records.values())

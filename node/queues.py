@@ -1,0 +1,248 @@
+"""Crash-safe message queues.
+
+Exactly-once, tied to checkpoints:
+  1. A verified push is written to `spool/` (temp file, fsync, rename, fsync dir)
+     before the sender gets its 200.
+  2. It goes to a bounded per-kind inbox. When the protocol takes it, the id is
+     noted as consumed.
+  3. When the protocol next checkpoints, the consumed ids are written into the
+     checkpoint, appended to `journal.jsonl` and their spool files deleted.
+  4. After a crash the node restores its last checkpoint and re-queues every
+     spooled frame not in the journal: what was consumed after the checkpoint is
+     consumed again on top of the rolled-back state, so it counts once.
+A sender that retries after our crash is answered "duplicate" (already spooled
+or journaled), never delivered twice.
+
+Outgoing pushes are written to `outbox/` before the first attempt and removed
+once the peer acknowledged them; after a restart pending ones are sent again
+with their original message id, so the receiver's dedupe still applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from p2pfl import tensors
+from protocols.base import Received
+
+log = logging.getLogger(__name__)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, chunks: list[bytes | bytearray | memoryview]) -> None:
+    """Temp file, fsync, rename, fsync the directory: the file is whole or absent."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        for chunk in chunks:
+            fh.write(chunk)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class Spool:
+    """Verified, acknowledged, not yet checkpointed frames."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
+
+    def path(self, msg_id: str) -> Path:
+        return self.dir / f"{msg_id}.frame"
+
+    def has(self, msg_id: str) -> bool:
+        return self.path(msg_id).exists()
+
+    def persist(self, msg_id: str, frame: bytearray | bytes) -> Path:
+        path = self.path(msg_id)
+        write_atomic(path, [frame])
+        return path
+
+    def remove(self, msg_id: str) -> None:
+        self.path(msg_id).unlink(missing_ok=True)
+
+    def pending(self) -> list[Path]:
+        return sorted(self.dir.glob("*.frame"), key=lambda p: p.stat().st_mtime)
+
+
+class Journal:
+    """Append-only log of processed (checkpointed) message ids; bounded in memory."""
+
+    def __init__(self, path: Path, remember: int = 200_000) -> None:
+        self.path = path
+        self.remember = remember
+        self.ids: OrderedDict[str, int] = OrderedDict()
+        if path.exists():
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        entry = json.loads(line)
+                        self._remember(entry["id"], int(entry.get("ts", 0)))
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn last line after a crash
+
+    def _remember(self, msg_id: str, ts: int) -> None:
+        self.ids[msg_id] = ts
+        while len(self.ids) > self.remember:
+            self.ids.popitem(last=False)
+
+    def __contains__(self, msg_id: object) -> bool:
+        return msg_id in self.ids
+
+    def append(self, entries: list[dict[str, Any]]) -> None:
+        if not entries:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            for entry in entries:
+                fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        for entry in entries:
+            self._remember(entry["id"], int(entry.get("ts", 0)))
+
+
+class TrackedQueue(asyncio.Queue):  # type: ignore[type-arg]
+    """An inbox that notes which messages the protocol has taken."""
+
+    def __init__(self, kind: str, maxsize: int, consumed: list[Received]) -> None:
+        super().__init__(maxsize=maxsize)
+        self.kind = kind
+        self.reserved = 0
+        self._consumed = consumed
+
+    def has_room(self) -> bool:
+        return self.maxsize <= 0 or self.qsize() + self.reserved < self.maxsize
+
+    def _get(self) -> Received:  # called by get() and get_nowait()
+        item = super()._get()
+        self._consumed.append(item)
+        return item
+
+
+@dataclass
+class Inboxes:
+    maxsize: int
+
+    def __post_init__(self) -> None:
+        self.queues: dict[str, TrackedQueue] = {}
+        self.consumed: list[Received] = []
+
+    def get(self, kind: str) -> TrackedQueue:
+        queue = self.queues.get(kind)
+        if queue is None:
+            queue = self.queues[kind] = TrackedQueue(kind, self.maxsize, self.consumed)
+        return queue
+
+    def depths(self) -> dict[str, int]:
+        return {kind: q.qsize() for kind, q in self.queues.items()}
+
+    def take_consumed(self) -> list[Received]:
+        taken = list(self.consumed)
+        self.consumed.clear()
+        return taken
+
+
+@dataclass
+class OutboxEntry:
+    msg_id: bytes
+    peer: str
+    kind: str
+    round: int
+    payload: Any
+    created: float
+
+
+class Outbox:
+    """Pushes not yet acknowledged by their peer."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
+
+    def add(self, entry: OutboxEntry) -> None:
+        record = {
+            "id": entry.msg_id,
+            "peer": entry.peer,
+            "kind": entry.kind,
+            "round": entry.round,
+            "created": entry.created,
+            "payload": entry.payload,
+        }
+        write_atomic(self.dir / f"{entry.msg_id.hex()}.out", tensors.encode(record).chunks)
+
+    def done(self, msg_id: bytes) -> None:
+        (self.dir / f"{msg_id.hex()}.out").unlink(missing_ok=True)
+
+    def pending(self) -> list[OutboxEntry]:
+        out = []
+        for path in sorted(self.dir.glob("*.out"), key=lambda p: p.stat().st_mtime):
+            try:
+                rec = tensors.decode(bytearray(path.read_bytes()))
+                out.append(
+                    OutboxEntry(
+                        rec["id"],
+                        rec["peer"],
+                        rec["kind"],
+                        int(rec["round"]),
+                        rec["payload"],
+                        float(rec["created"]),
+                    )
+                )
+            except (tensors.CodecError, KeyError, TypeError, ValueError, OSError) as exc:
+                log.warning("outbox entry %s unreadable (%s); moved aside", path.name, exc)
+                path.rename(path.with_suffix(".corrupt"))
+        return out
+
+
+class Checkpoints:
+    """Per-round protocol state; keeps the latest few; a torn file is skipped."""
+
+    def __init__(self, directory: Path, keep: int = 3) -> None:
+        self.dir = directory
+        self.keep = keep
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._seq = max((self._number(p) for p in self.dir.glob("ckpt-*.bin")), default=0)
+
+    @staticmethod
+    def _number(path: Path) -> int:
+        try:
+            return int(path.stem.split("-")[1])
+        except (IndexError, ValueError):
+            return 0
+
+    def save(self, state: dict[str, Any]) -> Path:
+        self._seq += 1
+        path = self.dir / f"ckpt-{self._seq:08d}.bin"
+        write_atomic(path, tensors.encode({"saved": time.time(), "state": state}).chunks)
+        for old in sorted(self.dir.glob("ckpt-*.bin"), key=self._number)[: -self.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def latest(self) -> dict[str, Any] | None:
+        for path in sorted(self.dir.glob("ckpt-*.bin"), key=self._number, reverse=True):
+            try:
+                record = tensors.decode(bytearray(path.read_bytes()))
+                return record["state"]
+            except (tensors.CodecError, KeyError, TypeError, OSError) as exc:
+                log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, exc)
+        return None

@@ -1,0 +1,423 @@
+"""Peer transport over aiohttp: one message endpoint (server) and a resilient client.
+
+Server: `POST /p2pfl/v1/message` streams the body. It reads the frame prefix,
+header and signature first and verifies them (size limit, sender, signature,
+clock, replay) before it reads a single payload byte; then it reads the payload
+into one buffer while hashing it, and hands the verified frame to the node.
+Anything rejected gets a 4xx with a JSON body `{"reason": CODE}`.
+
+Client: one pooled session for all peers; per-peer retries with exponential
+backoff and full jitter; a per-peer circuit breaker so a dead peer costs one
+fast failure instead of a timeout per message. With TLS configured the client
+only speaks https and the server only listens with TLS: no plaintext fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.payload import Payload
+
+from p2pfl.config import TransportSection, parse_hostport
+from p2pfl.wire import PREFIX_LEN, SIG_LEN, Header, OutgoingMessage, WireCodec, WireError
+
+log = logging.getLogger(__name__)
+
+MESSAGE_PATH = "/p2pfl/v1/message"
+READ_CHUNK = 1 << 20
+
+# HTTP status per rejection reason (4xx: the sender's problem, do not retry blindly).
+STATUS_FOR_REASON = {
+    "oversize": 413,
+    "undecodable_header": 400,
+    "unsupported_version": 400,
+    "wrong_federation": 403,
+    "unknown_sender": 403,
+    "wrong_recipient": 421,
+    "bad_signature": 401,
+    "stale_timestamp": 401,
+    "replayed": 409,
+    "digest_mismatch": 400,
+    "decryption_failed": 400,
+    "payload_schema": 422,
+    "rate_limited": 429,
+    "queue_full": 503,
+    "not_ready": 404,
+    "no_handler": 404,
+    "handler_error": 500,
+    "truncated": 400,
+}
+RETRYABLE = {429, 500, 502, 503, 504}
+
+
+class Rejection(Exception):
+    """A refusal decided after the frame was verified (queue full, no handler, ...)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class TransportError(Exception):
+    def __init__(self, peer: str, reason: str, status: int | None = None) -> None:
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class IncomingFrame:
+    """A frame whose header and payload digest are verified; payload not yet opened."""
+
+    header: Header
+    frame: bytearray  # the whole frame (prefix + header + signature + payload)
+    payload_offset: int
+    digest: bytes
+
+    @property
+    def payload(self) -> memoryview:
+        return memoryview(self.frame)[self.payload_offset :]
+
+
+# A node-side handler: returns (status, body bytes or None). Raises WireError to reject.
+FrameHandler = Callable[
+    [IncomingFrame], Awaitable[tuple[int, bytes | list[bytes | memoryview] | None]]
+]
+RejectHook = Callable[[str, str | None], None]
+
+
+class ChunksPayload(Payload):
+    """Sends a frame's chunks without joining them (no extra copy of the tensors)."""
+
+    def __init__(self, chunks: list[bytes | memoryview]) -> None:
+        super().__init__(b"", content_type="application/octet-stream")
+        self._chunks = chunks
+        self._size = sum(len(c) for c in chunks)
+
+    async def write(self, writer: Any) -> None:
+        for chunk in self._chunks:
+            await writer.write(chunk)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("binary frame")
+
+
+def _reject(reason: str, detail: str = "") -> web.Response:
+    return web.json_response(
+        {"reason": reason, "detail": detail[:200]}, status=STATUS_FOR_REASON.get(reason, 400)
+    )
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class MessageServer:
+    """The receiving side of the transport."""
+
+    def __init__(
+        self, codec: WireCodec, cfg: TransportSection, on_frame: FrameHandler, on_reject: RejectHook
+    ) -> None:
+        self.codec = codec
+        self.cfg = cfg
+        self.on_frame = on_frame
+        self.on_reject = on_reject
+        self._buckets: dict[str, TokenBucket] = {}
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+        # Fault injection for tests and drills (never set from config).
+        self.drop_from: set[str] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.codec.max_message_bytes)
+        app.router.add_post(MESSAGE_PATH, self.handle)
+        return app
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> int:
+        self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context, backlog=512)
+        await site.start()
+        for address in self.runner.addresses:
+            if isinstance(address, tuple):
+                self.port = int(address[1])
+                break
+        return self.port or port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    def _refuse(self, reason: str, detail: str = "", sender: str | None = None) -> web.Response:
+        self.on_reject(reason, sender)
+        return _reject(reason, detail)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > self.codec.max_message_bytes:
+            return self._refuse("oversize", f"{length} bytes")
+        stream = request.content
+        sender: str | None = None
+        try:
+            prefix = await stream.readexactly(PREFIX_LEN)
+            header_len = self.codec.header_length(prefix)
+            rest = await stream.readexactly(header_len + SIG_LEN)
+            header_bytes, signature = rest[:header_len], rest[header_len:]
+            sender = _claimed_sender(header_bytes)
+            header = self.codec.verify_header(header_bytes, signature, total_len=length)
+        except WireError as exc:
+            return self._refuse(exc.reason, exc.detail, sender)
+        except asyncio.IncompleteReadError:
+            return self._refuse("truncated", "frame ended early", sender)
+        if header.sender in self.drop_from:
+            raise web.HTTPServiceUnavailable()  # simulated partition
+        bucket = self._buckets.get(header.sender)
+        if bucket is None:
+            bucket = self._buckets[header.sender] = TokenBucket(
+                self.cfg.rate_limit_per_s, max(10.0, self.cfg.rate_limit_per_s)
+            )
+        if not bucket.take():
+            return self._refuse("rate_limited", "", header.sender)
+        offset = PREFIX_LEN + header_len + SIG_LEN
+        frame = bytearray(offset + header.payload_len)
+        view = memoryview(frame)
+        view[:PREFIX_LEN] = prefix
+        view[PREFIX_LEN:offset] = rest
+        digest = hashlib.sha256()
+        pos = offset
+        try:
+            while pos < len(frame):
+                chunk = await stream.readany()
+                if not chunk:
+                    return self._refuse(
+                        "truncated",
+                        f"payload ended at {pos - offset} of {header.payload_len} bytes",
+                        header.sender,
+                    )
+                n = len(chunk)
+                if pos + n > len(frame):
+                    return self._refuse(
+                        "digest_mismatch", "payload longer than the header says", header.sender
+                    )
+                view[pos : pos + n] = chunk
+                digest.update(chunk)
+                pos += n
+            if not stream.at_eof() and await stream.read(1):
+                return self._refuse(
+                    "digest_mismatch", "payload longer than the header says", header.sender
+                )
+        except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
+            return self._refuse("truncated", "connection closed mid-payload", header.sender)
+        incoming = IncomingFrame(header, frame, offset, digest.digest())
+        if incoming.digest != header.payload_sha256:
+            return self._refuse("digest_mismatch", "", header.sender)
+        try:
+            status, body = await self.on_frame(incoming)
+        except (WireError, Rejection) as exc:
+            return self._refuse(exc.reason, exc.detail, header.sender)
+        if body is None:
+            return web.json_response({"ok": True}, status=status)
+        if isinstance(body, list):
+            return web.Response(
+                body=ChunksPayload(body), status=status, content_type="application/octet-stream"
+            )
+        return web.Response(body=body, status=status, content_type="application/octet-stream")
+
+
+def _claimed_sender(header_bytes: bytes) -> str | None:
+    """Who the header says sent it (unverified; for rejection accounting only)."""
+    try:
+        return Header.unpack(header_bytes).sender[:64]
+    except WireError:
+        return None
+
+
+@dataclass
+class Breaker:
+    failures: int = 0
+    open_until: float = 0.0
+
+    def allow(self, now: float) -> bool:
+        return now >= self.open_until
+
+    def success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+    def failure(self, now: float, threshold: int, reset_s: float) -> None:
+        self.failures += 1
+        if self.failures >= threshold:
+            self.open_until = now + reset_s
+
+
+@dataclass
+class PeerLink:
+    name: str
+    url: str
+    breaker: Breaker = field(default_factory=Breaker)
+    extra_latency_s: float = 0.0  # fault injection for tests and drills
+    blocked: bool = False  # fault injection: drop everything to this peer
+
+
+class MessageClient:
+    """The sending side: one pooled session, retries, backoff with jitter, breakers."""
+
+    def __init__(self, cfg: TransportSection, ssl_context: ssl.SSLContext | None) -> None:
+        self.cfg = cfg
+        self.ssl_context = ssl_context
+        self.links: dict[str, PeerLink] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._rng = random.Random()
+
+    def set_peer(self, name: str, address: str) -> None:
+        host, port = parse_hostport(address)
+        host = f"[{host}]" if ":" in host else host
+        scheme = "https" if self.ssl_context is not None else "http"
+        url = f"{scheme}://{host}:{port}{MESSAGE_PATH}"
+        link = self.links.get(name)
+        if link is None:
+            self.links[name] = PeerLink(name, url)
+        else:
+            link.url = url
+
+    def remove_peer(self, name: str) -> None:
+        self.links.pop(name, None)
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=64,
+                limit_per_host=8,
+                ssl=self.ssl_context if self.ssl_context is not None else False,
+                keepalive_timeout=30,
+            )
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def breaker_open(self, peer: str) -> bool:
+        link = self.links.get(peer)
+        return link is not None and not link.breaker.allow(time.monotonic())
+
+    async def post(
+        self,
+        peer: str,
+        message: OutgoingMessage,
+        *,
+        timeout: float | None = None,
+        retries: int | None = None,
+        probe: bool = False,
+    ) -> tuple[int, bytes]:
+        """POST a frame; returns (status, body) of the final attempt or raises TransportError.
+
+        `probe` (heartbeats): go through even when the breaker is open; a success
+        closes it. So heartbeats are the half-open probe and data waits for them."""
+        link = self.links.get(peer)
+        if link is None:
+            raise TransportError(peer, "unknown_peer")
+        retries = self.cfg.retries if retries is None else retries
+        total = timeout or self.cfg.request_timeout_s
+        deadline = time.monotonic() + total
+        attempt = 0
+        last_reason = "unreachable"
+        while True:
+            now = time.monotonic()
+            if not probe and not link.breaker.allow(now):
+                raise TransportError(peer, "circuit_open")
+            try:
+                status, body = await self._attempt(link, message, max(0.05, deadline - now))
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                status, body = 0, b""
+                last_reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
+            if status and status not in RETRYABLE:
+                link.breaker.success()
+                return status, body
+            if status:
+                last_reason = _reason_of(body) or f"http_{status}"
+            link.breaker.failure(
+                time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
+            )
+            attempt += 1
+            if attempt > retries or time.monotonic() >= deadline:
+                raise TransportError(peer, last_reason, status or None)
+            # Exponential backoff with full jitter, bounded by the deadline.
+            cap = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * (2 ** (attempt - 1)))
+            await asyncio.sleep(
+                min(self._rng.uniform(0, cap), max(0.0, deadline - time.monotonic()))
+            )
+
+    async def _attempt(
+        self, link: PeerLink, message: OutgoingMessage, timeout: float
+    ) -> tuple[int, bytes]:
+        if link.blocked:
+            await asyncio.sleep(min(timeout, 0.05))
+            raise aiohttp.ClientConnectionError("blocked by fault injection")
+        if link.extra_latency_s:
+            await asyncio.sleep(link.extra_latency_s)
+        session = await self.session()
+        client_timeout = aiohttp.ClientTimeout(
+            total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
+        )
+        async with session.post(
+            link.url, data=ChunksPayload(message.chunks), timeout=client_timeout
+        ) as resp:
+            body = await resp.read()
+            return resp.status, body
+
+
+def _reason_of(body: bytes) -> str | None:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj.get("reason") if isinstance(obj, dict) else None
+
+
+def reason_of_response(status: int, body: bytes) -> str:
+    return _reason_of(body) or f"http_{status}"
+
+
+def server_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """Mutual TLS: peers must present a certificate signed by the federation's CA."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    ctx.load_cert_chain(cert, key)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def client_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx.load_cert_chain(cert, key)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx

@@ -126,31 +126,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def site_yaml(
-    name: str,
-    *,
-    federation: str,
-    port: int,
-    status_port: int,
-    protocol: dict,
-    data_source: str,
-    training: dict | None = None,
-    roster: str = "../roster.yaml",
-    seed: int = 0,
-) -> dict:
-    return {
-        "node": {"name": name, "listen": f"127.0.0.1:{port}", "state_dir": "state"},
-        "federation": {"id": federation, "roster": roster, "seed": seed},
-        "data": {"source": data_source},
-        "model": {"name": "small_cnn"},
-        "training": training or {"epochs": 1, "batch_size": 32, "lr": 0.001},
-        "protocol": protocol,
-        "selection": {"name": "random"},
-        "status": {"host": "127.0.0.1", "port": status_port},
-    }
-
-
 def cmd_provision(args: argparse.Namespace) -> int:
+    from node.localfed import provision
+
     names = [s.strip() for s in args.sites.split(",") if s.strip()]
     if len(names) < 2 or len(set(names)) != len(names):
         return _user_error(
@@ -161,37 +139,34 @@ def cmd_provision(args: argparse.Namespace) -> int:
             f"--protocol {args.protocol!r}: unknown — use one of {', '.join(protocol_names())}"
         )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cards = []
-    for i, name in enumerate(names):
-        identity = LocalIdentity.generate(name)
-        identity.save(out / name / "state" / "keys")
-        cards.append(identity.card(f"127.0.0.1:{args.base_port + i}"))
-    Roster(cards).save(out / "roster.yaml")
-    site_data = Path(args.site_data).resolve() if args.site_data else None
-    for i, name in enumerate(names):
-        if site_data is not None:
-            data_source = str(site_data / f"site_{i}.npz")
-        else:
-            data_source = args.data if args.data == "digits" else str(Path(args.data).resolve())
-        cfg = site_yaml(
-            name,
-            federation=args.federation,
-            port=args.base_port + i,
-            status_port=args.status_base_port + i,
-            protocol={"name": args.protocol, "rounds": args.rounds},
-            data_source=data_source,
-            seed=args.seed,
+    if args.site_data:
+        site_data = Path(args.site_data).resolve()
+        sources = [str(site_data / f"site_{i}.npz") for i in range(len(names))]
+        missing = [s for s in sources if not Path(s).exists()]
+        if missing:
+            return _user_error(
+                f"--site-data {args.site_data}: {missing[0]} not found — run `p2pfl-node partition --sites {len(names)}` first"
+            )
+    else:
+        sources = [args.data if args.data == "digits" else str(Path(args.data).resolve())] * len(
+            names
         )
-        (out / name / "site.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    if getattr(args, "compose", False):
-        from node.deploy import write_compose
-
-        write_compose(out, names, base_port=args.base_port, status_base_port=args.status_base_port)
+    ports = [args.base_port + i for i in range(len(names))]
+    status_ports = [args.status_base_port + i for i in range(len(names))]
+    provision(
+        out,
+        names,
+        protocol={"name": args.protocol, "rounds": args.rounds},
+        data_sources=sources,
+        ports=ports,
+        status_ports=status_ports,
+        federation=args.federation,
+        seed=args.seed,
+    )
     print(f"provisioned {len(names)} sites in {out}: roster {out / 'roster.yaml'}")
-    for i, name in enumerate(names):
+    for name, port, status_port in zip(names, ports, status_ports, strict=True):
         print(
-            f"  {name}: p2pfl-node --config {out / name / 'site.yaml'}   (peer port {args.base_port + i}, status http://127.0.0.1:{args.status_base_port + i}/)"
+            f"  {name}: p2pfl-node --config {out / name / 'site.yaml'}   (peer port {port}, status http://127.0.0.1:{status_port}/)"
         )
     return 0
 
@@ -288,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of site_<i>.npz files from `p2pfl-node partition`",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compose", action="store_true", help="also write compose.yaml")
     p.set_defaults(func=cmd_provision)
 
     p = sub.add_parser("roster", help="edit the roster: add a public card, remove a site, list")

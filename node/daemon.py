@@ -159,6 +159,8 @@ class Node:
         self.trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-train")
         self.restored_state: dict[str, Any] | None = None
         self._spool_ts: dict[str, int] = {}  # message id -> header timestamp, for the journal
+        self.protocol_messages_sent = 0
+        self.protocol_bytes_sent = 0
         self.protocol_done = False
         self.protocol_failed: str | None = None
         self.stopping = asyncio.Event()
@@ -430,7 +432,7 @@ class Node:
             round=header.round,
             encrypt=self.cfg.wire.encryption,
         )
-        self.telemetry.record_sent(header.sender, RESPONSE_PREFIX + kind, reply.nbytes)
+        self._count_sent(header.sender, RESPONSE_PREFIX + kind, reply.nbytes)
         return 200, reply.chunks
 
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
@@ -460,6 +462,11 @@ class Node:
         return 200, None
 
     # ------------------------------------------------------------------ sending
+    def _count_sent(self, peer: str, kind: str, nbytes: int) -> None:
+        self.telemetry.record_sent(peer, kind, nbytes)
+        self.protocol_messages_sent += 1
+        self.protocol_bytes_sent += nbytes
+
     async def send_push(self, peer: str, kind: str, payload: Any, round: int) -> None:
         if peer not in self.client.links:
             raise PeerUnavailable(peer, "not in roster")
@@ -484,7 +491,7 @@ class Node:
         except TransportError as exc:
             raise PeerUnavailable(entry.peer, exc.reason) from None
         if status == 200 or (status == 409 and reason_of_response(status, body) == "replayed"):
-            self.telemetry.record_sent(entry.peer, entry.kind, message.nbytes)
+            self._count_sent(entry.peer, entry.kind, message.nbytes)
             return
         raise PeerUnavailable(entry.peer, reason_of_response(status, body))
 
@@ -527,7 +534,7 @@ class Node:
                     raise PeerUnavailable(peer, reason) from None
                 await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 continue
-            self.telemetry.record_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
+            self._count_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
             if status == 200:
                 return self._open_response(peer, kind, body)
             reason = reason_of_response(status, body)

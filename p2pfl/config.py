@@ -156,7 +156,9 @@ class TrainingSection(Section):
 class SelectionSection(Section):
     name: Literal["random", "n_latest", "f1", "cosine"] = "random"
     n: int = Field(1, ge=0, description="n_latest: how many recent neighbours to avoid")
-    prefer: Literal["dissimilar", "similar"] = "dissimilar"
+    prefer: Literal["dissimilar", "similar"] | None = Field(
+        None, description="default: the heuristic's own (f1: dissimilar, cosine: similar)"
+    )
     vector: Literal["f1", "model_stats"] = Field(
         "f1", description="cosine: compare per-class F1 or model statistics"
     )

@@ -116,7 +116,7 @@ class RoundContext(ABC):
         """What the node is doing now (train, exchange, aggregate, evaluate, done)."""
         self.phase = phase
 
-    def record_choice(self, chosen: list[str]) -> None:
+    def record_choice(self, chosen: list[str]) -> None:  # noqa: B027 - optional hook, no-op by default
         """Who this node chose as neighbours this round (for /peers)."""
 
     async def sleep(self, seconds: float) -> None:

@@ -1,0 +1,257 @@
+"""Run a federation of real node processes on this machine (loopback only).
+
+Used by `p2pfl-node provision`, `make demo`, the benchmarks and the tests:
+provision keys, roster and one site.yaml per site; start each node as its own
+`p2pfl-node` process; watch them through their status endpoints; stop them
+(SIGTERM, then SIGKILL after a grace period). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from p2pfl.identity import LocalIdentity, Roster
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct currently-free loopback TCP ports."""
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def site_config(
+    name: str,
+    *,
+    federation: str,
+    port: int,
+    status_port: int,
+    protocol: dict[str, Any],
+    data_source: str,
+    seed: int = 0,
+) -> dict[str, Any]:
+    return {
+        "node": {"name": name, "listen": f"127.0.0.1:{port}", "state_dir": "state"},
+        "federation": {"id": federation, "roster": "../roster.yaml", "seed": seed},
+        "data": {"source": data_source},
+        "model": {"name": "small_cnn"},
+        "training": {"epochs": 1, "batch_size": 32, "lr": 0.001, "seed": seed},
+        "protocol": protocol,
+        "selection": {"name": "random"},
+        "status": {"host": "127.0.0.1", "port": status_port},
+    }
+
+
+@dataclass
+class SitePlan:
+    name: str
+    config_path: Path
+    port: int
+    status_port: int
+
+
+def provision(
+    out: Path,
+    names: list[str],
+    *,
+    protocol: dict[str, Any],
+    data_sources: list[str] | str = "digits",
+    ports: list[int] | None = None,
+    status_ports: list[int] | None = None,
+    federation: str = "local",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    per_site: dict[str, dict[str, Any]] | None = None,
+) -> list[SitePlan]:
+    """Keys, one roster and one site.yaml per site under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    ports = ports or free_ports(len(names))
+    status_ports = status_ports or free_ports(len(names))
+    sources = [data_sources] * len(names) if isinstance(data_sources, str) else list(data_sources)
+    cards = []
+    for name, port in zip(names, ports, strict=True):
+        identity = LocalIdentity.generate(name)
+        identity.save(out / name / "state" / "keys")
+        cards.append(identity.card(f"127.0.0.1:{port}"))
+    Roster(cards).save(out / "roster.yaml")
+    plans = []
+    for i, name in enumerate(names):
+        cfg = site_config(
+            name,
+            federation=federation,
+            port=ports[i],
+            status_port=status_ports[i],
+            protocol=protocol,
+            data_source=sources[i],
+            seed=seed,
+        )
+        cfg = deep_merge(cfg, overrides or {})
+        cfg = deep_merge(cfg, (per_site or {}).get(name, {}))
+        path = out / name / "site.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        plans.append(SitePlan(name, path, ports[i], status_ports[i]))
+    return plans
+
+
+@dataclass
+class NodeProcess:
+    plan: SitePlan
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def start(self) -> NodeProcess:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "node.cli", "--config", str(self.plan.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(10)
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def get(self, path: str, timeout: float = 2.0) -> Any:
+        """GET a status route; JSON decoded when it is JSON. Raises OSError when down."""
+        url = f"http://127.0.0.1:{self.plan.status_port}{path}"
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback status endpoint
+            body = resp.read()
+            if resp.headers.get_content_type() == "application/json":
+                return json.loads(body)
+            return body.decode()
+
+    def status(self) -> dict[str, Any] | None:
+        try:
+            return self.get("/status")
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str = "condition"
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            last = self.status()
+            if last is not None and predicate(last):
+                return last
+            if not self.running:
+                raise RuntimeError(
+                    f"{self.name} exited ({self.proc.returncode if self.proc else '?'}) while waiting for {what}; log: {self.log_tail()}"
+                )
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"{self.name}: {what} not reached in {timeout:.0f} s; last status: {json.dumps(last)[:600]}"
+        )
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class LocalFederation:
+    """Context manager: start every node, always stop them all."""
+
+    def __init__(
+        self, plans: list[SitePlan], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.nodes = {p.name: NodeProcess(p, log_dir / f"{p.name}.log", env or {}) for p in plans}
+
+    def __enter__(self) -> LocalFederation:
+        for node in self.nodes.values():
+            node.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def stop_all(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        for node in self.nodes.values():
+            node.signal(signal.SIGTERM)
+        return {name: node.stop(grace_s) for name, node in self.nodes.items()}
+
+    def __getitem__(self, name: str) -> NodeProcess:
+        return self.nodes[name]
+
+    def wait_all_exit(self, timeout: float) -> dict[str, int | None]:
+        deadline = time.monotonic() + timeout
+        return {
+            name: node.wait(max(0.1, deadline - time.monotonic()))
+            for name, node in self.nodes.items()
+        }

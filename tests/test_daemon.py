@@ -1,0 +1,351 @@
+"""The daemon as an admin runs it: real `p2pfl-node` processes on loopback.
+
+A test that needs to play a misbehaving or crashing peer holds that peer's real
+keys and speaks the real wire format to the node under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.localfed import LocalFederation, provision
+from node.transport import MESSAGE_PATH
+from p2pfl.identity import LocalIdentity, Roster
+from p2pfl.wire import WireCodec
+
+pytestmark = pytest.mark.slow
+
+FAST = {
+    "transport": {
+        "heartbeat_s": 0.3,
+        "suspect_after_s": 1.5,
+        "dead_after_s": 3.0,
+        "retries": 0,
+        "backoff_base_s": 0.05,
+    }
+}
+
+
+def post(port: int, frame: bytes, timeout: float = 10.0) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def peer_codec(fed_dir: Path, name: str) -> WireCodec:
+    """The wire codec of a site whose daemon is not running (the test plays it)."""
+    keys = fed_dir / name / "state" / "keys"
+    ident = LocalIdentity.load(name, keys / f"{name}.sign.pem", keys / f"{name}.kex.pem")
+    return WireCodec(ident, Roster.load(fed_dir / "roster.yaml"), "local")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+class Heartbeats:
+    """A background thread sending signed heartbeats as a test-played site."""
+
+    def __init__(self, codec: WireCodec, port: int, to: str, round: int = 0) -> None:
+        self.codec, self.port, self.to, self.round = codec, port, to, round
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 120  # bounded even if a test forgets to stop it
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            beat = {
+                "round": self.round,
+                "phase": "test",
+                "done": False,
+                "bye": False,
+                "meta": {},
+                "edges": [],
+                "choices": [],
+            }
+            with contextlib.suppress(OSError):
+                post(self.port, self.codec.encode("heartbeat", self.to, beat).to_bytes(), timeout=2)
+            self.stop.wait(0.3)
+
+    def __enter__(self) -> Heartbeats:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_three_nodes_exchange_and_reject_bad_messages(tmp_path):
+    probe = {
+        "name": "probe",
+        "rounds": 4,
+        "payload_kb": 16,
+        "round_timeout_s": 20,
+        "interval_s": 0.5,
+    }
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b", "c"],
+        protocol=probe,
+        overrides={**FAST, "wire": {"max_message_bytes": 65536}},
+    )
+    mallory = LocalIdentity.generate("mallory")
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        for name in "abc":
+            fed[name].wait_for(lambda s: s["phase"] == "done", 90, "probe rounds done")
+        # Every node got a probe from each of the two others in every round.
+        for name in "abc":
+            lines = [
+                json.loads(x)
+                for x in (tmp_path / "fed" / name / "state" / "metrics.jsonl")
+                .read_text()
+                .splitlines()
+            ]
+            assert [x["round"] for x in lines] == [1, 2, 3, 4]
+            assert all(x["received"] == 2 and x["sent"] == 2 for x in lines), lines
+        graph = fed["a"].get("/peers")
+        assert {n["id"] for n in graph["nodes"]} == {"a", "b", "c"}
+        assert {(e["source"], e["target"]) for e in graph["edges"]} >= {
+            ("a", "b"),
+            ("b", "a"),
+            ("a", "c"),
+            ("c", "a"),
+        }
+
+        # Now misbehave against node a, playing b (whose real key we hold) and mallory.
+        b = peer_codec(tmp_path / "fed", "b")
+        port = plans[0].port
+        good = b.encode("probe", "a", {"round": 99, "tensor": torch.zeros(4)}, round=99).to_bytes()
+        assert post(port, good)[0] == 200
+        status, body = post(port, good)
+        assert (status, body["reason"]) == (409, "replayed")
+        tampered = bytearray(b.encode("probe", "a", {"x": 1}).to_bytes())
+        tampered[20] ^= 0xFF  # inside the signed header
+        status, body = post(port, bytes(tampered))
+        assert status == 401 or body["reason"] in ("bad_signature", "undecodable_header")
+        forged = bytearray(b.encode("probe", "a", {"x": 1}).to_bytes())
+        forged[8 + int.from_bytes(forged[4:8], "big") + 10] ^= 0x01  # inside the signature
+        assert post(port, bytes(forged)) == (401, {"reason": "bad_signature", "detail": "from 'b'"})
+        outsider = WireCodec(
+            mallory,
+            Roster(
+                [
+                    *Roster.load(tmp_path / "fed" / "roster.yaml").cards(),
+                    mallory.card("127.0.0.1:1"),
+                ]
+            ),
+            "local",
+        )
+        status, body = post(port, outsider.encode("probe", "a", {"x": 1}).to_bytes())
+        assert (status, body["reason"]) == (403, "unknown_sender")
+        huge = b.encode("probe", "a", {"tensor": torch.zeros(40_000)}).to_bytes()
+        status, body = post(port, huge)
+        assert (status, body["reason"]) == (413, "oversize")
+        status, body = post(port, b"\x00" * 64)
+        assert (status, body["reason"]) == (400, "undecodable_header")
+
+        st = fed["a"].status()
+        for reason in (
+            "replayed",
+            "bad_signature",
+            "unknown_sender",
+            "oversize",
+            "undecodable_header",
+        ):
+            assert st["rejected"].get(reason, 0) >= 1, (reason, st["rejected"])
+        prom = fed["a"].get("/metrics")
+        assert metric_value(prom, "p2pfl_rejected_total", reason="bad_signature") >= 1
+        assert metric_value(prom, "p2pfl_rejected_total", reason="oversize") == 1
+        assert metric_value(prom, "p2pfl_messages_total", direction="received", kind="probe") >= 8
+        # Still healthy after all that.
+        assert fed["a"].get("/healthz").strip() == "ok"
+
+
+def test_crash_after_ack_processes_the_message_exactly_once(tmp_path):
+    # b is a real daemon; the test plays a (heartbeats + probes) with a's real keys.
+    probe = {"name": "probe", "rounds": 2, "payload_kb": 4, "round_timeout_s": 8}
+    plans = provision(tmp_path / "fed", ["a", "b"], protocol=probe, overrides=FAST)
+    plan_b = plans[1]
+    a = peer_codec(tmp_path / "fed", "a")
+    fed = LocalFederation([plan_b], tmp_path / "logs")
+    node_b = fed["b"]
+    spool = tmp_path / "fed" / "b" / "state" / "spool"
+    journal = tmp_path / "fed" / "b" / "state" / "journal.jsonl"
+    with fed, Heartbeats(a, plan_b.port, "b"):
+        node_b.wait_for(lambda s: s["round"] == 1, 60, "round 1 started")
+        # A probe for round 2 arrives while b still waits for round 1: b takes it
+        # but only checkpoints it at the end of round 1. Kill b right after the ack.
+        early = a.encode("probe", "b", {"round": 2, "from": "a", "tensor": torch.ones(8)}, round=2)
+        assert post(plan_b.port, early.to_bytes())[0] == 200
+        node_b.kill()
+        early_id = early.header.id_hex
+        assert (spool / f"{early_id}.frame").exists(), "acknowledged message must be on disk"
+        node_b.start()
+        node_b.wait_for(lambda s: s["round"] >= 1, 60, "restarted")
+        # The sender did not trust the lost connection and retries the same message.
+        status, body = post(plan_b.port, early.to_bytes())
+        assert status in (200, 409), body
+        on_time = a.encode(
+            "probe", "b", {"round": 1, "from": "a", "tensor": torch.ones(8)}, round=1
+        )
+        assert post(plan_b.port, on_time.to_bytes())[0] == 200
+        node_b.wait_for(lambda s: s["phase"] == "done", 60, "b done")
+    ids = [json.loads(x)["id"] for x in journal.read_text().splitlines()]
+    assert ids.count(early_id) == 1 and ids.count(on_time.header.id_hex) == 1, ids
+    last = json.loads(
+        (tmp_path / "fed" / "b" / "state" / "metrics.jsonl").read_text().splitlines()[-1]
+    )
+    assert last["received_total"] == 2  # two distinct probes, each counted once
+    assert "1 spooled messages re-queued" in node_b.log_path.read_text()
+    assert not list(spool.glob("*.frame"))
+
+
+def alive(name: str):
+    return lambda s: any(p["name"] == name and p["state"] == "alive" for p in s["peers"])
+
+
+def test_late_joiner_is_seen_and_a_killed_node_is_declared_dead(tmp_path):
+    probe = {
+        "name": "probe",
+        "rounds": 1000,
+        "payload_kb": 1,
+        "round_timeout_s": 2,
+        "interval_s": 0.3,
+    }
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b", "c"],
+        protocol=probe,
+        overrides={**FAST, "node": {"startup_wait_s": 1}},
+    )
+    fed = LocalFederation(plans, tmp_path / "logs")
+    with fed:
+        fed["c"].kill()  # c starts late
+        fed["a"].wait_for(alive("b"), 60, "b alive at a")
+        time.sleep(2)
+        fed["c"].start()
+        fed["a"].wait_for(alive("c"), 30, "late c alive at a")
+        fed["c"].wait_for(alive("a"), 30, "a alive at c")
+        round_before = fed["a"].status()["round"]
+        fed["c"].kill()
+        killed_at = time.monotonic()
+        fed["a"].wait_for(
+            lambda s: any(p["name"] == "c" and p["state"] == "dead" for p in s["peers"]),
+            15,
+            "c dead at a",
+        )
+        assert time.monotonic() - killed_at <= 3.0 + 2.0  # dead_after_s plus a heartbeat or two
+        # a and b carry on without c.
+        fed["a"].wait_for(lambda s: s["round"] >= round_before + 3, 30, "a keeps going")
+        fed["b"].wait_for(lambda s: s["round"] >= round_before + 3, 30, "b keeps going")
+
+
+def test_graceful_stop_tells_peers_and_resumes_from_checkpoint(tmp_path):
+    probe = {
+        "name": "probe",
+        "rounds": 1000,
+        "payload_kb": 1,
+        "round_timeout_s": 2,
+        "interval_s": 0.2,
+    }
+    plans = provision(tmp_path / "fed", ["a", "b"], protocol=probe, overrides=FAST)
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        fed["b"].wait_for(lambda s: s["round"] >= 3, 60, "b at round 3")
+        assert fed["b"].stop() == 0
+        st = fed["a"].wait_for(lambda s: s["peers"][0]["state"] == "dead", 2.5, "goodbye seen")
+        stopped_round = max(
+            json.loads(x)["round"]
+            for x in (tmp_path / "fed" / "b" / "state" / "metrics.jsonl").read_text().splitlines()
+        )
+        fed["b"].start()
+        st = fed["b"].wait_for(lambda s: s["round"] > stopped_round, 60, "b resumed")
+        rounds = [
+            json.loads(x)["round"]
+            for x in (tmp_path / "fed" / "b" / "state" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert rounds == sorted(rounds) and len(rounds) == len(set(rounds)), (
+            "a resumed node repeats no round"
+        )
+        assert st["round"] > stopped_round
+
+
+def test_bind_errors_and_public_status_without_token_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    probe = {"name": "probe", "rounds": 1}
+    plans = provision(
+        tmp_path / "fed", ["a", "b"], protocol=probe, overrides={"status": {"host": "0.0.0.0"}}
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "node.cli", "--config", str(plans[0].config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode == 2
+        and "status" in out.stderr
+        and "token" in out.stderr
+        and "Traceback" not in out.stderr
+    )
+    plans = provision(tmp_path / "fed2", ["a", "b"], protocol=probe)
+    with __import__("socket").socket() as busy:
+        busy.bind(("127.0.0.1", plans[0].port))
+        busy.listen()
+        out = subprocess.run(
+            [sys.executable, "-m", "node.cli", "--config", str(plans[0].config_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2 and "node.listen" in out.stderr and "Traceback" not in out.stderr, (
+        out.stderr
+    )
+
+
+@pytest.mark.browser
+def test_dashboard_of_a_running_node_shows_every_peer(tmp_path):
+    from browser_util import dump_dom_sync, screenshot_sync
+
+    probe = {
+        "name": "probe",
+        "rounds": 1000,
+        "payload_kb": 1,
+        "round_timeout_s": 2,
+        "interval_s": 0.3,
+    }
+    plans = provision(tmp_path / "fed", ["a", "b", "c"], protocol=probe, overrides=FAST)
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        fed["a"].wait_for(
+            lambda s: s["round"] >= 2 and all(p["state"] == "alive" for p in s["peers"]),
+            60,
+            "federation up",
+        )
+        url = f"http://127.0.0.1:{plans[0].status_port}/"
+        dom = dump_dom_sync(url, virtual_time_ms=4000)
+        peers_drawn = set(re.findall(r'data-peer="([^"]+)"', dom))
+        assert {"a", "b", "c"} <= peers_drawn, peers_drawn
+        png = screenshot_sync(url, tmp_path / "dashboard.png")
+        assert png.stat().st_size > 10_000
+        digest = hashlib.sha256(png.read_bytes()).hexdigest()
+        assert digest  # the screenshot exists and is readable

@@ -1,0 +1,209 @@
+"""Aggregation of model state dicts: pure functions over dict[str, Tensor].
+
+`states[own]` is this node's model; the others are its neighbours'. Every
+function returns a new state dict with the keys and dtypes of `states[own]`.
+
+- `weighted_mean`: FedAvg's sum_k (n_k / n) w_k (DFU Alg. 2 line 9, applied
+  by each node to itself and its neighbours in FedAVGP2P).
+- `coordinate_median`, `trimmed_mean`: robust to a minority of arbitrary
+  models (coordinate-wise median / beta-trimmed mean, Yin et al. 2018).
+- `norm_clip`: each neighbour's update w_j - w_own is scaled down to at most
+  `clip_norm` in L2 norm (all float entries together) before the weighted mean,
+  so one huge update cannot drag the model far.
+
+Non-float entries (BatchNorm's `num_batches_tracked`, integer buffers) are
+not averaged: the node keeps its own value. Arithmetic runs in float64 and is
+cast back to each entry's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+StateDict = Mapping[str, Tensor]
+Method = Literal["mean", "median", "trimmed_mean", "norm_clip"]
+
+
+class AggregationError(ValueError):
+    """States that cannot be combined; `reason` is a stable code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _check(states: Sequence[StateDict], own: int, weights: Sequence[float] | None = None) -> None:
+    if not states:
+        raise AggregationError("no_states", "nothing to aggregate")
+    if not 0 <= own < len(states):
+        raise AggregationError(
+            "bad_own_index", f"own={own} is not an index of {len(states)} states"
+        )
+    reference = states[own]
+    for i, state in enumerate(states):
+        if set(state) != set(reference):
+            missing = sorted(set(reference) - set(state))[:3]
+            extra = sorted(set(state) - set(reference))[:3]
+            raise AggregationError(
+                "key_mismatch", f"state {i} does not match ours: missing {missing}, extra {extra}"
+            )
+        for key, value in state.items():
+            if tuple(value.shape) != tuple(reference[key].shape):
+                raise AggregationError(
+                    "shape_mismatch",
+                    f"state {i} entry {key} has shape {tuple(value.shape)}, ours {tuple(reference[key].shape)}",
+                )
+    if weights is not None:
+        if len(weights) != len(states):
+            raise AggregationError(
+                "bad_weights", f"{len(weights)} weights for {len(states)} states"
+            )
+        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise AggregationError(
+                "bad_weights", f"weights must be >= 0 with a positive sum, got {list(weights)}"
+            )
+
+
+def _averaged(value: Tensor) -> bool:
+    return value.is_floating_point()
+
+
+def _stack(states: Sequence[StateDict], key: str) -> Tensor:
+    return torch.stack([s[key].detach().to("cpu", torch.float64) for s in states])
+
+
+def weighted_mean(
+    states: Sequence[StateDict], weights: Sequence[float], *, own: int = 0
+) -> dict[str, Tensor]:
+    """sum_k (w_k / sum w) * state_k for float entries; our own value for the rest."""
+    _check(states, own, weights)
+    total = float(sum(weights))
+    coeffs = torch.tensor([w / total for w in weights], dtype=torch.float64)
+    out: dict[str, Tensor] = {}
+    for key, mine in states[own].items():
+        if not _averaged(mine):
+            out[key] = mine.detach().clone()
+            continue
+        stacked = _stack(states, key)
+        mean = torch.tensordot(coeffs, stacked, dims=1)
+        out[key] = mean.to(mine.dtype)
+    return out
+
+
+def coordinate_median(states: Sequence[StateDict], *, own: int = 0) -> dict[str, Tensor]:
+    """Coordinate-wise median (the mean of the two middle values for an even count)."""
+    _check(states, own)
+    out: dict[str, Tensor] = {}
+    for key, mine in states[own].items():
+        if not _averaged(mine):
+            out[key] = mine.detach().clone()
+            continue
+        ordered = _stack(states, key).sort(dim=0).values
+        m = len(states)
+        median = ordered[m // 2] if m % 2 else 0.5 * (ordered[m // 2 - 1] + ordered[m // 2])
+        out[key] = median.to(mine.dtype)
+    return out
+
+
+def trimmed_mean(
+    states: Sequence[StateDict], trim_ratio: float, *, own: int = 0
+) -> dict[str, Tensor]:
+    """Coordinate-wise mean after cutting the floor(trim_ratio * m) largest and
+    smallest values of each coordinate (m = number of states); with too few
+    states to cut anything it is the plain mean."""
+    if not 0.0 <= trim_ratio < 0.5:
+        raise AggregationError(
+            "bad_trim_ratio", f"trim_ratio must be in [0, 0.5), got {trim_ratio}"
+        )
+    _check(states, own)
+    m = len(states)
+    cut = int(math.floor(trim_ratio * m))
+    out: dict[str, Tensor] = {}
+    for key, mine in states[own].items():
+        if not _averaged(mine):
+            out[key] = mine.detach().clone()
+            continue
+        stacked = _stack(states, key)
+        if cut:
+            stacked = stacked.sort(dim=0).values[cut : m - cut]
+        out[key] = stacked.mean(dim=0).to(mine.dtype)
+    return out
+
+
+def update_norm(state: StateDict, reference: StateDict) -> float:
+    """L2 norm of state - reference over all float entries together."""
+    total = 0.0
+    for key, ref in reference.items():
+        if _averaged(ref):
+            diff = state[key].detach().to("cpu", torch.float64) - ref.detach().to(
+                "cpu", torch.float64
+            )
+            total += float((diff * diff).sum())
+    return math.sqrt(total)
+
+
+def norm_clip(
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    clip_norm: float | None = None,
+    *,
+    own: int = 0,
+) -> dict[str, Tensor]:
+    """w_own + sum_k (n_k / n) * clip(w_k - w_own), where clip scales an update
+    down to L2 norm `clip_norm`. Without `clip_norm`, the bound is the median of
+    the neighbours' update norms (adaptive: a lone huge update is cut to the
+    size of the typical one)."""
+    _check(states, own, weights)
+    reference = states[own]
+    norms = [update_norm(s, reference) for s in states]
+    if clip_norm is None:
+        others = sorted(n for i, n in enumerate(norms) if i != own)
+        if not others:
+            return {k: v.detach().clone() for k, v in reference.items()}
+        mid = len(others) // 2
+        clip_norm = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
+    elif clip_norm <= 0:
+        raise AggregationError("bad_clip_norm", f"clip_norm must be > 0, got {clip_norm}")
+    scales = [1.0 if n <= clip_norm or n == 0.0 else clip_norm / n for n in norms]
+    total = float(sum(weights))
+    out: dict[str, Tensor] = {}
+    for key, mine in reference.items():
+        if not _averaged(mine):
+            out[key] = mine.detach().clone()
+            continue
+        base = mine.detach().to("cpu", torch.float64)
+        step = torch.zeros_like(base)
+        for state, weight, scale in zip(states, weights, scales, strict=True):
+            step += (weight / total) * scale * (state[key].detach().to("cpu", torch.float64) - base)
+        out[key] = (base + step).to(mine.dtype)
+    return out
+
+
+def aggregate(
+    method: Method,
+    states: Sequence[StateDict],
+    weights: Sequence[float],
+    *,
+    own: int = 0,
+    trim_ratio: float = 0.2,
+    clip_norm: float | None = None,
+) -> dict[str, Tensor]:
+    """Dispatch on FedAvgP2PParams.aggregation. Median and trimmed mean ignore
+    the weights (a sample count is a claim a faulty peer can inflate)."""
+    if method == "mean":
+        return weighted_mean(states, weights, own=own)
+    if method == "median":
+        return coordinate_median(states, own=own)
+    if method == "trimmed_mean":
+        return trimmed_mean(states, trim_ratio, own=own)
+    if method == "norm_clip":
+        return norm_clip(states, weights, clip_norm, own=own)
+    raise AggregationError(
+        "unknown_method",
+        f"unknown aggregation {method!r}: use mean, median, trimmed_mean or norm_clip",
+    )

@@ -1,0 +1,120 @@
+"""Reference points measured in the same run as the P2P protocols.
+
+- `standalone`: every site trains alone, same model, data and epochs x rounds
+  as in the federation; no communication. The floor a federation must beat.
+- `centralized_fedavg`: server-based FedAvg (DFU Alg. 2), in one process, for
+  reference only: each round every site starts from the global model, trains
+  E local epochs, and the server replaces the global model with the
+  sample-count-weighted mean. Each site's test split is evaluated with the
+  global model.
+
+Both start from the federation's common initial model (`build_site`) and
+return per-site per-round records {node, round, macro_f1, accuracy, ...}.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from p2pfl.config import SiteConfig
+from protocols.aggregate import weighted_mean
+from protocols.fedavgp2p import build_site, evaluate_site
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BaselineResult:
+    name: str
+    records: list[dict[str, Any]]
+    wall_s: float
+
+    def mean_by_round(self, metric: str = "macro_f1") -> dict[int, float]:
+        by_round: dict[int, list[float]] = {}
+        for r in self.records:
+            if r.get(metric) is not None:
+                by_round.setdefault(r["round"], []).append(float(r[metric]))
+        return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
+
+    def rounds_to_threshold(self, threshold: float, metric: str = "macro_f1") -> int | None:
+        for r, value in self.mean_by_round(metric).items():
+            if value >= threshold:
+                return r
+        return None
+
+    def final(self, metric: str = "macro_f1") -> dict[str, float]:
+        """node -> value at its last logged round."""
+        out: dict[str, tuple[int, float]] = {}
+        for r in self.records:
+            if r.get(metric) is not None and r["round"] >= out.get(r["node"], (-1, 0.0))[0]:
+                out[r["node"]] = (r["round"], float(r[metric]))
+        return {node: value for node, (_, value) in sorted(out.items())}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "records": self.records, "wall_s": self.wall_s}
+
+
+def _rounds(configs: Sequence[SiteConfig], rounds: int | None) -> int:
+    if rounds is not None:
+        return rounds
+    return max(cfg.protocol.rounds for cfg in configs)
+
+
+def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> BaselineResult:
+    """Each site alone for `rounds` (default: the protocol's) x training.epochs epochs."""
+    start = time.perf_counter()
+    total = _rounds(configs, rounds)
+    records: list[dict[str, Any]] = []
+    for cfg in configs:
+        site = build_site(cfg)
+        for r in range(1, total + 1):
+            t0 = time.perf_counter()
+            fit = site.train_epochs()
+            train_s = time.perf_counter() - t0
+            metrics = evaluate_site(site)
+            metrics.pop("per_class_f1", None)
+            records.append(
+                {
+                    "node": cfg.node.name,
+                    "round": r,
+                    **metrics,
+                    "train_loss": fit["loss"],
+                    "train_s": train_s,
+                }
+            )
+        log.info("standalone %s: %s", cfg.node.name, records[-1])
+    return BaselineResult("standalone", records, time.perf_counter() - start)
+
+
+def centralized_fedavg(
+    configs: Sequence[SiteConfig], *, rounds: int | None = None
+) -> BaselineResult:
+    """Server FedAvg over all sites every round (C = 1), weighted by num_train
+    (DFU Alg. 2 line 9: w_{t+1} = sum_k n_k / n * w_{t+1}^k)."""
+    start = time.perf_counter()
+    total = _rounds(configs, rounds)
+    sites = [build_site(cfg) for cfg in configs]
+    global_state = sites[0].state_dict()
+    weights = [float(site.num_train) for site in sites]
+    records: list[dict[str, Any]] = []
+    for r in range(1, total + 1):
+        local_states = []
+        train_s = 0.0
+        for site in sites:
+            site.load_state_dict(global_state)
+            t0 = time.perf_counter()
+            site.train_epochs()
+            train_s += time.perf_counter() - t0
+            local_states.append(site.state_dict())
+        global_state = weighted_mean(local_states, weights, own=0)
+        for cfg, site in zip(configs, sites, strict=True):
+            site.load_state_dict(global_state)
+            metrics = evaluate_site(site)
+            metrics.pop("per_class_f1", None)
+            records.append({"node": cfg.node.name, "round": r, **metrics, "train_s": train_s})
+    return BaselineResult("centralized_fedavg", records, time.perf_counter() - start)

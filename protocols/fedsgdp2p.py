@@ -1,0 +1,279 @@
+"""FedSGDP2P: gradient averaging without a server (DFU paper, Sec. 4, Alg. 4/6/8/10).
+
+Every node, every local step s of round r:
+  1. grad: the gradient of its loss on its next local batch    (Alg. 4 line 5)
+  2. offer: that gradient to whoever asks for (r, s)             (serve "grad")
+  3. choose neighbours with the configured heuristic and pull their (r, s)
+     gradients concurrently                                       (Alg. 4 line 6)
+  4. apply the batch-size-weighted mean of its own gradient and theirs with
+     its optimizer                                                (Alg. 4 line 7)
+A neighbour that fails or does not answer within `step_timeout_s` is skipped,
+and then left out for 1, 2, 4, ... steps (at most one round's worth) until it
+answers again: the step goes on with what arrived.
+
+A round is `training.epochs` passes over the local batches (each capped at
+`training.max_steps_per_epoch`); nodes gossip their steps per round so nobody
+waits for a step a smaller site never takes. After each round the node
+evaluates, gossips and checkpoints exactly like FedAVGP2P. Batches are not
+augmented here: neighbours' gradients are averaged as computed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from torch import Tensor
+
+from p2pfl.protocol_params import FedSGDP2PParams
+from p2pfl.train import LocalSite
+from protocols import selection
+from protocols.aggregate import weighted_mean
+from protocols.base import NotReady, PeerInfo, PeerUnavailable, Protocol, RoundContext
+from protocols.fedavgp2p import (
+    HISTORY_KEEP,
+    build_site,
+    evaluate_site,
+    incompatibility,
+    pull_concurrently,
+)
+
+log = logging.getLogger(__name__)
+
+GRAD_KIND = "grad"
+STEPS_KEY = "sgd_steps"
+GRADIENTS_KEPT = 8  # latest step gradients kept for slower neighbours
+
+
+def steps_per_round(site: LocalSite) -> int:
+    """Optimizer steps of one round: epochs x batches of at least 2 samples
+    (what BatchNorm can train on), each epoch capped at max_steps_per_epoch."""
+    t = site.training
+    n = site.num_train
+    per_epoch = n // t.batch_size + (1 if n % t.batch_size >= 2 else 0)
+    if t.max_steps_per_epoch is not None:
+        per_epoch = min(per_epoch, t.max_steps_per_epoch)
+    return t.epochs * per_epoch
+
+
+class FedSgdP2P(Protocol):
+    name = "fedsgdp2p"
+
+    def __init__(self, params: FedSGDP2PParams) -> None:
+        self.params = params
+        self.served: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
+        self.selection_history: list[list[str]] = []
+        self.gossip: dict[str, Any] = {}
+        self.latest: tuple[int, int] = (0, 0)
+        # neighbour -> (first step it may be asked again, consecutive failures)
+        self.backoff: dict[str, tuple[int, int]] = {}
+        self.steps_done = 0  # steps over all rounds: the clock of the backoff
+        self.max_skip = 1
+        self.timeouts = 0  # failed pulls this round
+
+    # ------------------------------------------------------------------ serving
+
+    def keep_for_peers(
+        self, round: int, step: int, grad: dict[str, Tensor], batch_size: int
+    ) -> None:
+        self.served[(round, step)] = {
+            "round": round,
+            "step": step,
+            "grad": grad,
+            "batch_size": batch_size,
+        }
+        self.latest = (round, step)
+        while len(self.served) > GRADIENTS_KEPT:
+            self.served.popitem(last=False)
+
+    async def serve_gradient(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
+        """'Your gradient of (r, s)'; NotReady until this node has computed it."""
+        key = (int(query.get("round", 0)), int(query.get("step", 0)))
+        if key in self.served:
+            return self.served[key]
+        if key > self.latest:
+            raise NotReady(f"step {key} not computed yet (latest {self.latest})")
+        return {"round": key[0], "step": key[1], "grad": None, "batch_size": 0, "reason": "gone"}
+
+    async def fetch_gradient(
+        self,
+        ctx: RoundContext,
+        round: int,
+        step: int,
+        reference: dict[str, Tensor],
+        peer: str,
+        timeout: float,
+    ) -> tuple[str, dict[str, Tensor], int] | None:
+        try:
+            reply = await ctx.request(peer, GRAD_KIND, {"round": round, "step": step}, timeout)
+        except PeerUnavailable as exc:
+            log.info("%s (%d, %d): no gradient from %s (%s)", ctx.me, round, step, peer, exc.reason)
+            self.failed(peer)
+            return None
+        if not isinstance(reply, dict) or reply.get("grad") is None:
+            return None
+        batch_size = reply.get("batch_size")
+        if (
+            reply.get("round") != round
+            or reply.get("step") != step
+            or not isinstance(batch_size, int)
+            or batch_size < 1
+        ):
+            log.warning("%s (%d, %d): malformed gradient reply from %s", ctx.me, round, step, peer)
+            return None
+        problem = incompatibility(reply["grad"], reference)
+        if problem is not None:
+            log.warning(
+                "%s (%d, %d): gradient from %s rejected (%s)", ctx.me, round, step, peer, problem
+            )
+            return None
+        return peer, reply["grad"], batch_size
+
+    # ------------------------------------------------------------------ the loop
+
+    def failed(self, peer: str) -> None:
+        """Skip a neighbour that did not answer for 1, 2, 4, ... steps (at most a
+        round's worth): a neighbour stalled for a moment is back at once, a dead
+        one costs a handful of timeouts per round rather than one per step."""
+        _, failures = self.backoff.get(peer, (0, 0))
+        skip = min(2**failures, self.max_skip)
+        self.backoff[peer] = (self.steps_done + 1 + skip, failures + 1)
+        self.timeouts += 1
+
+    def candidates(self, ctx: RoundContext, step: int) -> list[PeerInfo]:
+        """Alive peers that will take step `step` this round and are not backed off."""
+        out = []
+        for peer in ctx.peers():
+            if self.backoff.get(peer.name, (0, 0))[0] > self.steps_done:
+                continue
+            steps = peer.meta.get(STEPS_KEY)
+            if isinstance(steps, int) and steps < step:
+                continue
+            out.append(peer)
+        return out
+
+    async def run(self, ctx: RoundContext) -> None:
+        p = self.params
+        cfg = ctx.config
+        site: LocalSite = await ctx.train(build_site, cfg)
+        heuristic = selection.from_config(cfg.selection)
+        start = self.resume(ctx, site)
+        total_steps = steps_per_round(site)
+        self.max_skip = max(1, total_steps)
+        ctx.publish(STEPS_KEY, total_steps)
+        ctx.serve(GRAD_KIND, self.serve_gradient)
+        others = len(ctx.roster()) - 1
+
+        for r in range(start, p.rounds + 1):
+            ctx.round = r
+            round_start = time.perf_counter()
+            self.timeouts = 0
+            train_s = exchange_s = 0.0
+            losses: list[float] = []
+            neighbours_used = 0
+            step = 0
+            ctx.set_phase("train")
+            for _epoch in range(site.training.epochs):
+                for index, (x, y) in enumerate(site.batches("train")):
+                    cap = site.training.max_steps_per_epoch
+                    if cap is not None and index >= cap:
+                        break
+                    if len(y) < 2:
+                        continue
+                    step += 1
+                    self.steps_done += 1
+                    # 1. g = Gradient(w, data) (DFU Alg. 4 line 5), offered to the neighbours.
+                    t0 = time.perf_counter()
+                    grad = await ctx.train(site.compute_gradient, x, y)
+                    losses.append(site.last_loss if site.last_loss is not None else float("nan"))
+                    self.keep_for_peers(r, step, grad, len(y))
+                    train_s += time.perf_counter() - t0
+
+                    # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
+                    t0 = time.perf_counter()
+                    k = selection.neighbour_count(p.fraction, others)
+                    ranking = heuristic.select(
+                        ctx.me,
+                        self.candidates(ctx, step),
+                        k,
+                        round=r,
+                        step=step,
+                        seed=cfg.federation.seed,
+                        my_meta=self.gossip,
+                        history=self.selection_history,
+                    )
+                    fetch = functools.partial(self.fetch_gradient, ctx, r, step, grad)
+                    received = await pull_concurrently(ranking, k, p.step_timeout_s, fetch)
+                    received.sort(key=lambda item: item[0])
+                    exchange_s += time.perf_counter() - t0
+
+                    # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
+                    t0 = time.perf_counter()
+                    mean = weighted_mean(
+                        [grad] + [g for _, g, _ in received], [len(y)] + [n for _, _, n in received]
+                    )
+                    await ctx.train(site.apply_gradient, mean)
+                    train_s += time.perf_counter() - t0
+                    used = [peer for peer, _, _ in received]
+                    for peer in used:
+                        self.backoff.pop(peer, None)
+                    neighbours_used += len(used)
+                    self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
+                    self.update_recent(ctx)
+                    ctx.record_choice(used)
+
+            metrics: dict[str, Any] = {}
+            if r % p.eval_every == 0 or r == p.rounds:
+                ctx.set_phase("evaluate")
+                metrics = await ctx.train(evaluate_site, site)
+                stats = await ctx.train(site.model_stats_vector)
+                per_class = metrics.pop("per_class_f1")
+                if per_class is not None:
+                    self.gossip[selection.F1_KEY] = [float(v) for v in per_class]
+                    ctx.publish(selection.F1_KEY, self.gossip[selection.F1_KEY])
+                self.gossip[selection.MODEL_STATS_KEY] = [float(v) for v in stats]
+                ctx.publish(selection.MODEL_STATS_KEY, self.gossip[selection.MODEL_STATS_KEY])
+            ctx.log_metrics(
+                r,
+                **metrics,
+                train_loss=sum(losses) / len(losses) if losses else float("nan"),
+                train_s=train_s,
+                exchange_s=exchange_s,
+                round_s=time.perf_counter() - round_start,
+                steps=step,
+                neighbours=neighbours_used / step if step else 0.0,
+                timeouts=self.timeouts,
+            )
+            ctx.checkpoint(
+                {
+                    "protocol": self.name,
+                    "round": r,
+                    "model": site.state_dict(),
+                    "optimizer": site.optimizer_state(),
+                    "selection_history": self.selection_history,
+                    "gossip": self.gossip,
+                }
+            )
+        ctx.set_phase("done")
+
+    def update_recent(self, ctx: RoundContext) -> None:
+        recent = selection.recent_neighbours(self.selection_history, ctx.config.selection.n)
+        self.gossip[selection.RECENT_KEY] = recent
+        ctx.publish(selection.RECENT_KEY, recent)
+
+    def resume(self, ctx: RoundContext, site: LocalSite) -> int:
+        saved = ctx.restore()
+        if not saved or saved.get("protocol") != self.name:
+            return 1
+        site.load_state_dict(saved["model"])
+        site.load_optimizer_state(saved["optimizer"])
+        self.selection_history = [list(x) for x in saved.get("selection_history", [])]
+        self.gossip = dict(saved.get("gossip", {}))
+        for key, value in self.gossip.items():
+            ctx.publish(key, value)
+        ctx.round = int(saved["round"])
+        self.latest = (int(saved["round"]), 1 << 30)
+        return int(saved["round"]) + 1

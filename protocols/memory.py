@@ -1,0 +1,549 @@
+"""An in-memory federation: many nodes, one process, one event loop.
+
+`InMemoryNetwork` is the hub; `InMemoryContext` is one node's `RoundContext`
+over it. The same protocol code that runs in the daemon runs here, with real
+asyncio queues and timeouts, so fast tests and simulations of many sites
+exercise what the daemon does: a pull waits while the peer's handler says
+`NotReady`, a dead or partitioned peer raises `PeerUnavailable`, a silent one
+costs the full timeout. Every payload goes through `p2pfl.tensors.dumps` and
+`loads` (what would not survive the wire fails here too) and its bytes are
+counted against the node that sent it.
+
+Faults tests can inject:
+  network.kill(name)                 the node stops: its task is cancelled, every
+                                     message to or from it fails at once
+  network.partition(name, on=True)   cut off both ways; looks dead to the others
+  network.silence(name, on=True)     looks alive, never answers (costs timeouts)
+  network.set_latency(name, s)       one-way delay of every message to/from it
+
+`simulate(configs)` runs each site's protocol concurrently and returns per
+node per round records (macro_f1, accuracy, messages_sent, bytes_sent,
+train_s, round_s, ...), the neighbour choices and the traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from p2pfl.config import SiteConfig, config_from_dict
+from p2pfl.tensors import dumps, loads
+from protocols import from_params
+from protocols.base import Handler, NotReady, PeerInfo, PeerUnavailable, Received, RoundContext
+
+log = logging.getLogger(__name__)
+
+REQUEST_SUFFIX = ".request"
+
+
+@dataclass
+class KindTraffic:
+    messages: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Traffic:
+    """What one node sent: requests, responses and pushes (heartbeat gossip is not counted)."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    by_kind: dict[str, KindTraffic] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.messages_sent += 1
+        self.bytes_sent += nbytes
+        entry = self.by_kind.setdefault(kind, KindTraffic())
+        entry.messages += 1
+        entry.bytes += nbytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "messages_sent": self.messages_sent,
+            "bytes_sent": self.bytes_sent,
+            "by_kind": {
+                k: {"messages": v.messages, "bytes": v.bytes}
+                for k, v in sorted(self.by_kind.items())
+            },
+        }
+
+
+@dataclass
+class _Node:
+    name: str
+    config: SiteConfig | None
+    alive: bool = True
+    partitioned: bool = False
+    silent: bool = False
+    latency_s: float = 0.0
+    round: int = 0
+    phase: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    last_seen: float = 0.0
+    handlers: dict[str, Handler] = field(default_factory=dict)
+    inboxes: dict[str, asyncio.Queue[Received]] = field(default_factory=dict)
+    traffic: Traffic = field(default_factory=Traffic)
+    checkpoint: bytes | None = None
+    task: asyncio.Task[None] | None = None
+    round_events: dict[int, asyncio.Event] = field(default_factory=dict)
+
+
+class InMemoryNetwork:
+    """The hub every InMemoryContext talks through.
+
+    inline_train: run `ctx.train` work on the event loop instead of a worker
+    thread, so interleaving (and thus every result) repeats exactly.
+    checkpoint_dir: also write each node's checkpoint to DIR/<name>.ckpt.
+    poll_interval_s: how often a pull re-asks a handler that said NotReady.
+    """
+
+    def __init__(
+        self,
+        *,
+        inline_train: bool = False,
+        checkpoint_dir: str | Path | None = None,
+        poll_interval_s: float = 0.01,
+        send_timeout_s: float = 60.0,
+    ) -> None:
+        self.inline_train = inline_train
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.poll_interval_s = poll_interval_s
+        self.send_timeout_s = send_timeout_s
+        self._nodes: dict[str, _Node] = {}
+        self.records: list[dict[str, Any]] = []
+        self.choices: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ membership
+
+    def join(self, name: str, config: SiteConfig | None = None) -> InMemoryContext:
+        """Register a node, or give a known one a fresh context (a restarted
+        process): its checkpoint, traffic counters and injected faults stay,
+        its handlers and inboxes start empty. A killed node needs `revive`."""
+        node = self._nodes.get(name)
+        if node is None:
+            node = _Node(name=name, config=config)
+            self._nodes[name] = node
+        else:
+            node.handlers.clear()
+            node.inboxes.clear()
+            node.task = None
+            node.config = config or node.config
+        node.last_seen = time.monotonic()
+        if self.checkpoint_dir is not None and node.checkpoint is None:
+            path = self.checkpoint_dir / f"{name}.ckpt"
+            if path.exists():
+                node.checkpoint = path.read_bytes()
+        return InMemoryContext(self, node)
+
+    def names(self) -> list[str]:
+        return sorted(self._nodes)
+
+    def _node(self, name: str) -> _Node:
+        node = self._nodes.get(name)
+        if node is None:
+            raise PeerUnavailable(name, "unknown_peer")
+        return node
+
+    # ------------------------------------------------------------------ faults
+
+    def kill(self, name: str) -> None:
+        """Crash a node: it stops running and every message to/from it fails."""
+        node = self._node(name)
+        node.alive = False
+        if node.task is not None and not node.task.done():
+            node.task.cancel()
+        log.info("network: %s killed", name)
+
+    def revive(self, name: str) -> None:
+        """Let a killed node come back (it resumes from its checkpoint when run again)."""
+        self._node(name).alive = True
+
+    def partition(self, name: str, on: bool = True) -> None:
+        self._node(name).partitioned = on
+
+    def silence(self, name: str, on: bool = True) -> None:
+        """The node keeps running and looks alive but answers nothing."""
+        self._node(name).silent = on
+
+    def set_latency(self, name: str, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"latency must be >= 0, got {seconds}")
+        self._node(name).latency_s = seconds
+
+    def can_reach(self, src: str, dst: str) -> bool:
+        a, b = self._nodes.get(src), self._nodes.get(dst)
+        return (
+            a is not None
+            and b is not None
+            and a.alive
+            and b.alive
+            and not (a.partitioned or b.partitioned)
+        )
+
+    # ------------------------------------------------------------------ observation
+
+    def traffic(self, name: str) -> Traffic:
+        return self._node(name).traffic
+
+    def round_of(self, name: str) -> int:
+        return self._node(name).round
+
+    def saved_state(self, name: str) -> dict[str, Any] | None:
+        """A node's last checkpoint, decoded (None if it never wrote one)."""
+        node = self._node(name)
+        return None if node.checkpoint is None else loads(node.checkpoint)
+
+    async def wait_for_round(self, name: str, round: int) -> None:
+        """Until the node has entered `round` (tests use it to inject faults mid-run)."""
+        node = self._node(name)
+        if node.round >= round:
+            return
+        event = node.round_events.setdefault(round, asyncio.Event())
+        await event.wait()
+
+    # ------------------------------------------------------------------ transport
+
+    def _check_path(self, src: _Node, dst: _Node) -> None:
+        if not src.alive:
+            raise PeerUnavailable(dst.name, "sender_dead")
+        if not dst.alive:
+            raise PeerUnavailable(dst.name, "dead")
+        if src.partitioned or dst.partitioned:
+            raise PeerUnavailable(dst.name, "unreachable")
+
+    async def _hop(self, src: _Node, dst: _Node) -> None:
+        delay = src.latency_s + dst.latency_s
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self._check_path(src, dst)
+
+    async def request(
+        self, sender: str, peer: str, kind: str, query: dict[str, Any], timeout: float
+    ) -> Any:
+        src, dst = self._node(sender), self._node(peer)
+        query_bytes = dumps(query)
+        src.traffic.add(kind + REQUEST_SUFFIX, len(query_bytes))
+        try:
+            return await asyncio.wait_for(self._exchange(src, dst, kind, query_bytes), timeout)
+        except TimeoutError:
+            raise PeerUnavailable(peer, "timeout") from None
+
+    async def _exchange(self, src: _Node, dst: _Node, kind: str, query_bytes: bytes) -> Any:
+        # One request message; while the handler says NotReady the peer holds it
+        # open and re-asks (the requester's timeout bounds the wait).
+        await self._hop(src, dst)
+        while True:
+            self._check_path(src, dst)
+            handler = dst.handlers.get(kind)
+            if not dst.silent and handler is not None:
+                try:
+                    payload = await handler(src.name, loads(query_bytes))
+                except NotReady:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - a peer's failing handler is that peer's fault
+                    log.warning("%s: %r handler failed for %s: %r", dst.name, kind, src.name, exc)
+                    raise PeerUnavailable(dst.name, "handler_error") from exc
+                else:
+                    reply = dumps(payload)
+                    dst.traffic.add(kind, len(reply))
+                    await self._hop(dst, src)
+                    return loads(reply)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def send(self, sender: str, peer: str, kind: str, payload: Any, round: int) -> None:
+        src, dst = self._node(sender), self._node(peer)
+        body = dumps(payload)
+        src.traffic.add(kind, len(body))
+        await self._hop(src, dst)
+        if dst.silent:
+            await asyncio.sleep(self.send_timeout_s)
+            raise PeerUnavailable(peer, "timeout")
+        queue = dst.inboxes.setdefault(kind, _new_inbox(dst))
+        try:
+            queue.put_nowait(Received(src.name, kind, round, loads(body), uuid.uuid4().hex))
+        except asyncio.QueueFull:
+            raise PeerUnavailable(peer, "inbox_full") from None
+
+
+def _new_inbox(node: _Node) -> asyncio.Queue[Received]:
+    size = node.config.transport.inbox_size if node.config is not None else 0
+    return asyncio.Queue(maxsize=size)
+
+
+class InMemoryContext(RoundContext):
+    """One node's view of an InMemoryNetwork."""
+
+    def __init__(self, network: InMemoryNetwork, node: _Node) -> None:
+        self.network = network
+        self._node = node
+        self.me = node.name
+        if node.config is not None:
+            self.config = node.config
+
+    # round and phase are visible to the other nodes through peers()
+    @property  # type: ignore[override]
+    def round(self) -> int:
+        return self._node.round
+
+    @round.setter
+    def round(self, value: int) -> None:
+        self._node.round = value
+        for r, event in list(self._node.round_events.items()):
+            if r <= value:
+                event.set()
+                del self._node.round_events[r]
+
+    def set_phase(self, phase: str) -> None:
+        self._node.phase = phase
+        self.phase = phase
+
+    def peers(self, alive_only: bool = True) -> list[PeerInfo]:
+        out: list[PeerInfo] = []
+        for name in self.network.names():
+            if name == self.me:
+                continue
+            other = self.network._nodes[name]
+            state = "alive" if self.network.can_reach(self.me, name) else "dead"
+            if alive_only and state != "alive":
+                continue
+            out.append(
+                PeerInfo(
+                    name=name,
+                    state=state,
+                    round=other.round,
+                    phase=other.phase,
+                    meta=dict(other.meta),
+                    last_seen=other.last_seen,
+                )
+            )
+        return out
+
+    def roster(self) -> list[str]:
+        return self.network.names()
+
+    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
+        await self.network.send(
+            self.me, peer, kind, payload, self.round if round is None else round
+        )
+
+    async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        return await self.network.request(self.me, peer, kind, query, timeout)
+
+    def serve(self, kind: str, handler: Handler) -> None:
+        self._node.handlers[kind] = handler
+
+    def inbox(self, kind: str) -> asyncio.Queue[Received]:
+        return self._node.inboxes.setdefault(kind, _new_inbox(self._node))
+
+    def publish(self, key: str, value: Any) -> None:
+        self._node.meta[key] = loads(dumps(value))
+        self._node.last_seen = time.monotonic()
+
+    async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.network.inline_train:
+            return fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def checkpoint(self, state: dict[str, Any]) -> None:
+        data = dumps(state)
+        self._node.checkpoint = data
+        directory = self.network.checkpoint_dir
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"{self.me}.ckpt"
+            tmp = path.with_suffix(".ckpt.tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+
+    def restore(self) -> dict[str, Any] | None:
+        return None if self._node.checkpoint is None else loads(self._node.checkpoint)
+
+    def log_metrics(self, round: int, **values: float) -> None:
+        """Records carry this node's cumulative traffic at the time of logging."""
+        record: dict[str, Any] = {"node": self.me, "round": round, **values}
+        record.setdefault("messages_sent", self._node.traffic.messages_sent)
+        record.setdefault("bytes_sent", self._node.traffic.bytes_sent)
+        self.network.records.append(record)
+
+    def record_choice(self, chosen: list[str]) -> None:
+        self.network.choices.append({"node": self.me, "round": self.round, "chosen": list(chosen)})
+
+
+# ---------------------------------------------------------------------- simulation
+
+
+@dataclass
+class SimulationResult:
+    """What `simulate` measured. `records` holds one dict per node per round
+    (node, round, macro_f1, accuracy, messages_sent, bytes_sent, train_s,
+    round_s, ...; traffic figures are cumulative since the start)."""
+
+    records: list[dict[str, Any]]
+    choices: list[dict[str, Any]]
+    traffic: dict[str, dict[str, Any]]
+    errors: dict[str, str]
+    wall_s: float
+
+    def nodes(self) -> list[str]:
+        return sorted(self.traffic)
+
+    def metric(self, name: str, node: str) -> dict[int, float]:
+        """round -> value of one metric for one node (rounds that logged it)."""
+        return {
+            r["round"]: r[name]
+            for r in self.records
+            if r["node"] == node and r.get(name) is not None
+        }
+
+    def mean_by_round(self, name: str = "macro_f1") -> dict[int, float]:
+        """round -> mean over the nodes that logged the metric that round."""
+        by_round: dict[int, list[float]] = {}
+        for r in self.records:
+            if r.get(name) is not None:
+                by_round.setdefault(r["round"], []).append(float(r[name]))
+        return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
+
+    def rounds_completed(self) -> dict[str, int]:
+        done: dict[str, int] = dict.fromkeys(self.traffic, 0)
+        for r in self.records:
+            done[r["node"]] = max(done.get(r["node"], 0), r["round"])
+        return done
+
+    def messages_sent(self, kind: str | None = None) -> int:
+        """Messages sent by all nodes, or only those of one kind ('model' = models sent)."""
+        if kind is None:
+            return sum(t["messages_sent"] for t in self.traffic.values())
+        return sum(t["by_kind"].get(kind, {}).get("messages", 0) for t in self.traffic.values())
+
+    def bytes_sent(self, kind: str | None = None) -> int:
+        if kind is None:
+            return sum(t["bytes_sent"] for t in self.traffic.values())
+        return sum(t["by_kind"].get(kind, {}).get("bytes", 0) for t in self.traffic.values())
+
+    def rounds_to_threshold(self, threshold: float, metric: str = "macro_f1") -> int | None:
+        """First round whose mean over the nodes reaches `threshold` (DFU Table 2)."""
+        for r, value in self.mean_by_round(metric).items():
+            if value >= threshold:
+                return r
+        return None
+
+    def messages_until(self, round: int, field: str = "messages_sent") -> int:
+        """Messages (or bytes, field="bytes_sent") all nodes had sent when each
+        logged `round` (DFU Fig. 7 counts them up to the threshold round)."""
+        return sum(int(r[field]) for r in self.records if r["round"] == round and field in r)
+
+    def choice_counts(self) -> dict[str, dict[str, int]]:
+        """chooser -> chosen -> how many rounds (who-chose-whom)."""
+        counts: dict[str, dict[str, int]] = {}
+        for c in self.choices:
+            row = counts.setdefault(c["node"], {})
+            for peer in c["chosen"]:
+                row[peer] = row.get(peer, 0) + 1
+        return counts
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "records": self.records,
+            "choices": self.choices,
+            "traffic": self.traffic,
+            "errors": self.errors,
+            "wall_s": self.wall_s,
+        }
+
+
+async def _run_node(ctx: InMemoryContext, config: SiteConfig) -> None:
+    protocol = from_params(config.protocol)
+    await protocol.run(ctx)
+
+
+async def simulate(
+    configs: Sequence[SiteConfig], *, network: InMemoryNetwork | None = None
+) -> SimulationResult:
+    """Run every site's protocol concurrently in this process until all finish
+    (or are killed). Nodes the network already marks dead are not started. A
+    node that raises is recorded in `errors`; the others go on."""
+    network = network if network is not None else InMemoryNetwork()
+    names = [c.node.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"node names must be unique, got {names}")
+    contexts: dict[str, InMemoryContext] = {}
+    for cfg in configs:
+        existing = network._nodes.get(cfg.node.name)
+        if existing is not None and not existing.alive:
+            continue  # killed before the start: it never runs
+        contexts[cfg.node.name] = network.join(cfg.node.name, cfg)
+    start = time.perf_counter()
+    first_record, first_choice = len(network.records), len(network.choices)
+    tasks: dict[str, asyncio.Task[None]] = {}
+    for cfg in configs:
+        if cfg.node.name in contexts:
+            task = asyncio.create_task(
+                _run_node(contexts[cfg.node.name], cfg), name=f"node:{cfg.node.name}"
+            )
+            network._nodes[cfg.node.name].task = task
+            tasks[cfg.node.name] = task
+    errors: dict[str, str] = {name: "killed before start" for name in names if name not in contexts}
+    for name, task in tasks.items():
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not network._nodes[name].alive:
+                errors[name] = "killed"
+            else:
+                for other in tasks.values():
+                    other.cancel()
+                raise
+        except Exception as exc:  # noqa: BLE001 - one failing node is a result, not a crash of the simulation
+            log.exception("node %s failed", name)
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    wall = time.perf_counter() - start
+    return SimulationResult(
+        records=[r for r in network.records[first_record:] if r["node"] in names],
+        choices=[c for c in network.choices[first_choice:] if c["node"] in names],
+        traffic={name: network.traffic(name).as_dict() for name in names if name in network._nodes},
+        errors=errors,
+        wall_s=wall,
+    )
+
+
+def simulation_configs(
+    sources: Sequence[str],
+    *,
+    protocol: dict[str, Any],
+    names: Sequence[str] | None = None,
+    federation_id: str = "sim",
+    seed: int = 0,
+    state_root: str | Path = "state",
+    **sections: dict[str, Any],
+) -> list[SiteConfig]:
+    """One SiteConfig per data source, for simulations and benchmarks: no key,
+    roster or status files are needed. `sections` are site.yaml sections shared
+    by every site (training={...}, selection={...}, model={...}, data={...});
+    `data.source` is set per site from `sources`."""
+    names = list(names) if names is not None else [f"site{i}" for i in range(len(sources))]
+    if len(names) != len(sources):
+        raise ValueError(f"{len(names)} names for {len(sources)} sources")
+    out: list[SiteConfig] = []
+    for name, source in zip(names, sources, strict=True):
+        raw: dict[str, Any] = {
+            "node": {"name": name, "state_dir": str(Path(state_root) / name)},
+            "federation": {"id": federation_id, "roster": "roster.yaml", "seed": seed},
+            "protocol": dict(protocol),
+            "status": {"enabled": False},
+        }
+        for section, values in sections.items():
+            raw[section] = dict(values)
+        raw["data"] = {**raw.get("data", {}), "source": source}
+        out.append(config_from_dict(raw, check_files=False))
+    return out

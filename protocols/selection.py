@@ -1,0 +1,302 @@
+"""Peer-selection heuristics of the DFU P2P paper (Sec. 4.1-4.4): H0 random,
+H1 n-latest, H2 F1 dissimilarity, H3 cosine.
+
+One registry, one factory: `selection.create("f1", prefer="similar")`, or
+`selection.from_config(cfg.selection)` from site.yaml. Every heuristic ranks
+*all* candidates by preference and returns their names: the first k are this
+round's neighbours, the rest are the fallbacks, in order, for when a chosen
+neighbour does not answer. A ranking depends only on its inputs and the seed,
+never on the order the candidates are listed in.
+
+What peers gossip (`ctx.publish`) and the heuristics read from `PeerInfo.meta`:
+  "f1"          per-class F1 of the peer's model on its validation split (H2, H3)
+  "model_stats" FedPerl-style (mean, std) per state-dict entry (H3, vector=model_stats)
+  "recent"      the peer's n most recent neighbours (H1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from p2pfl.config import SelectionSection
+from protocols.base import PeerInfo
+
+log = logging.getLogger(__name__)
+
+Prefer = Literal["dissimilar", "similar"]
+F1_KEY = "f1"
+MODEL_STATS_KEY = "model_stats"
+RECENT_KEY = "recent"
+
+
+def seeded_rng(seed: int, me: str, round: int, step: int = 0) -> random.Random:
+    """A generator that depends only on (seed, node, round, step): the same run
+    picks the same neighbours on every machine (no dependence on hash seeds)."""
+    digest = hashlib.sha256(f"{seed}|{me}|{round}|{step}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def neighbour_count(fraction: float, num_others: int) -> int:
+    """k = max(1, round(c * (N - 1))): how many neighbours a node averages with
+    (the fraction c of the paper's Algorithms 3-10), never more than exist."""
+    if num_others <= 0:
+        return 0
+    return min(num_others, max(1, round(fraction * num_others)))
+
+
+def recent_neighbours(history: Sequence[Sequence[str]], n: int) -> list[str]:
+    """DFU Alg. 5 line 8: client.last = (client.last + neighbors)[-n:]."""
+    if n <= 0:
+        return []
+    flat = [name for chosen in history for name in chosen]
+    return flat[-n:]
+
+
+class Heuristic(ABC):
+    """Ranks candidate peers; the first k of the ranking are the neighbours."""
+
+    name: ClassVar[str]
+
+    def select(
+        self,
+        me: str,
+        candidates: Sequence[PeerInfo],
+        k: int,
+        *,
+        round: int,
+        seed: int,
+        my_meta: Mapping[str, Any] | None = None,
+        history: Sequence[Sequence[str]] = (),
+        step: int = 0,
+    ) -> list[str]:
+        """Every candidate's name (never `me`), most preferred first; take [:k]
+        for this round and walk on for fallbacks. `history` holds this node's
+        chosen neighbours per past round (oldest first)."""
+        pool = sorted((c for c in candidates if c.name != me), key=lambda c: c.name)
+        if not pool:
+            return []
+        rng = seeded_rng(seed, me, round, step)
+        ranking = self.rank(me, pool, rng, dict(my_meta or {}), history)
+        log.debug("%s round %d: %s ranks %s (k=%d)", me, round, self.name, ranking, k)
+        return ranking
+
+    @abstractmethod
+    def rank(
+        self,
+        me: str,
+        pool: list[PeerInfo],
+        rng: random.Random,
+        my_meta: dict[str, Any],
+        history: Sequence[Sequence[str]],
+    ) -> list[str]:
+        """Order `pool` (sorted by name, never empty) by preference."""
+
+
+def _shuffled(names: list[str], rng: random.Random) -> list[str]:
+    order = list(names)
+    rng.shuffle(order)
+    return order
+
+
+class RandomSelection(Heuristic):
+    """H0 (Alg. 3-4): a uniformly random subset, GetRandomNeighbors(c)."""
+
+    name = "random"
+
+    def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
+        return _shuffled([p.name for p in pool], rng)
+
+
+class NLatestSelection(Heuristic):
+    """H1 (Alg. 5-6): never the n most recent neighbours while others exist
+    (GetRandomNeighbors(c, without=client.last)); among the rest, least overlap
+    first: peers whose own published recent neighbours share the fewest names
+    with mine (me included) come first, ties in random order. The recently used
+    come last, least recent first, as fallbacks."""
+
+    name = "n_latest"
+
+    def __init__(self, n: int = 1) -> None:
+        if n < 0:
+            raise ValueError(f"n_latest: n must be >= 0, got {n}")
+        self.n = n
+
+    def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
+        mine = recent_neighbours(history, self.n)
+        recent_set = set(mine)
+        circle = recent_set | {me}
+
+        def overlap(peer: PeerInfo) -> int:
+            theirs = peer.meta.get(RECENT_KEY) or []
+            if not isinstance(theirs, list):
+                return 0
+            return len(circle & {str(x) for x in theirs})
+
+        fresh = [p for p in pool if p.name not in recent_set]
+        tiebreak = {name: i for i, name in enumerate(_shuffled([p.name for p in fresh], rng))}
+        fresh.sort(key=lambda p: (overlap(p), tiebreak[p.name]))
+        # Fallbacks: the recently used, least recently used first.
+        last_use = {name: i for i, name in enumerate(mine)}
+        stale = sorted((p for p in pool if p.name in recent_set), key=lambda p: last_use[p.name])
+        return [p.name for p in fresh] + [p.name for p in stale]
+
+
+def _vector(meta: Mapping[str, Any], key: str) -> list[float] | None:
+    value = meta.get(key)
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    try:
+        vec = [float(x) for x in value]
+    except (TypeError, ValueError):
+        return None
+    if not all(math.isfinite(x) for x in vec):
+        return None
+    return vec
+
+
+def _rank_by_score(
+    pool: list[PeerInfo],
+    scores: dict[str, float],
+    rng: random.Random,
+    *,
+    highest_first: bool,
+) -> list[str]:
+    """Scored peers by score (ties in seeded random order), then unscored ones
+    in seeded random order."""
+    order = _shuffled([p.name for p in pool], rng)
+    tiebreak = {name: i for i, name in enumerate(order)}
+    sign = -1.0 if highest_first else 1.0
+    scored = sorted(scores, key=lambda name: (sign * scores[name], tiebreak[name]))
+    unscored = [name for name in order if name not in scores]
+    return scored + unscored
+
+
+class F1Selection(Heuristic):
+    """H2 (Alg. 7-8): neighbour dissimilarity score (DFU Eq. 2)
+    ndc = sum_i |F_k,i - F_c,i| over per-class F1 vectors; the most dissimilar
+    first by default, `prefer="similar"` for the opposite. Peers that have not
+    published a vector yet (or one of another length) rank after the others;
+    before this node has its own vector the ranking is random."""
+
+    name = "f1"
+
+    def __init__(self, prefer: Prefer = "dissimilar") -> None:
+        if prefer not in ("dissimilar", "similar"):
+            raise ValueError(f"f1: prefer must be 'dissimilar' or 'similar', got {prefer!r}")
+        self.prefer = prefer
+
+    def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
+        mine = _vector(my_meta, F1_KEY)
+        scores: dict[str, float] = {}
+        if mine is not None:
+            for peer in pool:
+                theirs = _vector(peer.meta, F1_KEY)
+                if theirs is not None and len(theirs) == len(mine):
+                    scores[peer.name] = sum(abs(a - b) for a, b in zip(mine, theirs, strict=True))
+        return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """cos(F_k, F_c) = F_k . F_c / (|F_k| |F_c|) (DFU Eq. 3); None for a zero vector."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    if norm == 0.0:
+        return None
+    return dot / norm
+
+
+def minmax_columns(vectors: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Scale each coordinate to [0, 1] across the vectors (a constant coordinate
+    becomes 1), as FedPerl's reference does before its cosine similarity: raw
+    (mean, std) vectors of models that share an architecture all point the same
+    way and their cosines would all be close to 1."""
+    names = list(vectors)
+    if not names:
+        return {}
+    dims = len(vectors[names[0]])
+    out = {name: [0.0] * dims for name in names}
+    for j in range(dims):
+        column = [vectors[name][j] for name in names]
+        low, high = min(column), max(column)
+        for name in names:
+            out[name][j] = 1.0 if high == low else (vectors[name][j] - low) / (high - low)
+    return out
+
+
+class CosineSelection(Heuristic):
+    """H3 (Alg. 9-10): DFU Eq. 3 scores a neighbour by cos(F_k, F_c) and the
+    algorithm box takes the neighbours with the highest score, as for H2. With
+    a cosine that means the most *similar* models first, so that is the
+    default; `prefer="dissimilar"` takes the lowest cosine first.
+
+    `vector="f1"` compares per-class F1 vectors; `vector="model_stats"` compares
+    model-statistics vectors, min-max normalised per coordinate over me and
+    the candidates first (see `minmax_columns`)."""
+
+    name = "cosine"
+
+    def __init__(
+        self, prefer: Prefer = "similar", vector: Literal["f1", "model_stats"] = "f1"
+    ) -> None:
+        if prefer not in ("dissimilar", "similar"):
+            raise ValueError(f"cosine: prefer must be 'dissimilar' or 'similar', got {prefer!r}")
+        if vector not in ("f1", "model_stats"):
+            raise ValueError(f"cosine: vector must be 'f1' or 'model_stats', got {vector!r}")
+        self.prefer = prefer
+        self.vector = vector
+
+    def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
+        key = F1_KEY if self.vector == "f1" else MODEL_STATS_KEY
+        mine = _vector(my_meta, key)
+        scores: dict[str, float] = {}
+        if mine is not None:
+            vectors = {me: mine}
+            for peer in pool:
+                theirs = _vector(peer.meta, key)
+                if theirs is not None and len(theirs) == len(mine):
+                    vectors[peer.name] = theirs
+            if self.vector == "model_stats" and len(vectors) > 1:
+                vectors = minmax_columns(vectors)
+            for name, vec in vectors.items():
+                if name == me:
+                    continue
+                score = cosine(vectors[me], vec)
+                if score is not None:
+                    scores[name] = score
+        return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "similar")
+
+
+REGISTRY: dict[str, type[Heuristic]] = {
+    RandomSelection.name: RandomSelection,
+    NLatestSelection.name: NLatestSelection,
+    F1Selection.name: F1Selection,
+    CosineSelection.name: CosineSelection,
+}
+
+
+def create(name: str, **params: Any) -> Heuristic:
+    """selection.create("f1", prefer="similar") -> a Heuristic."""
+    if name not in REGISTRY:
+        raise KeyError(
+            f"unknown selection heuristic {name!r}; known: {', '.join(sorted(REGISTRY))}"
+        )
+    return REGISTRY[name](**params)
+
+
+def from_config(section: SelectionSection) -> Heuristic:
+    """The heuristic site.yaml's `selection:` names. `prefer: null` (the default)
+    keeps each heuristic's paper default (H2 dissimilar, H3 similar)."""
+    params: dict[str, Any] = {}
+    if section.name == "n_latest":
+        params["n"] = section.n
+    if section.name in ("f1", "cosine") and section.prefer is not None:
+        params["prefer"] = section.prefer
+    if section.name == "cosine":
+        params["vector"] = section.vector
+    return create(section.name, **params)

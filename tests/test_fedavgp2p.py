@@ -1,0 +1,205 @@
+"""FedAVGP2P on an in-memory federation of 3 digit-classifying sites."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from p2pfl.config import SiteConfig
+from p2pfl.data.partition import partition_dataset
+from p2pfl.protocol_params import FedAvgP2PParams
+from protocols import create
+from protocols.base import NotReady
+from protocols.baselines import centralized_fedavg, standalone
+from protocols.fedavgp2p import FedAvgP2P
+from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+
+SITES = ["site0", "site1", "site2"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The embedded digits split among 3 sites with label skew (Dirichlet 1.0)."""
+    out: Path = tmp_path_factory.mktemp("digits3")
+    partition_dataset("digits", 3, "dirichlet:1.0", out, seed=0)
+    return [str(out / f"site_{i}.npz") for i in range(3)]
+
+
+def configs(
+    sources: list[str],
+    *,
+    rounds: int = 3,
+    fraction: float = 0.5,
+    selection: str = "random",
+    **protocol: Any,
+) -> list[SiteConfig]:
+    return simulation_configs(
+        sources,
+        names=SITES,
+        protocol={"name": "fedavgp2p", "rounds": rounds, "fraction": fraction, **protocol},
+        data={"image_size": 8, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32, "lr": 3e-3, "device": "cpu"},
+        selection={"name": selection},
+    )
+
+
+def run(cfgs: list[SiteConfig], network: InMemoryNetwork | None = None) -> SimulationResult:
+    return asyncio.run(simulate(cfgs, network=network or InMemoryNetwork(inline_train=True)))
+
+
+def by_node(result: SimulationResult, node: str, key: str) -> list[Any]:
+    return [r[key] for r in sorted(result.records, key=lambda r: r["round"]) if r["node"] == node]
+
+
+def test_three_sites_improve_over_rounds(sources: list[str]) -> None:
+    network = InMemoryNetwork(inline_train=True)
+    result = run(configs(sources, rounds=3, fraction=0.5), network)
+    assert result.errors == {}
+    assert result.rounds_completed() == dict.fromkeys(SITES, 3)
+    mean = result.mean_by_round("macro_f1")
+    assert mean[3] > mean[1] + 0.1, mean
+    for node in SITES:
+        assert by_node(result, node, "neighbours") == [1, 1, 1]  # k = round(0.5 * 2) = 1
+        for key in ("macro_f1", "accuracy", "val_macro_f1", "train_s", "round_s", "exchange_s"):
+            assert len(by_node(result, node, key)) == 3
+        saved = network.saved_state(node)
+        assert (
+            saved is not None and saved["round"] == 3 and "model" in saved and "optimizer" in saved
+        )
+        assert len(saved["selection_history"]) == 3
+    # every node pulled one model per round: 9 models went over the (in-memory) wire
+    assert result.messages_sent("model") == 9
+    model_bytes = result.bytes_sent("model") / 9
+    assert 20_000 < model_bytes < 200_000  # small_cnn's float32 state dict + framing
+    assert all(r["messages_sent"] >= 0 and r["bytes_sent"] >= 0 for r in result.records)
+    assert len(result.choices) == 9 and all(len(c["chosen"]) == 1 for c in result.choices)
+    # DFU Table 2 / Fig. 7 style read-outs
+    threshold_round = result.rounds_to_threshold(mean[3] - 1e-9)
+    assert threshold_round is not None and threshold_round <= 3
+    assert result.messages_until(3) == result.messages_sent() == 18  # 9 requests + 9 models
+    # the neighbours' F1 vectors and model statistics are gossiped for H2/H3
+    ctx = network.join("observer")
+    seen = {p.name: p.meta for p in ctx.peers()}
+    assert len(seen["site0"]["f1"]) == 10 and len(seen["site0"]["model_stats"]) > 10
+
+
+def test_full_participation_equals_centralized_fedavg(sources: list[str]) -> None:
+    """With c = 1 every node averages all models every round, so each node holds
+    exactly the global model of server-based FedAvg."""
+    cfgs = configs(sources, rounds=2, fraction=1.0)
+    p2p = run(cfgs)
+    central = centralized_fedavg(cfgs)
+    alone = standalone(cfgs)
+    for node in SITES:
+        assert by_node(p2p, node, "macro_f1") == pytest.approx(
+            [r["macro_f1"] for r in central.records if r["node"] == node], abs=1e-9
+        )
+    assert (
+        central.mean_by_round()[2] > alone.mean_by_round()[2]
+    )  # federation beats training alone here
+
+
+def test_a_dead_neighbour_costs_nothing_and_the_others_finish(sources: list[str]) -> None:
+    cfgs = configs(sources, rounds=2, fraction=1.0)
+    network = InMemoryNetwork(inline_train=True)
+    network.join("site2", cfgs[2])
+    network.kill("site2")
+    result = run(cfgs, network)
+    assert result.errors == {"site2": "killed before start"}
+    assert result.rounds_completed() == {"site0": 2, "site1": 2, "site2": 0}
+    for node in ("site0", "site1"):
+        assert by_node(result, node, "neighbours") == [1, 1]  # wanted 2, only one alive
+        assert by_node(result, node, "neighbours_wanted") == [2, 2]
+
+
+def test_a_silent_neighbour_is_replaced_after_its_timeout(sources: list[str]) -> None:
+    """site2 looks alive but never answers: whoever picks it waits round_timeout_s,
+    then pulls from the next candidate in its ranking."""
+    cfgs = configs(sources, rounds=3, fraction=0.5, round_timeout_s=0.3)
+    network = InMemoryNetwork(inline_train=True)
+    network.join("site2", cfgs[2])
+    network.silence("site2")
+    result = run(cfgs, network)
+    assert result.errors == {}
+    assert result.rounds_completed() == dict.fromkeys(SITES, 3)
+    for node in ("site0", "site1"):
+        assert by_node(result, node, "neighbours") == [1, 1, 1]
+        assert all(
+            chosen == ["site1" if node == "site0" else "site0"]
+            for chosen in [c["chosen"] for c in result.choices if c["node"] == node]
+        )
+    waited = [r for r in result.records if r["node"] != "site2" and r["exchange_s"] >= 0.3]
+    assert waited, "site2 was never picked first: the replacement path was not exercised"
+    assert max(r["exchange_s"] for r in result.records) < 2 * 0.3 + 0.5
+
+
+def test_a_node_killed_mid_run_does_not_stop_the_others(sources: list[str]) -> None:
+    cfgs = configs(sources, rounds=3, fraction=1.0, round_timeout_s=5.0)
+    network = InMemoryNetwork(inline_train=True)
+
+    async def scenario() -> SimulationResult:
+        for cfg in cfgs:
+            network.join(cfg.node.name, cfg)
+
+        async def kill_in_round_2() -> None:
+            await network.wait_for_round("site2", 2)
+            network.kill("site2")
+
+        killer = asyncio.create_task(kill_in_round_2())
+        result = await simulate(cfgs, network=network)
+        await killer
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.errors == {"site2": "killed"}
+    assert result.rounds_completed()["site0"] == 3 and result.rounds_completed()["site1"] == 3
+    assert by_node(result, "site0", "neighbours")[-1] == 1
+
+
+def test_a_restarted_federation_resumes_from_its_checkpoints(
+    sources: list[str], tmp_path: Path
+) -> None:
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path)
+    first = run(configs(sources, rounds=2), network)
+    assert first.rounds_completed() == dict.fromkeys(SITES, 2)
+    before = network.saved_state("site0")
+    # a fresh process: a new network reading the same checkpoint directory
+    again = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path)
+    second = run(configs(sources, rounds=3), again)
+    assert second.errors == {}
+    assert sorted({r["round"] for r in second.records}) == [3]  # rounds 1-2 are not redone
+    after = again.saved_state("site0")
+    assert before is not None and after is not None and after["round"] == 3
+    assert after["selection_history"][:2] == before["selection_history"]
+    assert not torch.equal(
+        after["model"]["classifier.weight"], before["model"]["classifier.weight"]
+    )
+
+
+def test_runs_repeat_exactly_with_the_f1_heuristic(sources: list[str]) -> None:
+    cfgs = configs(sources, rounds=2, fraction=0.5, selection="f1", aggregation="median")
+    a, b = run(cfgs), run(cfgs)
+    assert a.errors == {} and b.errors == {}
+    assert [c["chosen"] for c in a.choices] == [c["chosen"] for c in b.choices]
+    assert [r["macro_f1"] for r in a.records] == [r["macro_f1"] for r in b.records]
+
+
+async def test_model_requests_wait_for_the_round_or_take_a_newer_one() -> None:
+    proto = create("fedavgp2p", max_staleness=1)
+    assert isinstance(proto, FedAvgP2P)
+    assert isinstance(proto.params, FedAvgP2PParams)
+    for r in (1, 2, 3, 4):
+        proto.keep_for_peers(r, {"w": torch.full((2,), float(r))}, num_train=10)
+    assert sorted(proto.served) == [2, 3, 4]  # max_staleness + 2 kept
+    exact = await proto.serve_model("x", {"round": 3, "max_round": 4})
+    assert exact["round"] == 3 and exact["state"]["w"][0] == 3.0
+    newer = await proto.serve_model("x", {"round": 1, "max_round": 2})
+    assert newer["round"] == 2  # round 1 is gone; round 2 is within the staleness bound
+    with pytest.raises(NotReady):
+        await proto.serve_model("x", {"round": 5, "max_round": 6})
+    too_new = await proto.serve_model("x", {"round": 0, "max_round": 1})
+    assert too_new["state"] is None and too_new["round"] == 4

@@ -1,0 +1,112 @@
+"""FedSGDP2P: per-step gradient exchange, checked against a single-process reference."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from p2pfl.config import SiteConfig
+from p2pfl.data.partition import partition_dataset
+from protocols.aggregate import weighted_mean
+from protocols.fedavgp2p import build_site
+from protocols.fedsgdp2p import steps_per_round
+from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    out: Path = tmp_path_factory.mktemp("digits3")
+    partition_dataset("digits", 3, "dirichlet:1.0", out, seed=0)
+    return [str(out / f"site_{i}.npz") for i in range(3)]
+
+
+def configs(sources: list[str], training: dict[str, Any], **protocol: Any) -> list[SiteConfig]:
+    return simulation_configs(
+        sources,
+        names=[f"site{i}" for i in range(len(sources))],
+        protocol={"name": "fedsgdp2p", "fraction": 1.0, **protocol},
+        data={"image_size": 8, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32, "device": "cpu", **training},
+    )
+
+
+def run(cfgs: list[SiteConfig], network: InMemoryNetwork) -> SimulationResult:
+    return asyncio.run(simulate(cfgs, network=network))
+
+
+def test_two_nodes_step_exactly_like_one_process_with_the_mean_gradient(sources: list[str]) -> None:
+    cfgs = configs(sources[:2], {"optimizer": "sgd", "lr": 0.1, "max_steps_per_epoch": 3}, rounds=1)
+    network = InMemoryNetwork(inline_train=True)
+    result = run(cfgs, network)
+    assert result.errors == {}
+    assert result.messages_sent("grad") == 6  # each node sent its gradient at each of the 3 steps
+
+    # Reference: the same two sites in one process; each step both apply the
+    # batch-size-weighted mean of the two gradients (DFU Alg. 4 line 7).
+    sites = [build_site(cfg) for cfg in cfgs]
+    own_only = build_site(cfgs[0])
+    batches = [site.batches("train") for site in sites]
+    own_batches = own_only.batches("train")
+    for _ in range(3):
+        pairs = [next(it) for it in batches]
+        grads = [site.compute_gradient(x, y) for site, (x, y) in zip(sites, pairs, strict=True)]
+        mean = weighted_mean(grads, [len(y) for _, y in pairs])
+        for site in sites:
+            site.apply_gradient(mean)
+        x, y = next(own_batches)
+        own_only.apply_gradient(own_only.compute_gradient(x, y))
+
+    for cfg, reference in zip(cfgs, sites, strict=True):
+        saved = network.saved_state(cfg.node.name)
+        assert saved is not None
+        expected = reference.state_dict()
+        assert set(saved["model"]) == set(expected)
+        for key, value in expected.items():
+            assert torch.allclose(saved["model"][key], value, atol=1e-6), key
+    # both nodes applied the same mean gradient: identical weights (BN running stats stay local)
+    a, b = (network.saved_state(n)["model"] for n in ("site0", "site1"))  # type: ignore[index]
+    assert torch.equal(a["classifier.weight"], b["classifier.weight"])
+    assert not torch.allclose(a["classifier.weight"], own_only.state_dict()["classifier.weight"])
+
+
+def test_sites_of_different_sizes_exchange_every_step_and_improve(sources: list[str]) -> None:
+    cfgs = configs(sources, {"lr": 3e-3}, rounds=2)
+    steps = [steps_per_round(build_site(cfg)) for cfg in cfgs]
+    assert len(set(steps)) > 1  # the sites take different numbers of steps per round
+    result = run(cfgs, InMemoryNetwork(inline_train=True))
+    assert result.errors == {}
+    for record in result.records:
+        node = int(record["node"][-1])
+        assert record["steps"] == steps[node]
+        # nobody waits for a step a smaller site never takes
+        assert record["timeouts"] == 0
+        # every step averaged with each neighbour that takes that step
+        expected = sum(min(steps[node], steps[o]) for o in range(3) if o != node) / steps[node]
+        assert record["neighbours"] == pytest.approx(expected)
+    mean = result.mean_by_round("macro_f1")
+    assert mean[2] > mean[1], mean
+
+
+def test_a_silent_neighbour_is_skipped_and_then_backed_off(sources: list[str]) -> None:
+    timeout = 0.1
+    cfgs = configs(sources, {"lr": 3e-3}, rounds=1, step_timeout_s=timeout)
+    steps = [steps_per_round(build_site(cfg)) for cfg in cfgs[:2]]
+    network = InMemoryNetwork(inline_train=True)
+    network.join("site2", cfgs[2])
+    network.silence("site2")
+    result = run(cfgs, network)
+    assert result.errors == {}
+    assert result.rounds_completed() == {"site0": 1, "site1": 1, "site2": 1}
+    for node in ("site0", "site1"):
+        (record,) = [r for r in result.records if r["node"] == node]
+        # asked at steps 1, 3, 6, 11, ...: a few timeouts, not one per step
+        assert 1 <= record["timeouts"] <= math.log2(record["steps"]) + 1
+        assert record["exchange_s"] < record["steps"] * timeout
+        # the other alive site at nearly every step both take (a cascade may cost one)
+        both = min(steps)
+        assert record["neighbours"] * record["steps"] >= both - 1

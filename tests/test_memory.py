@@ -1,0 +1,157 @@
+"""The in-memory network: pulls, pushes, gossip, faults, byte counts, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from p2pfl.tensors import CodecError, dumps
+from protocols.base import NotReady, PeerUnavailable
+from protocols.memory import InMemoryNetwork
+
+
+def trio(**kw: Any) -> tuple[InMemoryNetwork, Any, Any, Any]:
+    net = InMemoryNetwork(**kw)
+    return net, net.join("a"), net.join("b"), net.join("c")
+
+
+async def test_request_reaches_the_handler_and_counts_bytes_on_the_wire() -> None:
+    net, a, b, _ = trio()
+    payload = {"round": 3, "state": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}}
+
+    async def handler(requester: str, query: dict[str, Any]) -> Any:
+        assert requester == "a"
+        return {**payload, "asked": query["round"]}
+
+    b.serve("model", handler)
+    reply = await a.request("b", "model", {"round": 3}, timeout=1.0)
+    assert torch.equal(reply["state"]["w"], payload["state"]["w"])
+    assert reply["asked"] == 3
+    assert net.traffic("b").by_kind["model"].bytes == len(dumps({**payload, "asked": 3}))
+    assert net.traffic("a").by_kind["model.request"].bytes == len(dumps({"round": 3}))
+    assert (net.traffic("a").messages_sent, net.traffic("b").messages_sent) == (1, 1)
+
+
+async def test_request_waits_while_the_peer_is_not_ready() -> None:
+    _, a, b, _ = trio()
+    ready = asyncio.Event()
+
+    async def handler(requester: str, query: dict[str, Any]) -> Any:
+        if not ready.is_set():
+            raise NotReady("still training")
+        return "model-of-round-1"
+
+    b.serve("model", handler)
+    asyncio.get_running_loop().call_later(0.1, ready.set)
+    start = time.perf_counter()
+    assert await a.request("b", "model", {}, timeout=2.0) == "model-of-round-1"
+    assert 0.09 <= time.perf_counter() - start < 1.0
+    with pytest.raises(PeerUnavailable) as exc:
+        ready.clear()
+        await a.request("b", "model", {}, timeout=0.1)
+    assert exc.value.reason == "timeout"
+
+
+async def test_faults_dead_partitioned_silent_and_slow_peers() -> None:
+    net, a, b, c = trio()
+
+    async def echo(requester: str, query: dict[str, Any]) -> Any:
+        return query
+
+    for ctx in (a, b, c):
+        ctx.serve("echo", echo)
+
+    net.kill("c")
+    assert [p.name for p in a.peers()] == ["b"]
+    assert {p.name: p.state for p in a.peers(alive_only=False)} == {"b": "alive", "c": "dead"}
+    with pytest.raises(PeerUnavailable) as dead:
+        await a.request("c", "echo", {}, timeout=5.0)
+    assert dead.value.reason == "dead"
+
+    net.partition("b")
+    assert a.peers() == [] and b.peers() == []
+    with pytest.raises(PeerUnavailable) as cut:
+        await b.request("a", "echo", {}, timeout=5.0)
+    assert cut.value.reason == "unreachable"
+    net.partition("b", on=False)
+
+    net.silence("b")
+    assert [p.name for p in a.peers()] == ["b"]  # looks alive ...
+    start = time.perf_counter()
+    with pytest.raises(PeerUnavailable) as silent:
+        await a.request("b", "echo", {}, timeout=0.2)  # ... but costs the full timeout
+    assert silent.value.reason == "timeout"
+    assert time.perf_counter() - start >= 0.19
+    net.silence("b", on=False)
+
+    net.set_latency("b", 0.05)
+    start = time.perf_counter()
+    assert await a.request("b", "echo", {"x": 1}, timeout=1.0) == {"x": 1}
+    assert time.perf_counter() - start >= 0.1  # there and back
+    with pytest.raises(PeerUnavailable):
+        await a.request("b", "echo", {}, timeout=0.05)
+
+    with pytest.raises(PeerUnavailable) as unknown:
+        await a.request("zed", "echo", {}, timeout=0.1)
+    assert unknown.value.reason == "unknown_peer"
+
+
+async def test_publish_is_visible_to_peers_and_must_survive_the_codec() -> None:
+    _, a, b, _ = trio()
+    a.publish("f1", [0.5, 0.75])
+    a.round = 4
+    a.set_phase("train")
+    seen = {p.name: p for p in b.peers()}["a"]
+    assert seen.meta["f1"] == [0.5, 0.75]
+    assert (seen.round, seen.phase) == (4, "train")
+    assert sorted(b.roster()) == ["a", "b", "c"]
+    with pytest.raises(CodecError):
+        a.publish("bad", {1, 2})  # a set does not travel
+
+
+async def test_push_lands_in_the_peer_inbox() -> None:
+    net, a, b, _ = trio()
+    await a.send("b", "buffer", {"images": torch.zeros(2, 3, dtype=torch.uint8)}, round=2)
+    got = await asyncio.wait_for(b.inbox("buffer").get(), 1.0)
+    assert (got.sender, got.kind, got.round) == ("a", "buffer", 2)
+    assert got.payload["images"].shape == (2, 3)
+    net.kill("b")
+    with pytest.raises(PeerUnavailable):
+        await a.send("b", "buffer", {}, round=2)
+
+
+async def test_train_runs_in_a_worker_thread_or_inline() -> None:
+    _, a, _, _ = trio()
+    loop_thread = threading.get_ident()
+    assert await a.train(threading.get_ident) != loop_thread
+    _, inline, _, _ = trio(inline_train=True)
+    assert await inline.train(threading.get_ident) == loop_thread
+
+
+async def test_checkpoint_survives_a_restart_through_the_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    net = InMemoryNetwork(checkpoint_dir=tmp_path)
+    ctx = net.join("a")
+    assert ctx.restore() is None
+    ctx.checkpoint({"round": 2, "model": {"w": torch.ones(3)}, "history": [["b"], ["c"]]})
+    assert (tmp_path / "a.ckpt").exists()
+    again = InMemoryNetwork(checkpoint_dir=tmp_path).join("a")
+    saved = again.restore()
+    assert saved is not None
+    assert saved["round"] == 2 and saved["history"] == [["b"], ["c"]]
+    assert torch.equal(saved["model"]["w"], torch.ones(3))
+
+
+async def test_metrics_and_choices_are_collected_per_node() -> None:
+    net, a, _, _ = trio()
+    a.round = 1
+    a.record_choice(["b"])
+    a.log_metrics(1, macro_f1=0.5)
+    assert net.choices == [{"node": "a", "round": 1, "chosen": ["b"]}]
+    assert net.records == [
+        {"node": "a", "round": 1, "macro_f1": 0.5, "messages_sent": 0, "bytes_sent": 0}
+    ]

@@ -1,0 +1,139 @@
+"""Peer-selection heuristics H0-H3 on hand-built peer metadata."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pfl.config import SelectionSection
+from protocols import selection
+from protocols.base import PeerInfo
+
+
+def peer(name: str, **meta: object) -> PeerInfo:
+    return PeerInfo(name=name, state="alive", meta=dict(meta))
+
+
+def rank(
+    heuristic: selection.Heuristic, peers: list[PeerInfo], *, me: str = "me", **kw: object
+) -> list[str]:
+    kw.setdefault("round", 1)
+    kw.setdefault("seed", 0)
+    return heuristic.select(me, peers, 1, **kw)  # type: ignore[arg-type]
+
+
+def test_neighbour_count_follows_fraction_of_the_others() -> None:
+    # 20 sites: c = 0.1, 0.2, 0.5, 1.0 -> 2, 4, 10, 19 neighbours (never more than exist)
+    assert [selection.neighbour_count(c, 19) for c in (0.1, 0.2, 0.5, 1.0)] == [2, 4, 10, 19]
+    assert selection.neighbour_count(0.01, 2) == 1  # at least one
+    assert selection.neighbour_count(0.5, 0) == 0  # alone
+
+
+def test_random_is_a_seeded_permutation_of_the_candidates() -> None:
+    peers = [peer(n) for n in "abcdefgh"]
+    h = selection.create("random")
+    first = rank(h, peers, seed=7, round=3)
+    assert sorted(first) == list("abcdefgh")
+    assert (
+        rank(h, list(reversed(peers)), seed=7, round=3) == first
+    )  # order of candidates is irrelevant
+    assert rank(h, peers, seed=7, round=3) == first  # same seed, same choice
+    rankings = {tuple(rank(h, peers, seed=s, round=3)) for s in range(10)}
+    assert len(rankings) > 5  # different seeds choose differently
+    assert "me" not in rank(h, [*peers, peer("me")])
+
+
+def test_n_latest_avoids_recent_neighbours_and_prefers_least_overlap() -> None:
+    h = selection.create("n_latest", n=2)
+    # my last neighbours were b (round 1) then c (round 2): they go last, b first (least recent)
+    peers = [peer("b"), peer("c"), peer("d", recent=["me", "x"]), peer("e", recent=["x"])]
+    ranking = rank(h, peers, history=[["a"], ["b"], ["c"]])
+    assert ranking[2:] == ["b", "c"]
+    # d's own recent neighbours include me, e's do not: e has less overlap with my circle
+    assert ranking[:2] == ["e", "d"]
+    # with only recent peers left, they are still offered (as fallbacks)
+    assert rank(h, [peer("b"), peer("c")], history=[["b"], ["c"]]) == ["b", "c"]
+
+
+def test_f1_dissimilarity_picks_the_most_different_peer() -> None:
+    mine = {"f1": [0.9, 0.9, 0.9]}
+    peers = [
+        peer("close", f1=[0.9, 0.9, 0.8]),  # ndc = 0.1
+        peer("far", f1=[0.1, 0.2, 0.3]),  # ndc = 2.1
+        peer("middle", f1=[0.5, 0.9, 0.9]),  # ndc = 0.4
+        peer("silent"),  # no vector yet
+        peer("odd", f1=[0.0, 0.0]),  # another number of classes: treated as missing
+    ]
+    ranking = rank(selection.create("f1"), peers, my_meta=mine)
+    assert ranking[:3] == ["far", "middle", "close"]
+    assert set(ranking[3:]) == {"silent", "odd"}
+    similar = rank(selection.create("f1", prefer="similar"), peers, my_meta=mine)
+    assert similar[:3] == ["close", "middle", "far"]
+
+
+def test_f1_without_my_own_vector_is_random_but_seeded() -> None:
+    peers = [peer(n, f1=[0.5]) for n in "abcd"]
+    h = selection.create("f1")
+    assert rank(h, peers, seed=3) == rank(h, peers, seed=3)
+    assert sorted(rank(h, peers, seed=3)) == list("abcd")
+
+
+def test_f1_ties_are_broken_by_the_seed() -> None:
+    peers = [peer(n, f1=[0.0, 0.0]) for n in "abcdef"]
+    h = selection.create("f1")
+    outcomes = {tuple(rank(h, peers, seed=s, my_meta={"f1": [1.0, 1.0]})) for s in range(8)}
+    assert len(outcomes) > 1
+
+
+def test_cosine_on_f1_vectors_prefers_similar_by_default() -> None:
+    mine = {"f1": [1.0, 0.0, 0.0]}
+    peers = [
+        peer("aligned", f1=[0.9, 0.1, 0.0]),
+        peer("orthogonal", f1=[0.0, 1.0, 0.0]),
+        peer("zero", f1=[0.0, 0.0, 0.0]),
+    ]
+    h = selection.create("cosine")
+    assert h.prefer == "similar"  # DFU Alg. 9: highest cos(F_k, F_c) first
+    ranking = rank(h, peers, my_meta=mine)
+    assert ranking == ["aligned", "orthogonal", "zero"]  # a zero vector has no cosine: last
+    assert rank(selection.create("cosine", prefer="dissimilar"), peers, my_meta=mine)[:2] == [
+        "orthogonal",
+        "aligned",
+    ]
+
+
+def test_cosine_on_model_statistics_normalises_each_coordinate() -> None:
+    # raw vectors all have cosine ~0.9+ with mine; after per-coordinate min-max
+    # scaling across the pool the near-identical model stands out
+    mine = {"model_stats": [1.0, 1.0, 5.0, 5.0]}
+    peers = [
+        peer("twin", model_stats=[1.0, 1.1, 5.0, 5.1]),
+        peer("other", model_stats=[2.0, 3.0, 1.0, 0.0]),
+    ]
+    h = selection.create("cosine", vector="model_stats")
+    assert rank(h, peers, my_meta=mine) == ["twin", "other"]
+    assert rank(
+        selection.create("cosine", vector="model_stats", prefer="dissimilar"), peers, my_meta=mine
+    ) == ["other", "twin"]
+    # the f1 variant ignores model statistics: no vectors, random order of both
+    assert sorted(rank(selection.create("cosine"), peers, my_meta=mine)) == ["other", "twin"]
+
+
+def test_from_config_keeps_each_heuristics_paper_default() -> None:
+    cosine = selection.from_config(SelectionSection(name="cosine", vector="model_stats"))
+    assert isinstance(cosine, selection.CosineSelection)
+    assert (cosine.prefer, cosine.vector) == ("similar", "model_stats")
+    assert (
+        selection.from_config(SelectionSection(name="cosine", prefer="dissimilar")).prefer
+        == "dissimilar"
+    )  # type: ignore[attr-defined]
+    assert selection.from_config(SelectionSection(name="f1")).prefer == "dissimilar"  # type: ignore[attr-defined]
+    assert selection.from_config(SelectionSection(name="f1", prefer="similar")).prefer == "similar"  # type: ignore[attr-defined]
+    assert selection.from_config(SelectionSection(name="n_latest", n=3)).n == 3  # type: ignore[attr-defined]
+    assert isinstance(selection.from_config(SelectionSection()), selection.RandomSelection)
+
+
+def test_unknown_heuristic_names_the_known_ones() -> None:
+    with pytest.raises(KeyError, match="cosine, f1, n_latest, random"):
+        selection.create("nearest")
+    with pytest.raises(ValueError, match="prefer"):
+        selection.create("f1", prefer="sideways")

@@ -687,5 +687,9 @@ def run_node(
 ) -> int:
     Path(cfg.node.state_dir).mkdir(parents=True, exist_ok=True)
     configure_logging(cfg)
+    if cfg.training.threads:
+        import torch
+
+        torch.set_num_threads(cfg.training.threads)
     node = Node(cfg, roster, identity, config_path=config_path)
     return asyncio.run(serve(node))

@@ -147,6 +147,7 @@ class TrainingSection(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     devices: int = Field(1, ge=1, description="data-parallel processes for local training")
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice; set 1 when several nodes share a machine)")
     seed: int = 0
     max_steps_per_epoch: int | None = Field(
         None, ge=1, description="cap local steps (demos, tests)"

@@ -496,17 +496,37 @@ class Node:
         raise PeerUnavailable(entry.peer, reason_of_response(status, body))
 
     async def _resend_outbox(self) -> None:
-        """Pushes interrupted by a crash go out again with their original id."""
+        """Pushes interrupted by a crash go out again with their original id, once
+        their peer is back, for up to transport.outbox_ttl_s after they were made."""
         for entry in self.outbox.pending():
-            for _ in range(20):
-                try:
-                    await self._deliver(entry)
-                    log.info(
-                        "%s: re-sent %s to %s after restart", self.name, entry.kind, entry.peer
+            while True:
+                if (
+                    time.time() - entry.created > self.cfg.transport.outbox_ttl_s
+                    or entry.peer not in self.client.links
+                ):
+                    log.warning(
+                        "%s: dropping %s to %s from the outbox (peer gone or TTL passed)",
+                        self.name,
+                        entry.kind,
+                        entry.peer,
                     )
                     break
-                except PeerUnavailable:
-                    await asyncio.sleep(self.cfg.transport.heartbeat_s)
+                if any(p.name == entry.peer for p in self.peers.peers()):
+                    try:
+                        await self._deliver(entry)
+                        log.info(
+                            "%s: re-sent %s to %s after restart", self.name, entry.kind, entry.peer
+                        )
+                        break
+                    except PeerUnavailable as exc:
+                        log.info(
+                            "%s: outbox %s to %s not delivered yet (%s)",
+                            self.name,
+                            entry.kind,
+                            entry.peer,
+                            exc.reason,
+                        )
+                await asyncio.sleep(self.cfg.transport.heartbeat_s)
             self.outbox.done(entry.msg_id)
 
     async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:

@@ -349,3 +349,27 @@ def test_dashboard_of_a_running_node_shows_every_peer(tmp_path):
         assert png.stat().st_size > 10_000
         digest = hashlib.sha256(png.read_bytes()).hexdigest()
         assert digest  # the screenshot exists and is readable
+
+
+def test_outbox_entries_survive_a_restart(tmp_path):
+    # A push interrupted by a crash is still in a's outbox; when a comes back it is
+    # sent again with its original id, and b processes it once.
+    import os
+
+    from node.queues import Outbox, OutboxEntry
+
+    probe = {"name": "probe", "rounds": 8, "payload_kb": 1, "round_timeout_s": 10, "interval_s": 0.5}
+    plans = provision(tmp_path / "fed", ["a", "b"], protocol=probe, overrides=FAST)
+    msg_id = os.urandom(16)
+    Outbox(tmp_path / "fed" / "a" / "state" / "outbox").add(
+        OutboxEntry(msg_id, "b", "probe", 7, {"round": 7, "tensor": torch.ones(3)}, time.time())
+    )
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        for n in "ab":
+            fed[n].wait_for(lambda s: s["phase"] == "done", 60, "probe done")
+    journal = [
+        json.loads(x)["id"]
+        for x in (tmp_path / "fed" / "b" / "state" / "journal.jsonl").read_text().splitlines()
+    ]
+    assert journal.count(msg_id.hex()) == 1
+    assert not list((tmp_path / "fed" / "a" / "state" / "outbox").glob("*.out"))

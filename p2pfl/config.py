@@ -211,6 +211,7 @@ class TransportSection(Section):
     suspect_after_s: float = Field(6.0, gt=0)
     dead_after_s: float = Field(15.0, gt=0)
     inbox_size: int = Field(256, ge=1)
+    outbox_ttl_s: float = Field(3600.0, gt=0, description="how long a push interrupted by a crash is retried after restart")
     rate_limit_per_s: float = Field(
         200.0, gt=0, description="messages per second accepted from one peer"
     )

@@ -106,6 +106,10 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    if args.rotate:
+        from node.deploy import run_rotate
+
+        return run_rotate(args)
     out = Path(args.out)
     sign_path = out / f"{args.name}.sign.pem"
     if sign_path.exists() and not args.force:
@@ -163,6 +167,12 @@ def cmd_provision(args: argparse.Namespace) -> int:
         federation=args.federation,
         seed=args.seed,
     )
+    if args.compose:
+        from node.deploy import write_compose
+
+        print(
+            f"compose file (one container per site): {write_compose(out, names, ports, status_ports)}"
+        )
     print(f"provisioned {len(names)} sites in {out}: roster {out / 'roster.yaml'}")
     for name, port, status_port in zip(names, ports, status_ports, strict=True):
         print(
@@ -242,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the keys (e.g. state/keys)")
     p.add_argument("--address", default=None, help="HOST:PORT peers reach this site at")
     p.add_argument("--force", action="store_true", help="replace existing keys")
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="replace the signing key, keep the old one valid for --grace-hours (new card printed)",
+    )
+    p.add_argument("--grace-hours", type=float, default=24.0, help="with --rotate (default 24)")
     p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("provision", help="keys + roster + site.yaml for a local federation")
@@ -263,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of site_<i>.npz files from `p2pfl-node partition`",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compose",
+        action="store_true",
+        help="also write DIR/compose.yaml (one container per site)",
+    )
     p.set_defaults(func=cmd_provision)
 
     p = sub.add_parser("roster", help="edit the roster: add a public card, remove a site, list")

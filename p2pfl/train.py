@@ -219,6 +219,10 @@ class LocalSite:
 
         Returns {'loss': mean batch loss, 'steps', 'samples', 'seconds'}."""
         epochs = self.training.epochs if epochs is None else epochs
+        if self.training.devices > 1:  # data-parallel over several processes (GPUs or gloo on CPU)
+            from p2pfl.distributed import train_epochs_data_parallel
+
+            return train_epochs_data_parallel(self, epochs)
         start = time.perf_counter()
         self.model.train()
         losses: list[float] = []
@@ -240,6 +244,71 @@ class LocalSite:
                 self.optimizer.step()
                 losses.append(float(loss.detach()))
                 samples += len(y)
+        self._prototypes_stale = True
+        self.last_loss = float(np.mean(losses)) if losses else None
+        return {
+            "loss": self.last_loss if self.last_loss is not None else float("nan"),
+            "steps": len(losses),
+            "samples": samples,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def train_replay_epochs(
+        self,
+        replay_x: Tensor,
+        replay_y: Tensor,
+        epochs: int | None = None,
+        *,
+        lam: float = 0.5,
+        private: bool = True,
+    ) -> dict[str, float]:
+        """Experience replay (FedER Eq. 6): every step pairs a private batch with as
+        many replayed images, loss = lam * CE(private) + (1 - lam) * CE(replayed).
+        `private=False` trains on the replayed images alone (FedER-B). With nothing
+        to replay this is `train_epochs`."""
+        if len(replay_y) == 0 and private:
+            return self.train_epochs(epochs)
+        if len(replay_y) == 0:
+            raise TrainingError("empty_replay", "synthetic-only training needs a non-empty buffer")
+        epochs = self.training.epochs if epochs is None else epochs
+        start = time.perf_counter()
+        self.model.train()
+        gen = torch.Generator().manual_seed(self.training.seed * 7_919 + self._shuffle_calls)
+        size = self.training.batch_size
+        losses: list[float] = []
+        samples = 0
+
+        def replay_batches(n_steps: int) -> Iterator[tuple[Tensor, Tensor]]:
+            order = torch.randperm(len(replay_y), generator=gen)
+            pos = 0
+            for _ in range(n_steps):
+                if pos + size > len(order):
+                    order, pos = torch.randperm(len(replay_y), generator=gen), 0
+                idx = order[pos : pos + size]
+                pos += size
+                yield replay_x[idx], replay_y[idx]
+
+        for _ in range(epochs):
+            if private:
+                steps = list(self.batches("train"))
+            else:
+                steps = [(None, None)] * max(1, len(replay_y) // size)
+            cap = self.training.max_steps_per_epoch
+            steps = steps[:cap] if cap is not None else steps
+            for (x, y), (rx, ry) in zip(steps, replay_batches(len(steps)), strict=True):
+                if len(ry) < 2 or (x is not None and len(y) < 2):
+                    continue
+                self.optimizer.zero_grad(set_to_none=True)
+                rx, ry = self._augment(rx).to(self.device), ry.to(self.device)
+                if x is None:
+                    loss = self.loss(rx, ry)
+                else:
+                    x, y = self._augment(x).to(self.device), y.to(self.device)
+                    loss = lam * self.loss(x, y) + (1.0 - lam) * self.loss(rx, ry)
+                loss.backward()
+                self.optimizer.step()
+                losses.append(float(loss.detach()))
+                samples += len(ry) + (0 if y is None else len(y))
         self._prototypes_stale = True
         self.last_loss = float(np.mean(losses)) if losses else None
         return {

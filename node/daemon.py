@@ -109,6 +109,13 @@ class NodeContext(RoundContext):
     def record_choice(self, chosen: list[str]) -> None:
         self.node.telemetry.record_choice(self.me, list(chosen))
 
+    def pair_secret(self, peer: str, context: bytes) -> bytes:
+        from protocols.masking import pair_secret_from_shared
+
+        if peer not in self.node.roster:
+            raise PeerUnavailable(peer, "not in roster")
+        return pair_secret_from_shared(self.node.codec.shared_secret(peer), self.me, peer, context)
+
 
 class Node:
     def __init__(
@@ -343,6 +350,9 @@ class Node:
             for k, v in values.items()
             if isinstance(v, int | float) and not isinstance(v, bool)
         }
+        # Protocol traffic since start (heartbeats excluded), as the in-memory network reports it.
+        clean.setdefault("messages_sent", self.protocol_messages_sent)
+        clean.setdefault("bytes_sent", self.protocol_bytes_sent)
         self._metrics_file.write(
             json.dumps({"t": round_time(), "node": self.name, "round": round, **clean}) + "\n"
         )

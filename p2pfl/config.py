@@ -147,10 +147,23 @@ class TrainingSection(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     devices: int = Field(1, ge=1, description="data-parallel processes for local training")
-    threads: int | None = Field(None, ge=1, description="CPU threads for torch (default: torch's choice; set 1 when several nodes share a machine)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for torch (default: torch's choice; set 1 when several nodes share a machine)",
+    )
     seed: int = 0
     max_steps_per_epoch: int | None = Field(
         None, ge=1, description="cap local steps (demos, tests)"
+    )
+    steps_per_round: int | None = Field(
+        None,
+        ge=1,
+        description="local steps per round instead of epochs (equal work per site, whatever its size)",
+    )
+    class_weighted: bool = Field(
+        False,
+        description="weight cross-entropy by median class frequency / class frequency of the labelled train split",
     )
 
 
@@ -211,7 +224,9 @@ class TransportSection(Section):
     suspect_after_s: float = Field(6.0, gt=0)
     dead_after_s: float = Field(15.0, gt=0)
     inbox_size: int = Field(256, ge=1)
-    outbox_ttl_s: float = Field(3600.0, gt=0, description="how long a push interrupted by a crash is retried after restart")
+    outbox_ttl_s: float = Field(
+        3600.0, gt=0, description="how long a push interrupted by a crash is retried after restart"
+    )
     rate_limit_per_s: float = Field(
         200.0, gt=0, description="messages per second accepted from one peer"
     )

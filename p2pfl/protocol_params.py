@@ -7,9 +7,9 @@ not import the algorithms. A new protocol adds one model here, one entry in
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Params(BaseModel):
@@ -18,7 +18,9 @@ class _Params(BaseModel):
     rounds: int = Field(10, ge=0, description="federated rounds this node runs")
     round_timeout_s: float = Field(120.0, gt=0, description="how long to wait for a peer's update")
     max_staleness: int = Field(
-        1, ge=0, description="accept a peer model at most this many rounds old"
+        1,
+        ge=0,
+        description="a pull for round r also accepts the peer's model of rounds r+1..r+max_staleness",
     )
     eval_every: int = Field(1, ge=1)
 
@@ -55,8 +57,141 @@ class ProbeParams(_Params):
     interval_s: float = Field(0.0, ge=0.0, description="pause between rounds")
 
 
-ProtocolParams = FedAvgP2PParams | FedSGDP2PParams | ProbeParams
+class _SemiSupervised(_Params):
+    fraction: float = Field(
+        0.5, gt=0.0, le=1.0, description="c of the FedAVGP2P exchange between rounds"
+    )
+    tau: float = Field(0.6, gt=0.0, le=1.0, description="pseudo-label confidence threshold")
+    beta: float = Field(0.5, ge=0.0, description="weight of the unlabeled (strong-view) loss")
+    unlabeled_ratio: int = Field(
+        1, ge=1, description="unlabeled images per labeled image in a step (FixMatch mu)"
+    )
+    class_weighted: bool = Field(
+        True, description="supervised CE weighted by median frequency / class frequency"
+    )
+
+
+class SSFLParams(_SemiSupervised):
+    """FixMatch locally + FedAVGP2P between rounds (FedPerl with T = 0)."""
+
+    name: Literal["ssfl"]
+
+
+class FedPerlParams(_SemiSupervised):
+    name: Literal["fedperl"]
+    top_t: int = Field(
+        2,
+        ge=2,
+        description="T: peers in the anonymized ensemble (>= 2: one peer's mean is its model)",
+    )
+    warmup_rounds: int = Field(
+        10, ge=0, description="rounds of plain SSFL before peer learning starts"
+    )
+    gamma: float = Field(
+        0.01, ge=0.0, description="weight of the consistency loss with the anonymized peer"
+    )
+    policy: Literal["static", "validation", "gated_validation", "gated_similarity"] = "static"
+    rho: float = Field(0.85, description="gate of the gated policies")
+
+
+class FedMAEParams(_Params):
+    """Masked-autoencoder pre-training of a ViT, peer to peer (then fine-tuning).
+
+    The exchange between rounds is FedAVGP2P's (fraction, aggregation, the
+    configured selection heuristic) over the encoder and decoder weights."""
+
+    name: Literal["fedmae"]
+    fraction: float = Field(
+        0.5, gt=0.0, le=1.0, description="c: share of the other nodes to average with"
+    )
+    aggregation: Literal["mean", "median", "trimmed_mean", "norm_clip"] = "mean"
+    trim_ratio: float = Field(
+        0.2, ge=0.0, lt=0.5, description="trimmed_mean: share cut at each end"
+    )
+    clip_norm: float | None = Field(
+        None, gt=0, description="norm_clip: max L2 distance of an update from ours"
+    )
+    mask_ratio: float = Field(
+        0.6, gt=0.0, lt=1.0, description="gamma: share of patches masked (Fed-MAE: 0.6)"
+    )
+    patch_size: int | None = Field(None, ge=1, description="default: chosen from the image size")
+    encoder_depth: int | None = Field(
+        None,
+        ge=1,
+        description="transformer blocks of the ViT encoder (default: the model's own, 12 for vit_tiny)",
+    )
+    decoder_dim: int = Field(128, ge=8)
+    decoder_depth: int = Field(2, ge=1)
+    decoder_heads: int = Field(4, ge=1)
+    encoder_out: str = Field(
+        "pretrained_encoder.pt", description="written under the state dir at the end"
+    )
+    finetune: (
+        Annotated[
+            FedAvgP2PParams | FedSGDP2PParams | SSFLParams | FedPerlParams,
+            Field(discriminator="name"),
+        ]
+        | None
+    ) = Field(
+        None,
+        description="a protocol section (e.g. {name: fedavgp2p, rounds: 10}) run after pre-training, "
+        "starting from the pre-trained encoder",
+    )
+
+    @model_validator(mode="after")
+    def _decoder_heads_divide_dim(self) -> FedMAEParams:
+        if self.decoder_dim % self.decoder_heads:
+            raise ValueError(
+                f"decoder_dim {self.decoder_dim} is not a multiple of decoder_heads {self.decoder_heads}"
+            )
+        return self
+
+
+class FedERParams(_Params):
+    """FedER relay (Alg. 1) and its privacy-enhanced variants (Sec. 4.4)."""
+
+    name: Literal["feder", "feder_a", "feder_b"]
+    buffer_size: int = Field(512, ge=1, description="synthetic images per buffer (paper: 512)")
+    buffer_per_class: Literal["balanced", "prior"] = "balanced"
+    lambda_: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        alias="lambda",
+        description="Eq. 6 weight of the private half of each mini-batch",
+    )
+    successor: Literal["ring", "random", "heuristic"] = Field(
+        "ring",
+        description="ring: a fresh random ring per round, the same on every node; random: any alive peer (asynchronous, queued); heuristic: the selection section",
+    )
+    initial_epochs: int = Field(
+        1, ge=0, description="epochs of M_i^0 on private data before federation"
+    )
+    generator: str | None = Field(
+        None,
+        description="a trained generator file (genbuffer train); default: train one before federation",
+    )
+    genbuffer: dict | None = Field(
+        None, description="genbuffer section used when the generator is trained here"
+    )
+    reset_optimizer: bool = Field(
+        True, description="rebuild Adam each round, as the reference code does"
+    )
+
+
+ProtocolParams = (
+    FedAvgP2PParams
+    | FedSGDP2PParams
+    | ProbeParams
+    | SSFLParams
+    | FedPerlParams
+    | FedMAEParams
+    | FedERParams
+)
 
 
 def protocol_names() -> list[str]:
-    return [cls.model_fields["name"].annotation.__args__[0] for cls in ProtocolParams.__args__]  # type: ignore[attr-defined]
+    names: list[str] = []
+    for cls in ProtocolParams.__args__:  # type: ignore[attr-defined]
+        names.extend(cls.model_fields["name"].annotation.__args__)
+    return names

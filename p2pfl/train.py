@@ -64,6 +64,19 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def median_frequency_weights(counts: list[int] | np.ndarray) -> Tensor:
+    """weight_c = median class frequency / frequency of class c (over the classes
+    that occur; 0 for a class without labels): the class weighting of the FedPerl
+    reference code, also useful for imbalanced sites under any protocol."""
+    counts_arr = np.asarray(counts, dtype=np.float64)
+    present = counts_arr > 0
+    if not present.any():
+        return torch.ones(len(counts_arr))
+    weights = np.zeros_like(counts_arr)
+    weights[present] = float(np.median(counts_arr[present])) / counts_arr[present]
+    return torch.as_tensor(weights, dtype=torch.float32)
+
+
 class LocalSite:
     """One site's model + optimizer + data + device.
 
@@ -96,6 +109,11 @@ class LocalSite:
             )
         self.use_amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.optimizer = self._build_optimizer()
+        self.class_weight = (
+            median_frequency_weights(data.class_counts("train")).to(self.device)
+            if training.class_weighted
+            else None
+        )
         self.last_loss: float | None = None
         self._shuffle_calls = 0
         self._prototypes_stale = True
@@ -203,7 +221,7 @@ class LocalSite:
                 embeddings = self.model.embed(x)
                 return contrastive_loss(embeddings.float(), y, margin=self.model.margin)
             logits = self.model(x)
-            return F.cross_entropy(logits.float(), y)
+            return F.cross_entropy(logits.float(), y, weight=self.class_weight)
 
     def _augment(self, x: Tensor) -> Tensor:
         if self.augment == "weak":
@@ -213,6 +231,35 @@ class LocalSite:
         return x
 
     # ------------------------------------------------------------------ training
+
+    def training_batches(self, epochs: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """The batches of one round of local training: `epochs` epochs (each capped
+        at max_steps_per_epoch), or exactly `steps_per_round` steps cycling through
+        reshuffled epochs, so every site does the same work whatever its size.
+        Batches of one sample are skipped (BatchNorm cannot train on them)."""
+        steps = self.training.steps_per_round
+        if steps is not None:
+            done = 0
+            while done < steps:
+                yielded = False
+                for x, y in self.batches("train"):
+                    if len(y) < 2:
+                        continue
+                    yield x, y
+                    yielded = True
+                    done += 1
+                    if done >= steps:
+                        return
+                if not yielded:
+                    return
+            return
+        cap = self.training.max_steps_per_epoch
+        for _ in range(epochs):
+            for step, (x, y) in enumerate(self.batches("train")):
+                if cap is not None and step >= cap:
+                    break
+                if len(y) >= 2:
+                    yield x, y
 
     def train_epochs(self, epochs: int | None = None) -> dict[str, float]:
         """Local training for `epochs` (default training.epochs) epochs.
@@ -227,23 +274,15 @@ class LocalSite:
         self.model.train()
         losses: list[float] = []
         samples = 0
-        for _ in range(epochs):
-            for step, (x, y) in enumerate(self.batches("train")):
-                if (
-                    self.training.max_steps_per_epoch is not None
-                    and step >= self.training.max_steps_per_epoch
-                ):
-                    break
-                if len(y) < 2:  # BatchNorm cannot train on a single sample
-                    continue
-                x = self._augment(x).to(self.device, non_blocking=True)
-                y = y.to(self.device, non_blocking=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = self.loss(x, y)
-                loss.backward()
-                self.optimizer.step()
-                losses.append(float(loss.detach()))
-                samples += len(y)
+        for x, y in self.training_batches(epochs):
+            x = self._augment(x).to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss(x, y)
+            loss.backward()
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            samples += len(y)
         self._prototypes_stale = True
         self.last_loss = float(np.mean(losses)) if losses else None
         return {

@@ -1,0 +1,149 @@
+"""Plots shared by the benchmarks (matplotlib, Agg backend, PNG files).
+
+- `f1_per_round`: macro-F1 per round, one curve per run (e.g. per heuristic),
+  optional thin per-node curves, baselines as dashed curves and the
+  threshold of DFU Table 2 as a dotted line.
+- `messages_vs_fraction`: protocol messages sent by the whole federation versus
+  the fraction c, one line per heuristic (DFU Fig. 7 counts them up to the
+  round where the threshold is reached; points whose run never reached it are
+  drawn hollow and count the whole run).
+- `rounds_to_threshold`: rounds until the mean macro-F1 over the nodes first
+  reaches the threshold, one bar per run (DFU Table 2); runs that never reach
+  it get a hatched bar labelled "not reached".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+
+@dataclass(frozen=True)
+class FractionPoint:
+    """One run of the Fig. 7 plot: c, messages counted, and whether the
+    threshold was reached (otherwise the count is the whole run's)."""
+
+    fraction: float
+    messages: int
+    reached: bool
+
+
+def f1_per_round(
+    curves: Mapping[str, Mapping[int, float]],
+    path: Path,
+    *,
+    title: str,
+    baselines: Mapping[str, Mapping[int, float]] | None = None,
+    per_node: Mapping[str, Mapping[int, float]] | None = None,
+    threshold: float | None = None,
+) -> Path:
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for _node, series in sorted((per_node or {}).items()):
+        rounds = sorted(series)
+        ax.plot(rounds, [series[r] for r in rounds], color="0.75", linewidth=0.8, zorder=1)
+    if per_node:
+        ax.plot([], [], color="0.75", linewidth=0.8, label="single nodes")
+    for label, series in curves.items():
+        rounds = sorted(series)
+        ax.plot(
+            rounds, [series[r] for r in rounds], marker="o", markersize=3, label=label, zorder=3
+        )
+    styles = ["--", "-.", (0, (5, 2, 1, 2))]
+    for i, (label, series) in enumerate((baselines or {}).items()):
+        rounds = sorted(series)
+        ax.plot(
+            rounds,
+            [series[r] for r in rounds],
+            linestyle=styles[i % len(styles)],
+            color=f"C{7 + i}",
+            label=label,
+            zorder=2,
+        )
+    if threshold is not None:
+        ax.axhline(
+            threshold, linestyle=":", color="black", linewidth=0.8, label=f"threshold {threshold:g}"
+        )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel("round")
+    ax.set_ylabel("macro-F1 (test, mean over nodes)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
+    return _save(fig, path)
+
+
+def messages_vs_fraction(
+    points: Mapping[str, Sequence[FractionPoint]], path: Path, *, title: str
+) -> Path:
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for i, (label, series) in enumerate(points.items()):
+        ordered = sorted(series, key=lambda p: p.fraction)
+        colour = f"C{i}"
+        ax.plot(
+            [p.fraction for p in ordered], [p.messages for p in ordered], color=colour, label=label
+        )
+        for p in ordered:
+            ax.plot(
+                p.fraction,
+                p.messages,
+                marker="o",
+                color=colour,
+                markerfacecolor=colour if p.reached else "white",
+            )
+    ax.plot(
+        [],
+        [],
+        marker="o",
+        linestyle="",
+        color="0.3",
+        markerfacecolor="white",
+        label="threshold not reached (whole run)",
+    )
+    ax.set_xlim(0.0, 1.05)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("fraction of peers c")
+    ax.set_ylabel("protocol messages sent (all nodes)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def rounds_to_threshold(
+    rows: Sequence[tuple[str, int | None]],
+    path: Path,
+    *,
+    threshold: float,
+    max_round: int,
+    title: str,
+) -> Path:
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(rows) + 2.0), 4.0))
+    for i, (_label, rounds) in enumerate(rows):
+        if rounds is None:
+            ax.bar(i, max_round + 1, color="white", edgecolor="0.4", hatch="//")
+            ax.text(i, max_round + 1, "not reached", ha="center", va="bottom", fontsize="small")
+        else:
+            ax.bar(i, rounds, color=f"C{i % 10}")
+            ax.text(i, rounds, str(rounds), ha="center", va="bottom", fontsize="small")
+    ax.set_xticks(range(len(rows)), [label for label, _ in rows], rotation=30, ha="right")
+    ax.set_ylabel(f"rounds to mean macro-F1 >= {threshold:g}")
+    ax.set_ylim(0, max_round + 2)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

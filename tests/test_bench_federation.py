@@ -1,0 +1,168 @@
+"""bench.federation: the N-node benchmark writes results.json in the documented
+schema, prints its summary as the last stdout line, draws its plots, and always
+stops the node processes it started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from bench import federation
+
+NUMBER_OR_NULL = {"type": ["number", "null"]}
+ROW_SCHEMA = {
+    "type": "object",
+    "required": list(federation.ROW_KEYS),
+    "properties": {
+        "node": {"type": "string"},
+        "round": {"type": "integer", "minimum": 1},
+        "macro_f1": {"type": "number", "minimum": 0, "maximum": 1},
+        "accuracy": {"type": "number", "minimum": 0, "maximum": 1},
+        "messages_sent": {"type": "integer", "minimum": 0},
+        "bytes_sent": {"type": "integer", "minimum": 0},
+        "train_s": {"type": "number", "minimum": 0},
+        "round_s": {"type": "number", "minimum": 0},
+    },
+}
+SUMMARY_REQUIRED = [
+    "protocol",
+    "nodes",
+    "rounds",
+    "macro_f1_mean_first",
+    "macro_f1_mean_final",
+    "standalone_macro_f1_mean",
+    "centralized_macro_f1",
+    "non_training_share",
+    "bytes_sent_total",
+]
+RESULTS_SCHEMA = {
+    "type": "object",
+    "required": ["config", "rounds", "baselines", "summary"],
+    "properties": {
+        "config": {"type": "object", "required": ["nodes", "protocol", "rounds", "data"]},
+        "rounds": {"type": "array", "items": ROW_SCHEMA},
+        "baselines": {
+            "type": "object",
+            "required": ["standalone", "centralized"],
+            "properties": {
+                "standalone": {"type": "object", "required": ["macro_f1_mean"]},
+                "centralized": {"type": "object", "required": ["macro_f1"]},
+            },
+        },
+        "summary": {
+            "type": "object",
+            "required": SUMMARY_REQUIRED,
+            "properties": {
+                "protocol": {"type": "string"},
+                "nodes": {"type": "integer"},
+                "rounds": {"type": "integer"},
+                "macro_f1_mean_first": {"type": "number"},
+                "macro_f1_mean_final": {"type": "number"},
+                "standalone_macro_f1_mean": {"type": "number"},
+                "centralized_macro_f1": {"type": "number"},
+                "non_training_share": {"type": "number", "minimum": 0, "maximum": 1},
+                "bytes_sent_total": {"type": "integer", "minimum": 1},
+                "wall_s": {"type": "number"},
+                "peak_rss_mb_max": NUMBER_OR_NULL,
+            },
+        },
+    },
+}
+TINY = ["--data", "digits", "--image-size", "8", "--max-steps-per-epoch", "2", "--seed", "1"]
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
+    code = federation.main(argv)
+    lines = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(lines[-1])
+
+
+def test_in_memory_run_writes_the_documented_results_and_prints_the_summary_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    argv = ["--in-memory", "--nodes", "3", "--rounds", "2", "--partition", "iid", *TINY]
+    code, last_line = run_cli([*argv, "--out", str(out)], capsys)
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    jsonschema.validate(results, RESULTS_SCHEMA)
+    assert last_line == results["summary"]
+    summary = results["summary"]
+    assert (summary["protocol"], summary["nodes"], summary["rounds"]) == ("fedavgp2p", 3, 2)
+    assert summary["mode"] == "in_memory" and summary["peak_rss_mb_max"] > 0
+    # every node reported every round, and the nodes really exchanged models
+    assert sorted((r["node"], r["round"]) for r in results["rounds"]) == [
+        (f"site_{i}", r) for i in range(3) for r in (1, 2)
+    ]
+    assert summary["messages_sent_total"] >= 3 * 2
+    # baselines ran on the same partition for the same number of rounds
+    assert set(results["baselines"]["standalone"]["macro_f1_by_node"]) == {
+        "site_0",
+        "site_1",
+        "site_2",
+    }
+    assert len(results["baselines"]["centralized"]["macro_f1_mean_by_round"]) == 2
+    assert sorted(p.name for p in (out / "data").glob("site_*.npz")) == [
+        "site_0.npz",
+        "site_1.npz",
+        "site_2.npz",
+    ]
+    for path in results["plots"].values():
+        assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grid_compares_heuristics_and_fractions_in_one_results_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "grid"
+    argv = ["--in-memory", "--nodes", "3", "--rounds", "1", "--grid", "--no-baselines"]
+    argv += ["--heuristics", "random,f1", "--fractions", "0.5,1.0", *TINY, "--out", str(out)]
+    code, summary = run_cli(argv, capsys)
+    assert code == 0
+    cells = {(c["heuristic"], c["fraction"]): c for c in summary["grid"]}
+    assert set(cells) == {("random", 0.5), ("random", 1.0), ("f1", 0.5), ("f1", 1.0)}
+    # c = 1 pulls from both other nodes, c = 0.5 from one: more messages (DFU Fig. 7)
+    for heuristic in ("random", "f1"):
+        assert (
+            cells[(heuristic, 1.0)]["messages_sent_total"]
+            > cells[(heuristic, 0.5)]["messages_sent_total"]
+        )
+    assert summary["standalone_macro_f1_mean"] is None
+    assert (out / "messages_vs_fraction.png").exists()
+    assert (out / "f1_per_round_c0.5.png").exists() and (out / "f1_per_round_c1.png").exists()
+
+
+@pytest.mark.slow
+def test_real_node_processes_run_to_the_end_and_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "procs"
+    argv = ["--nodes", "3", "--rounds", "1", "--partition", "iid", "--no-baselines", *TINY]
+    code, summary = run_cli([*argv, "--timeout", "120", "--out", str(out)], capsys)
+    assert code == 0, summary["errors"]
+    assert summary["mode"] == "processes" and not summary["timed_out"]
+    results = json.loads((out / "results.json").read_text())
+    assert {r["node"] for r in results["rounds"]} == {"site_0", "site_1", "site_2"}
+    assert all(r["messages_sent"] is not None for r in results["rounds"])
+    assert results["runs"][0]["exit_codes"] == {"site_0": 0, "site_1": 0, "site_2": 0}
+    assert all(rss > 50 for rss in summary["peak_rss_mb"].values())
+    assert 0.0 <= summary["non_training_share"] <= 1.0
+
+
+@pytest.mark.slow
+def test_overall_timeout_stops_every_node_and_still_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "late"
+    argv = ["--nodes", "2", "--rounds", "50", "--partition", "iid", "--no-baselines", *TINY]
+    code, summary = run_cli([*argv, "--timeout", "4", "--out", str(out)], capsys)
+    assert code == 1
+    assert summary["timed_out"] is True
+    results = json.loads((out / "results.json").read_text())
+    exit_codes = results["runs"][0]["exit_codes"]
+    assert set(exit_codes) == {"site_0", "site_1"}
+    assert all(code is not None for code in exit_codes.values())  # nobody left running

@@ -1,0 +1,346 @@
+"""`p2pfl-node genbuffer train|sample|audit --config site.yaml`.
+
+node/cli.py registers this with `add_genbuffer_parser(subparsers)` and runs
+`run_genbuffer(args)`. The config may be a site.yaml (its `genbuffer:` and
+`data:` sections are used) or a standalone YAML with just those sections.
+Command-line options override the YAML. Mistakes a person can fix print one
+line and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from p2pfl.config import ConfigError, DataSection
+
+from .config import GenbufferConfig, GenbufferSection, load_genbuffer_config
+from .errors import GenbufferError
+
+log = logging.getLogger(__name__)
+
+
+def add_genbuffer_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `genbuffer` with its `train`, `sample` and `audit` sub-commands."""
+    parser = subparsers.add_parser(
+        "genbuffer",
+        help="privacy-preserving GAN: train it, sample synthetic buffers, audit privacy",
+        description="Train the site's privacy-preserving conditional StyleGAN2-ADA (FedER), "
+        "sample synthetic buffers from it, and audit how well it hides the training images.",
+    )
+    parser.set_defaults(func=run_genbuffer)
+    sub = parser.add_subparsers(dest="genbuffer_command", metavar="{train,sample,audit}")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config",
+            required=True,
+            type=Path,
+            help="site.yaml or a YAML with a genbuffer: section",
+        )
+        p.add_argument(
+            "--device", choices=["auto", "cpu", "cuda"], help="override genbuffer.device"
+        )
+        p.add_argument("--seed", type=int, help="override genbuffer.seed")
+
+    train = sub.add_parser(
+        "train", help="two-stage training (stage 1 plain, stage 2 with the LPIPS privacy loss)"
+    )
+    common(train)
+    train.add_argument("--out", type=Path, help="output folder (default genbuffer.out_dir)")
+    train.add_argument(
+        "--iterations", type=int, help="stage 1: most iterations (genbuffer.iterations)"
+    )
+    train.add_argument(
+        "--stage2-iterations", type=int, help="stage 2: most iterations; 0 skips stage 2"
+    )
+    train.add_argument(
+        "--patience", type=int, help="stage 1: iterations without improvement before stopping"
+    )
+    train.add_argument("--quality-every", type=int, help="iterations between quality scores")
+    train.add_argument("--resolution", type=int, help="GAN resolution (power of two, 16-256)")
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--alpha", type=float, help="weight of the privacy loss (FedER Eq. 5)")
+    train.add_argument("--lpips-backbone", choices=["alex", "vgg", "random"])
+    train.add_argument(
+        "--lpips-weights", type=Path, help="torchvision ImageNet weights file of the backbone"
+    )
+    train.add_argument(
+        "--no-reference", action="store_true", help="skip the no-privacy continuation used by audit"
+    )
+    train.add_argument(
+        "--restart", action="store_true", help="ignore an existing training state and start over"
+    )
+
+    sample = sub.add_parser(
+        "sample", help="write a synthetic buffer (uint8 images + labels, tensor codec)"
+    )
+    common(sample)
+    sample.add_argument(
+        "--checkpoint", type=Path, help="generator file (default OUT_DIR/generator.pt)"
+    )
+    sample.add_argument("--size", type=int, help="number of images (genbuffer.buffer_size)")
+    sample.add_argument(
+        "--per-class", choices=["balanced", "prior"], help="class counts: equal or local prior"
+    )
+    sample.add_argument(
+        "--out",
+        type=Path,
+        help="buffer file (default OUT_DIR/buffer.bin); a preview PNG goes beside it",
+    )
+
+    audit = sub.add_parser(
+        "audit", help="project real images into W of the generators with/without privacy loss"
+    )
+    common(audit)
+    audit.add_argument(
+        "--pp-checkpoint",
+        type=Path,
+        help="generator with privacy loss (default OUT_DIR/generator.pt)",
+    )
+    audit.add_argument(
+        "--nopp-checkpoint",
+        type=Path,
+        help="generator without it (default OUT_DIR/reference_nopp.pt)",
+    )
+    audit.add_argument(
+        "--images", type=int, help="real training images to project (genbuffer.audit_images)"
+    )
+    audit.add_argument(
+        "--steps", type=int, help="optimisation steps per projection (genbuffer.audit_steps)"
+    )
+    audit.add_argument(
+        "--out", type=Path, help="folder for audit.json and the PNGs (default OUT_DIR/audit)"
+    )
+    audit.add_argument("--lpips-backbone", choices=["alex", "vgg", "random"])
+    audit.add_argument("--lpips-weights", type=Path)
+    return parser
+
+
+def _user_error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _with_overrides(
+    section: GenbufferSection, args: argparse.Namespace, names: dict[str, str]
+) -> GenbufferSection:
+    updates: dict[str, Any] = {}
+    for arg, field in names.items():
+        value = getattr(args, arg, None)
+        if value is not None:
+            updates[field] = value
+    if not updates:
+        return section
+    try:
+        return GenbufferSection.model_validate({**section.model_dump(), **updates})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        option = next(
+            (f"--{a.replace('_', '-')}" for a, f in names.items() if f == field), field or "options"
+        )
+        raise GenbufferError("bad_option", f"{option}: {err['msg']}") from None
+
+
+COMMON_OVERRIDES = {
+    "device": "device",
+    "seed": "seed",
+    "lpips_backbone": "lpips_backbone",
+    "lpips_weights": "lpips_weights",
+}
+
+
+def _progress_bar() -> Any:
+    """A progress callback drawing one tqdm bar per phase, or None when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+
+    def update(phase: str, done: int, total: int, stats: dict[str, float]) -> None:
+        bar = bars.get(phase)
+        if bar is None:
+            for other in bars.values():
+                other.close()
+            bar = bars[phase] = tqdm(total=total, desc=phase, unit="it", dynamic_ncols=True)
+        bar.n = done
+        bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()}, refresh=False)
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    return update
+
+
+def _site_training_arrays(config: GenbufferConfig) -> tuple[np.ndarray, np.ndarray, int]:
+    from p2pfl.data import DataError, load_site_data
+
+    data_section = config.data or DataSection()
+    try:
+        data = load_site_data(data_section, seed=config.seed)
+    except DataError as exc:
+        raise GenbufferError(f"data_{exc.reason}", f"{config.path}: data.source: {exc}") from None
+    return data.train_uint8, np.asarray(data.train_labels), data.num_classes
+
+
+def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
+    from .train import train_generator
+
+    section = _with_overrides(
+        config.genbuffer,
+        args,
+        {
+            **COMMON_OVERRIDES,
+            "out": "out_dir",
+            "iterations": "iterations",
+            "stage2_iterations": "stage2_iterations",
+            "patience": "stage1_patience",
+            "quality_every": "quality_every",
+            "resolution": "resolution",
+            "batch_size": "batch_size",
+            "alpha": "alpha",
+        },
+    )
+    torch.set_flush_denormal(True)  # subnormal floats make long CPU runs many times slower
+    if args.no_reference:
+        section = section.model_copy(update={"train_reference": False})
+    images, labels, num_classes = _site_training_arrays(config)
+    result = train_generator(
+        images,
+        labels,
+        num_classes,
+        section,
+        section.out_dir,
+        resume=not args.restart,
+        progress=_progress_bar(),
+    )
+    print(json.dumps(result.to_json()))
+    return 0
+
+
+def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
+    from .audit import write_grid
+    from .buffer import buffer_to_bytes, sample_buffer
+    from .checkpoint import load_generator
+    from .train import GENERATOR_FILE, resolve_device
+
+    section = _with_overrides(
+        config.genbuffer,
+        args,
+        {**COMMON_OVERRIDES, "size": "buffer_size", "per_class": "per_class"},
+    )
+    checkpoint = args.checkpoint or section.out_dir / GENERATOR_FILE
+    generator, info = load_generator(checkpoint, resolve_device(section.device))
+    buffer = sample_buffer(
+        generator,
+        section.buffer_size,
+        per_class=section.per_class,
+        label_prior=info.label_prior,
+        seed=section.seed,
+        truncation_psi=section.truncation_psi,
+    )
+    out = args.out or section.out_dir / "buffer.bin"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(buffer_to_bytes(buffer))
+    preview = out.with_suffix(".png")
+    rows = []
+    for c in range(generator.num_classes):
+        picked = buffer["images"][buffer["labels"] == c][:16]
+        if len(picked):
+            rows.append(picked.float() / 127.5 - 1)
+    width = min(len(r) for r in rows) if rows else 0
+    if width:
+        write_grid([r[:width] for r in rows], preview)
+    counts = torch.bincount(buffer["labels"], minlength=generator.num_classes).tolist()
+    print(
+        json.dumps(
+            {
+                "buffer": str(out),
+                "preview": str(preview),
+                "images": len(buffer["labels"]),
+                "per_class": counts,
+                "content_hash": buffer["content_hash"],
+                "generator": str(checkpoint),
+            }
+        )
+    )
+    return 0
+
+
+def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
+    from .audit import audit_privacy
+    from .checkpoint import load_generator
+    from .privacy import build_perceptual_distance
+    from .train import GENERATOR_FILE, REFERENCE_GENERATOR, prepare_images, resolve_device
+
+    section = _with_overrides(
+        config.genbuffer,
+        args,
+        {**COMMON_OVERRIDES, "images": "audit_images", "steps": "audit_steps"},
+    )
+    device = resolve_device(section.device)
+    metric = build_perceptual_distance(
+        section.lpips_backbone,
+        section.lpips_weights,
+        min_size=section.lpips_min_size,
+        device=device,
+    )
+    pp_path = args.pp_checkpoint or section.out_dir / GENERATOR_FILE
+    nopp_path = args.nopp_checkpoint or section.out_dir / REFERENCE_GENERATOR
+    if not nopp_path.is_file():
+        raise GenbufferError(
+            "no_reference",
+            f"{nopp_path}: no generator trained without the privacy loss — run `genbuffer train` "
+            "without --no-reference (genbuffer.train_reference: true), or pass --nopp-checkpoint",
+        )
+    generator_pp, info_pp = load_generator(pp_path, device)
+    generator_nopp, _ = load_generator(nopp_path, device)
+    if info_pp.lpips_backbone and info_pp.lpips_backbone != section.lpips_backbone:
+        log.warning(
+            "the generator was trained with the %s LPIPS backbone but the audit uses %s",
+            info_pp.lpips_backbone,
+            section.lpips_backbone,
+        )
+    images, labels, _ = _site_training_arrays(config)
+    rng = np.random.default_rng(section.seed)
+    picks = np.sort(
+        rng.choice(len(images), size=min(section.audit_images, len(images)), replace=False)
+    )
+    real = prepare_images(images[picks], generator_pp.spec.resolution)
+    out = args.out or section.out_dir / "audit"
+    result = audit_privacy(
+        generator_pp,
+        generator_nopp,
+        real,
+        torch.as_tensor(labels[picks]),
+        metric,
+        out,
+        steps=section.audit_steps,
+        lr=section.audit_lr,
+        seed=section.seed,
+    )
+    summary = {k: v for k, v in result.to_json().items() if not k.startswith("distances")}
+    print(json.dumps({**summary, "lpips_backbone": section.lpips_backbone}))
+    return 0
+
+
+def run_genbuffer(args: argparse.Namespace) -> int:
+    command = getattr(args, "genbuffer_command", None)
+    if command is None:
+        return _user_error("genbuffer needs a sub-command: train, sample or audit (see --help)")
+    try:
+        config = load_genbuffer_config(args.config)
+        handler = {"train": _cmd_train, "sample": _cmd_sample, "audit": _cmd_audit}[command]
+        return handler(config, args)
+    except (ConfigError, GenbufferError) as exc:
+        return _user_error(str(exc))

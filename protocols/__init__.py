@@ -15,6 +15,12 @@ REGISTRY: dict[str, str] = {
     "fedavgp2p": "protocols.fedavgp2p:FedAvgP2P",
     "fedsgdp2p": "protocols.fedsgdp2p:FedSgdP2P",
     "probe": "protocols.probe:Probe",
+    "ssfl": "protocols.fedperl:SSFL",
+    "fedperl": "protocols.fedperl:FedPerl",
+    "fedmae": "protocols.fedmae:FedMAE",
+    "feder": "protocols.feder:FedER",
+    "feder_a": "protocols.feder:FedER",
+    "feder_b": "protocols.feder:FedER",
 }
 
 _params_adapter: TypeAdapter[Any] = TypeAdapter(ProtocolParams)

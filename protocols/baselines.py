@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from p2pfl.config import SiteConfig
@@ -33,6 +33,9 @@ class BaselineResult:
     name: str
     records: list[dict[str, Any]]
     wall_s: float
+    final_states: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # node -> model (cross-site evaluation)
 
     def mean_by_round(self, metric: str = "macro_f1") -> dict[int, float]:
         by_round: dict[int, list[float]] = {}
@@ -70,6 +73,7 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
     start = time.perf_counter()
     total = _rounds(configs, rounds)
     records: list[dict[str, Any]] = []
+    final_states: dict[str, dict[str, Any]] = {}
     for cfg in configs:
         site = build_site(cfg)
         for r in range(1, total + 1):
@@ -88,7 +92,8 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
                 }
             )
         log.info("standalone %s: %s", cfg.node.name, records[-1])
-    return BaselineResult("standalone", records, time.perf_counter() - start)
+        final_states[cfg.node.name] = site.state_dict()
+    return BaselineResult("standalone", records, time.perf_counter() - start, final_states)
 
 
 def centralized_fedavg(

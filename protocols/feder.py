@@ -1,0 +1,365 @@
+"""FedER: federated learning through experience replay (Pennisi et al., Alg. 1, Eq. 6).
+
+Before federation every node n_j
+  trains (or loads) its privacy-preserving generator G_j   (genbuffer, Sec. 3.2)
+  samples its buffer B_j of synthetic images               (default 512)
+  trains M_j^0 on its private data D_j.
+Every round r, every node in parallel
+  sends (M_j^{r-1}, B_j) to its successor n_k               (Alg. 1)
+  receives (M_i^{r-1}, B_i) from a predecessor n_i
+  M_j^r <- M_i^{r-1}, trained for E epochs on D_j and B_i   (Eq. 6: every mini-batch
+                                                             holds as many synthetic
+                                                             images as private ones,
+                                                             loss = lam*CE(D_j) + (1-lam)*CE(B_i))
+Successors: a fresh random ring per round that every node derives alike from
+(federation seed, round, roster) — no coordinator; a dead successor is skipped to
+the next alive one in the ring. Or a random alive peer (asynchronous: arrivals
+queue), or the selection heuristic. A node that receives nothing keeps training
+the model it holds.
+
+Buffers travel once: a buffer is named by its content hash, and a node sends
+only the hash to a peer that already acknowledged that buffer (the peer keeps
+every buffer it received, and can pull one it lost).
+
+Variants (Sec. 4.4): FedER-A shares buffers only (each node trains its own model
+on its data plus every buffer received so far); FedER-B relays models like FedER
+but trains on synthetic images only (its own buffer plus the received one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from p2pfl.config import SiteConfig
+from p2pfl.data.loaders import convert_images, to_float_tensor
+from p2pfl.protocol_params import FedERParams
+from p2pfl.tensors import state_dict_nbytes
+from p2pfl.train import LocalSite
+from protocols import selection
+from protocols.base import NotReady, PeerUnavailable, Protocol, Received, RoundContext
+from protocols.fedavgp2p import build_site, evaluate_site, incompatibility
+
+log = logging.getLogger(__name__)
+
+RELAY_KIND = "feder"  # model and/or buffer pushed to the successor
+BUFFER_KIND = "buffer"  # pull a buffer by hash (when a relay carried only the hash)
+
+
+# ---------------------------------------------------------------------- successors
+
+
+def derive_ring(names: list[str], seed: int, round: int) -> list[str]:
+    """The round's random directed ring; identical on every node (no coordinator)."""
+    order = sorted(names)
+    random.Random(f"feder-ring|{seed}|{round}").shuffle(order)
+    return order
+
+
+def ring_successor(ring: list[str], me: str, alive: set[str]) -> list[str]:
+    """Candidates after `me` in ring order, alive ones only (the first is the successor)."""
+    i = ring.index(me)
+    after = ring[i + 1 :] + ring[:i]
+    return [n for n in after if n in alive]
+
+
+# ---------------------------------------------------------------------- buffers
+
+
+def buffer_training_tensors(
+    buffers: list[dict[str, Any]], image_size: int, channels: int
+) -> tuple[Tensor, Tensor]:
+    """uint8 synthetic buffers (N,C,H,W) -> normalised float images at the classifier's size."""
+    xs, ys = [], []
+    for buffer in buffers:
+        images = buffer["images"].permute(0, 2, 3, 1).contiguous().numpy()
+        xs.append(to_float_tensor(convert_images(images, image_size, channels)))
+        ys.append(buffer["labels"].long())
+    if not xs:
+        return torch.zeros(0, channels, image_size, image_size), torch.zeros(0, dtype=torch.long)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def make_buffer(
+    cfg: SiteConfig, params: FedERParams, site: LocalSite, state_dir: Path
+) -> dict[str, Any]:
+    """Load or train this site's privacy-preserving generator and sample B_j (blocking)."""
+    from genbuffer.buffer import sample_buffer
+    from genbuffer.checkpoint import load_generator
+    from genbuffer.config import GenbufferSection
+    from genbuffer.train import label_prior, resolve_device, train_generator
+
+    section = GenbufferSection(**(params.genbuffer or {}))
+    if params.generator:
+        generator_path = Path(params.generator)
+    else:
+        data = site.data
+        result = train_generator(
+            data.train_uint8, data.train_labels, data.num_classes, section, state_dir / "genbuffer"
+        )
+        generator_path = result.generator_path
+    generator, info = load_generator(generator_path, resolve_device(section.device))
+    prior = info.label_prior or label_prior(
+        torch.as_tensor(site.data.train_labels).long(), site.data.num_classes
+    )
+    return dict(
+        sample_buffer(
+            generator,
+            params.buffer_size,
+            per_class=params.buffer_per_class,
+            label_prior=prior,
+            seed=cfg.federation.seed + cfg.training.seed,
+        )
+    )
+
+
+# ---------------------------------------------------------------------- the protocol
+
+
+class FedER(Protocol):
+    name = "feder"
+
+    def __init__(self, params: FedERParams) -> None:
+        self.params = params
+        self.variant = params.name  # feder | feder_a | feder_b
+        self.name = params.name  # type: ignore[misc]
+        self.own_buffer: dict[str, Any] | None = None
+        self.buffers: dict[str, dict[str, Any]] = {}  # received, by content hash
+        self.sent_buffers: dict[str, set[str]] = {}  # peer -> hashes it acknowledged
+        self.num_classes: int | None = None
+
+    @property
+    def relays_model(self) -> bool:
+        return self.variant != "feder_a"
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve_buffer(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
+        wanted = query.get("hash")
+        if self.own_buffer is not None and wanted == self.own_buffer["content_hash"]:
+            return self.own_buffer
+        raise NotReady(f"no buffer {wanted!r} here")
+
+    # ------------------------------------------------------------------ exchange
+
+    def successors(self, ctx: RoundContext, r: int) -> list[str]:
+        alive = {p.name for p in ctx.peers()}
+        seed = ctx.config.federation.seed
+        if self.params.successor == "ring":
+            return ring_successor(derive_ring(ctx.roster(), seed, r), ctx.me, alive)
+        candidates = sorted(alive)
+        if self.params.successor == "random":
+            random.Random(f"feder-random|{seed}|{ctx.me}|{r}").shuffle(candidates)
+            return candidates
+        heuristic = selection.from_config(ctx.config.selection)
+        return heuristic.select(ctx.me, ctx.peers(), 1, round=r, seed=seed)
+
+    async def send_relay(
+        self, ctx: RoundContext, r: int, site: LocalSite
+    ) -> tuple[str | None, int, int]:
+        """Alg. 1 'Send M_j^{r-1}, B_j to n_k'; returns (successor, model bytes, buffer bytes)."""
+        assert self.own_buffer is not None
+        digest = self.own_buffer["content_hash"]
+        for peer in self.successors(ctx, r):
+            needs_buffer = digest not in self.sent_buffers.get(peer, set())
+            payload: dict[str, Any] = {
+                "round": r,
+                "buffer_hash": digest,
+                "buffer": self.own_buffer if needs_buffer else None,
+            }
+            model_bytes = 0
+            if self.relays_model:
+                state = site.state_dict()
+                payload.update(model=state, num_train=site.num_train)
+                model_bytes = state_dict_nbytes(state)
+            try:
+                await ctx.send(peer, RELAY_KIND, payload, round=r)
+            except PeerUnavailable as exc:
+                log.info(
+                    "%s round %d: successor %s unavailable (%s), trying the next",
+                    ctx.me,
+                    r,
+                    peer,
+                    exc.reason,
+                )
+                continue
+            self.sent_buffers.setdefault(peer, set()).add(digest)
+            ctx.record_choice([peer])
+            return peer, model_bytes, self.own_buffer["images"].numel() if needs_buffer else 0
+        return None, 0, 0
+
+    async def receive_relay(
+        self, ctx: RoundContext, r: int, reference: dict[str, Tensor]
+    ) -> Received | None:
+        """Alg. 1 'Receive M_i^{r-1}, B_i': the first valid arrival (extra ones stay queued)."""
+        inbox = ctx.inbox(RELAY_KIND)
+        deadline = time.monotonic() + self.params.round_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and inbox.empty():
+                return None
+            try:
+                msg = (
+                    inbox.get_nowait()
+                    if not inbox.empty()
+                    else await asyncio.wait_for(inbox.get(), remaining)
+                )
+            except TimeoutError:
+                return None
+            if await self.accept(ctx, msg, reference):
+                return msg
+
+    async def accept(self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor]) -> bool:
+        from genbuffer.buffer import verify_buffer
+        from genbuffer.errors import SyntheticBufferError
+
+        p = msg.payload
+        if not isinstance(p, dict) or not isinstance(p.get("buffer_hash"), str):
+            log.warning("%s: malformed relay from %s", ctx.me, msg.sender)
+            return False
+        if self.relays_model:
+            problem = incompatibility(p.get("model"), reference)
+            if problem is not None:
+                log.warning("%s: model from %s rejected (%s)", ctx.me, msg.sender, problem)
+                return False
+        digest = p["buffer_hash"]
+        buffer = p.get("buffer")
+        if buffer is None and digest not in self.buffers:
+            try:  # a buffer we should have but lost: pull it once
+                buffer = await ctx.request(
+                    msg.sender, BUFFER_KIND, {"hash": digest}, self.params.round_timeout_s
+                )
+            except PeerUnavailable:
+                log.warning("%s: buffer %s from %s unavailable", ctx.me, digest[:12], msg.sender)
+        if buffer is not None:
+            try:
+                checked = verify_buffer(buffer, num_classes=self.num_classes)
+            except SyntheticBufferError as exc:
+                log.warning("%s: buffer from %s rejected (%s)", ctx.me, msg.sender, exc)
+                return False
+            self.buffers[checked["content_hash"]] = dict(checked)
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, ctx: RoundContext) -> None:
+        p = self.params
+        cfg = ctx.config
+        site: LocalSite = await ctx.train(build_site, cfg)
+        self.num_classes = site.num_classes
+        ctx.serve(BUFFER_KIND, self.serve_buffer)
+        start = await self.resume_or_prepare(ctx, site)
+        assert self.own_buffer is not None
+        own_x, own_y = buffer_training_tensors(
+            [self.own_buffer], site.data.image_size, site.data.channels
+        )
+        last_received_hash: str | None = None
+
+        for r in range(start, p.rounds + 1):
+            ctx.round = r
+            round_start = time.perf_counter()
+
+            # Send (M_j^{r-1}, B_j) to the successor; receive (M_i^{r-1}, B_i).
+            ctx.set_phase("exchange")
+            reference = site.state_dict()
+            successor, model_bytes, buffer_bytes = await self.send_relay(ctx, r, site)
+            msg = await self.receive_relay(ctx, r, reference)
+            exchange_s = time.perf_counter() - round_start
+            if msg is not None:
+                last_received_hash = msg.payload["buffer_hash"]
+                if self.relays_model:
+                    await ctx.train(
+                        site.load_state_dict, msg.payload["model"]
+                    )  # M_j^r <- M_i^{r-1}
+
+            # Train on D_j and the replayed synthetic images (Eq. 6).
+            ctx.set_phase("train")
+            if p.reset_optimizer:
+                site.reset_optimizer()
+            replay = self.replay_buffers(last_received_hash)
+            rx, ry = buffer_training_tensors(replay, site.data.image_size, site.data.channels)
+            train_start = time.perf_counter()
+            if self.variant == "feder_b":  # synthetic-only: own buffer + received
+                rx, ry = torch.cat([own_x, rx]), torch.cat([own_y, ry])
+                fit = await ctx.train(
+                    site.train_replay_epochs, rx, ry, lam=p.lambda_, private=False
+                )
+            else:
+                fit = await ctx.train(site.train_replay_epochs, rx, ry, lam=p.lambda_)
+            train_s = time.perf_counter() - train_start
+
+            ctx.set_phase("evaluate")
+            metrics = await ctx.train(evaluate_site, site)
+            metrics.pop("per_class_f1", None)
+            ctx.log_metrics(
+                r,
+                **metrics,
+                train_loss=fit["loss"],
+                train_s=train_s,
+                exchange_s=exchange_s,
+                round_s=time.perf_counter() - round_start,
+                received=int(msg is not None),
+                replayed_images=len(ry),
+                sent_model_bytes=model_bytes,
+                sent_buffer_bytes=buffer_bytes,
+                successor_found=int(successor is not None),
+            )
+            ctx.checkpoint(self.state(r, site))
+        ctx.set_phase("done")
+
+    def replay_buffers(self, last_received: str | None) -> list[dict[str, Any]]:
+        if self.variant == "feder_a":  # every buffer received so far
+            return [self.buffers[h] for h in sorted(self.buffers)]
+        if last_received is not None and last_received in self.buffers:
+            return [self.buffers[last_received]]
+        return []
+
+    # ------------------------------------------------------------------ before federation, resume
+
+    async def resume_or_prepare(self, ctx: RoundContext, site: LocalSite) -> int:
+        saved = ctx.restore()
+        if saved and saved.get("protocol") == self.name:
+            await ctx.train(site.load_state_dict, saved["model"])
+            self.own_buffer = saved["own_buffer"]
+            self.buffers = {h: b for h, b in saved["buffers"].items()}
+            self.sent_buffers = {
+                peer: set(hashes) for peer, hashes in saved["sent_buffers"].items()
+            }
+            ctx.round = int(saved["round"])
+            log.info("%s: resumed after round %d", ctx.me, saved["round"])
+            return int(saved["round"]) + 1
+        ctx.set_phase("generator")
+        state_dir = Path(ctx.config.node.state_dir)
+        self.own_buffer = await ctx.train(make_buffer, ctx.config, self.params, site, state_dir)
+        ctx.set_phase("train")
+        if self.variant == "feder_b":  # M_j^0 on its own synthetic images only
+            x, y = buffer_training_tensors(
+                [self.own_buffer], site.data.image_size, site.data.channels
+            )
+            await ctx.train(
+                site.train_replay_epochs, x, y, self.params.initial_epochs, private=False
+            )
+        elif self.params.initial_epochs:
+            await ctx.train(site.train_epochs, self.params.initial_epochs)  # M_j^0 on D_j
+        metrics = await ctx.train(evaluate_site, site)
+        metrics.pop("per_class_f1", None)
+        ctx.log_metrics(0, **metrics)
+        ctx.checkpoint(self.state(0, site))
+        return 1
+
+    def state(self, r: int, site: LocalSite) -> dict[str, Any]:
+        return {
+            "protocol": self.name,
+            "round": r,
+            "model": site.state_dict(),
+            "own_buffer": self.own_buffer,
+            "buffers": self.buffers,
+            "sent_buffers": {peer: sorted(h) for peer, h in self.sent_buffers.items()},
+        }

@@ -358,7 +358,13 @@ def test_outbox_entries_survive_a_restart(tmp_path):
 
     from node.queues import Outbox, OutboxEntry
 
-    probe = {"name": "probe", "rounds": 8, "payload_kb": 1, "round_timeout_s": 10, "interval_s": 0.5}
+    probe = {
+        "name": "probe",
+        "rounds": 8,
+        "payload_kb": 1,
+        "round_timeout_s": 10,
+        "interval_s": 0.5,
+    }
     plans = provision(tmp_path / "fed", ["a", "b"], protocol=probe, overrides=FAST)
     msg_id = os.urandom(16)
     Outbox(tmp_path / "fed" / "a" / "state" / "outbox").add(

@@ -109,6 +109,9 @@ class NodeContext(RoundContext):
     def record_choice(self, chosen: list[str]) -> None:
         self.node.telemetry.record_choice(self.me, list(chosen))
 
+    def set_community(self, community: dict[str, Any]) -> None:
+        self.node.telemetry.set_community(community)
+
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         from protocols.masking import pair_secret_from_shared
 

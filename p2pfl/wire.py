@@ -258,6 +258,10 @@ class WireCodec:
             header, [prefix, header_bytes, self.identity.sign(header_bytes), *pieces]
         )
 
+    def shared_secret(self, peer: str) -> bytes:
+        """The X25519 shared secret with a roster peer (cached)."""
+        return self._secret(peer)
+
     def _secret(self, peer: str) -> bytes:
         if peer not in self._shared:
             if peer not in self.roster:

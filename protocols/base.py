@@ -116,6 +116,15 @@ class RoundContext(ABC):
         """What the node is doing now (train, exchange, aggregate, evaluate, done)."""
         self.phase = phase
 
+    def pair_secret(self, peer: str, context: bytes) -> bytes:
+        """32 bytes only this node and `peer` can derive: HKDF-SHA256 over our
+        X25519 shared secret, salted with `context` (see
+        protocols.masking.pair_secret_from_shared). Used for pairwise masking."""
+        raise NotImplementedError(f"{type(self).__name__} does not provide pair secrets")
+
+    def set_community(self, community: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """This node's community (chosen peers, similarities, policy) for /status."""
+
     def record_choice(self, chosen: list[str]) -> None:  # noqa: B027 - optional hook, no-op by default
         """Who this node chose as neighbours this round (for /peers)."""
 

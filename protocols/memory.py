@@ -34,10 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
 from p2pfl.config import SiteConfig, config_from_dict
 from p2pfl.tensors import dumps, loads
 from protocols import from_params
 from protocols.base import Handler, NotReady, PeerInfo, PeerUnavailable, Received, RoundContext
+from protocols.masking import pair_secret_from_shared
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,7 @@ class _Node:
     checkpoint: bytes | None = None
     task: asyncio.Task[None] | None = None
     round_events: dict[int, asyncio.Event] = field(default_factory=dict)
+    agreement: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate)
 
 
 class InMemoryNetwork:
@@ -375,6 +379,13 @@ class InMemoryContext(RoundContext):
         record.setdefault("messages_sent", self._node.traffic.messages_sent)
         record.setdefault("bytes_sent", self._node.traffic.bytes_sent)
         self.network.records.append(record)
+
+    def pair_secret(self, peer: str, context: bytes) -> bytes:
+        """HKDF over a real X25519 agreement between this node's key and the
+        peer's (each simulated node gets its own key pair when it joins)."""
+        other = self.network._node(peer)
+        shared = self._node.agreement.exchange(other.agreement.public_key())
+        return pair_secret_from_shared(shared, self.me, peer, context)
 
     def record_choice(self, chosen: list[str]) -> None:
         self.network.choices.append({"node": self.me, "round": self.round, "chosen": list(chosen)})

@@ -1,0 +1,195 @@
+"""FedPerl communities without a server: feature vectors, similarity, top-T, policies.
+
+Every node gossips its feature vector (`FEATURES_KEY`) and computes, on its
+own, the same similarity matrix the papers' server would:
+
+- feature vector F_m = ((mu_0, sigma_0), ..., (mu_l, sigma_l)): mean and
+  unbiased std of every floating-point state-dict entry (weights, biases, BN
+  running stats; counters such as `num_batches_tracked` skipped), in key order
+  (FedPerl journal Sec. 2.3.1, MICCAI Sec. 2.2 "Building communities");
+- each column min-max normalised across the nodes (a constant column becomes
+  1), as the public reference code does, then cosine similarity
+  omega_mk = F_m . F_k / (|F_m| |F_k|);
+- the top T peers by similarity, never itself, never a negative (or
+  undefined) similarity; ties broken by name so every run picks alike;
+- a policy on the top T (journal Sec. 2.3.5): static (all T), validation
+  (peers whose validation accuracy >= mine), gated validation (>= rho), gated
+  similarity (similarity >= rho).
+
+Pure functions of their inputs: no network, no torch training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+FEATURES_KEY = "fedperl_features"  # gossiped: {"round": r, "vector": [...]}
+VAL_ACCURACY_KEY = "val_accuracy"  # gossiped: validation accuracy of the last evaluation
+COMMUNITY_KEY = "community"  # gossiped: this node's chosen peers (observability)
+
+Policy = Literal["static", "validation", "gated_validation", "gated_similarity"]
+POLICIES: tuple[str, ...] = ("static", "validation", "gated_validation", "gated_similarity")
+
+
+def is_counter(key: str, value: Tensor) -> bool:
+    """Entries left out of feature vectors and averages: integer buffers such as
+    BatchNorm's `num_batches_tracked`."""
+    return key.endswith("num_batches_tracked") or not value.is_floating_point()
+
+
+def feature_vector(state: Mapping[str, Tensor]) -> list[float]:
+    """F_m: (mean, unbiased std) of every non-counter entry, in key order
+    (std 0.0 for a one-element entry, where it is undefined)."""
+    out: list[float] = []
+    for key, value in state.items():
+        if is_counter(key, value):
+            continue
+        flat = value.detach().to(torch.float64).flatten()
+        out.append(float(flat.mean()) if flat.numel() else 0.0)
+        out.append(float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0)
+    return out
+
+
+def normalise_columns(vectors: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Min-max normalise each column (feature) across the rows (nodes); a
+    constant column becomes all ones (the reference code's convention)."""
+    matrix = np.asarray(vectors, dtype=np.float64)
+    if matrix.ndim != 2:
+        raise ValueError(f"expected a nodes x features matrix, got shape {matrix.shape}")
+    low = matrix.min(axis=0)
+    span = matrix.max(axis=0) - low
+    out = np.ones_like(matrix)
+    varying = span > 0
+    out[:, varying] = (matrix[:, varying] - low[varying]) / span[varying]
+    return out
+
+
+def cosine_matrix(matrix: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Pairwise cosine similarity of the rows; 0 where a row is all zeros."""
+    norms = np.linalg.norm(matrix, axis=1)
+    safe = np.where(norms > 0, norms, 1.0)
+    unit = matrix / safe[:, None]
+    sim = unit @ unit.T
+    sim[norms == 0, :] = 0.0
+    sim[:, norms == 0] = 0.0
+    return sim
+
+
+@dataclass
+class SimilarityMatrix:
+    """W over `names` (rows and columns in that order)."""
+
+    names: list[str]
+    values: NDArray[np.float64]
+
+    def row(self, name: str) -> dict[str, float]:
+        """Similarity of `name` to every other node."""
+        i = self.names.index(name)
+        return {n: float(self.values[i, j]) for j, n in enumerate(self.names) if n != name}
+
+
+def similarity_matrix(
+    vectors: Mapping[str, Sequence[float]], *, normalise: bool = True
+) -> SimilarityMatrix:
+    """W (FedPerl journal Sec. 2.3.1) of the nodes whose vectors have the most
+    common length (a node with another model shape cannot be compared)."""
+    usable = {k: list(v) for k, v in vectors.items() if len(v) > 0}
+    if not usable:
+        return SimilarityMatrix([], np.zeros((0, 0)))
+    lengths = [len(v) for v in usable.values()]
+    common = max(set(lengths), key=lambda n: (lengths.count(n), n))
+    names = sorted(k for k, v in usable.items() if len(v) == common)
+    dropped = sorted(set(usable) - set(names))
+    if dropped:
+        log.warning("feature vectors of %s have another length; left out", dropped)
+    matrix = np.array([usable[n] for n in names], dtype=np.float64)
+    if not np.isfinite(matrix).all():
+        finite_rows = np.isfinite(matrix).all(axis=1)
+        names = [n for n, ok in zip(names, finite_rows, strict=True) if ok]
+        matrix = matrix[finite_rows]
+    if normalise and len(names) > 0:
+        matrix = normalise_columns(matrix)
+    return SimilarityMatrix(names, cosine_matrix(matrix))
+
+
+def top_t(similarities: Mapping[str, float], t: int, *, exclude: str | None = None) -> list[str]:
+    """The T most similar peers, most similar first: never `exclude` (myself),
+    never a negative or non-finite similarity; equal similarities in name order."""
+    if t <= 0:
+        return []
+    ranked = sorted(
+        (
+            (sim, name)
+            for name, sim in similarities.items()
+            if name != exclude and math.isfinite(sim) and sim >= 0.0
+        ),
+        key=lambda pair: (-pair[0], pair[1]),
+    )
+    return [name for _, name in ranked[:t]]
+
+
+@dataclass
+class PolicyInputs:
+    """What the dynamic policies read (journal Sec. 2.3.5)."""
+
+    similarities: Mapping[str, float] = field(default_factory=dict)
+    my_val_accuracy: float | None = None
+    peer_val_accuracy: Mapping[str, float] = field(default_factory=dict)
+
+
+def apply_policy(policy: str, chosen: Sequence[str], inputs: PolicyInputs, rho: float) -> list[str]:
+    """Which of the top-T `chosen` peers take part in peer learning.
+
+    static: all of them. validation: V_acc(peer) >= V_acc(me). gated_validation:
+    V_acc(peer) >= rho. gated_similarity: similarity(me, peer) >= rho. A peer
+    whose figure is unknown does not pass a gate; under `validation`, without my
+    own accuracy nobody passes."""
+    if policy == "static":
+        return list(chosen)
+    if policy == "validation":
+        mine = inputs.my_val_accuracy
+        if mine is None:
+            return []
+        return [p for p in chosen if _known(inputs.peer_val_accuracy.get(p)) >= mine]
+    if policy == "gated_validation":
+        return [p for p in chosen if _known(inputs.peer_val_accuracy.get(p)) >= rho]
+    if policy == "gated_similarity":
+        return [p for p in chosen if _known(inputs.similarities.get(p)) >= rho]
+    raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
+
+
+def _known(value: float | None) -> float:
+    if value is None or not math.isfinite(value):
+        return -math.inf
+    return float(value)
+
+
+def choice_frequencies(
+    choices: Sequence[Mapping[str, object]], names: Sequence[str]
+) -> NDArray[np.float64]:
+    """Who-chose-whom (journal Fig. 3): entry [i, j] = share of node i's
+    recorded choices that included node j."""
+    index = {n: i for i, n in enumerate(names)}
+    counts = np.zeros((len(names), len(names)))
+    rounds = np.zeros(len(names))
+    for choice in choices:
+        node = str(choice["node"])
+        if node not in index:
+            continue
+        rounds[index[node]] += 1
+        chosen = choice.get("chosen") or []
+        for peer in chosen if isinstance(chosen, list) else []:
+            if peer in index:
+                counts[index[node], index[str(peer)]] += 1
+    return counts / np.maximum(rounds, 1)[:, None]

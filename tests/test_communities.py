@@ -1,0 +1,118 @@
+"""Communities: feature vectors, normalised cosine similarity, top-T, policies."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from protocols.communities import (
+    PolicyInputs,
+    apply_policy,
+    choice_frequencies,
+    cosine_matrix,
+    feature_vector,
+    normalise_columns,
+    similarity_matrix,
+    top_t,
+)
+
+
+def test_feature_vector_of_a_known_model() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        model[0].bias.copy_(torch.tensor([-1.0, 1.0]))
+        model[1].running_mean.copy_(torch.tensor([2.0, 4.0]))
+    model[1].num_batches_tracked.fill_(7)
+    vector = feature_vector(model.state_dict())
+    # (mean, unbiased std) of: 0.weight, 0.bias, 1.weight, 1.bias, 1.running_mean, 1.running_var
+    expected = [
+        2.5, math.sqrt(5 / 3),
+        0.0, math.sqrt(2.0),
+        1.0, 0.0,
+        0.0, 0.0,
+        3.0, math.sqrt(2.0),
+        1.0, 0.0,
+    ]  # fmt: skip
+    assert vector == pytest.approx(expected)  # num_batches_tracked left out
+
+
+def test_a_single_element_entry_has_zero_std() -> None:
+    assert feature_vector({"scale": torch.tensor([3.0])}) == [3.0, 0.0]
+
+
+def test_columns_are_min_max_normalised_and_a_constant_column_becomes_one() -> None:
+    matrix = np.array([[1.0, 5.0, 2.0], [3.0, 5.0, 4.0], [2.0, 5.0, 3.0]])
+    assert normalise_columns(matrix).tolist() == [[0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.5, 1.0, 0.5]]
+
+
+def test_similarity_is_cosine_after_normalisation() -> None:
+    vectors = {"a": [0.0, 10.0], "b": [1.0, 10.0], "c": [1.0, 20.0], "d": [0.5, 15.0]}
+    # normalised: a=(0,0) b=(1,0) c=(1,1) d=(0.5,0.5)
+    sim = similarity_matrix(vectors)
+    assert sim.names == ["a", "b", "c", "d"]
+    assert sim.row("b") == pytest.approx({"a": 0.0, "c": 1 / math.sqrt(2), "d": 1 / math.sqrt(2)})
+    assert sim.row("c")["d"] == pytest.approx(1.0)
+    assert sim.row("a") == {"b": 0.0, "c": 0.0, "d": 0.0}  # the all-minimum node: no direction
+    raw = similarity_matrix(vectors, normalise=False)
+    assert raw.row("b")["c"] > 0.99  # without normalisation the large column dominates
+
+
+def test_vectors_of_another_length_or_not_finite_are_left_out() -> None:
+    sim = similarity_matrix(
+        {"a": [1.0, 2.0], "b": [2.0, 1.0], "c": [1.0, 2.0], "x": [1.0], "y": [1.0, math.nan]}
+    )
+    assert sim.names == ["a", "b", "c"]
+
+
+def test_cosine_of_opposite_vectors_is_negative() -> None:
+    sim = cosine_matrix(np.array([[1.0, 0.0], [-1.0, 0.0]]))
+    assert sim[0, 1] == pytest.approx(-1.0)
+
+
+def test_top_t_excludes_self_negatives_and_breaks_ties_by_name() -> None:
+    similarities = {"me": 1.0, "d": 0.9, "b": 0.9, "c": 0.5, "a": -0.2, "e": math.nan}
+    assert top_t(similarities, 2, exclude="me") == ["b", "d"]
+    assert top_t(similarities, 3, exclude="me") == ["b", "d", "c"]
+    assert top_t(similarities, 10, exclude="me") == ["b", "d", "c"]  # never a negative or NaN
+    assert top_t(similarities, 0, exclude="me") == []
+    assert top_t({"x": 0.0, "w": 0.0}, 1) == ["w"]  # zero similarity is allowed, ties by name
+
+
+def test_static_policy_keeps_the_top_t() -> None:
+    assert apply_policy("static", ["b", "c"], PolicyInputs(), rho=0.85) == ["b", "c"]
+
+
+def test_validation_policy_keeps_peers_at_least_as_accurate_as_me() -> None:
+    inputs = PolicyInputs(my_val_accuracy=0.8, peer_val_accuracy={"b": 0.8, "c": 0.79, "d": 0.9})
+    assert apply_policy("validation", ["b", "c", "d", "e"], inputs, rho=0.0) == ["b", "d"]
+    assert apply_policy("validation", ["b"], PolicyInputs(peer_val_accuracy={"b": 1.0}), 0.0) == []
+
+
+def test_gated_validation_policy_keeps_peers_at_or_above_rho() -> None:
+    inputs = PolicyInputs(my_val_accuracy=0.99, peer_val_accuracy={"b": 0.85, "c": 0.84})
+    assert apply_policy("gated_validation", ["b", "c", "d"], inputs, rho=0.85) == ["b"]
+
+
+def test_gated_similarity_policy_keeps_peers_at_or_above_rho() -> None:
+    inputs = PolicyInputs(similarities={"b": 0.95, "c": 0.85, "d": 0.849})
+    assert apply_policy("gated_similarity", ["b", "c", "d"], inputs, rho=0.85) == ["b", "c"]
+
+
+def test_unknown_policy_is_an_error() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        apply_policy("vote", ["b"], PolicyInputs(), rho=0.5)
+
+
+def test_choice_frequencies_count_shares_of_rounds() -> None:
+    choices = [
+        {"node": "a", "round": 1, "chosen": ["b", "c"]},
+        {"node": "a", "round": 2, "chosen": ["b"]},
+        {"node": "b", "round": 1, "chosen": []},
+    ]
+    freq = choice_frequencies(choices, ["a", "b", "c"])
+    assert freq.tolist() == [[0.0, 1.0, 0.5], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]

@@ -211,19 +211,24 @@ def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
             "alpha": "alpha",
         },
     )
-    torch.set_flush_denormal(True)  # subnormal floats make long CPU runs many times slower
     if args.no_reference:
         section = section.model_copy(update={"train_reference": False})
     images, labels, num_classes = _site_training_arrays(config)
-    result = train_generator(
-        images,
-        labels,
-        num_classes,
-        section,
-        section.out_dir,
-        resume=not args.restart,
-        progress=_progress_bar(),
-    )
+    # Subnormal floats make long CPU runs many times slower; the flag is process-wide,
+    # so it is switched off again (the default) when training returns.
+    torch.set_flush_denormal(True)
+    try:
+        result = train_generator(
+            images,
+            labels,
+            num_classes,
+            section,
+            section.out_dir,
+            resume=not args.restart,
+            progress=_progress_bar(),
+        )
+    finally:
+        torch.set_flush_denormal(False)
     print(json.dumps(result.to_json()))
     return 0
 

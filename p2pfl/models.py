@@ -248,18 +248,33 @@ class SiameseNet(nn.Module):
 def create_site_model(
     model_cfg: ModelSection, *, in_chans: int, num_classes: int, image_size: int
 ) -> nn.Module:
-    """The model a site.yaml asks for: `create_model(model.name, ...)`, wrapped in a
-    SiameseNet (encoder head = embedding_dim outputs) when model.siamese.enabled,
-    then `model.weights` loaded into the whole thing."""
+    """The model a site.yaml asks for: `create_model(model.name, ...)` (or, with
+    `model.pretrained_from`, the ViT classifier around that pre-trained Fed-MAE
+    encoder, `p2pfl.mae.create_pretrained_classifier`), wrapped in a SiameseNet
+    (encoder head = embedding_dim outputs) when model.siamese.enabled, then
+    `model.weights` loaded into the whole thing."""
     siamese = model_cfg.siamese
     head = siamese.embedding_dim if siamese.enabled else num_classes
-    model = create_model(
-        model_cfg.name,
-        in_chans=in_chans,
-        num_classes=head,
-        image_size=image_size,
-        init=model_cfg.init,
-    )
+    if model_cfg.pretrained_from is not None:
+        # Fed-MAE fine-tuning: the ViT classifier around a pre-trained encoder.
+        # Imported here because p2pfl.mae builds on this module.
+        from p2pfl.mae import create_pretrained_classifier
+
+        model = create_pretrained_classifier(
+            model_cfg.name,
+            model_cfg.pretrained_from,
+            in_chans=in_chans,
+            num_classes=head,
+            image_size=image_size,
+        )
+    else:
+        model = create_model(
+            model_cfg.name,
+            in_chans=in_chans,
+            num_classes=head,
+            image_size=image_size,
+            init=model_cfg.init,
+        )
     if siamese.enabled:
         model = SiameseNet(
             model,

@@ -1,0 +1,381 @@
+"""Fed-MAE without a server: masked-autoencoder pre-training over FedAVGP2P, then fine-tuning.
+
+Stage 1, self-supervised pre-training (Fed-MAE Sec. III-C, Alg. 1 left). Every
+node, every round r:
+  1. fit: E local epochs of the MAE loss (masked patches, per-patch normalised
+     pixels) over every local image, labelled or not, on its encoder E_k and
+     decoder D_k                                       (p2pfl.mae.MAESite)
+  2-5. FedAVGP2P's exchange where the paper has a server: offer the round-r
+     autoencoder, choose k neighbours with the configured heuristic, pull
+     theirs concurrently, sample-count-weighted mean of E_k, D_k and theirs
+     (or a robust variant, `protocol.aggregation`)
+  6. reconstruction loss on val and test (fixed masks), gossip model
+     statistics, log, checkpoint.
+When the last round is done the node writes its encoder E*_k
+(`protocol.encoder_out` under its state dir) and a reconstruction grid
+(`mae_reconstruction.png`: masked input | reconstruction | original).
+
+Stage 2, supervised fine-tuning (Sec. III-D), when `protocol.finetune` holds a
+protocol section: that protocol runs in the same node with
+`model.pretrained_from` set to the encoder just written, so its classifier
+(average-pooled features + linear head) starts from E*_k. Its message kinds get
+the prefix `finetune.`, so a node still pre-training and one already
+fine-tuning never mistake each other's models; its rounds are logged after the
+pre-training ones (pre-training 1..R, fine-tuning R+1..R+F); its checkpoints
+are wrapped, so a restarted node resumes in the stage it was in.
+
+Unlike the paper there is no global model: each node ends pre-training with its
+own neighbour-averaged autoencoder and fine-tunes from its own encoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import protocols
+from p2pfl.config import SiteConfig
+from p2pfl.data import load_site_data
+from p2pfl.mae import MAESite, create_mae, save_encoder, save_reconstruction_grid
+from p2pfl.protocol_params import FedMAEParams
+from p2pfl.train import TrainingError, seed_everything
+from protocols import selection
+from protocols.aggregate import aggregate
+from protocols.base import Handler, PeerInfo, Received, RoundContext
+from protocols.fedavgp2p import (
+    HISTORY_KEEP,
+    MODEL_KIND,
+    FedAvgP2P,
+    PeerModel,
+    pull_concurrently,
+)
+
+log = logging.getLogger(__name__)
+
+PRETRAIN_STAGE = "pretrain"
+FINETUNE_STAGE = "finetune"
+FINETUNE_KIND_PREFIX = "finetune."
+RECONSTRUCTION_PNG = "mae_reconstruction.png"
+GRID_IMAGES = 8
+
+
+class FedMAEError(Exception):
+    """A Fed-MAE run that cannot go on; `reason` is a stable code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------- the local site
+
+# Every node starts from the same autoencoder, drawn from `federation.seed`
+# (as FedAVGP2P's common_initial_state does for classifiers): drawn once per
+# process under a lock, with the global torch generator restored afterwards.
+_initial_lock = threading.Lock()
+_initial_states: dict[str, dict[str, Tensor]] = {}
+
+
+def _mae_kwargs(params: FedMAEParams) -> dict[str, Any]:
+    return {
+        "patch_size": params.patch_size,
+        "encoder_depth": params.encoder_depth,
+        "mask_ratio": params.mask_ratio,
+        "decoder_dim": params.decoder_dim,
+        "decoder_depth": params.decoder_depth,
+        "decoder_heads": params.decoder_heads,
+    }
+
+
+def common_initial_mae_state(
+    config: SiteConfig, params: FedMAEParams, *, channels: int, image_size: int
+) -> dict[str, Tensor]:
+    key = f"{config.model.name}|{sorted(_mae_kwargs(params).items())}|{channels}|{image_size}|{config.federation.seed}"
+    with _initial_lock:
+        if key not in _initial_states:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(config.federation.seed)
+                model = create_mae(
+                    config.model.name,
+                    in_chans=channels,
+                    image_size=image_size,
+                    **_mae_kwargs(params),
+                )
+            if len(_initial_states) >= 4:
+                _initial_states.pop(next(iter(_initial_states)))
+            _initial_states[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {k: v.clone() for k, v in _initial_states[key].items()}
+
+
+def build_mae_site(config: SiteConfig, params: FedMAEParams) -> MAESite:
+    """The node's MAESite (every local image, the common initial autoencoder)."""
+    seed_everything(config.training.seed)
+    data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
+    model = create_mae(
+        config.model.name, in_chans=data.channels, image_size=data.image_size, **_mae_kwargs(params)
+    )
+    model.load_state_dict(
+        common_initial_mae_state(config, params, channels=data.channels, image_size=data.image_size)
+    )
+    return MAESite(
+        model, data, config.training, augment=config.data.augment, seed=config.training.seed
+    )
+
+
+def evaluate_reconstruction(site: MAESite) -> dict[str, float]:
+    """Reconstruction loss on test (`recon_loss`) and val (`val_recon_loss`),
+    for the splits the site has."""
+    out: dict[str, float] = {}
+    for split, name in (("val", "val_recon_loss"), ("test", "recon_loss")):
+        try:
+            out[name] = site.evaluate(split)["recon_loss"]
+        except TrainingError as exc:
+            if exc.reason != "missing_split":
+                raise
+    return out
+
+
+def encoder_path(config: SiteConfig, params: FedMAEParams) -> Path:
+    return Path(config.node.state_dir) / params.encoder_out
+
+
+# ---------------------------------------------------------------------- the protocol
+
+
+class FedMAE(FedAvgP2P):
+    """FedAVGP2P over the MAE objective (serving, pulling, resume and gossip are
+    FedAVGP2P's), then the chained fine-tuning protocol."""
+
+    name = "fedmae"
+
+    def __init__(self, params: FedMAEParams) -> None:
+        super().__init__(params)  # type: ignore[arg-type]  # the exchange reads fraction and max_staleness
+        self.params: FedMAEParams = params  # type: ignore[assignment]
+
+    async def run(self, ctx: RoundContext) -> None:
+        saved = ctx.restore() or {}
+        finetuning = saved.get("protocol") == self.name and saved.get("stage") == FINETUNE_STAGE
+        if not finetuning:  # a node restarted while fine-tuning does not pre-train again
+            await self.pretrain(ctx)
+        if self.params.finetune is not None:
+            await self.finetune(ctx)
+        ctx.set_phase("done")
+
+    # ------------------------------------------------------------------ stage 1
+
+    async def pretrain(self, ctx: RoundContext) -> None:
+        p = self.params
+        cfg = ctx.config
+        site: MAESite = await ctx.train(build_mae_site, cfg, p)
+        heuristic = selection.from_config(cfg.selection)
+        start = self.resume(ctx, site)  # FedAVGP2P's: model, optimizer, history, gossip
+        ctx.serve(MODEL_KIND, self.serve_model)
+
+        for r in range(start, p.rounds + 1):
+            ctx.round = r
+            round_start = time.perf_counter()
+
+            # 1. E local epochs of the MAE loss over every local image.
+            ctx.set_phase("train")
+            fit = await ctx.train(site.train_epochs)
+            train_s = time.perf_counter() - round_start
+            own = site.state_dict()
+            self.keep_for_peers(r, own, site.num_train)
+
+            # 2-4. Choose k neighbours (any heuristic) and pull their round-r autoencoders.
+            ctx.set_phase("exchange")
+            exchange_start = time.perf_counter()
+            k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
+            ranking = heuristic.select(
+                ctx.me,
+                ctx.peers(),
+                k,
+                round=r,
+                seed=cfg.federation.seed,
+                my_meta=self.gossip,
+                history=self.selection_history,
+            )
+            fetch = functools.partial(self.fetch_model, ctx, r, own)
+            received: list[PeerModel] = await pull_concurrently(
+                ranking, k, p.round_timeout_s, fetch
+            )
+            received.sort(key=lambda m: m.peer)
+            exchange_s = time.perf_counter() - exchange_start
+
+            # 5. (E_k, D_k) <- sample-count-weighted mean of own and neighbours'
+            #    (Fed-MAE Alg. 1 line "w_{t+1} = sum_k n_k / n w_{t,k}", over the neighbourhood).
+            ctx.set_phase("aggregate")
+            aggregate_start = time.perf_counter()
+            if received:
+                merged = await ctx.train(
+                    aggregate,
+                    p.aggregation,
+                    [own] + [m.state for m in received],
+                    [float(site.num_train)] + [float(m.num_train) for m in received],
+                    own=0,
+                    trim_ratio=p.trim_ratio,
+                    clip_norm=p.clip_norm,
+                )
+                await ctx.train(site.load_state_dict, merged)
+            aggregate_s = time.perf_counter() - aggregate_start
+            used = [m.peer for m in received]
+            self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
+            ctx.record_choice(used)
+
+            # 6. Reconstruction loss, gossip, log, checkpoint.
+            metrics: dict[str, float] = {}
+            if r % p.eval_every == 0 or r == p.rounds:
+                ctx.set_phase("evaluate")
+                metrics = await ctx.train(evaluate_reconstruction, site)
+                self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+            self.update_recent(ctx)
+            ctx.log_metrics(
+                r,
+                **metrics,
+                train_loss=fit["loss"],
+                train_s=train_s,
+                exchange_s=exchange_s,
+                aggregate_s=aggregate_s,
+                round_s=time.perf_counter() - round_start,
+                neighbours=len(received),
+                neighbours_wanted=k,
+                stale_models=sum(1 for m in received if m.round != r),
+            )
+            ctx.checkpoint(
+                {
+                    "protocol": self.name,
+                    "stage": PRETRAIN_STAGE,
+                    "round": r,
+                    "model": site.state_dict(),
+                    "optimizer": site.optimizer_state(),
+                    "selection_history": self.selection_history,
+                    "gossip": self.gossip,
+                }
+            )
+
+        # E*_k for fine-tuning, and a look at what the autoencoder learnt.
+        ctx.set_phase("export")
+        path = await ctx.train(save_encoder, site.mae, encoder_path(cfg, p))
+        grid = await ctx.train(
+            save_reconstruction_grid,
+            site.mae,
+            site.sample_images(GRID_IMAGES),
+            Path(cfg.node.state_dir) / RECONSTRUCTION_PNG,
+            title=f"{ctx.me}: Fed-MAE after {p.rounds} rounds (mask {p.mask_ratio:.0%})",
+        )
+        log.info("%s: pre-trained encoder -> %s, reconstructions -> %s", ctx.me, path, grid)
+
+    # ------------------------------------------------------------------ stage 2
+
+    async def finetune(self, ctx: RoundContext) -> None:
+        p = self.params
+        assert p.finetune is not None
+        encoder = encoder_path(ctx.config, p)
+        if not encoder.is_file():
+            raise FedMAEError(
+                "missing_encoder",
+                f"{encoder}: the pre-trained encoder is gone — restore it or delete the "
+                "checkpoints to pre-train again",
+            )
+        config = ctx.config.model_copy(
+            update={
+                "model": ctx.config.model.model_copy(update={"pretrained_from": encoder}),
+                "protocol": p.finetune,
+            }
+        )
+        log.info("%s: fine-tuning with %s from %s", ctx.me, p.finetune.name, encoder)
+        await protocols.from_params(p.finetune).run(
+            FinetuneContext(ctx, config, protocol=self.name, round_offset=p.rounds)
+        )
+
+
+class FinetuneContext(RoundContext):
+    """The node's context as the chained fine-tuning protocol sees it: its own
+    config (`model.pretrained_from` set), message kinds prefixed with
+    `finetune.`, rounds shown and logged after the pre-training rounds,
+    checkpoints wrapped as Fed-MAE's fine-tuning stage."""
+
+    def __init__(
+        self, outer: RoundContext, config: SiteConfig, *, protocol: str, round_offset: int
+    ) -> None:
+        self.outer = outer
+        self.me = outer.me
+        self.config = config
+        self.protocol = protocol
+        self.round_offset = round_offset
+
+    @property  # type: ignore[override]
+    def round(self) -> int:
+        return self.outer.round - self.round_offset
+
+    @round.setter
+    def round(self, value: int) -> None:
+        self.outer.round = value + self.round_offset
+
+    def kind(self, kind: str) -> str:
+        return FINETUNE_KIND_PREFIX + kind
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.outer.set_phase(phase)
+
+    def peers(self, alive_only: bool = True) -> list[PeerInfo]:
+        return self.outer.peers(alive_only)
+
+    def roster(self) -> list[str]:
+        return self.outer.roster()
+
+    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
+        await self.outer.send(
+            peer, self.kind(kind), payload, self.round if round is None else round
+        )
+
+    async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        return await self.outer.request(peer, self.kind(kind), query, timeout)
+
+    def serve(self, kind: str, handler: Handler) -> None:
+        self.outer.serve(self.kind(kind), handler)
+
+    def inbox(self, kind: str) -> asyncio.Queue[Received]:
+        return self.outer.inbox(self.kind(kind))  # pushes were sent with fine-tuning rounds
+
+    def publish(self, key: str, value: Any) -> None:
+        self.outer.publish(key, value)
+
+    async def train(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self.outer.train(fn, *args, **kwargs)
+
+    def checkpoint(self, state: dict[str, Any]) -> None:
+        self.outer.checkpoint(
+            {"protocol": self.protocol, "stage": FINETUNE_STAGE, "finetune": state}
+        )
+
+    def restore(self) -> dict[str, Any] | None:
+        saved = self.outer.restore()
+        if (
+            saved
+            and saved.get("protocol") == self.protocol
+            and saved.get("stage") == FINETUNE_STAGE
+        ):
+            return saved["finetune"]
+        return None
+
+    def log_metrics(self, round: int, **values: float) -> None:
+        self.outer.log_metrics(round + self.round_offset, **values)
+
+    def record_choice(self, chosen: list[str]) -> None:
+        self.outer.record_choice(chosen)
+
+    def pair_secret(self, peer: str, context: bytes) -> bytes:
+        return self.outer.pair_secret(peer, context)
+
+    async def sleep(self, seconds: float) -> None:
+        await self.outer.sleep(seconds)

@@ -248,6 +248,30 @@ class FedAvgP2P(Protocol):
             return None
         return PeerModel(peer, got_round, state, num_train)
 
+    async def pull_neighbours(
+        self,
+        ctx: RoundContext,
+        round: int,
+        own: dict[str, Tensor],
+        heuristic: selection.Heuristic,
+        k: int,
+    ) -> list[PeerModel]:
+        """Choose k neighbours among the alive peers with the heuristic (H0-H3) and
+        pull their round-r models concurrently (DFU Alg. 3 line 6); a neighbour
+        that fails is replaced by the next in the ranking. Sorted by peer name."""
+        ranking = heuristic.select(
+            ctx.me,
+            ctx.peers(),
+            k,
+            round=round,
+            seed=ctx.config.federation.seed,
+            my_meta=self.gossip,
+            history=self.selection_history,
+        )
+        fetch = functools.partial(self.fetch_model, ctx, round, own)
+        received = await pull_concurrently(ranking, k, self.params.round_timeout_s, fetch)
+        return sorted(received, key=lambda m: m.peer)
+
     # ------------------------------------------------------------------ the loop
 
     async def run(self, ctx: RoundContext) -> None:
@@ -273,22 +297,7 @@ class FedAvgP2P(Protocol):
             ctx.set_phase("exchange")
             exchange_start = time.perf_counter()
             k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-            ranking = heuristic.select(
-                ctx.me,
-                ctx.peers(),
-                k,
-                round=r,
-                seed=cfg.federation.seed,
-                my_meta=self.gossip,
-                history=self.selection_history,
-            )
-
-            # 4. Pull their round-r models concurrently; replace failures.
-            fetch = functools.partial(self.fetch_model, ctx, r, own)
-            received: list[PeerModel] = await pull_concurrently(
-                ranking, k, p.round_timeout_s, fetch
-            )
-            received.sort(key=lambda m: m.peer)
+            received = await self.pull_neighbours(ctx, r, own, heuristic, k)
             exchange_s = time.perf_counter() - exchange_start
 
             # 5. w <- weighted mean of own + neighbours' models (DFU Alg. 3 line 6).

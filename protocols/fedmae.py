@@ -31,7 +31,6 @@ own neighbour-averaged autoencoder and fine-tunes from its own encoder.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
@@ -54,8 +53,6 @@ from protocols.fedavgp2p import (
     HISTORY_KEEP,
     MODEL_KIND,
     FedAvgP2P,
-    PeerModel,
-    pull_concurrently,
 )
 
 log = logging.getLogger(__name__)
@@ -194,20 +191,7 @@ class FedMAE(FedAvgP2P):
             ctx.set_phase("exchange")
             exchange_start = time.perf_counter()
             k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-            ranking = heuristic.select(
-                ctx.me,
-                ctx.peers(),
-                k,
-                round=r,
-                seed=cfg.federation.seed,
-                my_meta=self.gossip,
-                history=self.selection_history,
-            )
-            fetch = functools.partial(self.fetch_model, ctx, r, own)
-            received: list[PeerModel] = await pull_concurrently(
-                ranking, k, p.round_timeout_s, fetch
-            )
-            received.sort(key=lambda m: m.peer)
+            received = await self.pull_neighbours(ctx, r, own, heuristic, k)
             exchange_s = time.perf_counter() - exchange_start
 
             # 5. (E_k, D_k) <- sample-count-weighted mean of own and neighbours'

@@ -52,10 +52,8 @@ from protocols.fedavgp2p import (
     HISTORY_KEEP,
     MODEL_KIND,
     FedAvgP2P,
-    PeerModel,
     build_site,
     incompatibility,
-    pull_concurrently,
 )
 
 log = logging.getLogger(__name__)
@@ -149,20 +147,7 @@ class SSFL(FedAvgP2P):
 
             # 3. FedAVGP2P between rounds: the global knowledge.
             k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-            ranking = heuristic.select(
-                ctx.me,
-                ctx.peers(),
-                k,
-                round=r,
-                seed=cfg.federation.seed,
-                my_meta=self.gossip,
-                history=self.selection_history,
-            )
-            fetch = functools.partial(self.fetch_model, ctx, r, own)
-            received: list[PeerModel] = await pull_concurrently(
-                ranking, k, p.round_timeout_s, fetch
-            )
-            received.sort(key=lambda m: m.peer)
+            received = await self.pull_neighbours(ctx, r, own, heuristic, k)
             exchange_s = time.perf_counter() - exchange_start
             ctx.set_phase("aggregate")
             if received:

@@ -100,7 +100,8 @@ def test_no_single_masked_contribution_is_close_to_its_model() -> None:
             model = states[name][key].double().reshape(-1)
             # what a requester could read off one contribution is noise of magnitude ~2^43
             assert float((decoded - model).abs().median()) > 1e9
-            if float(model.std()) > 0:
+            # Chance correlation has sd ~ 1/sqrt(n): only test where 0.5 is far out (n >= 256: 8 sd).
+            if float(model.std()) > 0 and model.numel() >= 256:
                 corr = np.corrcoef(decoded.numpy(), model.numpy())[0, 1]
                 assert abs(corr) < 0.5, (name, key, corr)
     # two of the three contributions do not cancel either

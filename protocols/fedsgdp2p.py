@@ -35,6 +35,7 @@ from protocols.aggregate import weighted_mean
 from protocols.base import NotReady, PeerInfo, PeerUnavailable, Protocol, RoundContext
 from protocols.fedavgp2p import (
     HISTORY_KEEP,
+    FedAvgP2P,
     build_site,
     evaluate_site,
     incompatibility,
@@ -259,21 +260,11 @@ class FedSgdP2P(Protocol):
             )
         ctx.set_phase("done")
 
-    def update_recent(self, ctx: RoundContext) -> None:
-        recent = selection.recent_neighbours(self.selection_history, ctx.config.selection.n)
-        self.gossip[selection.RECENT_KEY] = recent
-        ctx.publish(selection.RECENT_KEY, recent)
+    # Gossip of recent neighbours and resuming from a checkpoint work exactly as in FedAVGP2P.
+    update_recent = FedAvgP2P.update_recent
 
     def resume(self, ctx: RoundContext, site: LocalSite) -> int:
-        saved = ctx.restore()
-        if not saved or saved.get("protocol") != self.name:
-            return 1
-        site.load_state_dict(saved["model"])
-        site.load_optimizer_state(saved["optimizer"])
-        self.selection_history = [list(x) for x in saved.get("selection_history", [])]
-        self.gossip = dict(saved.get("gossip", {}))
-        for key, value in self.gossip.items():
-            ctx.publish(key, value)
-        ctx.round = int(saved["round"])
-        self.latest = (int(saved["round"]), 1 << 30)
-        return int(saved["round"]) + 1
+        start = FedAvgP2P.resume(self, ctx, site)  # type: ignore[arg-type]
+        if start > 1:
+            self.latest = (start - 1, 1 << 30)
+        return start

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import protocols
+from node.faults import WIRE_MODES, FaultPlan
 from node.peers import PeerTable
 from node.queues import Checkpoints, Inboxes, Journal, Outbox, OutboxEntry, Spool
 from node.status import create_status_app, start_status_server
@@ -66,10 +67,12 @@ class NodeContext(RoundContext):
     def round(self, value: int) -> None:
         self._round = value
         self.node.telemetry.set_round(value)
+        self.node.on_progress()
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
         self.node.telemetry.set_phase(phase)
+        self.node.on_progress()
 
     def peers(self, alive_only: bool = True) -> list[PeerInfo]:
         return self.node.peers.peers(alive_only)
@@ -109,6 +112,9 @@ class NodeContext(RoundContext):
     def record_choice(self, chosen: list[str]) -> None:
         self.node.telemetry.record_choice(self.me, list(chosen))
 
+    def reject(self, peer: str, reason: str) -> None:
+        self.node.on_reject(reason, peer)
+
     def set_community(self, community: dict[str, Any]) -> None:
         self.node.telemetry.set_community(community)
 
@@ -137,6 +143,8 @@ class Node:
         state = Path(cfg.node.state_dir)
         state.mkdir(parents=True, exist_ok=True)
         self.state_dir = state
+        self.faults = FaultPlan.from_env()
+        self._first_reply: dict[str, list[bytes | memoryview]] = {}  # for the `replayed` drill
         self.codec = WireCodec(
             identity,
             roster,
@@ -297,6 +305,15 @@ class Node:
                 return
             await asyncio.sleep(0.5)
 
+    def on_progress(self) -> None:
+        """Round or phase changed: let the fault plan (drills only) act."""
+        if not self.faults.active:
+            return
+        self.faults.on_progress(self.ctx.round, self.ctx.phase)
+        self.server.isolated = self.faults.isolated
+        for link in self.client.links.values():
+            link.blocked = self.faults.isolated
+
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         consumed = self.inboxes.take_consumed()
@@ -372,6 +389,8 @@ class Node:
         kind = header.kind
         if kind == HEARTBEAT:
             return await self._on_heartbeat(incoming)
+        if self.faults.latency_s:
+            await asyncio.sleep(self.faults.latency_s)  # drill: a slow peer
         if kind.startswith(REQUEST_PREFIX):
             return await self._on_request(incoming)
         return await self._on_push(incoming)
@@ -438,6 +457,9 @@ class Node:
             if time.monotonic() >= deadline or self.stopping.is_set():
                 raise Rejection("not_ready" if handler is not None else "no_handler", kind)
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        attack = self.faults.poison_mode(kind, header.round) if self.faults.active else None
+        if attack is not None:
+            return self._poisoned_reply(incoming, kind, payload, attack)
         reply = self.codec.encode(
             RESPONSE_PREFIX + kind,
             header.sender,
@@ -446,6 +468,35 @@ class Node:
             encrypt=self.cfg.wire.encryption,
         )
         self._count_sent(header.sender, RESPONSE_PREFIX + kind, reply.nbytes)
+        if self.faults.active and header.sender not in self._first_reply:
+            self._first_reply[header.sender] = [bytes(c) for c in reply.chunks]
+        return 200, reply.chunks
+
+    def _poisoned_reply(
+        self, incoming: IncomingFrame, kind: str, payload: Any, attack: str
+    ) -> tuple[int, Any]:
+        """Drill only (P2PFL_FAULTS): answer like a compromised peer would."""
+        header = incoming.header
+        self.faults.event("poison", mode=attack, to=header.sender, round=header.round)
+        if attack == "replayed":
+            if header.sender in self._first_reply:
+                return 200, self._first_reply[header.sender]
+            attack = "nan"  # nothing to replay yet
+        codec = self.codec
+        if attack == "forged":
+            codec = WireCodec(
+                LocalIdentity.generate(self.name), self.roster, self.cfg.federation.id
+            )
+        if attack not in WIRE_MODES:
+            payload = self.faults.poison_payload(payload, attack)
+        reply = codec.encode(
+            RESPONSE_PREFIX + kind,
+            header.sender,
+            payload,
+            round=header.round,
+            encrypt=self.cfg.wire.encryption and attack != "forged",
+        )
+        self._first_reply.setdefault(header.sender, [bytes(c) for c in reply.chunks])
         return 200, reply.chunks
 
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
@@ -472,6 +523,8 @@ class Node:
             msg_id,
             header.sender,
         )
+        if self.faults.active:
+            self.faults.on_progress(header.round, "acked")  # drill: crash right after an ack
         return 200, None
 
     # ------------------------------------------------------------------ sending
@@ -505,6 +558,14 @@ class Node:
             raise PeerUnavailable(entry.peer, exc.reason) from None
         if status == 200 or (status == 409 and reason_of_response(status, body) == "replayed"):
             self._count_sent(entry.peer, entry.kind, message.nbytes)
+            log.info(
+                "%s: %s %s delivered to %s (round %d)",
+                self.name,
+                entry.kind,
+                entry.msg_id.hex(),
+                entry.peer,
+                entry.round,
+            )
             return
         raise PeerUnavailable(entry.peer, reason_of_response(status, body))
 

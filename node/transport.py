@@ -153,6 +153,7 @@ class MessageServer:
         self.port: int | None = None
         # Fault injection for tests and drills (never set from config).
         self.drop_from: set[str] = set()
+        self.isolated = False  # a partition: close every connection unanswered
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.codec.max_message_bytes)
@@ -180,6 +181,9 @@ class MessageServer:
         return _reject(reason, detail)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.isolated and request.transport is not None:
+            request.transport.abort()  # simulated partition: no answer at all
+            raise web.HTTPServiceUnavailable()
         length = request.content_length
         if length is not None and length > self.codec.max_message_bytes:
             return self._refuse("oversize", f"{length} bytes")

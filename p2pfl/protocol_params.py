@@ -23,6 +23,12 @@ class _Params(BaseModel):
         description="a pull for round r also accepts the peer's model of rounds r+1..r+max_staleness",
     )
     eval_every: int = Field(1, ge=1)
+    max_norm_ratio: float | None = Field(
+        10.0,
+        gt=1.0,
+        description="refuse a peer's model whose L2 norm is more than this many times the node's "
+        "own (a huge-norm attack); null accepts any",
+    )
 
 
 class FedAvgP2PParams(_Params):

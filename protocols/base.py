@@ -128,6 +128,10 @@ class RoundContext(ABC):
     def record_choice(self, chosen: list[str]) -> None:  # noqa: B027 - optional hook, no-op by default
         """Who this node chose as neighbours this round (for /peers)."""
 
+    def reject(self, peer: str, reason: str) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Count an input from `peer` the protocol refused (a poisoned model, ...) under
+        `reason`, as the transport counts the messages it refuses (/status, /metrics)."""
+
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 

@@ -122,8 +122,12 @@ def evaluate_site(site: LocalSite) -> dict[str, Any]:
     return out
 
 
-def incompatibility(state: Any, reference: dict[str, Tensor]) -> str | None:
-    """Why a peer's state dict cannot be averaged with ours (None if it can)."""
+def incompatibility(
+    state: Any, reference: dict[str, Tensor], *, max_norm_ratio: float | None = None
+) -> str | None:
+    """Why a peer's state dict cannot be averaged with ours (None if it can):
+    other keys, shapes or dtypes, non-finite values, or (with `max_norm_ratio`)
+    an L2 norm more than that many times ours."""
     if not isinstance(state, dict):
         return "not_a_state_dict"
     if set(state) != set(reference):
@@ -132,9 +136,23 @@ def incompatibility(state: Any, reference: dict[str, Tensor]) -> str | None:
         value = state[key]
         if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ref.shape):
             return "shape_mismatch"
+        if value.dtype != ref.dtype:
+            return "dtype_mismatch"
         if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
             return "non_finite"
+    if max_norm_ratio is not None:
+        theirs, ours = _float_norm(state), _float_norm(reference)
+        if theirs > max_norm_ratio * max(ours, 1e-12):
+            return "huge_norm"
     return None
+
+
+def _float_norm(state: dict[str, Tensor]) -> float:
+    total = 0.0
+    for value in state.values():
+        if value.is_floating_point():
+            total += float(value.detach().double().square().sum())
+    return total**0.5
 
 
 async def pull_concurrently(
@@ -196,6 +214,8 @@ class FedAvgP2P(Protocol):
         self.params = params
         self.served: OrderedDict[int, dict[str, Any]] = OrderedDict()  # round -> model payload
         self.selection_history: list[list[str]] = []
+        # What each committed round merged: [round, [[peer, peer's round], ...]] (bounded).
+        self.merged: list[list[Any]] = []
         self.gossip: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ serving
@@ -231,6 +251,7 @@ class FedAvgP2P(Protocol):
             return None
         if not isinstance(reply, dict):
             log.warning("%s round %d: malformed reply from %s", ctx.me, round, peer)
+            ctx.reject(peer, "model_malformed")
             return None
         got_round, state, num_train = reply.get("round"), reply.get("state"), reply.get("num_train")
         if state is None:
@@ -238,13 +259,16 @@ class FedAvgP2P(Protocol):
             return None
         if not isinstance(got_round, int) or not round <= got_round <= query["max_round"]:
             log.warning("%s round %d: %s sent round %r", ctx.me, round, peer, got_round)
+            ctx.reject(peer, "model_wrong_round")
             return None
         if not isinstance(num_train, int) or num_train < 1:
             log.warning("%s round %d: %s sent num_train %r", ctx.me, round, peer, num_train)
+            ctx.reject(peer, "model_bad_num_train")
             return None
-        problem = incompatibility(state, reference)
+        problem = incompatibility(state, reference, max_norm_ratio=self.params.max_norm_ratio)
         if problem is not None:
             log.warning("%s round %d: model from %s rejected (%s)", ctx.me, round, peer, problem)
+            ctx.reject(peer, f"model_{problem}")
             return None
         return PeerModel(peer, got_round, state, num_train)
 
@@ -317,6 +341,9 @@ class FedAvgP2P(Protocol):
             aggregate_s = time.perf_counter() - aggregate_start
             used = [m.peer for m in received]
             self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
+            self.merged = (self.merged + [[r, [[m.peer, m.round] for m in received]]])[
+                -HISTORY_KEEP:
+            ]
             ctx.record_choice(used)
 
             # 6. Evaluate, gossip what the heuristics read, log, checkpoint.
@@ -346,6 +373,7 @@ class FedAvgP2P(Protocol):
                     "model": site.state_dict(),
                     "optimizer": site.optimizer_state(),
                     "selection_history": self.selection_history,
+                    "merged": self.merged,
                     "gossip": self.gossip,
                 }
             )
@@ -376,6 +404,7 @@ class FedAvgP2P(Protocol):
         site.load_state_dict(saved["model"])
         site.load_optimizer_state(saved["optimizer"])
         self.selection_history = [list(x) for x in saved.get("selection_history", [])]
+        self.merged = [list(x) for x in saved.get("merged", [])]
         self.gossip = dict(saved.get("gossip", {}))
         for key, value in self.gossip.items():
             ctx.publish(key, value)

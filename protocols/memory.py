@@ -124,6 +124,7 @@ class InMemoryNetwork:
         self._nodes: dict[str, _Node] = {}
         self.records: list[dict[str, Any]] = []
         self.choices: list[dict[str, Any]] = []
+        self.rejections: list[dict[str, Any]] = []  # inputs a protocol refused
 
     # ------------------------------------------------------------------ membership
 
@@ -389,6 +390,11 @@ class InMemoryContext(RoundContext):
 
     def record_choice(self, chosen: list[str]) -> None:
         self.network.choices.append({"node": self.me, "round": self.round, "chosen": list(chosen)})
+
+    def reject(self, peer: str, reason: str) -> None:
+        self.network.rejections.append(
+            {"node": self.me, "round": self.round, "peer": peer, "reason": reason}
+        )
 
 
 # ---------------------------------------------------------------------- simulation

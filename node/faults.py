@@ -1,0 +1,208 @@
+"""Fault injection for drills and the fault tests (never from site.yaml).
+
+A node started with `P2PFL_FAULTS=/path/faults.json` in its environment reads
+that file at start and again whenever it changes, at each round or phase
+change. Nothing else turns faults on, so a production config cannot enable
+them by accident, and a node with a fault plan says so loudly in its log.
+
+    {
+      "kill":      [{"id": "k1", "round": 3, "phase": "train", "delay_s": 0.2}],
+      "partition": [{"from_round": 3, "to_round": 6}],
+      "latency_s": 1.5,
+      "poison":    {"kind": "model", "mode": "scaled_random", "scale": 5.0, "from_round": 1}
+    }
+
+- kill: SIGKILL this process `delay_s` after it enters `phase` of `round`
+  (phases: train, exchange, aggregate = right after the neighbours' models
+  were received, evaluate). Each kill fires once: its id is appended to
+  `<file>.fired` before the signal, so a restarted node does not fire it again.
+- partition: while this node's round is in [from_round, to_round) it is cut
+  off both ways: every outgoing post fails, every incoming connection is
+  closed without an answer. It heals by itself.
+- latency_s: every answer to a peer (acknowledgement or request response,
+  not heartbeats) is delayed this long: a slow peer.
+- poison: replace what this node serves for requests of `kind` (from
+  `from_round` on) — the attacks of a compromised peer: `nan`, `inf`,
+  `shape`, `dtype`, `huge_norm` (x 1e6), `scaled_random` (random tensors with
+  `scale` times each tensor's norm), `forged` (signed with a key not in the
+  roster), `replayed` (the first answer it ever gave, byte for byte), or
+  `cycle` (each of those in turn).
+
+Every event is appended to `<file>.events.jsonl` with a wall-clock time, so a
+test can line it up with the nodes' metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ENV = "P2PFL_FAULTS"
+POISON_MODES = ("nan", "inf", "shape", "dtype", "huge_norm", "scaled_random", "forged", "replayed")
+WIRE_MODES = ("forged", "replayed")  # done by the daemon on the encoded answer
+
+
+class FaultPlan:
+    """The faults configured for this process; all methods are cheap no-ops without a plan."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._mtime: float | None = None
+        self.kills: list[dict[str, Any]] = []
+        self.partitions: list[tuple[int, int]] = []
+        self.latency_s = 0.0
+        self.poison: dict[str, Any] | None = None
+        self.fired: set[str] = set()
+        self.isolated = False
+        self._poison_count = 0
+        if path is not None:
+            self.reload(force=True)
+
+    @classmethod
+    def from_env(cls) -> FaultPlan:
+        value = os.environ.get(ENV, "").strip()
+        return cls(Path(value) if value else None)
+
+    @property
+    def active(self) -> bool:
+        return self.path is not None
+
+    # ------------------------------------------------------------------ the file
+    def reload(self, force: bool = False) -> None:
+        """Re-read the plan when the file changed. A bad file is logged, not fatal."""
+        if self.path is None:
+            return
+        try:
+            mtime = self.path.stat().st_mtime
+        except OSError:
+            return
+        if not force and mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            raw = json.loads(self.path.read_text())
+            self.kills = [dict(k) for k in raw.get("kill", [])]
+            self.partitions = [
+                (int(p["from_round"]), int(p["to_round"])) for p in raw.get("partition", [])
+            ]
+            self.latency_s = float(raw.get("latency_s", 0.0))
+            poison = raw.get("poison")
+            if poison is not None and poison.get("mode") not in (*POISON_MODES, "cycle"):
+                raise ValueError(f"poison.mode must be one of {POISON_MODES + ('cycle',)}")
+            self.poison = dict(poison) if poison else None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.error("FAULT INJECTION: cannot read %s (%s); plan unchanged", self.path, exc)
+            return
+        fired_path = self._sidecar(".fired")
+        if fired_path.exists():
+            self.fired = set(fired_path.read_text().split())
+        log.warning(
+            "FAULT INJECTION ACTIVE (%s): kill=%s partition=%s latency_s=%s poison=%s",
+            self.path,
+            [k for k in self.kills if str(k.get("id")) not in self.fired],
+            self.partitions,
+            self.latency_s,
+            self.poison,
+        )
+
+    def _sidecar(self, suffix: str) -> Path:
+        assert self.path is not None
+        return self.path.with_name(self.path.name + suffix)
+
+    def event(self, name: str, **fields: Any) -> None:
+        if self.path is None:
+            return
+        line = json.dumps({"t": round(time.time(), 3), "event": name, **fields})
+        with open(self._sidecar(".events.jsonl"), "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    # ------------------------------------------------------------------ hooks
+    def on_progress(self, round: int, phase: str) -> None:
+        """Called by the node at every round and phase change."""
+        if self.path is None:
+            return
+        self.reload()
+        isolated = any(a <= round < b for a, b in self.partitions)
+        if isolated != self.isolated:
+            self.isolated = isolated
+            self.event("partition_start" if isolated else "partition_end", round=round)
+            log.warning(
+                "FAULT INJECTION: partition %s at round %d", "on" if isolated else "healed", round
+            )
+        for kill in self.kills:
+            kid = str(kill.get("id", f"{kill.get('round')}-{kill.get('phase')}"))
+            if kid in self.fired or int(kill.get("round", -1)) != round:
+                continue
+            if kill.get("phase") != phase:
+                continue
+            self.fired.add(kid)
+            with open(self._sidecar(".fired"), "a", encoding="utf-8") as f:
+                f.write(kid + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            delay = float(kill.get("delay_s", 0.0))
+            self.event("kill", id=kid, round=round, phase=phase, delay_s=delay)
+            log.warning("FAULT INJECTION: SIGKILL in %.2f s (round %d, %s)", delay, round, phase)
+            if delay <= 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                import asyncio
+
+                asyncio.get_running_loop().call_later(delay, os.kill, os.getpid(), signal.SIGKILL)
+
+    def poison_mode(self, kind: str, round: int) -> str | None:
+        """The attack to apply to this answer of `kind`, or None."""
+        p = self.poison
+        if p is None or p.get("kind", "model") != kind or round < int(p.get("from_round", 0)):
+            return None
+        mode = str(p["mode"])
+        if mode == "cycle":
+            mode = POISON_MODES[self._poison_count % len(POISON_MODES)]
+        self._poison_count += 1
+        return mode
+
+    def poison_payload(self, payload: Any, mode: str) -> Any:
+        """Corrupt every tensor map in the payload (a served model's `state`)."""
+        if mode in WIRE_MODES or not isinstance(payload, dict):
+            return payload
+        scale = float((self.poison or {}).get("scale", 5.0))
+        out = dict(payload)
+        for key, value in payload.items():
+            if (
+                isinstance(value, dict)
+                and value
+                and all(isinstance(v, Tensor) for v in value.values())
+            ):
+                out[key] = {k: _poison_tensor(t, mode, scale) for k, t in value.items()}
+        return out
+
+
+def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:
+    if not t.is_floating_point():
+        return t
+    if mode == "nan":
+        return torch.full_like(t, float("nan"))
+    if mode == "inf":
+        return torch.full_like(t, float("inf"))
+    if mode == "shape":
+        return torch.zeros(t.numel() + 1, dtype=t.dtype)
+    if mode == "dtype":
+        return t.to(torch.float64)
+    if mode == "huge_norm":
+        return t * 1e6
+    if mode == "scaled_random":
+        noise = torch.randn_like(t)
+        return noise * (scale * float(t.norm()) / max(float(noise.norm()), 1e-12))
+    raise ValueError(f"unknown poison mode {mode}")

@@ -1,8 +1,10 @@
 """`p2pfl-node genbuffer train|sample|audit --config site.yaml`.
 
 node/cli.py registers this with `add_genbuffer_parser(subparsers)` and runs
-`run_genbuffer(args)`. The config may be a site.yaml (its `genbuffer:` and
-`data:` sections are used) or a standalone YAML with just those sections.
+`run_genbuffer(args)`. The config may be a site.yaml (validated whole, like
+`p2pfl-node check` but without the roster and key files; its `genbuffer:` and
+`data:` sections are used) or a standalone YAML with just those sections and a
+`seed:`.
 Command-line options override the YAML. Mistakes a person can fix print one
 line and return 2.
 """
@@ -148,7 +150,8 @@ def _with_overrides(
         option = next(
             (f"--{a.replace('_', '-')}" for a, f in names.items() if f == field), field or "options"
         )
-        raise GenbufferError("bad_option", f"{option}: {err['msg']}") from None
+        problem = err["msg"].removeprefix("Value error, ")
+        raise GenbufferError("bad_option", f"{option}: {problem}") from None
 
 
 COMMON_OVERRIDES = {

@@ -4,6 +4,8 @@ Every section forbids unknown keys, so a typo is an error rather than a silently
 ignored setting. `load_config` turns every failure a person can cause (missing
 file, YAML syntax, wrong type, unknown protocol, missing key file) into one
 `ConfigError` whose message names the file, the field path and the fix.
+`read_yaml`, `config_error` and the `resolve_*` helpers are shared with the
+genbuffer CLI's loader, which also reads a standalone `genbuffer:` YAML.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from p2pfl.errors import UserError
 from p2pfl.protocol_params import ProtocolParams, protocol_names
@@ -238,6 +248,155 @@ class LoggingSection(Section):
     format: Literal["text", "json"] = "text"
 
 
+class GenbufferSection(Section):
+    """Privacy-preserving GAN (FedER Sec. 3.2 / 4.2.2), synthetic buffers and the privacy audit."""
+
+    # --- network (StyleGAN2) ---------------------------------------------------------------
+    resolution: int = Field(32, description="image side the GAN works at: a power of two, 16-256")
+    channels: int | None = Field(
+        None, ge=1, le=16, description="image channels; default: those of the data"
+    )
+    z_dim: int = Field(128, ge=1, description="latent z size")
+    w_dim: int = Field(128, ge=1, description="intermediate latent w size")
+    mapping_layers: int = Field(4, ge=1, le=8, description="layers of the mapping network")
+    channel_base: int = Field(
+        4096, ge=16, description="feature maps at resolution r: min(channel_base / r, channel_max)"
+    )
+    channel_max: int = Field(256, ge=1)
+    # --- optimisation -------------------------------------------------------------------------
+    batch_size: int = Field(32, ge=2, description="minibatch (FedER: 32)")
+    lr: float = Field(0.0025, gt=0.0, description="Adam learning rate of G and D (FedER: 0.0025)")
+    adam_betas: tuple[float, float] = Field((0.0, 0.99), description="Adam betas of G and D")
+    r1_gamma: float | None = Field(
+        None, ge=0.0, description="R1 weight; default 0.0002 * resolution^2 / batch_size"
+    )
+    r1_interval: int = Field(
+        16, ge=1, description="apply R1 every this many D steps (lazy regularization)"
+    )
+    ema_half_life_images: int = Field(
+        10_000, ge=1, description="half-life of the generator EMA, in images"
+    )
+    ema_rampup: float | None = Field(
+        0.05, gt=0.0, description="EMA half-life at most this share of the images seen so far"
+    )
+    style_mixing_prob: float = Field(0.9, ge=0.0, le=1.0)
+    # --- adaptive discriminator augmentation ---------------------------------------------------
+    augment: bool = Field(True, description="adaptive discriminator augmentation on/off")
+    ada_target: float = Field(0.6, gt=0.0, lt=1.0, description="target of r_t = E[sign(D(real))]")
+    ada_interval: int = Field(4, ge=1, description="adjust p every this many D steps")
+    ada_speed_images: int = Field(
+        500_000, ge=1, description="images over which p can move from 0 to 1"
+    )
+    # --- privacy loss (FedER Eq. 3-5) ----------------------------------------------------------
+    alpha: float = Field(
+        1.0, ge=0.0, description="weight of the LPIPS privacy term: L_G-PP = L_G - alpha * L_PP"
+    )
+    pp_normalization: Literal["pairs", "batch"] = Field(
+        "pairs",
+        description="L_PP = sum of the pairwise distances divided by the number of pairs (a mean), "
+        "or by the batch size as FedER Eq. 3 writes it (batch size times the mean)",
+    )
+    lpips_backbone: Literal["alex", "vgg", "random"] = Field(
+        "alex",
+        description="ImageNet backbone under LPIPS; 'random' is for tests only and gives no real privacy",
+    )
+    lpips_weights: Path | None = Field(
+        None,
+        description="torchvision ImageNet weights file of the backbone; default: the torch hub cache",
+    )
+    lpips_min_size: int = Field(
+        64, ge=16, description="smaller images are upsampled to this side before LPIPS"
+    )
+    # --- two-stage training (FedER Sec. 4.2.2) -------------------------------------------------
+    iterations: int = Field(50_000, ge=1, description="stage 1 (no privacy loss): most iterations")
+    stage1_patience: int = Field(
+        10_000,
+        ge=1,
+        description="stage 1 stops after this many iterations without a better quality score",
+    )
+    stage2_iterations: int = Field(
+        10_000, ge=0, description="stage 2 (with privacy loss): most iterations"
+    )
+    stage2_degrade_factor: float = Field(
+        2.5,
+        gt=1.0,
+        description="stage 2 stops once the quality score exceeds this factor times stage 1's",
+    )
+    quality_features: Literal["classifier", "lpips"] = Field(
+        "classifier",
+        description="Frechet distance on a small CNN trained on the site's images, or on the LPIPS backbone's features",
+    )
+    quality_classifier_steps: int = Field(
+        500, ge=1, description="training steps of the quality-score CNN"
+    )
+    quality_every: int = Field(500, ge=1, description="iterations between quality evaluations")
+    stage2_quality_every: int | None = Field(
+        None,
+        ge=1,
+        description="iterations between quality evaluations in stage 2; default quality_every",
+    )
+    quality_samples: int = Field(1000, ge=16, description="synthetic images per quality evaluation")
+    train_reference: bool = Field(
+        True, description="also continue stage 1 without the privacy loss, for the audit"
+    )
+    checkpoint_every: int = Field(
+        1000, ge=1, description="iterations between resumable training-state saves"
+    )
+    # --- buffers ------------------------------------------------------------------------------
+    buffer_size: int = Field(512, ge=1, description="synthetic images per buffer (B)")
+    per_class: Literal["balanced", "prior"] = Field(
+        "balanced", description="equal counts per class, or the local label prior"
+    )
+    truncation_psi: float = Field(1.0, gt=0.0, le=1.0)
+    # --- audit (FedER Sec. 4.4) ---------------------------------------------------------------
+    audit_images: int = Field(64, ge=1, description="real training images projected into W")
+    audit_steps: int = Field(300, ge=1, description="optimisation steps per projection")
+    audit_lr: float = Field(0.1, gt=0.0)
+    # --- where and how ------------------------------------------------------------------------
+    out_dir: Path = Field(
+        Path("genbuffer"),
+        description="checkpoints, buffers and audit files; default in a site.yaml: STATE/genbuffer",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+    @field_validator("resolution")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(
+                f"{v} is not a power of two between 16 and 256 — use 16, 32, 64, 128 or 256"
+            )
+        return v
+
+    @field_validator("lpips_weights")
+    @classmethod
+    def _weights_need_imagenet_backbone(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        # A field validator (lpips_backbone is declared first), so the error names lpips_weights.
+        if v is not None and info.data.get("lpips_backbone") == "random":
+            raise ValueError(
+                "set, but lpips_backbone 'random' loads no weights — remove one of the two keys"
+            )
+        return v
+
+    def stage2_settings(self) -> dict[str, object]:
+        """The settings that define stage 2; changing them redoes stage 2 from the stage-1 result."""
+        return {
+            "alpha": self.alpha,
+            "pp_normalization": self.pp_normalization,
+            "stage2_iterations": self.stage2_iterations,
+            "stage2_degrade_factor": self.stage2_degrade_factor,
+            "stage2_quality_every": self.stage2_quality_every or self.quality_every,
+            "train_reference": self.train_reference,
+        }
+
+    def effective_r1_gamma(self) -> float:
+        """StyleGAN2-ADA's heuristic: 0.0002 * resolution^2 / batch_size."""
+        if self.r1_gamma is not None:
+            return self.r1_gamma
+        return 0.0002 * self.resolution**2 / self.batch_size
+
+
 class SiteConfig(Section):
     node: NodeSection
     identity: IdentitySection = IdentitySection()
@@ -251,6 +410,7 @@ class SiteConfig(Section):
     wire: WireSection = WireSection()
     transport: TransportSection = TransportSection()
     logging: LoggingSection = LoggingSection()
+    genbuffer: GenbufferSection = GenbufferSection()
 
     # Resolved paths (filled by load_config relative to the config file).
     @property
@@ -313,8 +473,39 @@ def _resolve(path: Path | None, base: Path) -> Path | None:
     return path if path.is_absolute() else (base / path)
 
 
-def load_config(path: str | Path, *, check_files: bool = True) -> SiteConfig:
-    """Read, validate and resolve a site.yaml. Raises ConfigError only."""
+def resolve_data_source(data: DataSection, base: Path) -> None:
+    """A file or folder `data.source` is taken relative to `base`; 'digits' names no file."""
+    if data.source != "digits" and not Path(data.source).is_absolute():
+        data.source = str(base / data.source)
+
+
+def resolve_genbuffer_paths(
+    section: GenbufferSection, base: Path, state_dir: Path | None = None
+) -> None:
+    """Make the section's paths absolute, relative to `base` (the YAML file's folder).
+
+    Given a site's (already resolved) `state_dir`, an `out_dir` the YAML does not
+    set becomes STATE/genbuffer, so the GAN's files live with the node's state.
+    """
+    if state_dir is not None and "out_dir" not in section.model_fields_set:
+        section.out_dir = state_dir / "genbuffer"
+    else:
+        section.out_dir = _resolve(section.out_dir, base)  # type: ignore[assignment]
+    section.lpips_weights = _resolve(section.lpips_weights, base)
+
+
+def config_error(path: str | Path, exc: ValidationError) -> ConfigError:
+    """The first pydantic error as the one-line FILE: FIELD: problem — fix message."""
+    err = exc.errors()[0]
+    problem, fix = _describe(err)
+    loc = tuple(err["loc"])
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        loc = ("protocol", "name")
+    return ConfigError(path, _field_path(loc), problem, fix)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; every failure is a ConfigError naming the file (and line)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -335,6 +526,13 @@ def load_config(path: str | Path, *, check_files: bool = True) -> SiteConfig:
         raise ConfigError(
             path, where, f"YAML syntax error: {problem}", "fix the indentation or quoting there"
         ) from None
+    return raw
+
+
+def load_config(path: str | Path, *, check_files: bool = True) -> SiteConfig:
+    """Read, validate and resolve a site.yaml. Raises ConfigError only."""
+    path = Path(path)
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(
             path,
@@ -352,12 +550,7 @@ def config_from_dict(
     try:
         cfg = SiteConfig.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        problem, fix = _describe(err)
-        loc = tuple(err["loc"])
-        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            loc = ("protocol", "name")
-        raise ConfigError(path, _field_path(loc), problem, fix) from None
+        raise config_error(path, exc) from None
     base = path.parent if path.name else Path(".")
     cfg.node.state_dir = _resolve(cfg.node.state_dir, base)  # type: ignore[assignment]
     cfg.federation.roster = _resolve(cfg.federation.roster, base)  # type: ignore[assignment]
@@ -372,8 +565,8 @@ def config_from_dict(
     if cfg.transport.tls:
         for attr in ("cert", "key", "ca"):
             setattr(cfg.transport.tls, attr, _resolve(getattr(cfg.transport.tls, attr), base))
-    if cfg.data.source != "digits" and not Path(cfg.data.source).is_absolute():
-        cfg.data.source = str(base / cfg.data.source)
+    resolve_data_source(cfg.data, base)
+    resolve_genbuffer_paths(cfg.genbuffer, base, cfg.node.state_dir)
     if check_files:
         check_config_files(cfg, path)
     return cfg
@@ -402,6 +595,11 @@ def check_config_files(cfg: SiteConfig, path: Path) -> None:
             "status.token_file",
             cfg.status.token_file,
             "write the token into that file or remove the key",
+        ),
+        (
+            "genbuffer.lpips_weights",
+            cfg.genbuffer.lpips_weights,
+            "point it at the torchvision ImageNet weights file or remove the key",
         ),
     ]
     if cfg.transport.tls:

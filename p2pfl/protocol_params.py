@@ -178,7 +178,9 @@ class FedERParams(_Params):
         description="a trained generator file (genbuffer train); default: train one before federation",
     )
     genbuffer: dict | None = Field(
-        None, description="genbuffer section used when the generator is trained here"
+        None,
+        description="deprecated: GAN settings for training the generator here; use the "
+        "site-level genbuffer: section, which `check` validates",
     )
     reset_optimizer: bool = Field(
         True, description="rebuild Adam each round, as the reference code does"

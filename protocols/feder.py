@@ -96,13 +96,22 @@ def make_buffer(
     from genbuffer.config import GenbufferSection
     from genbuffer.train import label_prior, resolve_device, train_generator
 
-    section = GenbufferSection(**(params.genbuffer or {}))
+    # The site-level `genbuffer:` section (validated and path-resolved by `check`);
+    # the older free-form `protocol.genbuffer` still wins when it is given.
+    if params.genbuffer:
+        section = GenbufferSection(**params.genbuffer)
+        out_dir = state_dir / "genbuffer"
+    else:
+        section = cfg.genbuffer
+        out_dir = section.out_dir  # load_config made it absolute (default <state_dir>/genbuffer)
+        if not out_dir.is_absolute():
+            out_dir = state_dir / out_dir
     if params.generator:
         generator_path = Path(params.generator)
     else:
         data = site.data
         result = train_generator(
-            data.train_uint8, data.train_labels, data.num_classes, section, state_dir / "genbuffer"
+            data.train_uint8, data.train_labels, data.num_classes, section, out_dir
         )
         generator_path = result.generator_path
     generator, info = load_generator(generator_path, resolve_device(section.device))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from genbuffer.config import load_genbuffer_config
 from node.cli import main
 from p2pfl.config import ConfigError, load_config
 
@@ -81,6 +82,8 @@ def test_console_script_check_and_schema(federation):
     assert "name: fedavgp2p" in out.stdout
     schema = json.loads(run_cli("schema").stdout)
     assert "protocol" in schema["properties"] and "node" in schema["required"]
+    genbuffer = schema["$defs"][schema["properties"]["genbuffer"]["$ref"].rsplit("/", 1)[-1]]
+    assert {"resolution", "lpips_weights", "out_dir"} <= genbuffer["properties"].keys()
 
 
 def edit(path: Path, fn) -> Path:
@@ -115,6 +118,31 @@ BAD = {
         "bearer token",
     ),
     "bad_listen": (lambda d: d["node"].update(listen="localhost"), "node.listen", "HOST:PORT"),
+    "genbuffer_unknown_key": (
+        lambda d: d.update(genbuffer={"resolutoin": 32}),
+        "genbuffer.resolutoin",
+        "unknown key",
+    ),
+    "genbuffer_wrong_type": (
+        lambda d: d.update(genbuffer={"batch_size": "big"}),
+        "genbuffer.batch_size",
+        "integer",
+    ),
+    "genbuffer_resolution": (
+        lambda d: d.update(genbuffer={"resolution": 48}),
+        "genbuffer.resolution",
+        "power of two",
+    ),
+    "genbuffer_weights_with_random_backbone": (
+        lambda d: d.update(genbuffer={"lpips_backbone": "random", "lpips_weights": "a.pth"}),
+        "genbuffer.lpips_weights",
+        "remove one of the two keys",
+    ),
+    "genbuffer_missing_weights": (
+        lambda d: d.update(genbuffer={"lpips_weights": "nowhere.pth"}),
+        "genbuffer.lpips_weights",
+        "file not found",
+    ),
 }
 
 
@@ -126,6 +154,39 @@ def test_bad_configs_exit_2_with_one_line(federation, case, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     assert str(path) in err and f": {field}:" in err and words in err, err
+
+
+def test_genbuffer_section_passes_check_with_paths_resolved(federation, capsys):
+    site = federation / "a"
+    (site / "weights").mkdir()
+    (site / "weights" / "alexnet.pth").write_bytes(b"")
+    path = edit(
+        site / "site.yaml",
+        lambda d: d.update(genbuffer={"resolution": 64, "lpips_weights": "weights/alexnet.pth"}),
+    )
+    assert main(["check", "--config", str(path)]) == 0
+    checked = yaml.safe_load(capsys.readouterr().out)["genbuffer"]
+    assert checked["resolution"] == 64
+    assert checked["lpips_weights"] == str(site / "weights" / "alexnet.pth")
+    # Unset, out_dir is the node's state folder's genbuffer/, like the genbuffer CLI's default.
+    assert checked["out_dir"] == str(site / "state" / "genbuffer")
+    assert load_genbuffer_config(path).genbuffer == load_config(path).genbuffer
+    # Set, it is relative to the site.yaml's folder, as every other path.
+    edit(path, lambda d: d["genbuffer"].update(out_dir="gan"))
+    cfg = load_config(path)
+    assert cfg.genbuffer.out_dir == site / "gan" and cfg.genbuffer.resolution == 64
+    assert load_genbuffer_config(path).genbuffer == cfg.genbuffer
+
+
+def test_bad_genbuffer_field_is_one_line_with_the_fix(federation, capsys):
+    path = edit(federation / "a" / "site.yaml", lambda d: d.update(genbuffer={"resolution": 48}))
+    assert main(["check", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"p2pfl-node: {path}: genbuffer.resolution: 48 is not a power of two between 16 and 256"
+        " — use 16, 32, 64, 128 or 256\n"
+    )
+    assert main(["run", "--config", str(path)]) == 2
+    assert ": genbuffer.resolution: " in capsys.readouterr().err
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

@@ -535,14 +535,21 @@ def test_standalone_config_resolves_paths_and_rejects_unknown_keys(tmp_path: Pat
     )
     with pytest.raises(ConfigError, match="lpips_weights"):
         load_genbuffer_config(path)
-    path.write_text(
+    site = (
         "node: {name: a}\nfederation: {id: f, roster: r.yaml, seed: 4}\ntraining: {seed: 1}\n"
-        "data: {source: digits, image_size: 16}\n",
-        encoding="utf-8",
+        "protocol: {name: fedavgp2p}\ndata: {source: digits, image_size: 16}\n"
     )
+    path.write_text(site, encoding="utf-8")
     config = load_genbuffer_config(path)
     assert config.seed == 5 and config.data is not None and config.data.image_size == 16
     assert config.genbuffer == GenbufferSection(out_dir=tmp_path / "state" / "genbuffer")
+    # A site.yaml is validated whole, as `p2pfl-node check` does, not just its genbuffer: part.
+    path.write_text(site.replace("fedavgp2p", "fedmagic"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"protocol\.name: unknown protocol"):
+        load_genbuffer_config(path)
+    path.write_text(site + "seed: 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"seed: unknown key"):
+        load_genbuffer_config(path)
 
 
 def _cli(argv: list[str]) -> int:

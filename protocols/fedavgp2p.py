@@ -305,6 +305,15 @@ class FedAvgP2P(Protocol):
         heuristic = selection.from_config(cfg.selection)
         start = self.resume(ctx, site)
         ctx.serve(MODEL_KIND, self.serve_model)
+        k_max = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
+        if p.aggregation == "trimmed_mean" and int(p.trim_ratio * (k_max + 1)) == 0:
+            log.warning(
+                "%s: trimmed_mean with trim_ratio %.2f over %d models cuts nothing (a plain "
+                "mean): raise protocol.trim_ratio or protocol.fraction, or use median",
+                ctx.me,
+                p.trim_ratio,
+                k_max + 1,
+            )
 
         for r in range(start, p.rounds + 1):
             ctx.round = r

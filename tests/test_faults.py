@@ -35,7 +35,7 @@ TRANSPORT = {
 }
 
 
-def base_overrides(**protocol_extra: Any) -> dict[str, Any]:
+def base_overrides() -> dict[str, Any]:
     return {
         "node": {"startup_wait_s": 30},
         "transport": TRANSPORT,
@@ -342,7 +342,6 @@ def test_poisoned_forged_and_replayed_models_are_refused_and_training_goes_on(tm
         for reason, n in counts.items():
             total[reason] = total.get(reason, 0) + n
     curve = {n: [round(m["macro_f1"], 3) for m in metrics(fed_dir, n)] for n in ("h1", "h2")}
-    final = {n: c[-1] for n, c in curve.items()}
     print(
         json.dumps(
             {

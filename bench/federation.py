@@ -3,12 +3,16 @@
 protocol code either way), compared with baselines measured in the same run.
 
     python -m bench.federation --nodes 5 --protocol fedavgp2p --heuristic random \\
-        --fraction 0.5 --rounds 10 --data PATH.npz|digits --partition dirichlet:0.5 --out DIR
+        --fraction 0.5 --rounds 10 --data PATH.npz|digits --partition dirichlet:0.5 \\
+        [--test-split local|global] --out DIR
     python -m bench.federation ... --grid [--heuristics random,f1] [--fractions 0.25,1.0]
 
 What it does:
 1. splits the data set's train split among the N sites (`partition_dataset`,
-   files under DIR/data; val/test follow each site's class shares);
+   files under DIR/data; val follows each site's class shares; test does too
+   with `--test-split local` (the default), while with `--test-split global`
+   every site's test split is the whole source test split, as in the DFU
+   paper, which scores every client on the common test data);
 2. for each (heuristic, c) asked for: provisions keys, roster and site.yaml
    under DIR/fed/<heuristic>_c<c>/ (a previous run's node state there is
    removed), starts one process per site with `node.exit_when_done: true`,
@@ -22,12 +26,15 @@ What it does:
    results.json as the last stdout line (one JSON object).
 
 Figures (keys of `summary`):
-- macro_f1_mean_first / _final: test macro-F1, mean over the nodes, at the
-  first round and at each node's last logged round; macro_f1_mean_last3: the
-  mean of the last three rounds' means (one round can swing by several points);
+- macro_f1_mean_first / _final: test macro-F1 (each node on its own test
+  split: its share with `--test-split local`, the common test set with
+  `global`), mean over the nodes, at the first round and at each node's last
+  logged round; macro_f1_mean_last3: the mean of the last three rounds' means
+  (one round can swing by several points);
 - standalone_macro_f1_mean, centralized_macro_f1: the same figure for the two
   baselines at their last round (centralized: the global model evaluated on
-  each site's test split, mean over sites); gain_over_standalone = final -
+  each site's test split, mean over sites; with `--test-split global` that is
+  one figure, the common test set); gain_over_standalone = final -
   standalone, gap_to_centralized = centralized - final (positive: below it);
 - non_training_share = 1 - sum(train_s) / sum(round_s) over every logged
   round of every node: the share of a round's wall time a node spends outside
@@ -132,6 +139,7 @@ class RunSpec:
     rounds: int = 10
     data: str = "digits"
     partition: str = "dirichlet:0.5"
+    test_split: str = "local"  # local | global (partition_dataset's `test`)
     epochs: int = 1
     batch_size: int = 32
     lr: float = 1e-3
@@ -221,6 +229,7 @@ def partition(spec: RunSpec, data_dir: Path) -> tuple[list[Path], dict[str, Any]
         data_dir,
         label_fraction=spec.label_fraction,
         seed=spec.seed,
+        test=spec.test_split,
     )
     return [data_dir / row["file"] for row in summary["per_site"]], summary
 
@@ -982,6 +991,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="dirichlet:0.5",
         help="iid, dirichlet:ALPHA, shards:K or quantity:ALPHA",
     )
+    parser.add_argument(
+        "--test-split",
+        choices=("local", "global"),
+        default="local",
+        help="local: each site's test follows its train class shares; "
+        "global: every site is scored on the whole test split (DFU paper)",
+    )
     parser.add_argument("--label-fraction", type=float, default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--epochs", type=int, default=1)
@@ -1060,6 +1076,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         rounds=args.rounds,
         data=args.data,
         partition=args.partition,
+        test_split=args.test_split,
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,

@@ -81,6 +81,15 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, d
     return code, json.loads(lines[-1])
 
 
+def test_test_split_option_reaches_the_run_spec() -> None:
+    parser = federation.build_parser()
+    assert federation.spec_from_args(parser.parse_args(["--out", "x"])).test_split == "local"
+    args = parser.parse_args(["--out", "x", "--test-split", "global"])
+    assert federation.spec_from_args(args).test_split == "global"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "x", "--test-split", "central"])
+
+
 def test_in_memory_run_writes_the_documented_results_and_prints_the_summary_last(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -91,6 +100,7 @@ def test_in_memory_run_writes_the_documented_results_and_prints_the_summary_last
     results = json.loads((out / "results.json").read_text())
     jsonschema.validate(results, RESULTS_SCHEMA)
     assert last_line == results["summary"]
+    assert results["config"]["test_split"] == "local"
     summary = results["summary"]
     assert (summary["protocol"], summary["nodes"], summary["rounds"]) == ("fedavgp2p", 3, 2)
     assert summary["mode"] == "in_memory" and summary["peak_rss_mb_max"] > 0

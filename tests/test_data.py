@@ -213,6 +213,40 @@ def test_partition_counts_add_up_and_files_written(tmp_path: Path) -> None:
     assert site.num_classes == 10 and len(site.train) == counts[1].sum()
 
 
+def test_global_test_gives_every_site_the_whole_test_split(tmp_path: Path) -> None:
+    raw = read_source("digits")
+    assert raw.test_images is not None and raw.val_labels is not None
+    local = partition_dataset("digits", 3, "dirichlet:0.5", tmp_path / "local", seed=0)
+    summary = partition_dataset(
+        "digits", 3, "dirichlet:0.5", tmp_path / "global", seed=0, test="global"
+    )
+    assert (
+        summary["test"] == "global"
+        and "whole source test split" in (summary["val_test_assignment"])
+    )
+    on_disk = json.loads((tmp_path / "global" / "partition.json").read_text())
+    assert on_disk["val_test_assignment"] == summary["val_test_assignment"]
+    assert local["test"] == "local"
+    counts = _site_counts(tmp_path / "global", 3)
+    for site, row in enumerate(summary["per_site"]):
+        with (
+            np.load(tmp_path / "global" / row["file"]) as f,
+            np.load(tmp_path / "local" / row["file"]) as g,
+        ):
+            # test: the same images and labels as the source, for every site
+            assert np.array_equal(f["test_images"], raw.test_images)
+            assert np.array_equal(f["test_labels"], raw.test_labels)
+            # val (and train) stay local: identical to the default partition
+            for key in ("train_labels", "val_images", "val_labels"):
+                assert np.array_equal(f[key], g[key])
+        assert row["test"] == np.bincount(raw.test_labels, minlength=10).tolist()
+        assert np.all(np.array(row["val"])[counts[site] == 0] == 0)
+    val = np.array([row["val"] for row in summary["per_site"]])
+    assert np.array_equal(val.sum(0), np.bincount(raw.val_labels, minlength=10))
+    with pytest.raises(PartitionError, match="--test must be local or global"):
+        partition_dataset("digits", 3, "iid", tmp_path / "bad", test="central")
+
+
 def test_dirichlet_skew_grows_as_alpha_shrinks(tmp_path: Path) -> None:
     skews = [
         partition_dataset("digits", 5, f"dirichlet:{alpha}", tmp_path / str(alpha), seed=2)[
@@ -261,6 +295,12 @@ def test_bad_scheme_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     )
     assert run_partition(args) == 0
     assert (tmp_path / "ok" / "site_1.npz").is_file()
+    assert parser.parse_args(["--data", "digits", "--sites", "2", "--out", "x"]).test == "local"
+    args = parser.parse_args(
+        ["--data", "digits", "--sites", "2", "--test", "global", "--out", str(tmp_path / "g")]
+    )
+    assert run_partition(args) == 0
+    assert json.loads((tmp_path / "g" / "partition.json").read_text())["test"] == "global"
 
 
 # ---------------------------------------------------------------------- augment

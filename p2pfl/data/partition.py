@@ -11,11 +11,22 @@ The source's train split is divided among the sites by a scheme:
 - `quantity:ALPHA`: quantity skew; beyond a floor of min(10, N / (2 * sites))
   samples each, site sizes follow Dir(ALPHA) proportions; labels are iid.
 
-Val and test follow the train split (a choice): each class's val/test samples are
-shared among the sites in proportion to each site's share of that class in train
-(largest-remainder rounding, so all samples are used). A site's local val/test
-thus have the same label distribution as its train set, which is what each
-institution would see in practice and what the heuristics' local F1 measures.
+Val follows the train split (a choice): each class's val samples are shared
+among the sites in proportion to each site's share of that class in train
+(largest-remainder rounding, so all samples are used). A site's local val thus
+has the same label distribution as its train set, which is what each
+institution would see in practice and what the heuristics' gossiped per-class
+F1 measures. The test split is assigned by `test`:
+- `local` (default): test is shared out like val, so each site is scored on its
+  own (skewed) label distribution;
+- `global`: every site's test split is the whole source test split (the same
+  images for every site), as in the DFU paper, which distributes only the
+  training data and scores every client on the common test data. Per-site test
+  flatters a standalone site, whose model matches its own skew; a common test
+  set measures what federating buys on the population.
+The test option changes nothing else: train, val and unlabeled files are the
+same for a given seed either way. partition.json's `val_test_assignment` says
+which was used.
 
 Each site gets `site_<i>.npz` (MedMNIST keys, plus `class_names`), and the
 directory gets `partition.json` (per-site class counts) and `partition.png`
@@ -38,6 +49,8 @@ from numpy.typing import NDArray
 from p2pfl.data.loaders import DataError, RawSplits, read_source, stratified_split
 
 log = logging.getLogger(__name__)
+
+TEST_ASSIGNMENTS = ("local", "global")
 
 SCHEME_HELP = "iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1) or quantity:ALPHA (ALPHA > 0)"
 
@@ -242,10 +255,15 @@ def partition_dataset(
     out: Path,
     label_fraction: float | None = None,
     seed: int = 0,
+    test: str = "local",
 ) -> dict[str, Any]:
     """Write site_<i>.npz, partition.json and partition.png into `out`; return the
-    summary that partition.json holds."""
+    summary that partition.json holds. `test` is "local" (test follows the
+    train class shares, like val) or "global" (every site gets the whole test
+    split)."""
     parsed = parse_scheme(scheme)
+    if test not in TEST_ASSIGNMENTS:
+        raise PartitionError("bad_test", f"--test must be local or global, got {test!r}")
     if label_fraction is not None and not 0.0 < label_fraction <= 1.0:
         raise PartitionError(
             "bad_label_fraction", f"--label-fraction must be in (0, 1], got {label_fraction}"
@@ -260,8 +278,13 @@ def partition_dataset(
     eval_parts: dict[str, list[Indices]] = {}
     for split in ("val", "test"):
         pair = raw.split(split)
-        if pair is not None:
-            eval_parts[split] = follow_class_shares(pair[1], train_counts, rng)
+        if pair is None:
+            continue
+        # drawn even for a global test split, so that the rng stream (and with it
+        # the train, val and unlabeled files) does not depend on `test`
+        eval_parts[split] = follow_class_shares(pair[1], train_counts, rng)
+        if split == "test" and test == "global":
+            eval_parts[split] = [np.arange(len(pair[1]), dtype=np.int64)] * sites
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     site_rows: list[dict[str, Any]] = []
@@ -310,7 +333,12 @@ def partition_dataset(
         "class_names": raw.class_names,
         "image_shape": list(raw.train_images.shape[1:]),
         "label_skew": label_skew(train_counts),
-        "val_test_assignment": "follows each site's train class shares",
+        "test": test,
+        "val_test_assignment": (
+            "val and test follow each site's train class shares"
+            if test == "local"
+            else "val follows each site's train class shares; test is the whole source test split for every site"
+        ),
         "per_site": site_rows,
         "chart": "partition.png",
     }
@@ -345,6 +373,13 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         help="keep labels for this share of each site's train set; the rest goes to unlabeled_images",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--test",
+        choices=TEST_ASSIGNMENTS,
+        default="local",
+        help="local: each site's test follows its train class shares; "
+        "global: every site gets the whole test split (the DFU paper's evaluation)",
+    )
     return parser
 
 
@@ -359,6 +394,7 @@ def run_partition(args: argparse.Namespace) -> int:
             args.out,
             label_fraction=args.label_fraction,
             seed=args.seed,
+            test=args.test,
         )
     except (DataError, PartitionError) as exc:
         sys.stderr.write(f"p2pfl-node partition: {exc}\n")

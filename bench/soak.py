@@ -3,10 +3,10 @@ descriptors stay flat?
 
     python -m bench.soak --nodes 6 --rounds 100 --out DIR
 
-The nodes run FedAVGP2P on the embedded digits (8 x 8 images, a few training
-steps per round, evaluation every 10 rounds), so a round is mostly the daemon's
+The nodes run FedAVGP2P on the embedded digits (8 x 8 images, two training
+steps and an evaluation per round), so a round is mostly the daemon's
 own work: heartbeats, model requests, checkpoints, spool and journal, logs.
-Every second the benchmark reads each process's RSS and open descriptors
+Every half second the benchmark reads each process's RSS and open descriptors
 (psutil) and the round it reports on /status. After a warm-up (the first
 --warmup share of the rounds: allocator pools, imports, the first
 checkpoints), it fits a least-squares line per node, value against round:
@@ -70,7 +70,7 @@ def run_soak(
         "rounds": rounds,
         "fraction": 0.5,
         "round_timeout_s": 5.0,
-        "eval_every": 10,
+        "eval_every": 1,
     }
     plans = provision(out / "fed", names, protocol=protocol, overrides=soak_overrides(rounds))
     samples: dict[str, list[dict[str, float]]] = {n: [] for n in names}
@@ -83,8 +83,8 @@ def run_soak(
         ):
             for name in names:
                 status = fed[name].status()
-                if status is None or not fed[name].running:
-                    continue
+                if status is None or not fed[name].running or status["phase"] == "done":
+                    continue  # (a finished node is closing its connections)
                 try:
                     rss = procs[name].memory_info().rss / 2**20
                     fds = procs[name].num_fds()
@@ -102,7 +102,7 @@ def run_soak(
             if low >= next_report:
                 _say(f"round {low}/{rounds} (slowest node), {time.perf_counter() - started:.0f} s")
                 next_report = low + max(1, rounds // 10)
-            time.sleep(1.0)
+            time.sleep(0.5)
         codes = fed.stop_all()
     wall = time.perf_counter() - started
     first = max(1, int(rounds * warmup))
@@ -111,8 +111,9 @@ def run_soak(
         late = [r for r in rows if r["round"] >= first]
         rss_slope = slope([(r["round"], r["rss_mb"]) for r in late])
         fd_slope = slope([(r["round"], r["fds"]) for r in late])
+        logged = (out / "fed" / name / "state" / "metrics.jsonl").read_text().splitlines()
         per_node[name] = {
-            "last_round": max((r["round"] for r in rows), default=0),
+            "last_round": max((json.loads(x)["round"] for x in logged), default=0),
             "rss_mb_after_warmup": late[0]["rss_mb"] if late else None,
             "rss_mb_end": late[-1]["rss_mb"] if late else None,
             "rss_mb_max": max((r["rss_mb"] for r in rows), default=None),

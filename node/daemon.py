@@ -20,7 +20,7 @@ from typing import Any
 import protocols
 from node.faults import WIRE_MODES, FaultPlan
 from node.peers import PeerTable
-from node.queues import Checkpoints, Inboxes, Journal, Outbox, OutboxEntry, Spool
+from node.queues import Checkpoints, Inboxes, Journal, Outbox, OutboxEntry, Spool, unlink_all
 from node.status import create_status_app, start_status_server
 from node.telemetry import Telemetry
 from node.transport import (
@@ -331,8 +331,13 @@ class Node:
                 for r in consumed
             ]
         )
-        for received in consumed:
-            self.spool.remove(received.msg_id)
+        done = self.spool.forget([r.msg_id for r in consumed])
+        if done:
+            # Journaled first, so deleting later (off the loop) is crash-safe.
+            try:
+                asyncio.get_running_loop().run_in_executor(None, unlink_all, done)
+            except RuntimeError:  # no loop (tools, tests): delete now
+                unlink_all(done)
 
     def _spooled_ts(self, received: Received) -> int:
         return self._spool_ts.pop(received.msg_id, 0)
@@ -751,6 +756,24 @@ def configure_logging(cfg: SiteConfig) -> None:
         handler.setFormatter(fmt)
         root.addHandler(handler)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(quiet_http_parser_refusals)
+
+
+def quiet_http_parser_refusals(record: logging.LogRecord) -> bool:
+    """aiohttp logs every request its HTTP parser refuses (already answered 400)
+    at ERROR with a traceback: anyone who reaches the port could fill the log.
+    Those become one DEBUG line; real handler errors keep their traceback."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    exc = record.exc_info[1] if record.exc_info else None
+    if not isinstance(exc, HttpProcessingError):
+        return True
+    if not logging.getLogger("aiohttp.server").isEnabledFor(logging.DEBUG):
+        return False
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    record.msg, record.args = "refused malformed HTTP request: %s", (exc,)
+    record.exc_info = record.exc_text = None
+    return True
 
 
 async def serve(node: Node) -> int:

@@ -44,6 +44,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def write_atomic(path: Path, chunks: list[bytes | bytearray | memoryview]) -> None:
     """Temp file, fsync, rename, fsync the directory: the file is whole or absent."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -64,20 +69,33 @@ class Spool:
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".*.tmp"):
             stale.unlink(missing_ok=True)
+        # The ids on disk, kept in memory: `has` is asked for every push, on the
+        # event loop, and a stat there would wait on the directory's lock.
+        self._ids = {p.stem for p in self.dir.glob("*.frame")}
 
     def path(self, msg_id: str) -> Path:
         return self.dir / f"{msg_id}.frame"
 
     def has(self, msg_id: str) -> bool:
-        return self.path(msg_id).exists()
+        return msg_id in self._ids
 
     def persist(self, msg_id: str, frame: bytearray | bytes) -> Path:
         path = self.path(msg_id)
         write_atomic(path, [frame])
+        self._ids.add(msg_id)
         return path
 
     def remove(self, msg_id: str) -> None:
+        self._ids.discard(msg_id)
         self.path(msg_id).unlink(missing_ok=True)
+
+    def forget(self, msg_ids: list[str]) -> list[Path]:
+        """Drop ids from the spool at once and return their files, for the caller
+        to delete off the event loop (an unlink right after an fsync can take
+        milliseconds). Only for journaled ids: a restart deletes leftovers."""
+        for msg_id in msg_ids:
+            self._ids.discard(msg_id)
+        return [self.path(m) for m in msg_ids]
 
     def pending(self) -> list[Path]:
         return sorted(self.dir.glob("*.frame"), key=lambda p: p.stat().st_mtime)

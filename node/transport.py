@@ -128,10 +128,18 @@ class TokenBucket:
         self.tokens = burst
         self.stamp = time.monotonic()
 
-    def take(self) -> bool:
+    def _refill(self) -> None:
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
+
+    def ready(self) -> bool:
+        """Would take() succeed? (Takes nothing.)"""
+        self._refill()
+        return self.tokens >= 1.0
+
+    def take(self) -> bool:
+        self._refill()
         if self.tokens >= 1.0:
             self.tokens -= 1.0
             return True
@@ -151,6 +159,10 @@ class MessageServer:
         self._buckets: dict[str, TokenBucket] = {}
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+        # Payload bytes reserved by uploads in progress: bounded, so peers that
+        # announce big frames and then stall cannot pin unbounded memory.
+        self.reserved_bytes = 0
+        self.reserve_limit = 2 * codec.max_message_bytes
         # Fault injection for tests and drills (never set from config).
         self.drop_from: set[str] = set()
         self.isolated = False  # a partition: close every connection unanswered
@@ -188,18 +200,29 @@ class MessageServer:
         if length is not None and length > self.codec.max_message_bytes:
             return self._refuse("oversize", f"{length} bytes")
         stream = request.content
+        idle = self.cfg.read_idle_timeout_s
         sender: str | None = None
         try:
-            prefix = await stream.readexactly(PREFIX_LEN)
+            prefix = await asyncio.wait_for(stream.readexactly(PREFIX_LEN), idle)
             header_len = self.codec.header_length(prefix)
-            rest = await stream.readexactly(header_len + SIG_LEN)
+            rest = await asyncio.wait_for(stream.readexactly(header_len + SIG_LEN), idle)
             header_bytes, signature = rest[:header_len], rest[header_len:]
-            sender = _claimed_sender(header_bytes)
-            header = self.codec.verify_header(header_bytes, signature, total_len=length)
+            claimed = Header.unpack(header_bytes)
+            sender = claimed.sender[:64]
+            # A sender over its rate is refused before the costly signature check;
+            # only verified messages take tokens, so a forger cannot drain a bucket.
+            bucket = self._buckets.get(claimed.sender)
+            if bucket is not None and not bucket.ready():
+                return self._refuse("rate_limited", "", sender)
+            header = self.codec.verify_header(
+                header_bytes, signature, total_len=length, header=claimed
+            )
         except WireError as exc:
             return self._refuse(exc.reason, exc.detail, sender)
-        except asyncio.IncompleteReadError:
+        except (asyncio.IncompleteReadError, ConnectionResetError, aiohttp.ClientPayloadError):
             return self._refuse("truncated", "frame ended early", sender)
+        except TimeoutError:
+            return self._refuse("truncated", f"no bytes for {idle:g} s", sender)
         if header.sender in self.drop_from:
             raise web.HTTPServiceUnavailable()  # simulated partition
         bucket = self._buckets.get(header.sender)
@@ -209,7 +232,26 @@ class MessageServer:
             )
         if not bucket.take():
             return self._refuse("rate_limited", "", header.sender)
-        offset = PREFIX_LEN + header_len + SIG_LEN
+        if self.reserved_bytes + header.payload_len > self.reserve_limit:
+            return self._refuse("queue_full", "too many large uploads in progress", header.sender)
+        self.reserved_bytes += header.payload_len
+        try:
+            return await self._receive(stream, prefix, rest, header, length)
+        finally:
+            self.reserved_bytes -= header.payload_len
+
+    async def _receive(
+        self,
+        stream: aiohttp.StreamReader,
+        prefix: bytes,
+        rest: bytes,
+        header: Header,
+        length: int | None,
+    ) -> web.StreamResponse:
+        """Read the payload of a verified header into one buffer, hashing as it
+        comes; hand the frame to the node; answer."""
+        idle = self.cfg.read_idle_timeout_s
+        offset = PREFIX_LEN + len(rest)
         frame = bytearray(offset + header.payload_len)
         view = memoryview(frame)
         view[:PREFIX_LEN] = prefix
@@ -218,7 +260,7 @@ class MessageServer:
         pos = offset
         try:
             while pos < len(frame):
-                chunk = await stream.readany()
+                chunk = await asyncio.wait_for(stream.readany(), idle)
                 if not chunk:
                     return self._refuse(
                         "truncated",
@@ -233,12 +275,16 @@ class MessageServer:
                 view[pos : pos + n] = chunk
                 digest.update(chunk)
                 pos += n
-            if not stream.at_eof() and await stream.read(1):
+            if not stream.at_eof() and await asyncio.wait_for(stream.read(1), idle):
                 return self._refuse(
                     "digest_mismatch", "payload longer than the header says", header.sender
                 )
         except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
             return self._refuse("truncated", "connection closed mid-payload", header.sender)
+        except TimeoutError:
+            return self._refuse(
+                "truncated", f"payload stalled for {idle:g} s at byte {pos - offset}", header.sender
+            )
         incoming = IncomingFrame(header, frame, offset, digest.digest())
         if incoming.digest != header.payload_sha256:
             return self._refuse("digest_mismatch", "", header.sender)
@@ -253,14 +299,6 @@ class MessageServer:
                 body=ChunksPayload(body), status=status, content_type="application/octet-stream"
             )
         return web.Response(body=body, status=status, content_type="application/octet-stream")
-
-
-def _claimed_sender(header_bytes: bytes) -> str | None:
-    """Who the header says sent it (unverified; for rejection accounting only)."""
-    try:
-        return Header.unpack(header_bytes).sender[:64]
-    except WireError:
-        return None
 
 
 @dataclass

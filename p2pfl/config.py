@@ -240,6 +240,9 @@ class TransportSection(Section):
     rate_limit_per_s: float = Field(
         200.0, gt=0, description="messages per second accepted from one peer"
     )
+    read_idle_timeout_s: float = Field(
+        30.0, gt=0, description="an incoming message that sends no bytes this long is cut off"
+    )
     tls: TLSSection | None = None
 
 

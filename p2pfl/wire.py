@@ -287,9 +287,12 @@ class WireCodec:
         signature: bytes | memoryview,
         *,
         total_len: int | None = None,
+        header: Header | None = None,
     ) -> Header:
-        """Checks 2-9 (everything but the payload). Does not mark the id seen."""
-        header = Header.unpack(header_bytes)
+        """Checks 2-9 (everything but the payload). Does not mark the id seen.
+        `header`: these header_bytes already unpacked (saves decoding them twice)."""
+        if header is None:
+            header = Header.unpack(header_bytes)
         if header.payload_len + PREFIX_LEN + len(header_bytes) + SIG_LEN > self.max_message_bytes:
             raise WireError("oversize", f"payload of {header.payload_len} bytes exceeds the limit")
         if header.version != VERSION:

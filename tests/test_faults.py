@@ -60,6 +60,16 @@ def write_plan(path: Path, plan: dict[str, Any]) -> Path:
     return path
 
 
+def arm_kills(fed: LocalFederation, kills: list[dict[str, Any]], folder: Path) -> dict[str, Path]:
+    """Give each victim a fault plan with its kills (before the federation starts)."""
+    plan_paths = {}
+    for victim in {k["victim"] for k in kills}:
+        mine = [k for k in kills if k["victim"] == victim]
+        plan_paths[victim] = write_plan(folder / f"{victim}.json", {"kill": mine})
+        fed[victim].env = {"P2PFL_FAULTS": str(plan_paths[victim])}
+    return plan_paths
+
+
 def events(plan_path: Path) -> list[dict[str, Any]]:
     p = plan_path.with_name(plan_path.name + ".events.jsonl")
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
@@ -127,11 +137,7 @@ def test_fedavgp2p_finishes_every_round_through_three_sigkills(tmp_path):
     fed_dir = tmp_path / "fed"
     plans = provision(fed_dir, names, protocol=fedavg(rounds), overrides=base_overrides())
     fed = LocalFederation(plans, tmp_path / "logs")
-    plan_paths = {}
-    for victim in {k["victim"] for k in kills}:
-        mine = [k for k in kills if k["victim"] == victim]
-        plan_paths[victim] = write_plan(tmp_path / "faults" / f"{victim}.json", {"kill": mine})
-        fed[victim].env = {"P2PFL_FAULTS": str(plan_paths[victim])}
+    plan_paths = arm_kills(fed, kills, tmp_path / "faults")
     with fed:
         restarts = supervise(fed, rounds, timeout=240)
     fired = [e for p in plan_paths.values() for e in events(p) if e["event"] == "kill"]
@@ -201,11 +207,7 @@ def test_acknowledged_pushes_survive_sigkills_exactly_once(tmp_path):
     fed_dir = tmp_path / "fed"
     plans = provision(fed_dir, names, protocol=probe, overrides=base_overrides())
     fed = LocalFederation(plans, tmp_path / "logs")
-    plan_paths = {}
-    for victim in {k["victim"] for k in kills}:
-        mine = [k for k in kills if k["victim"] == victim]
-        plan_paths[victim] = write_plan(tmp_path / "faults" / f"{victim}.json", {"kill": mine})
-        fed[victim].env = {"P2PFL_FAULTS": str(plan_paths[victim])}
+    plan_paths = arm_kills(fed, kills, tmp_path / "faults")
     with fed:
         restarts = supervise(fed, rounds, timeout=240)
         time.sleep(1.0)  # let outbox re-sends of the last round land
@@ -254,7 +256,7 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
     plans = provision(fed_dir, names, protocol=proto, overrides=base_overrides())
     fed = LocalFederation(plans, tmp_path / "logs")
     cut = write_plan(
-        tmp_path / "faults" / "a.json", {"partition": [{"from_round": 3, "to_round": 5}]}
+        tmp_path / "faults" / "a.json", {"partition": [{"from_round": 3, "to_round": 6}]}
     )
     slow = write_plan(tmp_path / "faults" / "b.json", {"latency_s": 1.0})
     fed["a"].env = {"P2PFL_FAULTS": str(cut)}
@@ -264,10 +266,10 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
     window = {e["event"]: e["t"] for e in events(cut)}
     assert set(window) == {"partition_start", "partition_end"}, window
     a_ledger = dict((r, m) for r, m in ledger(fed_dir, "a"))
-    # Cut off: a's rounds 3 and 4 ran alone and still finished.
-    assert a_ledger[3] == [] and a_ledger[4] == [], a_ledger
+    # Cut off: a's rounds 3-5 ran alone and still finished.
+    assert a_ledger[3] == a_ledger[4] == a_ledger[5] == [], a_ledger
     # Healed: a averages with the others again, and they with a.
-    assert any(a_ledger[r] for r in range(5, rounds + 1)), a_ledger
+    assert any(a_ledger[r] for r in range(6, rounds + 1)), a_ledger
     used_a_after = 0
     slow_used = slow_stale = 0
     worst_exchange = 0.0

@@ -11,9 +11,10 @@ A neighbour that fails or does not answer within `step_timeout_s` is skipped,
 and then left out for 1, 2, 4, ... steps (at most one round's worth) until it
 answers again: the step goes on with what arrived.
 
-A round is `training.epochs` passes over the local batches (each capped at
-`training.max_steps_per_epoch`); nodes gossip their steps per round so nobody
-waits for a step a smaller site never takes. After each round the node
+A round is `training.steps_per_round` steps when set (the same for every site,
+cycling through its reshuffled data), else `training.epochs` passes over the
+local batches (each capped at `training.max_steps_per_epoch`); nodes gossip
+their steps per round so nobody waits for a step a smaller site never takes. After each round the node
 evaluates, gossips and checkpoints exactly like FedAVGP2P. Batches are not
 augmented here: neighbours' gradients are averaged as computed.
 """
@@ -50,10 +51,13 @@ GRADIENTS_KEPT = 8  # latest step gradients kept for slower neighbours
 
 
 def steps_per_round(site: LocalSite) -> int:
-    """Optimizer steps of one round: epochs x batches of at least 2 samples
-    (what BatchNorm can train on), each epoch capped at max_steps_per_epoch."""
+    """Optimizer steps of one round: training.steps_per_round when set (a site
+    with no batch of 2 samples does none), else epochs x batches of at least 2
+    samples (what BatchNorm can train on), each epoch capped at max_steps_per_epoch."""
     t = site.training
     n = site.num_train
+    if t.steps_per_round is not None:
+        return t.steps_per_round if n >= 2 else 0
     per_epoch = n // t.batch_size + (1 if n % t.batch_size >= 2 else 0)
     if t.max_steps_per_epoch is not None:
         per_epoch = min(per_epoch, t.max_steps_per_epoch)
@@ -177,54 +181,50 @@ class FedSgdP2P(Protocol):
             neighbours_used = 0
             step = 0
             ctx.set_phase("train")
-            for _epoch in range(site.training.epochs):
-                for index, (x, y) in enumerate(site.batches("train")):
-                    cap = site.training.max_steps_per_epoch
-                    if cap is not None and index >= cap:
-                        break
-                    if len(y) < 2:
-                        continue
-                    step += 1
-                    self.steps_done += 1
-                    # 1. g = Gradient(w, data) (DFU Alg. 4 line 5), offered to the neighbours.
-                    t0 = time.perf_counter()
-                    grad = await ctx.train(site.compute_gradient, x, y)
-                    losses.append(site.last_loss if site.last_loss is not None else float("nan"))
-                    self.keep_for_peers(r, step, grad, len(y))
-                    train_s += time.perf_counter() - t0
+            # The same batches as FedAVGP2P's local training: E epochs, or exactly
+            # training.steps_per_round steps whatever the site's size.
+            for x, y in site.training_batches(site.training.epochs):
+                step += 1
+                self.steps_done += 1
+                # 1. g = Gradient(w, data) (DFU Alg. 4 line 5), offered to the neighbours.
+                t0 = time.perf_counter()
+                grad = await ctx.train(site.compute_gradient, x, y)
+                losses.append(site.last_loss if site.last_loss is not None else float("nan"))
+                self.keep_for_peers(r, step, grad, len(y))
+                train_s += time.perf_counter() - t0
 
-                    # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
-                    t0 = time.perf_counter()
-                    k = selection.neighbour_count(p.fraction, others)
-                    ranking = heuristic.select(
-                        ctx.me,
-                        self.candidates(ctx, step),
-                        k,
-                        round=r,
-                        step=step,
-                        seed=cfg.federation.seed,
-                        my_meta=self.gossip,
-                        history=self.selection_history,
-                    )
-                    fetch = functools.partial(self.fetch_gradient, ctx, r, step, grad)
-                    received = await pull_concurrently(ranking, k, p.step_timeout_s, fetch)
-                    received.sort(key=lambda item: item[0])
-                    exchange_s += time.perf_counter() - t0
+                # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
+                t0 = time.perf_counter()
+                k = selection.neighbour_count(p.fraction, others)
+                ranking = heuristic.select(
+                    ctx.me,
+                    self.candidates(ctx, step),
+                    k,
+                    round=r,
+                    step=step,
+                    seed=cfg.federation.seed,
+                    my_meta=self.gossip,
+                    history=self.selection_history,
+                )
+                fetch = functools.partial(self.fetch_gradient, ctx, r, step, grad)
+                received = await pull_concurrently(ranking, k, p.step_timeout_s, fetch)
+                received.sort(key=lambda item: item[0])
+                exchange_s += time.perf_counter() - t0
 
-                    # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
-                    t0 = time.perf_counter()
-                    mean = weighted_mean(
-                        [grad] + [g for _, g, _ in received], [len(y)] + [n for _, _, n in received]
-                    )
-                    await ctx.train(site.apply_gradient, mean)
-                    train_s += time.perf_counter() - t0
-                    used = [peer for peer, _, _ in received]
-                    for peer in used:
-                        self.backoff.pop(peer, None)
-                    neighbours_used += len(used)
-                    self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
-                    self.update_recent(ctx)
-                    ctx.record_choice(used)
+                # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
+                t0 = time.perf_counter()
+                mean = weighted_mean(
+                    [grad] + [g for _, g, _ in received], [len(y)] + [n for _, _, n in received]
+                )
+                await ctx.train(site.apply_gradient, mean)
+                train_s += time.perf_counter() - t0
+                used = [peer for peer, _, _ in received]
+                for peer in used:
+                    self.backoff.pop(peer, None)
+                neighbours_used += len(used)
+                self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
+                self.update_recent(ctx)
+                ctx.record_choice(used)
 
             metrics: dict[str, Any] = {}
             if r % p.eval_every == 0 or r == p.rounds:

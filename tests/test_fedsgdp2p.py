@@ -110,3 +110,19 @@ def test_a_silent_neighbour_is_skipped_and_then_backed_off(sources: list[str]) -
         # the other alive site at nearly every step both take (a cascade may cost one)
         both = min(steps)
         assert record["neighbours"] * record["steps"] >= both - 1
+
+
+def test_steps_per_round_gives_every_site_the_same_steps(tmp_path: Path) -> None:
+    # A 6-image site and a big one: with training.steps_per_round each takes
+    # exactly that many gradient steps per round (an epoch would be 1 vs 40).
+    out = tmp_path / "skewed"
+    partition_dataset("digits", 2, "quantity:0.05", out, seed=3)
+    sources = [str(out / f"site_{i}.npz") for i in range(2)]
+    cfgs = configs(sources, {"steps_per_round": 4, "batch_size": 8}, rounds=2)
+    sizes = [build_site(c).num_train for c in cfgs]
+    result = run(cfgs, InMemoryNetwork(inline_train=True))
+    assert result.errors == {}
+    steps = {(r["node"], r["round"]): r["steps"] for r in result.records}
+    assert set(steps.values()) == {4}, (sizes, steps)
+    assert all(steps_per_round(build_site(c)) == 4 for c in cfgs)
+    assert result.messages_sent("grad") == 2 * 2 * 4

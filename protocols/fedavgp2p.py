@@ -299,9 +299,18 @@ class FedAvgP2P(Protocol):
     # ------------------------------------------------------------------ the loop
 
     async def run(self, ctx: RoundContext) -> None:
+        site: LocalSite = await ctx.train(build_site, ctx.config)
+        await self.run_rounds(ctx, site)
+        ctx.set_phase("done")
+
+    async def run_rounds(self, ctx: RoundContext, site: Any) -> None:
+        """The rounds, resumed from the last checkpoint. `site` is anything with
+        LocalSite's training surface (train_epochs, state_dict, load_state_dict,
+        num_train, optimizer state, model_stats_vector): Fed-MAE runs its
+        autoencoder through the same loop, with its own evaluate_round and
+        checkpoint_state."""
         p = self.params
         cfg = ctx.config
-        site: LocalSite = await ctx.train(build_site, cfg)
         heuristic = selection.from_config(cfg.selection)
         start = self.resume(ctx, site)
         ctx.serve(MODEL_KIND, self.serve_model)
@@ -359,9 +368,7 @@ class FedAvgP2P(Protocol):
             metrics: dict[str, Any] = {}
             if r % p.eval_every == 0 or r == p.rounds:
                 ctx.set_phase("evaluate")
-                metrics = await ctx.train(evaluate_site, site)
-                stats = await ctx.train(site.model_stats_vector)
-                self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
+                metrics = await self.evaluate_round(ctx, site)
             self.update_recent(ctx)
             ctx.log_metrics(
                 r,
@@ -375,18 +382,27 @@ class FedAvgP2P(Protocol):
                 neighbours_wanted=k,
                 stale_models=sum(1 for m in received if m.round != r),
             )
-            ctx.checkpoint(
-                {
-                    "protocol": self.name,
-                    "round": r,
-                    "model": site.state_dict(),
-                    "optimizer": site.optimizer_state(),
-                    "selection_history": self.selection_history,
-                    "merged": self.merged,
-                    "gossip": self.gossip,
-                }
-            )
-        ctx.set_phase("done")
+            ctx.checkpoint(self.checkpoint_state(r, site))
+
+    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
+        """The round's logged metrics; also refreshes the gossip the heuristics read
+        (per-class F1 on val, model statistics)."""
+        metrics = await ctx.train(evaluate_site, site)
+        stats = await ctx.train(site.model_stats_vector)
+        self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
+        return metrics
+
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+        """Everything `resume` needs to carry on after `round`."""
+        return {
+            "protocol": self.name,
+            "round": round,
+            "model": site.state_dict(),
+            "optimizer": site.optimizer_state(),
+            "selection_history": self.selection_history,
+            "merged": self.merged,
+            "gossip": self.gossip,
+        }
 
     # ------------------------------------------------------------------ gossip and resume
 

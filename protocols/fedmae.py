@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +45,8 @@ from p2pfl.data import load_site_data
 from p2pfl.mae import MAESite, create_mae, save_encoder, save_reconstruction_grid
 from p2pfl.protocol_params import FedMAEParams
 from p2pfl.train import TrainingError, seed_everything
-from protocols import selection
-from protocols.aggregate import aggregate
 from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
-    HISTORY_KEEP,
-    MODEL_KIND,
     FedAvgP2P,
 )
 
@@ -169,81 +164,14 @@ class FedMAE(FedAvgP2P):
     # ------------------------------------------------------------------ stage 1
 
     async def pretrain(self, ctx: RoundContext) -> None:
+        """FedAVGP2P's rounds over the MAE loss: E local epochs over every local
+        image, k neighbours' autoencoders pulled and averaged (Fed-MAE Alg. 1,
+        w_{t+1} = sum_k n_k / n w_{t,k}, over the neighbourhood), reconstruction
+        loss logged; then the encoder is exported for fine-tuning."""
         p = self.params
         cfg = ctx.config
         site: MAESite = await ctx.train(build_mae_site, cfg, p)
-        heuristic = selection.from_config(cfg.selection)
-        start = self.resume(ctx, site)  # FedAVGP2P's: model, optimizer, history, gossip
-        ctx.serve(MODEL_KIND, self.serve_model)
-
-        for r in range(start, p.rounds + 1):
-            ctx.round = r
-            round_start = time.perf_counter()
-
-            # 1. E local epochs of the MAE loss over every local image.
-            ctx.set_phase("train")
-            fit = await ctx.train(site.train_epochs)
-            train_s = time.perf_counter() - round_start
-            own = site.state_dict()
-            self.keep_for_peers(r, own, site.num_train)
-
-            # 2-4. Choose k neighbours (any heuristic) and pull their round-r autoencoders.
-            ctx.set_phase("exchange")
-            exchange_start = time.perf_counter()
-            k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-            received = await self.pull_neighbours(ctx, r, own, heuristic, k)
-            exchange_s = time.perf_counter() - exchange_start
-
-            # 5. (E_k, D_k) <- sample-count-weighted mean of own and neighbours'
-            #    (Fed-MAE Alg. 1 line "w_{t+1} = sum_k n_k / n w_{t,k}", over the neighbourhood).
-            ctx.set_phase("aggregate")
-            aggregate_start = time.perf_counter()
-            if received:
-                merged = await ctx.train(
-                    aggregate,
-                    p.aggregation,
-                    [own] + [m.state for m in received],
-                    [float(site.num_train)] + [float(m.num_train) for m in received],
-                    own=0,
-                    trim_ratio=p.trim_ratio,
-                    clip_norm=p.clip_norm,
-                )
-                await ctx.train(site.load_state_dict, merged)
-            aggregate_s = time.perf_counter() - aggregate_start
-            used = [m.peer for m in received]
-            self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
-            ctx.record_choice(used)
-
-            # 6. Reconstruction loss, gossip, log, checkpoint.
-            metrics: dict[str, float] = {}
-            if r % p.eval_every == 0 or r == p.rounds:
-                ctx.set_phase("evaluate")
-                metrics = await ctx.train(evaluate_reconstruction, site)
-                self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
-            self.update_recent(ctx)
-            ctx.log_metrics(
-                r,
-                **metrics,
-                train_loss=fit["loss"],
-                train_s=train_s,
-                exchange_s=exchange_s,
-                aggregate_s=aggregate_s,
-                round_s=time.perf_counter() - round_start,
-                neighbours=len(received),
-                neighbours_wanted=k,
-                stale_models=sum(1 for m in received if m.round != r),
-            )
-            ctx.checkpoint(
-                {
-                    "protocol": self.name,
-                    "stage": PRETRAIN_STAGE,
-                    "round": r,
-                    "model": site.state_dict(),
-                    "optimizer": site.optimizer_state(),
-                    "selection_history": self.selection_history,
-                    "gossip": self.gossip,
-                }
-            )
+        await self.run_rounds(ctx, site)
 
         # E*_k for fine-tuning, and a look at what the autoencoder learnt.
         ctx.set_phase("export")
@@ -256,6 +184,16 @@ class FedMAE(FedAvgP2P):
             title=f"{ctx.me}: Fed-MAE after {p.rounds} rounds (mask {p.mask_ratio:.0%})",
         )
         log.info("%s: pre-trained encoder -> %s, reconstructions -> %s", ctx.me, path, grid)
+
+    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
+        """Reconstruction loss on val; the gossip carries model statistics only
+        (there are no per-class F1 scores before fine-tuning)."""
+        metrics = await ctx.train(evaluate_reconstruction, site)
+        self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+        return metrics
+
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+        return {**super().checkpoint_state(round, site), "stage": PRETRAIN_STAGE}
 
     # ------------------------------------------------------------------ stage 2
 

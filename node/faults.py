@@ -14,7 +14,8 @@ them by accident, and a node with a fault plan says so loudly in its log.
 
 - kill: SIGKILL this process `delay_s` after it enters `phase` of `round`
   (phases: train, exchange, aggregate = right after the neighbours' models
-  were received, evaluate). Each kill fires once: its id is appended to
+  were received, evaluate, and acked = right after acknowledging a push of
+  that round or a later one). Each kill fires once: its id is appended to
   `<file>.fired` before the signal, so a restarted node does not fire it again.
 - partition: while this node's round is in [from_round, to_round) it is cut
   off both ways: every outgoing post fails, every incoming connection is
@@ -143,9 +144,12 @@ class FaultPlan:
             )
         for kill in self.kills:
             kid = str(kill.get("id", f"{kill.get('round')}-{kill.get('phase')}"))
-            if kid in self.fired or int(kill.get("round", -1)) != round:
+            if kid in self.fired or kill.get("phase") != phase:
                 continue
-            if kill.get("phase") != phase:
+            at = int(kill.get("round", -1))
+            # A push's round is the sender's: after a restart this node may only
+            # ever see later rounds, so an `acked` kill takes the first at or after.
+            if round != at and not (phase == "acked" and round > at):
                 continue
             self.fired.add(kid)
             with open(self._sidecar(".fired"), "a", encoding="utf-8") as f:

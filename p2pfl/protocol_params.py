@@ -31,8 +31,9 @@ class _Params(BaseModel):
     )
 
 
-class FedAvgP2PParams(_Params):
-    name: Literal["fedavgp2p"]
+class _ModelAveraging(_Params):
+    """FedAVGP2P's exchange: k neighbours' models, averaged (robustly if asked)."""
+
     fraction: float = Field(
         0.5, gt=0.0, le=1.0, description="c: share of the other nodes to average with"
     )
@@ -43,6 +44,10 @@ class FedAvgP2PParams(_Params):
     clip_norm: float | None = Field(
         None, gt=0, description="norm_clip: max L2 distance of an update from ours"
     )
+
+
+class FedAvgP2PParams(_ModelAveraging):
+    name: Literal["fedavgp2p"]
 
 
 class FedSGDP2PParams(_Params):
@@ -100,23 +105,13 @@ class FedPerlParams(_SemiSupervised):
     rho: float = Field(0.85, description="gate of the gated policies")
 
 
-class FedMAEParams(_Params):
+class FedMAEParams(_ModelAveraging):
     """Masked-autoencoder pre-training of a ViT, peer to peer (then fine-tuning).
 
     The exchange between rounds is FedAVGP2P's (fraction, aggregation, the
     configured selection heuristic) over the encoder and decoder weights."""
 
     name: Literal["fedmae"]
-    fraction: float = Field(
-        0.5, gt=0.0, le=1.0, description="c: share of the other nodes to average with"
-    )
-    aggregation: Literal["mean", "median", "trimmed_mean", "norm_clip"] = "mean"
-    trim_ratio: float = Field(
-        0.2, ge=0.0, lt=0.5, description="trimmed_mean: share cut at each end"
-    )
-    clip_norm: float | None = Field(
-        None, gt=0, description="norm_clip: max L2 distance of an update from ours"
-    )
     mask_ratio: float = Field(
         0.6, gt=0.0, lt=1.0, description="gamma: share of patches masked (Fed-MAE: 0.6)"
     )

@@ -251,13 +251,7 @@ def evaluate_with_calibration(site: LocalSite) -> dict[str, Any]:
     validation metrics (val_macro_f1, val_accuracy), whichever splits exist;
     `per_class_f1` of val (else test) for the F1 peer-selection heuristics."""
     out: dict[str, Any] = {}
-    reports: dict[str, dict[str, Any]] = {}
-    for split in ("val", "test"):
-        try:
-            reports[split] = site.evaluate(split)
-        except TrainingError as exc:
-            if exc.reason != "missing_split":
-                raise
+    reports = site.evaluate_available()
     if "test" in reports:
         test = reports["test"]
         for key in ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "auc"):

@@ -447,6 +447,19 @@ class LocalSite:
         report["n"] = len(labels)
         return report
 
+    def evaluate_available(
+        self, splits: tuple[str, ...] = ("val", "test")
+    ) -> dict[str, dict[str, Any]]:
+        """evaluate() of each of `splits` this site has; a missing split is left out."""
+        reports: dict[str, dict[str, Any]] = {}
+        for split in splits:
+            try:
+                reports[split] = self.evaluate(split)
+            except TrainingError as exc:
+                if exc.reason != "missing_split":
+                    raise
+        return reports
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Tensor]:

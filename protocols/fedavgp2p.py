@@ -41,7 +41,7 @@ from torch import Tensor
 from p2pfl.config import SiteConfig
 from p2pfl.models import create_site_model
 from p2pfl.protocol_params import FedAvgP2PParams
-from p2pfl.train import LocalSite, TrainingError
+from p2pfl.train import LocalSite
 from protocols import selection
 from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, Protocol, RoundContext
@@ -104,13 +104,7 @@ def evaluate_site(site: LocalSite) -> dict[str, Any]:
     (`val_*`; their per-class F1 is what the node gossips). A site without a
     val split gossips its test F1; one without a test split logs val only."""
     out: dict[str, Any] = {}
-    reports: dict[str, dict[str, Any]] = {}
-    for split in ("val", "test"):
-        try:
-            reports[split] = site.evaluate(split)
-        except TrainingError as exc:
-            if exc.reason != "missing_split":
-                raise
+    reports = site.evaluate_available()
     if "test" in reports:
         out["macro_f1"] = reports["test"]["macro_f1"]
         out["accuracy"] = reports["test"]["accuracy"]
@@ -346,7 +340,7 @@ class FedAvgP2P(Protocol):
             ctx.set_phase("aggregate")
             aggregate_start = time.perf_counter()
             if received:
-                merged = await ctx.train(
+                averaged = await ctx.train(
                     aggregate,
                     p.aggregation,
                     [own] + [m.state for m in received],
@@ -355,14 +349,9 @@ class FedAvgP2P(Protocol):
                     trim_ratio=p.trim_ratio,
                     clip_norm=p.clip_norm,
                 )
-                await ctx.train(site.load_state_dict, merged)
+                await ctx.train(site.load_state_dict, averaged)
             aggregate_s = time.perf_counter() - aggregate_start
-            used = [m.peer for m in received]
-            self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
-            self.merged = (self.merged + [[r, [[m.peer, m.round] for m in received]]])[
-                -HISTORY_KEEP:
-            ]
-            ctx.record_choice(used)
+            ctx.record_choice(self.note_merged(r, received))
 
             # 6. Evaluate, gossip what the heuristics read, log, checkpoint.
             metrics: dict[str, Any] = {}
@@ -403,6 +392,15 @@ class FedAvgP2P(Protocol):
             "merged": self.merged,
             "gossip": self.gossip,
         }
+
+    def note_merged(self, round: int, received: list[PeerModel]) -> list[str]:
+        """Remember whom round `round` averaged with (the n-latest history and the
+        `merged` ledger of the checkpoint); returns those peers' names."""
+        used = [m.peer for m in received]
+        self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
+        entry = [round, [[m.peer, m.round] for m in received]]
+        self.merged = (self.merged + [entry])[-HISTORY_KEEP:]
+        return used
 
     # ------------------------------------------------------------------ gossip and resume
 

@@ -49,7 +49,6 @@ from protocols import communities, masking, selection
 from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, RoundContext
 from protocols.fedavgp2p import (
-    HISTORY_KEEP,
     MODEL_KIND,
     FedAvgP2P,
     build_site,
@@ -104,9 +103,6 @@ class SSFL(FedAvgP2P):
     def record_neighbours(self, ctx: RoundContext, used: list[str]) -> None:
         ctx.record_choice(used)
 
-    def extra_checkpoint(self) -> dict[str, Any]:
-        return {}
-
     def load_extra(self, saved: dict[str, Any]) -> None:
         return None
 
@@ -159,9 +155,7 @@ class SSFL(FedAvgP2P):
                     own=0,
                 )
                 await ctx.train(site.load_state_dict, merged)
-            used = [m.peer for m in received]
-            self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
-            self.record_neighbours(ctx, used)
+            self.record_neighbours(ctx, self.note_merged(r, received))
 
             # 4. Evaluate, gossip, log, checkpoint.
             metrics: dict[str, Any] = {}
@@ -193,17 +187,7 @@ class SSFL(FedAvgP2P):
                 neighbours=len(received),
                 neighbours_wanted=k,
             )
-            ctx.checkpoint(
-                {
-                    "protocol": self.name,
-                    "round": r,
-                    "model": site.state_dict(),
-                    "optimizer": site.optimizer_state(),
-                    "selection_history": self.selection_history,
-                    "gossip": self.gossip,
-                    **self.extra_checkpoint(),
-                }
-            )
+            ctx.checkpoint(self.checkpoint_state(r, site))
         ctx.set_phase("done")
 
     def serve_more(self, ctx: RoundContext) -> None:
@@ -453,8 +437,8 @@ class FedPerl(SSFL):
 
     # ------------------------------------------------------------------ checkpoint
 
-    def extra_checkpoint(self) -> dict[str, Any]:
-        return {"peer_state": self.peer_state}
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+        return {**super().checkpoint_state(round, site), "peer_state": self.peer_state}
 
     def load_extra(self, saved: dict[str, Any]) -> None:
         state = saved.get("peer_state")

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from aiohttp.http_exceptions import HttpProcessingError
+
 import protocols
 from node.faults import WIRE_MODES, FaultPlan
 from node.peers import PeerTable
@@ -763,8 +765,6 @@ def quiet_http_parser_refusals(record: logging.LogRecord) -> bool:
     """aiohttp logs every request its HTTP parser refuses (already answered 400)
     at ERROR with a traceback: anyone who reaches the port could fill the log.
     Those become one DEBUG line; real handler errors keep their traceback."""
-    from aiohttp.http_exceptions import HttpProcessingError
-
     exc = record.exc_info[1] if record.exc_info else None
     if not isinstance(exc, HttpProcessingError):
         return True

@@ -35,6 +35,7 @@ test can line it up with the nodes' metrics.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -162,8 +163,6 @@ class FaultPlan:
             if delay <= 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
-                import asyncio
-
                 asyncio.get_running_loop().call_later(delay, os.kill, os.getpid(), signal.SIGKILL)
 
     def poison_mode(self, kind: str, round: int) -> str | None:

@@ -163,9 +163,7 @@ class MessageServer:
         # announce big frames and then stall cannot pin unbounded memory.
         self.reserved_bytes = 0
         self.reserve_limit = 2 * codec.max_message_bytes
-        # Fault injection for tests and drills (never set from config).
-        self.drop_from: set[str] = set()
-        self.isolated = False  # a partition: close every connection unanswered
+        self.isolated = False  # fault plan (node/faults.py): a partition, no answers at all
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.codec.max_message_bytes)
@@ -223,8 +221,6 @@ class MessageServer:
             return self._refuse("truncated", "frame ended early", sender)
         except TimeoutError:
             return self._refuse("truncated", f"no bytes for {idle:g} s", sender)
-        if header.sender in self.drop_from:
-            raise web.HTTPServiceUnavailable()  # simulated partition
         bucket = self._buckets.get(header.sender)
         if bucket is None:
             bucket = self._buckets[header.sender] = TokenBucket(
@@ -324,7 +320,6 @@ class PeerLink:
     name: str
     url: str
     breaker: Breaker = field(default_factory=Breaker)
-    extra_latency_s: float = 0.0  # fault injection for tests and drills
     blocked: bool = False  # fault injection: drop everything to this peer
 
 
@@ -424,8 +419,6 @@ class MessageClient:
         if link.blocked:
             await asyncio.sleep(min(timeout, 0.05))
             raise aiohttp.ClientConnectionError("blocked by fault injection")
-        if link.extra_latency_s:
-            await asyncio.sleep(link.extra_latency_s)
         session = await self.session()
         client_timeout = aiohttp.ClientTimeout(
             total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)

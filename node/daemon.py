@@ -42,7 +42,15 @@ from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
 from p2pfl.identity import LocalIdentity, Roster
 from p2pfl.wire import Header, WireCodec, WireError
-from protocols.base import Handler, NotReady, PeerInfo, PeerUnavailable, Received, RoundContext
+from protocols.base import (
+    Handler,
+    NotReady,
+    Offers,
+    PeerInfo,
+    PeerUnavailable,
+    Received,
+    RoundContext,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +98,10 @@ class NodeContext(RoundContext):
 
     def serve(self, kind: str, handler: Handler) -> None:
         self.node.handlers[kind] = handler
+        self.node.offers.offered(kind)
+
+    def offered(self, kind: str) -> None:
+        self.node.offers.offered(kind)
 
     def inbox(self, kind: str) -> asyncio.Queue[Received]:
         return self.node.inboxes.get(kind)
@@ -173,6 +185,7 @@ class Node:
             if site.name != self.name:
                 self.client.set_peer(site.name, site.address)
         self.handlers: dict[str, Handler] = {}
+        self.offers = Offers()  # wakes requests held open on a kind
         self.published: dict[str, Any] = {}
         self.protocol = protocols.from_params(cfg.protocol)
         self.ctx = NodeContext(self)
@@ -449,6 +462,7 @@ class Node:
         )
         deadline = time.monotonic() + wait_s
         while True:
+            changed = self.offers.watch(kind)
             handler = self.handlers.get(kind)
             if handler is not None:
                 try:
@@ -463,7 +477,8 @@ class Node:
                     raise Rejection("handler_error", type(exc).__name__) from None
             if time.monotonic() >= deadline or self.stopping.is_set():
                 raise Rejection("not_ready" if handler is not None else "no_handler", kind)
-            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            # Re-ask when the protocol offers something new, at the latest in 0.1 s.
+            await self.offers.wait(changed, min(0.1, max(0.0, deadline - time.monotonic())))
         attack = self.faults.poison_mode(kind, header.round) if self.faults.active else None
         if attack is not None:
             return self._poisoned_reply(incoming, kind, payload, attack)

@@ -61,6 +61,38 @@ class Received:
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 
+class Offers:
+    """Wakes the requests a node holds open on a kind (its handler said
+    NotReady) as soon as the protocol says it has something new to offer
+    (`RoundContext.offered`), instead of at their next poll. Requests still
+    re-ask at their poll interval, so a protocol that never calls `offered`
+    is only slower, never stuck."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def watch(self, kind: str) -> asyncio.Event:
+        """The event the next `offered(kind)` sets; take it *before* asking the
+        handler, so an offer made in between is not missed."""
+        return self._events.setdefault(kind, asyncio.Event())
+
+    def offered(self, kind: str) -> None:
+        event = self._events.pop(kind, None)
+        if event is not None:
+            event.set()
+
+    @staticmethod
+    async def wait(event: asyncio.Event, timeout: float) -> None:
+        """Until `event` is set or `timeout` seconds passed, whichever is first."""
+        if timeout <= 0 or event.is_set():
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await event.wait()
+        except TimeoutError:
+            pass
+
+
 class RoundContext(ABC):
     """What the node (or a simulator) gives a protocol."""
 
@@ -87,6 +119,11 @@ class RoundContext(ABC):
     @abstractmethod
     def serve(self, kind: str, handler: Handler) -> None:
         """Answer request()s of that kind."""
+
+    def offered(self, kind: str) -> None:  # noqa: B027 - optional hook, no-op by default
+        """What the `kind` handler answers has changed (a new round's model, a
+        step's gradient): requests waiting on it are re-asked now, not at their
+        next poll. Call it right after making the new thing available."""
 
     @abstractmethod
     def inbox(self, kind: str) -> asyncio.Queue[Received]:

@@ -328,6 +328,7 @@ class FedAvgP2P(Protocol):
             train_s = time.perf_counter() - round_start
             own = site.state_dict()
             self.keep_for_peers(r, own, site.num_train)
+            ctx.offered(MODEL_KIND)
 
             # 2-3. Choose k neighbours among the alive peers (H0-H3).
             ctx.set_phase("exchange")

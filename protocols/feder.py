@@ -347,6 +347,7 @@ class FedER(Protocol):
         ctx.set_phase("generator")
         state_dir = Path(ctx.config.node.state_dir)
         self.own_buffer = await ctx.train(make_buffer, ctx.config, self.params, site, state_dir)
+        ctx.offered(BUFFER_KIND)
         ctx.set_phase("train")
         if self.variant == "feder_b":  # M_j^0 on its own synthetic images only
             x, y = buffer_training_tensors(

@@ -130,6 +130,8 @@ class SSFL(FedAvgP2P):
             train_s = time.perf_counter() - round_start
             own = site.state_dict()
             self.keep_for_peers(r, own, weight)
+            ctx.offered(MODEL_KIND)
+            ctx.offered(ANON_KIND)
 
             # 2. Feature vector of the freshly trained model (journal Sec. 2.3.1).
             ctx.set_phase("exchange")

@@ -191,6 +191,7 @@ class FedSgdP2P(Protocol):
                 grad = await ctx.train(site.compute_gradient, x, y)
                 losses.append(site.last_loss if site.last_loss is not None else float("nan"))
                 self.keep_for_peers(r, step, grad, len(y))
+                ctx.offered(GRAD_KIND)
                 train_s += time.perf_counter() - t0
 
                 # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).

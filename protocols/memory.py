@@ -39,7 +39,15 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from p2pfl.config import SiteConfig, config_from_dict
 from p2pfl.tensors import dumps, loads
 from protocols import from_params
-from protocols.base import Handler, NotReady, PeerInfo, PeerUnavailable, Received, RoundContext
+from protocols.base import (
+    Handler,
+    NotReady,
+    Offers,
+    PeerInfo,
+    PeerUnavailable,
+    Received,
+    RoundContext,
+)
 from protocols.masking import pair_secret_from_shared
 
 log = logging.getLogger(__name__)
@@ -92,6 +100,7 @@ class _Node:
     meta: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0
     handlers: dict[str, Handler] = field(default_factory=dict)
+    offers: Offers = field(default_factory=Offers)
     inboxes: dict[str, asyncio.Queue[Received]] = field(default_factory=dict)
     traffic: Traffic = field(default_factory=Traffic)
     checkpoint: bytes | None = None
@@ -247,6 +256,7 @@ class InMemoryNetwork:
         await self._hop(src, dst)
         while True:
             self._check_path(src, dst)
+            changed = dst.offers.watch(kind)
             handler = dst.handlers.get(kind)
             if not dst.silent and handler is not None:
                 try:
@@ -261,7 +271,7 @@ class InMemoryNetwork:
                     dst.traffic.add(kind, len(reply))
                     await self._hop(dst, src)
                     return loads(reply)
-            await asyncio.sleep(self.poll_interval_s)
+            await dst.offers.wait(changed, self.poll_interval_s)
 
     async def send(self, sender: str, peer: str, kind: str, payload: Any, round: int) -> None:
         src, dst = self._node(sender), self._node(peer)
@@ -344,6 +354,10 @@ class InMemoryContext(RoundContext):
 
     def serve(self, kind: str, handler: Handler) -> None:
         self._node.handlers[kind] = handler
+        self._node.offers.offered(kind)
+
+    def offered(self, kind: str) -> None:
+        self._node.offers.offered(kind)
 
     def inbox(self, kind: str) -> asyncio.Queue[Received]:
         return self._node.inboxes.setdefault(kind, _new_inbox(self._node))

@@ -179,7 +179,11 @@ class TrainingSection(Section):
 
 class SelectionSection(Section):
     name: Literal["random", "n_latest", "f1", "cosine"] = "random"
-    n: int = Field(1, ge=0, description="n_latest: how many recent neighbours to avoid")
+    n: int = Field(
+        1,
+        ge=0,
+        description="n_latest, f1, cosine: how many recent neighbours to avoid (DFU client.last)",
+    )
     prefer: Literal["dissimilar", "similar"] | None = Field(
         None, description="default: the heuristic's own (f1: dissimilar, cosine: similar)"
     )

@@ -98,6 +98,19 @@ class Heuristic(ABC):
         """Order `pool` (sorted by name, never empty) by preference."""
 
 
+def recent_last(ranking: list[str], history: Sequence[Sequence[str]], n: int) -> list[str]:
+    """DFU Alg. 5-10, GetNeighbors(c, without=client.last): the n most recent
+    neighbours move behind every other candidate (keeping the ranking's order
+    among the rest), least recently used first: they are only fallbacks."""
+    mine = recent_neighbours(history, n)
+    if not mine:
+        return ranking
+    last_use = {name: i for i, name in enumerate(mine)}
+    fresh = [name for name in ranking if name not in last_use]
+    stale = sorted((name for name in ranking if name in last_use), key=last_use.__getitem__)
+    return fresh + stale
+
+
 def _shuffled(names: list[str], rng: random.Random) -> list[str]:
     order = list(names)
     rng.shuffle(order)
@@ -128,9 +141,7 @@ class NLatestSelection(Heuristic):
         self.n = n
 
     def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
-        mine = recent_neighbours(history, self.n)
-        recent_set = set(mine)
-        circle = recent_set | {me}
+        circle = set(recent_neighbours(history, self.n)) | {me}
 
         def overlap(peer: PeerInfo) -> int:
             theirs = peer.meta.get(RECENT_KEY) or []
@@ -138,13 +149,9 @@ class NLatestSelection(Heuristic):
                 return 0
             return len(circle & {str(x) for x in theirs})
 
-        fresh = [p for p in pool if p.name not in recent_set]
-        tiebreak = {name: i for i, name in enumerate(_shuffled([p.name for p in fresh], rng))}
-        fresh.sort(key=lambda p: (overlap(p), tiebreak[p.name]))
-        # Fallbacks: the recently used, least recently used first.
-        last_use = {name: i for i, name in enumerate(mine)}
-        stale = sorted((p for p in pool if p.name in recent_set), key=lambda p: last_use[p.name])
-        return [p.name for p in fresh] + [p.name for p in stale]
+        tiebreak = {name: i for i, name in enumerate(_shuffled([p.name for p in pool], rng))}
+        ranked = sorted(pool, key=lambda p: (overlap(p), tiebreak[p.name]))
+        return recent_last([p.name for p in ranked], history, self.n)
 
 
 def _vector(meta: Mapping[str, Any], key: str) -> list[float] | None:
@@ -182,14 +189,19 @@ class F1Selection(Heuristic):
     ndc = sum_i |F_k,i - F_c,i| over per-class F1 vectors; the most dissimilar
     first by default, `prefer="similar"` for the opposite. Peers that have not
     published a vector yet (or one of another length) rank after the others;
-    before this node has its own vector the ranking is random."""
+    before this node has its own vector the ranking is random. As in the
+    algorithm box (GetNeighbors(c, without=client.last, metric=ndc)) the n most
+    recent neighbours come last, as fallbacks; n = 0 ranks by score alone."""
 
     name = "f1"
 
-    def __init__(self, prefer: Prefer = "dissimilar") -> None:
+    def __init__(self, prefer: Prefer = "dissimilar", n: int = 1) -> None:
         if prefer not in ("dissimilar", "similar"):
             raise ValueError(f"f1: prefer must be 'dissimilar' or 'similar', got {prefer!r}")
+        if n < 0:
+            raise ValueError(f"f1: n must be >= 0, got {n}")
         self.prefer = prefer
+        self.n = n
 
     def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
         mine = _vector(my_meta, F1_KEY)
@@ -199,7 +211,8 @@ class F1Selection(Heuristic):
                 theirs = _vector(peer.meta, F1_KEY)
                 if theirs is not None and len(theirs) == len(mine):
                     scores[peer.name] = sum(abs(a - b) for a, b in zip(mine, theirs, strict=True))
-        return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
+        ranking = _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
+        return recent_last(ranking, history, self.n)
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -233,7 +246,8 @@ class CosineSelection(Heuristic):
     """H3 (Alg. 9-10): DFU Eq. 3 scores a neighbour by cos(F_k, F_c) and the
     algorithm box takes the neighbours with the highest score, as for H2. With
     a cosine that means the most *similar* models first, so that is the
-    default; `prefer="dissimilar"` takes the lowest cosine first.
+    default; `prefer="dissimilar"` takes the lowest cosine first. The n most
+    recent neighbours come last (without=client.last), as for H2.
 
     `vector="f1"` compares per-class F1 vectors; `vector="model_stats"` compares
     model-statistics vectors, min-max normalised per coordinate over me and
@@ -242,14 +256,20 @@ class CosineSelection(Heuristic):
     name = "cosine"
 
     def __init__(
-        self, prefer: Prefer = "similar", vector: Literal["f1", "model_stats"] = "f1"
+        self,
+        prefer: Prefer = "similar",
+        vector: Literal["f1", "model_stats"] = "f1",
+        n: int = 1,
     ) -> None:
         if prefer not in ("dissimilar", "similar"):
             raise ValueError(f"cosine: prefer must be 'dissimilar' or 'similar', got {prefer!r}")
         if vector not in ("f1", "model_stats"):
             raise ValueError(f"cosine: vector must be 'f1' or 'model_stats', got {vector!r}")
+        if n < 0:
+            raise ValueError(f"cosine: n must be >= 0, got {n}")
         self.prefer = prefer
         self.vector = vector
+        self.n = n
 
     def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
         key = F1_KEY if self.vector == "f1" else MODEL_STATS_KEY
@@ -269,7 +289,8 @@ class CosineSelection(Heuristic):
                 score = cosine(vectors[me], vec)
                 if score is not None:
                     scores[name] = score
-        return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "similar")
+        ranking = _rank_by_score(pool, scores, rng, highest_first=self.prefer == "similar")
+        return recent_last(ranking, history, self.n)
 
 
 REGISTRY: dict[str, type[Heuristic]] = {
@@ -293,7 +314,7 @@ def from_config(section: SelectionSection) -> Heuristic:
     """The heuristic site.yaml's `selection:` names. `prefer: null` (the default)
     keeps each heuristic's paper default (H2 dissimilar, H3 similar)."""
     params: dict[str, Any] = {}
-    if section.name == "n_latest":
+    if section.name in ("n_latest", "f1", "cosine"):
         params["n"] = section.n
     if section.name in ("f1", "cosine") and section.prefer is not None:
         params["prefer"] = section.prefer

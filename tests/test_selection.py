@@ -118,6 +118,36 @@ def test_cosine_on_model_statistics_normalises_each_coordinate() -> None:
     assert sorted(rank(selection.create("cosine"), peers, my_meta=mine)) == ["other", "twin"]
 
 
+def test_f1_and_cosine_put_the_latest_neighbours_last() -> None:
+    # DFU Alg. 7-10: GetNeighbors(c, without=client.last, metric=ndc)
+    mine = {"f1": [1.0, 0.0]}
+    peers = [
+        peer("twin", f1=[1.0, 0.0]),
+        peer("near", f1=[0.9, 0.2]),
+        peer("far", f1=[0.0, 1.0]),
+        peer("mid", f1=[0.5, 0.5]),
+    ]
+    cos = selection.create("cosine")
+    assert rank(cos, peers, my_meta=mine) == ["twin", "near", "mid", "far"]
+    # twin was my neighbour last round: the others first, in score order, twin as fallback
+    assert rank(cos, peers, my_meta=mine, history=[["twin"]]) == ["near", "mid", "far", "twin"]
+    # n = 2 keeps out both of the last two neighbours; the less recent is the first fallback
+    two = selection.create("cosine", n=2)
+    assert rank(two, peers, my_meta=mine, history=[["near"], ["twin"]]) == [
+        "mid",
+        "far",
+        "near",
+        "twin",
+    ]
+    assert rank(selection.create("cosine", n=0), peers, my_meta=mine, history=[["twin"]])[0] == (
+        "twin"
+    )
+    f1 = selection.create("f1")
+    assert rank(f1, peers, my_meta=mine) == ["far", "mid", "near", "twin"]
+    # client.last holds the n = 1 latest name: of round [far, mid] that is mid
+    assert rank(f1, peers, my_meta=mine, history=[["far", "mid"]]) == ["far", "near", "twin", "mid"]
+
+
 def test_from_config_keeps_each_heuristics_paper_default() -> None:
     cosine = selection.from_config(SelectionSection(name="cosine", vector="model_stats"))
     assert isinstance(cosine, selection.CosineSelection)
@@ -129,6 +159,8 @@ def test_from_config_keeps_each_heuristics_paper_default() -> None:
     assert selection.from_config(SelectionSection(name="f1")).prefer == "dissimilar"  # type: ignore[attr-defined]
     assert selection.from_config(SelectionSection(name="f1", prefer="similar")).prefer == "similar"  # type: ignore[attr-defined]
     assert selection.from_config(SelectionSection(name="n_latest", n=3)).n == 3  # type: ignore[attr-defined]
+    assert selection.from_config(SelectionSection(name="f1", n=2)).n == 2  # type: ignore[attr-defined]
+    assert selection.from_config(SelectionSection(name="cosine")).n == 1  # type: ignore[attr-defined]
     assert isinstance(selection.from_config(SelectionSection()), selection.RandomSelection)
 
 

@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import yaml
 
 from bench import plots
 from node.localfed import LocalFederation, SitePlan, provision
@@ -155,6 +156,7 @@ class RunSpec:
     startup_wait_s: float = 60.0
     timeout_s: float = 1800.0
     in_memory: bool = False
+    protocol_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def label(self) -> str:
@@ -184,6 +186,7 @@ def protocol_section(spec: RunSpec) -> dict[str, Any]:
         section["fraction"] = spec.fraction
     if spec.round_timeout_s is not None:
         section["round_timeout_s"] = spec.round_timeout_s
+    section.update(dict(spec.protocol_options))
     return section
 
 
@@ -1041,6 +1044,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the nodes in this process over the in-memory network",
     )
+    parser.add_argument(
+        "--protocol-option",
+        dest="protocol_options",
+        type=_protocol_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another protocol: field for every node, VALUE read as YAML "
+        "(e.g. average_buffers=false); repeatable",
+    )
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--threshold",
@@ -1050,6 +1063,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", action="store_true")
     return parser
+
+
+def _protocol_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected KEY=VALUE, e.g. average_buffers=false"
+        )
+    return key.strip(), yaml.safe_load(value)
 
 
 def grid_cells(args: argparse.Namespace) -> list[tuple[str, float]]:
@@ -1091,6 +1113,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         round_timeout_s=args.round_timeout,
         timeout_s=args.timeout,
         in_memory=args.in_memory,
+        protocol_options=tuple(args.protocol_options),
     )
 
 

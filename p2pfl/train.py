@@ -440,29 +440,49 @@ class LocalSite:
         return torch.cat(out)
 
     def eval_chunk(self, x: Tensor) -> int:
-        """The inference batch size. On CPU the fastest size depends on the model,
-        the image size and the caches (the small CNN at 28 px runs 1.9x faster in
-        batches of 32 than of 512 here, resnet18 the other way round), so the
-        first evaluation of at least 256 images times each of EVAL_CHUNKS on them
-        (twice, the better of two) and keeps the fastest; on a GPU, 512."""
-        if self.device.type != "cpu":
-            return EVAL_CHUNK_DEFAULT
-        if self._eval_chunk is None and len(x) >= 256:
-            sample = x[:256]
-            timings: dict[int, float] = {}
-            with torch.no_grad():
-                for _ in range(2):
-                    for size in EVAL_CHUNKS:
-                        start = time.perf_counter()
-                        for i in range(0, len(sample), size):
-                            self.model(sample[i : i + size])
-                        took = time.perf_counter() - start
-                        timings[size] = min(took, timings.get(size, took))
-            self._eval_chunk = min(timings, key=lambda size: timings[size])
-            log.debug(
-                "inference batch size %d (seconds per 256 images: %s)", self._eval_chunk, timings
-            )
+        """The inference batch size: 512 on a GPU; on CPU the size
+        `calibrate_eval_batch` measured fastest (calibrating on `x` if that has
+        not happened yet), or 512 while there were too few images to time."""
+        if self.device.type == "cpu" and self._eval_chunk is None:
+            self.calibrate_eval_batch(x)
         return self._eval_chunk or EVAL_CHUNK_DEFAULT
+
+    def calibrate_eval_batch(self, x: Tensor | None = None) -> int | None:
+        """On CPU the fastest inference batch size depends on the model, the image
+        size and the caches (the small CNN at 28 px runs 2.9x faster in batches of
+        32 than of 512 here, resnet18 the other way round): time each of
+        EVAL_CHUNKS on 256 images (of `x`, else of the first split that has as
+        many), twice, and keep the fastest. A node calls this while it starts, so
+        the timing is not part of a round. Returns the size, or None when there
+        were fewer than 256 images (the default is kept)."""
+        if self.device.type != "cpu":
+            self._eval_chunk = EVAL_CHUNK_DEFAULT
+            return self._eval_chunk
+        if x is None:
+            for split in ("test", "val", "train"):
+                dataset = getattr(self.data, split)
+                if dataset is not None and len(dataset) >= 256:
+                    x = dataset.tensors[0]
+                    break
+        if x is None or len(x) < 256:
+            return None
+        sample = x[:256].to(self.device)
+        forward = self.model.embed if isinstance(self.model, SiameseNet) else self.model
+        was_training = self.model.training
+        self.model.eval()
+        timings: dict[int, float] = {}
+        with torch.no_grad():
+            for _ in range(2):
+                for size in EVAL_CHUNKS:
+                    start = time.perf_counter()
+                    for i in range(0, len(sample), size):
+                        forward(sample[i : i + size])
+                    took = time.perf_counter() - start
+                    timings[size] = min(took, timings.get(size, took))
+        self.model.train(was_training)
+        self._eval_chunk = min(timings, key=lambda size: timings[size])
+        log.debug("inference batch size %d (seconds per 256 images: %s)", self._eval_chunk, timings)
+        return self._eval_chunk
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:
         """classification_report on a split plus 'loss' (NLL of the predicted

@@ -86,7 +86,7 @@ def common_initial_state(
 
 def build_site(config: SiteConfig) -> LocalSite:
     """The site's LocalSite (model, optimizer, data), starting from the common
-    initial weights."""
+    initial weights, its inference batch size calibrated before any round."""
     site = LocalSite.from_config(config)
     site.load_state_dict(
         common_initial_state(
@@ -96,6 +96,7 @@ def build_site(config: SiteConfig) -> LocalSite:
             image_size=site.data.image_size,
         )
     )
+    site.calibrate_eval_batch()
     return site
 
 

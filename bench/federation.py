@@ -21,7 +21,8 @@ What it does:
    stopped), then reads every node's state/metrics.jsonl;
 3. runs the baselines in this process (protocols/baselines.py) on the SAME
    partition files with the same model, epochs, batch size, lr, seed and
-   number of rounds: standalone (every site alone) and centralized FedAvg;
+   number of rounds: standalone (every site alone) and centralized FedAvg,
+   plus centralized FedSGD (every site's gradient every step) for fedsgdp2p;
 4. writes DIR/results.json and the plots, and prints the `summary` object of
    results.json as the last stdout line (one JSON object).
 
@@ -36,6 +37,8 @@ Figures (keys of `summary`):
   each site's test split, mean over sites; with `--test-split global` that is
   one figure, the common test set); gain_over_standalone = final -
   standalone, gap_to_centralized = centralized - final (positive: below it);
+  for fedsgdp2p also centralized_fedsgd_macro_f1 (_last3) and
+  gap_to_centralized_fedsgd, its own centralized counterpart;
 - non_training_share = 1 - sum(train_s) / sum(round_s) over every logged
   round of every node: the share of a round's wall time a node spends outside
   local training (waiting for and pulling neighbours' models, aggregation,
@@ -86,7 +89,7 @@ from node.localfed import LocalFederation, SitePlan, provision
 from p2pfl.config import SiteConfig
 from p2pfl.data.partition import partition_dataset
 from p2pfl.protocol_params import ProtocolParams, protocol_names
-from protocols.baselines import BaselineResult, centralized_fedavg, standalone
+from protocols.baselines import BaselineResult, centralized_fedavg, centralized_fedsgd, standalone
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 
 log = logging.getLogger(__name__)
@@ -553,10 +556,14 @@ def compute_baselines(
     configs = in_process_configs(spec, sources, state_root)
     alone = _baseline_figures(standalone(configs, rounds=spec.rounds), threshold)
     central = _baseline_figures(centralized_fedavg(configs, rounds=spec.rounds), threshold)
-    return {
+    out = {
         "standalone": {"macro_f1_mean": alone.pop("_mean"), **alone},
         "centralized": {"macro_f1": central.pop("_mean"), **central},
     }
+    if spec.protocol == "fedsgdp2p":
+        sgd = _baseline_figures(centralized_fedsgd(configs, rounds=spec.rounds), threshold)
+        out["centralized_fedsgd"] = {"macro_f1": sgd.pop("_mean"), **sgd}
+    return out
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -710,6 +717,22 @@ def with_baselines(summary: dict[str, Any], baselines: dict[str, Any] | None) ->
         "gap_to_centralized": None
         if central is None or final is None
         else round(central - final, 4),
+        **fedsgd_figures(baselines, final),
+    }
+
+
+def fedsgd_figures(baselines: dict[str, Any] | None, final: float | None) -> dict[str, Any]:
+    """The centralized FedSGD keys of the summary, when that baseline ran."""
+    if not baselines or "centralized_fedsgd" not in baselines:
+        return {}
+    sgd = baselines["centralized_fedsgd"]
+    by_round = {int(k): v for k, v in sgd["macro_f1_mean_by_round"].items()}
+    return {
+        "centralized_fedsgd_macro_f1": _round(sgd["macro_f1"]),
+        "centralized_fedsgd_macro_f1_last3": _round(mean_of_last(by_round)),
+        "gap_to_centralized_fedsgd": None
+        if final is None or sgd["macro_f1"] is None
+        else round(sgd["macro_f1"] - final, 4),
     }
 
 
@@ -735,6 +758,11 @@ def write_plots(
                 int(k): v for k, v in baselines["centralized"]["macro_f1_mean_by_round"].items()
             },
         }
+        if "centralized_fedsgd" in baselines:
+            reference["centralized FedSGD"] = {
+                int(k): v
+                for k, v in baselines["centralized_fedsgd"]["macro_f1_mean_by_round"].items()
+            }
     fractions = sorted({s.fraction for s in specs})
     protocol = specs[0].protocol
     for c in fractions:
@@ -782,6 +810,10 @@ def write_plots(
             ("standalone", baselines["standalone"]["rounds_to_threshold"]),
             ("centralized", baselines["centralized"]["rounds_to_threshold"]),
         ]
+        if "centralized_fedsgd" in baselines:
+            bars.append(
+                ("centralized FedSGD", baselines["centralized_fedsgd"]["rounds_to_threshold"])
+            )
     paths["rounds_to_threshold"] = str(
         plots.rounds_to_threshold(
             bars,

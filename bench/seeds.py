@@ -78,6 +78,12 @@ def rows_of(result: dict[str, Any], protocol: str) -> dict[str, dict[str, float 
         "final": summary.get("standalone_macro_f1_mean"),
         "last3": summary.get("standalone_macro_f1_mean_last3"),
     }
+    if summary.get("centralized_fedsgd_macro_f1") is not None:
+        out["centralized FedSGD"] = {
+            "final": summary.get("centralized_fedsgd_macro_f1"),
+            "last3": summary.get("centralized_fedsgd_macro_f1_last3"),
+        }
+        out[protocol]["gap_to_centralized_fedsgd"] = summary.get("gap_to_centralized_fedsgd")
     return out
 
 

@@ -7,8 +7,13 @@
   E local epochs, and the server replaces the global model with the
   sample-count-weighted mean. Each site's test split is evaluated with the
   global model.
+- `centralized_fedsgd`: FedSGDP2P's reference (DFU Alg. 1 with C = 1), in one
+  process: every local step every site computes the gradient of its next
+  batch on the shared weights and all apply the batch-size-weighted mean of
+  all of them, which is FedSGDP2P with every neighbour at every step. As in
+  FedSGDP2P each site keeps its own BatchNorm running statistics.
 
-Both start from the federation's common initial model (`build_site`) and
+All start from the federation's common initial model (`build_site`) and
 return per-site per-round records {node, round, macro_f1, accuracy, ...}.
 """
 
@@ -123,3 +128,37 @@ def centralized_fedavg(
             metrics.pop("per_class_f1", None)
             records.append({"node": cfg.node.name, "round": r, **metrics, "train_s": train_s})
     return BaselineResult("centralized_fedavg", records, time.perf_counter() - start)
+
+
+def centralized_fedsgd(
+    configs: Sequence[SiteConfig], *, rounds: int | None = None
+) -> BaselineResult:
+    """Every step, the batch-size-weighted mean of every site's gradient, applied
+    by every site (the same weights and optimizer state everywhere); a site
+    whose round has fewer steps (no steps_per_round) sits the rest out."""
+    start = time.perf_counter()
+    total = _rounds(configs, rounds)
+    sites = [build_site(cfg) for cfg in configs]
+    records: list[dict[str, Any]] = []
+    for r in range(1, total + 1):
+        t0 = time.perf_counter()
+        batches = [site.training_batches(site.training.epochs) for site in sites]
+        steps = 0
+        while True:
+            taking = [(site, next(it, None)) for site, it in zip(sites, batches, strict=True)]
+            taking = [(site, batch) for site, batch in taking if batch is not None]
+            if not taking:
+                break
+            grads = [site.compute_gradient(x, y) for site, (x, y) in taking]
+            mean = weighted_mean(grads, [float(len(y)) for _, (_, y) in taking])
+            for site, _ in taking:
+                site.apply_gradient(mean)
+            steps += 1
+        train_s = time.perf_counter() - t0
+        for cfg, site in zip(configs, sites, strict=True):
+            metrics = evaluate_site(site)
+            metrics.pop("per_class_f1", None)
+            records.append(
+                {"node": cfg.node.name, "round": r, **metrics, "train_s": train_s, "steps": steps}
+            )
+    return BaselineResult("centralized_fedsgd", records, time.perf_counter() - start)

@@ -13,6 +13,7 @@ import torch
 from p2pfl.config import SiteConfig
 from p2pfl.data.partition import partition_dataset
 from protocols.aggregate import weighted_mean
+from protocols.baselines import centralized_fedsgd
 from protocols.fedavgp2p import build_site
 from protocols.fedsgdp2p import steps_per_round
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
@@ -72,6 +73,23 @@ def test_two_nodes_step_exactly_like_one_process_with_the_mean_gradient(sources:
     a, b = (network.saved_state(n)["model"] for n in ("site0", "site1"))  # type: ignore[index]
     assert torch.equal(a["classifier.weight"], b["classifier.weight"])
     assert not torch.allclose(a["classifier.weight"], own_only.state_dict()["classifier.weight"])
+
+
+def test_centralized_fedsgd_is_fedsgdp2p_with_every_neighbour_every_step(
+    sources: list[str],
+) -> None:
+    # The baseline bench.federation compares FedSGDP2P with: c = 1, in one process.
+    training = {"optimizer": "sgd", "lr": 0.1, "steps_per_round": 3}
+    cfgs = configs(sources, training, rounds=2)
+    network = InMemoryNetwork(inline_train=True)
+    assert run(cfgs, network).errors == {}
+    reference = centralized_fedsgd(cfgs)
+    assert {(r["node"], r["round"]) for r in reference.records} == {
+        (c.node.name, r) for c in cfgs for r in (1, 2)
+    }
+    assert all(r["steps"] == 3 for r in reference.records)
+    p2p = {r["node"]: r["macro_f1"] for r in network.records if r["round"] == 2}
+    assert reference.final() == pytest.approx(p2p, abs=1e-6)
 
 
 def test_sites_of_different_sizes_exchange_every_step_and_improve(sources: list[str]) -> None:

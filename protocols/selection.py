@@ -59,9 +59,17 @@ def recent_neighbours(history: Sequence[Sequence[str]], n: int) -> list[str]:
 
 
 class Heuristic(ABC):
-    """Ranks candidate peers; the first k of the ranking are the neighbours."""
+    """Ranks candidate peers; the first k of the ranking are the neighbours.
+    The n most recent neighbours (DFU's client.last) are moved behind the
+    others after ranking: H1-H3 take n from site.yaml, H0 has none."""
 
     name: ClassVar[str]
+    n: int = 0
+
+    def keep_out_recent(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"{self.name}: n must be >= 0, got {n}")
+        self.n = n
 
     def select(
         self,
@@ -83,6 +91,7 @@ class Heuristic(ABC):
             return []
         rng = seeded_rng(seed, me, round, step)
         ranking = self.rank(me, pool, rng, dict(my_meta or {}), history)
+        ranking = recent_last(ranking, history, self.n)  # GetNeighbors(.., without=client.last)
         log.debug("%s round %d: %s ranks %s (k=%d)", me, round, self.name, ranking, k)
         return ranking
 
@@ -136,9 +145,7 @@ class NLatestSelection(Heuristic):
     name = "n_latest"
 
     def __init__(self, n: int = 1) -> None:
-        if n < 0:
-            raise ValueError(f"n_latest: n must be >= 0, got {n}")
-        self.n = n
+        self.keep_out_recent(n)
 
     def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
         circle = set(recent_neighbours(history, self.n)) | {me}
@@ -150,8 +157,7 @@ class NLatestSelection(Heuristic):
             return len(circle & {str(x) for x in theirs})
 
         tiebreak = {name: i for i, name in enumerate(_shuffled([p.name for p in pool], rng))}
-        ranked = sorted(pool, key=lambda p: (overlap(p), tiebreak[p.name]))
-        return recent_last([p.name for p in ranked], history, self.n)
+        return [p.name for p in sorted(pool, key=lambda p: (overlap(p), tiebreak[p.name]))]
 
 
 def _vector(meta: Mapping[str, Any], key: str) -> list[float] | None:
@@ -198,10 +204,8 @@ class F1Selection(Heuristic):
     def __init__(self, prefer: Prefer = "dissimilar", n: int = 1) -> None:
         if prefer not in ("dissimilar", "similar"):
             raise ValueError(f"f1: prefer must be 'dissimilar' or 'similar', got {prefer!r}")
-        if n < 0:
-            raise ValueError(f"f1: n must be >= 0, got {n}")
         self.prefer = prefer
-        self.n = n
+        self.keep_out_recent(n)
 
     def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
         mine = _vector(my_meta, F1_KEY)
@@ -211,8 +215,7 @@ class F1Selection(Heuristic):
                 theirs = _vector(peer.meta, F1_KEY)
                 if theirs is not None and len(theirs) == len(mine):
                     scores[peer.name] = sum(abs(a - b) for a, b in zip(mine, theirs, strict=True))
-        ranking = _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
-        return recent_last(ranking, history, self.n)
+        return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float | None:
@@ -265,11 +268,9 @@ class CosineSelection(Heuristic):
             raise ValueError(f"cosine: prefer must be 'dissimilar' or 'similar', got {prefer!r}")
         if vector not in ("f1", "model_stats"):
             raise ValueError(f"cosine: vector must be 'f1' or 'model_stats', got {vector!r}")
-        if n < 0:
-            raise ValueError(f"cosine: n must be >= 0, got {n}")
         self.prefer = prefer
         self.vector = vector
-        self.n = n
+        self.keep_out_recent(n)
 
     def rank(self, me, pool, rng, my_meta, history):  # type: ignore[no-untyped-def]
         key = F1_KEY if self.vector == "f1" else MODEL_STATS_KEY
@@ -289,8 +290,7 @@ class CosineSelection(Heuristic):
                 score = cosine(vectors[me], vec)
                 if score is not None:
                     scores[name] = score
-        ranking = _rank_by_score(pool, scores, rng, highest_first=self.prefer == "similar")
-        return recent_last(ranking, history, self.n)
+        return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "similar")
 
 
 REGISTRY: dict[str, type[Heuristic]] = {

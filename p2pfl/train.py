@@ -33,9 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
-# Inference batch sizes tried once per site on CPU (see LocalSite.eval_chunk).
+# Inference batch sizes tried once per site on CPU, on this many images
+# (see LocalSite.calibrate_eval_batch).
 EVAL_CHUNKS = (16, 32, 64, 128, 256, 512)
 EVAL_CHUNK_DEFAULT = 512
+CALIBRATION_IMAGES = 256
 
 
 class TrainingError(Exception):
@@ -440,10 +442,10 @@ class LocalSite:
         return torch.cat(out)
 
     def eval_chunk(self, x: Tensor) -> int:
-        """The inference batch size: 512 on a GPU; on CPU the size
-        `calibrate_eval_batch` measured fastest (calibrating on `x` if that has
-        not happened yet), or 512 while there were too few images to time."""
-        if self.device.type == "cpu" and self._eval_chunk is None:
+        """The inference batch size `calibrate_eval_batch` chose (calibrating on
+        `x` if that has not happened yet), or 512 while there were too few
+        images to time."""
+        if self._eval_chunk is None:
             self.calibrate_eval_batch(x)
         return self._eval_chunk or EVAL_CHUNK_DEFAULT
 
@@ -451,22 +453,23 @@ class LocalSite:
         """On CPU the fastest inference batch size depends on the model, the image
         size and the caches (the small CNN at 28 px runs 2.9x faster in batches of
         32 than of 512 here, resnet18 the other way round): time each of
-        EVAL_CHUNKS on 256 images (of `x`, else of the first split that has as
-        many), twice, and keep the fastest. A node calls this while it starts, so
-        the timing is not part of a round. Returns the size, or None when there
-        were fewer than 256 images (the default is kept)."""
+        EVAL_CHUNKS on CALIBRATION_IMAGES images (of `x`, else of the first split
+        that has as many), twice, and keep the fastest; on a GPU, 512. A node
+        calls this while it starts, so the timing is not part of a round.
+        Returns the size, or None when there were too few images (the default
+        is used meanwhile)."""
         if self.device.type != "cpu":
             self._eval_chunk = EVAL_CHUNK_DEFAULT
             return self._eval_chunk
         if x is None:
             for split in ("test", "val", "train"):
                 dataset = getattr(self.data, split)
-                if dataset is not None and len(dataset) >= 256:
+                if dataset is not None and len(dataset) >= CALIBRATION_IMAGES:
                     x = dataset.tensors[0]
                     break
-        if x is None or len(x) < 256:
+        if x is None or len(x) < CALIBRATION_IMAGES:
             return None
-        sample = x[:256].to(self.device)
+        sample = x[:CALIBRATION_IMAGES]
         forward = self.model.embed if isinstance(self.model, SiameseNet) else self.model
         was_training = self.model.training
         self.model.eval()
@@ -481,7 +484,7 @@ class LocalSite:
                     timings[size] = min(took, timings.get(size, took))
         self.model.train(was_training)
         self._eval_chunk = min(timings, key=lambda size: timings[size])
-        log.debug("inference batch size %d (seconds per 256 images: %s)", self._eval_chunk, timings)
+        log.debug("inference batch size %d (seconds per sample: %s)", self._eval_chunk, timings)
         return self._eval_chunk
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pfl.config import SiteConfig
+from p2pfl.train import LocalSite
 from protocols.aggregate import weighted_mean
 from protocols.fedavgp2p import build_site, evaluate_site
 
@@ -67,6 +68,13 @@ class BaselineResult:
         return {"name": self.name, "records": self.records, "wall_s": self.wall_s}
 
 
+def _scores(site: LocalSite) -> dict[str, Any]:
+    """evaluate_site without the gossiped per-class F1 (baselines gossip nothing)."""
+    metrics = evaluate_site(site)
+    metrics.pop("per_class_f1", None)
+    return metrics
+
+
 def _rounds(configs: Sequence[SiteConfig], rounds: int | None) -> int:
     if rounds is not None:
         return rounds
@@ -85,8 +93,7 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
             t0 = time.perf_counter()
             fit = site.train_epochs()
             train_s = time.perf_counter() - t0
-            metrics = evaluate_site(site)
-            metrics.pop("per_class_f1", None)
+            metrics = _scores(site)
             records.append(
                 {
                     "node": cfg.node.name,
@@ -124,8 +131,7 @@ def centralized_fedavg(
         global_state = weighted_mean(local_states, weights, own=0)
         for cfg, site in zip(configs, sites, strict=True):
             site.load_state_dict(global_state)
-            metrics = evaluate_site(site)
-            metrics.pop("per_class_f1", None)
+            metrics = _scores(site)
             records.append({"node": cfg.node.name, "round": r, **metrics, "train_s": train_s})
     return BaselineResult("centralized_fedavg", records, time.perf_counter() - start)
 
@@ -156,8 +162,7 @@ def centralized_fedsgd(
             steps += 1
         train_s = time.perf_counter() - t0
         for cfg, site in zip(configs, sites, strict=True):
-            metrics = evaluate_site(site)
-            metrics.pop("per_class_f1", None)
+            metrics = _scores(site)
             records.append(
                 {"node": cfg.node.name, "round": r, **metrics, "train_s": train_s, "steps": steps}
             )

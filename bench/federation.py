@@ -705,8 +705,7 @@ def with_baselines(summary: dict[str, Any], baselines: dict[str, Any] | None) ->
     last3: dict[str, float | None] = {"standalone": None, "centralized": None}
     for name in last3:
         if baselines:
-            by_round = baselines[name]["macro_f1_mean_by_round"]
-            last3[name] = mean_of_last({int(k): v for k, v in by_round.items()})
+            last3[name] = mean_of_last(baseline_by_round(baselines[name]))
     return {
         **summary,
         "standalone_macro_f1_mean": _round(alone),
@@ -726,17 +725,28 @@ def fedsgd_figures(baselines: dict[str, Any] | None, final: float | None) -> dic
     if not baselines or "centralized_fedsgd" not in baselines:
         return {}
     sgd = baselines["centralized_fedsgd"]
-    by_round = {int(k): v for k, v in sgd["macro_f1_mean_by_round"].items()}
     return {
         "centralized_fedsgd_macro_f1": _round(sgd["macro_f1"]),
-        "centralized_fedsgd_macro_f1_last3": _round(mean_of_last(by_round)),
+        "centralized_fedsgd_macro_f1_last3": _round(mean_of_last(baseline_by_round(sgd))),
         "gap_to_centralized_fedsgd": None
         if final is None or sgd["macro_f1"] is None
         else round(sgd["macro_f1"] - final, 4),
     }
 
 
+def baseline_by_round(baseline: dict[str, Any]) -> dict[int, float]:
+    """A baseline's mean macro-F1 per round (results.json keys are strings)."""
+    return {int(k): v for k, v in baseline["macro_f1_mean_by_round"].items()}
+
+
 # ---------------------------------------------------------------------- plots
+
+# results.json baseline key -> its label on the per-round curves and on the bars
+BASELINE_LABELS = {
+    "standalone": ("standalone (mean)", "standalone"),
+    "centralized": ("centralized FedAvg", "centralized"),
+    "centralized_fedsgd": ("centralized FedSGD", "centralized FedSGD"),
+}
 
 
 def write_plots(
@@ -748,21 +758,10 @@ def write_plots(
     threshold: float,
 ) -> dict[str, str]:
     paths: dict[str, str] = {}
-    reference: dict[str, dict[int, float]] = {}
-    if baselines:
-        reference = {
-            "standalone (mean)": {
-                int(k): v for k, v in baselines["standalone"]["macro_f1_mean_by_round"].items()
-            },
-            "centralized FedAvg": {
-                int(k): v for k, v in baselines["centralized"]["macro_f1_mean_by_round"].items()
-            },
-        }
-        if "centralized_fedsgd" in baselines:
-            reference["centralized FedSGD"] = {
-                int(k): v
-                for k, v in baselines["centralized_fedsgd"]["macro_f1_mean_by_round"].items()
-            }
+    reference = {
+        BASELINE_LABELS[name][0]: baseline_by_round(baseline)
+        for name, baseline in (baselines or {}).items()
+    }
     fractions = sorted({s.fraction for s in specs})
     protocol = specs[0].protocol
     for c in fractions:
@@ -805,15 +804,10 @@ def write_plots(
     bars: list[tuple[str, int | None]] = [
         (s.label, m["rounds_to_threshold"]) for s, m in zip(specs, summaries, strict=True)
     ]
-    if baselines:
-        bars += [
-            ("standalone", baselines["standalone"]["rounds_to_threshold"]),
-            ("centralized", baselines["centralized"]["rounds_to_threshold"]),
-        ]
-        if "centralized_fedsgd" in baselines:
-            bars.append(
-                ("centralized FedSGD", baselines["centralized_fedsgd"]["rounds_to_threshold"])
-            )
+    bars += [
+        (BASELINE_LABELS[name][1], baseline["rounds_to_threshold"])
+        for name, baseline in (baselines or {}).items()
+    ]
     paths["rounds_to_threshold"] = str(
         plots.rounds_to_threshold(
             bars,
@@ -1084,7 +1078,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="another protocol: field for every node, VALUE read as YAML "
-        "(e.g. average_buffers=false); repeatable",
+        "(e.g. aggregation=median); repeatable",
     )
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
@@ -1100,9 +1094,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _protocol_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected KEY=VALUE, e.g. average_buffers=false"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. aggregation=median")
     return key.strip(), yaml.safe_load(value)
 
 

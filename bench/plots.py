@@ -10,6 +10,8 @@
 - `rounds_to_threshold`: rounds until the mean macro-F1 over the nodes first
   reaches the threshold, one bar per run (DFU Table 2); runs that never reach
   it get a hatched bar labelled "not reached".
+- `final_per_seed`: one figure per method and seed (dots, one colour per seed,
+  so a hard seed shows up across every method) and the mean over the seeds.
 """
 
 from __future__ import annotations
@@ -138,6 +140,32 @@ def rounds_to_threshold(
     ax.set_ylim(0, max_round + 2)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def final_per_seed(values: Mapping[str, Mapping[int, float]], path: Path) -> Path:
+    """`values`: method -> seed -> final macro-F1."""
+    methods = list(values)
+    all_seeds = sorted({s for seeds in values.values() for s in seeds})
+    colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(all_seeds)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(methods)), 4.0))
+    labelled: set[int] = set()
+    for i, method in enumerate(methods):
+        points = sorted(values[method].items())
+        for j, (seed, y) in enumerate(points):
+            x = i + 0.06 * (j - (len(points) - 1) / 2)
+            label = f"seed {seed}" if seed not in labelled else None
+            labelled.add(seed)
+            ax.scatter([x], [y], s=20, color=colours[seed], label=label, zorder=3)
+        if points:
+            mean = sum(y for _, y in points) / len(points)
+            ax.hlines(mean, i - 0.3, i + 0.3, colors="black", zorder=4)
+    ax.set_xticks(range(len(methods)))
+    ax.set_xticklabels(methods, rotation=30, ha="right")
+    ax.set_ylabel("final macro-F1 (mean over nodes)")
+    ax.set_title("final macro-F1 per seed (dots) and mean over the seeds (bar)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left", ncols=max(1, min(5, len(all_seeds))))
     return _save(fig, path)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.plots import _save, plt
+from bench import plots
 
 # config keys allowed to differ between pooled runs
 PER_RUN_KEYS = {
@@ -132,37 +132,6 @@ def summarise(by_method: dict[str, dict[int, dict[str, float | None]]]) -> dict[
     return out
 
 
-def plot(by_method: dict[str, dict[int, dict[str, float | None]]], path: Path) -> Path:
-    """Final macro-F1 per method, one colour per seed (so a hard seed shows as
-    low dots across every method), the mean over the seeds as a bar."""
-    methods = list(by_method)
-    all_seeds = sorted({s for seeds in by_method.values() for s in seeds})
-    colours = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(all_seeds)}
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(methods)), 4.0))
-    labelled: set[int] = set()
-    for i, method in enumerate(methods):
-        values = [
-            (s, float(f["final"]))
-            for s, f in sorted(by_method[method].items())
-            if f.get("final") is not None
-        ]
-        for j, (seed, y) in enumerate(values):
-            x = i + 0.06 * (j - (len(values) - 1) / 2)
-            label = f"seed {seed}" if seed not in labelled else None
-            labelled.add(seed)
-            ax.scatter([x], [y], s=20, color=colours[seed], label=label, zorder=3)
-        if values:
-            mean = statistics.fmean(y for _, y in values)
-            ax.hlines(mean, i - 0.3, i + 0.3, colors="black", zorder=4)
-    ax.set_xticks(range(len(methods)))
-    ax.set_xticklabels(methods, rotation=30, ha="right")
-    ax.set_ylabel("final macro-F1 (mean over nodes)")
-    ax.set_title("final macro-F1 per seed (dots) and mean over the seeds (bar)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left", ncols=min(5, len(all_seeds)))
-    return _save(fig, path)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="bench.federation --out directories")
@@ -181,7 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarise(by_method)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "seeds.json").write_text(json.dumps(summary, indent=1))
-    png = plot(by_method, args.out / "seeds.png")
+    finals = {
+        method: {s: float(f["final"]) for s, f in seeds.items() if f.get("final") is not None}
+        for method, seeds in by_method.items()
+    }
+    png = plots.final_per_seed(finals, args.out / "seeds.png")
     print(
         f"{'method':<22}{'final mean±std':>16}{'last-3 mean':>13}{'gap':>8}{'gain':>8}{'non-train max':>15}"
     )

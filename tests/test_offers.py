@@ -32,11 +32,10 @@ async def test_offers_wake_the_watchers_of_one_kind_only() -> None:
 
 
 class _Slow:
-    """A handler that is NotReady until `ready`; records when it became ready."""
+    """A handler that is NotReady until `ready`."""
 
     def __init__(self) -> None:
         self.ready = False
-        self.offered_at = 0.0
 
     async def handler(self, requester: str, query: dict[str, Any]) -> Any:
         if not self.ready:
@@ -53,20 +52,18 @@ async def _latencies(request, offer, poll_s: float, trials: int = 5) -> list[flo
         task = asyncio.create_task(request(slow))
         await asyncio.sleep(poll_s * 1.3)  # the request is waiting now, mid-poll
         slow.ready = True
-        slow.offered_at = time.perf_counter()
+        offered_at = time.perf_counter()
         offer(slow)
         assert await task == {"value": 7}
-        out.append(time.perf_counter() - slow.offered_at)
+        out.append(time.perf_counter() - offered_at)
     return out
 
 
 async def test_in_memory_request_is_answered_at_the_offer_not_the_poll() -> None:
     net = InMemoryNetwork(poll_interval_s=1.0)  # a poll would take up to a second
     a, b = net.join("a"), net.join("b")
-    current: dict[str, _Slow] = {}
 
     async def request(slow: _Slow) -> Any:
-        current["slow"] = slow
         b.serve("thing", slow.handler)
         return await a.request("b", "thing", {}, timeout=5.0)
 

@@ -49,8 +49,8 @@ from genbuffer.checkpoint import load_generator  # noqa: E402
 from genbuffer.config import GenbufferSection  # noqa: E402
 from genbuffer.privacy import build_perceptual_distance  # noqa: E402
 from genbuffer.train import GanTrainer, prepare_images, train_generator  # noqa: E402
-from p2pfl.metrics import macro_f1  # noqa: E402
-from p2pfl.models import create_model  # noqa: E402
+from p2pfl.learning.metrics import macro_f1  # noqa: E402
+from p2pfl.learning.models import create_model  # noqa: E402
 
 log = logging.getLogger("bench.genbuffer")
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from p2pfl.config import SiteConfig
-from p2pfl.data.partition import partition_dataset
+from p2pfl.learning.data.partition import partition_dataset
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 
 log = logging.getLogger("bench.label_efficiency")
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def pre_patch(args: argparse.Namespace) -> int:
-    from p2pfl.mae import mae_patch_size
+    from p2pfl.learning.mae import mae_patch_size
 
     return mae_patch_size(args.image_size, 1)
 

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from p2pfl.identity import LocalIdentity, Roster
-from p2pfl.wire import WireCodec
+from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import WireCodec
 
 
 def resnet18_like_state_dict(total_mb: float) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from p2pfl.tensors import CodecError, dumps, loads
+from p2pfl.secure.tensors import CodecError, dumps, loads
 
 from .errors import SyntheticBufferError
 from .stylegan2 import Generator

@@ -186,7 +186,7 @@ def _progress_bar() -> Any:
 
 
 def _site_training_arrays(config: GenbufferConfig) -> tuple[np.ndarray, np.ndarray, int]:
-    from p2pfl.data import DataError, load_site_data
+    from p2pfl.learning.data import DataError, load_site_data
 
     data_section = config.data or DataSection()
     try:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2pfl.models import create_model
+from p2pfl.learning.models import create_model
 
 from .checkpoint import FORMAT_VERSION, atomic_torch_save, safe_torch_load
 from .errors import CheckpointError

@@ -24,8 +24,14 @@ from p2pfl.config import (
     load_config,
 )
 from p2pfl.errors import UserError
-from p2pfl.identity import ADDRESS_PLACEHOLDER, IdentityError, LocalIdentity, Roster, load_card
 from p2pfl.protocol_params import protocol_names
+from p2pfl.secure.identity import (
+    ADDRESS_PLACEHOLDER,
+    IdentityError,
+    LocalIdentity,
+    Roster,
+    load_card,
+)
 
 log = logging.getLogger("p2pfl-node")
 
@@ -308,7 +314,7 @@ def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction
     out = []
 
     def partition(sub: argparse._SubParsersAction, name: str) -> None:
-        from p2pfl.data.partition import add_partition_arguments, run_partition
+        from p2pfl.learning.data.partition import add_partition_arguments, run_partition
 
         p = sub.add_parser(
             name, help="split a data set into per-site sets (+ class-distribution PNG)"

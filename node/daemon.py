@@ -37,11 +37,11 @@ from node.transport import (
     reason_of_response,
     server_ssl_context,
 )
-from p2pfl import tensors
 from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
-from p2pfl.identity import LocalIdentity, Roster
-from p2pfl.wire import Header, WireCodec, WireError
+from p2pfl.secure import tensors
+from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import Header, WireCodec, WireError
 from protocols.base import (
     Handler,
     NotReady,

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from p2pfl.errors import UserError
-from p2pfl.identity import (
+from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
     Card,
     LocalIdentity,

@@ -21,8 +21,8 @@ import torch
 from node.queues import Checkpoints
 from p2pfl.config import ConfigError, SiteConfig, load_config
 from p2pfl.errors import UserError
-from p2pfl.metrics import classification_report
-from p2pfl.train import LocalSite
+from p2pfl.learning.metrics import classification_report
+from p2pfl.learning.train import LocalSite
 
 
 def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:

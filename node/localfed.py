@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from p2pfl.identity import LocalIdentity, Roster
+from p2pfl.secure.identity import LocalIdentity, Roster
 
 
 def free_ports(n: int) -> list[int]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2pfl import tensors
+from p2pfl.secure import tensors
 from protocols.base import Received
 
 log = logging.getLogger(__name__)

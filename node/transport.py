@@ -30,7 +30,7 @@ from aiohttp import web
 from aiohttp.payload import Payload
 
 from p2pfl.config import TransportSection, parse_hostport
-from p2pfl.wire import PREFIX_LEN, SIG_LEN, Header, OutgoingMessage, WireCodec, WireError
+from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, OutgoingMessage, WireCodec, WireError
 
 log = logging.getLogger(__name__)
 

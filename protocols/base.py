@@ -1,9 +1,9 @@
 """The one surface a protocol sees: `Protocol.run(ctx)` with a `RoundContext`.
 
-A protocol never touches sockets, files or retries. The node daemon
-(node/driver.py) implements RoundContext over aiohttp; protocols/memory.py
-implements it in memory for fast tests and simulations of many nodes. The
-same protocol code runs on both.
+A protocol never touches sockets, file paths or retries. The node daemon
+(node/) implements RoundContext over aiohttp; the in-memory network (protocols/memory*)
+implements it for fast tests and simulations of many nodes. The same protocol
+code runs on both.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from p2pfl.config import SiteConfig
@@ -148,6 +149,18 @@ class RoundContext(ABC):
     @abstractmethod
     def log_metrics(self, round: int, **values: float) -> None:
         """To metrics.jsonl, /status and /metrics."""
+
+    def artifact(self, name: str) -> Path:
+        """Where the protocol keeps a named artifact of this node (a trained
+        generator's folder, a pre-trained encoder file): a path under the node's
+        own storage (its state directory) whose parent folder exists. Protocols
+        build no paths themselves."""
+        relative = Path(name)
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise ValueError(f"artifact name {name!r} must be a relative path inside the node")
+        path = Path(self.config.node.state_dir) / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def set_phase(self, phase: str) -> None:
         """What the node is doing now (train, exchange, aggregate, evaluate, done)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pfl.config import SiteConfig
-from p2pfl.train import LocalSite
+from p2pfl.learning.train import LocalSite
 from protocols.aggregate import weighted_mean
 from protocols.fedavgp2p import build_site, evaluate_site
 

@@ -39,10 +39,10 @@ import torch
 from torch import Tensor
 
 from p2pfl.config import SiteConfig
-from p2pfl.data.loaders import convert_images, to_float_tensor
+from p2pfl.learning.data.loaders import convert_images, to_float_tensor
+from p2pfl.learning.train import LocalSite
 from p2pfl.protocol_params import FedERParams
-from p2pfl.tensors import state_dict_nbytes
-from p2pfl.train import LocalSite
+from p2pfl.secure.tensors import state_dict_nbytes
 from protocols import selection
 from protocols.base import NotReady, PeerUnavailable, Protocol, Received, RoundContext
 from protocols.fedavgp2p import build_site, evaluate_site, incompatibility

@@ -1,7 +1,7 @@
 """FedPerl without a server (Bdair et al., MICCAI 2021; journal version), and SSFL-P2P.
 
 SSFL-P2P (FedPerl with T = 0), every node, every round r:
-  1. fit: FixMatch on its labeled + unlabeled images (Eq. 2-3, p2pfl/semisup.py),
+  1. fit: FixMatch on its labeled + unlabeled images (Eq. 2-3, p2pfl/learning/semisup.py),
      Adam rebuilt every round as in the reference code
   2. publish its feature vector F_m (communities.feature_vector) of the model
      it just trained, and offer that model to FedAVGP2P neighbours
@@ -42,9 +42,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
+from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
+from p2pfl.learning.train import LocalSite
 from p2pfl.protocol_params import FedPerlParams, SSFLParams
-from p2pfl.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
-from p2pfl.train import LocalSite
 from protocols import communities, masking, selection
 from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, RoundContext

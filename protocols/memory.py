@@ -5,7 +5,7 @@ over it. The same protocol code that runs in the daemon runs here, with real
 asyncio queues and timeouts, so fast tests and simulations of many sites
 exercise what the daemon does: a pull waits while the peer's handler says
 `NotReady`, a dead or partitioned peer raises `PeerUnavailable`, a silent one
-costs the full timeout. Every payload goes through `p2pfl.tensors.dumps` and
+costs the full timeout. Every payload goes through `p2pfl.secure.tensors.dumps` and
 `loads` (what would not survive the wire fails here too) and its bytes are
 counted against the node that sent it.
 
@@ -37,7 +37,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from p2pfl.config import SiteConfig, config_from_dict
-from p2pfl.tensors import dumps, loads
+from p2pfl.secure.tensors import dumps, loads
 from protocols import from_params
 from protocols.base import (
     Handler,

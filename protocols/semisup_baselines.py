@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from p2pfl.config import SiteConfig
-from p2pfl.semisup import evaluate_with_calibration, fixmatch_epoch, supervised_epoch
-from p2pfl.train import LocalSite
+from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, supervised_epoch
+from p2pfl.learning.train import LocalSite
 from protocols.baselines import BaselineResult
 from protocols.fedavgp2p import build_site
 

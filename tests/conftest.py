@@ -8,8 +8,8 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from p2pfl.identity import LocalIdentity, Roster  # noqa: E402
-from p2pfl.wire import WireCodec  # noqa: E402
+from p2pfl.secure.identity import LocalIdentity, Roster  # noqa: E402
+from p2pfl.secure.wire import WireCodec  # noqa: E402
 
 
 @pytest.fixture(scope="session")

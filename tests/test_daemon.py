@@ -20,8 +20,8 @@ import torch
 
 from node.localfed import LocalFederation, provision
 from node.transport import MESSAGE_PATH
-from p2pfl.identity import LocalIdentity, Roster
-from p2pfl.wire import WireCodec
+from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import WireCodec
 
 pytestmark = pytest.mark.slow
 

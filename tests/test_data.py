@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from p2pfl.config import DataSection
-from p2pfl.data import (
+from p2pfl.learning.data import (
     DataError,
     convert_images,
     load_site_data,
@@ -20,8 +20,8 @@ from p2pfl.data import (
     to_float_tensor,
     to_uint8_images,
 )
-from p2pfl.data.augment import augment_batch, strong_augment_batch, weak_augment_batch
-from p2pfl.data.partition import (
+from p2pfl.learning.data.augment import augment_batch, strong_augment_batch, weak_augment_batch
+from p2pfl.learning.data.partition import (
     PartitionError,
     add_partition_arguments,
     parse_scheme,

@@ -37,7 +37,7 @@ import yaml
 import node.deploy as deploy
 from node.cli import main
 from p2pfl.config import config_from_dict
-from p2pfl.identity import Roster
+from p2pfl.secure.identity import Roster
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

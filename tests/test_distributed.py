@@ -4,7 +4,7 @@ Two gloo worker processes on CPU must follow the same loss curve as one process
 with the same global batch: the single-process reference is the real
 `LocalSite.train_epochs`. The model has no BatchNorm and no dropout, and
 augmentation is off, because those are the parts that legitimately differ
-between a sharded and an unsharded batch (see p2pfl/distributed.py).
+between a sharded and an unsharded batch (see p2pfl/learning/distributed.py).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import yaml
 from torch import nn
 
 from p2pfl.config import DataSection, TrainingSection
-from p2pfl.data import load_site_data
-from p2pfl.distributed import (
+from p2pfl.learning.data import load_site_data
+from p2pfl.learning.distributed import (
     RESULT_FILE,
     apply_result,
     load_result,
     train_data_parallel,
 )
-from p2pfl.train import LocalSite, TrainingError
+from p2pfl.learning.train import LocalSite, TrainingError
 
 EPOCHS = 3
 STEPS_PER_EPOCH = 6
@@ -123,7 +123,7 @@ def test_two_gloo_processes_follow_the_single_process_loss_curve(digits):
 
 
 def test_siamese_and_bad_device_counts_are_refused_with_a_reason(digits):
-    from p2pfl.models import SiameseNet
+    from p2pfl.learning.models import SiameseNet
 
     siamese = LocalSite(
         SiameseNet(plain_cnn(), num_classes=10, embedding_dim=10),
@@ -141,7 +141,7 @@ def test_siamese_and_bad_device_counts_are_refused_with_a_reason(digits):
 
 @pytest.mark.slow
 def test_torchrun_entry_trains_a_provisioned_site(tmp_path):
-    """`torchrun --nproc-per-node 2 -m p2pfl.distributed --config site.yaml` on CPU."""
+    """`torchrun --nproc-per-node 2 -m p2pfl.learning.distributed --config site.yaml` on CPU."""
     from node.localfed import provision
 
     plans = provision(
@@ -162,7 +162,7 @@ def test_torchrun_entry_trains_a_provisioned_site(tmp_path):
             "2",
             "--standalone",
             "-m",
-            "p2pfl.distributed",
+            "p2pfl.learning.distributed",
             "--config",
             str(plans[0].config_path),
             "--out",

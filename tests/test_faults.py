@@ -325,8 +325,8 @@ def test_poisoned_forged_and_replayed_models_are_refused_and_training_goes_on(tm
     with fed:
         # A stranger (key not in the roster) pushes a model too.
         stranger = peer_codec(fed_dir, "h2")
-        from p2pfl.identity import LocalIdentity
-        from p2pfl.wire import WireCodec
+        from p2pfl.secure.identity import LocalIdentity
+        from p2pfl.secure.wire import WireCodec
 
         mallory = WireCodec(LocalIdentity.generate("mallory"), stranger.roster, "local")
         fed["h1"].wait_for(lambda s: s["round"] >= 1, 60, "h1 started")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2pfl.config import SiteConfig
-from p2pfl.data.partition import partition_dataset
+from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.protocol_params import FedAvgP2PParams
 from protocols import create
 from protocols.base import NotReady

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from p2pfl.config import TrainingSection
-from p2pfl.data import site_data_from_arrays
-from p2pfl.data.partition import partition_dataset
-from p2pfl.models import create_model
-from p2pfl.train import LocalSite
+from p2pfl.learning.data import site_data_from_arrays
+from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.models import create_model
+from p2pfl.learning.train import LocalSite
 from protocols.feder import derive_ring, ring_successor
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 

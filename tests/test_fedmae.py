@@ -13,9 +13,9 @@ from PIL import Image
 from pydantic import ValidationError
 
 from p2pfl.config import ModelSection, SiteConfig
-from p2pfl.data import load_site_data
-from p2pfl.data.partition import partition_dataset
-from p2pfl.mae import (
+from p2pfl.learning.data import load_site_data
+from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.mae import (
     MaskDraw,
     create_mae,
     mae_patch_size,
@@ -26,7 +26,7 @@ from p2pfl.mae import (
     save_encoder,
     unpatchify,
 )
-from p2pfl.models import ModelError, create_site_model
+from p2pfl.learning.models import ModelError, create_site_model
 from p2pfl.protocol_params import FedMAEParams
 from protocols.fedmae import RECONSTRUCTION_PNG, build_mae_site
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs

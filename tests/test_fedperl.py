@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 from p2pfl.config import SiteConfig
-from p2pfl.data.partition import partition_dataset
-from p2pfl.protocol_params import FedPerlParams
-from p2pfl.semisup import (
+from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.semisup import (
     fixmatch_epoch,
     fixmatch_loss,
     pseudo_labels,
     steps_per_epoch,
     supervised_epoch,
 )
-from p2pfl.train import TrainingError
+from p2pfl.learning.train import TrainingError
+from p2pfl.protocol_params import FedPerlParams
 from protocols import create, masking
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
 from protocols.fedavgp2p import build_site

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2pfl.config import SiteConfig
-from p2pfl.data.partition import partition_dataset
+from p2pfl.learning.data.partition import partition_dataset
 from protocols.aggregate import weighted_mean
 from protocols.baselines import centralized_fedsgd
 from protocols.fedavgp2p import build_site

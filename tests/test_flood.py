@@ -39,8 +39,8 @@ from test_daemon import metric_value, peer_codec
 
 from node.localfed import LocalFederation, free_ports, provision
 from node.transport import MESSAGE_PATH, STATUS_FOR_REASON
-from p2pfl.identity import LocalIdentity, Roster
-from p2pfl.wire import WireCodec
+from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import WireCodec
 
 pytestmark = pytest.mark.slow
 

@@ -35,7 +35,7 @@ from test_daemon import peer_codec
 
 from node.localfed import LocalFederation, NodeProcess, provision
 from node.transport import MESSAGE_PATH, STATUS_FOR_REASON
-from p2pfl.wire import WireCodec
+from p2pfl.secure.wire import WireCodec
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from p2pfl.tensors import CodecError, dumps
+from p2pfl.secure.tensors import CodecError, dumps
 from protocols.base import NotReady, PeerUnavailable
 from protocols.memory import InMemoryNetwork
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2pfl.config import ModelSection, SiameseSection
-from p2pfl.models import (
+from p2pfl.learning.models import (
     KNOWN_MODELS,
     ModelError,
     SiameseNet,

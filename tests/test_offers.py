@@ -13,7 +13,7 @@ import pytest
 from node.daemon import Node
 from node.localfed import provision
 from p2pfl.config import load_config
-from p2pfl.identity import LocalIdentity, Roster
+from p2pfl.secure.identity import LocalIdentity, Roster
 from protocols.base import NotReady, Offers
 from protocols.memory import InMemoryNetwork
 

@@ -23,8 +23,8 @@ import yaml
 from node.cli import main
 from node.localfed import LocalFederation, free_ports, provision
 from node.transport import MESSAGE_PATH
-from p2pfl.identity import LocalIdentity, Roster, load_card
-from p2pfl.wire import WireCodec, WireError
+from p2pfl.secure.identity import LocalIdentity, Roster, load_card
+from p2pfl.secure.wire import WireCodec, WireError
 
 
 def keygen(tmp_path: Path, name: str, address: str) -> Path:

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2pfl import tensors
-from p2pfl.tensors import CodecError, decode, dumps, encode, loads
+from p2pfl.secure import tensors
+from p2pfl.secure.tensors import CodecError, decode, dumps, encode, loads
 
 scalars = (
     st.none()

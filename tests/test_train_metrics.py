@@ -9,7 +9,6 @@ import pytest
 import torch
 from sklearn import metrics as skm
 
-from p2pfl import metrics
 from p2pfl.config import (
     DataSection,
     ModelSection,
@@ -17,10 +16,11 @@ from p2pfl.config import (
     TrainingSection,
     config_from_dict,
 )
-from p2pfl.data import SiteData, load_site_data, site_data_from_arrays, to_uint8_images
-from p2pfl.models import create_model, create_site_model
-from p2pfl.tensors import dumps, loads
-from p2pfl.train import LocalSite, TrainingError, resolve_device, seed_everything
+from p2pfl.learning import metrics
+from p2pfl.learning.data import SiteData, load_site_data, site_data_from_arrays, to_uint8_images
+from p2pfl.learning.models import create_model, create_site_model
+from p2pfl.learning.train import LocalSite, TrainingError, resolve_device, seed_everything
+from p2pfl.secure.tensors import dumps, loads
 
 # ---------------------------------------------------------------------- metrics
 

@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from p2pfl.config import TrainingSection
-from p2pfl.data import site_data_from_arrays
-from p2pfl.models import create_model
-from p2pfl.train import LocalSite, median_frequency_weights
+from p2pfl.learning.data import site_data_from_arrays
+from p2pfl.learning.models import create_model
+from p2pfl.learning.train import LocalSite, median_frequency_weights
 
 
 def site(n: int, training: TrainingSection, minority_every: int = 0) -> LocalSite:

@@ -11,7 +11,7 @@ from fault_util import HttpReply, read_reply
 
 from node.transport import MESSAGE_PATH, MessageServer
 from p2pfl.config import TransportSection
-from p2pfl.wire import PREFIX_LEN, SIG_LEN, WireCodec
+from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, WireCodec
 
 
 async def stalled_upload(port: int, frame: bytes, header_end: int) -> HttpReply | str:

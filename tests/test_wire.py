@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2pfl.identity import LocalIdentity, Roster
-from p2pfl.wire import (
+from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import (
     MAGIC,
     PREFIX_LEN,
     REASONS,

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2pfl.data.augment import strong_augment_batch, weak_augment_batch
-from p2pfl.train import LocalSite, TrainingError, median_frequency_weights
+from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
+from p2pfl.learning.train import LocalSite, TrainingError, median_frequency_weights
 
 
 def pseudo_labels(

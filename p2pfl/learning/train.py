@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from p2pfl.config import SiameseSection, TrainingSection
-from p2pfl.data import SiteData, load_site_data
-from p2pfl.data.augment import strong_augment_batch, weak_augment_batch
-from p2pfl.metrics import classification_report
-from p2pfl.models import SiameseNet, contrastive_loss, create_site_model
+from p2pfl.learning.data import SiteData, load_site_data
+from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
+from p2pfl.learning.metrics import classification_report
+from p2pfl.learning.models import SiameseNet, contrastive_loss, create_site_model
 
 if TYPE_CHECKING:
     from p2pfl.config import SiteConfig
@@ -273,7 +273,7 @@ class LocalSite:
         Returns {'loss': mean batch loss, 'steps', 'samples', 'seconds'}."""
         epochs = self.training.epochs if epochs is None else epochs
         if self.training.devices > 1:  # data-parallel over several processes (GPUs or gloo on CPU)
-            from p2pfl.distributed import train_epochs_data_parallel
+            from p2pfl.learning.distributed import train_epochs_data_parallel
 
             return train_epochs_data_parallel(self, epochs)
         start = time.perf_counter()

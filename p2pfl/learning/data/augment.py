@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torchvision.transforms import v2
 
-from p2pfl.data.loaders import MEAN, STD
+from p2pfl.learning.data.loaders import MEAN, STD
 
 AugmentKind = Literal["none", "weak", "strong"]
 

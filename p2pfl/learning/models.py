@@ -250,15 +250,15 @@ def create_site_model(
 ) -> nn.Module:
     """The model a site.yaml asks for: `create_model(model.name, ...)` (or, with
     `model.pretrained_from`, the ViT classifier around that pre-trained Fed-MAE
-    encoder, `p2pfl.mae.create_pretrained_classifier`), wrapped in a SiameseNet
+    encoder, `p2pfl.learning.mae.create_pretrained_classifier`), wrapped in a SiameseNet
     (encoder head = embedding_dim outputs) when model.siamese.enabled, then
     `model.weights` loaded into the whole thing."""
     siamese = model_cfg.siamese
     head = siamese.embedding_dim if siamese.enabled else num_classes
     if model_cfg.pretrained_from is not None:
         # Fed-MAE fine-tuning: the ViT classifier around a pre-trained encoder.
-        # Imported here because p2pfl.mae builds on this module.
-        from p2pfl.mae import create_pretrained_classifier
+        # Imported here because p2pfl.learning.mae builds on this module.
+        from p2pfl.learning.mae import create_pretrained_classifier
 
         model = create_pretrained_classifier(
             model_cfg.name,

@@ -23,7 +23,7 @@ Two ways in:
     calls it when training.devices > 1): spawns the workers, returns the same
     summary dict as `train_epochs` and leaves the trained weights and optimizer
     state in `site`.
-  * `torchrun --nproc-per-node N -m p2pfl.distributed --config site.yaml`: the
+  * `torchrun --nproc-per-node N -m p2pfl.learning.distributed --config site.yaml`: the
     same worker loop under torchrun (benchmarks, checking a multi-GPU host).
 """
 
@@ -53,9 +53,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from p2pfl.config import TrainingSection
-from p2pfl.data import SiteData
-from p2pfl.models import SiameseNet
-from p2pfl.train import LocalSite, TrainingError
+from p2pfl.learning.data import SiteData
+from p2pfl.learning.models import SiameseNet
+from p2pfl.learning.train import LocalSite, TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from p2pfl.config import load_config
 
     parser = argparse.ArgumentParser(
-        prog="python -m p2pfl.distributed",
+        prog="python -m p2pfl.learning.distributed",
         description="Data-parallel local training of one site (run under torchrun).",
     )
     parser.add_argument("--config", required=True, help="site.yaml")

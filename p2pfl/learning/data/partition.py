@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from p2pfl.data.loaders import DataError, RawSplits, read_source, stratified_split
+from p2pfl.learning.data.loaders import DataError, RawSplits, read_source, stratified_split
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from p2pfl import tensors
-from p2pfl.identity import LocalIdentity, Roster
+from p2pfl.secure import tensors
+from p2pfl.secure.identity import LocalIdentity, Roster
 
 VERSION = 1
 MAGIC = b"P2FL"

@@ -36,10 +36,10 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from p2pfl.config import TrainingSection
-from p2pfl.data import SiteData
-from p2pfl.data.loaders import MEAN, STD
-from p2pfl.models import ModelError, read_weights_file, vit_patch_size
-from p2pfl.train import LocalSite, TrainingError
+from p2pfl.learning.data import SiteData
+from p2pfl.learning.data.loaders import MEAN, STD
+from p2pfl.learning.models import ModelError, read_weights_file, vit_patch_size
+from p2pfl.learning.train import LocalSite, TrainingError
 
 log = logging.getLogger(__name__)
 

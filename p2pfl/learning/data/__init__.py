@@ -1,6 +1,6 @@
 """Site data: loaders (digits, MedMNIST-style .npz, ImageFolder), partitioners, augmentations."""
 
-from p2pfl.data.loaders import (
+from p2pfl.learning.data.loaders import (
     DataError,
     RawSplits,
     SiteData,

@@ -1,6 +1,6 @@
-"""Regenerate p2pfl/data/digits.npz from scikit-learn's `load_digits`.
+"""Regenerate p2pfl/learning/data/digits.npz from scikit-learn's `load_digits`.
 
-    python -m p2pfl.data.make_digits            # writes next to this file
+    python -m p2pfl.learning.data.make_digits            # writes next to this file
 
 The 1,797 8x8 scans (values 0-16) are scaled to uint8 0-255 and split with a
 fixed seed, stratified by class, into train/val/test (70/10/20), stored with

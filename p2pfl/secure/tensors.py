@@ -51,7 +51,7 @@ FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 MAX_DIMS = 8
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-    raise ImportError("p2pfl.tensors assumes a little-endian host")
+    raise ImportError("p2pfl.secure.tensors assumes a little-endian host")
 
 
 class CodecError(Exception):

@@ -1,0 +1,68 @@
+"""Crash-safe file writes, the one implementation every package uses.
+
+A file written here is whole or absent after a crash: the bytes go to a
+temporary file in the same folder, which is flushed and fsynced, renamed over
+the target, and the folder itself is fsynced so the rename survives a power cut.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+Chunk = bytes | bytearray | memoryview
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(
+    path: Path | str, data: Chunk | Iterable[Chunk], *, mode: int = 0o644
+) -> Path:
+    """Write `data` (one buffer or an iterable of chunks) to `path` atomically;
+    the file is created with permission bits `mode` (0o600 for private keys).
+    Parent folders are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as fh:
+            for chunk in chunks:
+                fh.write(chunk)
+            fh.flush()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)  # the umask may have narrowed what os.open created
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: Path | str, text: str, *, mode: int = 0o644) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), mode=mode)
+
+
+def atomic_write_json(path: Path | str, obj: Any, *, mode: int = 0o644) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2), mode=mode)
+
+
+def atomic_torch_save(obj: Any, path: Path | str) -> Path:
+    """`torch.save` to `path` atomically (read back with weights_only=True)."""
+    import torch  # the secure half imports this module too, without torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write_bytes(path, buffer.getbuffer())

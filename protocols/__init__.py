@@ -1,4 +1,11 @@
-"""Federated-learning protocols: one registry from site.yaml names to code."""
+"""Federated-learning protocols: one registry from site.yaml to code.
+
+A protocol's name is written once, in its params class (`name: Literal[...]` in
+p2pfl/protocol_params.py, which config validation reads without importing any
+algorithm); this registry says which class runs those params. A new protocol is
+one params class, one file here and one line below. Modules are imported only
+when their protocol runs, so a node never loads the GAN code it does not use.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +14,27 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from p2pfl.protocol_params import ProtocolParams
+from p2pfl.protocol_params import (
+    FedAvgP2PParams,
+    FedERParams,
+    FedMAEParams,
+    FedPerlParams,
+    FedSGDP2PParams,
+    ProbeParams,
+    ProtocolParams,
+    SSFLParams,
+    protocol_names,
+)
 from protocols.base import Protocol
 
-# name -> "module:Class"; a new protocol is one file plus one line here.
-REGISTRY: dict[str, str] = {
-    "fedavgp2p": "protocols.fedavgp2p:FedAvgP2P",
-    "fedsgdp2p": "protocols.fedsgdp2p:FedSgdP2P",
-    "probe": "protocols.probe:Probe",
-    "ssfl": "protocols.fedperl:SSFL",
-    "fedperl": "protocols.fedperl:FedPerl",
-    "fedmae": "protocols.fedmae:FedMAE",
-    "feder": "protocols.feder:FedER",
-    "feder_a": "protocols.feder:FedER",
-    "feder_b": "protocols.feder:FedER",
+IMPLEMENTATIONS: dict[type, str] = {
+    FedAvgP2PParams: "protocols.fedavgp2p:FedAvgP2P",
+    FedSGDP2PParams: "protocols.fedsgdp2p:FedSgdP2P",
+    ProbeParams: "protocols.probe:Probe",
+    SSFLParams: "protocols.ssfl:SSFL",
+    FedPerlParams: "protocols.fedperl:FedPerl",
+    FedMAEParams: "protocols.fedmae:FedMAE",
+    FedERParams: "protocols.feder:FedER",  # feder, feder_a, feder_b
 }
 
 _params_adapter: TypeAdapter[Any] = TypeAdapter(ProtocolParams)
@@ -28,13 +42,13 @@ _params_adapter: TypeAdapter[Any] = TypeAdapter(ProtocolParams)
 
 def create(name: str, **params: Any) -> Protocol:
     """protocols.create("fedavgp2p", fraction=0.5) -> a Protocol instance."""
-    if name not in REGISTRY:
-        raise KeyError(f"unknown protocol {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    if name not in protocol_names():
+        raise KeyError(f"unknown protocol {name!r}; known: {', '.join(sorted(protocol_names()))}")
     validated = _params_adapter.validate_python({"name": name, **params})
     return from_params(validated)
 
 
 def from_params(params: Any) -> Protocol:
-    module_name, _, cls_name = REGISTRY[params.name].partition(":")
+    module_name, _, cls_name = IMPLEMENTATIONS[type(params)].partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(params)

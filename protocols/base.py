@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from p2pfl.config import SiteConfig
 
@@ -187,7 +187,7 @@ class RoundContext(ABC):
 
 
 class Protocol(ABC):
-    name: ClassVar[str]
+    name: str  # set from the params' `name`, the one place a protocol's name is written
 
     @abstractmethod
     async def run(self, ctx: RoundContext) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from p2pfl.config import SiteConfig
 from p2pfl.learning.train import LocalSite
 from protocols.aggregate import weighted_mean
-from protocols.fedavgp2p import build_site, evaluate_site
+from protocols.site import build_site, evaluate_site
 
 log = logging.getLogger(__name__)
 

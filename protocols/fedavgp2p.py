@@ -25,170 +25,26 @@ part of the mean, weighted by its sample count like every other.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import threading
-import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import torch
 from torch import Tensor
 
-from p2pfl.config import SiteConfig
-from p2pfl.learning.models import create_site_model
-from p2pfl.learning.train import LocalSite
 from p2pfl.protocol_params import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate
-from protocols.base import NotReady, PeerUnavailable, Protocol, RoundContext
+from protocols.base import NotReady, PeerUnavailable, RoundContext
+from protocols.checks import incompatibility
+from protocols.exchange import pull_concurrently
+from protocols.rounds import Round, RoundLoop
+from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 
 MODEL_KIND = "model"
-T = TypeVar("T")
-HISTORY_KEEP = 1000  # selection history entries kept in checkpoints
-
-
-# ---------------------------------------------------------------------- shared by the P2P protocols
-
-
-# Seeding torch's global generator and drawing a model from it is not safe
-# while other threads draw from it (many simulated nodes in one process), so
-# the common initial state is drawn once per process under a lock and shared.
-_initial_states_lock = threading.Lock()
-_initial_states: dict[str, dict[str, Tensor]] = {}
-
-
-def common_initial_state(
-    config: SiteConfig, *, channels: int, num_classes: int, image_size: int
-) -> dict[str, Tensor]:
-    """The federation's common initial weights (the paper starts every client
-    from the same model): `create_site_model` drawn from `federation.seed`, so
-    every site builds the same ones without a message. The torch generator is
-    restored afterwards."""
-    key = f"{config.model.model_dump_json()}|{channels}|{num_classes}|{image_size}|{config.federation.seed}"
-    with _initial_states_lock:
-        if key not in _initial_states:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.federation.seed)
-                model = create_site_model(
-                    config.model, in_chans=channels, num_classes=num_classes, image_size=image_size
-                )
-            if len(_initial_states) >= 4:
-                _initial_states.pop(next(iter(_initial_states)))
-            _initial_states[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return {k: v.clone() for k, v in _initial_states[key].items()}
-
-
-def build_site(config: SiteConfig) -> LocalSite:
-    """The site's LocalSite (model, optimizer, data), starting from the common
-    initial weights, its inference batch size calibrated before any round."""
-    site = LocalSite.from_config(config)
-    site.load_state_dict(
-        common_initial_state(
-            config,
-            channels=site.data.channels,
-            num_classes=site.data.num_classes,
-            image_size=site.data.image_size,
-        )
-    )
-    site.calibrate_eval_batch()
-    return site
-
-
-def evaluate_site(site: LocalSite) -> dict[str, Any]:
-    """Test metrics (the headline `macro_f1`/`accuracy`) and validation metrics
-    (`val_*`; their per-class F1 is what the node gossips). A site without a
-    val split gossips its test F1; one without a test split logs val only."""
-    out: dict[str, Any] = {}
-    reports = site.evaluate_available()
-    if "test" in reports:
-        out["macro_f1"] = reports["test"]["macro_f1"]
-        out["accuracy"] = reports["test"]["accuracy"]
-    if "val" in reports:
-        out["val_macro_f1"] = reports["val"]["macro_f1"]
-        out["val_accuracy"] = reports["val"]["accuracy"]
-    gossip = reports.get("val") or reports.get("test")
-    out["per_class_f1"] = list(gossip["per_class_f1"]) if gossip else None
-    return out
-
-
-def incompatibility(
-    state: Any, reference: dict[str, Tensor], *, max_norm_ratio: float | None = None
-) -> str | None:
-    """Why a peer's state dict cannot be averaged with ours (None if it can):
-    other keys, shapes or dtypes, non-finite values, or (with `max_norm_ratio`)
-    an L2 norm more than that many times ours."""
-    if not isinstance(state, dict):
-        return "not_a_state_dict"
-    if set(state) != set(reference):
-        return "key_mismatch"
-    for key, ref in reference.items():
-        value = state[key]
-        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ref.shape):
-            return "shape_mismatch"
-        if value.dtype != ref.dtype:
-            return "dtype_mismatch"
-        if value.is_floating_point() and value.numel() and not bool(torch.isfinite(value).all()):
-            return "non_finite"
-    if max_norm_ratio is not None:
-        theirs, ours = _float_norm(state), _float_norm(reference)
-        if theirs > max_norm_ratio * max(ours, 1e-12):
-            return "huge_norm"
-    return None
-
-
-def _float_norm(state: dict[str, Tensor]) -> float:
-    total = 0.0
-    for value in state.values():
-        if value.is_floating_point():
-            total += float(value.detach().double().square().sum())
-    return total**0.5
-
-
-async def pull_concurrently(
-    ranking: list[str],
-    k: int,
-    timeout: float,
-    fetch: Callable[[str, float], Awaitable[T | None]],
-) -> list[T]:
-    """Ask the first k of `ranking` at once, each with `timeout`; each failure
-    (fetch returns None) is replaced by the next candidate. No request is
-    started or runs past 2 x timeout from the start, so one failed wave can be
-    replaced but a dead federation costs a bounded wait. Returns the successful
-    results in the order they arrived."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 2 * timeout
-    queue = list(ranking)
-    pending: dict[asyncio.Task[T | None], str] = {}
-    results: list[T] = []
-
-    def launch() -> None:
-        while queue and len(pending) + len(results) < k:
-            remaining = min(timeout, deadline - loop.time())
-            if remaining <= 0:
-                return
-            peer = queue.pop(0)
-            pending[asyncio.create_task(fetch(peer, remaining))] = peer
-
-    launch()
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                pending.pop(task)
-                result = task.result()
-                if result is not None:
-                    results.append(result)
-            launch()
-    finally:
-        for task in pending:
-            task.cancel()
-    return results
 
 
 @dataclass
@@ -199,19 +55,10 @@ class PeerModel:
     num_train: int
 
 
-# ---------------------------------------------------------------------- the protocol
-
-
-class FedAvgP2P(Protocol):
-    name = "fedavgp2p"
-
+class FedAvgP2P(RoundLoop):
     def __init__(self, params: FedAvgP2PParams) -> None:
-        self.params = params
+        super().__init__(params)
         self.served: OrderedDict[int, dict[str, Any]] = OrderedDict()  # round -> model payload
-        self.selection_history: list[list[str]] = []
-        # What each committed round merged: [round, [[peer, peer's round], ...]] (bounded).
-        self.merged: list[list[Any]] = []
-        self.gossip: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ serving
 
@@ -268,17 +115,12 @@ class FedAvgP2P(Protocol):
         return PeerModel(peer, got_round, state, num_train)
 
     async def pull_neighbours(
-        self,
-        ctx: RoundContext,
-        round: int,
-        own: dict[str, Tensor],
-        heuristic: selection.Heuristic,
-        k: int,
+        self, ctx: RoundContext, round: int, own: dict[str, Tensor], k: int
     ) -> list[PeerModel]:
         """Choose k neighbours among the alive peers with the heuristic (H0-H3) and
         pull their round-r models concurrently (DFU Alg. 3 line 6); a neighbour
         that fails is replaced by the next in the ranking. Sorted by peer name."""
-        ranking = heuristic.select(
+        ranking = self.heuristic.select(
             ctx.me,
             ctx.peers(),
             k,
@@ -291,148 +133,75 @@ class FedAvgP2P(Protocol):
         received = await pull_concurrently(ranking, k, self.params.round_timeout_s, fetch)
         return sorted(received, key=lambda m: m.peer)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the round
 
-    async def run(self, ctx: RoundContext) -> None:
-        site: LocalSite = await ctx.train(build_site, ctx.config)
-        await self.run_rounds(ctx, site)
-        ctx.set_phase("done")
+    async def setup(self, ctx: RoundContext) -> Any:
+        site = await ctx.train(build_site, ctx.config)
+        self.serve(ctx)
+        return site
 
-    async def run_rounds(self, ctx: RoundContext, site: Any) -> None:
-        """The rounds, resumed from the last checkpoint. `site` is anything with
-        LocalSite's training surface (train_epochs, state_dict, load_state_dict,
-        num_train, optimizer state, model_stats_vector): Fed-MAE runs its
-        autoencoder through the same loop, with its own evaluate_round and
-        checkpoint_state."""
-        p = self.params
-        cfg = ctx.config
-        heuristic = selection.from_config(cfg.selection)
-        start = self.resume(ctx, site)
+    def serve(self, ctx: RoundContext) -> None:
+        """Offer this node's models to its peers; warn about a trimmed mean that trims nothing."""
+        self.heuristic = selection.from_config(ctx.config.selection)
         ctx.serve(MODEL_KIND, self.serve_model)
-        k_max = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-        if p.aggregation == "trimmed_mean" and int(p.trim_ratio * (k_max + 1)) == 0:
+        options = self.aggregation_options()
+        k_max = selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
+        if options["method"] == "trimmed_mean" and int(options["trim_ratio"] * (k_max + 1)) == 0:
             log.warning(
                 "%s: trimmed_mean with trim_ratio %.2f over %d models cuts nothing (a plain "
                 "mean): raise protocol.trim_ratio or protocol.fraction, or use median",
                 ctx.me,
-                p.trim_ratio,
+                options["trim_ratio"],
                 k_max + 1,
             )
 
-        for r in range(start, p.rounds + 1):
-            ctx.round = r
-            round_start = time.perf_counter()
+    def aggregation_options(self) -> dict[str, Any]:
+        """How models are averaged: `protocol.aggregation` and its settings."""
+        p = self.params
+        return {"method": p.aggregation, "trim_ratio": p.trim_ratio, "clip_norm": p.clip_norm}
 
-            # 1. E local epochs (DFU Alg. 3 line 3: w = fit(w, data, epochs)).
-            ctx.set_phase("train")
-            fit = await ctx.train(site.train_epochs)
-            train_s = time.perf_counter() - round_start
-            own = site.state_dict()
-            self.keep_for_peers(r, own, site.num_train)
-            ctx.offered(MODEL_KIND)
+    def sample_weight(self, site: Any) -> int:
+        """This node's weight in the neighbours' means: its training images."""
+        return site.num_train
 
-            # 2-3. Choose k neighbours among the alive peers (H0-H3).
-            ctx.set_phase("exchange")
-            exchange_start = time.perf_counter()
-            k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-            received = await self.pull_neighbours(ctx, r, own, heuristic, k)
-            exchange_s = time.perf_counter() - exchange_start
+    async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        # 1. E local epochs (DFU Alg. 3 line 3: w = fit(w, data, epochs)), then
+        # 2. offer the round's model to the neighbours.
+        fit = await ctx.train(site.train_epochs)
+        rnd.log["train_loss"] = fit["loss"]
+        self.offer(ctx, site, rnd)
 
-            # 5. w <- weighted mean of own + neighbours' models (DFU Alg. 3 line 6).
-            ctx.set_phase("aggregate")
-            aggregate_start = time.perf_counter()
-            if received:
-                averaged = await ctx.train(
-                    aggregate,
-                    p.aggregation,
-                    [own] + [m.state for m in received],
-                    [float(site.num_train)] + [float(m.num_train) for m in received],
-                    own=0,
-                    trim_ratio=p.trim_ratio,
-                    clip_norm=p.clip_norm,
-                )
-                await ctx.train(site.load_state_dict, averaged)
-            aggregate_s = time.perf_counter() - aggregate_start
-            ctx.record_choice(self.note_merged(r, received))
+    def offer(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        rnd.own = site.state_dict()
+        self.keep_for_peers(rnd.number, rnd.own, self.sample_weight(site))
+        ctx.offered(MODEL_KIND)
 
-            # 6. Evaluate, gossip what the heuristics read, log, checkpoint.
-            metrics: dict[str, Any] = {}
-            if r % p.eval_every == 0 or r == p.rounds:
-                ctx.set_phase("evaluate")
-                metrics = await self.evaluate_round(ctx, site)
-            self.update_recent(ctx)
-            ctx.log_metrics(
-                r,
-                **metrics,
-                train_loss=fit["loss"],
-                train_s=train_s,
-                exchange_s=exchange_s,
-                aggregate_s=aggregate_s,
-                round_s=time.perf_counter() - round_start,
-                neighbours=len(received),
-                neighbours_wanted=k,
-                stale_models=sum(1 for m in received if m.round != r),
+    async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        # 3-4. Choose k neighbours among the alive peers (H0-H3) and pull their models.
+        assert rnd.own is not None
+        k = selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
+        rnd.received = await self.pull_neighbours(ctx, rnd.number, rnd.own, k)
+        rnd.log.update(
+            neighbours=len(rnd.received),
+            neighbours_wanted=k,
+            stale_models=sum(1 for m in rnd.received if m.round != rnd.number),
+        )
+
+    async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        # 5. w <- weighted mean of own + neighbours' models (DFU Alg. 3 line 6).
+        if rnd.received:
+            options = self.aggregation_options()
+            averaged = await ctx.train(
+                functools.partial(aggregate, options.pop("method"), own=0, **options),
+                [rnd.own] + [m.state for m in rnd.received],
+                [float(self.sample_weight(site))] + [float(m.num_train) for m in rnd.received],
             )
-            ctx.checkpoint(self.checkpoint_state(r, site))
+            await ctx.train(site.load_state_dict, averaged)
+        rnd.merged = [(m.peer, m.round) for m in rnd.received]
+        used = [m.peer for m in rnd.received]
+        self.remember_neighbours(used)
+        self.update_recent(ctx)
+        self.record_neighbours(ctx, used)
 
-    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
-        """The round's logged metrics; also refreshes the gossip the heuristics read
-        (per-class F1 on val, model statistics)."""
-        metrics = await ctx.train(evaluate_site, site)
-        stats = await ctx.train(site.model_stats_vector)
-        self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
-        return metrics
-
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
-        """Everything `resume` needs to carry on after `round`."""
-        return {
-            "protocol": self.name,
-            "round": round,
-            "model": site.state_dict(),
-            "optimizer": site.optimizer_state(),
-            "selection_history": self.selection_history,
-            "merged": self.merged,
-            "gossip": self.gossip,
-        }
-
-    def note_merged(self, round: int, received: list[PeerModel]) -> list[str]:
-        """Remember whom round `round` averaged with (the n-latest history and the
-        `merged` ledger of the checkpoint); returns those peers' names."""
-        used = [m.peer for m in received]
-        self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
-        entry = [round, [[m.peer, m.round] for m in received]]
-        self.merged = (self.merged + [entry])[-HISTORY_KEEP:]
-        return used
-
-    # ------------------------------------------------------------------ gossip and resume
-
-    def update_gossip(
-        self, ctx: RoundContext, per_class_f1: list[float] | None, stats: list[float]
-    ) -> None:
-        if per_class_f1 is not None:
-            self.gossip[selection.F1_KEY] = [float(x) for x in per_class_f1]
-            ctx.publish(selection.F1_KEY, self.gossip[selection.F1_KEY])
-        self.gossip[selection.MODEL_STATS_KEY] = [float(x) for x in stats]
-        ctx.publish(selection.MODEL_STATS_KEY, self.gossip[selection.MODEL_STATS_KEY])
-
-    def update_recent(self, ctx: RoundContext) -> None:
-        """H1: the n most recent neighbours, gossiped for the others' overlap test."""
-        recent = selection.recent_neighbours(self.selection_history, ctx.config.selection.n)
-        self.gossip[selection.RECENT_KEY] = recent
-        ctx.publish(selection.RECENT_KEY, recent)
-
-    def resume(self, ctx: RoundContext, site: LocalSite) -> int:
-        """Load the last checkpoint (if any) and return the first round to run."""
-        saved = ctx.restore()
-        if not saved or saved.get("protocol") != self.name:
-            return 1
-        site.load_state_dict(saved["model"])
-        site.load_optimizer_state(saved["optimizer"])
-        self.selection_history = [list(x) for x in saved.get("selection_history", [])]
-        self.merged = [list(x) for x in saved.get("merged", [])]
-        self.gossip = dict(saved.get("gossip", {}))
-        for key, value in self.gossip.items():
-            ctx.publish(key, value)
-        ctx.round = int(saved["round"])
-        log.info("%s: resumed after round %d", ctx.me, saved["round"])
-        return int(saved["round"]) + 1
+    def record_neighbours(self, ctx: RoundContext, used: list[str]) -> None:
+        ctx.record_choice(used)

@@ -38,14 +38,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from p2pfl.config import SiteConfig
+from genbuffer.config import GenbufferSection
 from p2pfl.learning.data.loaders import convert_images, to_float_tensor
 from p2pfl.learning.train import LocalSite
 from p2pfl.protocol_params import FedERParams
 from p2pfl.secure.tensors import state_dict_nbytes
 from protocols import selection
-from protocols.base import NotReady, PeerUnavailable, Protocol, Received, RoundContext
-from protocols.fedavgp2p import build_site, evaluate_site, incompatibility
+from protocols.base import NotReady, PeerUnavailable, Received, RoundContext
+from protocols.checks import incompatibility
+from protocols.rounds import Round, RoundLoop
+from protocols.site import build_site, evaluate_site
 
 log = logging.getLogger(__name__)
 
@@ -88,24 +90,14 @@ def buffer_training_tensors(
 
 
 def make_buffer(
-    cfg: SiteConfig, params: FedERParams, site: LocalSite, state_dir: Path
+    params: FedERParams, site: LocalSite, section: GenbufferSection, out_dir: Path, seed: int
 ) -> dict[str, Any]:
-    """Load or train this site's privacy-preserving generator and sample B_j (blocking)."""
+    """Load or train this site's privacy-preserving generator (its files in
+    `out_dir`) and sample B_j (blocking)."""
     from genbuffer.buffer import sample_buffer
     from genbuffer.checkpoint import load_generator
-    from genbuffer.config import GenbufferSection
     from genbuffer.train import label_prior, resolve_device, train_generator
 
-    # The site-level `genbuffer:` section (validated and path-resolved by `check`);
-    # the older free-form `protocol.genbuffer` still wins when it is given.
-    if params.genbuffer:
-        section = GenbufferSection(**params.genbuffer)
-        out_dir = state_dir / "genbuffer"
-    else:
-        section = cfg.genbuffer
-        out_dir = section.out_dir  # load_config made it absolute (default <state_dir>/genbuffer)
-        if not out_dir.is_absolute():
-            out_dir = state_dir / out_dir
     if params.generator:
         generator_path = Path(params.generator)
     else:
@@ -124,7 +116,7 @@ def make_buffer(
             params.buffer_size,
             per_class=params.buffer_per_class,
             label_prior=prior,
-            seed=cfg.federation.seed + cfg.training.seed,
+            seed=seed,
         )
     )
 
@@ -132,16 +124,17 @@ def make_buffer(
 # ---------------------------------------------------------------------- the protocol
 
 
-class FedER(Protocol):
-    name = "feder"
+class FedER(RoundLoop):
+    # Alg. 1: receive the predecessor's model and buffer, take its model, then train.
+    phases = ("exchange", "aggregate", "train")
 
     def __init__(self, params: FedERParams) -> None:
-        self.params = params
+        super().__init__(params)
         self.variant = params.name  # feder | feder_a | feder_b
-        self.name = params.name  # type: ignore[misc]
         self.own_buffer: dict[str, Any] | None = None
         self.buffers: dict[str, dict[str, Any]] = {}  # received, by content hash
         self.sent_buffers: dict[str, set[str]] = {}  # peer -> hashes it acknowledged
+        self.last_received_hash: str | None = None  # the buffer replayed until a new one comes
         self.num_classes: int | None = None
 
     @property
@@ -256,72 +249,54 @@ class FedER(Protocol):
             self.buffers[checked["content_hash"]] = dict(checked)
         return True
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the round
 
-    async def run(self, ctx: RoundContext) -> None:
-        p = self.params
-        cfg = ctx.config
-        site: LocalSite = await ctx.train(build_site, cfg)
+    async def setup(self, ctx: RoundContext) -> Any:
+        site = await ctx.train(build_site, ctx.config)
         self.num_classes = site.num_classes
         ctx.serve(BUFFER_KIND, self.serve_buffer)
-        start = await self.resume_or_prepare(ctx, site)
-        assert self.own_buffer is not None
-        own_x, own_y = buffer_training_tensors(
-            [self.own_buffer], site.data.image_size, site.data.channels
+        return site
+
+    async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Send (M_j^{r-1}, B_j) to the successor; receive (M_i^{r-1}, B_i)."""
+        reference = site.state_dict()
+        successor, model_bytes, buffer_bytes = await self.send_relay(ctx, rnd.number, site)
+        msg = await self.receive_relay(ctx, rnd.number, reference)
+        rnd.received = [msg] if msg is not None else []
+        rnd.log.update(
+            received=int(msg is not None),
+            sent_model_bytes=model_bytes,
+            sent_buffer_bytes=buffer_bytes,
+            successor_found=int(successor is not None),
         )
-        last_received_hash: str | None = None
 
-        for r in range(start, p.rounds + 1):
-            ctx.round = r
-            round_start = time.perf_counter()
+    async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """M_j^r <- M_i^{r-1} (FedER-A keeps its own model)."""
+        for msg in rnd.received:
+            self.last_received_hash = msg.payload["buffer_hash"]
+            if self.relays_model:
+                await ctx.train(site.load_state_dict, msg.payload["model"])
+                rnd.merged = [(msg.sender, msg.round)]
 
-            # Send (M_j^{r-1}, B_j) to the successor; receive (M_i^{r-1}, B_i).
-            ctx.set_phase("exchange")
-            reference = site.state_dict()
-            successor, model_bytes, buffer_bytes = await self.send_relay(ctx, r, site)
-            msg = await self.receive_relay(ctx, r, reference)
-            exchange_s = time.perf_counter() - round_start
-            if msg is not None:
-                last_received_hash = msg.payload["buffer_hash"]
-                if self.relays_model:
-                    await ctx.train(
-                        site.load_state_dict, msg.payload["model"]
-                    )  # M_j^r <- M_i^{r-1}
+    async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Train on D_j and the replayed synthetic images (Eq. 6)."""
+        p = self.params
+        if p.reset_optimizer:
+            site.reset_optimizer()
+        replay = self.replay_buffers(self.last_received_hash)
+        rx, ry = buffer_training_tensors(replay, site.data.image_size, site.data.channels)
+        if self.variant == "feder_b":  # synthetic-only: own buffer + received
+            rx, ry = torch.cat([self.own_x, rx]), torch.cat([self.own_y, ry])
+            fit = await ctx.train(site.train_replay_epochs, rx, ry, lam=p.lambda_, private=False)
+        else:
+            fit = await ctx.train(site.train_replay_epochs, rx, ry, lam=p.lambda_)
+        rnd.log.update(train_loss=fit["loss"], replayed_images=len(ry))
 
-            # Train on D_j and the replayed synthetic images (Eq. 6).
-            ctx.set_phase("train")
-            if p.reset_optimizer:
-                site.reset_optimizer()
-            replay = self.replay_buffers(last_received_hash)
-            rx, ry = buffer_training_tensors(replay, site.data.image_size, site.data.channels)
-            train_start = time.perf_counter()
-            if self.variant == "feder_b":  # synthetic-only: own buffer + received
-                rx, ry = torch.cat([own_x, rx]), torch.cat([own_y, ry])
-                fit = await ctx.train(
-                    site.train_replay_epochs, rx, ry, lam=p.lambda_, private=False
-                )
-            else:
-                fit = await ctx.train(site.train_replay_epochs, rx, ry, lam=p.lambda_)
-            train_s = time.perf_counter() - train_start
-
-            ctx.set_phase("evaluate")
-            metrics = await ctx.train(evaluate_site, site)
-            metrics.pop("per_class_f1", None)
-            ctx.log_metrics(
-                r,
-                **metrics,
-                train_loss=fit["loss"],
-                train_s=train_s,
-                exchange_s=exchange_s,
-                round_s=time.perf_counter() - round_start,
-                received=int(msg is not None),
-                replayed_images=len(ry),
-                sent_model_bytes=model_bytes,
-                sent_buffer_bytes=buffer_bytes,
-                successor_found=int(successor is not None),
-            )
-            ctx.checkpoint(self.state(r, site))
-        ctx.set_phase("done")
+    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
+        """Test (and val) metrics; FedER gossips nothing for a heuristic."""
+        metrics = await ctx.train(evaluate_site, site)
+        metrics.pop("per_class_f1", None)
+        return metrics
 
     def replay_buffers(self, last_received: str | None) -> list[dict[str, Any]]:
         if self.variant == "feder_a":  # every buffer received so far
@@ -332,21 +307,20 @@ class FedER(Protocol):
 
     # ------------------------------------------------------------------ before federation, resume
 
-    async def resume_or_prepare(self, ctx: RoundContext, site: LocalSite) -> int:
-        saved = ctx.restore()
-        if saved and saved.get("protocol") == self.name:
-            await ctx.train(site.load_state_dict, saved["model"])
-            self.own_buffer = saved["own_buffer"]
-            self.buffers = {h: b for h, b in saved["buffers"].items()}
-            self.sent_buffers = {
-                peer: set(hashes) for peer, hashes in saved["sent_buffers"].items()
-            }
-            ctx.round = int(saved["round"])
-            log.info("%s: resumed after round %d", ctx.me, saved["round"])
-            return int(saved["round"]) + 1
+    async def before_rounds(self, ctx: RoundContext, site: Any) -> None:
+        """Before federation (a fresh start): G_j, B_j and M_j^0, logged as round 0."""
+        if self.own_buffer is None:
+            await self.prepare(ctx, site)
+        assert self.own_buffer is not None
+        self.own_x, self.own_y = buffer_training_tensors(
+            [self.own_buffer], site.data.image_size, site.data.channels
+        )
+
+    async def prepare(self, ctx: RoundContext, site: Any) -> None:
         ctx.set_phase("generator")
-        state_dir = Path(ctx.config.node.state_dir)
-        self.own_buffer = await ctx.train(make_buffer, ctx.config, self.params, site, state_dir)
+        section, out_dir = self.genbuffer_settings(ctx)
+        seed = ctx.config.federation.seed + ctx.config.training.seed
+        self.own_buffer = await ctx.train(make_buffer, self.params, site, section, out_dir, seed)
         ctx.offered(BUFFER_KIND)
         ctx.set_phase("train")
         if self.variant == "feder_b":  # M_j^0 on its own synthetic images only
@@ -358,18 +332,28 @@ class FedER(Protocol):
             )
         elif self.params.initial_epochs:
             await ctx.train(site.train_epochs, self.params.initial_epochs)  # M_j^0 on D_j
-        metrics = await ctx.train(evaluate_site, site)
-        metrics.pop("per_class_f1", None)
-        ctx.log_metrics(0, **metrics)
-        ctx.checkpoint(self.state(0, site))
-        return 1
+        ctx.log_metrics(0, **await self.evaluate_round(ctx, site))
+        ctx.checkpoint(self.checkpoint_state(0, site))
 
-    def state(self, r: int, site: LocalSite) -> dict[str, Any]:
+    def genbuffer_settings(self, ctx: RoundContext) -> tuple[GenbufferSection, Path]:
+        """The GAN settings and the folder of the generator's files: the site-level
+        `genbuffer:` section (validated and path-resolved by `check`); the older
+        free-form `protocol.genbuffer` still wins when it is given."""
+        if self.params.genbuffer:
+            return GenbufferSection(**self.params.genbuffer), ctx.artifact("genbuffer")
+        section = ctx.config.genbuffer
+        out_dir = section.out_dir  # load_config made it absolute (default <state_dir>/genbuffer)
+        return section, out_dir if out_dir.is_absolute() else ctx.artifact(str(out_dir))
+
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
         return {
-            "protocol": self.name,
-            "round": r,
-            "model": site.state_dict(),
+            **super().checkpoint_state(round, site),
             "own_buffer": self.own_buffer,
             "buffers": self.buffers,
             "sent_buffers": {peer: sorted(h) for peer, h in self.sent_buffers.items()},
         }
+
+    def load_extra(self, saved: dict[str, Any]) -> None:
+        self.own_buffer = saved["own_buffer"]
+        self.buffers = dict(saved["buffers"])
+        self.sent_buffers = {peer: set(hashes) for peer, hashes in saved["sent_buffers"].items()}

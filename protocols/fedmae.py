@@ -32,23 +32,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from pathlib import Path
 from typing import Any
-
-import torch
-from torch import Tensor
 
 import protocols
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data import load_site_data
-from p2pfl.learning.mae import MAESite, create_mae, save_encoder, save_reconstruction_grid
+from p2pfl.learning.mae import (
+    MAESite,
+    MaskedAutoencoder,
+    create_mae,
+    save_encoder,
+    save_reconstruction_grid,
+)
 from p2pfl.learning.train import TrainingError, seed_everything
 from p2pfl.protocol_params import FedMAEParams
 from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
     FedAvgP2P,
 )
+from protocols.site import common_initial_state
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +71,6 @@ class FedMAEError(Exception):
 
 # ---------------------------------------------------------------------- the local site
 
-# Every node starts from the same autoencoder, drawn from `federation.seed`
-# (as FedAVGP2P's common_initial_state does for classifiers): drawn once per
-# process under a lock, with the global torch generator restored afterwards.
-_initial_lock = threading.Lock()
-_initial_states: dict[str, dict[str, Tensor]] = {}
-
 
 def _mae_kwargs(params: FedMAEParams) -> dict[str, Any]:
     return {
@@ -87,36 +83,26 @@ def _mae_kwargs(params: FedMAEParams) -> dict[str, Any]:
     }
 
 
-def common_initial_mae_state(
-    config: SiteConfig, params: FedMAEParams, *, channels: int, image_size: int
-) -> dict[str, Tensor]:
-    key = f"{config.model.name}|{sorted(_mae_kwargs(params).items())}|{channels}|{image_size}|{config.federation.seed}"
-    with _initial_lock:
-        if key not in _initial_states:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.federation.seed)
-                model = create_mae(
-                    config.model.name,
-                    in_chans=channels,
-                    image_size=image_size,
-                    **_mae_kwargs(params),
-                )
-            if len(_initial_states) >= 4:
-                _initial_states.pop(next(iter(_initial_states)))
-            _initial_states[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return {k: v.clone() for k, v in _initial_states[key].items()}
-
-
 def build_mae_site(config: SiteConfig, params: FedMAEParams) -> MAESite:
-    """The node's MAESite (every local image, the common initial autoencoder)."""
+    """The node's MAESite (every local image), starting from the autoencoder every
+    node draws alike from `federation.seed`."""
     seed_everything(config.training.seed)
     data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
-    model = create_mae(
-        config.model.name, in_chans=data.channels, image_size=data.image_size, **_mae_kwargs(params)
+
+    def build() -> MaskedAutoencoder:
+        return create_mae(
+            config.model.name,
+            in_chans=data.channels,
+            image_size=data.image_size,
+            **_mae_kwargs(params),
+        )
+
+    model = build()
+    key = (
+        f"mae|{config.model.name}|{sorted(_mae_kwargs(params).items())}|{data.channels}|"
+        f"{data.image_size}|{config.federation.seed}"
     )
-    model.load_state_dict(
-        common_initial_mae_state(config, params, channels=data.channels, image_size=data.image_size)
-    )
+    model.load_state_dict(common_initial_state(key, config.federation.seed, build))
     return MAESite(
         model, data, config.training, augment=config.data.augment, seed=config.training.seed
     )
@@ -135,55 +121,38 @@ def evaluate_reconstruction(site: MAESite) -> dict[str, float]:
     return out
 
 
-def encoder_path(config: SiteConfig, params: FedMAEParams) -> Path:
-    return Path(config.node.state_dir) / params.encoder_out
-
-
 # ---------------------------------------------------------------------- the protocol
 
 
 class FedMAE(FedAvgP2P):
-    """FedAVGP2P over the MAE objective (serving, pulling, resume and gossip are
-    FedAVGP2P's), then the chained fine-tuning protocol."""
+    """FedAVGP2P's round over the MAE objective (serving, pulling, averaging,
+    resume and gossip are FedAVGP2P's), then the chained fine-tuning protocol."""
 
-    name = "fedmae"
+    params: FedMAEParams  # type: ignore[assignment]
 
     def __init__(self, params: FedMAEParams) -> None:
         super().__init__(params)  # type: ignore[arg-type]  # the exchange reads fraction and max_staleness
-        self.params: FedMAEParams = params  # type: ignore[assignment]
 
     async def run(self, ctx: RoundContext) -> None:
         saved = ctx.restore() or {}
         finetuning = saved.get("protocol") == self.name and saved.get("stage") == FINETUNE_STAGE
         if not finetuning:  # a node restarted while fine-tuning does not pre-train again
-            await self.pretrain(ctx)
+            site = await self.setup(ctx)
+            await self.run_rounds(ctx, site)
+            await self.finish(ctx, site)
         if self.params.finetune is not None:
             await self.finetune(ctx)
         ctx.set_phase("done")
 
     # ------------------------------------------------------------------ stage 1
 
-    async def pretrain(self, ctx: RoundContext) -> None:
+    async def setup(self, ctx: RoundContext) -> Any:
         """FedAVGP2P's rounds over the MAE loss: E local epochs over every local
         image, k neighbours' autoencoders pulled and averaged (Fed-MAE Alg. 1,
-        w_{t+1} = sum_k n_k / n w_{t,k}, over the neighbourhood), reconstruction
-        loss logged; then the encoder is exported for fine-tuning."""
-        p = self.params
-        cfg = ctx.config
-        site: MAESite = await ctx.train(build_mae_site, cfg, p)
-        await self.run_rounds(ctx, site)
-
-        # E*_k for fine-tuning, and a look at what the autoencoder learnt.
-        ctx.set_phase("export")
-        path = await ctx.train(save_encoder, site.mae, encoder_path(cfg, p))
-        grid = await ctx.train(
-            save_reconstruction_grid,
-            site.mae,
-            site.sample_images(GRID_IMAGES),
-            Path(cfg.node.state_dir) / RECONSTRUCTION_PNG,
-            title=f"{ctx.me}: Fed-MAE after {p.rounds} rounds (mask {p.mask_ratio:.0%})",
-        )
-        log.info("%s: pre-trained encoder -> %s, reconstructions -> %s", ctx.me, path, grid)
+        w_{t+1} = sum_k n_k / n w_{t,k}, over the neighbourhood)."""
+        site = await ctx.train(build_mae_site, ctx.config, self.params)
+        self.serve(ctx)
+        return site
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
         """Reconstruction loss on val; the gossip carries model statistics only
@@ -195,12 +164,26 @@ class FedMAE(FedAvgP2P):
     def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
         return {**super().checkpoint_state(round, site), "stage": PRETRAIN_STAGE}
 
+    async def finish(self, ctx: RoundContext, site: Any) -> None:
+        """E*_k for fine-tuning, and a look at what the autoencoder learnt."""
+        p = self.params
+        ctx.set_phase("export")
+        path = await ctx.train(save_encoder, site.mae, ctx.artifact(p.encoder_out))
+        grid = await ctx.train(
+            save_reconstruction_grid,
+            site.mae,
+            site.sample_images(GRID_IMAGES),
+            ctx.artifact(RECONSTRUCTION_PNG),
+            title=f"{ctx.me}: Fed-MAE after {p.rounds} rounds (mask {p.mask_ratio:.0%})",
+        )
+        log.info("%s: pre-trained encoder -> %s, reconstructions -> %s", ctx.me, path, grid)
+
     # ------------------------------------------------------------------ stage 2
 
     async def finetune(self, ctx: RoundContext) -> None:
         p = self.params
         assert p.finetune is not None
-        encoder = encoder_path(ctx.config, p)
+        encoder = ctx.artifact(p.encoder_out)
         if not encoder.is_file():
             raise FedMAEError(
                 "missing_encoder",
@@ -295,6 +278,15 @@ class FinetuneContext(RoundContext):
 
     def record_choice(self, chosen: list[str]) -> None:
         self.outer.record_choice(chosen)
+
+    def offered(self, kind: str) -> None:
+        self.outer.offered(self.kind(kind))
+
+    def reject(self, peer: str, reason: str) -> None:
+        self.outer.reject(peer, reason)
+
+    def set_community(self, community: dict[str, Any]) -> None:
+        self.outer.set_community(community)
 
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         return self.outer.pair_secret(peer, context)

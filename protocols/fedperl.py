@@ -1,15 +1,8 @@
-"""FedPerl without a server (Bdair et al., MICCAI 2021; journal version), and SSFL-P2P.
+"""FedPerl without a server (Bdair et al., MICCAI 2021; journal version).
 
-SSFL-P2P (FedPerl with T = 0), every node, every round r:
-  1. fit: FixMatch on its labeled + unlabeled images (Eq. 2-3, p2pfl/learning/semisup.py),
-     Adam rebuilt every round as in the reference code
-  2. publish its feature vector F_m (communities.feature_vector) of the model
-     it just trained, and offer that model to FedAVGP2P neighbours
-  3. FedAVGP2P: pull k = round(c * (N - 1)) neighbours' round-r models and take
-     the mean weighted by their image counts (labeled + unlabeled, Eq. 1's w_j)
-  4. evaluate (macro-F1, ECE on test; accuracy on val), gossip, log, checkpoint
-
-FedPerl adds, between 2 and 3, from round `warmup_rounds` on:
+FedPerl is SSFL-P2P (protocols/ssfl.py: local FixMatch, feature vector,
+FedAVGP2P between rounds) plus, between its steps 2 and 3, from round
+`warmup_rounds` on:
   2a. communities: cosine similarity of the gossiped feature vectors (columns
       min-max normalised across nodes), the top-T peers, then the policy
       (static, validation, gated validation, gated similarity)
@@ -36,171 +29,23 @@ import asyncio
 import functools
 import logging
 import secrets
-import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
-from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import FedPerlParams, SSFLParams
+from p2pfl.protocol_params import FedPerlParams
 from protocols import communities, masking, selection
-from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, RoundContext
-from protocols.fedavgp2p import (
-    MODEL_KIND,
-    FedAvgP2P,
-    build_site,
-    incompatibility,
-)
+from protocols.checks import incompatibility
+from protocols.rounds import Round
+from protocols.ssfl import SSFL
 
 log = logging.getLogger(__name__)
 
 ANON_KIND = "anon_model"
 MIN_CONTRIBUTORS = 2  # one contributor's "average" would be its own model
-
-
-def num_images(site: LocalSite) -> int:
-    """N_j of Eq. 1: labeled + unlabeled training images."""
-    unlabeled = site.data.unlabeled
-    return site.num_train + (0 if unlabeled is None else len(unlabeled))
-
-
-class SSFL(FedAvgP2P):
-    """FixMatch locally + FedAVGP2P between rounds (the SSFL-P2P baseline)."""
-
-    name = "ssfl"
-    params: SSFLParams  # type: ignore[assignment]
-
-    def __init__(self, params: SSFLParams) -> None:
-        super().__init__(params)  # type: ignore[arg-type]
-        self.peer_state: dict[str, Tensor] | None = None  # FedPerl: peer for the next fit
-        self.gamma = 0.0  # weight of L_CON (FedPerl only)
-
-    # ------------------------------------------------------------------ hooks FedPerl fills in
-
-    def fit(self, site: LocalSite, peer_state: dict[str, Tensor] | None) -> dict[str, float]:
-        """One round of local FixMatch (Eq. 2), with the anonymized peer if any."""
-        p = self.params
-        peer = peer_model_from_state(site, peer_state) if peer_state is not None else None
-        return fixmatch_epoch(
-            site,
-            tau=p.tau,
-            beta=p.beta,
-            unlabeled_ratio=p.unlabeled_ratio,
-            class_weighted=p.class_weighted,
-            peer_model=peer,
-            gamma=self.gamma if peer is not None else 0.0,
-        )
-
-    async def peer_learning(
-        self, ctx: RoundContext, site: LocalSite, round: int, own: dict[str, Tensor]
-    ) -> dict[str, float]:
-        """T = 0: no peers."""
-        return {}
-
-    def record_neighbours(self, ctx: RoundContext, used: list[str]) -> None:
-        ctx.record_choice(used)
-
-    def load_extra(self, saved: dict[str, Any]) -> None:
-        return None
-
-    # ------------------------------------------------------------------ the loop
-
-    async def run(self, ctx: RoundContext) -> None:
-        p = self.params
-        cfg = ctx.config
-        site: LocalSite = await ctx.train(build_site, cfg)
-        heuristic = selection.from_config(cfg.selection)
-        start = self.resume(ctx, site)
-        ctx.serve(MODEL_KIND, self.serve_model)
-        self.serve_more(ctx)
-        weight = num_images(site)
-
-        for r in range(start, p.rounds + 1):
-            ctx.round = r
-            round_start = time.perf_counter()
-
-            # 1. Local FixMatch; with the anonymized peer after warm-up (FedPerl Eq. 4, L_CON).
-            ctx.set_phase("train")
-            site.reset_optimizer()
-            used_peer = self.peer_state is not None
-            fit = await ctx.train(self.fit, site, self.peer_state)
-            train_s = time.perf_counter() - round_start
-            own = site.state_dict()
-            self.keep_for_peers(r, own, weight)
-            ctx.offered(MODEL_KIND)
-            ctx.offered(ANON_KIND)
-
-            # 2. Feature vector of the freshly trained model (journal Sec. 2.3.1).
-            ctx.set_phase("exchange")
-            exchange_start = time.perf_counter()
-            vector = communities.feature_vector(own)
-            self.gossip[communities.FEATURES_KEY] = {"round": r, "vector": vector}
-            ctx.publish(communities.FEATURES_KEY, self.gossip[communities.FEATURES_KEY])
-
-            # 2a-b. FedPerl: communities and the anonymized peer for round r + 1.
-            peer_metrics = await self.peer_learning(ctx, site, r, own)
-
-            # 3. FedAVGP2P between rounds: the global knowledge.
-            k = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-            received = await self.pull_neighbours(ctx, r, own, heuristic, k)
-            exchange_s = time.perf_counter() - exchange_start
-            ctx.set_phase("aggregate")
-            if received:
-                merged = await ctx.train(
-                    aggregate,
-                    "mean",
-                    [own] + [m.state for m in received],
-                    [float(weight)] + [float(m.num_train) for m in received],
-                    own=0,
-                )
-                await ctx.train(site.load_state_dict, merged)
-            self.record_neighbours(ctx, self.note_merged(r, received))
-
-            # 4. Evaluate, gossip, log, checkpoint.
-            metrics: dict[str, Any] = {}
-            if r % p.eval_every == 0 or r == p.rounds:
-                ctx.set_phase("evaluate")
-                metrics = await ctx.train(evaluate_with_calibration, site)
-                stats = await ctx.train(site.model_stats_vector)
-                self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
-                if metrics.get("val_accuracy") is not None:
-                    self.gossip[communities.VAL_ACCURACY_KEY] = float(metrics["val_accuracy"])
-                    ctx.publish(
-                        communities.VAL_ACCURACY_KEY, self.gossip[communities.VAL_ACCURACY_KEY]
-                    )
-            self.update_recent(ctx)
-            values = {name: float(v) for name, v in metrics.items() if v is not None}
-            ctx.log_metrics(
-                r,
-                **values,
-                train_loss=fit["loss"],
-                supervised_loss=fit["supervised"],
-                unlabeled_loss=fit["unlabeled"],
-                consistency_loss=fit["consistency"],
-                mask_rate=fit["mask_rate"],
-                peer_learning=float(used_peer),
-                **peer_metrics,
-                train_s=train_s,
-                exchange_s=exchange_s,
-                round_s=time.perf_counter() - round_start,
-                neighbours=len(received),
-                neighbours_wanted=k,
-            )
-            ctx.checkpoint(self.checkpoint_state(r, site))
-        ctx.set_phase("done")
-
-    def serve_more(self, ctx: RoundContext) -> None:
-        """SSFL serves only FedAVGP2P's models."""
-
-    def resume(self, ctx: RoundContext, site: LocalSite) -> int:
-        start = super().resume(ctx, site)
-        saved = ctx.restore()
-        if start > 1 and saved:
-            self.load_extra(saved)
-        return start
 
 
 # ---------------------------------------------------------------------- FedPerl
@@ -220,7 +65,6 @@ class AnonymizedPeerRequest(BaseModel):
 class FedPerl(SSFL):
     """SSFL-P2P + communities + anonymized peer learning (T >= 1)."""
 
-    name = "fedperl"
     params: FedPerlParams  # type: ignore[assignment]
 
     def __init__(self, params: FedPerlParams) -> None:
@@ -279,15 +123,15 @@ class FedPerl(SSFL):
         self.peer_state = None
         similarities = self.similarities(ctx)
         ranked, chosen = self.choose_peers(ctx, round, similarities)
-        self.gossip[communities.COMMUNITY_KEY] = {
+        community = {
             "round": round,
             "top_t": ranked,
             "chosen": chosen,
             "similarity": {name: round_sim(similarities.get(name)) for name in ranked},
             "policy": p.policy,
         }
-        ctx.publish(communities.COMMUNITY_KEY, self.gossip[communities.COMMUNITY_KEY])
-        ctx.set_community(self.gossip[communities.COMMUNITY_KEY])
+        self.publish(ctx, communities.COMMUNITY_KEY, community)
+        ctx.set_community(community)
         if round < max(p.warmup_rounds, 1) or round >= p.rounds:
             return {"anon_contributors": 0.0}  # warm-up (or nothing left to train)
         ctx.record_choice(chosen)
@@ -372,8 +216,17 @@ class FedPerl(SSFL):
 
     # ------------------------------------------------------------------ contributor side
 
-    def serve_more(self, ctx: RoundContext) -> None:
+    def serve(self, ctx: RoundContext) -> None:
+        super().serve(ctx)
+        self.serve_anonymized_peer(ctx)
+
+    def serve_anonymized_peer(self, ctx: RoundContext) -> None:
+        """Answer the requests for masked contributions to an anonymized peer."""
         ctx.serve(ANON_KIND, functools.partial(self.serve_anonymized, ctx))
+
+    def offer(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        super().offer(ctx, site, rnd)
+        ctx.offered(ANON_KIND)
 
     async def serve_anonymized(
         self, ctx: RoundContext, requester: str, query: dict[str, Any]

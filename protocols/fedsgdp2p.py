@@ -33,15 +33,11 @@ from p2pfl.learning.train import LocalSite
 from p2pfl.protocol_params import FedSGDP2PParams
 from protocols import selection
 from protocols.aggregate import weighted_mean
-from protocols.base import NotReady, PeerInfo, PeerUnavailable, Protocol, RoundContext
-from protocols.fedavgp2p import (
-    HISTORY_KEEP,
-    FedAvgP2P,
-    build_site,
-    evaluate_site,
-    incompatibility,
-    pull_concurrently,
-)
+from protocols.base import NotReady, PeerInfo, PeerUnavailable, RoundContext
+from protocols.checks import incompatibility
+from protocols.exchange import pull_concurrently
+from protocols.rounds import Round, RoundLoop
+from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +60,13 @@ def steps_per_round(site: LocalSite) -> int:
     return t.epochs * per_epoch
 
 
-class FedSgdP2P(Protocol):
-    name = "fedsgdp2p"
+class FedSgdP2P(RoundLoop):
+    # A round is its steps, each with its own exchange: one "train" phase.
+    phases = ("train",)
 
     def __init__(self, params: FedSGDP2PParams) -> None:
-        self.params = params
+        super().__init__(params)
         self.served: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
-        self.selection_history: list[list[str]] = []
-        self.gossip: dict[str, Any] = {}
         self.latest: tuple[int, int] = (0, 0)
         # neighbour -> (first step it may be asked again, consecutive failures)
         self.backoff: dict[str, tuple[int, int]] = {}
@@ -160,112 +155,83 @@ class FedSgdP2P(Protocol):
             out.append(peer)
         return out
 
-    async def run(self, ctx: RoundContext) -> None:
-        p = self.params
-        cfg = ctx.config
-        site: LocalSite = await ctx.train(build_site, cfg)
-        heuristic = selection.from_config(cfg.selection)
-        start = self.resume(ctx, site)
-        total_steps = steps_per_round(site)
-        self.max_skip = max(1, total_steps)
-        ctx.publish(STEPS_KEY, total_steps)
+    async def setup(self, ctx: RoundContext) -> Any:
+        site: LocalSite = await ctx.train(build_site, ctx.config)
+        self.heuristic = selection.from_config(ctx.config.selection)
+        self.total_steps = steps_per_round(site)
+        self.max_skip = max(1, self.total_steps)
+        ctx.publish(STEPS_KEY, self.total_steps)
         ctx.serve(GRAD_KIND, self.serve_gradient)
+        return site
+
+    async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Every local step: gradient, exchange, optimizer step (DFU Alg. 4)."""
+        p = self.params
+        r = rnd.number
         others = len(ctx.roster()) - 1
+        self.timeouts = 0
+        train_s = exchange_s = 0.0
+        losses: list[float] = []
+        neighbours_used = 0
+        merged: set[str] = set()
+        step = 0
+        # The same batches as FedAVGP2P's local training: E epochs, or exactly
+        # training.steps_per_round steps whatever the site's size.
+        for x, y in site.training_batches(site.training.epochs):
+            step += 1
+            self.steps_done += 1
+            # 1. g = Gradient(w, data) (DFU Alg. 4 line 5), offered to the neighbours.
+            t0 = time.perf_counter()
+            grad = await ctx.train(site.compute_gradient, x, y)
+            losses.append(site.last_loss if site.last_loss is not None else float("nan"))
+            self.keep_for_peers(r, step, grad, len(y))
+            ctx.offered(GRAD_KIND)
+            train_s += time.perf_counter() - t0
 
-        for r in range(start, p.rounds + 1):
-            ctx.round = r
-            round_start = time.perf_counter()
-            self.timeouts = 0
-            train_s = exchange_s = 0.0
-            losses: list[float] = []
-            neighbours_used = 0
-            step = 0
-            ctx.set_phase("train")
-            # The same batches as FedAVGP2P's local training: E epochs, or exactly
-            # training.steps_per_round steps whatever the site's size.
-            for x, y in site.training_batches(site.training.epochs):
-                step += 1
-                self.steps_done += 1
-                # 1. g = Gradient(w, data) (DFU Alg. 4 line 5), offered to the neighbours.
-                t0 = time.perf_counter()
-                grad = await ctx.train(site.compute_gradient, x, y)
-                losses.append(site.last_loss if site.last_loss is not None else float("nan"))
-                self.keep_for_peers(r, step, grad, len(y))
-                ctx.offered(GRAD_KIND)
-                train_s += time.perf_counter() - t0
-
-                # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
-                t0 = time.perf_counter()
-                k = selection.neighbour_count(p.fraction, others)
-                ranking = heuristic.select(
-                    ctx.me,
-                    self.candidates(ctx, step),
-                    k,
-                    round=r,
-                    step=step,
-                    seed=cfg.federation.seed,
-                    my_meta=self.gossip,
-                    history=self.selection_history,
-                )
-                fetch = functools.partial(self.fetch_gradient, ctx, r, step, grad)
-                received = await pull_concurrently(ranking, k, p.step_timeout_s, fetch)
-                received.sort(key=lambda item: item[0])
-                exchange_s += time.perf_counter() - t0
-
-                # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
-                t0 = time.perf_counter()
-                mean = weighted_mean(
-                    [grad] + [g for _, g, _ in received], [len(y)] + [n for _, _, n in received]
-                )
-                await ctx.train(site.apply_gradient, mean)
-                train_s += time.perf_counter() - t0
-                used = [peer for peer, _, _ in received]
-                for peer in used:
-                    self.backoff.pop(peer, None)
-                neighbours_used += len(used)
-                self.selection_history = (self.selection_history + [used])[-HISTORY_KEEP:]
-                self.update_recent(ctx)
-                ctx.record_choice(used)
-
-            metrics: dict[str, Any] = {}
-            if r % p.eval_every == 0 or r == p.rounds:
-                ctx.set_phase("evaluate")
-                metrics = await ctx.train(evaluate_site, site)
-                stats = await ctx.train(site.model_stats_vector)
-                per_class = metrics.pop("per_class_f1")
-                if per_class is not None:
-                    self.gossip[selection.F1_KEY] = [float(v) for v in per_class]
-                    ctx.publish(selection.F1_KEY, self.gossip[selection.F1_KEY])
-                self.gossip[selection.MODEL_STATS_KEY] = [float(v) for v in stats]
-                ctx.publish(selection.MODEL_STATS_KEY, self.gossip[selection.MODEL_STATS_KEY])
-            ctx.log_metrics(
-                r,
-                **metrics,
-                train_loss=sum(losses) / len(losses) if losses else float("nan"),
-                train_s=train_s,
-                exchange_s=exchange_s,
-                round_s=time.perf_counter() - round_start,
-                steps=step,
-                neighbours=neighbours_used / step if step else 0.0,
-                timeouts=self.timeouts,
+            # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
+            t0 = time.perf_counter()
+            k = selection.neighbour_count(p.fraction, others)
+            ranking = self.heuristic.select(
+                ctx.me,
+                self.candidates(ctx, step),
+                k,
+                round=r,
+                step=step,
+                seed=ctx.config.federation.seed,
+                my_meta=self.gossip,
+                history=self.selection_history,
             )
-            ctx.checkpoint(
-                {
-                    "protocol": self.name,
-                    "round": r,
-                    "model": site.state_dict(),
-                    "optimizer": site.optimizer_state(),
-                    "selection_history": self.selection_history,
-                    "gossip": self.gossip,
-                }
+            fetch = functools.partial(self.fetch_gradient, ctx, r, step, grad)
+            received = await pull_concurrently(ranking, k, p.step_timeout_s, fetch)
+            received.sort(key=lambda item: item[0])
+            exchange_s += time.perf_counter() - t0
+
+            # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
+            t0 = time.perf_counter()
+            mean = weighted_mean(
+                [grad] + [g for _, g, _ in received], [len(y)] + [n for _, _, n in received]
             )
-        ctx.set_phase("done")
+            await ctx.train(site.apply_gradient, mean)
+            train_s += time.perf_counter() - t0
+            used = [peer for peer, _, _ in received]
+            for peer in used:
+                self.backoff.pop(peer, None)
+            neighbours_used += len(used)
+            merged.update(used)
+            self.remember_neighbours(used)
+            self.update_recent(ctx)
+            ctx.record_choice(used)
 
-    # Gossip of recent neighbours and resuming from a checkpoint work exactly as in FedAVGP2P.
-    update_recent = FedAvgP2P.update_recent
+        rnd.merged = [(peer, r) for peer in sorted(merged)]
+        rnd.log.update(
+            train_loss=sum(losses) / len(losses) if losses else float("nan"),
+            train_s=train_s,
+            exchange_s=exchange_s,
+            steps=step,
+            neighbours=neighbours_used / step if step else 0.0,
+            timeouts=self.timeouts,
+        )
 
-    def resume(self, ctx: RoundContext, site: LocalSite) -> int:
-        start = FedAvgP2P.resume(self, ctx, site)  # type: ignore[arg-type]
-        if start > 1:
-            self.latest = (start - 1, 1 << 30)
-        return start
+    def load_extra(self, saved: dict[str, Any]) -> None:
+        # Every step of the saved round is done: serve none of them as "not yet".
+        self.latest = (int(saved["round"]), 1 << 30)

@@ -17,16 +17,18 @@ from typing import Any
 import torch
 
 from p2pfl.protocol_params import ProbeParams
-from protocols.base import PeerUnavailable, Protocol, Received, RoundContext
+from protocols.base import PeerUnavailable, Received, RoundContext
+from protocols.rounds import Round, RoundLoop
 
 PROBE_KIND = "probe"
 
 
-class Probe(Protocol):
-    name = "probe"
+class Probe(RoundLoop):
+    phases = ("exchange",)  # no model: nothing to train, merge or evaluate
 
     def __init__(self, params: ProbeParams) -> None:
-        self.params = params
+        super().__init__(params)
+        self.received: dict[str, int] = {}  # sender -> probes processed
 
     def payload(self, me: str, round: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(zlib.crc32(f"{me}:{round}".encode()))
@@ -44,47 +46,55 @@ class Probe(Protocol):
             return None
         return time.perf_counter() - start
 
-    async def run(self, ctx: RoundContext) -> None:
-        state = ctx.restore() or {"round": 0, "received": {}}
-        received: dict[str, int] = dict(state["received"])  # sender -> probes processed
+    async def setup(self, ctx: RoundContext) -> Any:
+        return None
+
+    def take(self, msg: Received, round: int, got_this_round: set[str]) -> None:
+        self.received[msg.sender] = self.received.get(msg.sender, 0) + 1
+        if msg.round == round:
+            got_this_round.add(msg.sender)
+
+    async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Push a probe to every alive peer, and wait for one from each of them."""
+        r = rnd.number
         inbox = ctx.inbox(PROBE_KIND)
-        for r in range(int(state["round"]) + 1, self.params.rounds + 1):
-            ctx.round = r
-            ctx.set_phase("exchange")
-            peers = [p.name for p in ctx.peers()]
-            timings = await asyncio.gather(*(self.push(ctx, p, r) for p in peers))
-            sent = [t for t in timings if t is not None]
-            got_this_round: set[str] = set()
-            deadline = time.monotonic() + self.params.round_timeout_s
-            while True:
-                # Take everything already delivered, then wait for the missing peers.
-                while not inbox.empty():
-                    msg: Received = inbox.get_nowait()
-                    received[msg.sender] = received.get(msg.sender, 0) + 1
-                    if msg.round == r:
-                        got_this_round.add(msg.sender)
-                missing = [p for p in (x.name for x in ctx.peers()) if p not in got_this_round]
-                if not missing or time.monotonic() >= deadline:
-                    break
-                try:
-                    msg = await asyncio.wait_for(
-                        inbox.get(), timeout=min(0.5, deadline - time.monotonic())
-                    )
-                except TimeoutError:
-                    continue
-                received[msg.sender] = received.get(msg.sender, 0) + 1
-                if msg.round == r:
-                    got_this_round.add(msg.sender)
-            mb = self.params.payload_kb / 1024
-            ctx.checkpoint({"round": r, "received": received})
-            ctx.log_metrics(
-                r,
-                sent=len(sent),
-                send_failures=len(timings) - len(sent),
-                received=len(got_this_round),
-                received_total=sum(received.values()),
-                push_mb_s=(mb * len(sent) / sum(sent)) if sent and sum(sent) > 0 else 0.0,
-            )
-            if self.params.interval_s:
-                await ctx.sleep(self.params.interval_s)
-        ctx.set_phase("done")
+        peers = [p.name for p in ctx.peers()]
+        timings = await asyncio.gather(*(self.push(ctx, p, r) for p in peers))
+        sent = [t for t in timings if t is not None]
+        got_this_round: set[str] = set()
+        deadline = time.monotonic() + self.params.round_timeout_s
+        while True:
+            # Take everything already delivered, then wait for the missing peers.
+            while not inbox.empty():
+                self.take(inbox.get_nowait(), r, got_this_round)
+            missing = [p for p in (x.name for x in ctx.peers()) if p not in got_this_round]
+            if not missing or time.monotonic() >= deadline:
+                break
+            try:
+                msg = await asyncio.wait_for(
+                    inbox.get(), timeout=min(0.5, deadline - time.monotonic())
+                )
+            except TimeoutError:
+                continue
+            self.take(msg, r, got_this_round)
+        mb = self.params.payload_kb / 1024
+        rnd.log.update(
+            sent=len(sent),
+            send_failures=len(timings) - len(sent),
+            received=len(got_this_round),
+            received_total=sum(self.received.values()),
+            push_mb_s=(mb * len(sent) / sum(sent)) if sent and sum(sent) > 0 else 0.0,
+        )
+        if self.params.interval_s:
+            await ctx.sleep(self.params.interval_s)
+
+    def evaluates(self, round: int) -> bool:
+        return False
+
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+        return {"round": round, "received": self.received}
+
+    def resume(self, ctx: RoundContext, site: Any) -> int:
+        state = ctx.restore() or {"round": 0, "received": {}}
+        self.received = dict(state["received"])
+        return int(state["round"]) + 1

@@ -25,7 +25,7 @@ from p2pfl.config import SiteConfig
 from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, supervised_epoch
 from p2pfl.learning.train import LocalSite
 from protocols.baselines import BaselineResult
-from protocols.fedavgp2p import build_site
+from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 

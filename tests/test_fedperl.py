@@ -23,10 +23,11 @@ from p2pfl.learning.train import TrainingError
 from p2pfl.protocol_params import FedPerlParams
 from protocols import create, masking
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
-from protocols.fedavgp2p import build_site
-from protocols.fedperl import ANON_KIND, SSFL, FedPerl
+from protocols.fedperl import ANON_KIND, FedPerl
 from protocols.memory import InMemoryContext, InMemoryNetwork, simulate, simulation_configs
 from protocols.semisup_baselines import local_fixmatch, local_supervised
+from protocols.site import build_site
+from protocols.ssfl import SSFL
 
 SITES = ["site0", "site1", "site2", "site3"]
 
@@ -238,7 +239,7 @@ def contributor_federation(
     for i, name in enumerate(names):
         protocol = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5))
         protocol.keep_for_peers(1, model_state(i), 100)
-        protocol.serve_more(ctxs[name])
+        protocol.serve_anonymized_peer(ctxs[name])
         protocols[name] = protocol
     requester = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5))
     return network, ctxs, {"req": requester, **protocols}

@@ -14,9 +14,9 @@ from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from protocols.aggregate import weighted_mean
 from protocols.baselines import centralized_fedsgd
-from protocols.fedavgp2p import build_site
 from protocols.fedsgdp2p import steps_per_round
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+from protocols.site import build_site
 
 
 @pytest.fixture(scope="module")

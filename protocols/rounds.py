@@ -1,0 +1,196 @@
+"""The round skeleton: the one loop every protocol runs.
+
+    setup (build the site, serve what peers ask for)
+    resume from the last checkpoint, or prepare a fresh start
+    for each round r:
+        the protocol's phases, in its order        train -> fit()
+                                                    exchange -> exchange()
+                                                    aggregate -> aggregate()
+        evaluate (every `eval_every` rounds and the last)
+        log: the phases' timers, the evaluation, what the protocol noted
+        checkpoint: everything resume needs, with the ledger of what was merged
+    finish (export what the protocol produces), phase "done"
+
+The skeleton owns the loop, the phases and their timers, logging, the
+checkpoint and resume, the merged ledger and the gossip a selection heuristic
+reads. A protocol (FedAVGP2P, FedSGDP2P, SSFL/FedPerl, FedER, Fed-MAE, probe)
+overrides only the hooks its paper's algorithm box makes different.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from protocols import selection
+from protocols.base import Protocol, RoundContext
+from protocols.site import evaluate_site
+
+log = logging.getLogger(__name__)
+
+HISTORY_KEEP = 1000  # selection history and merged-ledger entries kept in checkpoints
+
+# A phase's name (what /status shows) -> the hook that runs it.
+PHASE_HOOKS = {"train": "fit", "exchange": "exchange", "aggregate": "aggregate"}
+
+
+@dataclass
+class Round:
+    """What one round's phases hand each other, and what the round logs."""
+
+    number: int
+    own: dict[str, Any] | None = None  # this node's update of the round (after fit)
+    received: list[Any] = field(default_factory=list)  # the neighbours' updates (exchange)
+    merged: list[tuple[str, int]] = field(default_factory=list)  # (peer, its round) merged
+    log: dict[str, Any] = field(default_factory=dict)  # the protocol's own logged values
+
+
+class RoundLoop(Protocol):
+    """A protocol run as rounds. Hooks, in the order the skeleton calls them:
+    `setup`, `load_extra` (on resume), `before_rounds`, the phase hooks of
+    `phases`, `evaluate_round`, `checkpoint_state`, `finish`."""
+
+    phases: ClassVar[tuple[str, ...]] = ("train", "exchange", "aggregate")
+    params: Any  # the protocol's params: rounds, eval_every, ...
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+        self.name = params.name  # the one place a protocol's name is written is its params
+        self.selection_history: list[list[str]] = []  # neighbours used, most recent last
+        self.merged: list[list[Any]] = []  # [round, [[peer, peer's round], ...]] (bounded)
+        self.gossip: dict[str, Any] = {}  # what this node publishes for the heuristics
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, ctx: RoundContext) -> None:
+        site = await self.setup(ctx)
+        await self.run_rounds(ctx, site)
+        await self.finish(ctx, site)
+        ctx.set_phase("done")
+
+    async def run_rounds(self, ctx: RoundContext, site: Any) -> None:
+        """The rounds, resumed from the last checkpoint."""
+        start = self.resume(ctx, site)
+        await self.before_rounds(ctx, site)
+        for r in range(start, self.params.rounds + 1):
+            ctx.round = r
+            rnd = Round(r)
+            round_start = time.perf_counter()
+            timers: dict[str, float] = {}
+            for phase in self.phases:
+                ctx.set_phase(phase)
+                phase_start = time.perf_counter()
+                await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
+                timers[f"{phase}_s"] = time.perf_counter() - phase_start
+            self.note_merged(r, rnd.merged)
+
+            metrics: dict[str, Any] = {}
+            if self.evaluates(r):
+                ctx.set_phase("evaluate")
+                metrics = await self.evaluate_round(ctx, site)
+            # A hook's own timers (FedSGDP2P splits its steps) win over the phase's.
+            values = {**metrics, **timers, **rnd.log}
+            ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
+            ctx.checkpoint(self.checkpoint_state(r, site))
+
+    def evaluates(self, round: int) -> bool:
+        return round % self.params.eval_every == 0 or round == self.params.rounds
+
+    # ------------------------------------------------------------------ hooks
+
+    async def setup(self, ctx: RoundContext) -> Any:
+        """Build the site and start serving; returns the site the rounds train."""
+        raise NotImplementedError
+
+    async def before_rounds(self, ctx: RoundContext, site: Any) -> None:
+        """After resume, before the first round to run (FedER: its buffer)."""
+
+    async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Phase "train": local training."""
+
+    async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Phase "exchange": what travels between this node and its peers."""
+
+    async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """Phase "aggregate": merge what arrived into this node's model; note
+        what was merged in `rnd.merged`."""
+
+    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
+        """The round's logged metrics (test, and val_* where the site has a val
+        split); also refreshes the gossip the heuristics read (per-class F1 on
+        val, model statistics)."""
+        metrics = await ctx.train(evaluate_site, site)
+        stats = await ctx.train(site.model_stats_vector)
+        self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
+        return metrics
+
+    async def finish(self, ctx: RoundContext, site: Any) -> None:
+        """After the last round (Fed-MAE: export the encoder)."""
+
+    # ------------------------------------------------------------------ checkpoint and resume
+
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+        """Everything `resume` needs to carry on after `round`."""
+        return {
+            "protocol": self.name,
+            "round": round,
+            "model": site.state_dict(),
+            "optimizer": site.optimizer_state(),
+            "selection_history": self.selection_history,
+            "merged": self.merged,
+            "gossip": self.gossip,
+        }
+
+    def resume(self, ctx: RoundContext, site: Any) -> int:
+        """Load the last checkpoint (if it is this protocol's) and return the first
+        round to run."""
+        saved = ctx.restore()
+        if not saved or saved.get("protocol") != self.name:
+            return 1
+        site.load_state_dict(saved["model"])
+        if saved.get("optimizer") is not None:
+            site.load_optimizer_state(saved["optimizer"])
+        self.selection_history = [list(x) for x in saved.get("selection_history", [])]
+        self.merged = [list(x) for x in saved.get("merged", [])]
+        self.gossip = dict(saved.get("gossip", {}))
+        for key, value in self.gossip.items():
+            ctx.publish(key, value)
+        self.load_extra(saved)
+        ctx.round = int(saved["round"])
+        log.info("%s: resumed after round %d", ctx.me, saved["round"])
+        return int(saved["round"]) + 1
+
+    def load_extra(self, saved: dict[str, Any]) -> None:
+        """The protocol's own part of a checkpoint (what checkpoint_state added)."""
+
+    # ------------------------------------------------------------------ ledger and gossip
+
+    def note_merged(self, round: int, merged: list[tuple[str, int]]) -> None:
+        """The ledger of what round `round` merged (peer, the peer's round), kept
+        in the checkpoint for audit."""
+        entry = [round, [[peer, peer_round] for peer, peer_round in merged]]
+        self.merged = (self.merged + [entry])[-HISTORY_KEEP:]
+
+    def remember_neighbours(self, used: list[str]) -> None:
+        """Whom this node just exchanged with: the n-latest heuristic's history."""
+        self.selection_history = (self.selection_history + [list(used)])[-HISTORY_KEEP:]
+
+    def publish(self, ctx: RoundContext, key: str, value: Any) -> None:
+        """Gossip `value` under `key` (and keep it for the checkpoint)."""
+        self.gossip[key] = value
+        ctx.publish(key, value)
+
+    def update_gossip(
+        self, ctx: RoundContext, per_class_f1: list[float] | None, stats: list[float]
+    ) -> None:
+        """What the F1 and cosine heuristics read: per-class F1 on val, model statistics."""
+        if per_class_f1 is not None:
+            self.publish(ctx, selection.F1_KEY, [float(x) for x in per_class_f1])
+        self.publish(ctx, selection.MODEL_STATS_KEY, [float(x) for x in stats])
+
+    def update_recent(self, ctx: RoundContext) -> None:
+        """H1: the n most recent neighbours, gossiped for the others' overlap test."""
+        recent = selection.recent_neighbours(self.selection_history, ctx.config.selection.n)
+        self.publish(ctx, selection.RECENT_KEY, recent)

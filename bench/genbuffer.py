@@ -48,7 +48,8 @@ from genbuffer.buffer import buffer_to_bytes, sample_buffer  # noqa: E402
 from genbuffer.checkpoint import load_generator  # noqa: E402
 from genbuffer.config import GenbufferSection  # noqa: E402
 from genbuffer.privacy import build_perceptual_distance  # noqa: E402
-from genbuffer.train import GanTrainer, prepare_images, train_generator  # noqa: E402
+from genbuffer.train import train_generator  # noqa: E402
+from genbuffer.trainer import GanTrainer, prepare_images  # noqa: E402
 from p2pfl.learning.metrics import macro_f1  # noqa: E402
 from p2pfl.learning.models import create_model  # noqa: E402
 

@@ -16,7 +16,6 @@ from the same stage-1 start, and write
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
+
+from p2pfl.files import atomic_write_json
 
 from .buffer import to_uint8
 from .privacy import PerceptualDistance
@@ -211,7 +212,7 @@ def audit_privacy(
         "images": len(real_images),
         "steps": steps,
     }
-    (out_dir / AUDIT_JSON).write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    atomic_write_json(out_dir / AUDIT_JSON, payload)
     log.info(
         "privacy audit on %d images: mean LPIPS to projection %.4f without / %.4f with the privacy loss (%+.1f%%)",
         len(real_images),

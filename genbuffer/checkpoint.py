@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from p2pfl.files import atomic_torch_save
 
 from .errors import CheckpointError
 from .stylegan2 import Generator, GeneratorSpec
@@ -29,17 +30,6 @@ class GeneratorInfo:
     alpha: float = 0.0
     lpips_backbone: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, rename: a crash leaves the old file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def safe_torch_load(path: Path, expected_format: str) -> dict[str, Any]:

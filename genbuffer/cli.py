@@ -132,9 +132,21 @@ def _user_error(message: str) -> int:
     return 2
 
 
+COMMON_OVERRIDES = {
+    "device": "device",
+    "seed": "seed",
+    "lpips_backbone": "lpips_backbone",
+    "lpips_weights": "lpips_weights",
+}
+
+
 def _with_overrides(
-    section: GenbufferSection, args: argparse.Namespace, names: dict[str, str]
+    config: GenbufferConfig, args: argparse.Namespace, options: dict[str, str]
 ) -> GenbufferSection:
+    """The config's genbuffer section with the options given on the command line
+    applied: the common ones and `options` (argparse name -> section field)."""
+    section = config.genbuffer
+    names = {**COMMON_OVERRIDES, **options}
     updates: dict[str, Any] = {}
     for arg, field in names.items():
         value = getattr(args, arg, None)
@@ -152,14 +164,6 @@ def _with_overrides(
         )
         problem = err["msg"].removeprefix("Value error, ")
         raise GenbufferError("bad_option", f"{option}: {problem}") from None
-
-
-COMMON_OVERRIDES = {
-    "device": "device",
-    "seed": "seed",
-    "lpips_backbone": "lpips_backbone",
-    "lpips_weights": "lpips_weights",
-}
 
 
 def _progress_bar() -> Any:
@@ -200,10 +204,9 @@ def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
     from .train import train_generator
 
     section = _with_overrides(
-        config.genbuffer,
+        config,
         args,
         {
-            **COMMON_OVERRIDES,
             "out": "out_dir",
             "iterations": "iterations",
             "stage2_iterations": "stage2_iterations",
@@ -242,11 +245,7 @@ def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
     from .checkpoint import load_generator
     from .train import GENERATOR_FILE, resolve_device
 
-    section = _with_overrides(
-        config.genbuffer,
-        args,
-        {**COMMON_OVERRIDES, "size": "buffer_size", "per_class": "per_class"},
-    )
+    section = _with_overrides(config, args, {"size": "buffer_size", "per_class": "per_class"})
     checkpoint = args.checkpoint or section.out_dir / GENERATOR_FILE
     generator, info = load_generator(checkpoint, resolve_device(section.device))
     buffer = sample_buffer(
@@ -289,13 +288,10 @@ def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
     from .audit import audit_privacy
     from .checkpoint import load_generator
     from .privacy import build_perceptual_distance
-    from .train import GENERATOR_FILE, REFERENCE_GENERATOR, prepare_images, resolve_device
+    from .train import GENERATOR_FILE, REFERENCE_GENERATOR, resolve_device
+    from .trainer import prepare_images
 
-    section = _with_overrides(
-        config.genbuffer,
-        args,
-        {**COMMON_OVERRIDES, "images": "audit_images", "steps": "audit_steps"},
-    )
+    section = _with_overrides(config, args, {"images": "audit_images", "steps": "audit_steps"})
     device = resolve_device(section.device)
     metric = build_perceptual_distance(
         section.lpips_backbone,

@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from p2pfl.files import atomic_torch_save
 from p2pfl.learning.models import create_model
 
-from .checkpoint import FORMAT_VERSION, atomic_torch_save, safe_torch_load
+from .checkpoint import FORMAT_VERSION, safe_torch_load
 from .errors import CheckpointError
 from .stylegan2 import Generator
 

@@ -21,6 +21,7 @@ from genbuffer.buffer import buffer_from_bytes, buffer_to_bytes, class_counts, s
 from genbuffer.checkpoint import load_generator
 from genbuffer.cli import add_genbuffer_parser
 from genbuffer.config import GenbufferSection, load_genbuffer_config
+from genbuffer.discriminator import Discriminator, DiscriminatorSpec
 from genbuffer.errors import GenbufferError, LpipsBackboneMissing, SyntheticBufferError
 from genbuffer.privacy import (
     PerceptualDistance,
@@ -29,14 +30,9 @@ from genbuffer.privacy import (
     privacy_preserving_generator_loss,
 )
 from genbuffer.quality import frechet_distance, quality_classifier_features
-from genbuffer.stylegan2 import (
-    Discriminator,
-    DiscriminatorSpec,
-    Generator,
-    GeneratorSpec,
-    ModulatedConv2d,
-)
-from genbuffer.train import GanTrainer, prepare_images, r1_penalty, train_generator
+from genbuffer.stylegan2 import Generator, GeneratorSpec, ModulatedConv2d
+from genbuffer.train import train_generator
+from genbuffer.trainer import GanTrainer, prepare_images, r1_penalty
 from p2pfl.config import ConfigError
 
 TINY = {"z_dim": 16, "w_dim": 16, "mapping_layers": 2, "channel_base": 128, "channel_max": 16}

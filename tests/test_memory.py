@@ -12,7 +12,7 @@ import torch
 
 from p2pfl.secure.tensors import CodecError, dumps
 from protocols.base import NotReady, PeerUnavailable
-from protocols.memory import InMemoryNetwork
+from protocols.memory import InMemoryNetwork, simulation_configs
 
 
 def trio(**kw: Any) -> tuple[InMemoryNetwork, Any, Any, Any]:
@@ -144,6 +144,22 @@ async def test_checkpoint_survives_a_restart_through_the_directory(tmp_path) -> 
     assert saved is not None
     assert saved["round"] == 2 and saved["history"] == [["b"], ["c"]]
     assert torch.equal(saved["model"]["w"], torch.ones(3))
+
+
+def test_artifacts_live_in_the_state_dir_or_beside_the_checkpoints(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (config,) = simulation_configs(
+        ["site0.npz"], protocol={"name": "fedavgp2p"}, state_root=tmp_path / "state"
+    )
+    net = InMemoryNetwork(checkpoint_dir=tmp_path / "ckpt")
+    with_config = net.join("site0", config).artifact("genbuffer/generator.pt")
+    assert with_config == tmp_path / "state" / "site0" / "genbuffer" / "generator.pt"
+    assert with_config.parent.is_dir()
+    without_config = net.join("observer").artifact("encoder.pt")
+    assert without_config == tmp_path / "ckpt" / "observer" / "encoder.pt"
+    with pytest.raises(ValueError, match="relative path"):
+        net.join("observer").artifact("../escape.pt")
+    with pytest.raises(RuntimeError, match="nowhere to go"):
+        InMemoryNetwork().join("a").artifact("encoder.pt")
 
 
 async def test_metrics_and_choices_are_collected_per_node() -> None:

@@ -1,4 +1,4 @@
-"""An in-memory federation: many nodes, one process, one event loop.
+"""The in-memory network: many nodes, one process, one event loop.
 
 `InMemoryNetwork` is the hub; `InMemoryContext` is one node's `RoundContext`
 over it. The same protocol code that runs in the daemon runs here, with real
@@ -7,7 +7,7 @@ exercise what the daemon does: a pull waits while the peer's handler says
 `NotReady`, a dead or partitioned peer raises `PeerUnavailable`, a silent one
 costs the full timeout. Every payload goes through `p2pfl.secure.tensors.dumps` and
 `loads` (what would not survive the wire fails here too) and its bytes are
-counted against the node that sent it.
+counted against the node that sent it (`Traffic`).
 
 Faults tests can inject:
   network.kill(name)                 the node stops: its task is cancelled, every
@@ -15,30 +15,24 @@ Faults tests can inject:
   network.partition(name, on=True)   cut off both ways; looks dead to the others
   network.silence(name, on=True)     looks alive, never answers (costs timeouts)
   network.set_latency(name, s)       one-way delay of every message to/from it
-
-`simulate(configs)` runs each site's protocol concurrently and returns per
-node per round records (macro_f1, accuracy, messages_sent, bytes_sent,
-train_s, round_s, ...), the neighbour choices and the traffic.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import statistics
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from p2pfl.config import SiteConfig, config_from_dict
+from p2pfl.config import SiteConfig
+from p2pfl.files import atomic_write_bytes
 from p2pfl.secure.tensors import dumps, loads
-from protocols import from_params
 from protocols.base import (
     Handler,
     NotReady,
@@ -114,7 +108,8 @@ class InMemoryNetwork:
 
     inline_train: run `ctx.train` work on the event loop instead of a worker
     thread, so interleaving (and thus every result) repeats exactly.
-    checkpoint_dir: also write each node's checkpoint to DIR/<name>.ckpt.
+    checkpoint_dir: also write each node's checkpoint to DIR/<name>.ckpt; a node
+        that joined without a config keeps its artifacts under DIR/<name>/.
     poll_interval_s: how often a pull re-asks a handler that said NotReady.
     """
 
@@ -376,17 +371,29 @@ class InMemoryContext(RoundContext):
         self._node.checkpoint = data
         directory = self.network.checkpoint_dir
         if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / f"{self.me}.ckpt"
-            tmp = path.with_suffix(".ckpt.tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            atomic_write_bytes(directory / f"{self.me}.ckpt", data)
 
     def restore(self) -> dict[str, Any] | None:
         return None if self._node.checkpoint is None else loads(self._node.checkpoint)
+
+    def artifact(self, name: str) -> Path:
+        """Under the node's state_dir when it joined with a config (what
+        `simulation_configs` gives every site); under checkpoint_dir/<name>/
+        when it joined without one. A node with neither has no storage."""
+        if self._node.config is not None:
+            return super().artifact(name)
+        if self.network.checkpoint_dir is None:
+            raise RuntimeError(
+                f"{self.me} joined without a config and the network has no checkpoint_dir, "
+                f"so artifact {name!r} has nowhere to go — join with a SiteConfig or give "
+                "InMemoryNetwork a checkpoint_dir"
+            )
+        relative = Path(name)
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise ValueError(f"artifact name {name!r} must be a relative path inside the node")
+        path = self.network.checkpoint_dir / self.me / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def log_metrics(self, round: int, **values: float) -> None:
         """Records carry this node's cumulative traffic at the time of logging."""
@@ -409,172 +416,3 @@ class InMemoryContext(RoundContext):
         self.network.rejections.append(
             {"node": self.me, "round": self.round, "peer": peer, "reason": reason}
         )
-
-
-# ---------------------------------------------------------------------- simulation
-
-
-@dataclass
-class SimulationResult:
-    """What `simulate` measured. `records` holds one dict per node per round
-    (node, round, macro_f1, accuracy, messages_sent, bytes_sent, train_s,
-    round_s, ...; traffic figures are cumulative since the start)."""
-
-    records: list[dict[str, Any]]
-    choices: list[dict[str, Any]]
-    traffic: dict[str, dict[str, Any]]
-    errors: dict[str, str]
-    wall_s: float
-
-    def nodes(self) -> list[str]:
-        return sorted(self.traffic)
-
-    def metric(self, name: str, node: str) -> dict[int, float]:
-        """round -> value of one metric for one node (rounds that logged it)."""
-        return {
-            r["round"]: r[name]
-            for r in self.records
-            if r["node"] == node and r.get(name) is not None
-        }
-
-    def mean_by_round(self, name: str = "macro_f1") -> dict[int, float]:
-        """round -> mean over the nodes that logged the metric that round."""
-        by_round: dict[int, list[float]] = {}
-        for r in self.records:
-            if r.get(name) is not None:
-                by_round.setdefault(r["round"], []).append(float(r[name]))
-        return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
-
-    def rounds_completed(self) -> dict[str, int]:
-        done: dict[str, int] = dict.fromkeys(self.traffic, 0)
-        for r in self.records:
-            done[r["node"]] = max(done.get(r["node"], 0), r["round"])
-        return done
-
-    def messages_sent(self, kind: str | None = None) -> int:
-        """Messages sent by all nodes, or only those of one kind ('model' = models sent)."""
-        if kind is None:
-            return sum(t["messages_sent"] for t in self.traffic.values())
-        return sum(t["by_kind"].get(kind, {}).get("messages", 0) for t in self.traffic.values())
-
-    def bytes_sent(self, kind: str | None = None) -> int:
-        if kind is None:
-            return sum(t["bytes_sent"] for t in self.traffic.values())
-        return sum(t["by_kind"].get(kind, {}).get("bytes", 0) for t in self.traffic.values())
-
-    def rounds_to_threshold(self, threshold: float, metric: str = "macro_f1") -> int | None:
-        """First round whose mean over the nodes reaches `threshold` (DFU Table 2)."""
-        for r, value in self.mean_by_round(metric).items():
-            if value >= threshold:
-                return r
-        return None
-
-    def messages_until(self, round: int, field: str = "messages_sent") -> int:
-        """Messages (or bytes, field="bytes_sent") all nodes had sent when each
-        logged `round` (DFU Fig. 7 counts them up to the threshold round)."""
-        return sum(int(r[field]) for r in self.records if r["round"] == round and field in r)
-
-    def choice_counts(self) -> dict[str, dict[str, int]]:
-        """chooser -> chosen -> how many rounds (who-chose-whom)."""
-        counts: dict[str, dict[str, int]] = {}
-        for c in self.choices:
-            row = counts.setdefault(c["node"], {})
-            for peer in c["chosen"]:
-                row[peer] = row.get(peer, 0) + 1
-        return counts
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "records": self.records,
-            "choices": self.choices,
-            "traffic": self.traffic,
-            "errors": self.errors,
-            "wall_s": self.wall_s,
-        }
-
-
-async def _run_node(ctx: InMemoryContext, config: SiteConfig) -> None:
-    protocol = from_params(config.protocol)
-    await protocol.run(ctx)
-
-
-async def simulate(
-    configs: Sequence[SiteConfig], *, network: InMemoryNetwork | None = None
-) -> SimulationResult:
-    """Run every site's protocol concurrently in this process until all finish
-    (or are killed). Nodes the network already marks dead are not started. A
-    node that raises is recorded in `errors`; the others go on."""
-    network = network if network is not None else InMemoryNetwork()
-    names = [c.node.name for c in configs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"node names must be unique, got {names}")
-    contexts: dict[str, InMemoryContext] = {}
-    for cfg in configs:
-        existing = network._nodes.get(cfg.node.name)
-        if existing is not None and not existing.alive:
-            continue  # killed before the start: it never runs
-        contexts[cfg.node.name] = network.join(cfg.node.name, cfg)
-    start = time.perf_counter()
-    first_record, first_choice = len(network.records), len(network.choices)
-    tasks: dict[str, asyncio.Task[None]] = {}
-    for cfg in configs:
-        if cfg.node.name in contexts:
-            task = asyncio.create_task(
-                _run_node(contexts[cfg.node.name], cfg), name=f"node:{cfg.node.name}"
-            )
-            network._nodes[cfg.node.name].task = task
-            tasks[cfg.node.name] = task
-    errors: dict[str, str] = {name: "killed before start" for name in names if name not in contexts}
-    for name, task in tasks.items():
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not network._nodes[name].alive:
-                errors[name] = "killed"
-            else:
-                for other in tasks.values():
-                    other.cancel()
-                raise
-        except Exception as exc:  # noqa: BLE001 - one failing node is a result, not a crash of the simulation
-            log.exception("node %s failed", name)
-            errors[name] = f"{type(exc).__name__}: {exc}"
-    wall = time.perf_counter() - start
-    return SimulationResult(
-        records=[r for r in network.records[first_record:] if r["node"] in names],
-        choices=[c for c in network.choices[first_choice:] if c["node"] in names],
-        traffic={name: network.traffic(name).as_dict() for name in names if name in network._nodes},
-        errors=errors,
-        wall_s=wall,
-    )
-
-
-def simulation_configs(
-    sources: Sequence[str],
-    *,
-    protocol: dict[str, Any],
-    names: Sequence[str] | None = None,
-    federation_id: str = "sim",
-    seed: int = 0,
-    state_root: str | Path = "state",
-    **sections: dict[str, Any],
-) -> list[SiteConfig]:
-    """One SiteConfig per data source, for simulations and benchmarks: no key,
-    roster or status files are needed. `sections` are site.yaml sections shared
-    by every site (training={...}, selection={...}, model={...}, data={...});
-    `data.source` is set per site from `sources`."""
-    names = list(names) if names is not None else [f"site{i}" for i in range(len(sources))]
-    if len(names) != len(sources):
-        raise ValueError(f"{len(names)} names for {len(sources)} sources")
-    out: list[SiteConfig] = []
-    for name, source in zip(names, sources, strict=True):
-        raw: dict[str, Any] = {
-            "node": {"name": name, "state_dir": str(Path(state_root) / name)},
-            "federation": {"id": federation_id, "roster": "roster.yaml", "seed": seed},
-            "protocol": dict(protocol),
-            "status": {"enabled": False},
-        }
-        for section, values in sections.items():
-            raw[section] = dict(values)
-        raw["data"] = {**raw.get("data", {}), "source": source}
-        out.append(config_from_dict(raw, check_files=False))
-    return out

@@ -1,0 +1,24 @@
+"""An in-memory federation: many nodes, one process, one event loop.
+
+network.py  the hub (`InMemoryNetwork`) and one node's `RoundContext` over it
+            (`InMemoryContext`), with fault injection and traffic counting
+simulate.py `simulate(configs)` runs every site's protocol concurrently;
+            `simulation_configs` builds their configs
+results.py  `SimulationResult`: per node per round records (macro_f1, accuracy,
+            messages_sent, bytes_sent, train_s, round_s, ...), neighbour
+            choices and traffic
+"""
+
+from .network import InMemoryContext, InMemoryNetwork, KindTraffic, Traffic
+from .results import SimulationResult
+from .simulate import simulate, simulation_configs
+
+__all__ = [
+    "InMemoryContext",
+    "InMemoryNetwork",
+    "KindTraffic",
+    "SimulationResult",
+    "Traffic",
+    "simulate",
+    "simulation_configs",
+]

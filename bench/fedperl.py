@@ -1,4 +1,4 @@
-"""FedPerl acceptance experiment on PneumoniaMNIST, in memory (protocols/memory.py).
+"""FedPerl acceptance experiment on PneumoniaMNIST, in memory (protocols/memory/).
 
 Seven sites, 10% of each site's training images labeled, the rest unlabeled:
 

@@ -2,7 +2,7 @@
 
 A ViT classifier fine-tuned with FedAVGP2P starting from a P2P Fed-MAE
 pre-trained encoder against the same classifier started from scratch, at
-several label fractions, on an in-memory federation (protocols/memory.py):
+several label fractions, on an in-memory federation (protocols/memory/):
 
 1. Partition the data among --nodes sites (--scheme, --seed), once per label
    fraction. The Dirichlet draw comes first, so every fraction gives each site

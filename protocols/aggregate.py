@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from p2pfl.learning.state import is_averaged
+
 StateDict = Mapping[str, Tensor]
 Method = Literal["mean", "median", "trimmed_mean", "norm_clip"]
 
@@ -69,10 +71,6 @@ def _check(states: Sequence[StateDict], own: int, weights: Sequence[float] | Non
             )
 
 
-def _averaged(value: Tensor) -> bool:
-    return value.is_floating_point()
-
-
 def _stack(states: Sequence[StateDict], key: str) -> Tensor:
     return torch.stack([s[key].detach().to("cpu", torch.float64) for s in states])
 
@@ -86,7 +84,7 @@ def weighted_mean(
     coeffs = torch.tensor([w / total for w in weights], dtype=torch.float64)
     out: dict[str, Tensor] = {}
     for key, mine in states[own].items():
-        if not _averaged(mine):
+        if not is_averaged(key, mine):
             out[key] = mine.detach().clone()
             continue
         stacked = _stack(states, key)
@@ -100,7 +98,7 @@ def coordinate_median(states: Sequence[StateDict], *, own: int = 0) -> dict[str,
     _check(states, own)
     out: dict[str, Tensor] = {}
     for key, mine in states[own].items():
-        if not _averaged(mine):
+        if not is_averaged(key, mine):
             out[key] = mine.detach().clone()
             continue
         ordered = _stack(states, key).sort(dim=0).values
@@ -125,7 +123,7 @@ def trimmed_mean(
     cut = int(math.floor(trim_ratio * m))
     out: dict[str, Tensor] = {}
     for key, mine in states[own].items():
-        if not _averaged(mine):
+        if not is_averaged(key, mine):
             out[key] = mine.detach().clone()
             continue
         stacked = _stack(states, key)
@@ -139,7 +137,7 @@ def update_norm(state: StateDict, reference: StateDict) -> float:
     """L2 norm of state - reference over all float entries together."""
     total = 0.0
     for key, ref in reference.items():
-        if _averaged(ref):
+        if is_averaged(key, ref):
             diff = state[key].detach().to("cpu", torch.float64) - ref.detach().to(
                 "cpu", torch.float64
             )
@@ -173,7 +171,7 @@ def norm_clip(
     total = float(sum(weights))
     out: dict[str, Tensor] = {}
     for key, mine in reference.items():
-        if not _averaged(mine):
+        if not is_averaged(key, mine):
             out[key] = mine.detach().clone()
             continue
         base = mine.detach().to("cpu", torch.float64)

@@ -158,9 +158,13 @@ class RoundContext(ABC):
         relative = Path(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             raise ValueError(f"artifact name {name!r} must be a relative path inside the node")
-        path = Path(self.config.node.state_dir) / relative
+        path = self.storage_dir() / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
+
+    def storage_dir(self) -> Path:
+        """The folder this node keeps its files in: its state directory."""
+        return Path(self.config.node.state_dir)
 
     def set_phase(self, phase: str) -> None:
         """What the node is doing now (train, exchange, aggregate, evaluate, done)."""

@@ -4,12 +4,10 @@ Every node gossips its feature vector (`FEATURES_KEY`) and computes, on its
 own, the same similarity matrix the papers' server would:
 
 - feature vector F_m = ((mu_0, sigma_0), ..., (mu_l, sigma_l)): mean and
-  unbiased std of every floating-point state-dict entry (weights, biases, BN
-  running stats; counters such as `num_batches_tracked` skipped), in key order
-  (FedPerl journal Sec. 2.3.1, MICCAI Sec. 2.2 "Building communities");
-- each column min-max normalised across the nodes (a constant column becomes
-  1), as the public reference code does, then cosine similarity
-  omega_mk = F_m . F_k / (|F_m| |F_k|);
+  unbiased std of every averaged state-dict entry (p2pfl.learning.state.feature_vector;
+  FedPerl journal Sec. 2.3.1, MICCAI Sec. 2.2 "Building communities");
+- each column min-max normalised across the nodes, then cosine similarity
+  (protocols/similarity.py);
 - the top T peers by similarity, never itself, never a negative (or
   undefined) similarity; ties broken by name so every run picks alike;
 - a policy on the top T (journal Sec. 2.3.5): static (all T), validation
@@ -28,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
-from torch import Tensor
+
+from protocols.similarity import cosine_matrix, normalise_columns
 
 log = logging.getLogger(__name__)
 
@@ -40,50 +38,6 @@ COMMUNITY_KEY = "community"  # gossiped: this node's chosen peers (observability
 
 Policy = Literal["static", "validation", "gated_validation", "gated_similarity"]
 POLICIES: tuple[str, ...] = ("static", "validation", "gated_validation", "gated_similarity")
-
-
-def is_counter(key: str, value: Tensor) -> bool:
-    """Entries left out of feature vectors and averages: integer buffers such as
-    BatchNorm's `num_batches_tracked`."""
-    return key.endswith("num_batches_tracked") or not value.is_floating_point()
-
-
-def feature_vector(state: Mapping[str, Tensor]) -> list[float]:
-    """F_m: (mean, unbiased std) of every non-counter entry, in key order
-    (std 0.0 for a one-element entry, where it is undefined)."""
-    out: list[float] = []
-    for key, value in state.items():
-        if is_counter(key, value):
-            continue
-        flat = value.detach().to(torch.float64).flatten()
-        out.append(float(flat.mean()) if flat.numel() else 0.0)
-        out.append(float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0)
-    return out
-
-
-def normalise_columns(vectors: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Min-max normalise each column (feature) across the rows (nodes); a
-    constant column becomes all ones (the reference code's convention)."""
-    matrix = np.asarray(vectors, dtype=np.float64)
-    if matrix.ndim != 2:
-        raise ValueError(f"expected a nodes x features matrix, got shape {matrix.shape}")
-    low = matrix.min(axis=0)
-    span = matrix.max(axis=0) - low
-    out = np.ones_like(matrix)
-    varying = span > 0
-    out[:, varying] = (matrix[:, varying] - low[varying]) / span[varying]
-    return out
-
-
-def cosine_matrix(matrix: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Pairwise cosine similarity of the rows; 0 where a row is all zeros."""
-    norms = np.linalg.norm(matrix, axis=1)
-    safe = np.where(norms > 0, norms, 1.0)
-    unit = matrix / safe[:, None]
-    sim = unit @ unit.T
-    sim[norms == 0, :] = 0.0
-    sim[:, norms == 0] = 0.0
-    return sim
 
 
 @dataclass

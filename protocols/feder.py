@@ -96,7 +96,8 @@ def make_buffer(
     `out_dir`) and sample B_j (blocking)."""
     from genbuffer.buffer import sample_buffer
     from genbuffer.checkpoint import load_generator
-    from genbuffer.train import label_prior, resolve_device, train_generator
+    from genbuffer.train import resolve_device, train_generator
+    from genbuffer.trainer import label_prior
 
     if params.generator:
         generator_path = Path(params.generator)

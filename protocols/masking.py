@@ -48,6 +48,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 from torch import Tensor
 
+from p2pfl.learning.state import averaged_keys
+
 FIXED_POINT_BITS = 20
 MAX_VALUE_BITS = 35
 WEIGHT_KEY = "$weight"  # the masked weight travels as one more entry
@@ -120,11 +122,6 @@ def from_fixed(values: Fixed, bits: int = FIXED_POINT_BITS) -> NDArray[np.float6
     return values.view(np.int64).astype(np.float64) / 2.0**bits
 
 
-def maskable_entries(state: Mapping[str, Tensor]) -> list[str]:
-    """The floating-point entries, sorted: what is masked and averaged."""
-    return sorted(k for k, v in state.items() if isinstance(v, Tensor) and v.is_floating_point())
-
-
 # ---------------------------------------------------------------------- contributor side
 
 
@@ -163,7 +160,7 @@ def masked_contribution(
         return torch.from_numpy(out.view(np.int64))
 
     result: dict[str, Tensor] = {}
-    for entry in maskable_entries(state):
+    for entry in averaged_keys(state):
         value = state[entry]
         scaled = value.detach().to(torch.float64) * weight
         result[entry] = masked(entry, to_fixed(scaled, bits)).reshape(value.shape)
@@ -181,7 +178,7 @@ def sum_contributions(
     the float entries of `reference` (plus WEIGHT_KEY)."""
     if len(contributions) < 2:
         raise MaskingError("too_few", "an anonymized sum needs at least two contributions")
-    expected = {k: tuple(reference[k].shape) for k in maskable_entries(reference)}
+    expected = {k: tuple(reference[k].shape) for k in averaged_keys(reference)}
     expected[WEIGHT_KEY] = (1,)
     totals: dict[str, Fixed] = {}
     for contribution in contributions:

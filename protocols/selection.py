@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal
 
 from p2pfl.config import SelectionSection
 from protocols.base import PeerInfo
+from protocols.similarity import cosine_to_first
 
 log = logging.getLogger(__name__)
 
@@ -218,33 +219,6 @@ class F1Selection(Heuristic):
         return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
 
 
-def cosine(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """cos(F_k, F_c) = F_k . F_c / (|F_k| |F_c|) (DFU Eq. 3); None for a zero vector."""
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    if norm == 0.0:
-        return None
-    return dot / norm
-
-
-def minmax_columns(vectors: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Scale each coordinate to [0, 1] across the vectors (a constant coordinate
-    becomes 1), as FedPerl's reference does before its cosine similarity: raw
-    (mean, std) vectors of models that share an architecture all point the same
-    way and their cosines would all be close to 1."""
-    names = list(vectors)
-    if not names:
-        return {}
-    dims = len(vectors[names[0]])
-    out = {name: [0.0] * dims for name in names}
-    for j in range(dims):
-        column = [vectors[name][j] for name in names]
-        low, high = min(column), max(column)
-        for name in names:
-            out[name][j] = 1.0 if high == low else (vectors[name][j] - low) / (high - low)
-    return out
-
-
 class CosineSelection(Heuristic):
     """H3 (Alg. 9-10): DFU Eq. 3 scores a neighbour by cos(F_k, F_c) and the
     algorithm box takes the neighbours with the highest score, as for H2. With
@@ -254,7 +228,7 @@ class CosineSelection(Heuristic):
 
     `vector="f1"` compares per-class F1 vectors; `vector="model_stats"` compares
     model-statistics vectors, min-max normalised per coordinate over me and
-    the candidates first (see `minmax_columns`)."""
+    the candidates first (protocols/similarity.py)."""
 
     name = "cosine"
 
@@ -282,14 +256,15 @@ class CosineSelection(Heuristic):
                 theirs = _vector(peer.meta, key)
                 if theirs is not None and len(theirs) == len(mine):
                     vectors[peer.name] = theirs
-            if self.vector == "model_stats" and len(vectors) > 1:
-                vectors = minmax_columns(vectors)
-            for name, vec in vectors.items():
-                if name == me:
-                    continue
-                score = cosine(vectors[me], vec)
-                if score is not None:
-                    scores[name] = score
+            names = list(vectors)
+            cosines = cosine_to_first(
+                [vectors[name] for name in names], normalise=self.vector == "model_stats"
+            )
+            scores = {
+                name: score
+                for name, score in zip(names[1:], cosines, strict=True)
+                if score is not None
+            }
         return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "similar")
 
 

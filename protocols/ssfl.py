@@ -3,7 +3,7 @@ Bdair et al., MICCAI 2021, and the journal version). Every node, every round r:
 
   1. fit: FixMatch on its labeled + unlabeled images (Eq. 2-3, p2pfl/learning/semisup.py),
      Adam rebuilt every round as in the reference code
-  2. publish its feature vector F_m (communities.feature_vector) of the model
+  2. publish its feature vector F_m (p2pfl.learning.state.feature_vector) of the model
      it just trained, and offer that model to FedAVGP2P neighbours
   3. FedAVGP2P: pull k = round(c * (N - 1)) neighbours' round-r models and take
      the mean weighted by their image counts (labeled + unlabeled, Eq. 1's w_j)
@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
+from p2pfl.learning.state import feature_vector
 from p2pfl.learning.train import LocalSite
 from p2pfl.protocol_params import SSFLParams
 from protocols import communities
@@ -90,7 +91,7 @@ class SSFL(FedAvgP2P):
         self.publish(
             ctx,
             communities.FEATURES_KEY,
-            {"round": rnd.number, "vector": communities.feature_vector(rnd.own)},
+            {"round": rnd.number, "vector": feature_vector(rnd.own)},
         )
         # 2a-b. FedPerl: communities and the anonymized peer for round r + 1.
         rnd.log.update(await self.peer_learning(ctx, site, rnd.number, rnd.own))

@@ -9,16 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from p2pfl.learning.state import feature_vector
 from protocols.communities import (
     PolicyInputs,
     apply_policy,
     choice_frequencies,
-    cosine_matrix,
-    feature_vector,
-    normalise_columns,
     similarity_matrix,
     top_t,
 )
+from protocols.similarity import cosine_matrix, normalise_columns
 
 
 def test_feature_vector_of_a_known_model() -> None:

@@ -158,7 +158,7 @@ def test_artifacts_live_in_the_state_dir_or_beside_the_checkpoints(tmp_path) -> 
     assert without_config == tmp_path / "ckpt" / "observer" / "encoder.pt"
     with pytest.raises(ValueError, match="relative path"):
         net.join("observer").artifact("../escape.pt")
-    with pytest.raises(RuntimeError, match="nowhere to go"):
+    with pytest.raises(RuntimeError, match="nowhere to keep files"):
         InMemoryNetwork().join("a").artifact("encoder.pt")
 
 

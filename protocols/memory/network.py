@@ -376,24 +376,19 @@ class InMemoryContext(RoundContext):
     def restore(self) -> dict[str, Any] | None:
         return None if self._node.checkpoint is None else loads(self._node.checkpoint)
 
-    def artifact(self, name: str) -> Path:
-        """Under the node's state_dir when it joined with a config (what
-        `simulation_configs` gives every site); under checkpoint_dir/<name>/
-        when it joined without one. A node with neither has no storage."""
+    def storage_dir(self) -> Path:
+        """The node's state_dir when it joined with a config (what
+        `simulation_configs` gives every site); checkpoint_dir/<name>/ when it
+        joined without one. A node with neither has no storage."""
         if self._node.config is not None:
-            return super().artifact(name)
+            return super().storage_dir()
         if self.network.checkpoint_dir is None:
             raise RuntimeError(
                 f"{self.me} joined without a config and the network has no checkpoint_dir, "
-                f"so artifact {name!r} has nowhere to go — join with a SiteConfig or give "
+                "so it has nowhere to keep files — join with a SiteConfig or give "
                 "InMemoryNetwork a checkpoint_dir"
             )
-        relative = Path(name)
-        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
-            raise ValueError(f"artifact name {name!r} must be a relative path inside the node")
-        path = self.network.checkpoint_dir / self.me / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path
+        return self.network.checkpoint_dir / self.me
 
     def log_metrics(self, round: int, **values: float) -> None:
         """Records carry this node's cumulative traffic at the time of logging."""

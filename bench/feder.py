@@ -30,13 +30,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.baselines import standalone  # noqa: E402
 from genbuffer.config import GenbufferSection  # noqa: E402
 from genbuffer.train import GENERATOR_FILE, train_generator  # noqa: E402
 from node.evaluate import cross_site  # noqa: E402
 from p2pfl.learning.data import load_site_data  # noqa: E402
 from p2pfl.learning.data.partition import partition_dataset  # noqa: E402
 from p2pfl.learning.train import LocalSite  # noqa: E402
-from protocols.baselines import standalone  # noqa: E402
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs  # noqa: E402
 
 log = logging.getLogger("bench.feder")

@@ -19,7 +19,7 @@ What it does:
    prints one line per node per round as the nodes report on /status, waits
    for every process to exit (bounded by --timeout; the processes are always
    stopped), then reads every node's state/metrics.jsonl;
-3. runs the baselines in this process (protocols/baselines.py) on the SAME
+3. runs the baselines in this process (bench/baselines.py) on the SAME
    partition files with the same model, epochs, batch size, lr, seed and
    number of rounds: standalone (every site alone) and centralized FedAvg,
    plus centralized FedSGD (every site's gradient every step) for fedsgdp2p;
@@ -85,11 +85,11 @@ import psutil
 import yaml
 
 from bench import plots
+from bench.baselines import BaselineResult, centralized_fedavg, centralized_fedsgd, standalone
 from node.localfed import LocalFederation, SitePlan, provision
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.protocol_params import ProtocolParams, protocol_names
-from protocols.baselines import BaselineResult, centralized_fedavg, centralized_fedsgd, standalone
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 
 log = logging.getLogger(__name__)

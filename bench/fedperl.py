@@ -45,10 +45,10 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from bench.semisup_baselines import local_fixmatch, local_supervised
 from p2pfl.config import SiteConfig
 from protocols.communities import choice_frequencies
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
-from protocols.semisup_baselines import local_fixmatch, local_supervised
 
 log = logging.getLogger("bench.fedperl")
 

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from bench.baselines import centralized_fedavg, standalone
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.protocol_params import FedAvgP2PParams
 from protocols import create
 from protocols.base import NotReady
-from protocols.baselines import centralized_fedavg, standalone
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 

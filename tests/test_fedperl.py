@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from bench.semisup_baselines import local_fixmatch, local_supervised
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.semisup import (
@@ -25,7 +26,6 @@ from protocols import create, masking
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
 from protocols.fedperl import ANON_KIND, FedPerl
 from protocols.memory import InMemoryContext, InMemoryNetwork, simulate, simulation_configs
-from protocols.semisup_baselines import local_fixmatch, local_supervised
 from protocols.site import build_site
 from protocols.ssfl import SSFL
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from bench.baselines import centralized_fedsgd
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from protocols.aggregate import weighted_mean
-from protocols.baselines import centralized_fedsgd
 from protocols.fedsgdp2p import steps_per_round
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.site import build_site

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench.baselines import BaselineResult
 from p2pfl.config import SiteConfig
 from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, supervised_epoch
 from p2pfl.learning.train import LocalSite
-from protocols.baselines import BaselineResult
 from protocols.site import build_site
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from p2pfl.config import (
     config_schema,
     dump_config,
     load_config,
+    protocol_names,
 )
 from p2pfl.errors import UserError
-from p2pfl.protocol_params import protocol_names
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
     IdentityError,

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from p2pfl.protocol_params import ProtocolParams
+from p2pfl.config import ProtocolParams
 from protocols.base import Protocol
 
 # name -> "module:Class"; a new protocol is one file plus one line here.

@@ -38,10 +38,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from p2pfl.config import SiteConfig
+from p2pfl.config import FedAvgP2PParams, SiteConfig
 from p2pfl.learning.models import create_site_model
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, Protocol, RoundContext

@@ -40,11 +40,10 @@ import torch
 from torch import Tensor
 
 import protocols
-from p2pfl.config import SiteConfig
+from p2pfl.config import FedMAEParams, SiteConfig
 from p2pfl.learning.data import load_site_data
 from p2pfl.learning.mae import MAESite, create_mae, save_encoder, save_reconstruction_grid
 from p2pfl.learning.train import TrainingError, seed_everything
-from p2pfl.protocol_params import FedMAEParams
 from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
     FedAvgP2P,

@@ -42,9 +42,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
+from p2pfl.config import FedPerlParams, SSFLParams
 from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import FedPerlParams, SSFLParams
 from protocols import communities, masking, selection
 from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, RoundContext

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from p2pfl.config import SiteConfig
+from p2pfl.config import FedPerlParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.semisup import (
     fixmatch_epoch,
@@ -20,7 +20,6 @@ from p2pfl.learning.semisup import (
     supervised_epoch,
 )
 from p2pfl.learning.train import TrainingError
-from p2pfl.protocol_params import FedPerlParams
 from protocols import create, masking
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
 from protocols.fedavgp2p import build_site

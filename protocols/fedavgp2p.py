@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 from p2pfl.config import FedAvgP2PParams, SiteConfig
-from p2pfl.learning.models import create_site_model
+from p2pfl.learning.site_model import create_site_model
+from p2pfl.learning.sites import create_site
 from p2pfl.learning.train import LocalSite
 from protocols import selection
 from protocols.aggregate import aggregate
@@ -86,7 +87,7 @@ def common_initial_state(
 def build_site(config: SiteConfig) -> LocalSite:
     """The site's LocalSite (model, optimizer, data), starting from the common
     initial weights, its inference batch size calibrated before any round."""
-    site = LocalSite.from_config(config)
+    site = create_site(config)
     site.load_state_dict(
         common_initial_state(
             config,

@@ -4,7 +4,7 @@ Stage 1, self-supervised pre-training (Fed-MAE Sec. III-C, Alg. 1 left). Every
 node, every round r:
   1. fit: E local epochs of the MAE loss (masked patches, per-patch normalised
      pixels) over every local image, labelled or not, on its encoder E_k and
-     decoder D_k                                       (p2pfl.learning.mae.MAESite)
+     decoder D_k                                       (p2pfl.learning.mae_site.MAESite)
   2-5. FedAVGP2P's exchange where the paper has a server: offer the round-r
      autoencoder, choose k neighbours with the configured heuristic, pull
      theirs concurrently, sample-count-weighted mean of E_k, D_k and theirs
@@ -42,8 +42,10 @@ from torch import Tensor
 import protocols
 from p2pfl.config import FedMAEParams, SiteConfig
 from p2pfl.learning.data import load_site_data
-from p2pfl.learning.mae import MAESite, create_mae, save_encoder, save_reconstruction_grid
-from p2pfl.learning.train import TrainingError, seed_everything
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.mae import create_mae, save_encoder
+from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
+from p2pfl.learning.train import seed_everything
 from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
     FedAvgP2P,

@@ -26,7 +26,8 @@ from p2pfl.learning.mae import (
     save_encoder,
     unpatchify,
 )
-from p2pfl.learning.models import ModelError, create_site_model
+from p2pfl.learning.models import ModelError
+from p2pfl.learning.site_model import create_site_model
 from protocols.fedmae import RECONSTRUCTION_PNG, build_mae_site
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from p2pfl.config import FedPerlParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.semisup import (
     fixmatch_epoch,
     fixmatch_loss,
@@ -19,7 +20,6 @@ from p2pfl.learning.semisup import (
     steps_per_epoch,
     supervised_epoch,
 )
-from p2pfl.learning.train import TrainingError
 from protocols import create, masking
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
 from protocols.fedavgp2p import build_site

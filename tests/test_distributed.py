@@ -29,8 +29,8 @@ from p2pfl.learning.distributed import (
     load_result,
     train_data_parallel,
 )
-from p2pfl.learning.sites import create_site
 from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.sites import create_site
 from p2pfl.learning.train import LocalSite
 
 EPOCHS = 3

@@ -34,6 +34,7 @@ from p2pfl.learning.models import (
     ModelError,
     model_name_error,
     read_weights_file,
+    timm_model,
     vit_patch_size,
 )
 
@@ -297,12 +298,7 @@ def _vit(
     problem = not_a_vit(name)
     if problem is not None:
         raise model_name_error("mae_needs_vit", *problem)
-    import timm
-
     kwargs: dict[str, Any] = {
-        "pretrained": False,
-        "in_chans": in_chans,
-        "num_classes": num_classes,
         "img_size": image_size,
         "patch_size": patch_size,
         "global_pool": "avg",
@@ -310,7 +306,7 @@ def _vit(
     }
     if depth is not None:
         kwargs["depth"] = depth
-    return timm.create_model(name, **kwargs)
+    return timm_model(name, in_chans=in_chans, num_classes=num_classes, **kwargs)
 
 
 def create_mae(

@@ -87,9 +87,8 @@ import yaml
 from bench import plots
 from bench.baselines import BaselineResult, centralized_fedavg, centralized_fedsgd, standalone
 from node.localfed import LocalFederation, SitePlan, provision
-from p2pfl.config import SiteConfig
+from p2pfl.config import ProtocolParams, SiteConfig, protocol_names
 from p2pfl.learning.data.partition import partition_dataset
-from p2pfl.protocol_params import ProtocolParams, protocol_names
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 
 log = logging.getLogger(__name__)

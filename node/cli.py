@@ -22,9 +22,9 @@ from p2pfl.config import (
     config_schema,
     dump_config,
     load_config,
+    protocol_names,
 )
 from p2pfl.errors import UserError
-from p2pfl.protocol_params import protocol_names
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
     IdentityError,
@@ -95,7 +95,10 @@ def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from p2pfl.learning.site_model import check_model_name  # torch: only for this command
+
     cfg, roster, _ = load_site(Path(args.config))
+    check_model_name(cfg, Path(args.config))
     print(dump_config(cfg), end="")
     print(
         f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"

@@ -1,7 +1,7 @@
 """Federated-learning protocols: one registry from site.yaml to code.
 
 A protocol's name is written once, in its params class (`name: Literal[...]` in
-p2pfl/protocol_params.py, which config validation reads without importing any
+p2pfl/config/protocols.py, which config validation reads without importing any
 algorithm); this registry says which class runs those params. A new protocol is
 one params class, one file here and one line below. Modules are imported only
 when their protocol runs, so a node never loads the GAN code it does not use.
@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from p2pfl.protocol_params import (
+from p2pfl.config import (
     FedAvgP2PParams,
     FedERParams,
     FedMAEParams,

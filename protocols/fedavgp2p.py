@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import Tensor
 
-from p2pfl.protocol_params import FedAvgP2PParams
+from p2pfl.config import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate
 from protocols.base import NotReady, PeerUnavailable, RoundContext

@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from genbuffer.config import GenbufferSection
+from p2pfl.config import FedERParams
 from p2pfl.learning.data.loaders import convert_images, to_float_tensor
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import FedERParams
 from p2pfl.secure.tensors import state_dict_nbytes
 from protocols import selection
 from protocols.base import NotReady, PeerUnavailable, Received, RoundContext

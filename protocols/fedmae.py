@@ -35,17 +35,12 @@ import logging
 from typing import Any
 
 import protocols
-from p2pfl.config import SiteConfig
+from p2pfl.config import FedMAEParams, SiteConfig
 from p2pfl.learning.data import load_site_data
-from p2pfl.learning.mae import (
-    MAESite,
-    MaskedAutoencoder,
-    create_mae,
-    save_encoder,
-    save_reconstruction_grid,
-)
-from p2pfl.learning.train import TrainingError, seed_everything
-from p2pfl.protocol_params import FedMAEParams
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.mae import MaskedAutoencoder, create_mae, save_encoder
+from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
+from p2pfl.learning.train import seed_everything
 from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
     FedAvgP2P,

@@ -34,8 +34,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
+from p2pfl.config import FedPerlParams
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import FedPerlParams
 from protocols import communities, masking, selection
 from protocols.base import NotReady, PeerUnavailable, RoundContext
 from protocols.checks import incompatibility

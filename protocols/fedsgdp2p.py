@@ -29,8 +29,8 @@ from typing import Any
 
 from torch import Tensor
 
+from p2pfl.config import FedSGDP2PParams
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import FedSGDP2PParams
 from protocols import selection
 from protocols.aggregate import weighted_mean
 from protocols.base import NotReady, PeerInfo, PeerUnavailable, RoundContext

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from p2pfl.protocol_params import ProbeParams
+from p2pfl.config import ProbeParams
 from protocols.base import PeerUnavailable, Received, RoundContext
 from protocols.rounds import Round, RoundLoop
 

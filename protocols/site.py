@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from p2pfl.config import SiteConfig
-from p2pfl.learning.models import create_site_model
+from p2pfl.learning.site_model import create_site_model
+from p2pfl.learning.sites import create_site
 from p2pfl.learning.train import LocalSite
 
 # Seeding torch's global generator and drawing a model from it is not safe while
@@ -46,7 +47,7 @@ def common_initial_state(key: str, seed: int, build: Callable[[], nn.Module]) ->
 def build_site(config: SiteConfig) -> LocalSite:
     """The site's LocalSite (model, optimizer, data), starting from the common
     initial weights, its inference batch size calibrated before any round."""
-    site = LocalSite.from_config(config)
+    site = create_site(config)
     data = site.data
     key = (
         f"classifier|{config.model.model_dump_json()}|{data.channels}|{data.num_classes}|"

@@ -18,10 +18,10 @@ from typing import Any
 
 from torch import Tensor
 
+from p2pfl.config import SSFLParams
 from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.state import feature_vector
 from p2pfl.learning.train import LocalSite
-from p2pfl.protocol_params import SSFLParams
 from protocols import communities
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P

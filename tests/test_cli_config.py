@@ -112,6 +112,11 @@ BAD = {
         "file not found",
     ),
     "missing_section": (lambda d: d.pop("federation"), "federation", "missing"),
+    "unknown_model": (
+        lambda d: d.setdefault("model", {}).update(name="resnet81"),
+        "model.name",
+        "resnet18",
+    ),
     "public_status_without_token": (
         lambda d: d["status"].update(host="0.0.0.0"),
         "status",

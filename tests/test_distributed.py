@@ -20,15 +20,18 @@ import torch
 import yaml
 from torch import nn
 
-from p2pfl.config import DataSection, TrainingSection
+from p2pfl.config import DataSection, TrainingSection, config_from_dict
 from p2pfl.learning.data import load_site_data
 from p2pfl.learning.distributed import (
     RESULT_FILE,
+    DataParallelSite,
     apply_result,
     load_result,
     train_data_parallel,
 )
-from p2pfl.learning.train import LocalSite, TrainingError
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.sites import create_site
+from p2pfl.learning.train import LocalSite
 
 EPOCHS = 3
 STEPS_PER_EPOCH = 6
@@ -137,6 +140,20 @@ def test_siamese_and_bad_device_counts_are_refused_with_a_reason(digits):
     with pytest.raises(TrainingError) as err:
         train_data_parallel(make_site(digits), devices=0, epochs=1)
     assert err.value.reason == "bad_devices"
+
+
+def test_create_site_trains_data_parallel_only_when_asked(digits):
+    raw = {
+        "node": {"name": "a"},
+        "federation": {"id": "f", "roster": "roster.yaml"},
+        "protocol": {"name": "fedavgp2p"},
+        "data": {"source": "digits", "image_size": 16, "augment": "none"},
+        "training": {"device": "cpu"},
+    }
+    assert type(create_site(config_from_dict(raw, check_files=False), digits)) is LocalSite
+    raw["training"]["devices"] = 2
+    site = create_site(config_from_dict(raw, check_files=False), digits)
+    assert isinstance(site, DataParallelSite) and site.training.devices == 2
 
 
 @pytest.mark.slow

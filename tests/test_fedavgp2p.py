@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from bench.baselines import centralized_fedavg, standalone
-from p2pfl.config import SiteConfig
+from p2pfl.config import FedAvgP2PParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
-from p2pfl.protocol_params import FedAvgP2PParams
 from protocols import create
 from protocols.base import NotReady
 from protocols.fedavgp2p import FedAvgP2P

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 
-from p2pfl.config import ModelSection, SiteConfig
+from p2pfl.config import FedMAEParams, ModelSection, SiteConfig
 from p2pfl.learning.data import load_site_data
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.mae import (
@@ -26,8 +26,8 @@ from p2pfl.learning.mae import (
     save_encoder,
     unpatchify,
 )
-from p2pfl.learning.models import ModelError, create_site_model
-from p2pfl.protocol_params import FedMAEParams
+from p2pfl.learning.models import ModelError
+from p2pfl.learning.site_model import create_site_model
 from protocols.fedmae import RECONSTRUCTION_PNG, build_mae_site
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 

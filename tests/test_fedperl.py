@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from bench.semisup_baselines import local_fixmatch, local_supervised
-from p2pfl.config import SiteConfig
+from p2pfl.config import FedPerlParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.semisup import (
     fixmatch_epoch,
     fixmatch_loss,
@@ -20,8 +21,6 @@ from p2pfl.learning.semisup import (
     steps_per_epoch,
     supervised_epoch,
 )
-from p2pfl.learning.train import TrainingError
-from p2pfl.protocol_params import FedPerlParams
 from protocols import create, masking
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
 from protocols.fedperl import ANON_KIND, FedPerl

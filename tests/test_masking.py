@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pfl.config import ModelSection
-from p2pfl.learning.models import create_site_model
+from p2pfl.learning.site_model import create_site_model
 from protocols import masking
 from protocols.masking import MaskingError, masked_contribution, unmask_mean
 from protocols.memory import InMemoryContext, InMemoryNetwork

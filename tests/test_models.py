@@ -9,17 +9,17 @@ import torch
 
 from p2pfl.config import ModelSection, SiameseSection
 from p2pfl.learning.models import (
-    KNOWN_MODELS,
     ModelError,
     SiameseNet,
     contrastive_loss,
     create_model,
-    create_site_model,
+    list_models,
     vit_patch_size,
 )
+from p2pfl.learning.site_model import create_site_model
 
 
-@pytest.mark.parametrize("name", KNOWN_MODELS)
+@pytest.mark.parametrize("name", list_models())
 def test_every_model_builds_and_runs_at_28px_one_channel(name: str) -> None:
     torch.manual_seed(0)
     model = create_model(name, in_chans=1, num_classes=3, image_size=28)
@@ -82,8 +82,9 @@ def test_weights_errors_name_the_file(tmp_path: Path) -> None:
 
 
 def test_unknown_model_lists_known_names() -> None:
-    with pytest.raises(ValueError, match="known models are small_cnn, efficientnet_b0"):
+    with pytest.raises(ModelError, match="known models are small_cnn, efficientnet_b0") as err:
         create_model("resnet9000", in_chans=1, num_classes=2, image_size=28)
+    assert err.value.reason == "unknown_model"
 
 
 def test_contrastive_loss_matches_eq1() -> None:

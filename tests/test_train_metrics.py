@@ -18,8 +18,11 @@ from p2pfl.config import (
 )
 from p2pfl.learning import metrics
 from p2pfl.learning.data import SiteData, load_site_data, site_data_from_arrays, to_uint8_images
-from p2pfl.learning.models import create_model, create_site_model
-from p2pfl.learning.train import LocalSite, TrainingError, resolve_device, seed_everything
+from p2pfl.learning.devices import resolve_device
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.models import create_model
+from p2pfl.learning.site_model import create_site_model
+from p2pfl.learning.train import LocalSite, seed_everything
 from p2pfl.secure.tensors import dumps, loads
 
 # ---------------------------------------------------------------------- metrics

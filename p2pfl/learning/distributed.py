@@ -19,10 +19,11 @@ Siamese (pairwise contrastive) models are not sharded: pairs across shards
 would be lost.
 
 Two ways in:
-  * `train_epochs_data_parallel(site)` from the daemon (LocalSite.train_epochs
-    calls it when training.devices > 1): spawns the workers, returns the same
-    summary dict as `train_epochs` and leaves the trained weights and optimizer
-    state in `site`.
+  * `DataParallelSite`, the LocalSite `p2pfl.learning.sites.create_site` builds
+    when training.devices > 1: its `train_epochs` is `train_epochs_data_parallel`,
+    which spawns the workers, returns the same summary dict as
+    `LocalSite.train_epochs` and leaves the trained weights and optimizer state
+    in the site.
   * `torchrun --nproc-per-node N -m p2pfl.learning.distributed --config site.yaml`: the
     same worker loop under torchrun (benchmarks, checking a multi-GPU host).
 """
@@ -52,10 +53,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
-from p2pfl.config import TrainingSection
+from p2pfl.config import TrainingSection, load_config
 from p2pfl.learning.data import SiteData
+from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.models import SiameseNet
-from p2pfl.learning.train import LocalSite, TrainingError
+from p2pfl.learning.train import LocalSite
 
 log = logging.getLogger(__name__)
 
@@ -317,13 +319,18 @@ def apply_result(site: LocalSite, result: DataParallelResult, epochs: int) -> di
     site.load_state_dict(result.state)
     site.load_optimizer_state(result.optimizer_state)
     site._shuffle_calls += epochs
-    site.last_loss = float(np.mean(result.losses)) if result.losses else None
-    return {
-        "loss": site.last_loss if site.last_loss is not None else float("nan"),
-        "steps": result.steps,
-        "samples": result.samples,
-        "seconds": result.seconds,
-    }
+    return site.record_fit(result.losses, result.samples, result.seconds)
+
+
+class DataParallelSite(LocalSite):
+    """A LocalSite whose local epochs run over training.devices worker processes
+    (`train_epochs_data_parallel`); with training.devices 1, and for everything
+    else, it is a LocalSite."""
+
+    def train_epochs(self, epochs: int | None = None) -> dict[str, float]:
+        if self.training.devices > 1:
+            return train_epochs_data_parallel(self, epochs)
+        return super().train_epochs(epochs)
 
 
 # ----------------------------------------------------------------------------- torchrun
@@ -332,8 +339,6 @@ def apply_result(site: LocalSite, result: DataParallelResult, epochs: int) -> di
 def main(argv: Sequence[str] | None = None) -> int:
     """torchrun entry: every rank builds the site from site.yaml (same seeds, so the
     same model and data), trains its shard; rank 0 writes the result and one JSON line."""
-    from p2pfl.config import load_config
-
     parser = argparse.ArgumentParser(
         prog="python -m p2pfl.learning.distributed",
         description="Data-parallel local training of one site (run under torchrun).",

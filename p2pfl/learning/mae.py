@@ -9,42 +9,38 @@ The loss is the mean squared error over the masked patches only, against
 per-patch normalised pixels (each patch's pixels minus their mean, over their
 standard deviation).
 
-The encoder is timm's ViT (`vit_tiny_patch16_224` at the data's size) built as
-the fine-tuning classifier will be, average pooling over the patch tokens after
-the final norm, so its weights load one to one into that classifier:
-`save_encoder` writes them, `create_pretrained_classifier` builds the
-classifier (average-pooled features + linear head) around them.
+The encoder is timm's ViT (`vit_tiny_patch16_224` at the data's size; any timm
+`vit_*` model) built as the fine-tuning classifier will be, average pooling
+over the patch tokens after the final norm, so its weights load one to one into
+that classifier: `save_encoder` writes them, `create_pretrained_classifier`
+builds the classifier (average-pooled features + linear head) around them.
 
-`MAESite` is a `LocalSite` whose local objective is this reconstruction loss
-over every local image, labelled or not; everything else (optimizer, batches,
-augmentation, state, statistics) is LocalSite's.
+The local training on this objective is `p2pfl.learning.mae_site.MAESite`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
 
-from p2pfl.config import TrainingSection
-from p2pfl.learning.data import SiteData
-from p2pfl.learning.data.loaders import MEAN, STD
-from p2pfl.learning.models import ModelError, read_weights_file, vit_patch_size
-from p2pfl.learning.train import LocalSite, TrainingError
+from p2pfl.files import atomic_torch_save
+from p2pfl.learning.models import (
+    ModelError,
+    model_name_error,
+    read_weights_file,
+    timm_model,
+    vit_patch_size,
+)
 
 log = logging.getLogger(__name__)
 
 NORM_EPS = 1e-6  # added to a patch's variance before normalising (MAE's norm_pix_loss)
-EVAL_MASK_SEED = 1234  # evaluation draws the same masks every time, so rounds compare
 
 
 # ---------------------------------------------------------------------- patches and masks
@@ -275,6 +271,19 @@ class MaskedAutoencoder(nn.Module):
         return {k: v.detach().cpu().clone() for k, v in self.encoder.state_dict().items()}
 
 
+def not_a_vit(name: str) -> tuple[str, str] | None:
+    """(problem, fix) when `name` is not a timm ViT (`vit_*`), the only models
+    Fed-MAE pre-trains and fine-tunes, else None."""
+    import timm  # slow to import; only ViT sites need it
+
+    if name.startswith("vit_") and timm.is_model(name):
+        return None
+    return (
+        f"Fed-MAE needs a timm ViT, not {name!r}",
+        "set model.name: vit_tiny_patch16_224 (or another timm vit_* model)",
+    )
+
+
 def _vit(
     name: str,
     *,
@@ -286,17 +295,10 @@ def _vit(
 ) -> nn.Module:
     """timm ViT `name` at this image size with average pooling over the patch tokens
     after the final norm (`fc_norm=False` keeps the norm where the encoder has it)."""
-    if not name.startswith("vit_"):
-        raise ModelError(
-            "mae_needs_vit",
-            f"model.name is {name!r}: Fed-MAE pre-trains a ViT — set model.name: vit_tiny_patch16_224",
-        )
-    import timm
-
+    problem = not_a_vit(name)
+    if problem is not None:
+        raise model_name_error("mae_needs_vit", *problem)
     kwargs: dict[str, Any] = {
-        "pretrained": False,
-        "in_chans": in_chans,
-        "num_classes": num_classes,
         "img_size": image_size,
         "patch_size": patch_size,
         "global_pool": "avg",
@@ -304,7 +306,7 @@ def _vit(
     }
     if depth is not None:
         kwargs["depth"] = depth
-    return timm.create_model(name, **kwargs)
+    return timm_model(name, in_chans=in_chans, num_classes=num_classes, **kwargs)
 
 
 def create_mae(
@@ -351,16 +353,8 @@ def create_mae(
 
 def save_encoder(model: MaskedAutoencoder, path: str | Path) -> Path:
     """Write the encoder's weights (a torch state dict, readable with
-    weights_only=True) atomically: temp file, fsync, rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(model.encoder_state_dict(), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return path
+    weights_only=True) atomically."""
+    return atomic_torch_save(model.encoder_state_dict(), path)
 
 
 def _encoder_geometry(state: dict[str, Tensor], path: Path) -> tuple[int, int, int, int]:
@@ -434,133 +428,3 @@ def create_pretrained_classifier(
         patch,
     )
     return model
-
-
-# ---------------------------------------------------------------------- local objective
-
-
-def mae_training_data(data: SiteData) -> SiteData:
-    """The site's data with `train` holding every local training image, labelled
-    or not (labels are not used by the reconstruction loss and set to 0)."""
-    images = [data.train.tensors[0]]
-    if data.unlabeled is not None and len(data.unlabeled):
-        images.append(data.unlabeled.tensors[0])
-    pooled = torch.cat(images)
-    return dataclasses.replace(
-        data, train=TensorDataset(pooled, torch.zeros(len(pooled), dtype=torch.int64))
-    )
-
-
-class MAESite(LocalSite):
-    """A LocalSite whose local objective is masked-patch reconstruction over every
-    local image; `evaluate(split)` reports the reconstruction loss on that split
-    with masks drawn from a fixed seed (so successive rounds compare)."""
-
-    def __init__(
-        self,
-        model: MaskedAutoencoder,
-        data: SiteData,
-        training: TrainingSection,
-        *,
-        augment: str = "none",
-        device: str | torch.device | None = None,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(model, mae_training_data(data), training, augment=augment, device=device)
-        self.mae: MaskedAutoencoder = model
-        self.mask_generator = torch.Generator().manual_seed(seed)
-
-    def loss(self, x: Tensor, y: Tensor) -> Tensor:
-        with self.autocast():
-            return self.mae(x, generator=self.mask_generator).loss
-
-    def evaluate(self, split: str = "val") -> dict[str, Any]:
-        images, _ = self._split_tensors(split)
-        generator = torch.Generator().manual_seed(EVAL_MASK_SEED)
-        self.model.eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for start in range(0, len(images), 256):
-                x = images[start : start + 256].to(self.device)
-                with self.autocast():
-                    out = self.mae(x, generator=generator)
-                total += float(out.loss) * len(x)
-                count += len(x)
-        return {"recon_loss": total / max(count, 1), "split": split, "n": count}
-
-    def sample_images(self, count: int = 8) -> Tensor:
-        """Up to `count` images for the reconstruction grid: val, else test, else train."""
-        for split in ("val", "test", "train"):
-            try:
-                images, _ = self._split_tensors(split)
-            except TrainingError:
-                continue
-            return images[:count]
-        raise TrainingError("missing_split", "no images to reconstruct")
-
-
-# ---------------------------------------------------------------------- reconstruction grid
-
-
-def reconstruction_views(
-    model: MaskedAutoencoder, images: Tensor, *, seed: int = EVAL_MASK_SEED
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(masked input, reconstruction, original) as N,C,H,W in [-1, 1]. Masked
-    patches show grey in the input; in the reconstruction the visible patches are
-    the original pixels and the masked ones the prediction, mapped from normalised
-    pixels back with each patch's own mean and standard deviation (as MAE's
-    figures do)."""
-    model.eval()
-    device = next(model.parameters()).device
-    x = images.to(device)
-    with torch.no_grad():
-        out = model(x, generator=torch.Generator().manual_seed(seed))
-    target = patchify(x, model.patch_size).float()
-    mean = target.mean(dim=-1, keepdim=True)
-    std = (target.var(dim=-1, keepdim=True) + NORM_EPS).sqrt()
-    predicted = out.pred.float() * std + mean
-    mask = out.mask[..., None]
-    masked_input = target * (1 - mask)  # 0.0 is mid grey in [-1, 1]
-    reconstruction = target * (1 - mask) + predicted * mask
-    views = [
-        unpatchify(v, model.patch_size, model.in_chans).clamp(-1, 1).cpu()
-        for v in (masked_input, reconstruction, target)
-    ]
-    return views[0], views[1], views[2]
-
-
-def save_reconstruction_grid(
-    model: MaskedAutoencoder, images: Tensor, path: str | Path, *, title: str = ""
-) -> Path:
-    """A PNG with one row per image: masked input | reconstruction | original."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    columns = reconstruction_views(model, images)
-    rows = len(images)
-    fig, axes = plt.subplots(rows, 3, figsize=(4.5, 1.5 * rows + 0.6), squeeze=False)
-    for col, (label, view) in enumerate(
-        zip(("masked input", "reconstruction", "original"), columns, strict=True)
-    ):
-        pixels = (view * STD + MEAN).clamp(0, 1).permute(0, 2, 3, 1).numpy()
-        for row in range(rows):
-            ax = axes[row][col]
-            image = pixels[row]
-            if image.shape[2] == 1:
-                ax.imshow(image[..., 0], cmap="gray", vmin=0.0, vmax=1.0)
-            else:
-                ax.imshow(np.clip(image[..., :3], 0.0, 1.0))
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if row == 0:
-                ax.set_title(label, fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

@@ -1,8 +1,10 @@
-"""Model factory: our small CNN, timm backbones, and the Siamese variant.
+"""Model registry and factory: our small CNN, timm backbones, and the Siamese variant.
 
-`create_model(name, in_chans=, num_classes=, image_size=)` is the one place a
-site.yaml `model.name` becomes a module (timm style). `create_site_model(cfg)`
-adds the Siamese wrapper when `model.siamese.enabled` and loads `model.weights`.
+Every model a site.yaml `model.name` can name is a builder registered with
+`@register_model` under its function name (timm style); `create_model(name,
+in_chans=, num_classes=, image_size=)` builds one and `list_models()` names
+them. A new model is one builder function here. (`p2pfl.learning.site_model`
+turns a whole `model:` section into the site's model.)
 
 Siamese variant (DFU paper, Sec. 2.1 and Fig. 4): one encoder with shared
 weights embeds both images of a pair; the contrastive loss (Eq. 1) pulls
@@ -14,19 +16,22 @@ the prototypes gives scores for the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from p2pfl.config import ModelSection
-
 log = logging.getLogger(__name__)
 
-TIMM_MODELS = ("efficientnet_b0", "mobilenetv2_100", "resnet18", "vit_tiny_patch16_224")
-KNOWN_MODELS = ("small_cnn", *TIMM_MODELS)
+# A builder takes in_chans, num_classes and image_size (keywords) and returns a
+# module with random weights.
+ModelBuilder = Callable[..., nn.Module]
+
+_MODELS: dict[str, ModelBuilder] = {}
 
 
 class ModelError(Exception):
@@ -35,6 +40,38 @@ class ModelError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def model_name_error(reason: str, problem: str, fix: str) -> ModelError:
+    """The error of a `model.name` that cannot be built: the line `p2pfl-node
+    check` prints for it (`p2pfl.learning.site_model.check_model_name`), without
+    the file."""
+    return ModelError(reason, f"model.name: {problem} — {fix}")
+
+
+# ---------------------------------------------------------------------- registry
+
+
+def register_model(builder: ModelBuilder) -> ModelBuilder:
+    """Decorator: register `builder` under its function name, the `model.name`
+    a site.yaml writes."""
+    name = builder.__name__
+    if name in _MODELS:
+        raise ValueError(f"model {name!r} is registered twice")
+    _MODELS[name] = builder
+    return builder
+
+
+def list_models() -> list[str]:
+    """The registered model names, in registration order (small_cnn first)."""
+    return list(_MODELS)
+
+
+def unknown_model(name: str) -> tuple[str, str] | None:
+    """(problem, fix) when no builder is registered under `name`, else None."""
+    if name in _MODELS:
+        return None
+    return f"unknown model {name!r}", f"known models are {', '.join(list_models())}"
 
 
 class SmallCNN(nn.Module):
@@ -151,23 +188,12 @@ def create_model(
     init: Literal["default", "xavier"] = "default",
     weights: Path | None = None,
 ) -> nn.Module:
-    """Build `name` (one of KNOWN_MODELS) with random weights, optionally Xavier
+    """Build the registered model `name` with random weights, optionally Xavier
     initialised, optionally loaded from a local weights file."""
-    if name == "small_cnn":
-        model: nn.Module = SmallCNN(in_chans=in_chans, num_classes=num_classes)
-    elif name in TIMM_MODELS:
-        import timm
-
-        kwargs: dict[str, object] = {
-            "pretrained": False,
-            "in_chans": in_chans,
-            "num_classes": num_classes,
-        }
-        if name.startswith("vit_"):
-            kwargs.update(img_size=image_size, patch_size=vit_patch_size(image_size))
-        model = timm.create_model(name, **kwargs)
-    else:
-        raise ValueError(f"unknown model {name!r}: known models are {', '.join(KNOWN_MODELS)}")
+    problem = unknown_model(name)
+    if problem is not None:
+        raise model_name_error("unknown_model", *problem)
+    model = _MODELS[name](in_chans=in_chans, num_classes=num_classes, image_size=image_size)
     if init == "xavier":
         xavier_init_(model)
     elif init != "default":
@@ -175,6 +201,51 @@ def create_model(
     if weights is not None:
         load_weights(model, weights)
     return model
+
+
+# ---------------------------------------------------------------------- the models
+
+
+@register_model
+def small_cnn(*, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
+    """`SmallCNN`: any image size from 8x8 up."""
+    return SmallCNN(in_chans=in_chans, num_classes=num_classes)
+
+
+def timm_model(name: str, *, in_chans: int, num_classes: int, **kwargs: object) -> nn.Module:
+    """timm's `name` with random weights (nothing is downloaded)."""
+    import timm  # slow to import; a small_cnn site never needs it
+
+    return timm.create_model(
+        name, pretrained=False, in_chans=in_chans, num_classes=num_classes, **kwargs
+    )
+
+
+@register_model
+def efficientnet_b0(*, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
+    return timm_model("efficientnet_b0", in_chans=in_chans, num_classes=num_classes)
+
+
+@register_model
+def mobilenetv2_100(*, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
+    return timm_model("mobilenetv2_100", in_chans=in_chans, num_classes=num_classes)
+
+
+@register_model
+def resnet18(*, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
+    return timm_model("resnet18", in_chans=in_chans, num_classes=num_classes)
+
+
+@register_model
+def vit_tiny_patch16_224(*, in_chans: int, num_classes: int, image_size: int) -> nn.Module:
+    """ViT-Tiny at the data's image size, patches of `vit_patch_size(image_size)`."""
+    return timm_model(
+        "vit_tiny_patch16_224",
+        in_chans=in_chans,
+        num_classes=num_classes,
+        img_size=image_size,
+        patch_size=vit_patch_size(image_size),
+    )
 
 
 # ---------------------------------------------------------------------- Siamese
@@ -238,50 +309,27 @@ class SiameseNet(nn.Module):
             if mask.any():
                 self.prototypes[cls] = embeddings[mask].mean(0).to(self.prototypes.dtype)
 
+    @torch.no_grad()
+    def fit_prototypes(
+        self,
+        batches: Iterable[tuple[Tensor, Tensor]],
+        *,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        """Prototypes from labelled (x, y) batches: each class's mean embedding, in
+        eval mode, each batch moved to `device` and embedded under `autocast()`."""
+        self.eval()
+        chunks: list[Tensor] = []
+        labels: list[Tensor] = []
+        for x, y in batches:
+            with autocast():
+                chunks.append(self.embed(x.to(device)).float())
+            labels.append(y.to(device))
+        self.set_prototypes(torch.cat(chunks), torch.cat(labels))
+
     def forward(self, x: Tensor) -> Tensor:
         embeddings = self.embed(x).float()
         squared = (embeddings[:, None, :] - self.prototypes[None, :, :].float()).pow(2).sum(-1)
         scores = -(squared + 1e-12).sqrt() / self.temperature
         return scores.masked_fill(~self.has_prototype[None, :], -1e4)
-
-
-def create_site_model(
-    model_cfg: ModelSection, *, in_chans: int, num_classes: int, image_size: int
-) -> nn.Module:
-    """The model a site.yaml asks for: `create_model(model.name, ...)` (or, with
-    `model.pretrained_from`, the ViT classifier around that pre-trained Fed-MAE
-    encoder, `p2pfl.learning.mae.create_pretrained_classifier`), wrapped in a SiameseNet
-    (encoder head = embedding_dim outputs) when model.siamese.enabled, then
-    `model.weights` loaded into the whole thing."""
-    siamese = model_cfg.siamese
-    head = siamese.embedding_dim if siamese.enabled else num_classes
-    if model_cfg.pretrained_from is not None:
-        # Fed-MAE fine-tuning: the ViT classifier around a pre-trained encoder.
-        # Imported here because p2pfl.learning.mae builds on this module.
-        from p2pfl.learning.mae import create_pretrained_classifier
-
-        model = create_pretrained_classifier(
-            model_cfg.name,
-            model_cfg.pretrained_from,
-            in_chans=in_chans,
-            num_classes=head,
-            image_size=image_size,
-        )
-    else:
-        model = create_model(
-            model_cfg.name,
-            in_chans=in_chans,
-            num_classes=head,
-            image_size=image_size,
-            init=model_cfg.init,
-        )
-    if siamese.enabled:
-        model = SiameseNet(
-            model,
-            num_classes=num_classes,
-            embedding_dim=siamese.embedding_dim,
-            margin=siamese.margin,
-        )
-    if model_cfg.weights is not None:
-        load_weights(model, model_cfg.weights)
-    return model

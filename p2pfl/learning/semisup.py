@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
-from p2pfl.learning.train import LocalSite, TrainingError, median_frequency_weights
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.train import LocalSite, median_frequency_weights
 
 
 def pseudo_labels(

@@ -10,54 +10,38 @@ loss, nearest-prototype classification): callers do not need to know which.
 from __future__ import annotations
 
 import contextlib
-import logging
 import random
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2pfl.config import SiameseSection, TrainingSection
+from p2pfl.config import SiameseSection, SiteConfig, TrainingSection
 from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
-from p2pfl.learning.metrics import classification_report
-from p2pfl.learning.models import SiameseNet, contrastive_loss, create_site_model
-
-if TYPE_CHECKING:
-    from p2pfl.config import SiteConfig
-
-log = logging.getLogger(__name__)
+from p2pfl.learning.devices import resolve_device
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.evaluate import (
+    CALIBRATION_IMAGES,
+    EVAL_CHUNK_DEFAULT,
+    fastest_batch_size,
+    predict_proba,
+    split_report,
+)
+from p2pfl.learning.models import SiameseNet, contrastive_loss
+from p2pfl.learning.optimizer import (
+    build_optimizer,
+    export_optimizer_state,
+    import_optimizer_state,
+)
+from p2pfl.learning.site_model import create_site_model
+from p2pfl.learning.state import feature_vector
 
 SPLITS = ("train", "val", "test")
-# Inference batch sizes tried once per site on CPU, on this many images
-# (see LocalSite.calibrate_eval_batch).
-EVAL_CHUNKS = (16, 32, 64, 128, 256, 512)
-EVAL_CHUNK_DEFAULT = 512
-CALIBRATION_IMAGES = 256
-
-
-class TrainingError(Exception):
-    """A training/evaluation request that cannot be served; `reason` is a stable code."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise TrainingError(
-            "no_cuda",
-            "training.device is 'cuda' but no CUDA device is available — set training.device to 'auto' or 'cpu'",
-        )
-    return torch.device(name)
 
 
 def seed_everything(seed: int) -> None:
@@ -85,7 +69,8 @@ def median_frequency_weights(counts: list[int] | np.ndarray) -> Tensor:
 class LocalSite:
     """One site's model + optimizer + data + device.
 
-    Build it with `LocalSite.from_config(cfg)` or directly from a model, a
+    Build it from a site.yaml with `p2pfl.learning.sites.create_site(cfg)` (which
+    picks data-parallel training when asked), or directly from a model, a
     `SiteData` and a `TrainingSection`. `augment` is 'none', 'weak' or 'strong'
     (training batches only). Pass `siamese` when `model` is a `SiameseNet`.
     """
@@ -113,7 +98,7 @@ class LocalSite:
                 enabled=True, margin=model.margin, embedding_dim=model.embedding_dim
             )
         self.use_amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.optimizer = self._build_optimizer()
+        self.optimizer = build_optimizer(self.model, self.training)
         self.class_weight = (
             median_frequency_weights(data.class_counts("train")).to(self.device)
             if training.class_weighted
@@ -146,16 +131,9 @@ class LocalSite:
             siamese=cfg.model.siamese if cfg.model.siamese.enabled else None,
         )
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        t = self.training
-        if t.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
-        return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
-
     def reset_optimizer(self) -> None:
         """Fresh optimizer state (FedER and FedPerl rebuild Adam every round)."""
-        self.optimizer = self._build_optimizer()
+        self.optimizer = build_optimizer(self.model, self.training)
 
     # ------------------------------------------------------------------ properties
 
@@ -268,14 +246,12 @@ class LocalSite:
                     yield x, y
 
     def train_epochs(self, epochs: int | None = None) -> dict[str, float]:
-        """Local training for `epochs` (default training.epochs) epochs.
+        """Local training for `epochs` (default training.epochs) epochs, in this
+        process (`p2pfl.learning.distributed.DataParallelSite` spreads them over
+        training.devices processes).
 
         Returns {'loss': mean batch loss, 'steps', 'samples', 'seconds'}."""
         epochs = self.training.epochs if epochs is None else epochs
-        if self.training.devices > 1:  # data-parallel over several processes (GPUs or gloo on CPU)
-            from p2pfl.learning.distributed import train_epochs_data_parallel
-
-            return train_epochs_data_parallel(self, epochs)
         start = time.perf_counter()
         self.model.train()
         losses: list[float] = []
@@ -289,13 +265,19 @@ class LocalSite:
             self.optimizer.step()
             losses.append(float(loss.detach()))
             samples += len(y)
+        return self.record_fit(losses, samples, time.perf_counter() - start)
+
+    def record_fit(self, losses: list[float], samples: int, seconds: float) -> dict[str, float]:
+        """After local training: the prototypes are stale, `last_loss` is the mean
+        batch loss; returns the summary every training method gives: {'loss',
+        'steps', 'samples', 'seconds'}."""
         self._prototypes_stale = True
         self.last_loss = float(np.mean(losses)) if losses else None
         return {
             "loss": self.last_loss if self.last_loss is not None else float("nan"),
             "steps": len(losses),
             "samples": samples,
-            "seconds": time.perf_counter() - start,
+            "seconds": seconds,
         }
 
     def train_replay_epochs(
@@ -354,14 +336,7 @@ class LocalSite:
                 self.optimizer.step()
                 losses.append(float(loss.detach()))
                 samples += len(ry) + (0 if y is None else len(y))
-        self._prototypes_stale = True
-        self.last_loss = float(np.mean(losses)) if losses else None
-        return {
-            "loss": self.last_loss if self.last_loss is not None else float("nan"),
-            "steps": len(losses),
-            "samples": samples,
-            "seconds": time.perf_counter() - start,
-        }
+        return self.record_fit(losses, samples, time.perf_counter() - start)
 
     def compute_gradient(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
         """Gradient of the batch loss w.r.t. every trainable parameter, by name, on CPU
@@ -409,37 +384,25 @@ class LocalSite:
     # ------------------------------------------------------------------ inference
 
     def _refresh_prototypes(self) -> None:
-        """Siamese: class prototypes = mean embedding of each class over this site's
-        labelled training set, with the current encoder."""
-        if not isinstance(self.model, SiameseNet) or not self._prototypes_stale:
-            return
-        self.model.eval()
-        chunks: list[Tensor] = []
-        labels: list[Tensor] = []
-        with torch.no_grad():
-            for x, y in self.batches("train", shuffle=False, batch_size=256):
-                with self.autocast():
-                    chunks.append(self.model.embed(x.to(self.device)).float())
-                labels.append(y.to(self.device))
-        self.model.set_prototypes(torch.cat(chunks), torch.cat(labels))
-        self._prototypes_stale = False
+        """Siamese: class prototypes from this site's labelled training set, with
+        the current encoder (after any change of the weights)."""
+        if isinstance(self.model, SiameseNet) and self._prototypes_stale:
+            batches = self.batches("train", shuffle=False, batch_size=256)
+            self.model.fit_prototypes(batches, device=self.device, autocast=self.autocast)
+            self._prototypes_stale = False
 
     def predict_proba(self, x: Tensor) -> Tensor:
         """Class probabilities (CPU float32, shape N x num_classes) in eval mode.
         Siamese: softmax over negative distances to the class prototypes."""
         self._refresh_prototypes()
-        self.model.eval()
-        out: list[Tensor] = []
-        size = self.eval_chunk(x)
-        with torch.no_grad():
-            for start in range(0, len(x), size):
-                chunk = x[start : start + size].to(self.device)
-                with self.autocast():
-                    logits = self.model(chunk)
-                out.append(torch.softmax(logits.float(), dim=1).cpu())
-        if not out:
-            return torch.zeros(0, self.num_classes)
-        return torch.cat(out)
+        return predict_proba(
+            self.model,
+            x,
+            device=self.device,
+            batch_size=self.eval_chunk(x),
+            autocast=self.autocast,
+            num_classes=self.num_classes,
+        )
 
     def eval_chunk(self, x: Tensor) -> int:
         """The inference batch size `calibrate_eval_batch` chose (calibrating on
@@ -450,14 +413,11 @@ class LocalSite:
         return self._eval_chunk or EVAL_CHUNK_DEFAULT
 
     def calibrate_eval_batch(self, x: Tensor | None = None) -> int | None:
-        """On CPU the fastest inference batch size depends on the model, the image
-        size and the caches (the small CNN at 28 px runs 2.9x faster in batches of
-        32 than of 512 here, resnet18 the other way round): time each of
-        EVAL_CHUNKS on CALIBRATION_IMAGES images (of `x`, else of the first split
-        that has as many), twice, and keep the fastest; on a GPU, 512. A node
-        calls this while it starts, so the timing is not part of a round.
-        Returns the size, or None when there were too few images (the default
-        is used meanwhile)."""
+        """Choose the inference batch size once (`fastest_batch_size` on CPU, on
+        CALIBRATION_IMAGES images of `x`, else of the first split that has as
+        many; on a GPU, 512). A node calls this while it starts, so the timing
+        is not part of a round. Returns the size, or None when there were too
+        few images (the default is used meanwhile)."""
         if self.device.type != "cpu":
             self._eval_chunk = EVAL_CHUNK_DEFAULT
             return self._eval_chunk
@@ -469,36 +429,15 @@ class LocalSite:
                     break
         if x is None or len(x) < CALIBRATION_IMAGES:
             return None
-        sample = x[:CALIBRATION_IMAGES]
         forward = self.model.embed if isinstance(self.model, SiameseNet) else self.model
-        was_training = self.model.training
-        self.model.eval()
-        timings: dict[int, float] = {}
-        with torch.no_grad():
-            for _ in range(2):
-                for size in EVAL_CHUNKS:
-                    start = time.perf_counter()
-                    for i in range(0, len(sample), size):
-                        forward(sample[i : i + size])
-                    took = time.perf_counter() - start
-                    timings[size] = min(took, timings.get(size, took))
-        self.model.train(was_training)
-        self._eval_chunk = min(timings, key=lambda size: timings[size])
-        log.debug("inference batch size %d (seconds per sample: %s)", self._eval_chunk, timings)
+        self._eval_chunk = fastest_batch_size(self.model, forward, x[:CALIBRATION_IMAGES])
         return self._eval_chunk
 
     def evaluate(self, split: str = "val") -> dict[str, Any]:
         """classification_report on a split plus 'loss' (NLL of the predicted
         probabilities), 'split' and 'n'. A missing split raises TrainingError."""
         images, labels = self._split_tensors(split)
-        proba = self.predict_proba(images)
-        y_true = labels.numpy()
-        report = classification_report(y_true, proba.numpy(), num_classes=self.num_classes)
-        picked = proba[torch.arange(len(labels)), labels].clamp_min(1e-12)
-        report["loss"] = float(-picked.log().mean())
-        report["split"] = split
-        report["n"] = len(labels)
-        return report
+        return split_report(self.predict_proba(images), labels, self.num_classes, split)
 
     def evaluate_available(
         self, splits: tuple[str, ...] = ("val", "test")
@@ -531,33 +470,12 @@ class LocalSite:
         self._prototypes_stale = True
 
     def optimizer_state(self) -> dict[str, Any]:
-        """Optimizer state in a codec-friendly form (string keys, tensors, plain values)."""
-        raw = self.optimizer.state_dict()
-        state = {
-            str(pid): {
-                k: (v.detach().cpu().clone() if isinstance(v, Tensor) else v)
-                for k, v in entry.items()
-            }
-            for pid, entry in raw["state"].items()
-        }
-        return {"state": state, "param_groups": raw["param_groups"]}
+        """Optimizer state in a codec-friendly form (`export_optimizer_state`)."""
+        return export_optimizer_state(self.optimizer)
 
     def load_optimizer_state(self, saved: dict[str, Any]) -> None:
-        restored = {
-            "state": {int(pid): dict(entry) for pid, entry in saved["state"].items()},
-            "param_groups": [dict(g) for g in saved["param_groups"]],
-        }
-        self.optimizer.load_state_dict(restored)
+        import_optimizer_state(self.optimizer, saved)
 
     def model_stats_vector(self) -> list[float]:
-        """FedPerl feature vector: for every state-dict entry except
-        `num_batches_tracked`, in key order, its mean and unbiased std (0.0 for a
-        single-element entry, whose unbiased std is undefined)."""
-        stats: list[float] = []
-        for key, value in self.model.state_dict().items():
-            if key.endswith("num_batches_tracked"):
-                continue
-            flat = value.detach().float().flatten()
-            stats.append(float(flat.mean()))
-            stats.append(float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0)
-        return stats
+        """FedPerl's feature vector of the model (`p2pfl.learning.state.feature_vector`)."""
+        return feature_vector(self.model.state_dict())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from p2pfl.errors import UserError
+from p2pfl.files import atomic_write_bytes, atomic_write_text
 
 ADDRESS_PLACEHOLDER = "HOST:PORT"
 
@@ -48,19 +48,6 @@ def _unb64(text: str, what: str, where: str) -> bytes:
             f"{where}: {what} must be 32 bytes, got {len(raw)} — copy it again from the site's public card"
         )
     return raw
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -160,9 +147,14 @@ class LocalIdentity:
         none = serialization.NoEncryption()
         sign_path = out_dir / f"{self.name}.sign.pem"
         kex_path = out_dir / f"{self.name}.kex.pem"
-        _write_private(sign_path, self.signing.private_bytes(serialization.Encoding.PEM, pem, none))
-        _write_private(
-            kex_path, self.agreement.private_bytes(serialization.Encoding.PEM, pem, none)
+        # Private keys: mode 0600 from the moment the file exists.
+        atomic_write_bytes(
+            sign_path, self.signing.private_bytes(serialization.Encoding.PEM, pem, none), mode=0o600
+        )
+        atomic_write_bytes(
+            kex_path,
+            self.agreement.private_bytes(serialization.Encoding.PEM, pem, none),
+            mode=0o600,
         )
         return sign_path, kex_path
 
@@ -295,13 +287,8 @@ class Roster:
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path or "roster.yaml")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            yaml.safe_dump({"sites": [c.to_dict() for c in self.cards()]}, sort_keys=False)
-        )
-        os.replace(tmp, path)
-        return path
+        text = yaml.safe_dump({"sites": [c.to_dict() for c in self.cards()]}, sort_keys=False)
+        return atomic_write_text(path, text)
 
 
 def load_card(path: Path) -> Card:

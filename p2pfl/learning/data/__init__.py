@@ -1,17 +1,15 @@
-"""Site data: loaders (digits, MedMNIST-style .npz, ImageFolder), partitioners, augmentations."""
+"""Site data: sources (digits, MedMNIST-style .npz, ImageFolder), loaders, partitioners, augmentations."""
 
 from p2pfl.learning.data.loaders import (
-    DataError,
-    RawSplits,
     SiteData,
     convert_images,
     load_site_data,
-    read_source,
     site_data_from_arrays,
     stratified_split,
     to_float_tensor,
     to_uint8_images,
 )
+from p2pfl.learning.data.sources import DataError, RawSplits, read_source
 
 __all__ = [
     "DataError",

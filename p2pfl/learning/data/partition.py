@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from p2pfl.learning.data.loaders import DataError, RawSplits, read_source, stratified_split
+from p2pfl.learning.data.loaders import stratified_split
+from p2pfl.learning.data.sources import DataError, RawSplits, read_source
 
 log = logging.getLogger(__name__)
 

@@ -1,18 +1,23 @@
 """Typed parameters of each protocol, as written under `protocol:` in site.yaml.
 
 They live in the foundation (not in protocols/) because config validation must
-not import the algorithms. A new protocol adds one model here, one entry in
-`ProtocolParams`, one file in protocols/ and one registry line.
+not import the algorithms. Each params class's `name: Literal[...]` is where a
+protocol's site.yaml name is written, the only place: `protocol_names()` and
+`params_class(name)` are derived from the `ProtocolParams` union. A new protocol
+adds one params class here, one entry in `ProtocolParams` and one file in
+protocols/.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class _Params(BaseModel):
+class BaseParams(BaseModel):
+    """What every protocol's parameters share (rounds, timeouts, evaluation)."""
+
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
     rounds: int = Field(10, ge=0, description="federated rounds this node runs")
@@ -31,7 +36,7 @@ class _Params(BaseModel):
     )
 
 
-class _ModelAveraging(_Params):
+class _ModelAveraging(BaseParams):
     """FedAVGP2P's exchange: k neighbours' models, averaged (robustly if asked)."""
 
     fraction: float = Field(
@@ -50,7 +55,7 @@ class FedAvgP2PParams(_ModelAveraging):
     name: Literal["fedavgp2p"]
 
 
-class FedSGDP2PParams(_Params):
+class FedSGDP2PParams(BaseParams):
     name: Literal["fedsgdp2p"]
     fraction: float = Field(0.5, gt=0.0, le=1.0)
     step_timeout_s: float = Field(
@@ -58,7 +63,7 @@ class FedSGDP2PParams(_Params):
     )
 
 
-class ProbeParams(_Params):
+class ProbeParams(BaseParams):
     """A connectivity and throughput check of the federation (no learning)."""
 
     name: Literal["probe"]
@@ -68,7 +73,7 @@ class ProbeParams(_Params):
     interval_s: float = Field(0.0, ge=0.0, description="pause between rounds")
 
 
-class _SemiSupervised(_Params):
+class _SemiSupervised(BaseParams):
     fraction: float = Field(
         0.5, gt=0.0, le=1.0, description="c of the FedAVGP2P exchange between rounds"
     )
@@ -148,7 +153,7 @@ class FedMAEParams(_ModelAveraging):
         return self
 
 
-class FedERParams(_Params):
+class FedERParams(BaseParams):
     """FedER relay (Alg. 1) and its privacy-enhanced variants (Sec. 4.4)."""
 
     name: Literal["feder", "feder_a", "feder_b"]
@@ -193,8 +198,26 @@ ProtocolParams = (
 )
 
 
+def _params_by_name() -> dict[str, type[BaseParams]]:
+    by_name: dict[str, type[BaseParams]] = {}
+    for cls in get_args(ProtocolParams):
+        for name in get_args(cls.model_fields["name"].annotation):
+            by_name[name] = cls
+    return by_name
+
+
+_PARAMS_BY_NAME = _params_by_name()
+
+
 def protocol_names() -> list[str]:
-    names: list[str] = []
-    for cls in ProtocolParams.__args__:  # type: ignore[attr-defined]
-        names.extend(cls.model_fields["name"].annotation.__args__)
-    return names
+    """Every protocol name site.yaml accepts, in the order of `ProtocolParams`."""
+    return list(_PARAMS_BY_NAME)
+
+
+def params_class(name: str) -> type[BaseParams]:
+    """The params class whose `name` literal is `name` (FedERParams for feder,
+    feder_a and feder_b); KeyError naming the known protocols otherwise."""
+    try:
+        return _PARAMS_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown protocol {name!r}; known: {', '.join(protocol_names())}") from None

@@ -1,0 +1,160 @@
+"""The `genbuffer:` section of site.yaml: the privacy-preserving GAN, its
+synthetic buffers and the privacy audit (also read standalone by the genbuffer CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from p2pfl.config.sections import Section
+
+
+class GenbufferSection(Section):
+    """Privacy-preserving GAN (FedER Sec. 3.2 / 4.2.2), synthetic buffers and the privacy audit."""
+
+    # --- network (StyleGAN2) ---------------------------------------------------------------
+    resolution: int = Field(32, description="image side the GAN works at: a power of two, 16-256")
+    channels: int | None = Field(
+        None, ge=1, le=16, description="image channels; default: those of the data"
+    )
+    z_dim: int = Field(128, ge=1, description="latent z size")
+    w_dim: int = Field(128, ge=1, description="intermediate latent w size")
+    mapping_layers: int = Field(4, ge=1, le=8, description="layers of the mapping network")
+    channel_base: int = Field(
+        4096, ge=16, description="feature maps at resolution r: min(channel_base / r, channel_max)"
+    )
+    channel_max: int = Field(256, ge=1)
+    # --- optimisation -------------------------------------------------------------------------
+    batch_size: int = Field(32, ge=2, description="minibatch (FedER: 32)")
+    lr: float = Field(0.0025, gt=0.0, description="Adam learning rate of G and D (FedER: 0.0025)")
+    adam_betas: tuple[float, float] = Field((0.0, 0.99), description="Adam betas of G and D")
+    r1_gamma: float | None = Field(
+        None, ge=0.0, description="R1 weight; default 0.0002 * resolution^2 / batch_size"
+    )
+    r1_interval: int = Field(
+        16, ge=1, description="apply R1 every this many D steps (lazy regularization)"
+    )
+    ema_half_life_images: int = Field(
+        10_000, ge=1, description="half-life of the generator EMA, in images"
+    )
+    ema_rampup: float | None = Field(
+        0.05, gt=0.0, description="EMA half-life at most this share of the images seen so far"
+    )
+    style_mixing_prob: float = Field(0.9, ge=0.0, le=1.0)
+    # --- adaptive discriminator augmentation ---------------------------------------------------
+    augment: bool = Field(True, description="adaptive discriminator augmentation on/off")
+    ada_target: float = Field(0.6, gt=0.0, lt=1.0, description="target of r_t = E[sign(D(real))]")
+    ada_interval: int = Field(4, ge=1, description="adjust p every this many D steps")
+    ada_speed_images: int = Field(
+        500_000, ge=1, description="images over which p can move from 0 to 1"
+    )
+    # --- privacy loss (FedER Eq. 3-5) ----------------------------------------------------------
+    alpha: float = Field(
+        1.0, ge=0.0, description="weight of the LPIPS privacy term: L_G-PP = L_G - alpha * L_PP"
+    )
+    pp_normalization: Literal["pairs", "batch"] = Field(
+        "pairs",
+        description="L_PP = sum of the pairwise distances divided by the number of pairs (a mean), "
+        "or by the batch size as FedER Eq. 3 writes it (batch size times the mean)",
+    )
+    lpips_backbone: Literal["alex", "vgg", "random"] = Field(
+        "alex",
+        description="ImageNet backbone under LPIPS; 'random' is for tests only and gives no real privacy",
+    )
+    lpips_weights: Path | None = Field(
+        None,
+        description="torchvision ImageNet weights file of the backbone; default: the torch hub cache",
+    )
+    lpips_min_size: int = Field(
+        64, ge=16, description="smaller images are upsampled to this side before LPIPS"
+    )
+    # --- two-stage training (FedER Sec. 4.2.2) -------------------------------------------------
+    iterations: int = Field(50_000, ge=1, description="stage 1 (no privacy loss): most iterations")
+    stage1_patience: int = Field(
+        10_000,
+        ge=1,
+        description="stage 1 stops after this many iterations without a better quality score",
+    )
+    stage2_iterations: int = Field(
+        10_000, ge=0, description="stage 2 (with privacy loss): most iterations"
+    )
+    stage2_degrade_factor: float = Field(
+        2.5,
+        gt=1.0,
+        description="stage 2 stops once the quality score exceeds this factor times stage 1's",
+    )
+    quality_features: Literal["classifier", "lpips"] = Field(
+        "classifier",
+        description="Frechet distance on a small CNN trained on the site's images, or on the LPIPS backbone's features",
+    )
+    quality_classifier_steps: int = Field(
+        500, ge=1, description="training steps of the quality-score CNN"
+    )
+    quality_every: int = Field(500, ge=1, description="iterations between quality evaluations")
+    stage2_quality_every: int | None = Field(
+        None,
+        ge=1,
+        description="iterations between quality evaluations in stage 2; default quality_every",
+    )
+    quality_samples: int = Field(1000, ge=16, description="synthetic images per quality evaluation")
+    train_reference: bool = Field(
+        True, description="also continue stage 1 without the privacy loss, for the audit"
+    )
+    checkpoint_every: int = Field(
+        1000, ge=1, description="iterations between resumable training-state saves"
+    )
+    # --- buffers ------------------------------------------------------------------------------
+    buffer_size: int = Field(512, ge=1, description="synthetic images per buffer (B)")
+    per_class: Literal["balanced", "prior"] = Field(
+        "balanced", description="equal counts per class, or the local label prior"
+    )
+    truncation_psi: float = Field(1.0, gt=0.0, le=1.0)
+    # --- audit (FedER Sec. 4.4) ---------------------------------------------------------------
+    audit_images: int = Field(64, ge=1, description="real training images projected into W")
+    audit_steps: int = Field(300, ge=1, description="optimisation steps per projection")
+    audit_lr: float = Field(0.1, gt=0.0)
+    # --- where and how ------------------------------------------------------------------------
+    out_dir: Path = Field(
+        Path("genbuffer"),
+        description="checkpoints, buffers and audit files; default in a site.yaml: STATE/genbuffer",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+    @field_validator("resolution")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(
+                f"{v} is not a power of two between 16 and 256 — use 16, 32, 64, 128 or 256"
+            )
+        return v
+
+    @field_validator("lpips_weights")
+    @classmethod
+    def _weights_need_imagenet_backbone(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        # A field validator (lpips_backbone is declared first), so the error names lpips_weights.
+        if v is not None and info.data.get("lpips_backbone") == "random":
+            raise ValueError(
+                "set, but lpips_backbone 'random' loads no weights — remove one of the two keys"
+            )
+        return v
+
+    def stage2_settings(self) -> dict[str, object]:
+        """The settings that define stage 2; changing them redoes stage 2 from the stage-1 result."""
+        return {
+            "alpha": self.alpha,
+            "pp_normalization": self.pp_normalization,
+            "stage2_iterations": self.stage2_iterations,
+            "stage2_degrade_factor": self.stage2_degrade_factor,
+            "stage2_quality_every": self.stage2_quality_every or self.quality_every,
+            "train_reference": self.train_reference,
+        }
+
+    def effective_r1_gamma(self) -> float:
+        """StyleGAN2-ADA's heuristic: 0.0002 * resolution^2 / batch_size."""
+        if self.r1_gamma is not None:
+            return self.r1_gamma
+        return 0.0002 * self.resolution**2 / self.batch_size

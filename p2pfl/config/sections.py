@@ -1,0 +1,227 @@
+"""The sections of site.yaml as pydantic v2 models (all but `protocol:`, in
+p2pfl.config.protocols, and `genbuffer:`, in p2pfl.config.genbuffer).
+
+Every section forbids unknown keys, so a typo is an error rather than a
+silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """'127.0.0.1:7000' or '[::1]:7000' -> (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} out of range 1-65535")
+    return host.strip("[]"), port
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class NodeSection(Section):
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="site name, as in the roster"
+    )
+    listen: str = Field("127.0.0.1:7000", description="HOST:PORT the peer transport binds to")
+    advertise: str | None = Field(
+        None, description="HOST:PORT peers use to reach this node; defaults to listen"
+    )
+    state_dir: Path = Field(Path("state"), description="keys, spool, checkpoints, metrics, log")
+    startup_wait_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="wait up to this long for every roster peer before starting the protocol",
+    )
+    exit_when_done: bool = Field(
+        False, description="exit once the protocol finished and every peer is done or gone"
+    )
+
+    @field_validator("listen", "advertise")
+    @classmethod
+    def _hostport(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_hostport(v)
+        return v
+
+
+class IdentitySection(Section):
+    signing_key: Path | None = Field(
+        None, description="Ed25519 private key (PEM); default STATE/keys/<name>.sign.pem"
+    )
+    agreement_key: Path | None = Field(
+        None, description="X25519 private key (PEM); default STATE/keys/<name>.kex.pem"
+    )
+
+
+class FederationSection(Section):
+    id: str = Field(
+        min_length=1, max_length=64, description="federation id carried in every message header"
+    )
+    roster: Path = Field(description="roster YAML listing every site's address and public keys")
+    seed: int = Field(0, description="shared seed (rings, partitions, tie-breaks)")
+
+
+class DataSection(Section):
+    source: str = Field(
+        "digits",
+        description="'digits' (embedded), a MedMNIST-style .npz, or an ImageFolder directory",
+    )
+    image_size: int = Field(28, ge=8, le=1024)
+    channels: int = Field(1, ge=1, le=4)
+    val_fraction: float = Field(
+        0.15, ge=0.0, lt=1.0, description="split off train when the source has no val split"
+    )
+    label_fraction: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="keep labels for this share of train; rest becomes unlabeled",
+    )
+    augment: Literal["none", "weak", "strong"] = "weak"
+
+
+class SiameseSection(Section):
+    enabled: bool = False
+    margin: float = Field(1.0, gt=0.0, description="contrastive-loss margin m")
+    embedding_dim: int = Field(64, ge=2)
+
+
+class ModelSection(Section):
+    name: str = Field(
+        "small_cnn",
+        description="small_cnn, resnet18, efficientnet_b0, mobilenetv2_100, vit_tiny_patch16_224, ...",
+    )
+    weights: Path | None = Field(
+        None, description="local weights file (safetensors or torch state dict) to start from"
+    )
+    init: Literal["default", "xavier"] = "default"
+    pretrained_from: Path | None = Field(
+        None, description="encoder weights from a pre-training run (Fed-MAE)"
+    )
+    siamese: SiameseSection = SiameseSection()
+
+
+class TrainingSection(Section):
+    epochs: int = Field(1, ge=1, description="local epochs per round (E)")
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    weight_decay: float = Field(0.0, ge=0.0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int = Field(1, ge=1, description="data-parallel processes for local training")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads for torch (default: torch's choice; set 1 when several nodes share a machine)",
+    )
+    seed: int = 0
+    max_steps_per_epoch: int | None = Field(
+        None, ge=1, description="cap local steps (demos, tests)"
+    )
+    steps_per_round: int | None = Field(
+        None,
+        ge=1,
+        description="local steps per round instead of epochs (equal work per site, whatever its size)",
+    )
+    class_weighted: bool = Field(
+        False,
+        description="weight cross-entropy by median class frequency / class frequency of the labelled train split",
+    )
+
+
+class SelectionSection(Section):
+    name: Literal["random", "n_latest", "f1", "cosine"] = "random"
+    n: int = Field(
+        1,
+        ge=0,
+        description="n_latest, f1, cosine: how many recent neighbours to avoid (DFU client.last)",
+    )
+    prefer: Literal["dissimilar", "similar"] | None = Field(
+        None, description="default: the heuristic's own (f1: dissimilar, cosine: similar)"
+    )
+    vector: Literal["f1", "model_stats"] = Field(
+        "f1", description="cosine: compare per-class F1 or model statistics"
+    )
+
+
+class StatusSection(Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, lt=65536)
+    token: str | None = Field(
+        None, min_length=16, description="bearer token; required off loopback"
+    )
+    token_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> StatusSection:
+        if self.enabled and not is_loopback(self.host) and not (self.token or self.token_file):
+            raise ValueError(
+                f"status endpoint bound to non-loopback address {self.host!r} needs a bearer token: "
+                "set status.token (16+ characters) or status.token_file, or bind status.host to 127.0.0.1"
+            )
+        return self
+
+
+class WireSection(Section):
+    max_message_bytes: int = Field(512 * 1024 * 1024, ge=1024)
+    clock_skew_s: float = Field(300.0, gt=0.0)
+    encryption: bool = False
+    replay_cache_size: int = Field(100_000, ge=16)
+
+
+class TLSSection(Section):
+    cert: Path
+    key: Path
+    ca: Path = Field(description="CA bundle used to verify peers' certificates")
+
+
+class TransportSection(Section):
+    connect_timeout_s: float = Field(5.0, gt=0)
+    request_timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(4, ge=0)
+    backoff_base_s: float = Field(0.2, gt=0)
+    backoff_max_s: float = Field(10.0, gt=0)
+    breaker_failures: int = Field(
+        5, ge=1, description="consecutive failures that open a peer's circuit"
+    )
+    breaker_reset_s: float = Field(15.0, gt=0)
+    heartbeat_s: float = Field(2.0, gt=0)
+    suspect_after_s: float = Field(6.0, gt=0)
+    dead_after_s: float = Field(15.0, gt=0)
+    inbox_size: int = Field(256, ge=1)
+    outbox_ttl_s: float = Field(
+        3600.0, gt=0, description="how long a push interrupted by a crash is retried after restart"
+    )
+    rate_limit_per_s: float = Field(
+        200.0, gt=0, description="messages per second accepted from one peer"
+    )
+    read_idle_timeout_s: float = Field(
+        30.0, gt=0, description="an incoming message that sends no bytes this long is cut off"
+    )
+    tls: TLSSection | None = None
+
+
+class LoggingSection(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"

@@ -67,15 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.federation", description=__doc__.splitlines()[0]
     )
+
+    def spec_option(flag: str, field: str | None = None, **kwargs: Any) -> None:
+        """An option that sets a RunSpec field (named like it unless `field`
+        says otherwise, see spec_from_args): RunSpec's default is its default."""
+        name = field or flag.removeprefix("--").replace("-", "_")
+        parser.add_argument(flag, default=getattr(RunSpec, name), **kwargs)
+
     parser.add_argument("--nodes", type=int, default=5)
-    parser.add_argument("--protocol", default=RunSpec.protocol, choices=protocol_names())
-    parser.add_argument("--heuristic", default=RunSpec.heuristic, choices=HEURISTICS)
-    parser.add_argument(
-        "--fraction",
-        type=float,
-        default=RunSpec.fraction,
-        help="c: share of the other nodes each node pulls from",
-    )
+    spec_option("--protocol", choices=protocol_names())
+    spec_option("--heuristic", choices=HEURISTICS)
+    spec_option("--fraction", type=float, help="c: share of the other nodes each node pulls from")
     parser.add_argument(
         "--grid",
         action="store_true",
@@ -87,43 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fractions", type=_floats, default=None, help="comma list, e.g. 0.25,0.5,0.75,1.0"
     )
-    parser.add_argument("--rounds", type=int, default=RunSpec.rounds)
-    parser.add_argument(
-        "--data",
-        default=RunSpec.data,
-        help="'digits' (embedded), a MedMNIST-style .npz or an ImageFolder directory",
+    spec_option("--rounds", type=int)
+    spec_option(
+        "--data", help="'digits' (embedded), a MedMNIST-style .npz or an ImageFolder directory"
     )
-    parser.add_argument(
-        "--partition",
-        default=RunSpec.partition,
-        help="iid, dirichlet:ALPHA, shards:K or quantity:ALPHA",
-    )
-    parser.add_argument(
+    spec_option("--partition", help="iid, dirichlet:ALPHA, shards:K or quantity:ALPHA")
+    spec_option(
         "--test-split",
         choices=("local", "global"),
-        default=RunSpec.test_split,
         help="local: each site's test follows its train class shares; "
         "global: every site is scored on the whole test split (DFU paper)",
     )
-    parser.add_argument("--label-fraction", type=float, default=RunSpec.label_fraction)
+    spec_option("--label-fraction", type=float)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--epochs", type=int, default=RunSpec.epochs)
-    parser.add_argument("--batch-size", type=int, default=RunSpec.batch_size)
-    parser.add_argument("--lr", type=float, default=RunSpec.lr)
-    parser.add_argument("--model", default=RunSpec.model)
-    parser.add_argument("--image-size", type=int, default=RunSpec.image_size)
-    parser.add_argument(
+    spec_option("--epochs", type=int)
+    spec_option("--batch-size", type=int)
+    spec_option("--lr", type=float)
+    spec_option("--model")
+    spec_option("--image-size", type=int)
+    spec_option(
         "--augment",
-        default=RunSpec.augment,
         choices=("none", "weak", "strong"),
         help="data.augment of every site (training batches only)",
     )
-    parser.add_argument("--seed", type=int, default=RunSpec.seed)
-    parser.add_argument("--max-steps-per-epoch", type=int, default=RunSpec.max_steps_per_epoch)
-    parser.add_argument(
+    spec_option("--seed", type=int)
+    spec_option("--max-steps-per-epoch", type=int)
+    spec_option(
         "--steps-per-round",
         type=int,
-        default=RunSpec.steps_per_round,
         help="local steps per round instead of epochs (equal work per site)",
     )
     parser.add_argument(
@@ -131,16 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="class-weighted cross-entropy (median frequency / frequency) for every method",
     )
-    parser.add_argument(
+    spec_option(
         "--round-timeout",
+        "round_timeout_s",
         type=float,
-        default=RunSpec.round_timeout_s,
         help="protocol.round_timeout_s (default: the protocol's)",
     )
-    parser.add_argument(
+    spec_option(
         "--timeout",
+        "timeout_s",
         type=float,
-        default=RunSpec.timeout_s,
         help="overall bound of one run in seconds; the nodes are always stopped",
     )
     parser.add_argument(

@@ -34,6 +34,7 @@ from typing import Any
 from bench import plots
 from bench.federation import (
     RunSpec,
+    mean_by_round,
     node_overrides,
     partition,
     protocol_section,
@@ -109,14 +110,9 @@ def run_one(
 def honest_curve(run: dict[str, Any], attacker: str) -> dict[int, float]:
     """Round -> mean test macro-F1 over the honest nodes (the attacker is left out
     of every run, attack-free included, so the runs compare the same nodes)."""
-    by_round: dict[int, list[float]] = {}
-    for name, rows in run["rows"].items():
-        if name == attacker:
-            continue
-        for row in rows:
-            if row.get("macro_f1") is not None:
-                by_round.setdefault(int(row["round"]), []).append(float(row["macro_f1"]))
-    return {r: statistics.fmean(v) for r, v in sorted(by_round.items())}
+    return mean_by_round(
+        [row for name, rows in run["rows"].items() if name != attacker for row in rows]
+    )
 
 
 def figures(curve: dict[int, float]) -> dict[str, float | None]:

@@ -24,6 +24,7 @@ from bench.federation.specs import (
     site_names,
     spec_from_options,
 )
+from bench.federation.stats import mean_by_round
 
 __all__ = [
     "ROW_KEYS",
@@ -31,6 +32,7 @@ __all__ = [
     "Report",
     "RunOutcome",
     "RunSpec",
+    "mean_by_round",
     "node_overrides",
     "partition",
     "protocol_section",

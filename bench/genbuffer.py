@@ -191,32 +191,19 @@ def main(argv: list[str] | None = None) -> int:
         "site share: %d images, class counts %s", len(train_u8), np.bincount(train_labels).tolist()
     )
 
+    # every option named like a GenbufferSection field (--channel-base, --alpha, ...)
+    # is that field; the others are the benchmark's own or named otherwise
+    same_named = {k: v for k, v in vars(args).items() if k in GenbufferSection.model_fields}
     cfg = GenbufferSection(
-        resolution=args.resolution,
+        **same_named,
         z_dim=args.latent,
         w_dim=args.latent,
         mapping_layers=2,
-        channel_base=args.channel_base,
-        channel_max=args.channel_max,
-        batch_size=args.batch_size,
-        ada_speed_images=args.ada_speed_images,
-        alpha=args.alpha,
-        pp_normalization=args.pp_normalization,
-        lpips_backbone=args.lpips_backbone,
-        lpips_weights=args.lpips_weights,
-        iterations=args.iterations,
         stage1_patience=args.patience,
-        stage2_iterations=args.stage2_iterations,
-        quality_every=args.quality_every,
-        stage2_quality_every=args.stage2_quality_every,
         quality_samples=500,
         checkpoint_every=args.quality_every,
-        buffer_size=args.buffer_size,
-        audit_images=args.audit_images,
-        audit_steps=args.audit_steps,
         out_dir=out / "gan",
         device="cpu",
-        seed=args.seed,
     )
     metric = build_perceptual_distance(
         cfg.lpips_backbone, cfg.lpips_weights, min_size=cfg.lpips_min_size

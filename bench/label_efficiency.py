@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from p2pfl.config import SiteConfig
+from p2pfl.files import atomic_write_text
 from p2pfl.learning.data.partition import partition_dataset
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 
@@ -129,11 +130,35 @@ def final_mean(result: SimulationResult, metric: str) -> float:
     return statistics.fmean(values)
 
 
+def site_configs(
+    args: argparse.Namespace,
+    sources: list[str],
+    state_root: Path,
+    *,
+    protocol: dict[str, Any],
+    training: dict[str, Any],
+) -> list[SiteConfig]:
+    """Both arms' sites: the ViT on --image-size grey images, weak augmentation,
+    --selection neighbours, --seed; `protocol` and `training` per phase."""
+    return simulation_configs(
+        sources,
+        protocol=protocol,
+        seed=args.seed,
+        state_root=state_root,
+        model={"name": MODEL},
+        data={"image_size": args.image_size, "channels": 1, "augment": "weak"},
+        training=training,
+        selection={"name": args.selection},
+    )
+
+
 def pretrain(
     args: argparse.Namespace, sources: list[str], rounds: int, state_root: Path
 ) -> tuple[list[Path], SimulationResult]:
-    configs = simulation_configs(
+    configs = site_configs(
+        args,
         sources,
+        state_root,
         protocol={
             "name": "fedmae",
             "rounds": rounds,
@@ -142,17 +167,12 @@ def pretrain(
             "round_timeout_s": 600.0,
             "eval_every": 1,
         },
-        seed=args.seed,
-        state_root=state_root,
-        model={"name": MODEL},
-        data={"image_size": args.image_size, "channels": 1, "augment": "weak"},
         training={
             "epochs": args.pretrain_epochs,
             "batch_size": 64,
             "lr": args.pretrain_lr,
             "device": "cpu",
         },
-        selection={"name": args.selection},
     )
     # on disk, so a killed benchmark resumes pre-training where it stopped
     result = run_simulation(configs, checkpoint_dir=state_root / "checkpoints")
@@ -169,8 +189,10 @@ def finetune(
     """FedAVGP2P from the given per-node encoders: --steps-per-round local steps
     per round whatever the number of labels, class-weighted cross-entropy (the
     training split is 90 % pneumonia)."""
-    configs = simulation_configs(
+    configs = site_configs(
+        args,
         sources,
+        state_root,
         protocol={
             "name": "fedavgp2p",
             "rounds": args.finetune_rounds,
@@ -178,10 +200,6 @@ def finetune(
             "round_timeout_s": 600.0,
             "eval_every": args.eval_every,
         },
-        seed=args.seed,
-        state_root=state_root,
-        model={"name": MODEL},
-        data={"image_size": args.image_size, "channels": 1, "augment": "weak"},
         training={
             "steps_per_round": args.steps_per_round,
             "class_weighted": True,
@@ -189,7 +207,6 @@ def finetune(
             "lr": lr,
             "device": "cpu",
         },
-        selection={"name": args.selection},
     )
     for cfg, encoder in zip(configs, encoders, strict=True):
         cfg.model.pretrained_from = encoder
@@ -305,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{out / 'state' / 'pretrain'}: checkpoints already hold a finished pre-training — "
                 "pass --reuse-pretraining or delete that folder"
             )
-        pretrain_json.write_text(
+        # read back by the next run (--reuse-pretraining): whole or absent
+        atomic_write_text(
+            pretrain_json,
             json.dumps(
                 {
                     "setting": setting,
@@ -316,7 +335,6 @@ def main(argv: list[str] | None = None) -> None:
                 indent=2,
             )
             + "\n",
-            encoding="utf-8",
         )
     if args.pretrain_only:
         print(json.dumps({"pretrain_rounds": args.pretrain_rounds, "curve": pretrain_curve}))

@@ -26,7 +26,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,19 +34,17 @@ from typing import Any
 from bench import plots
 from bench.federation import (
     RunSpec,
+    mean_by_round,
     node_overrides,
     partition,
     protocol_section,
     read_metrics,
     site_names,
+    spec_from_options,
+    stdout_line,
 )
 from node.faults import ENV, POISON_MODES
 from node.localfed import LocalFederation, provision
-
-
-def _say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def run_one(
@@ -98,7 +95,7 @@ def run_one(
                     last_seen[name] = status.get("metrics_round", 0)
                     f1 = (status.get("metrics") or {}).get("macro_f1")
                     if f1 is not None:
-                        _say(f"  {name} round {last_seen[name]}: macro-F1 {f1:.3f}")
+                        stdout_line(f"  {name} round {last_seen[name]}: macro-F1 {f1:.3f}")
             time.sleep(1.0)
         codes = fed.stop_all()
     rows = {p.name: read_metrics(p.config_path.parent / "state" / "metrics.jsonl") for p in plans}
@@ -113,14 +110,9 @@ def run_one(
 def honest_curve(run: dict[str, Any], attacker: str) -> dict[int, float]:
     """Round -> mean test macro-F1 over the honest nodes (the attacker is left out
     of every run, attack-free included, so the runs compare the same nodes)."""
-    by_round: dict[int, list[float]] = {}
-    for name, rows in run["rows"].items():
-        if name == attacker:
-            continue
-        for row in rows:
-            if row.get("macro_f1") is not None:
-                by_round.setdefault(int(row["round"]), []).append(float(row["macro_f1"]))
-    return {r: statistics.fmean(v) for r, v in sorted(by_round.items())}
+    return mean_by_round(
+        [row for name, rows in run["rows"].items() if name != attacker for row in rows]
+    )
 
 
 def figures(curve: dict[int, float]) -> dict[str, float | None]:
@@ -161,17 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--nodes: at least 3 (one attacker and two honest nodes)")
     if "norm_clip" in aggregations and args.clip_norm is None:
         raise SystemExit("--clip-norm is required with norm_clip")
-    spec = RunSpec(
-        nodes=args.nodes,
-        rounds=args.rounds,
-        data=args.data,
-        partition=args.partition,
-        epochs=args.epochs,
-        lr=args.lr,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        startup_wait_s=60.0,
-    )
+    # nodes, rounds, data, partition, epochs, lr and seed: the options of the same names
+    spec = spec_from_options(args, timeout_s=args.timeout, startup_wait_s=60.0)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     sources, part = partition(spec, out / "data")
@@ -183,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, Any] = {}
     curves: dict[str, dict[int, float]] = {}
     for label, agg, atk in plan:
-        _say(f"{label}: {spec.nodes} nodes, {spec.rounds} rounds, aggregation {agg}")
+        stdout_line(f"{label}: {spec.nodes} nodes, {spec.rounds} rounds, aggregation {agg}")
         run = run_one(
             spec,
             out / "fed" / label,
@@ -202,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "exit_codes": run["exit_codes"],
             "rows": run["rows"],
         }
-        _say(f"{label}: honest macro-F1 {runs[label]['honest']}")
+        stdout_line(f"{label}: honest macro-F1 {runs[label]['honest']}")
     clean = runs["attack_free_mean"]["honest"]["final"]
     drop = {
         agg: (
@@ -240,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             default=str,
         )
     )
-    _say(json.dumps(summary))
+    stdout_line(json.dumps(summary))
     return 0
 
 

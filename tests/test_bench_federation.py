@@ -11,12 +11,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from bench import federation
+from bench.federation import ROW_KEYS, cli
 
 NUMBER_OR_NULL = {"type": ["number", "null"]}
 ROW_SCHEMA = {
     "type": "object",
-    "required": list(federation.ROW_KEYS),
+    "required": list(ROW_KEYS),
     "properties": {
         "node": {"type": "string"},
         "round": {"type": "integer", "minimum": 1},
@@ -76,16 +76,16 @@ TINY = ["--data", "digits", "--image-size", "8", "--max-steps-per-epoch", "2", "
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict[str, Any]]:
-    code = federation.main(argv)
+    code = cli.main(argv)
     lines = capsys.readouterr().out.strip().splitlines()
     return code, json.loads(lines[-1])
 
 
 def test_test_split_option_reaches_the_run_spec() -> None:
-    parser = federation.build_parser()
-    assert federation.spec_from_args(parser.parse_args(["--out", "x"])).test_split == "local"
+    parser = cli.build_parser()
+    assert cli.spec_from_args(parser.parse_args(["--out", "x"])).test_split == "local"
     args = parser.parse_args(["--out", "x", "--test-split", "global"])
-    assert federation.spec_from_args(args).test_split == "global"
+    assert cli.spec_from_args(args).test_split == "global"
     with pytest.raises(SystemExit):
         parser.parse_args(["--out", "x", "--test-split", "central"])
 

@@ -1,0 +1,213 @@
+"""N-node federation benchmark: real `p2pfl-node` processes on loopback (or, with
+`--in-memory`, N nodes in this process over the in-memory network; the same
+protocol code either way), compared with baselines measured in the same run.
+
+    python -m bench.federation --nodes 5 --protocol fedavgp2p --heuristic random \\
+        --fraction 0.5 --rounds 10 --data PATH.npz|digits --partition dirichlet:0.5 \\
+        [--test-split local|global] --out DIR
+    python -m bench.federation ... --grid [--heuristics random,f1] [--fractions 0.25,1.0]
+
+What it does:
+1. splits the data set's train split among the N sites (`partition_dataset`,
+   files under DIR/data; val follows each site's class shares; test does too
+   with `--test-split local` (the default), while with `--test-split global`
+   every site's test split is the whole source test split, as in the DFU
+   paper, which scores every client on the common test data);
+2. for each (heuristic, c) asked for: provisions keys, roster and site.yaml
+   under DIR/fed/<heuristic>_c<c>/ (a previous run's node state there is
+   removed), starts one process per site with `node.exit_when_done: true`,
+   prints one line per node per round as the nodes report on /status, waits
+   for every process to exit (bounded by --timeout; the processes are always
+   stopped), then reads every node's state/metrics.jsonl;
+3. runs the baselines in this process (bench/baselines.py) on the SAME
+   partition files with the same model, epochs, batch size, lr, seed and
+   number of rounds: standalone (every site alone) and centralized FedAvg,
+   plus centralized FedSGD (every site's gradient every step) for fedsgdp2p;
+4. writes DIR/results.json and the plots, and prints the `summary` object of
+   results.json as the last stdout line (one JSON object).
+
+What each figure of the summary means: bench/federation/stats.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.federation.benchmark import json_default, run_benchmark
+from bench.federation.outcome import stdout_line
+from bench.federation.specs import RunSpec, spec_from_options
+from p2pfl.config import protocol_names
+
+HEURISTICS = ("random", "n_latest", "f1", "cosine")
+GRID_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in HEURISTICS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown heuristic(s) {unknown}: use {', '.join(HEURISTICS)}"
+        )
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.federation", description=__doc__.splitlines()[0]
+    )
+
+    def spec_option(flag: str, field: str | None = None, **kwargs: Any) -> None:
+        """An option that sets a RunSpec field (named like it unless `field`
+        says otherwise, see spec_from_args): RunSpec's default is its default."""
+        name = field or flag.removeprefix("--").replace("-", "_")
+        parser.add_argument(flag, default=getattr(RunSpec, name), **kwargs)
+
+    parser.add_argument("--nodes", type=int, default=5)
+    spec_option("--protocol", choices=protocol_names())
+    spec_option("--heuristic", choices=HEURISTICS)
+    spec_option("--fraction", type=float, help="c: share of the other nodes each node pulls from")
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="every heuristic x c (defaults: all four heuristics, c in 0.25,0.5,0.75,1.0)",
+    )
+    parser.add_argument(
+        "--heuristics", type=_names, default=None, help="comma list, e.g. random,n_latest,f1,cosine"
+    )
+    parser.add_argument(
+        "--fractions", type=_floats, default=None, help="comma list, e.g. 0.25,0.5,0.75,1.0"
+    )
+    spec_option("--rounds", type=int)
+    spec_option(
+        "--data", help="'digits' (embedded), a MedMNIST-style .npz or an ImageFolder directory"
+    )
+    spec_option("--partition", help="iid, dirichlet:ALPHA, shards:K or quantity:ALPHA")
+    spec_option(
+        "--test-split",
+        choices=("local", "global"),
+        help="local: each site's test follows its train class shares; "
+        "global: every site is scored on the whole test split (DFU paper)",
+    )
+    spec_option("--label-fraction", type=float)
+    parser.add_argument("--out", type=Path, required=True)
+    spec_option("--epochs", type=int)
+    spec_option("--batch-size", type=int)
+    spec_option("--lr", type=float)
+    spec_option("--model")
+    spec_option("--image-size", type=int)
+    spec_option(
+        "--augment",
+        choices=("none", "weak", "strong"),
+        help="data.augment of every site (training batches only)",
+    )
+    spec_option("--seed", type=int)
+    spec_option("--max-steps-per-epoch", type=int)
+    spec_option(
+        "--steps-per-round",
+        type=int,
+        help="local steps per round instead of epochs (equal work per site)",
+    )
+    parser.add_argument(
+        "--class-weighted",
+        action="store_true",
+        help="class-weighted cross-entropy (median frequency / frequency) for every method",
+    )
+    spec_option(
+        "--round-timeout",
+        "round_timeout_s",
+        type=float,
+        help="protocol.round_timeout_s (default: the protocol's)",
+    )
+    spec_option(
+        "--timeout",
+        "timeout_s",
+        type=float,
+        help="overall bound of one run in seconds; the nodes are always stopped",
+    )
+    parser.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="run the nodes in this process over the in-memory network",
+    )
+    parser.add_argument(
+        "--protocol-option",
+        dest="protocol_options",
+        type=_protocol_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another protocol: field for every node, VALUE read as YAML "
+        "(e.g. aggregation=median); repeatable",
+    )
+    parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.9,
+        help="macro-F1 threshold of the rounds-to-threshold figures (DFU: 0.9)",
+    )
+    parser.add_argument("--verbose", action="store_true")
+    return parser
+
+
+def _protocol_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. aggregation=median")
+    return key.strip(), yaml.safe_load(value)
+
+
+def grid_cells(args: argparse.Namespace) -> list[tuple[str, float]]:
+    if args.grid:
+        heuristics = args.heuristics or list(HEURISTICS)
+        fractions = args.fractions or list(GRID_FRACTIONS)
+    else:
+        heuristics = args.heuristics or [args.heuristic]
+        fractions = args.fractions or [args.fraction]
+    for c in fractions:
+        if not 0.0 < c <= 1.0:
+            raise SystemExit(f"bench.federation: --fraction(s) must be in (0, 1], got {c}")
+    return [(h, c) for h in heuristics for c in fractions]
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    if args.nodes < 2:
+        raise SystemExit(f"bench.federation: --nodes must be at least 2, got {args.nodes}")
+    return spec_from_options(
+        args,
+        round_timeout_s=args.round_timeout,
+        timeout_s=args.timeout,
+        protocol_options=tuple(args.protocol_options),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    bench = run_benchmark(
+        spec_from_args(args),
+        grid_cells(args),
+        args.out,
+        baselines=args.baselines,
+        threshold=args.threshold,
+    )
+    for name, path in bench.results["plots"].items():
+        stdout_line(f"plot {name}: {path}")
+    stdout_line(f"results: {bench.path}")
+    stdout_line(json.dumps(bench.results["summary"], allow_nan=False, default=json_default))
+    return 0 if bench.ok else 1

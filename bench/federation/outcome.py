@@ -1,0 +1,76 @@
+"""What one federation run produces, whichever way its nodes ran: `RunOutcome`
+with one row per node per round (`bench_row`: the keys of results.json's
+`rounds`), and the `Report` callback that the runners write progress lines to."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.federation.specs import RunSpec
+
+ROW_KEYS = (
+    "node",
+    "round",
+    "macro_f1",
+    "accuracy",
+    "messages_sent",
+    "bytes_sent",
+    "train_s",
+    "round_s",
+)
+EXTRA_ROW_KEYS = (
+    "exchange_s",
+    "aggregate_s",
+    "train_loss",
+    "val_macro_f1",
+    "neighbours",
+    "neighbours_wanted",
+    "stale_models",
+    "steps",
+    "timeouts",
+    "t",
+)
+POLL_INTERVAL_S = 0.5
+
+Report = Callable[[str], None]
+
+
+def stdout_line(line: str) -> None:
+    """The default `Report`: one line on stdout, flushed."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+@dataclass
+class RunOutcome:
+    """What one federation run produced (rows: one per node per round)."""
+
+    mode: str
+    rows: list[dict[str, Any]]
+    wall_s: float
+    peak_rss_mb: dict[str, float]
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    timed_out: bool = False
+    traffic_source: str = "metrics"
+    dashboards: dict[str, str] = field(default_factory=dict)
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf (a loss with no step) become None so results.json stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def bench_row(record: dict[str, Any], spec: RunSpec) -> dict[str, Any]:
+    """One results.json row from one metrics record of a node."""
+    row = {key: _finite(record.get(key)) for key in ROW_KEYS}
+    row.update({key: _finite(record[key]) for key in EXTRA_ROW_KEYS if key in record})
+    row["heuristic"] = spec.heuristic
+    row["fraction"] = spec.fraction
+    return row

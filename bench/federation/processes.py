@@ -1,0 +1,186 @@
+"""Real `p2pfl-node` processes on loopback, one per site: provision them,
+follow them through /status (one progress line per node per round, peak RSS
+polled with psutil) until they all exit or the run's timeout passes, stop them,
+and read every node's state/metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.federation.outcome import POLL_INTERVAL_S, Report, RunOutcome, bench_row, stdout_line
+from bench.federation.specs import RunSpec, node_overrides, protocol_section, site_names
+from node.localfed import LocalFederation, SitePlan, provision
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_KIND = "heartbeat"
+
+OnStarted = Callable[[list[SitePlan]], None]
+
+
+class RoundWatcher:
+    """Turns polled /status documents into one progress line per node per round
+    and remembers each node's protocol traffic when it reported a round (used
+    when metrics.jsonl carries no traffic figures)."""
+
+    def __init__(self, rounds: int, report: Report) -> None:
+        self.rounds = rounds
+        self.report = report
+        self.started = time.perf_counter()
+        self.last_round: dict[str, int] = {}
+        self.traffic: dict[str, dict[int, tuple[int, int]]] = {}
+        self.phase: dict[str, str] = {}
+
+    def observe(self, name: str, status: dict[str, Any]) -> None:
+        self._observe_round(name, status)
+        phase = str(status.get("phase", ""))
+        if phase in ("failed", "done") and self.phase.get(name) != phase:
+            self.report(f"[{self.elapsed():7.1f}s] {name} {phase}")
+        self.phase[name] = phase
+
+    def _observe_round(self, name: str, status: dict[str, Any]) -> None:
+        metrics_round = status.get("metrics_round")
+        if not isinstance(metrics_round, int) or metrics_round <= self.last_round.get(name, 0):
+            return
+        self.last_round[name] = metrics_round
+        self.traffic.setdefault(name, {})[metrics_round] = protocol_traffic(status)
+        self._report_round(name, metrics_round, status.get("metrics") or {})
+
+    def report_row(self, row: dict[str, Any]) -> None:
+        """A round read from metrics.jsonl after the node exited."""
+        self._report_round(row["node"], row["round"], row, " (from metrics.jsonl)")
+
+    def _report_round(self, name: str, round_: int, m: dict[str, Any], source: str = "") -> None:
+        self.report(
+            f"[{self.elapsed():7.1f}s] {name} round {round_}/{self.rounds}"
+            f"  macro-F1 {_fmt(m.get('macro_f1'))}  acc {_fmt(m.get('accuracy'))}"
+            f"  train {_fmt(m.get('train_s'), 1)}s  exchange {_fmt(m.get('exchange_s'), 1)}s"
+            f"  round {_fmt(m.get('round_s'), 1)}s{source}"
+        )
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
+
+
+def protocol_traffic(status: dict[str, Any]) -> tuple[int, int]:
+    """(messages, bytes) this node sent, heartbeats left out, from its /status."""
+    out = []
+    for field_name in ("messages", "bytes"):
+        by_kind = ((status.get(field_name) or {}).get("sent") or {}).get("by_kind") or {}
+        out.append(sum(int(v) for k, v in by_kind.items() if k != HEARTBEAT_KIND))
+    return out[0], out[1]
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if not path.exists():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s: unreadable metrics line skipped", path)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("round"), int):
+            rows.append(record)
+    return rows
+
+
+def run_processes(
+    spec: RunSpec,
+    run_dir: Path,
+    sources: Sequence[Path],
+    *,
+    report: Report = stdout_line,
+    on_started: OnStarted | None = None,
+) -> RunOutcome:
+    """Provision and start one `p2pfl-node` process per site, follow them until
+    they all exit (or spec.timeout_s passes), stop them, collect metrics.jsonl."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    names = site_names(spec.nodes)
+    plans = provision(
+        run_dir,
+        names,
+        protocol=protocol_section(spec),
+        data_sources=[str(s.resolve()) for s in sources],
+        federation=f"bench-{spec.slug}",
+        seed=spec.seed,
+        overrides=node_overrides(spec),
+    )
+    dashboards = {p.name: f"http://127.0.0.1:{p.status_port}/" for p in plans}
+    watcher = RoundWatcher(spec.rounds, report)
+    peak_rss: dict[str, float] = dict.fromkeys(names, 0.0)
+    started = time.perf_counter()
+    deadline = started + spec.timeout_s
+    with LocalFederation(plans, run_dir / "logs") as fed:
+        if on_started is not None:
+            on_started(plans)
+        handles: dict[str, psutil.Process] = {}
+        for name, node in fed.nodes.items():
+            if node.proc is not None:
+                handles[name] = psutil.Process(node.proc.pid)
+        while time.perf_counter() < deadline and any(n.running for n in fed.nodes.values()):
+            for name, node in fed.nodes.items():
+                if not node.running:
+                    continue
+                try:
+                    rss = handles[name].memory_info().rss / 2**20
+                    peak_rss[name] = max(peak_rss[name], rss)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+                    pass
+                status = node.status()
+                if status is not None:
+                    watcher.observe(name, status)
+            time.sleep(POLL_INTERVAL_S)
+        timed_out = any(n.running for n in fed.nodes.values())
+        if timed_out:
+            report(f"timeout after {spec.timeout_s:.0f} s: stopping the nodes still running")
+        exit_codes = fed.stop_all()
+        errors = {
+            name: f"exit code {code}; log tail: {fed[name].log_tail(5)}"
+            for name, code in exit_codes.items()
+            if code != 0
+        }
+    wall = time.perf_counter() - started
+    rows: list[dict[str, Any]] = []
+    traffic_source = "metrics"
+    for plan in plans:
+        for record in read_metrics(plan.config_path.parent / "state" / "metrics.jsonl"):
+            row = bench_row(record, spec)
+            if row["messages_sent"] is None:
+                # metrics.jsonl has no traffic figures: use the /status counters
+                # read when the node reported that round (polled, so approximate).
+                snapshot = watcher.traffic.get(row["node"], {}).get(row["round"])
+                if snapshot is not None:
+                    row["messages_sent"], row["bytes_sent"] = snapshot
+                    traffic_source = "status_poll"
+            rows.append(row)
+            if row["round"] > watcher.last_round.get(row["node"], 0):
+                watcher.report_row(row)  # exited before its last round was polled
+    return RunOutcome(
+        mode="processes",
+        rows=rows,
+        wall_s=wall,
+        peak_rss_mb={k: round(v, 1) for k, v in peak_rss.items()},
+        exit_codes=exit_codes,
+        errors=errors,
+        timed_out=timed_out,
+        traffic_source=traffic_source,
+        dashboards=dashboards,
+    )

@@ -1,0 +1,156 @@
+"""What one federation run is: `RunSpec`, the site names, and the site.yaml
+sections (protocol, model, training, selection, data) that the nodes and the
+baselines share; the data set's partition among the sites."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from p2pfl.config import ProtocolParams, SiteConfig, protocol_names
+from p2pfl.learning.data.partition import partition_dataset
+from protocols.memory import simulation_configs
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One federation run: everything the nodes and the baselines share."""
+
+    nodes: int
+    protocol: str = "fedavgp2p"
+    heuristic: str = "random"
+    fraction: float = 0.5
+    rounds: int = 10
+    data: str = "digits"
+    partition: str = "dirichlet:0.5"
+    test_split: str = "local"  # local | global (partition_dataset's `test`)
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-3
+    model: str = "small_cnn"
+    image_size: int = 28
+    augment: str = "weak"
+    seed: int = 0
+    max_steps_per_epoch: int | None = None
+    steps_per_round: int | None = None
+    class_weighted: bool = False
+    label_fraction: float | None = None
+    round_timeout_s: float | None = None
+    startup_wait_s: float = 60.0
+    timeout_s: float = 1800.0
+    in_memory: bool = False
+    protocol_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.heuristic} c={self.fraction:g}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.heuristic}_c{self.fraction:g}"
+
+
+def spec_from_options(args: argparse.Namespace, **renamed: Any) -> RunSpec:
+    """A RunSpec from a benchmark's parsed options: every option named like a
+    RunSpec field (`--batch-size` -> batch_size) is taken as it is; `renamed`
+    gives the fields whose option has another name (`timeout_s=args.timeout`)."""
+    names = {f.name for f in dataclasses.fields(RunSpec)}
+    same_named = {k: v for k, v in vars(args).items() if k in names}
+    return RunSpec(**{**same_named, **renamed})
+
+
+def site_names(nodes: int) -> list[str]:
+    return [f"site_{i}" for i in range(nodes)]
+
+
+def _params_class(protocol: str) -> type[Any]:
+    for cls in ProtocolParams.__args__:  # type: ignore[attr-defined]
+        if protocol in cls.model_fields["name"].annotation.__args__:
+            return cls
+    raise ValueError(f"unknown protocol {protocol!r}: use one of {', '.join(protocol_names())}")
+
+
+def protocol_section(spec: RunSpec) -> dict[str, Any]:
+    """The `protocol:` section every node gets."""
+    fields = _params_class(spec.protocol).model_fields
+    section: dict[str, Any] = {"name": spec.protocol, "rounds": spec.rounds}
+    if "fraction" in fields:
+        section["fraction"] = spec.fraction
+    if spec.round_timeout_s is not None:
+        section["round_timeout_s"] = spec.round_timeout_s
+    section.update(dict(spec.protocol_options))
+    return section
+
+
+def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
+    """site.yaml sections the nodes and the baselines share (data.source is per site)."""
+    training: dict[str, Any] = {
+        "epochs": spec.epochs,
+        "batch_size": spec.batch_size,
+        "lr": spec.lr,
+        "seed": spec.seed,
+    }
+    if spec.max_steps_per_epoch is not None:
+        training["max_steps_per_epoch"] = spec.max_steps_per_epoch
+    if spec.steps_per_round is not None:
+        training["steps_per_round"] = spec.steps_per_round
+    if spec.class_weighted:
+        training["class_weighted"] = True
+    return {
+        "model": {"name": spec.model},
+        "training": training,
+        "selection": {"name": spec.heuristic},
+        "data": {"image_size": spec.image_size, "augment": spec.augment},
+    }
+
+
+def node_overrides(spec: RunSpec) -> dict[str, Any]:
+    """Everything a benchmark node's site.yaml sets beyond `provision`'s defaults."""
+    sections = shared_sections(spec)
+    sections["training"] = {**sections["training"], "threads": 1}
+    return {
+        **sections,
+        "node": {"exit_when_done": True, "startup_wait_s": spec.startup_wait_s},
+        "transport": {"heartbeat_s": 1.0, "suspect_after_s": 5.0, "dead_after_s": 15.0},
+    }
+
+
+def partition(spec: RunSpec, data_dir: Path) -> tuple[list[Path], dict[str, Any]]:
+    """site_<i>.npz for every node under data_dir, and the partition summary."""
+    summary = partition_dataset(
+        spec.data,
+        spec.nodes,
+        spec.partition,
+        data_dir,
+        label_fraction=spec.label_fraction,
+        seed=spec.seed,
+        test=spec.test_split,
+    )
+    return [data_dir / row["file"] for row in summary["per_site"]], summary
+
+
+def one_torch_thread() -> None:
+    """Work done in this process (baselines, in-memory nodes) uses one torch
+    thread: several threads contend on a shared machine and beside the nodes."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def in_process_configs(
+    spec: RunSpec, sources: Sequence[Path], state_root: Path
+) -> list[SiteConfig]:
+    """Site configs of the nodes run in this process (in-memory nodes, baselines)."""
+    return simulation_configs(
+        [str(s) for s in sources],
+        protocol=protocol_section(spec),
+        names=site_names(spec.nodes),
+        federation_id="bench",
+        seed=spec.seed,
+        state_root=state_root,
+        **shared_sections(spec),
+    )

@@ -1,0 +1,268 @@
+"""The figures of results.json's `summary`, from a run's rows and the baselines.
+
+Figures (keys of `summary`):
+- macro_f1_mean_first / _final: test macro-F1 (each node on its own test
+  split: its share with `--test-split local`, the common test set with
+  `global`), mean over the nodes, at the first round and at each node's last
+  logged round; macro_f1_mean_last3: the mean of the last three rounds' means
+  (one round can swing by several points);
+- standalone_macro_f1_mean, centralized_macro_f1: the same figure for the two
+  baselines at their last round (centralized: the global model evaluated on
+  each site's test split, mean over sites; with `--test-split global` that is
+  one figure, the common test set); gain_over_standalone = final -
+  standalone, gap_to_centralized = centralized - final (positive: below it);
+  for fedsgdp2p also centralized_fedsgd_macro_f1 (_last3) and
+  gap_to_centralized_fedsgd, its own centralized counterpart;
+- non_training_share = 1 - sum(train_s) / sum(round_s) over every logged
+  round of every node: the share of a round's wall time a node spends outside
+  local training (waiting for and pulling neighbours' models, aggregation,
+  evaluation, gossip). round_s runs from the start of the round's training to
+  the metrics line (the checkpoint written after it is not in it;
+  non_training_share_wall, from the wall-clock gaps between a node's metrics
+  lines, counts it). exchange_share and aggregate_share split out the first
+  two parts;
+- messages_sent_total / bytes_sent_total: protocol traffic (requests,
+  responses and pushes; heartbeats are not counted) of all nodes over the run;
+- rounds_to_threshold: first round whose mean macro-F1 over the nodes reaches
+  --threshold (DFU Table 2), messages_to_threshold: messages all nodes had sent
+  by then (DFU Fig. 7);
+- wall_s, peak_rss_mb (per node for processes, polled with psutil; with
+  --in-memory, the peak of this whole process so far (getrusage), read before
+  the baselines run).
+With several (heuristic, c) runs, `summary.grid` holds each run's figures;
+macro_f1_mean_first/_final are then the lowest over the runs, and
+non_training_share and the traffic totals pool every run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from bench.federation.baselines import baseline_by_round
+from bench.federation.outcome import RunOutcome
+from bench.federation.specs import RunSpec, site_names
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _share(part: float, whole: float) -> float | None:
+    return part / whole if whole > 0 else None
+
+
+def mean_by_round(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
+    by_round: dict[int, list[float]] = {}
+    for r in rows:
+        if r.get("macro_f1") is not None:
+            by_round.setdefault(r["round"], []).append(float(r["macro_f1"]))
+    return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
+
+
+def per_node_final(rows: Sequence[dict[str, Any]], key: str = "macro_f1") -> dict[str, float]:
+    last: dict[str, tuple[int, float]] = {}
+    for r in rows:
+        if r.get(key) is not None and r["round"] >= last.get(r["node"], (-1, 0.0))[0]:
+            last[r["node"]] = (r["round"], float(r[key]))
+    return {node: value for node, (_, value) in sorted(last.items())}
+
+
+def traffic_totals(rows: Sequence[dict[str, Any]]) -> tuple[int | None, int | None]:
+    """Sum over nodes of each node's last cumulative (messages, bytes)."""
+    messages, nbytes = per_node_final(rows, "messages_sent"), per_node_final(rows, "bytes_sent")
+    if not messages:
+        return None, None
+    return int(sum(messages.values())), int(sum(nbytes.values()))
+
+
+def time_shares(rows: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Where a round's time goes, pooled over every row (see the module doc)."""
+    total = sum(float(r.get("round_s") or 0.0) for r in rows)
+    train = sum(float(r.get("train_s") or 0.0) for r in rows)
+    shares = {
+        "non_training_share": None if total <= 0 else 1.0 - train / total,
+        "exchange_share": _share(sum(float(r.get("exchange_s") or 0.0) for r in rows), total),
+        "aggregate_share": _share(sum(float(r.get("aggregate_s") or 0.0) for r in rows), total),
+        "non_training_share_wall": wall_non_training_share(rows),
+    }
+    return {k: None if v is None else round(v, 4) for k, v in shares.items()}
+
+
+def wall_non_training_share(rows: Sequence[dict[str, Any]]) -> float | None:
+    """1 - train_s / (time between a node's consecutive metrics lines), rounds
+    2.. only: unlike round_s this also counts what happens after the metrics
+    line (the checkpoint). Needs the lines' wall-clock `t` (real processes)."""
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("t") is not None:
+            by_node.setdefault(r["node"], []).append(r)
+    train = wall = 0.0
+    for node_rows in by_node.values():
+        node_rows.sort(key=lambda r: r["round"])
+        for before, after in zip(node_rows, node_rows[1:], strict=False):
+            if after["round"] == before["round"] + 1 and after.get("train_s") is not None:
+                train += float(after["train_s"])
+                wall += float(after["t"]) - float(before["t"])
+    return None if wall <= 0 else 1.0 - train / wall
+
+
+def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[str, Any]:
+    rows = outcome.rows
+    by_round = mean_by_round(rows)
+    final = per_node_final(rows)
+    first_round = min(by_round, default=None)
+    first = [
+        float(r["macro_f1"])
+        for r in rows
+        if r["round"] == first_round and r.get("macro_f1") is not None
+    ]
+    messages, nbytes = traffic_totals(rows)
+    reached = next((r for r, v in by_round.items() if v >= threshold), None)
+    messages_to_threshold = None
+    if reached is not None and messages is not None:
+        messages_to_threshold = sum(
+            int(r["messages_sent"])
+            for r in rows
+            if r["round"] == reached and r.get("messages_sent") is not None
+        )
+    completed = {name: 0 for name in site_names(spec.nodes)}
+    for r in rows:
+        completed[r["node"]] = max(completed.get(r["node"], 0), r["round"])
+    round_s = [float(r["round_s"]) for r in rows if r.get("round_s") is not None]
+    train_s = [float(r["train_s"]) for r in rows if r.get("train_s") is not None]
+    rounds_done = min(completed.values(), default=0)
+    return {
+        "protocol": spec.protocol,
+        "heuristic": spec.heuristic,
+        "fraction": spec.fraction,
+        "nodes": spec.nodes,
+        "rounds": spec.rounds,
+        "rounds_completed_min": rounds_done,
+        "mode": outcome.mode,
+        "macro_f1_mean_first": _round(_mean(first)),
+        "macro_f1_mean_final": _round(_mean(list(final.values()))),
+        "macro_f1_mean_last3": _round(mean_of_last(by_round)),
+        "macro_f1_min_final": _round(min(final.values(), default=None)),
+        "macro_f1_max_final": _round(max(final.values(), default=None)),
+        **time_shares(rows),
+        "train_s_mean": _round(_mean(train_s), 3),
+        "round_s_mean": _round(_mean(round_s), 3),
+        "messages_sent_total": messages,
+        "bytes_sent_total": nbytes,
+        "messages_per_round": None
+        if messages is None or not rounds_done
+        else round(messages / rounds_done, 1),
+        "traffic_source": outcome.traffic_source,
+        "threshold": threshold,
+        "rounds_to_threshold": reached,
+        "messages_to_threshold": messages_to_threshold,
+        "wall_s": round(outcome.wall_s, 2),
+        "peak_rss_mb": outcome.peak_rss_mb,
+        "peak_rss_mb_max": max(outcome.peak_rss_mb.values(), default=None),
+        "timed_out": outcome.timed_out,
+        "errors": outcome.errors,
+    }
+
+
+def mean_of_last(by_round: dict[int, float], k: int = 3) -> float | None:
+    """Mean of the last k rounds' means: less at the mercy of one noisy round
+    than the final value alone."""
+    rounds = sorted(by_round)[-k:]
+    return statistics.fmean(by_round[r] for r in rounds) if rounds else None
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def with_baselines(summary: dict[str, Any], baselines: dict[str, Any] | None) -> dict[str, Any]:
+    alone = baselines["standalone"]["macro_f1_mean"] if baselines else None
+    central = baselines["centralized"]["macro_f1"] if baselines else None
+    final = summary.get("macro_f1_mean_final")
+    last3: dict[str, float | None] = {"standalone": None, "centralized": None}
+    for name in last3:
+        if baselines:
+            last3[name] = mean_of_last(baseline_by_round(baselines[name]))
+    return {
+        **summary,
+        "standalone_macro_f1_mean": _round(alone),
+        "centralized_macro_f1": _round(central),
+        "standalone_macro_f1_mean_last3": _round(last3["standalone"]),
+        "centralized_macro_f1_last3": _round(last3["centralized"]),
+        "gain_over_standalone": None if alone is None or final is None else round(final - alone, 4),
+        "gap_to_centralized": None
+        if central is None or final is None
+        else round(central - final, 4),
+        **fedsgd_figures(baselines, final),
+    }
+
+
+def fedsgd_figures(baselines: dict[str, Any] | None, final: float | None) -> dict[str, Any]:
+    """The centralized FedSGD keys of the summary, when that baseline ran."""
+    if not baselines or "centralized_fedsgd" not in baselines:
+        return {}
+    sgd = baselines["centralized_fedsgd"]
+    return {
+        "centralized_fedsgd_macro_f1": _round(sgd["macro_f1"]),
+        "centralized_fedsgd_macro_f1_last3": _round(mean_of_last(baseline_by_round(sgd))),
+        "gap_to_centralized_fedsgd": None
+        if final is None or sgd["macro_f1"] is None
+        else round(sgd["macro_f1"] - final, 4),
+    }
+
+
+def grid_summary(
+    base: RunSpec,
+    outcomes: Sequence[RunOutcome],
+    summaries: Sequence[dict[str, Any]],
+    reference: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Several runs: the lowest macro-F1 over the runs, traffic and time shares pooled."""
+    all_rows = [row for o in outcomes for row in o.rows]
+    finals = [m["macro_f1_mean_final"] for m in summaries if m["macro_f1_mean_final"] is not None]
+    firsts = [m["macro_f1_mean_first"] for m in summaries if m["macro_f1_mean_first"] is not None]
+    messages = [m["messages_sent_total"] for m in summaries if m["messages_sent_total"] is not None]
+    nbytes = [m["bytes_sent_total"] for m in summaries if m["bytes_sent_total"] is not None]
+    keep = (
+        "heuristic",
+        "fraction",
+        "macro_f1_mean_first",
+        "macro_f1_mean_final",
+        "macro_f1_mean_last3",
+        "non_training_share",
+        "non_training_share_wall",
+        "exchange_share",
+        "messages_sent_total",
+        "bytes_sent_total",
+        "rounds_to_threshold",
+        "messages_to_threshold",
+        "wall_s",
+        "peak_rss_mb_max",
+        "rounds_completed_min",
+        "errors",
+    )
+    summary = {
+        "protocol": base.protocol,
+        "nodes": base.nodes,
+        "rounds": base.rounds,
+        "mode": summaries[0]["mode"],
+        "macro_f1_mean_first": min(firsts, default=None),
+        "macro_f1_mean_final": min(finals, default=None),
+        **time_shares(all_rows),
+        "messages_sent_total": sum(messages) if messages else None,
+        "bytes_sent_total": sum(nbytes) if nbytes else None,
+        "threshold": summaries[0]["threshold"],
+        "grid": [{k: m[k] for k in keep} for m in summaries],
+    }
+    out = with_baselines(summary, reference)
+    for cell in out["grid"]:
+        cell.update(
+            {
+                k: v
+                for k, v in with_baselines(cell, reference).items()
+                if k in ("gain_over_standalone", "gap_to_centralized")
+            }
+        )
+    return out

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pfl.config import SiteConfig
+from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.train import LocalSite
 from protocols.aggregate import weighted_mean
-from protocols.site import build_site, evaluate_site
+from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from bench.baselines import BaselineResult
 from p2pfl.config import SiteConfig
-from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, supervised_epoch
+from p2pfl.learning.evaluate import CALIBRATION_KEYS, evaluate_site
+from p2pfl.learning.semisup import fixmatch_epoch, supervised_epoch
 from p2pfl.learning.train import LocalSite
 from protocols.site import build_site
 
@@ -57,7 +58,7 @@ def _run_alone(
             t0 = time.perf_counter()
             result = fit(site, params)
             train_s = time.perf_counter() - t0
-            metrics = evaluate_with_calibration(site)
+            metrics = evaluate_site(site, CALIBRATION_KEYS)
             metrics.pop("per_class_f1", None)
             records.append(
                 {

@@ -41,13 +41,14 @@ from torch import Tensor
 from genbuffer.config import GenbufferSection
 from p2pfl.config import FedERParams
 from p2pfl.learning.data.loaders import convert_images, to_float_tensor
+from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.train import LocalSite
 from p2pfl.secure.tensors import state_dict_nbytes
 from protocols import selection
 from protocols.base import NotReady, PeerUnavailable, Received, RoundContext
 from protocols.checks import incompatibility
 from protocols.rounds import Round, RoundLoop
-from protocols.site import build_site, evaluate_site
+from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 

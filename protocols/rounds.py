@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from p2pfl.learning.evaluate import evaluate_site
 from protocols import selection
 from protocols.base import Protocol, RoundContext
-from protocols.site import evaluate_site
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,4 @@
-"""The site a protocol trains: built from the federation's common initial
-weights, and evaluated the same way by every protocol.
+"""The site a protocol trains, built from the federation's common initial weights.
 
 The DFU paper starts every client from the same model. Every site draws that
 model from `federation.seed` itself, so no message is needed for it.
@@ -10,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,20 +65,3 @@ def build_site(config: SiteConfig) -> LocalSite:
     )
     site.calibrate_eval_batch()
     return site
-
-
-def evaluate_site(site: LocalSite) -> dict[str, Any]:
-    """Test metrics (the headline `macro_f1`/`accuracy`) and validation metrics
-    (`val_*`; their per-class F1 is what the node gossips). A site without a
-    val split gossips its test F1; one without a test split logs val only."""
-    out: dict[str, Any] = {}
-    reports = site.evaluate_available()
-    if "test" in reports:
-        out["macro_f1"] = reports["test"]["macro_f1"]
-        out["accuracy"] = reports["test"]["accuracy"]
-    if "val" in reports:
-        out["val_macro_f1"] = reports["val"]["macro_f1"]
-        out["val_accuracy"] = reports["val"]["accuracy"]
-    gossip = reports.get("val") or reports.get("test")
-    out["per_class_f1"] = list(gossip["per_class_f1"]) if gossip else None
-    return out

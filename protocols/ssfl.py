@@ -19,7 +19,8 @@ from typing import Any
 from torch import Tensor
 
 from p2pfl.config import SSFLParams
-from p2pfl.learning.semisup import evaluate_with_calibration, fixmatch_epoch, peer_model_from_state
+from p2pfl.learning.evaluate import CALIBRATION_KEYS, evaluate_site
+from p2pfl.learning.semisup import fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.state import feature_vector
 from p2pfl.learning.train import LocalSite
 from protocols import communities
@@ -109,7 +110,7 @@ class SSFL(FedAvgP2P):
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
         """Macro-F1 and ECE on test, accuracy on val; gossip F1, model statistics
         and the val accuracy the gated policies read."""
-        metrics = await ctx.train(evaluate_with_calibration, site)
+        metrics = await ctx.train(evaluate_site, site, CALIBRATION_KEYS)
         stats = await ctx.train(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
         if metrics.get("val_accuracy") is not None:

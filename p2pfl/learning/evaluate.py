@@ -84,3 +84,26 @@ def fastest_batch_size(
     fastest = min(timings, key=lambda size: timings[size])
     log.debug("inference batch size %d (seconds per sample: %s)", fastest, timings)
     return fastest
+
+
+HEADLINE_KEYS = ("macro_f1", "accuracy")
+CALIBRATION_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "auc")
+
+
+def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict[str, Any]:
+    """A site's round metrics: `test_keys` of its test split (the headline
+    macro-F1 and accuracy; CALIBRATION_KEYS adds ECE, MCE, AUC and balanced
+    accuracy), `val_macro_f1`/`val_accuracy` of its val split, whichever splits
+    exist, and `per_class_f1` of val (else test), which the node gossips for the
+    F1 peer-selection heuristic."""
+    out: dict[str, Any] = {}
+    reports = site.evaluate_available()
+    if "test" in reports:
+        for key in test_keys:
+            out[key] = reports["test"][key]
+    if "val" in reports:
+        out["val_macro_f1"] = reports["val"]["macro_f1"]
+        out["val_accuracy"] = reports["val"]["accuracy"]
+    gossip = reports.get("val") or reports.get("test")
+    out["per_class_f1"] = list(gossip["per_class_f1"]) if gossip else None
+    return out

@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -245,21 +244,3 @@ def supervised_epoch(
         steps=steps or steps_per_epoch(site, unlabeled_ratio),
         use_unlabeled=False,
     )
-
-
-def evaluate_with_calibration(site: LocalSite) -> dict[str, Any]:
-    """Test metrics (macro_f1, accuracy, balanced_accuracy, ece, mce, auc) and
-    validation metrics (val_macro_f1, val_accuracy), whichever splits exist;
-    `per_class_f1` of val (else test) for the F1 peer-selection heuristics."""
-    out: dict[str, Any] = {}
-    reports = site.evaluate_available()
-    if "test" in reports:
-        test = reports["test"]
-        for key in ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "auc"):
-            out[key] = test[key]
-    if "val" in reports:
-        out["val_macro_f1"] = reports["val"]["macro_f1"]
-        out["val_accuracy"] = reports["val"]["accuracy"]
-    gossip = reports.get("val") or reports.get("test")
-    out["per_class_f1"] = list(gossip["per_class_f1"]) if gossip else None
-    return out

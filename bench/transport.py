@@ -133,7 +133,7 @@ async def sender_main(args: argparse.Namespace, config_path: Path, raw_port: int
 
         async def node_path(round_: int, encrypt: bool) -> None:
             node.cfg.wire.encryption = encrypt
-            await node.send_push("b", "model", payload, round_)
+            await node.outbound.send_push("b", "model", payload, round_)
 
         async with aiohttp.ClientSession() as session:
 

@@ -85,7 +85,8 @@ import psutil
 import yaml
 
 from bench import plots
-from node.localfed import LocalFederation, SitePlan, provision
+from bench.localfed import LocalFederation
+from node.provision import SitePlan, provision
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.protocol_params import ProtocolParams, protocol_names

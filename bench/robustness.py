@@ -41,8 +41,9 @@ from bench.federation import (
     read_metrics,
     site_names,
 )
+from bench.localfed import LocalFederation
 from node.faults import ENV, POISON_MODES
-from node.localfed import LocalFederation, provision
+from node.provision import provision
 
 
 def _say(line: str) -> None:

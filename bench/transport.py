@@ -33,7 +33,7 @@ from aiohttp import web
 
 from bench.wire import resnet18_like_state_dict
 from node.daemon import Node
-from node.localfed import free_ports, provision
+from node.provision import free_ports, provision
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from protocols.base import Protocol, RoundContext

@@ -137,7 +137,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
-    from node.localfed import provision
+    from node.provision import provision
 
     names = [s.strip() for s in args.sites.split(",") if s.strip()]
     if len(names) < 2 or len(set(names)) != len(names):

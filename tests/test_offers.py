@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from node.daemon import Node
-from node.localfed import provision
+from node.provision import provision
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from protocols.base import NotReady, Offers

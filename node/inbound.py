@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from node.faults import FaultPlan
@@ -31,38 +32,25 @@ from protocols.base import Handler, NotReady, Offers, Received
 log = logging.getLogger(__name__)
 
 
+@dataclass(kw_only=True, eq=False)
 class Inbound:
     """Answers verified frames; owns the protocol's request handlers and the spool's bookkeeping."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        cfg: SiteConfig,
-        codec: WireCodec,
-        spool: Spool,
-        journal: Journal,
-        inboxes: Inboxes,
-        telemetry: Telemetry,
-        membership: Membership,
-        faults: FaultPlan,
-        count_sent: Callable[[str, str, int], None],
-        stopping: asyncio.Event,
-    ) -> None:
-        self.name = name
-        self.cfg = cfg
-        self.codec = codec
-        self.spool = spool
-        self.journal = journal
-        self.inboxes = inboxes
-        self.telemetry = telemetry
-        self.membership = membership
-        self.faults = faults
-        self.count_sent = count_sent
-        self.stopping = stopping
-        self.handlers: dict[str, Handler] = {}
-        self.offers = Offers()  # wakes requests held open on a kind
-        self._spool_ts: dict[str, int] = {}  # message id -> header timestamp, for the journal
+    name: str
+    cfg: SiteConfig
+    codec: WireCodec
+    spool: Spool
+    journal: Journal
+    inboxes: Inboxes
+    telemetry: Telemetry
+    membership: Membership
+    faults: FaultPlan
+    count_sent: Callable[[str, str, int], None]
+    stopping: asyncio.Event
+    handlers: dict[str, Handler] = field(default_factory=dict)
+    offers: Offers = field(default_factory=Offers)  # wakes requests held open on a kind
+    # message id -> header timestamp, for the journal
+    _spool_ts: dict[str, int] = field(default_factory=dict, init=False)
 
     def serve(self, kind: str, handler: Handler) -> None:
         self.handlers[kind] = handler

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from node.peers import PeerTable
@@ -37,34 +38,23 @@ class Progress(NamedTuple):
     done: bool
 
 
+@dataclass(kw_only=True, eq=False)
 class Membership:
     """Sends and receives heartbeats; holds the roster and the published metadata."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        cfg: SiteConfig,
-        roster: Roster,
-        codec: WireCodec,
-        client: MessageClient,
-        peers: PeerTable,
-        telemetry: Telemetry,
-        inboxes: Inboxes,
-        progress: Callable[[], Progress],
-        spawn: Callable[[Coroutine[Any, Any, None], str], None],
-    ) -> None:
-        self.name = name
-        self.cfg = cfg
-        self.roster = roster
-        self.codec = codec
-        self.client = client
-        self.peers = peers
-        self.telemetry = telemetry
-        self.inboxes = inboxes
-        self.progress = progress
-        self.spawn = spawn  # a background task the node cancels when it stops
-        self.published: dict[str, Any] = {}  # the protocol's metadata, gossiped in heartbeats
+    name: str
+    cfg: SiteConfig
+    roster: Roster
+    codec: WireCodec
+    client: MessageClient
+    peers: PeerTable
+    telemetry: Telemetry
+    inboxes: Inboxes
+    progress: Callable[[], Progress]
+    spawn: Callable[[Coroutine[Any, Any, None], str], None]  # a task the node cancels at stop
+    published: dict[str, Any] = field(default_factory=dict)  # gossiped in heartbeats
+
+    def __post_init__(self) -> None:
         self._link_roster()
 
     # ------------------------------------------------------------------ sending

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from node.peers import PeerTable
@@ -37,30 +38,19 @@ RESPONSE_PREFIX = "resp:"
 ASK_AGAIN = ("not_ready", "no_handler", "rate_limited", "queue_full")
 
 
+@dataclass(kw_only=True, eq=False)
 class Outbound:
     """Pushes (through the outbox) and requests, and the protocol traffic they make."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        cfg: SiteConfig,
-        codec: WireCodec,
-        client: MessageClient,
-        outbox: Outbox,
-        peers: PeerTable,
-        telemetry: Telemetry,
-        current_round: Callable[[], int],
-    ) -> None:
-        self.name = name
-        self.cfg = cfg
-        self.codec = codec
-        self.client = client
-        self.outbox = outbox
-        self.peers = peers
-        self.telemetry = telemetry
-        self.current_round = current_round
-        self.sent = TrafficCounter()  # protocol traffic since start: heartbeats excluded
+    name: str
+    cfg: SiteConfig
+    codec: WireCodec
+    client: MessageClient
+    outbox: Outbox
+    peers: PeerTable
+    telemetry: Telemetry
+    current_round: Callable[[], int]
+    sent: TrafficCounter = field(default_factory=TrafficCounter)  # since start, no heartbeats
 
     def count_sent(self, peer: str, kind: str, nbytes: int) -> None:
         """A protocol message (push, request or response) went out."""

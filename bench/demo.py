@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.federation import RunSpec, run_benchmark
-from node.localfed import SitePlan
+from node.provision import SitePlan
 
 OUT = Path("runs/demo")
 SPEC = RunSpec(

@@ -43,8 +43,9 @@ from bench.federation import (
     spec_from_options,
     stdout_line,
 )
+from bench.localfed import LocalFederation
 from node.faults import ENV, POISON_MODES
-from node.localfed import LocalFederation, provision
+from node.provision import provision
 
 
 def run_one(

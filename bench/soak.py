@@ -29,7 +29,8 @@ from typing import Any
 
 import psutil
 
-from node.localfed import LocalFederation, provision
+from bench.localfed import LocalFederation
+from node.provision import provision
 
 
 def _say(line: str) -> None:

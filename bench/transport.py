@@ -33,7 +33,7 @@ from aiohttp import web
 
 from bench.wire import resnet18_like_state_dict
 from node.daemon import Node
-from node.localfed import free_ports, provision
+from node.provision import free_ports, provision
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from protocols.base import Protocol, RoundContext
@@ -133,7 +133,7 @@ async def sender_main(args: argparse.Namespace, config_path: Path, raw_port: int
 
         async def node_path(round_: int, encrypt: bool) -> None:
             node.cfg.wire.encryption = encrypt
-            await node.send_push("b", "model", payload, round_)
+            await node.outbound.send_push("b", "model", payload, round_)
 
         async with aiohttp.ClientSession() as session:
 

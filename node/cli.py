@@ -76,21 +76,18 @@ def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
         )
     check_config_files(cfg, path)
     identity = LocalIdentity.load(cfg.node.name, cfg.signing_key_path, cfg.agreement_key_path)
-    card = roster[cfg.node.name].card
-    if identity.card().signing_key != card.signing_key:
-        raise ConfigError(
-            path,
-            "identity.signing_key",
-            f"key {cfg.signing_key_path} does not match the roster's public key for {cfg.node.name!r}",
-            "point identity.signing_key at this site's own key or update the roster card",
-        )
-    if identity.card().agreement_key != card.agreement_key:
-        raise ConfigError(
-            path,
-            "identity.agreement_key",
-            f"key {cfg.agreement_key_path} does not match the roster's public key for {cfg.node.name!r}",
-            "point identity.agreement_key at this site's own key or update the roster card",
-        )
+    listed, ours = roster[cfg.node.name].card, identity.card()
+    for key, key_path in (
+        ("signing_key", cfg.signing_key_path),
+        ("agreement_key", cfg.agreement_key_path),
+    ):
+        if getattr(ours, key) != getattr(listed, key):
+            raise ConfigError(
+                path,
+                f"identity.{key}",
+                f"key {key_path} does not match the roster's public key for {cfg.node.name!r}",
+                f"point identity.{key} at this site's own key or update the roster card",
+            )
     return cfg, roster, identity
 
 
@@ -140,7 +137,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
-    from node.localfed import provision
+    from node.provision import provision
 
     names = [s.strip() for s in args.sites.split(",") if s.strip()]
     if len(names) < 2 or len(set(names)) != len(names):

@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from p2pfl.errors import UserError
+from p2pfl.files import atomic_write_text
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
     Card,
@@ -53,16 +54,6 @@ COMPOSE_DIR = "compose"  # under the provision directory: roster + per-site site
 
 
 # ----------------------------------------------------------------------------- compose
-
-
-def _write_secret(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.chmod(path, 0o600)
 
 
 def _project_name(federation: str) -> str:
@@ -172,7 +163,9 @@ def write_compose(
             if not key.exists():
                 raise UserError(f"{key}: missing — provision again or run `p2pfl-node keygen`")
         if not (state / STATUS_TOKEN_FILE).exists():
-            _write_secret(state / STATUS_TOKEN_FILE, secrets.token_urlsafe(32) + "\n")
+            atomic_write_text(
+                state / STATUS_TOKEN_FILE, secrets.token_urlsafe(32) + "\n", mode=0o600
+            )
 
         volumes: list[dict[str, Any]] = [
             {"type": "bind", "source": f"./{name}/state", "target": CONTAINER_STATE_DIR},

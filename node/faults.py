@@ -31,6 +31,10 @@ them by accident, and a node with a fault plan says so loudly in its log.
 
 Every event is appended to `<file>.events.jsonl` with a wall-clock time, so a
 test can line it up with the nodes' metrics.
+
+The daemon calls the plan at a few fixed places (round and phase changes, each
+acknowledged push, each answer); what a plan does to a running node (cutting
+its links, answering like a compromised peer) is here too, not in the daemon.
 """
 
 from __future__ import annotations
@@ -42,10 +46,16 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from p2pfl.secure.identity import LocalIdentity
+from p2pfl.secure.wire import Header, WireCodec
+
+if TYPE_CHECKING:
+    from node.transport import MessageClient, MessageServer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +77,7 @@ class FaultPlan:
         self.fired: set[str] = set()
         self.isolated = False
         self._poison_count = 0
+        self._first_reply: dict[str, list[bytes | memoryview]] = {}  # per requester, for `replayed`
         if path is not None:
             self.reload(force=True)
 
@@ -125,10 +136,7 @@ class FaultPlan:
         if self.path is None:
             return
         line = json.dumps({"t": round(time.time(), 3), "event": name, **fields})
-        with open(self._sidecar(".events.jsonl"), "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _append_line(self._sidecar(".events.jsonl"), line)
 
     # ------------------------------------------------------------------ hooks
     def on_progress(self, round: int, phase: str) -> None:
@@ -153,10 +161,7 @@ class FaultPlan:
             if round != at and not (phase == "acked" and round > at):
                 continue
             self.fired.add(kid)
-            with open(self._sidecar(".fired"), "a", encoding="utf-8") as f:
-                f.write(kid + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            _append_line(self._sidecar(".fired"), kid)
             delay = float(kill.get("delay_s", 0.0))
             self.event("kill", id=kid, round=round, phase=phase, delay_s=delay)
             log.warning("FAULT INJECTION: SIGKILL in %.2f s (round %d, %s)", delay, round, phase)
@@ -190,6 +195,62 @@ class FaultPlan:
             ):
                 out[key] = {k: _poison_tensor(t, mode, scale) for k, t in value.items()}
         return out
+
+    # ------------------------------------------------------------------ on a running node
+    def partition(self, server: MessageServer, client: MessageClient) -> None:
+        """Cut the node's links both ways while the plan isolates it; heal them after."""
+        server.isolated = self.isolated
+        for link in client.links.values():
+            link.blocked = self.isolated
+
+    def poisoned_reply(
+        self,
+        codec: WireCodec,
+        request: Header,
+        kind: str,
+        reply_kind: str,
+        payload: Any,
+        *,
+        encrypt: bool,
+    ) -> list[bytes | memoryview] | None:
+        """The frame a compromised peer would answer this request of `kind` with,
+        or None when the plan poisons nothing here (answer honestly)."""
+        attack = self.poison_mode(kind, request.round)
+        if attack is None:
+            return None
+        self.event("poison", mode=attack, to=request.sender, round=request.round)
+        if attack == "replayed":
+            if request.sender in self._first_reply:
+                return self._first_reply[request.sender]
+            attack = "nan"  # nothing to replay yet
+        if attack == "forged":
+            codec = WireCodec(
+                LocalIdentity.generate(codec.identity.name), codec.roster, codec.federation
+            )
+        if attack not in WIRE_MODES:
+            payload = self.poison_payload(payload, attack)
+        reply = codec.encode(
+            reply_kind,
+            request.sender,
+            payload,
+            round=request.round,
+            encrypt=encrypt and attack != "forged",
+        )
+        self.remember_reply(request.sender, reply.chunks)
+        return reply.chunks
+
+    def remember_reply(self, requester: str, chunks: list[bytes | memoryview]) -> None:
+        """Keep the first answer each requester got, byte for byte, to replay it later."""
+        if requester not in self._first_reply:
+            self._first_reply[requester] = [bytes(c) for c in chunks]
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one line and fsync: the record survives the SIGKILL that may follow."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:

@@ -1,4 +1,5 @@
-"""Membership: the roster is the allow-list; signed heartbeats say who is alive.
+"""The peer table: the roster is the allow-list; signed heartbeats (sent and
+received by node/membership.py) say who is alive.
 
 Each node sends every roster peer a heartbeat every `transport.heartbeat_s`
 carrying its round, phase, the metadata its protocol published and its traffic

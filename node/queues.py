@@ -1,17 +1,26 @@
-"""Crash-safe message queues.
+"""Crash-safe message queues: the spool, the journal, the inboxes, the outbox
+and the checkpoints, each a class here (node/inbound.py and node/daemon.py
+drive them).
 
-Exactly-once, tied to checkpoints:
-  1. A verified push is written to `spool/` (temp file, fsync, rename, fsync dir)
-     before the sender gets its 200.
-  2. It goes to a bounded per-kind inbox. When the protocol takes it, the id is
+Each received push is delivered to the protocol once, tied to checkpoints:
+  1. A verified push is written to `spool/` (p2pfl.files.atomic_write_bytes:
+     temp file, fsync, rename, fsync dir) before the sender gets its 200.
+  2. It goes to a bounded per-kind inbox. When the protocol takes it, it is
      noted as consumed.
-  3. When the protocol next checkpoints, the consumed ids are written into the
-     checkpoint, appended to `journal.jsonl` and their spool files deleted.
-  4. After a crash the node restores its last checkpoint and re-queues every
-     spooled frame not in the journal: what was consumed after the checkpoint is
-     consumed again on top of the rolled-back state, so it counts once.
-A sender that retries after our crash is answered "duplicate" (already spooled
-or journaled), never delivered twice.
+  3. When the protocol next checkpoints, the checkpoint (round and protocol
+     state, no message ids) is written first; then the ids consumed since the
+     last checkpoint are appended to `journal.jsonl` (fsynced), and their
+     spool files are deleted.
+  4. After a crash the node restores its last checkpoint, counts every
+     journaled id as already seen, and re-queues every spooled frame not in the
+     journal: what was consumed after the checkpoint is consumed again on top
+     of the rolled-back state, so it counts once. (A crash between writing a
+     checkpoint and appending its ids to the journal re-queues those messages
+     on top of the checkpoint that already includes them.)
+A sender that retries after our crash is told it was delivered, never
+delivered twice: a 409 `replayed` from the replay cache (seeded with the
+journal at start; the sender takes it as delivered), or a 200 when the id is
+still spooled or journaled.
 
 Outgoing pushes are written to `outbox/` before the first attempt and removed
 once the peer acknowledged them; after a restart pending ones are sent again
@@ -30,18 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from p2pfl.files import atomic_write_bytes
 from p2pfl.secure import tensors
 from protocols.base import Received
 
 log = logging.getLogger(__name__)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def unlink_all(paths: list[Path]) -> None:
@@ -49,26 +51,19 @@ def unlink_all(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_atomic(path: Path, chunks: list[bytes | bytearray | memoryview]) -> None:
-    """Temp file, fsync, rename, fsync the directory: the file is whole or absent."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        for chunk in chunks:
-            fh.write(chunk)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def _open_dir(directory: Path) -> Path:
+    """Create the folder and drop the temp files a crash left half-written in it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+    return directory
 
 
 class Spool:
     """Verified, acknowledged, not yet checkpointed frames."""
 
     def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
+        self.dir = _open_dir(directory)
         # The ids on disk, kept in memory: `has` is asked for every push, on the
         # event loop, and a stat there would wait on the directory's lock.
         self._ids = {p.stem for p in self.dir.glob("*.frame")}
@@ -81,7 +76,7 @@ class Spool:
 
     def persist(self, msg_id: str, frame: bytearray | bytes) -> Path:
         path = self.path(msg_id)
-        write_atomic(path, [frame])
+        atomic_write_bytes(path, frame)
         self._ids.add(msg_id)
         return path
 
@@ -192,10 +187,7 @@ class Outbox:
     """Pushes not yet acknowledged by their peer."""
 
     def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
+        self.dir = _open_dir(directory)
 
     def add(self, entry: OutboxEntry) -> None:
         record = {
@@ -206,7 +198,7 @@ class Outbox:
             "created": entry.created,
             "payload": entry.payload,
         }
-        write_atomic(self.dir / f"{entry.msg_id.hex()}.out", tensors.encode(record).chunks)
+        atomic_write_bytes(self.dir / f"{entry.msg_id.hex()}.out", tensors.encode(record).chunks)
 
     def done(self, msg_id: bytes) -> None:
         (self.dir / f"{msg_id.hex()}.out").unlink(missing_ok=True)
@@ -251,7 +243,7 @@ class Checkpoints:
     def save(self, state: dict[str, Any]) -> Path:
         self._seq += 1
         path = self.dir / f"ckpt-{self._seq:08d}.bin"
-        write_atomic(path, tensors.encode({"saved": time.time(), "state": state}).chunks)
+        atomic_write_bytes(path, tensors.encode({"saved": time.time(), "state": state}).chunks)
         for old in sorted(self.dir.glob("ckpt-*.bin"), key=self._number)[: -self.keep]:
             old.unlink(missing_ok=True)
         return path

@@ -4,7 +4,7 @@ One `Telemetry` per node, owned by the Node object (no module-level state). It
 is written from the event loop and from training threads, so every mutation and
 every snapshot happens under one lock. Readers get plain dicts (JSON-ready:
 non-finite floats become None) for /status, /peers and /history, and
-Prometheus text (exposition format 0.0.4) for /metrics.
+Prometheus text (exposition format 0.0.4, node/prometheus.py) for /metrics.
 
 Times: `last_seen` given to `set_peer` and every `last` in an edge are wall-clock
 epoch seconds (`time.time()`), so a browser can show "seen 3 s ago".
@@ -18,11 +18,13 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from node.prometheus import ExpositionWriter
 
 logger = logging.getLogger(__name__)
 
@@ -96,55 +98,23 @@ class RemoteChoice(BaseModel):
     count: int = Field(ge=0)
 
 
+GossipEntry = TypeVar("GossipEntry", RemoteEdge, RemoteChoice)
+
+
+def _valid_entries(
+    model: type[GossipEntry], entries: list[Any], peer_name: str, what: str
+) -> Iterator[GossipEntry]:
+    """The entries of a peer's gossip that validate as `model` (at most
+    _MAX_REMOTE_EDGES_PER_PEER of them); malformed ones are dropped."""
+    for raw in entries[:_MAX_REMOTE_EDGES_PER_PEER]:
+        try:
+            yield model.model_validate(raw)
+        except ValidationError as error:
+            logger.debug("dropping malformed %s from %s: %s", what, peer_name, error)
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-def _prom_number(value: float) -> str:
-    """A sample value as Prometheus text writes it (NaN, +Inf, -Inf, ints without .0)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _prom_label_value(value: str) -> str:
-    # Exposition format 0.0.4: backslash, double quote and line feed are escaped.
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _prom_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-class _PromWriter:
-    """Builds one exposition: each family's HELP and TYPE, then its samples."""
-
-    def __init__(self, common_labels: dict[str, str]) -> None:
-        self._common = common_labels
-        self._lines: list[str] = []
-
-    def family(
-        self,
-        name: str,
-        kind: str,
-        help_text: str,
-        samples: Iterable[tuple[dict[str, str], float]],
-    ) -> None:
-        self._lines.append(f"# HELP {name} {_prom_help(help_text)}")
-        self._lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            merged = {**self._common, **labels}
-            label_text = ",".join(
-                f'{key}="{_prom_label_value(val)}"' for key, val in merged.items()
-            )
-            self._lines.append(f"{name}{{{label_text}}} {_prom_number(value)}")
-
-    def text(self) -> str:
-        return "\n".join(self._lines) + "\n"
 
 
 class Telemetry:
@@ -247,12 +217,7 @@ class Telemetry:
         dropped. Returns how many edges were kept.
         """
         kept: dict[tuple[str, str], EdgeStats] = {}
-        for raw in edges[:_MAX_REMOTE_EDGES_PER_PEER]:
-            try:
-                edge = RemoteEdge.model_validate(raw)
-            except ValidationError as error:
-                logger.debug("dropping malformed edge from %s: %s", peer_name, error)
-                continue
+        for edge in _valid_entries(RemoteEdge, edges, peer_name, "edge"):
             if peer_name not in (edge.source, edge.target) or edge.source == edge.target:
                 continue
             kept[(edge.source, edge.target)] = EdgeStats(edge.messages, edge.bytes, edge.last)
@@ -263,12 +228,7 @@ class Telemetry:
     def merge_remote_choices(self, peer_name: str, choices: list[dict[str, Any]]) -> int:
         """Replace `peer_name`'s reported choices (only those it made itself)."""
         kept: dict[tuple[str, str], int] = {}
-        for raw in choices[:_MAX_REMOTE_EDGES_PER_PEER]:
-            try:
-                choice = RemoteChoice.model_validate(raw)
-            except ValidationError as error:
-                logger.debug("dropping malformed choice from %s: %s", peer_name, error)
-                continue
+        for choice in _valid_entries(RemoteChoice, choices, peer_name, "choice"):
             if choice.chooser == peer_name:
                 kept[(choice.chooser, choice.chosen)] = choice.count
         with self._lock:
@@ -432,7 +392,7 @@ class Telemetry:
 
     def prometheus_text(self, node_name: str) -> str:
         """Exposition format 0.0.4; every sample carries a `node` label."""
-        writer = _PromWriter({"node": node_name})
+        writer = ExpositionWriter({"node": node_name})
         with self._lock:
             writer.family("p2pfl_up", "gauge", "1 while the node daemon runs.", [({}, 1)])
             writer.family(

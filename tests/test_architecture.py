@@ -35,6 +35,22 @@ def layer_of(module: str) -> tuple[str, int] | None:
     return None
 
 
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (imports
+    for type hints only, which never run)."""
+    out: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+    return out
+
+
 def project_imports() -> dict[str, set[str]]:
     """module -> the project modules it imports (anywhere in the file)."""
     modules = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
@@ -42,7 +58,7 @@ def project_imports() -> dict[str, set[str]]:
     for name, path in modules.items():
         targets: set[str] = set()
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.localfed import LocalFederation, provision
+from bench.localfed import LocalFederation
+from node.provision import provision
 from node.transport import MESSAGE_PATH
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec

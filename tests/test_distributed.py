@@ -159,7 +159,7 @@ def test_create_site_trains_data_parallel_only_when_asked(digits):
 @pytest.mark.slow
 def test_torchrun_entry_trains_a_provisioned_site(tmp_path):
     """`torchrun --nproc-per-node 2 -m p2pfl.learning.distributed --config site.yaml` on CPU."""
-    from node.localfed import provision
+    from node.provision import provision
 
     plans = provision(
         tmp_path / "fed",

@@ -20,7 +20,8 @@ import pytest
 import torch
 from test_daemon import peer_codec, post
 
-from node.localfed import LocalFederation, provision
+from bench.localfed import LocalFederation
+from node.provision import provision
 from node.queues import Checkpoints
 
 pytestmark = pytest.mark.slow

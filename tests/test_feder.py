@@ -204,7 +204,8 @@ def test_feder_over_real_daemons_then_cross_site_and_ensemble_evaluation(tmp_pat
     import subprocess
     import sys
 
-    from node.localfed import LocalFederation, provision
+    from bench.localfed import LocalFederation
+    from node.provision import provision
 
     parts = tmp_path / "parts"
     partition_dataset("digits", 3, "dirichlet:0.5", parts, seed=0)

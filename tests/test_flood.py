@@ -37,7 +37,8 @@ from fault_util import (
 )
 from test_daemon import metric_value, peer_codec
 
-from node.localfed import LocalFederation, free_ports, provision
+from bench.localfed import LocalFederation
+from node.provision import free_ports, provision
 from node.transport import MESSAGE_PATH, STATUS_FOR_REASON
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec

@@ -33,7 +33,8 @@ import torch
 from fault_util import HttpReply, error_records, http_post, one_shot
 from test_daemon import peer_codec
 
-from node.localfed import LocalFederation, NodeProcess, provision
+from bench.localfed import LocalFederation, NodeProcess
+from node.provision import provision
 from node.transport import MESSAGE_PATH, STATUS_FOR_REASON
 from p2pfl.secure.wire import WireCodec
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from node.daemon import Node
-from node.localfed import provision
+from node.provision import provision
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from protocols.base import NotReady, Offers
@@ -91,7 +91,7 @@ async def test_daemon_request_is_answered_at_the_offer_not_the_poll(tmp_path) ->
 
         async def request(slow: _Slow) -> Any:
             b.ctx.serve("thing", slow.handler)
-            return await a.request("b", "thing", {}, timeout=10.0)
+            return await a.ctx.request("b", "thing", {}, timeout=10.0)
 
         # The daemon re-asks a NotReady handler every 0.1 s; an offer answers at once.
         latencies = await _latencies(request, lambda slow: b.ctx.offered("thing"), poll_s=0.1)

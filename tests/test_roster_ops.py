@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.localfed import LocalFederation
 from node.cli import main
-from node.localfed import LocalFederation, free_ports, provision
+from node.provision import free_ports, provision
 from node.transport import MESSAGE_PATH
 from p2pfl.secure.identity import LocalIdentity, Roster, load_card
 from p2pfl.secure.wire import WireCodec, WireError

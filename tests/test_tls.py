@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from node.localfed import LocalFederation, provision
+from bench.localfed import LocalFederation
+from node.provision import provision
 from node.transport import MESSAGE_PATH
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,8 @@ import psutil
 
 from bench.federation.outcome import POLL_INTERVAL_S, Report, RunOutcome, bench_row, stdout_line
 from bench.federation.specs import RunSpec, node_overrides, protocol_section, site_names
-from node.localfed import LocalFederation, SitePlan, provision
+from bench.localfed import LocalFederation
+from node.provision import SitePlan, provision
 
 log = logging.getLogger(__name__)
 

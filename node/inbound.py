@@ -1,0 +1,212 @@
+"""What arrives at a node's message endpoint, after the transport verified it.
+
+- heartbeats go to the membership (node/membership.py);
+- a request `req:<kind>` is held open (up to the wait the requester asked for,
+  capped at transport.request_timeout_s) until the protocol's handler for
+  `kind` has an answer, which goes back as `resp:<kind>`;
+- a push is spooled to disk, then queued in its kind's inbox, and only then
+  acknowledged. At each checkpoint the pushes the protocol consumed are
+  journaled and their spool files dropped; after a restart the spooled pushes
+  not journaled are queued again (see node/queues.py for the whole scheme).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.faults import FaultPlan
+from node.membership import HEARTBEAT, Membership
+from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX
+from node.queues import Inboxes, Journal, Spool, unlink_all
+from node.telemetry import Telemetry
+from node.transport import IncomingFrame, Rejection
+from p2pfl.config import SiteConfig
+from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
+from protocols.base import Handler, NotReady, Offers, Received
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, eq=False)
+class Inbound:
+    """Answers verified frames; owns the protocol's request handlers and the spool's bookkeeping."""
+
+    name: str
+    cfg: SiteConfig
+    codec: WireCodec
+    spool: Spool
+    journal: Journal
+    inboxes: Inboxes
+    telemetry: Telemetry
+    membership: Membership
+    faults: FaultPlan
+    count_sent: Callable[[str, str, int], None]
+    stopping: asyncio.Event
+    handlers: dict[str, Handler] = field(default_factory=dict)
+    offers: Offers = field(default_factory=Offers)  # wakes requests held open on a kind
+    # message id -> header timestamp, for the journal
+    _spool_ts: dict[str, int] = field(default_factory=dict, init=False)
+
+    def serve(self, kind: str, handler: Handler) -> None:
+        self.handlers[kind] = handler
+        self.offers.offered(kind)
+
+    def on_reject(self, reason: str, sender: str | None) -> None:
+        self.telemetry.record_rejection(reason, sender)
+        log.debug("%s: rejected a message from %s: %s", self.name, sender, reason)
+
+    async def on_frame(self, incoming: IncomingFrame) -> tuple[int, Any]:
+        header = incoming.header
+        kind = header.kind
+        if kind == HEARTBEAT:
+            self.membership.heard(header.sender, self._open(incoming))
+            return 200, None
+        if self.faults.latency_s:
+            await asyncio.sleep(self.faults.latency_s)  # drill: a slow peer
+        if kind.startswith(REQUEST_PREFIX):
+            return await self._on_request(incoming)
+        return await self._on_push(incoming)
+
+    def _open(self, incoming: IncomingFrame) -> Any:
+        payload = self.codec.open_payload(
+            incoming.header, incoming.payload, digest=incoming.digest, require_finite=True
+        )
+        self.telemetry.record_received(
+            incoming.header.sender, incoming.header.kind, len(incoming.frame)
+        )
+        return payload
+
+    # ------------------------------------------------------------------ requests
+    async def _on_request(self, incoming: IncomingFrame) -> tuple[int, Any]:
+        header = incoming.header
+        query = self._open(incoming)
+        if not isinstance(query, dict):
+            raise WireError("payload_schema", "request query must be a map")
+        kind = header.kind[len(REQUEST_PREFIX) :]
+        wait_s = query.pop("_wait_s", 0.0)
+        wait_s = min(
+            float(wait_s) if isinstance(wait_s, int | float) else 0.0,
+            self.cfg.transport.request_timeout_s,
+        )
+        deadline = time.monotonic() + wait_s
+        while True:
+            changed = self.offers.watch(kind)
+            handler = self.handlers.get(kind)
+            if handler is not None:
+                try:
+                    payload = await handler(header.sender, query)
+                    break
+                except NotReady:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - the protocol's handler failing is answered, not fatal
+                    log.warning(
+                        "%s: %s handler failed for %s: %r", self.name, kind, header.sender, exc
+                    )
+                    raise Rejection("handler_error", type(exc).__name__) from None
+            if time.monotonic() >= deadline or self.stopping.is_set():
+                raise Rejection("not_ready" if handler is not None else "no_handler", kind)
+            # Re-ask when the protocol offers something new, at the latest in 0.1 s.
+            await self.offers.wait(changed, min(0.1, max(0.0, deadline - time.monotonic())))
+        encrypt = self.cfg.wire.encryption
+        if self.faults.active:
+            poisoned = self.faults.poisoned_reply(
+                self.codec, header, kind, RESPONSE_PREFIX + kind, payload, encrypt=encrypt
+            )
+            if poisoned is not None:
+                return 200, poisoned
+        reply = self.codec.encode(
+            RESPONSE_PREFIX + kind, header.sender, payload, round=header.round, encrypt=encrypt
+        )
+        self.count_sent(header.sender, RESPONSE_PREFIX + kind, reply.nbytes)
+        if self.faults.active:
+            self.faults.remember_reply(header.sender, reply.chunks)
+        return 200, reply.chunks
+
+    # ------------------------------------------------------------------ pushes
+    async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
+        header = incoming.header
+        msg_id = header.id_hex
+        if self.spool.has(msg_id) or msg_id in self.journal:
+            return 200, None  # a retry of something we already hold
+        queue = self.inboxes.get(header.kind)
+        if not queue.has_room():
+            raise Rejection("queue_full", header.kind)
+        queue.reserved += 1
+        try:
+            payload = self._open(incoming)
+            await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
+        finally:
+            queue.reserved -= 1
+        self._spool_ts[msg_id] = header.timestamp_ms
+        queue.put_nowait(Received(header.sender, header.kind, header.round, payload, msg_id))
+        self.telemetry.set_queue_depth(header.kind, queue.qsize())
+        log.debug(
+            "%s: spooled and acknowledged %s %s from %s",
+            self.name,
+            header.kind,
+            msg_id,
+            header.sender,
+        )
+        if self.faults.active:
+            self.faults.on_progress(header.round, "acked")  # drill: crash right after an ack
+        return 200, None
+
+    def recover(self) -> int:
+        """At start: journaled ids count as seen (a resend is a replay), and every
+        spooled push not journaled is queued again. Returns how many were."""
+        for msg_id, ts in self.journal.ids.items():
+            self.codec.replay.add(bytes.fromhex(msg_id), ts)
+        count = 0
+        for path in self.spool.pending():
+            msg_id = path.stem
+            if msg_id in self.journal:
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                frame = bytearray(path.read_bytes())
+                n = self.codec.header_length(frame[:PREFIX_LEN])
+                header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
+                payload = self.codec.open_payload(
+                    header, memoryview(frame)[PREFIX_LEN + n + SIG_LEN :], require_finite=True
+                )
+            except WireError as exc:
+                log.warning(
+                    "%s: spooled %s unreadable (%s); moved aside", self.name, path.name, exc.reason
+                )
+                path.rename(path.with_suffix(".corrupt"))
+                continue
+            self._spool_ts[msg_id] = header.timestamp_ms
+            self.inboxes.get(header.kind).put_nowait(
+                Received(header.sender, header.kind, header.round, payload, msg_id)
+            )
+            count += 1
+        return count
+
+    def settle(self, consumed: list[Received]) -> None:
+        """The checkpoint covering `consumed` is written: journal them, then drop
+        their spool files."""
+        self.journal.append(
+            [
+                {
+                    "id": r.msg_id,
+                    "kind": r.kind,
+                    "from": r.sender,
+                    "round": r.round,
+                    "ts": self._spool_ts.pop(r.msg_id, 0),
+                    "t": round(time.time(), 3),
+                }
+                for r in consumed
+            ]
+        )
+        done = self.spool.forget([r.msg_id for r in consumed])
+        if done:
+            # Journaled first, so deleting later (off the loop) is crash-safe.
+            try:
+                asyncio.get_running_loop().run_in_executor(None, unlink_all, done)
+            except RuntimeError:  # no loop (tools, tests): delete now
+                unlink_all(done)

@@ -1,0 +1,159 @@
+"""Heartbeats and the roster of a running node.
+
+Every `transport.heartbeat_s` the node sends each roster peer a signed
+heartbeat with its round, phase, whether its protocol is done, what the
+protocol published and its traffic edges and choices; the heartbeats it
+receives feed the peer table (node/peers.py) and the telemetry. A peer that
+(re)joins is answered at once. On SIGHUP the roster file is read again: sites
+no longer listed are refused from then on, new ones are linked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from node.peers import PeerTable
+from node.queues import Inboxes
+from node.telemetry import Telemetry
+from node.transport import MessageClient, TransportError
+from p2pfl.config import SiteConfig
+from p2pfl.secure.identity import Roster
+from p2pfl.secure.wire import WireCodec, WireError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = "heartbeat"
+
+
+class Progress(NamedTuple):
+    """Where this node's protocol is, as its heartbeats tell it."""
+
+    round: int
+    phase: str
+    done: bool
+
+
+@dataclass(kw_only=True, eq=False)
+class Membership:
+    """Sends and receives heartbeats; holds the roster and the published metadata."""
+
+    name: str
+    cfg: SiteConfig
+    roster: Roster
+    codec: WireCodec
+    client: MessageClient
+    peers: PeerTable
+    telemetry: Telemetry
+    inboxes: Inboxes
+    progress: Callable[[], Progress]
+    spawn: Callable[[Coroutine[Any, Any, None], str], None]  # a task the node cancels at stop
+    published: dict[str, Any] = field(default_factory=dict)  # gossiped in heartbeats
+
+    def __post_init__(self) -> None:
+        self._link_roster()
+
+    # ------------------------------------------------------------------ sending
+    def _payload(self, bye: bool = False) -> dict[str, Any]:
+        progress = self.progress()
+        return {
+            "round": progress.round,
+            "phase": progress.phase,
+            "done": progress.done,
+            "bye": bye,
+            "meta": self.published,
+            "edges": self.telemetry.local_edges(),
+            "choices": self.telemetry.local_choices(),
+        }
+
+    async def _send(self, peer: str, beat: dict[str, Any]) -> None:
+        message = self.codec.encode(HEARTBEAT, peer, beat, round=self.progress().round)
+        try:
+            status, _ = await self.client.post(
+                peer,
+                message,
+                timeout=max(1.0, self.cfg.transport.heartbeat_s * 2),
+                retries=0,
+                probe=True,
+            )
+        except TransportError:
+            return
+        if status == 200:
+            self.telemetry.record_sent(peer, HEARTBEAT, message.nbytes)
+
+    async def broadcast(self, bye: bool = False) -> None:
+        """One heartbeat to every linked peer (a goodbye with `bye`)."""
+        beat = self._payload(bye)
+        await asyncio.gather(
+            *(self._send(p, beat) for p in list(self.client.links)),
+            return_exceptions=True,
+        )
+
+    async def run(self) -> None:
+        """The heartbeat loop: beat, update peer states, refresh the gauges."""
+        while True:
+            await self.broadcast()
+            self.peers.refresh()
+            for record in self.peers.records.values():
+                info = record.info
+                self.telemetry.set_peer(
+                    info.name, info.state, info.round, info.phase, info.last_seen
+                )
+            for kind, depth in self.inboxes.depths().items():
+                self.telemetry.set_queue_depth(kind, depth)
+            await asyncio.sleep(self.cfg.transport.heartbeat_s)
+
+    # ------------------------------------------------------------------ receiving
+    def heard(self, sender: str, beat: Any) -> None:
+        """A verified heartbeat from `sender` (its payload already opened)."""
+        if not isinstance(beat, dict):
+            raise WireError("payload_schema", "heartbeat must be a map")
+        was = self.peers.records[sender].info.state if sender in self.peers.records else "unknown"
+        self.peers.heard(sender, beat)
+        if isinstance(beat.get("edges"), list):
+            self.telemetry.merge_remote_edges(sender, beat["edges"])
+        if isinstance(beat.get("choices"), list):
+            self.telemetry.merge_remote_choices(sender, beat["choices"])
+        info = self.peers.records[sender].info if sender in self.peers.records else None
+        if info is not None:
+            self.telemetry.set_peer(
+                sender,
+                self.peers.state_of(self.peers.records[sender], time.monotonic()),
+                info.round,
+                info.phase,
+                info.last_seen,
+            )
+        if was in ("unknown", "dead") and not beat.get("bye"):
+            # A peer (re)joined: answer at once so it learns our round without waiting.
+            self.spawn(self._send(sender, self._payload()), f"hb-{sender}")
+
+    # ------------------------------------------------------------------ roster
+    def _link_roster(self) -> None:
+        """Link every roster site but us; unlink sites the roster no longer lists."""
+        for name in list(self.client.links):
+            if name not in self.roster:
+                self.client.remove_peer(name)
+        for card in self.roster.cards():
+            if card.name != self.name:
+                self.client.set_peer(card.name, card.address)
+
+    def reload_roster(self) -> None:
+        """SIGHUP: re-read the roster; removed sites are refused from now on."""
+        try:
+            roster = Roster.load(self.cfg.federation.roster)
+        except Exception as exc:  # noqa: BLE001 - a bad roster file must not stop a running node
+            log.error("%s: roster reload failed, keeping the old one: %s", self.name, exc)
+            return
+        if self.name not in roster:
+            log.error("%s: reloaded roster does not list this site; keeping the old one", self.name)
+            return
+        self.roster = roster
+        self.codec.roster = roster
+        self.codec._shared.clear()
+        self._link_roster()
+        self.peers.set_roster(roster.names())
+        log.info("%s: roster reloaded: %s", self.name, ", ".join(roster.names()))

@@ -1,0 +1,174 @@
+"""What a node sends to its peers for the protocol: pushes and requests.
+
+A push is written to the outbox before its first attempt and removed once the
+peer acknowledged it; pushes a crash interrupted go out again after the restart
+with their original message id, so the receiver's dedupe still applies.
+
+A request is a long poll: `req:<kind>` carries the query and how long the peer
+may hold it open; the peer answers `resp:<kind>` once its handler has
+something, or "not_ready" at the end of the wait, and the request is asked
+again (a fresh message each time) until its timeout.
+
+Heartbeats are the membership's (node/membership.py) and not counted here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.peers import PeerTable
+from node.queues import Outbox, OutboxEntry
+from node.telemetry import Telemetry, TrafficCounter
+from node.transport import MessageClient, TransportError, reason_of_response
+from p2pfl.config import SiteConfig
+from p2pfl.secure.wire import WireCodec, WireError
+from protocols.base import PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+REQUEST_PREFIX = "req:"
+RESPONSE_PREFIX = "resp:"
+# Answers after which a request is asked again (until its timeout) rather than given up.
+ASK_AGAIN = ("not_ready", "no_handler", "rate_limited", "queue_full")
+
+
+@dataclass(kw_only=True, eq=False)
+class Outbound:
+    """Pushes (through the outbox) and requests, and the protocol traffic they make."""
+
+    name: str
+    cfg: SiteConfig
+    codec: WireCodec
+    client: MessageClient
+    outbox: Outbox
+    peers: PeerTable
+    telemetry: Telemetry
+    current_round: Callable[[], int]
+    sent: TrafficCounter = field(default_factory=TrafficCounter)  # since start, no heartbeats
+
+    def count_sent(self, peer: str, kind: str, nbytes: int) -> None:
+        """A protocol message (push, request or response) went out."""
+        self.telemetry.record_sent(peer, kind, nbytes)
+        self.sent.add(nbytes)
+
+    # ------------------------------------------------------------------ pushes
+    async def send_push(self, peer: str, kind: str, payload: Any, round: int) -> None:
+        if peer not in self.client.links:
+            raise PeerUnavailable(peer, "not in roster")
+        entry = OutboxEntry(os.urandom(16), peer, kind, round, payload, time.time())
+        await asyncio.to_thread(self.outbox.add, entry)
+        try:
+            await self._deliver(entry)
+        finally:
+            self.outbox.done(entry.msg_id)
+
+    async def _deliver(self, entry: OutboxEntry, *, timeout: float | None = None) -> None:
+        message = self.codec.encode(
+            entry.kind,
+            entry.peer,
+            entry.payload,
+            round=entry.round,
+            encrypt=self.cfg.wire.encryption,
+            msg_id=entry.msg_id,
+        )
+        try:
+            status, body = await self.client.post(entry.peer, message, timeout=timeout)
+        except TransportError as exc:
+            raise PeerUnavailable(entry.peer, exc.reason) from None
+        if status == 200 or (status == 409 and reason_of_response(status, body) == "replayed"):
+            self.count_sent(entry.peer, entry.kind, message.nbytes)
+            log.info(
+                "%s: %s %s delivered to %s (round %d)",
+                self.name,
+                entry.kind,
+                entry.msg_id.hex(),
+                entry.peer,
+                entry.round,
+            )
+            return
+        raise PeerUnavailable(entry.peer, reason_of_response(status, body))
+
+    async def resend_outbox(self) -> None:
+        """Pushes interrupted by a crash go out again with their original id, once
+        their peer is back, for up to transport.outbox_ttl_s after they were made."""
+        for entry in self.outbox.pending():
+            while True:
+                if (
+                    time.time() - entry.created > self.cfg.transport.outbox_ttl_s
+                    or entry.peer not in self.client.links
+                ):
+                    log.warning(
+                        "%s: dropping %s to %s from the outbox (peer gone or TTL passed)",
+                        self.name,
+                        entry.kind,
+                        entry.peer,
+                    )
+                    break
+                if any(p.name == entry.peer for p in self.peers.peers()):
+                    try:
+                        await self._deliver(entry)
+                        log.info(
+                            "%s: re-sent %s to %s after restart", self.name, entry.kind, entry.peer
+                        )
+                        break
+                    except PeerUnavailable as exc:
+                        log.info(
+                            "%s: outbox %s to %s not delivered yet (%s)",
+                            self.name,
+                            entry.kind,
+                            entry.peer,
+                            exc.reason,
+                        )
+                await asyncio.sleep(self.cfg.transport.heartbeat_s)
+            self.outbox.done(entry.msg_id)
+
+    # ------------------------------------------------------------------ requests
+    async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        if peer not in self.client.links:
+            raise PeerUnavailable(peer, "not in roster")
+        deadline = time.monotonic() + timeout
+        reason = "timeout"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0.05:
+                raise PeerUnavailable(peer, reason)
+            # A fresh message per attempt: a retried request must not look like a replay.
+            message = self.codec.encode(
+                REQUEST_PREFIX + kind,
+                peer,
+                {**query, "_wait_s": max(0.0, remaining * 0.8 - 0.2)},
+                round=self.current_round(),
+                encrypt=self.cfg.wire.encryption,
+            )
+            try:
+                status, body = await self.client.post(peer, message, timeout=remaining, retries=0)
+            except TransportError as exc:
+                reason = exc.reason
+                if exc.reason == "circuit_open":
+                    raise PeerUnavailable(peer, reason) from None
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                continue
+            self.count_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
+            if status == 200:
+                return self._open_response(peer, kind, body)
+            reason = reason_of_response(status, body)
+            if reason not in ASK_AGAIN:
+                raise PeerUnavailable(peer, reason)
+
+    def _open_response(self, peer: str, kind: str, body: bytes) -> Any:
+        try:
+            delivered = self.codec.decode(bytearray(body), require_finite=True)
+        except WireError as exc:
+            self.telemetry.record_rejection(exc.reason, peer)
+            raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
+        if delivered.header.sender != peer or delivered.header.kind != RESPONSE_PREFIX + kind:
+            self.telemetry.record_rejection("payload_schema", peer)
+            raise PeerUnavailable(peer, "response does not match the request")
+        self.telemetry.record_received(peer, delivered.header.kind, delivered.nbytes)
+        return delivered.payload

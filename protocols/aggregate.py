@@ -19,7 +19,7 @@ cast back to each entry's dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -75,6 +75,20 @@ def _stack(states: Sequence[StateDict], key: str) -> Tensor:
     return torch.stack([s[key].detach().to("cpu", torch.float64) for s in states])
 
 
+def _entrywise(
+    states: Sequence[StateDict], own: int, combine: Callable[[Tensor], Tensor]
+) -> dict[str, Tensor]:
+    """combine(the float64 stack of every state's value) for each averaged
+    entry, in its own dtype; our own value for the rest."""
+    out: dict[str, Tensor] = {}
+    for key, mine in states[own].items():
+        if not is_averaged(key, mine):
+            out[key] = mine.detach().clone()
+            continue
+        out[key] = combine(_stack(states, key)).to(mine.dtype)
+    return out
+
+
 def weighted_mean(
     states: Sequence[StateDict], weights: Sequence[float], *, own: int = 0
 ) -> dict[str, Tensor]:
@@ -82,30 +96,19 @@ def weighted_mean(
     _check(states, own, weights)
     total = float(sum(weights))
     coeffs = torch.tensor([w / total for w in weights], dtype=torch.float64)
-    out: dict[str, Tensor] = {}
-    for key, mine in states[own].items():
-        if not is_averaged(key, mine):
-            out[key] = mine.detach().clone()
-            continue
-        stacked = _stack(states, key)
-        mean = torch.tensordot(coeffs, stacked, dims=1)
-        out[key] = mean.to(mine.dtype)
-    return out
+    return _entrywise(states, own, lambda stacked: torch.tensordot(coeffs, stacked, dims=1))
 
 
 def coordinate_median(states: Sequence[StateDict], *, own: int = 0) -> dict[str, Tensor]:
     """Coordinate-wise median (the mean of the two middle values for an even count)."""
     _check(states, own)
-    out: dict[str, Tensor] = {}
-    for key, mine in states[own].items():
-        if not is_averaged(key, mine):
-            out[key] = mine.detach().clone()
-            continue
-        ordered = _stack(states, key).sort(dim=0).values
-        m = len(states)
-        median = ordered[m // 2] if m % 2 else 0.5 * (ordered[m // 2 - 1] + ordered[m // 2])
-        out[key] = median.to(mine.dtype)
-    return out
+    m = len(states)
+
+    def median(stacked: Tensor) -> Tensor:
+        ordered = stacked.sort(dim=0).values
+        return ordered[m // 2] if m % 2 else 0.5 * (ordered[m // 2 - 1] + ordered[m // 2])
+
+    return _entrywise(states, own, median)
 
 
 def trimmed_mean(
@@ -121,16 +124,13 @@ def trimmed_mean(
     _check(states, own)
     m = len(states)
     cut = int(math.floor(trim_ratio * m))
-    out: dict[str, Tensor] = {}
-    for key, mine in states[own].items():
-        if not is_averaged(key, mine):
-            out[key] = mine.detach().clone()
-            continue
-        stacked = _stack(states, key)
+
+    def trimmed(stacked: Tensor) -> Tensor:
         if cut:
             stacked = stacked.sort(dim=0).values[cut : m - cut]
-        out[key] = stacked.mean(dim=0).to(mine.dtype)
-    return out
+        return stacked.mean(dim=0)
+
+    return _entrywise(states, own, trimmed)
 
 
 def update_norm(state: StateDict, reference: StateDict) -> float:

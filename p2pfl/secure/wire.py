@@ -19,6 +19,7 @@ payload_schema. Nothing else escapes `WireCodec`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import struct
@@ -216,30 +217,9 @@ class WireCodec:
         msg_id = msg_id or os.urandom(16)
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         pieces: list[bytes | memoryview] = encoded.chunks
-        if encrypt:
-            header0 = Header(
-                VERSION,
-                self.federation,
-                kind,
-                self.identity.name,
-                recipient,
-                round,
-                msg_id,
-                ts,
-                0,
-                bytes(32),
-                True,
-            )
-            key = _payload_key(self._secret(recipient), header0)
-            plain = encoded.to_bytes() if len(encoded.chunks) != 1 else encoded.chunks[0]
-            sealed = bytearray(len(plain) + TAG_LEN)
-            ChaCha20Poly1305(key).encrypt_into(_NONCE, plain, _aad(header0), sealed)
-            pieces = [sealed]
-        digest = hashlib.sha256()
-        for piece in pieces:
-            digest.update(piece)
-        nbytes = sum(len(p) for p in pieces)
-        header = Header(
+        # The header as signed, less what only the finished payload tells
+        # (its length and digest); encryption authenticates this same header.
+        unsealed = Header(
             VERSION,
             self.federation,
             kind,
@@ -248,9 +228,21 @@ class WireCodec:
             round,
             msg_id,
             ts,
-            nbytes,
-            digest.digest(),
+            0,
+            bytes(32),
             encrypt,
+        )
+        if encrypt:
+            key = _payload_key(self._secret(recipient), unsealed)
+            plain = encoded.to_bytes() if len(encoded.chunks) != 1 else encoded.chunks[0]
+            sealed = bytearray(len(plain) + TAG_LEN)
+            ChaCha20Poly1305(key).encrypt_into(_NONCE, plain, _aad(unsealed), sealed)
+            pieces = [sealed]
+        digest = hashlib.sha256()
+        for piece in pieces:
+            digest.update(piece)
+        header = dataclasses.replace(
+            unsealed, payload_len=sum(len(p) for p in pieces), payload_sha256=digest.digest()
         )
         header_bytes = header.pack()
         prefix = MAGIC + struct.pack(">I", len(header_bytes))

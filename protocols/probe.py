@@ -85,6 +85,9 @@ class Probe(RoundLoop):
             received_total=sum(self.received.values()),
             push_mb_s=(mb * len(sent) / sum(sent)) if sent and sum(sent) > 0 else 0.0,
         )
+
+    async def after_round(self, ctx: RoundContext, site: Any, round: int) -> None:
+        # Pause after the checkpoint, so what this round consumed is off the spool meanwhile.
         if self.params.interval_s:
             await ctx.sleep(self.params.interval_s)
 

@@ -9,6 +9,7 @@
         evaluate (every `eval_every` rounds and the last)
         log: the phases' timers, the evaluation, what the protocol noted
         checkpoint: everything resume needs, with the ledger of what was merged
+        after_round (probe: the pause between rounds)
     finish (export what the protocol produces), phase "done"
 
 The skeleton owns the loop, the phases and their timers, logging, the
@@ -94,6 +95,7 @@ class RoundLoop(Protocol):
             values = {**metrics, **timers, **rnd.log}
             ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
             ctx.checkpoint(self.checkpoint_state(r, site))
+            await self.after_round(ctx, site, r)
 
     def evaluates(self, round: int) -> bool:
         return round % self.params.eval_every == 0 or round == self.params.rounds
@@ -125,6 +127,9 @@ class RoundLoop(Protocol):
         stats = await ctx.train(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
         return metrics
+
+    async def after_round(self, ctx: RoundContext, site: Any, round: int) -> None:
+        """After the round's checkpoint (probe: its pause between rounds)."""
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
         """After the last round (Fed-MAE: export the encoder)."""

@@ -23,7 +23,7 @@ Headline figure: macro-F1 on each site's test set averaged over the last
 Also reported: the final round, ECE/MCE (15 bins), and the who-chose-whom
 matrix of FedPerl with the share of choices inside the chooser's community.
 
-    nice -n 10 .venv/bin/python bench/fedperl.py --out runs/fedperl
+    nice -n 10 .venv/bin/python -m bench.fedperl --out runs/fedperl
 
 Last stdout line: one JSON object; fedperl.png (curves, ECE, choice matrix)
 and fedperl_choices.png (the frequency matrix alone) go to --out.

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from p2pfl.config import FedAvgP2PParams
 from protocols import selection
-from protocols.aggregate import aggregate
+from protocols.aggregate import aggregate as aggregate_models
 from protocols.base import NotReady, PeerUnavailable, RoundContext
 from protocols.checks import incompatibility
 from protocols.exchange import pull_concurrently
@@ -137,11 +137,12 @@ class FedAvgP2P(RoundLoop):
 
     async def setup(self, ctx: RoundContext) -> Any:
         site = await ctx.train(build_site, ctx.config)
-        self.serve(ctx)
+        self.start_exchange(ctx)
         return site
 
-    def serve(self, ctx: RoundContext) -> None:
-        """Offer this node's models to its peers; warn about a trimmed mean that trims nothing."""
+    def start_exchange(self, ctx: RoundContext) -> None:
+        """Before the first round: the selection heuristic, this node's models
+        offered to its peers, and a warning about a trimmed mean that trims nothing."""
         self.heuristic = selection.from_config(ctx.config.selection)
         ctx.serve(MODEL_KIND, self.serve_model)
         options = self.aggregation_options()
@@ -192,7 +193,7 @@ class FedAvgP2P(RoundLoop):
         if rnd.received:
             options = self.aggregation_options()
             averaged = await ctx.train(
-                functools.partial(aggregate, options.pop("method"), own=0, **options),
+                functools.partial(aggregate_models, options.pop("method"), own=0, **options),
                 [rnd.own] + [m.state for m in rnd.received],
                 [float(self.sample_weight(site))] + [float(m.num_train) for m in rnd.received],
             )

@@ -146,7 +146,7 @@ class FedMAE(FedAvgP2P):
         image, k neighbours' autoencoders pulled and averaged (Fed-MAE Alg. 1,
         w_{t+1} = sum_k n_k / n w_{t,k}, over the neighbourhood)."""
         site = await ctx.train(build_mae_site, ctx.config, self.params)
-        self.serve(ctx)
+        self.start_exchange(ctx)
         return site
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:

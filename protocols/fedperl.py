@@ -216,8 +216,8 @@ class FedPerl(SSFL):
 
     # ------------------------------------------------------------------ contributor side
 
-    def serve(self, ctx: RoundContext) -> None:
-        super().serve(ctx)
+    def start_exchange(self, ctx: RoundContext) -> None:
+        super().start_exchange(ctx)
         self.serve_anonymized_peer(ctx)
 
     def serve_anonymized_peer(self, ctx: RoundContext) -> None:

@@ -14,41 +14,32 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from p2pfl.config import (
-    FedAvgP2PParams,
-    FedERParams,
-    FedMAEParams,
-    FedPerlParams,
-    FedSGDP2PParams,
-    ProbeParams,
-    ProtocolParams,
-    SSFLParams,
-    protocol_names,
-)
+from p2pfl.config import ProtocolParams, protocol_names
+from p2pfl.config import protocols as params
 from protocols.base import Protocol
 
 IMPLEMENTATIONS: dict[type, str] = {
-    FedAvgP2PParams: "protocols.fedavgp2p:FedAvgP2P",
-    FedSGDP2PParams: "protocols.fedsgdp2p:FedSgdP2P",
-    ProbeParams: "protocols.probe:Probe",
-    SSFLParams: "protocols.ssfl:SSFL",
-    FedPerlParams: "protocols.fedperl:FedPerl",
-    FedMAEParams: "protocols.fedmae:FedMAE",
-    FedERParams: "protocols.feder:FedER",  # feder, feder_a, feder_b
+    params.FedAvgP2PParams: "protocols.fedavgp2p:FedAvgP2P",
+    params.FedSGDP2PParams: "protocols.fedsgdp2p:FedSgdP2P",
+    params.ProbeParams: "protocols.probe:Probe",
+    params.SSFLParams: "protocols.ssfl:SSFL",
+    params.FedPerlParams: "protocols.fedperl:FedPerl",
+    params.FedMAEParams: "protocols.fedmae:FedMAE",
+    params.FedERParams: "protocols.feder:FedER",  # feder, feder_a, feder_b
 }
 
 _params_adapter: TypeAdapter[Any] = TypeAdapter(ProtocolParams)
 
 
-def create(name: str, **params: Any) -> Protocol:
+def create(name: str, **options: Any) -> Protocol:
     """protocols.create("fedavgp2p", fraction=0.5) -> a Protocol instance."""
     if name not in protocol_names():
         raise KeyError(f"unknown protocol {name!r}; known: {', '.join(sorted(protocol_names()))}")
-    validated = _params_adapter.validate_python({"name": name, **params})
+    validated = _params_adapter.validate_python({"name": name, **options})
     return from_params(validated)
 
 
-def from_params(params: Any) -> Protocol:
-    module_name, _, cls_name = IMPLEMENTATIONS[type(params)].partition(":")
+def from_params(validated: Any) -> Protocol:
+    module_name, _, cls_name = IMPLEMENTATIONS[type(validated)].partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(params)
+    return cls(validated)

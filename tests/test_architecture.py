@@ -125,3 +125,14 @@ def test_no_import_circles() -> None:
         if module not in state:
             visit(module)
     assert circles == []
+
+
+def test_every_protocol_name_runs_a_class_that_carries_that_name() -> None:
+    """A protocol's name is written once (its params class); the registry maps
+    every params class to the class that runs it."""
+    import protocols
+    from p2pfl.config import protocol_names
+
+    for name in protocol_names():
+        protocol = protocols.create(name)
+        assert protocol.name == name

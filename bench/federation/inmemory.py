@@ -1,5 +1,5 @@
 """All nodes of a run in this process over the in-memory network
-(protocols/memory.py): the same protocol code as the daemon, one progress line
+(protocols/memory/): the same protocol code as the daemon, one progress line
 per round once every node has reported it."""
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ return per-site per-round records {node, round, macro_f1, accuracy, ...}.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from p2pfl.config import SiteConfig
 from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.train import LocalSite
 from protocols.aggregate import weighted_mean
+from protocols.memory.results import first_round_reaching, mean_by_round
 from protocols.site import build_site
 
 log = logging.getLogger(__name__)
@@ -45,17 +45,10 @@ class BaselineResult:
     )  # node -> model (cross-site evaluation)
 
     def mean_by_round(self, metric: str = "macro_f1") -> dict[int, float]:
-        by_round: dict[int, list[float]] = {}
-        for r in self.records:
-            if r.get(metric) is not None:
-                by_round.setdefault(r["round"], []).append(float(r[metric]))
-        return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
+        return mean_by_round(self.records, metric)
 
     def rounds_to_threshold(self, threshold: float, metric: str = "macro_f1") -> int | None:
-        for r, value in self.mean_by_round(metric).items():
-            if value >= threshold:
-                return r
-        return None
+        return first_round_reaching(self.mean_by_round(metric), threshold)
 
     def final(self, metric: str = "macro_f1") -> dict[str, float]:
         """node -> value at its last logged round."""

@@ -43,6 +43,7 @@ from typing import Any
 from bench.federation.baselines import baseline_by_round
 from bench.federation.outcome import RunOutcome
 from bench.federation.specs import RunSpec, site_names
+from protocols.memory.results import mean_by_round
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -51,14 +52,6 @@ def _mean(values: Sequence[float]) -> float | None:
 
 def _share(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
-
-
-def mean_by_round(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
-    by_round: dict[int, list[float]] = {}
-    for r in rows:
-        if r.get("macro_f1") is not None:
-            by_round.setdefault(r["round"], []).append(float(r["macro_f1"]))
-    return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
 
 
 def per_node_final(rows: Sequence[dict[str, Any]], key: str = "macro_f1") -> dict[str, float]:

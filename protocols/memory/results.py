@@ -5,8 +5,23 @@ rounds to a threshold, messages until a round, who chose whom)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+
+def mean_by_round(records: Sequence[dict[str, Any]], metric: str = "macro_f1") -> dict[int, float]:
+    """round -> mean of `metric` over the records (nodes) that logged it that round."""
+    by_round: dict[int, list[float]] = {}
+    for r in records:
+        if r.get(metric) is not None:
+            by_round.setdefault(r["round"], []).append(float(r[metric]))
+    return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
+
+
+def first_round_reaching(by_round: dict[int, float], threshold: float) -> int | None:
+    """The first round whose value reaches `threshold`, None if none does."""
+    return next((r for r, value in by_round.items() if value >= threshold), None)
 
 
 @dataclass
@@ -34,11 +49,7 @@ class SimulationResult:
 
     def mean_by_round(self, name: str = "macro_f1") -> dict[int, float]:
         """round -> mean over the nodes that logged the metric that round."""
-        by_round: dict[int, list[float]] = {}
-        for r in self.records:
-            if r.get(name) is not None:
-                by_round.setdefault(r["round"], []).append(float(r[name]))
-        return {k: statistics.fmean(v) for k, v in sorted(by_round.items())}
+        return mean_by_round(self.records, name)
 
     def rounds_completed(self) -> dict[str, int]:
         done: dict[str, int] = dict.fromkeys(self.traffic, 0)
@@ -59,10 +70,7 @@ class SimulationResult:
 
     def rounds_to_threshold(self, threshold: float, metric: str = "macro_f1") -> int | None:
         """First round whose mean over the nodes reaches `threshold` (DFU Table 2)."""
-        for r, value in self.mean_by_round(metric).items():
-            if value >= threshold:
-                return r
-        return None
+        return first_round_reaching(self.mean_by_round(metric), threshold)
 
     def messages_until(self, round: int, field: str = "messages_sent") -> int:
         """Messages (or bytes, field="bytes_sent") all nodes had sent when each

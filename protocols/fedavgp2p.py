@@ -141,9 +141,8 @@ class FedAvgP2P(RoundLoop):
         return site
 
     def start_exchange(self, ctx: RoundContext) -> None:
-        """Before the first round: the selection heuristic, this node's models
-        offered to its peers, and a warning about a trimmed mean that trims nothing."""
-        self.heuristic = selection.from_config(ctx.config.selection)
+        """Before the first round: this node's models offered to its peers, and a
+        warning about a trimmed mean that trims nothing."""
         ctx.serve(MODEL_KIND, self.serve_model)
         options = self.aggregation_options()
         k_max = selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)

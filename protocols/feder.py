@@ -44,7 +44,6 @@ from p2pfl.learning.data.loaders import convert_images, to_float_tensor
 from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.train import LocalSite
 from p2pfl.secure.tensors import state_dict_nbytes
-from protocols import selection
 from protocols.base import NotReady, PeerUnavailable, Received, RoundContext
 from protocols.checks import incompatibility
 from protocols.rounds import Round, RoundLoop
@@ -162,8 +161,7 @@ class FedER(RoundLoop):
         if self.params.successor == "random":
             random.Random(f"feder-random|{seed}|{ctx.me}|{r}").shuffle(candidates)
             return candidates
-        heuristic = selection.from_config(ctx.config.selection)
-        return heuristic.select(ctx.me, ctx.peers(), 1, round=r, seed=seed)
+        return self.heuristic.select(ctx.me, ctx.peers(), 1, round=r, seed=seed)
 
     async def send_relay(
         self, ctx: RoundContext, r: int, site: LocalSite

@@ -157,10 +157,9 @@ class FedSgdP2P(RoundLoop):
 
     async def setup(self, ctx: RoundContext) -> Any:
         site: LocalSite = await ctx.train(build_site, ctx.config)
-        self.heuristic = selection.from_config(ctx.config.selection)
-        self.total_steps = steps_per_round(site)
-        self.max_skip = max(1, self.total_steps)
-        ctx.publish(STEPS_KEY, self.total_steps)
+        total_steps = steps_per_round(site)
+        self.max_skip = max(1, total_steps)
+        ctx.publish(STEPS_KEY, total_steps)
         ctx.serve(GRAD_KIND, self.serve_gradient)
         return site
 

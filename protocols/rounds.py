@@ -73,6 +73,7 @@ class RoundLoop(Protocol):
 
     async def run_rounds(self, ctx: RoundContext, site: Any) -> None:
         """The rounds, resumed from the last checkpoint."""
+        self.heuristic = selection.from_config(ctx.config.selection)  # who to exchange with
         start = self.resume(ctx, site)
         await self.before_rounds(ctx, site)
         for r in range(start, self.params.rounds + 1):

@@ -152,8 +152,7 @@ class Membership:
             log.error("%s: reloaded roster does not list this site; keeping the old one", self.name)
             return
         self.roster = roster
-        self.codec.roster = roster
-        self.codec._shared.clear()
+        self.codec.set_roster(roster)
         self._link_roster()
         self.peers.set_roster(roster.names())
         log.info("%s: roster reloaded: %s", self.name, ", ".join(roster.names()))

@@ -250,6 +250,11 @@ class WireCodec:
             header, [prefix, header_bytes, self.identity.sign(header_bytes), *pieces]
         )
 
+    def set_roster(self, roster: Roster) -> None:
+        """A reloaded roster: secrets derived from keys it may have changed are dropped."""
+        self.roster = roster
+        self._shared.clear()
+
     def shared_secret(self, peer: str) -> bytes:
         """The X25519 shared secret with a roster peer (cached)."""
         return self._secret(peer)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from p2pfl.files import append_lines
 from p2pfl.secure.identity import LocalIdentity
 from p2pfl.secure.wire import Header, WireCodec
 
@@ -136,7 +137,7 @@ class FaultPlan:
         if self.path is None:
             return
         line = json.dumps({"t": round(time.time(), 3), "event": name, **fields})
-        _append_line(self._sidecar(".events.jsonl"), line)
+        append_lines(self._sidecar(".events.jsonl"), [line])
 
     # ------------------------------------------------------------------ hooks
     def on_progress(self, round: int, phase: str) -> None:
@@ -161,7 +162,7 @@ class FaultPlan:
             if round != at and not (phase == "acked" and round > at):
                 continue
             self.fired.add(kid)
-            _append_line(self._sidecar(".fired"), kid)
+            append_lines(self._sidecar(".fired"), [kid])
             delay = float(kill.get("delay_s", 0.0))
             self.event("kill", id=kid, round=round, phase=phase, delay_s=delay)
             log.warning("FAULT INJECTION: SIGKILL in %.2f s (round %d, %s)", delay, round, phase)
@@ -243,14 +244,6 @@ class FaultPlan:
         """Keep the first answer each requester got, byte for byte, to replay it later."""
         if requester not in self._first_reply:
             self._first_reply[requester] = [bytes(c) for c in chunks]
-
-
-def _append_line(path: Path, line: str) -> None:
-    """Append one line and fsync: the record survives the SIGKILL that may follow."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:

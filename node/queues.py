@@ -32,14 +32,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2pfl.files import atomic_write_bytes
+from p2pfl.files import append_lines, atomic_write_bytes
 from p2pfl.secure import tensors
 from protocols.base import Received
 
@@ -123,11 +122,7 @@ class Journal:
     def append(self, entries: list[dict[str, Any]]) -> None:
         if not entries:
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
-            for entry in entries:
-                fh.write(json.dumps(entry, separators=(",", ":")) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        append_lines(self.path, (json.dumps(e, separators=(",", ":")) for e in entries))
         for entry in entries:
             self._remember(entry["id"], int(entry.get("ts", 0)))
 

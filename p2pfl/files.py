@@ -1,4 +1,4 @@
-"""Crash-safe file writes, the one implementation every package uses.
+"""Crash-safe file writes (and durable appends), the one implementation every package uses.
 
 A file written here is whole or absent after a crash: the bytes go to a
 temporary file in the same folder, which is flushed and fsynced, renamed over
@@ -49,6 +49,16 @@ def atomic_write_bytes(
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+def append_lines(path: Path | str, lines: Iterable[str]) -> None:
+    """Append whole lines to a log and fsync: what returned survives a crash
+    (a SIGKILL right after included)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        for line in lines:
+            fh.write(line + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def atomic_write_text(path: Path | str, text: str, *, mode: int = 0o644) -> Path:

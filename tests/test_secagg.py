@@ -1,0 +1,320 @@
+"""Secure aggregation (protocols/secagg.py): the requester gets the sum of the
+contributors that stayed, never one contributor's model, whatever it asks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from p2pfl.config import ModelSection
+from p2pfl.learning.site_model import create_site_model
+from protocols import secagg
+from protocols.base import NotReady
+from protocols.memory import InMemoryContext, InMemoryNetwork
+from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, secure_sum
+
+CONTRIBUTORS = ["alice", "bob", "carol", "erin"]
+REQUESTER = "dave"
+ROUND = 3
+
+
+def small_cnn_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = create_site_model(ModelSection(), in_chans=1, num_classes=3, image_size=8)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.normal_()
+            module.running_var.uniform_(0.5, 2.0)
+            module.num_batches_tracked.fill_(seed + 1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Federation:
+    """Four contributors serving `secagg` over an in-memory network, one requester."""
+
+    def __init__(self, names: list[str] = CONTRIBUTORS, weights: dict[str, float] | None = None):
+        self.network = InMemoryNetwork()
+        self.ctxs: dict[str, InMemoryContext] = {
+            n: self.network.join(n) for n in [*names, REQUESTER]
+        }
+        self.states = {n: small_cnn_state(i) for i, n in enumerate(names)}
+        self.weights = weights or {n: float(10 * (i + 1)) for i, n in enumerate(names)}
+        self.contributors: dict[str, Contributor] = {}
+        for name in names:
+            contributor = Contributor(self.ctxs[name], self.source(name))
+            self.contributors[name] = contributor
+            self.ctxs[name].serve(SECAGG_KIND, contributor.serve)
+        self.reference = small_cnn_state(99)
+
+    def source(self, name: str) -> Any:
+        def model(wanted: int, newest: int) -> tuple[int, dict[str, torch.Tensor], float]:
+            if wanted > ROUND:
+                raise NotReady(f"round {wanted}")
+            return ROUND, self.states[name], self.weights[name]
+
+        return model
+
+    def expected(self, members: list[str]) -> dict[str, torch.Tensor]:
+        total = sum(self.weights[m] for m in members)
+        out = {}
+        for key, ref in self.reference.items():
+            if ref.is_floating_point():
+                out[key] = (
+                    sum(self.weights[m] * self.states[m][key].double() for m in members) / total
+                )
+        return out
+
+    async def ask(self, members: list[str], **kwargs: Any) -> secagg.SecureSum:
+        return await secure_sum(
+            self.ctxs[REQUESTER],
+            members,
+            round=ROUND,
+            max_round=ROUND,
+            reference=self.reference,
+            timeout=2.0,
+            **kwargs,
+        )
+
+    async def raw(
+        self, peer: str, phase: str, session: str, members: list[str], body: dict[str, Any]
+    ) -> Any:
+        query = {
+            "session": session,
+            "phase": phase,
+            "contributors": members,
+            "round": ROUND,
+            "max_round": ROUND,
+            "purpose": "model",
+            "body": body,
+        }
+        return await self.ctxs[REQUESTER].request(peer, SECAGG_KIND, query, 2.0)
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for key, value in want.items():
+        assert torch.allclose(got[key].double(), value, atol=1e-5), key
+
+
+def test_the_requester_gets_the_weighted_mean_of_all_contributors() -> None:
+    fed = Federation()
+    result = asyncio.run(fed.ask(CONTRIBUTORS))
+    assert result.contributors == CONTRIBUTORS
+    assert result.dropped == []
+    assert result.total_weight == pytest.approx(sum(fed.weights.values()), abs=1e-5)
+    assert_close(result.mean, fed.expected(CONTRIBUTORS))
+    # counters are not averaged: the requester keeps its own
+    for key, ref in fed.reference.items():
+        if not ref.is_floating_point():
+            assert torch.equal(result.mean[key], ref)
+
+
+def test_nothing_the_requester_receives_is_an_individual_model() -> None:
+    """Record every reply the requester gets: no float tensor, and no masked
+    input equals (or reveals, by a fixed-point decode) a contributor's model."""
+    fed = Federation()
+    seen: list[Any] = []
+    ctx = fed.ctxs[REQUESTER]
+    original = ctx.request
+
+    async def spying(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        reply = await original(peer, kind, query, timeout)
+        seen.append(reply)
+        return reply
+
+    ctx.request = spying  # type: ignore[method-assign]
+    asyncio.run(fed.ask(CONTRIBUTORS))
+    tensors = [t for reply in seen for t in _tensors(reply)]
+    assert tensors, "the masked inputs travelled"
+    assert all(t.dtype == torch.int64 for t in tensors)
+    key = (
+        "net.0.weight"
+        if "net.0.weight" in fed.reference
+        else next(k for k, v in fed.reference.items() if v.is_floating_point())
+    )
+    for t in tensors:
+        if tuple(t.shape) != tuple(fed.reference[key].shape):
+            continue
+        decoded = t.double() / 2**20
+        for name in CONTRIBUTORS:
+            plain = fed.states[name][key].double() * fed.weights[name]
+            assert not torch.allclose(decoded, plain, atol=1e-3)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def test_a_contributor_that_dies_after_masking_leaves_the_survivors_sum() -> None:
+    """1 of 4 contributors gone after Round 2 (its masked input lost): the
+    survivors reveal its mask key's shares and the sum over the other 3 comes out."""
+    fed = Federation()
+    ctx = fed.ctxs[REQUESTER]
+    original = ctx.request
+
+    async def losing_erins_input(
+        peer: str, kind: str, query: dict[str, Any], timeout: float
+    ) -> Any:
+        reply = await original(peer, kind, query, timeout)
+        if peer == "erin" and query["phase"] == "mask":
+            fed.network.kill("erin")  # it masked, then died before its input arrived
+            raise secagg.PeerUnavailable(peer, "dead")
+        return reply
+
+    ctx.request = losing_erins_input  # type: ignore[method-assign]
+    result = asyncio.run(fed.ask(CONTRIBUTORS))
+    survivors = ["alice", "bob", "carol"]
+    assert result.contributors == survivors
+    assert result.dropped == ["erin"]
+    assert_close(result.mean, fed.expected(survivors))
+
+
+def test_two_dropouts_of_four_leave_no_sum_rather_than_a_smaller_one() -> None:
+    fed = Federation()
+    fed.network.kill("carol")
+    fed.network.kill("erin")
+    with pytest.raises(SecAggError) as err:
+        asyncio.run(fed.ask(CONTRIBUTORS))
+    assert err.value.reason == "too_few"
+
+
+def test_two_contributors_give_their_sum_and_one_is_refused() -> None:
+    fed = Federation(names=["alice", "bob"])
+    result = asyncio.run(fed.ask(["alice", "bob"]))
+    assert_close(result.mean, fed.expected(["alice", "bob"]))
+    with pytest.raises(SecAggError):
+        asyncio.run(fed.ask(["alice"]))
+
+
+def test_subset_difference_is_refused_one_contribution_per_model() -> None:
+    """The attack on the old anonymized peer: the sum over {A,B,C} and then over
+    {A,B} gives C's model. Now the second request is refused by A and B."""
+    fed = Federation()
+    asyncio.run(fed.ask(["alice", "bob", "carol"]))
+    with pytest.raises(SecAggError) as err:
+        asyncio.run(fed.ask(["alice", "bob"]))
+    assert err.value.reason == "too_few"
+    reply = asyncio.run(fed.raw("alice", "advertise", "b" * 32, ["alice", "bob"], {}))
+    assert reply == {"refused": "already_contributed"}
+
+
+def test_a_contributor_refuses_sessions_it_must_not_join() -> None:
+    fed = Federation()
+    members = ["alice", "bob"]
+    # the requester among the contributors would hold a pair key
+    assert asyncio.run(fed.raw("alice", "advertise", "c" * 32, ["alice", REQUESTER], {})) == {
+        "refused": "requester_is_contributor"
+    }
+    assert asyncio.run(fed.raw("alice", "advertise", "c" * 32, ["bob", "carol"], {})) == {
+        "refused": "not_a_contributor"
+    }
+    assert asyncio.run(fed.raw("alice", "advertise", "c" * 32, ["alice", "mallory"], {})) == {
+        "refused": "unknown_contributor"
+    }
+    assert asyncio.run(fed.raw("alice", "advertise", "nothex", members, {})) == {
+        "refused": "bad_request"
+    }
+    # a later phase of a session that does not exist, or out of order
+    assert asyncio.run(fed.raw("alice", "unmask", "d" * 32, members, {"u4": members})) == {
+        "refused": "unknown_session"
+    }
+    asyncio.run(fed.raw("alice", "advertise", "e" * 32, members, {}))
+    assert asyncio.run(
+        fed.raw("alice", "unmask", "e" * 32, members, {"u4": members, "tags": {}})
+    ) == {"refused": "out_of_order"}
+
+
+def test_a_swapped_public_key_is_caught_by_its_tag() -> None:
+    """The requester relays the contributors' keys: it cannot replace one with
+    its own (a man in the middle between two contributors)."""
+    fed = Federation()
+    members = ["alice", "bob", "carol"]
+    session = "f" * 32
+    replies = {m: asyncio.run(fed.raw(m, "advertise", session, members, {})) for m in members}
+    forged = secagg.X25519PrivateKey.generate().public_key().public_bytes_raw()
+    keys = {
+        v: {
+            "pk": forged if v == "bob" else replies[v]["pk"],
+            "tag": replies[v]["tags"].get("alice", b""),
+        }
+        for v in members
+    }
+    keys["alice"]["tag"] = b""
+    reply = asyncio.run(fed.raw("alice", "share", session, members, {"keys": keys, "threshold": 2}))
+    assert reply == {"refused": "bad_key_tag"}
+
+
+def test_a_threshold_below_a_majority_is_refused() -> None:
+    """t = 1 over 3 other holders would let two contributors told different
+    stories reveal both secrets of one contributor."""
+    fed = Federation()
+    session = "a1" * 16
+    replies = {
+        m: asyncio.run(fed.raw(m, "advertise", session, CONTRIBUTORS, {})) for m in CONTRIBUTORS
+    }
+    keys = {
+        v: {"pk": replies[v]["pk"], "tag": b"" if v == "alice" else replies[v]["tags"]["alice"]}
+        for v in CONTRIBUTORS
+    }
+    reply = asyncio.run(
+        fed.raw("alice", "share", session, CONTRIBUTORS, {"keys": keys, "threshold": 1})
+    )
+    assert reply == {"refused": "bad_threshold"}
+
+
+def test_unmasking_needs_every_member_to_vouch_for_the_same_survivors() -> None:
+    """The requester tells alice and bob that erin dropped, carol that she
+    stayed (so that carol would reveal erin's self-mask share): alice sees that
+    carol vouched for another U3 and reveals nothing."""
+    fed = Federation()
+    session = "b2" * 16
+    members = CONTRIBUTORS
+
+    async def attack() -> dict[str, Any]:
+        adv = {m: await fed.raw(m, "advertise", session, members, {}) for m in members}
+        shares = {}
+        for m in members:
+            keys = {
+                v: {"pk": adv[v]["pk"], "tag": b"" if v == m else adv[v]["tags"][m]}
+                for v in members
+            }
+            shares[m] = (
+                await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 2})
+            )["shares"]
+        for m in members:
+            body = {"u2": members, "shares": {v: shares[v][m] for v in members if v != m}}
+            assert "masked" in await fed.raw(m, "mask", session, members, body)
+        # alice and bob are told erin dropped; carol and erin that everyone stayed
+        short = ["alice", "bob", "carol"]
+        tags = {
+            m: (await fed.raw(m, "consistency", session, members, {"u3": short}))["tags"]
+            for m in ("alice", "bob")
+        }
+        full = {
+            m: (await fed.raw(m, "consistency", session, members, {"u3": members}))["tags"]
+            for m in ("carol", "erin")
+        }
+        # alice would reveal erin's mask key if carol's word matched her U3; it does not
+        body = {
+            "u4": short,
+            "tags": {"bob": tags["bob"]["alice"], "carol": full["carol"]["alice"]},
+        }
+        return await fed.raw("alice", "unmask", session, members, body)
+
+    assert asyncio.run(attack()) == {"refused": "inconsistent"}
+
+
+def test_shamir_shares_rebuild_the_secret_from_any_t() -> None:
+    secret = bytes(range(32))
+    shares = secagg.share_secret(secret, 2, 3)
+    assert secagg.combine_shares([shares[0], shares[2]]) == secret
+    assert secagg.combine_shares([shares[1], shares[2]]) == secret
+    assert secagg.combine_shares([shares[0]]) != secret

@@ -16,7 +16,9 @@ Methods, same model (small_cnn), data, rounds, steps per round and seed:
   local_supervised  labeled images only, no communication (lower bound)
   local_fixmatch    FixMatch alone
   ssfl              FixMatch + FedAVGP2P (SSFL-P2P; FedPerl with T = 0)
-  fedperl           SSFL-P2P + communities + anonymized peer (T = 2, masked)
+  fedperl           SSFL-P2P + communities + anonymized peer (T = 2, by secure aggregation)
+  fedperl_secure    the same with protocol.secure_aggregation: the FedAVGP2P step is
+                    secure sums too, so no node sees another's model
 
 Headline figure: macro-F1 on each site's test set averaged over the last
 `--last` rounds, then over sites and seeds (decided before the first run).
@@ -49,6 +51,7 @@ from bench.semisup_baselines import local_fixmatch, local_supervised
 from p2pfl.config import SiteConfig
 from protocols.communities import choice_frequencies
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+from protocols.secagg import SECAGG_KIND
 
 log = logging.getLogger("bench.fedperl")
 
@@ -62,7 +65,7 @@ SITES: dict[str, tuple[str, int, float]] = {
     "siteB2": ("B", 350, 0.04),
     "siteO": ("O", 100, 0.80),
 }
-METHODS = ("local_supervised", "local_fixmatch", "ssfl", "fedperl")
+METHODS = ("local_supervised", "local_fixmatch", "ssfl", "fedperl", "fedperl_secure")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,7 +186,7 @@ def protocol_section(args: argparse.Namespace, method: str) -> dict[str, Any]:
         "round_timeout_s": 600.0,
         "max_staleness": 0,
     }
-    if method == "fedperl":
+    if method in ("fedperl", "fedperl_secure"):
         return {
             "name": "fedperl",
             **common,
@@ -191,6 +194,7 @@ def protocol_section(args: argparse.Namespace, method: str) -> dict[str, Any]:
             "warmup_rounds": args.warmup,
             "gamma": args.gamma,
             "policy": args.policy,
+            "secure_aggregation": method == "fedperl_secure",
         }
     return {"name": "ssfl", **common}
 
@@ -335,8 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if result is not None:
                 traffic[method] = {
                     "model_messages": result.messages_sent("model"),
-                    "anon_messages": result.messages_sent("anon_model"),
-                    "anon_bytes": result.bytes_sent("anon_model"),
+                    "secagg_messages": result.messages_sent(SECAGG_KIND),
+                    "secagg_bytes": result.bytes_sent(SECAGG_KIND),
                     "model_bytes": result.bytes_sent("model"),
                 }
                 if method == "fedperl":

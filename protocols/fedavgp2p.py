@@ -21,6 +21,13 @@ Each node keeps its last max_staleness + 2 models to serve slower peers.
 
 Unlike the paper's box (w <- Mean(neighbours' w)), the node's own model is
 part of the mean, weighted by its sample count like every other.
+
+With `protocol.secure_aggregation: true`, steps 2 and 4 go through secure
+aggregation (protocols/secagg.py): the node serves no plain model, only masked
+contributions to a requester's sum, and obtains the sample-count-weighted sum
+of the k neighbours it chose (those that stayed to the end, at least two), which
+it averages with its own model. It never sees a single neighbour's model, so
+only the mean's norm can be checked, and the aggregation is the weighted mean.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from protocols.base import NotReady, PeerUnavailable, RoundContext
 from protocols.checks import incompatibility
 from protocols.exchange import pull_concurrently
 from protocols.rounds import Round, RoundLoop
+from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
 from protocols.site import build_site
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,12 @@ class FedAvgP2P(RoundLoop):
     def __init__(self, params: FedAvgP2PParams) -> None:
         super().__init__(params)
         self.served: OrderedDict[int, dict[str, Any]] = OrderedDict()  # round -> model payload
+        self.contributor: Contributor | None = None  # answers secure-aggregation requests
+
+    @property
+    def secure(self) -> bool:
+        """Models travel only inside secure sums (`protocol.secure_aggregation`)."""
+        return bool(getattr(self.params, "secure_aggregation", False))
 
     # ------------------------------------------------------------------ serving
 
@@ -79,6 +93,35 @@ class FedAvgP2P(RoundLoop):
         if latest < wanted:
             raise NotReady(f"round {wanted} not trained yet (latest {latest})")
         return {"round": latest, "state": None, "num_train": 0, "reason": "too_new"}
+
+    def serve_secure_sums(self, ctx: RoundContext) -> None:
+        """Answer secure-aggregation requests with this node's served models."""
+        if self.contributor is not None:
+            return
+        p = self.params
+        self.contributor = Contributor(
+            ctx,
+            self.contribution,
+            min_threshold=getattr(p, "secagg_threshold", None),
+            clip_norm=getattr(p, "secagg_clip_norm", None),
+            keep_rounds=p.max_staleness + 2,
+        )
+        ctx.serve(SECAGG_KIND, self.contributor.serve)
+
+    def contribution(
+        self, wanted: int, newest: int, purpose: str
+    ) -> tuple[int, dict[str, Tensor], float] | None:
+        """(round, model, weight) this node masks into a requester's sum: its
+        model of round `wanted` (or the nearest newer one up to `newest`),
+        weighted by its sample count; NotReady while `wanted` is not trained."""
+        for r in sorted(self.served):
+            if wanted <= r <= newest:
+                entry = self.served[r]
+                return r, entry["state"], float(entry["num_train"])
+        latest = max(self.served, default=-1)
+        if latest < wanted:
+            raise NotReady(f"round {wanted} not trained yet (latest {latest})")
+        return None
 
     # ------------------------------------------------------------------ exchange
 
@@ -120,18 +163,77 @@ class FedAvgP2P(RoundLoop):
         """Choose k neighbours among the alive peers with the heuristic (H0-H3) and
         pull their round-r models concurrently (DFU Alg. 3 line 6); a neighbour
         that fails is replaced by the next in the ranking. Sorted by peer name."""
-        ranking = self.heuristic.select(
+        ranking = self.rank_neighbours(ctx, round, k)
+        fetch = functools.partial(self.fetch_model, ctx, round, own)
+        received = await pull_concurrently(ranking, k, self.params.round_timeout_s, fetch)
+        return sorted(received, key=lambda m: m.peer)
+
+    def rank_neighbours(
+        self,
+        ctx: RoundContext,
+        round: int,
+        k: int,
+        exclude: set[str] | frozenset[str] = frozenset(),
+    ) -> list[str]:
+        """The heuristic's ranking of the alive peers (H0-H3), best first."""
+        peers = [x for x in ctx.peers() if x.name not in exclude]
+        return self.heuristic.select(
             ctx.me,
-            ctx.peers(),
+            peers,
             k,
             round=round,
             seed=ctx.config.federation.seed,
             my_meta=self.gossip,
             history=self.selection_history,
         )
-        fetch = functools.partial(self.fetch_model, ctx, round, own)
-        received = await pull_concurrently(ranking, k, self.params.round_timeout_s, fetch)
-        return sorted(received, key=lambda m: m.peer)
+
+    async def secure_neighbours(
+        self, ctx: RoundContext, round: int, own: dict[str, Tensor], k: int
+    ) -> list[SecureSum]:
+        """The secure sum of the k neighbours the heuristic ranks first (no
+        replacement: a neighbour that fails is a dropout of the sum)."""
+        chosen = self.rank_neighbours(ctx, round, k)[:k]
+        result = await self.secure_sum_of(ctx, round, own, chosen, purpose="model")
+        return [] if result is None else [result]
+
+    async def secure_sum_of(
+        self,
+        ctx: RoundContext,
+        round: int,
+        own: dict[str, Tensor],
+        chosen: list[str],
+        *,
+        purpose: str,
+    ) -> SecureSum | None:
+        """The weighted mean of `chosen`'s round-r models through secure
+        aggregation, or None (fewer than two stayed; logged)."""
+        if len(chosen) < 2:
+            log.info(
+                "%s round %d: %d neighbour(s) for a secure sum, which needs two: own model only",
+                ctx.me,
+                round,
+                len(chosen),
+            )
+            return None
+        while True:
+            try:
+                return await secure_sum(
+                    ctx,
+                    chosen,
+                    round=round,
+                    max_round=round + self.params.max_staleness,
+                    reference=own,
+                    timeout=self.params.round_timeout_s,
+                    purpose=purpose,
+                    threshold=getattr(self.params, "secagg_threshold", None),
+                )
+            except SecAggError as exc:
+                log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round, chosen, exc)
+                retry = exc.unmasked
+                if retry is None or len(retry) < 2 or len(retry) >= len(chosen):
+                    return None
+                # Nobody masked yet: a fresh session without those that did not answer.
+                chosen = retry
 
     # ------------------------------------------------------------------ the round
 
@@ -143,7 +245,10 @@ class FedAvgP2P(RoundLoop):
     def start_exchange(self, ctx: RoundContext) -> None:
         """Before the first round: this node's models offered to its peers, and a
         warning about a trimmed mean that trims nothing."""
-        ctx.serve(MODEL_KIND, self.serve_model)
+        if self.secure:
+            self.serve_secure_sums(ctx)
+        else:
+            ctx.serve(MODEL_KIND, self.serve_model)
         options = self.aggregation_options()
         k_max = selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
         if options["method"] == "trimmed_mean" and int(options["trim_ratio"] * (k_max + 1)) == 0:
@@ -175,11 +280,25 @@ class FedAvgP2P(RoundLoop):
         rnd.own = site.state_dict()
         self.keep_for_peers(rnd.number, rnd.own, self.sample_weight(site))
         ctx.offered(MODEL_KIND)
+        if self.contributor is not None:
+            ctx.offered(SECAGG_KIND)
 
     async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
-        # 3-4. Choose k neighbours among the alive peers (H0-H3) and pull their models.
+        # 3-4. Choose k neighbours among the alive peers (H0-H3) and pull their
+        # models (or, with secure aggregation, obtain their secure sum).
         assert rnd.own is not None
         k = selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
+        if self.secure:
+            sums = await self.secure_neighbours(ctx, rnd.number, rnd.own, k)
+            rnd.received = sums
+            rounds = [r for x in sums for r in x.rounds.values()]
+            rnd.log.update(
+                neighbours=len(rounds),
+                neighbours_wanted=k,
+                stale_models=sum(1 for r in rounds if r != rnd.number),
+                secagg_dropped=sum(len(x.dropped) for x in sums),
+            )
+            return
         rnd.received = await self.pull_neighbours(ctx, rnd.number, rnd.own, k)
         rnd.log.update(
             neighbours=len(rnd.received),
@@ -187,18 +306,54 @@ class FedAvgP2P(RoundLoop):
             stale_models=sum(1 for m in rnd.received if m.round != rnd.number),
         )
 
+    def merge_terms(
+        self, ctx: RoundContext, rnd: Round
+    ) -> tuple[list[dict[str, Tensor]], list[float], list[tuple[str, int]]]:
+        """(states, weights, merged (peer, its round)) of what arrived: each
+        neighbour's model, or each secure sum as one term weighted by its total
+        weight. A secure sum is checked as a whole (the only check possible)."""
+        assert rnd.own is not None
+        states: list[dict[str, Tensor]] = []
+        weights: list[float] = []
+        merged: list[tuple[str, int]] = []
+        for item in rnd.received:
+            if isinstance(item, SecureSum):
+                problem = incompatibility(
+                    item.mean, rnd.own, max_norm_ratio=self.params.max_norm_ratio
+                )
+                if problem is not None:
+                    log.warning(
+                        "%s round %d: secure sum of %s rejected (%s)",
+                        ctx.me,
+                        rnd.number,
+                        item.contributors,
+                        problem,
+                    )
+                    for peer in item.contributors:
+                        ctx.reject(peer, f"sum_{problem}")
+                    continue
+                states.append(item.mean)
+                weights.append(item.total_weight)
+                merged += [(peer, item.rounds[peer]) for peer in item.contributors]
+            else:
+                states.append(item.state)
+                weights.append(float(item.num_train))
+                merged.append((item.peer, item.round))
+        return states, weights, merged
+
     async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
         # 5. w <- weighted mean of own + neighbours' models (DFU Alg. 3 line 6).
-        if rnd.received:
+        states, weights, merged = self.merge_terms(ctx, rnd)
+        if states:
             options = self.aggregation_options()
             averaged = await ctx.train(
                 functools.partial(aggregate_models, options.pop("method"), own=0, **options),
-                [rnd.own] + [m.state for m in rnd.received],
-                [float(self.sample_weight(site))] + [float(m.num_train) for m in rnd.received],
+                [rnd.own] + states,
+                [float(self.sample_weight(site))] + weights,
             )
             await ctx.train(site.load_state_dict, averaged)
-        rnd.merged = [(m.peer, m.round) for m in rnd.received]
-        used = [m.peer for m in rnd.received]
+        rnd.merged = merged
+        used = [peer for peer, _ in merged]
         self.remember_neighbours(used)
         self.update_recent(ctx)
         self.record_neighbours(ctx, used)

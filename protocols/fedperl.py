@@ -7,59 +7,47 @@ FedAVGP2P between rounds) plus, between its steps 2 and 3, from round
       min-max normalised across nodes), the top-T peers, then the policy
       (static, validation, gated validation, gated similarity)
   2b. anonymized peer f_a = mean of the T peers' round-r models (MICCAI Eq. 4's
-      phi_a), delivered by the peers themselves with pairwise additive masks
-      (protocols/masking.py): each answers with a masked contribution, the
-      requester sums them and can only learn the mean. A contributor that fails
-      is dropped and the request retried with a fresh id over the remaining
-      ones (at least 2); otherwise no peer this round. Never an unmasked model.
+      phi_a). In the papers a server builds it; here the T peers' models are
+      summed by secure aggregation (protocols/secagg.py) with this node as the
+      requester: it learns their mean and nothing else. A peer that drops out
+      after masking is handled inside the sum (at least two must stay);
+      nobody is asked twice for one model, so no two sums over different
+      subsets of the same models exist. Otherwise no peer this round.
   and in round r + 1's fit: pseudo-labels from the mean of the local and the
   anonymized peer's softmax (Eq. 4) plus gamma * MSE(local, peer) (L_CON).
 
-Contributor-side rules of an "anon_model" request (the requester is not trusted
-to choose its contributors honestly): I must be a contributor, the requester
-must not be; at least two distinct roster members; a request id is answered
-once; for one requester and round, a later request is answered only if its
-contributor set is a strict subset of the one answered before (an honest
-retry), so a requester cannot collect overlapping subset sums.
+Without `protocol.secure_aggregation` the anonymized peer is the plain mean of
+the T models (Eq. 4), but the FedAVGP2P step serves plain models to any peer.
+With it, the whole round shows no individual model to another node: the
+community's secure sum, weighted by image counts (a small departure from
+Eq. 4's plain mean, so that it can also be the FedAVGP2P term), is both the
+anonymized peer and part of the round's average, and the remaining FedAVGP2P
+neighbours (k minus the community, at least two if any) are a second secure
+sum over other peers. The two sums are over disjoint sets: each contributor is
+asked once per model.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
 from p2pfl.config import FedPerlParams
 from p2pfl.learning.train import LocalSite
-from protocols import communities, masking, selection
-from protocols.base import NotReady, PeerUnavailable, RoundContext
+from protocols import communities, selection
+from protocols.base import RoundContext
 from protocols.checks import incompatibility
-from protocols.rounds import Round
+from protocols.secagg import SecureSum
 from protocols.ssfl import SSFL
 
 log = logging.getLogger(__name__)
 
-ANON_KIND = "anon_model"
-MIN_CONTRIBUTORS = 2  # one contributor's "average" would be its own model
+ANON_PURPOSE = "anon"  # a sum for the anonymized peer only: every model weighs 1 (Eq. 4)
 
 
 # ---------------------------------------------------------------------- FedPerl
-
-
-class AnonymizedPeerRequest(BaseModel):
-    """What a requester sends each contributor (validated at the edge)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    request_id: str = Field(pattern=r"^[0-9a-f]{32}$")
-    contributors: list[str] = Field(min_length=MIN_CONTRIBUTORS, max_length=64)
-    round: int = Field(ge=0)
-    max_round: int = Field(ge=0)
 
 
 class FedPerl(SSFL):
@@ -70,8 +58,8 @@ class FedPerl(SSFL):
     def __init__(self, params: FedPerlParams) -> None:
         super().__init__(params)  # type: ignore[arg-type]
         self.gamma = params.gamma
-        self.answered_ids: dict[tuple[str, str], int] = {}  # (requester, request id) -> round
-        self.answered_sets: dict[tuple[str, int], frozenset[str]] = {}  # (requester, round) -> set
+        self.community_sum: SecureSum | None = None  # secure mode: also a FedAVGP2P term
+        self.community_asked: list[str] = []  # who was asked for this round's anonymized peer
 
     # ------------------------------------------------------------------ requester side
 
@@ -132,160 +120,65 @@ class FedPerl(SSFL):
         }
         self.publish(ctx, communities.COMMUNITY_KEY, community)
         ctx.set_community(community)
+        self.community_sum, self.community_asked = None, []
         if round < max(p.warmup_rounds, 1) or round >= p.rounds:
             return {"anon_contributors": 0.0}  # warm-up (or nothing left to train)
         ctx.record_choice(chosen)
-        state, contributors, attempts = await self.anonymized_peer(ctx, round, chosen, own)
-        self.peer_state = state
-        sims = [similarities[x] for x in contributors if x in similarities]
+        self.community_asked = list(chosen)
+        # Secure mode: the community's sum doubles as a FedAVGP2P term, so it is
+        # weighted by image counts like every other; otherwise Eq. 4's plain mean.
+        purpose = "model" if self.secure else ANON_PURPOSE
+        result = await self.secure_sum_of(ctx, round, own, sorted(chosen), purpose=purpose)
+        if result is not None:
+            problem = incompatibility(result.mean, own, max_norm_ratio=p.max_norm_ratio)
+            if problem is not None:
+                log.warning("%s round %d: anonymized peer rejected (%s)", ctx.me, round, problem)
+                for peer in result.contributors:
+                    ctx.reject(peer, f"sum_{problem}")
+                result = None
+        if result is None:
+            return {"anon_contributors": 0.0}
+        self.peer_state = result.mean
+        if self.secure:
+            self.community_sum = result
+        sims = [similarities[x] for x in result.contributors if x in similarities]
         return {
-            "anon_contributors": float(len(contributors)),
-            "anon_attempts": float(attempts),
+            "anon_contributors": float(len(result.contributors)),
+            "anon_dropped": float(len(result.dropped)),
             "community_similarity": float(sum(sims) / len(sims)) if sims else 0.0,
         }
 
-    async def anonymized_peer(
-        self, ctx: RoundContext, round: int, chosen: list[str], reference: dict[str, Tensor]
-    ) -> tuple[dict[str, Tensor] | None, list[str], int]:
-        """(mean of the contributors' models, contributors, attempts): masked
-        contributions summed here; a failed contributor is dropped and the rest
-        asked again under a fresh request id while at least two remain."""
-        contributors = sorted(set(chosen))
-        attempts = 0
-        while len(contributors) >= MIN_CONTRIBUTORS:
-            attempts += 1
-            request = AnonymizedPeerRequest(
-                request_id=secrets.token_hex(16),
-                contributors=contributors,
-                round=round,
-                max_round=round + self.params.max_staleness,
-            )
-            replies = await asyncio.gather(
-                *(self.fetch_masked(ctx, peer, request, reference) for peer in contributors)
-            )
-            answered = [peer for peer, reply in zip(contributors, replies, strict=True) if reply]
-            if len(answered) == len(contributors):
-                try:
-                    mean, _ = await ctx.train(
-                        masking.unmask_mean, [r for r in replies if r], reference
-                    )
-                except masking.MaskingError as exc:
-                    log.warning(
-                        "%s round %d: anonymized peer unusable (%s)", ctx.me, round, exc.reason
-                    )
-                    return None, [], attempts
-                problem = incompatibility(mean, reference)
-                if problem is None:
-                    return mean, contributors, attempts
-                log.warning("%s round %d: anonymized peer rejected (%s)", ctx.me, round, problem)
-                return None, [], attempts
-            log.info(
-                "%s round %d: %s did not contribute; retrying with %s",
-                ctx.me,
-                round,
-                sorted(set(contributors) - set(answered)),
-                answered,
-            )
-            contributors = answered
-        return None, [], attempts
-
-    async def fetch_masked(
-        self,
-        ctx: RoundContext,
-        peer: str,
-        request: AnonymizedPeerRequest,
-        reference: dict[str, Tensor],
-    ) -> dict[str, Tensor] | None:
-        try:
-            reply = await ctx.request(
-                peer, ANON_KIND, request.model_dump(), self.params.round_timeout_s
-            )
-        except PeerUnavailable as exc:
-            log.info("%s: no masked contribution from %s (%s)", ctx.me, peer, exc.reason)
-            return None
-        if not isinstance(reply, dict) or reply.get("request_id") != request.request_id:
-            log.warning(
-                "%s: malformed or refused anonymized contribution from %s: %r",
-                ctx.me,
-                peer,
-                reply.get("refused") if isinstance(reply, dict) else type(reply),
-            )
-            return None
-        masked = reply.get("masked")
-        return masked if isinstance(masked, dict) else None
+    async def secure_neighbours(
+        self, ctx: RoundContext, round: int, own: dict[str, Tensor], k: int
+    ) -> list[SecureSum]:
+        """Secure mode: the community's sum, plus one over the next k - T
+        neighbours that are not in the community (two at least, a sum of one
+        being a model): disjoint sets, so each model is asked for once."""
+        sums = [self.community_sum] if self.community_sum is not None else []
+        want = max(0, k - len(self.community_asked))
+        if want == 1:
+            want = 2
+        if want:
+            others = self.rank_neighbours(ctx, round, want, exclude=set(self.community_asked))
+            result = await self.secure_sum_of(ctx, round, own, others[:want], purpose="model")
+            if result is not None:
+                sums.append(result)
+        return sums
 
     # ------------------------------------------------------------------ contributor side
 
     def start_exchange(self, ctx: RoundContext) -> None:
         super().start_exchange(ctx)
-        self.serve_anonymized_peer(ctx)
+        self.serve_secure_sums(ctx)  # the anonymized peers of others, in either mode
 
-    def serve_anonymized_peer(self, ctx: RoundContext) -> None:
-        """Answer the requests for masked contributions to an anonymized peer."""
-        ctx.serve(ANON_KIND, functools.partial(self.serve_anonymized, ctx))
-
-    def offer(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
-        super().offer(ctx, site, rnd)
-        ctx.offered(ANON_KIND)
-
-    async def serve_anonymized(
-        self, ctx: RoundContext, requester: str, query: dict[str, Any]
-    ) -> dict[str, Any]:
-        """My masked contribution to `requester`'s anonymized peer, or
-        {"refused": reason}. NotReady while my model of that round is not trained."""
-        try:
-            request = AnonymizedPeerRequest.model_validate(query)
-        except ValidationError:
-            return {"refused": "bad_request"}
-        contributors = request.contributors
-        group = frozenset(contributors)
-        if len(group) != len(contributors) or len(group) < MIN_CONTRIBUTORS:
-            return {"refused": "bad_contributors"}
-        if ctx.me not in group:
-            return {"refused": "not_a_contributor"}
-        if requester in group:
-            return {"refused": "requester_is_contributor"}  # it would hold a pair secret
-        if not group <= set(ctx.roster()):
-            return {"refused": "unknown_contributor"}
-        if (requester, request.request_id) in self.answered_ids:
-            return {"refused": "request_id_reused"}
-        previous = self.answered_sets.get((requester, request.round))
-        if previous is not None and not group < previous:
-            return {"refused": "not_a_retry"}
-        model = self.model_for(request.round, request.max_round)  # NotReady until trained
-        if model is None:
-            return {"refused": "too_new"}
-        round, state = model
-        # Record before the (off-loop) masking so a concurrent duplicate is refused too.
-        self.answered_ids[(requester, request.request_id)] = request.round
-        self.answered_sets[(requester, request.round)] = group
-        self.forget_answers_before(request.round - self.params.max_staleness - 2)
-        context = masking.request_context(requester, request.request_id, request.round)
-        pair_secrets = {p: ctx.pair_secret(p, context) for p in contributors if p != ctx.me}
-        masked = await ctx.train(
-            functools.partial(
-                masking.masked_contribution,
-                state,
-                me=ctx.me,
-                contributors=contributors,
-                secrets=pair_secrets,
-            )
-        )
-        return {"request_id": request.request_id, "round": round, "masked": masked}
-
-    def model_for(self, wanted: int, newest: int) -> tuple[int, dict[str, Tensor]] | None:
-        """My trained model of round `wanted` (or a newer one up to `newest`)."""
-        for r in sorted(self.served):
-            if wanted <= r <= newest:
-                return r, self.served[r]["state"]
-        latest = max(self.served, default=-1)
-        if latest < wanted:
-            raise NotReady(f"round {wanted} not trained yet (latest {latest})")
-        return None
-
-    def forget_answers_before(self, round: int) -> None:
-        self.answered_ids = {k: r for k, r in self.answered_ids.items() if r >= round}
-        self.answered_sets = {k: s for k, s in self.answered_sets.items() if k[1] >= round}
+    def contribution(
+        self, wanted: int, newest: int, purpose: str
+    ) -> tuple[int, dict[str, Tensor], float] | None:
+        found = super().contribution(wanted, newest, purpose)
+        if found is None or purpose != ANON_PURPOSE:
+            return found
+        model_round, state, _ = found
+        return model_round, state, 1.0  # Eq. 4: the plain mean of the T models
 
     def record_neighbours(self, ctx: RoundContext, used: list[str]) -> None:
         """FedPerl records its community choices (journal Fig. 3) instead."""

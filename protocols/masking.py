@@ -1,22 +1,12 @@
-"""Pairwise additive masking: a requester learns the average of T models, not one of them.
+"""The arithmetic of additive masking, for secure aggregation (protocols/secagg.py).
 
-FedPerl's anonymized peer (MICCAI Eq. 4, journal Sec. 2.3.4) is the mean of the
-T most similar peers' models. In the papers a server builds it; here the T
-contributors build it for the requester so that it only ever sees the mean.
-
-For a contributor set C = {P_1 < ... < P_T} (sorted names) and one request:
-
-    masked_i = fixed(w_i * model_i) + sum_{j > i} m_ij - sum_{j < i} m_ij   (mod 2^64)
-
-where m_ij = m_ji is a keystream both P_i and P_j derive from their shared
-pair secret (X25519 + HKDF salted with the request context, `pair_secret_from_shared`)
-and nobody else can. Every m_ij is added once and subtracted once, so
-
-    sum_i masked_i = sum_i fixed(w_i * model_i)                             (mod 2^64)
-
-bit-exactly, and the requester divides by the (also masked) total weight
-sum_i w_i. Each masked_i on its own is uniformly distributed: it says nothing
-about model_i to whoever lacks the pair secrets.
+A masked value is fixed(w * x) plus keystreams that cancel in the sum over the
+contributors (pairwise masks, each added by one member of a pair and
+subtracted by the other) or that the requester removes once it may (self
+masks). Sums are taken mod 2^64, so every mask cancels bit-exactly, and each
+masked value on its own is uniformly distributed. This module has the pieces:
+the pair secret two roster members derive from their X25519 keys
+(`pair_secret_from_shared`), the fixed-point encoding, and the keystreams.
 
 Domain: fixed point, scale 2^FIXED_POINT_BITS (2^20, resolution ~9.5e-7), in
 uint64 with wraparound (numpy's unsigned arithmetic wraps by definition).
@@ -30,7 +20,7 @@ Masks are ChaCha20 keystreams (`cryptography`): key = the 32-byte pair secret,
 nonce = SHA-256 of the state-dict entry name, counter 0, so both ends of a
 pair draw the same stream for the same entry on any machine.
 
-Only floating-point entries are masked and averaged; counters such as
+Only floating-point entries are masked and summed; counters such as
 BatchNorm's `num_batches_tracked` are not sent at all (the requester keeps its
 own).
 """
@@ -38,7 +28,6 @@ own).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -47,8 +36,6 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 from torch import Tensor
-
-from p2pfl.learning.state import averaged_keys
 
 FIXED_POINT_BITS = 20
 MAX_VALUE_BITS = 35
@@ -83,12 +70,6 @@ def pair_secret_from_shared(shared_secret: bytes, me: str, peer: str, context: b
     ).derive(shared_secret)
 
 
-def request_context(requester: str, request_id: str, round: int) -> bytes:
-    """What salts the pair secrets of one anonymized-peer request: a fresh
-    request id gives fresh masks, so no two contributions ever share masks."""
-    return f"p2pfl-anon|{requester}|{request_id}|{round}".encode()
-
-
 def mask_stream(secret: bytes, entry: str, numel: int) -> Fixed:
     """The pair mask of one state-dict entry: `numel` uniform uint64 values."""
     if len(secret) != PAIR_SECRET_BYTES:
@@ -120,103 +101,3 @@ def to_fixed(values: Tensor | NDArray[np.floating], bits: int = FIXED_POINT_BITS
 
 def from_fixed(values: Fixed, bits: int = FIXED_POINT_BITS) -> NDArray[np.float64]:
     return values.view(np.int64).astype(np.float64) / 2.0**bits
-
-
-# ---------------------------------------------------------------------- contributor side
-
-
-def masked_contribution(
-    state: Mapping[str, Tensor],
-    *,
-    me: str,
-    contributors: Sequence[str],
-    secrets: Mapping[str, bytes],
-    weight: float = 1.0,
-    bits: int = FIXED_POINT_BITS,
-) -> dict[str, Tensor]:
-    """masked_i = fixed(w_i * model_i) + sum_{j>i} m_ij - sum_{j<i} m_ij for every
-    float entry, plus the masked weight under WEIGHT_KEY; int64 tensors of the
-    entries' shapes. `secrets[p]` is my pair secret with contributor p."""
-    others = sorted(set(contributors) - {me})
-    if me not in contributors or len(set(contributors)) < 2:
-        raise MaskingError(
-            "bad_contributors",
-            f"{me}: contributors {list(contributors)} must include me and one other",
-        )
-    missing = [p for p in others if p not in secrets]
-    if missing:
-        raise MaskingError("missing_secret", f"{me}: no pair secret with {missing}")
-    if not weight > 0 or not np.isfinite(weight):
-        raise MaskingError("bad_weight", f"{me}: weight must be a positive number, got {weight}")
-
-    def masked(entry: str, fixed: Fixed) -> Tensor:
-        out = fixed.copy()
-        for peer in others:
-            mask = mask_stream(secrets[peer], entry, out.size)
-            if me < peer:
-                out += mask
-            else:
-                out -= mask
-        return torch.from_numpy(out.view(np.int64))
-
-    result: dict[str, Tensor] = {}
-    for entry in averaged_keys(state):
-        value = state[entry]
-        scaled = value.detach().to(torch.float64) * weight
-        result[entry] = masked(entry, to_fixed(scaled, bits)).reshape(value.shape)
-    result[WEIGHT_KEY] = masked(WEIGHT_KEY, to_fixed(np.array([weight]), bits))
-    return result
-
-
-# ---------------------------------------------------------------------- requester side
-
-
-def sum_contributions(
-    contributions: Sequence[Mapping[str, Tensor]], reference: Mapping[str, Tensor]
-) -> dict[str, Fixed]:
-    """Sum (mod 2^64) of masked contributions whose entries and shapes match
-    the float entries of `reference` (plus WEIGHT_KEY)."""
-    if len(contributions) < 2:
-        raise MaskingError("too_few", "an anonymized sum needs at least two contributions")
-    expected = {k: tuple(reference[k].shape) for k in averaged_keys(reference)}
-    expected[WEIGHT_KEY] = (1,)
-    totals: dict[str, Fixed] = {}
-    for contribution in contributions:
-        if not isinstance(contribution, Mapping) or set(contribution) != set(expected):
-            raise MaskingError("key_mismatch", "a masked contribution has other entries than ours")
-        for key, shape in expected.items():
-            value = contribution[key]
-            if (
-                not isinstance(value, Tensor)
-                or value.dtype != torch.int64
-                or tuple(value.shape) != shape
-            ):
-                raise MaskingError("shape_mismatch", f"masked entry {key!r} is not int64{shape}")
-            flat = value.detach().cpu().numpy().reshape(-1).view(np.uint64)
-            if key in totals:
-                totals[key] += flat
-            else:
-                totals[key] = flat.copy()
-    return totals
-
-
-def unmask_mean(
-    contributions: Sequence[Mapping[str, Tensor]],
-    reference: Mapping[str, Tensor],
-    bits: int = FIXED_POINT_BITS,
-) -> tuple[dict[str, Tensor], float]:
-    """(sum_i w_i model_i / sum_i w_i, sum_i w_i): the float entries of the
-    weighted mean (dtypes of `reference`) and the total weight. Entries of
-    `reference` that are not floats (counters) are copied from it."""
-    totals = sum_contributions(contributions, reference)
-    total_weight = float(from_fixed(totals.pop(WEIGHT_KEY), bits)[0])
-    if not total_weight > 0:
-        raise MaskingError("bad_weight", f"masked weights sum to {total_weight}")
-    mean: dict[str, Tensor] = {}
-    for key, ref in reference.items():
-        if key in totals:
-            values = from_fixed(totals[key], bits) / total_weight
-            mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
-        else:
-            mean[key] = ref.detach().clone()
-    return mean, total_weight

@@ -53,11 +53,12 @@ contributor answers them (`Contributor`), one request per round:
 Rules every contributor enforces (the requester is not trusted):
   - it is in U and R is not; U is at least MIN_SUM roster members;
   - a session id is answered once per round of the protocol, in order;
-  - ONE CONTRIBUTION PER (requester, model version): once a contributor has
-    started a session with R over its model of round m, it refuses any other
-    session of R over that model, so R can never obtain two sums over different
-    subsets of the same models (the subset-difference attack); a dropped
-    contributor is handled inside the session, never by asking again;
+  - ONE MASKED INPUT PER (requester, model version): once a contributor has
+    masked its model of round m for R, it refuses any other session of R over
+    that model, so R can never obtain two sums over different subsets of the
+    same models (the subset-difference attack). A contributor that drops out
+    after masking is handled inside the session; one that drops out before
+    anybody masked can be left out of a fresh session (`SecAggError.unmasked`);
   - t >= a majority of the other contributors of U (and >= its own configured
     `secagg_threshold`), and it deals shares only to at least t holders;
   - Round 3 needs |U3| >= max(MIN_SUM, t + 1): a "sum" of one contribution is
@@ -83,7 +84,7 @@ import hmac
 import logging
 import math
 import secrets as random_source
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,9 +126,13 @@ class SecAggError(Exception):
     """A session that cannot go on; `reason` is a stable code (what a contributor
     answers as {"refused": reason}, what a requester logs)."""
 
-    def __init__(self, reason: str, message: str = "") -> None:
+    def __init__(
+        self, reason: str, message: str = "", *, unmasked: list[str] | None = None
+    ) -> None:
         super().__init__(message or reason)
         self.reason = reason
+        # Failed before anyone masked: these answered and may be asked again in a new session.
+        self.unmasked = unmasked
 
 
 # ---------------------------------------------------------------------- the session
@@ -289,9 +294,10 @@ def masked_input(
 
 # ---------------------------------------------------------------------- contributor side
 
-# (round, state, weight) of the model a contributor gives for rounds [wanted, newest];
-# raises NotReady while not trained yet, returns None if it only has newer ones.
-ModelSource = Callable[[int, int], tuple[int, dict[str, Tensor], float] | None]
+# (round, state, weight) of the model a contributor gives for rounds [wanted, newest]
+# to a sum of the given purpose; raises NotReady while not trained yet, returns
+# None if it only has newer ones.
+ModelSource = Callable[[int, int, str], tuple[int, dict[str, Tensor], float] | None]
 
 
 @dataclass
@@ -388,14 +394,15 @@ class Contributor:
             raise SecAggError("session_reused")
         if request.max_round < request.round:
             raise SecAggError("bad_request", "max_round < round")
-        model = self.source(request.round, request.max_round)  # NotReady until trained
+        model = self.source(
+            request.round, request.max_round, request.purpose
+        )  # NotReady until trained
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model
         if (requester, model_round) in self.contributed:
             # The same model to the same requester twice would let it subtract two sums.
             raise SecAggError("already_contributed", f"model of round {model_round}")
-        self.contributed[(requester, model_round)] = request.session
         self._forget_before(model_round - self.keep_rounds)
         if self.max_weight is not None:
             weight = min(weight, self.max_weight)
@@ -470,6 +477,9 @@ class Contributor:
     async def _mask(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "share", "mask")
+        ledger = (session.requester, session.model_round)
+        if ledger in self.contributed:
+            raise SecAggError("already_contributed", f"model of round {session.model_round}")
         u2, sealed = body.get("u2"), body.get("shares")
         if not isinstance(u2, list) or not isinstance(sealed, dict):
             raise SecAggError("bad_request", "mask needs U2 and the shares")
@@ -498,6 +508,8 @@ class Contributor:
                 raise SecAggError("bad_share", f"share from {v} malformed")
             session.held[v] = (share["idx"], share["sk"], share["b"])
         session.u2 = u2
+        # From here on this model is in one sum of this requester's, and in no other.
+        self.contributed[ledger] = session.request.session
         pair_seeds = {
             v: mask_seed(session.private, session.public_keys[v], session.context, me, v)
             for v in u2
@@ -599,9 +611,6 @@ class SecureSum:
     nbytes: int = 0
 
 
-Ask = Callable[[str, dict[str, Any], float], Awaitable[Any]]
-
-
 async def secure_sum(
     ctx: RoundContext,
     contributors: Sequence[str],
@@ -661,7 +670,7 @@ async def secure_sum(
     u1 = sorted(keys)
     t = threshold_for(len(u) - 1, threshold)
     if len(u1) < max(MIN_SUM, t + 1):
-        raise SecAggError("too_few", f"{len(u1)} of {len(u)} advertised keys (t={t})")
+        raise SecAggError("too_few", f"{len(u1)} of {len(u)} advertised keys (t={t})", unmasked=u1)
 
     # Round 1: ShareKeys
     def keys_for(peer: str) -> dict[str, Any]:
@@ -688,7 +697,9 @@ async def secure_sum(
             ctx.reject(peer, "secagg_malformed")
     u2 = sorted(ciphertexts)
     if len(u2) < max(MIN_SUM, t + 1):
-        raise SecAggError("too_few", f"{len(u2)} of {len(u1)} shared their keys (t={t})")
+        raise SecAggError(
+            "too_few", f"{len(u2)} of {len(u1)} shared their keys (t={t})", unmasked=u2
+        )
 
     # Round 2: MaskedInputCollection
     masked_replies = await everyone(

@@ -13,7 +13,7 @@ from bench.baselines import centralized_fedavg, standalone
 from p2pfl.config import FedAvgP2PParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from protocols import create
-from protocols.base import NotReady
+from protocols.base import NotReady, PeerUnavailable
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 
@@ -100,6 +100,32 @@ def test_full_participation_equals_centralized_fedavg(sources: list[str]) -> Non
     assert (
         central.mean_by_round()[2] > alone.mean_by_round()[2]
     )  # federation beats training alone here
+
+
+def test_secure_aggregation_gives_the_same_models_and_shows_none(sources: list[str]) -> None:
+    """c = 1 with secure aggregation: every node still holds server-based
+    FedAvg's global model (up to the 2^-20 fixed-point step), while no plain
+    model travels and a peer asking for one gets nothing."""
+    cfgs = configs(sources, rounds=2, fraction=1.0, secure_aggregation=True)
+    network = InMemoryNetwork(inline_train=True)
+    secure = run(cfgs, network)
+    central = centralized_fedavg(configs(sources, rounds=2, fraction=1.0))
+    assert secure.errors == {}
+    assert secure.messages_sent("model") == 0
+    assert secure.messages_sent("secagg") == 3 * 2 * 2 * 5  # nodes x rounds x k x phases
+    for node in SITES:
+        assert by_node(secure, node, "neighbours") == [2, 2]
+        assert by_node(secure, node, "macro_f1") == pytest.approx(
+            [r["macro_f1"] for r in central.records if r["node"] == node], abs=0.02
+        )
+    spy = network.join("spy")
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(spy.request("site0", "model", {"round": 2}, timeout=0.5))
+
+
+def test_robust_aggregation_with_secure_aggregation_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="secure_aggregation a node only sees their sum"):
+        FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True, aggregation="median")
 
 
 def test_a_dead_neighbour_costs_nothing_and_the_others_finish(sources: list[str]) -> None:

@@ -21,10 +21,11 @@ from p2pfl.learning.semisup import (
     steps_per_epoch,
     supervised_epoch,
 )
-from protocols import create, masking
+from protocols import create, secagg
 from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
-from protocols.fedperl import ANON_KIND, FedPerl
+from protocols.fedperl import ANON_PURPOSE, FedPerl
 from protocols.memory import InMemoryContext, InMemoryNetwork, simulate, simulation_configs
+from protocols.secagg import SECAGG_KIND
 from protocols.site import build_site
 from protocols.ssfl import SSFL
 
@@ -137,7 +138,7 @@ def test_fedperl_learns_from_anonymized_peers_after_warm_up(sources: list[str]) 
     for node in SITES:
         # peers are built at the end of rounds 1 and 2 and used in rounds 2 and 3
         assert by_node(result.records, node, "anon_contributors") == [2.0, 2.0, 0.0]
-        assert by_node(result.records, node, "anon_attempts")[:2] == [1.0, 1.0]
+        assert by_node(result.records, node, "anon_dropped")[:2] == [0.0, 0.0]
         assert by_node(result.records, node, "peer_learning") == [0.0, 1.0, 1.0]
         assert by_node(result.records, node, "consistency_loss")[0] == 0.0
         assert by_node(result.records, node, "consistency_loss")[2] > 0.0
@@ -146,8 +147,9 @@ def test_fedperl_learns_from_anonymized_peers_after_warm_up(sources: list[str]) 
     # who chose whom: T = 2 peers per node per peer-learning round
     assert len(result.choices) == 8 and all(len(c["chosen"]) == 2 for c in result.choices)
     assert all(c["node"] not in c["chosen"] for c in result.choices)
-    # 2 contributions per anonymized peer, 8 peers built; FedAVGP2P pulled 4 x 3 x 2 models
-    assert result.messages_sent(ANON_KIND) == 16
+    # 8 anonymized peers built by secure sums of 2 (4 rounds to each of 2 contributors + the
+    # consistency check); FedAVGP2P pulled 4 x 3 x 2 models
+    assert result.messages_sent(SECAGG_KIND) == 8 * 5 * 2
     assert result.messages_sent("model") == 24
     # feature vectors and communities are gossiped
     observer = network.join("observer")
@@ -194,7 +196,7 @@ def test_ssfl_is_fixmatch_plus_fedavgp2p_without_peers(sources: list[str]) -> No
     cfgs = configs(sources, {"name": "ssfl", "rounds": 2, "fraction": 1.0})
     result = asyncio.run(simulate(cfgs, network=InMemoryNetwork(inline_train=True)))
     assert result.errors == {}
-    assert result.messages_sent(ANON_KIND) == 0
+    assert result.messages_sent(SECAGG_KIND) == 0
     assert result.messages_sent("model") == 4 * 3 * 2  # everybody, every round
     for node in SITES:
         assert by_node(result.records, node, "peer_learning") == [0.0, 0.0]
@@ -215,7 +217,7 @@ def test_a_gate_nobody_passes_means_no_peer_and_no_model_sent(sources: list[str]
     )
     result = asyncio.run(simulate(cfgs, network=InMemoryNetwork(inline_train=True)))
     assert result.errors == {}
-    assert result.messages_sent(ANON_KIND) == 0
+    assert result.messages_sent(SECAGG_KIND) == 0
     assert all(c["chosen"] == [] for c in result.choices)
     for node in SITES:
         assert by_node(result.records, node, "peer_learning") == [0.0, 0.0]
@@ -230,17 +232,19 @@ def model_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def contributor_federation(
-    names: list[str], top_t: int = 2
+    names: list[str], top_t: int = 2, **params: Any
 ) -> tuple[InMemoryNetwork, dict[str, InMemoryContext], dict[str, FedPerl]]:
     network = InMemoryNetwork()
     ctxs = {name: network.join(name) for name in ["req", *names]}
     protocols: dict[str, FedPerl] = {}
     for i, name in enumerate(names):
-        protocol = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5))
+        protocol = FedPerl(
+            FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5, **params)
+        )
         protocol.keep_for_peers(1, model_state(i), 100)
-        protocol.serve_anonymized_peer(ctxs[name])
+        protocol.serve_secure_sums(ctxs[name])
         protocols[name] = protocol
-    requester = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5))
+    requester = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5, **params))
     return network, ctxs, {"req": requester, **protocols}
 
 
@@ -249,71 +253,122 @@ def plain_mean(names: list[str], all_names: list[str]) -> dict[str, torch.Tensor
     return {k: torch.stack([s[k] for s in states]).mean(0) for k in ("w", "b")}
 
 
+async def anonymized_peer(
+    protocols: dict[str, FedPerl], ctxs: dict[str, InMemoryContext], names: list[str]
+) -> secagg.SecureSum | None:
+    return await protocols["req"].secure_sum_of(
+        ctxs["req"], 1, model_state(42), names, purpose=ANON_PURPOSE
+    )
+
+
 async def test_the_requester_gets_the_mean_and_only_masked_contributions_travel() -> None:
     names = ["p1", "p2", "p3"]
     network, ctxs, protocols = contributor_federation(names, top_t=3)
-    reference = model_state(42)
-    state, used, attempts = await protocols["req"].anonymized_peer(ctxs["req"], 1, names, reference)
-    assert used == names and attempts == 1 and state is not None
-    expected = plain_mean(names, names)
+    peer = await anonymized_peer(protocols, ctxs, names)
+    assert peer is not None and peer.contributors == names
+    expected = plain_mean(names, names)  # Eq. 4: the plain mean, every model weighs 1
     for key in ("w", "b"):
-        assert torch.allclose(state[key], expected[key], atol=1e-6)
-    assert torch.equal(state["n"], reference["n"])  # counters: the requester's own
+        assert torch.allclose(peer.mean[key], expected[key], atol=1e-6)
+    assert torch.equal(peer.mean["n"], model_state(42)["n"])  # counters: the requester's own
     for name in names:
-        assert network.traffic(name).by_kind.keys() == {ANON_KIND}  # no plain "model" reply
-    # what one contributor sends is int64 noise, not its model (asked by another requester:
-    # "req" already had its answer for this round and set)
-    query = {"request_id": "a" * 32, "contributors": names, "round": 1, "max_round": 1}
-    reply = await network.join("req2").request("p1", ANON_KIND, query, timeout=1.0)
-    assert reply["masked"]["w"].dtype == torch.int64
-    decoded = torch.from_numpy(masking.from_fixed(reply["masked"]["w"].numpy().view("uint64")))
-    assert float((decoded - model_state(0)["w"].double()).abs().median()) > 1e9
+        assert network.traffic(name).by_kind.keys() == {SECAGG_KIND}  # no plain "model" reply
 
 
-async def test_a_dropped_contributor_is_retried_without_it() -> None:
+async def test_a_contributor_dead_before_masking_is_left_out_of_a_fresh_session() -> None:
     names = ["p1", "p2", "p3"]
     network, ctxs, protocols = contributor_federation(names, top_t=3)
     network.kill("p3")
-    state, used, attempts = await protocols["req"].anonymized_peer(
-        ctxs["req"], 1, names, model_state(42)
-    )
-    assert used == ["p1", "p2"] and attempts == 2 and state is not None
-    expected = plain_mean(["p1", "p2"], names)
-    assert torch.allclose(state["w"], expected["w"], atol=1e-6)
+    peer = await anonymized_peer(protocols, ctxs, names)
+    assert peer is not None and peer.contributors == ["p1", "p2"]
+    assert torch.allclose(peer.mean["w"], plain_mean(["p1", "p2"], names)["w"], atol=1e-6)
 
 
 async def test_with_fewer_than_two_contributors_left_there_is_no_peer() -> None:
     names = ["p1", "p2"]
     network, ctxs, protocols = contributor_federation(names)
     network.silence("p2")  # looks alive, never answers: costs the timeout
-    state, used, attempts = await protocols["req"].anonymized_peer(
-        ctxs["req"], 1, names, model_state(42)
-    )
-    assert state is None and used == [] and attempts == 1
-    # p1's masked answer (if any) is useless alone; p1 never sent its model in clear
+    assert await anonymized_peer(protocols, ctxs, names) is None
+    # p1 never sent its model in clear
     assert "model" not in network.traffic("p1").by_kind
 
 
-async def test_contributors_refuse_requests_that_could_unmask_a_model() -> None:
+async def test_the_subset_difference_attack_gets_one_sum_only() -> None:
+    """The old retry rule answered {p1,p2,p3} and then its strict subset
+    {p1,p2}: their difference is p3's model. Each model now goes into one sum
+    per requester, so the second sum is refused."""
     names = ["p1", "p2", "p3"]
     _, ctxs, protocols = contributor_federation(names, top_t=3)
-    p1, ctx = protocols["p1"], ctxs["p1"]
+    first = await anonymized_peer(protocols, ctxs, names)
+    assert first is not None and first.contributors == names
+    assert await anonymized_peer(protocols, ctxs, ["p1", "p2"]) is None
+    reply = await ctxs["req"].request(
+        "p1",
+        SECAGG_KIND,
+        {
+            "session": "a" * 32,
+            "phase": "advertise",
+            "contributors": ["p1", "p2"],
+            "round": 1,
+            "max_round": 1,
+            "purpose": ANON_PURPOSE,
+        },
+        timeout=1.0,
+    )
+    assert reply == {"refused": "already_contributed"}
 
-    async def ask(requester: str, contributors: list[str], request_id: str) -> dict[str, Any]:
-        query = {"request_id": request_id, "contributors": contributors, "round": 1, "max_round": 1}
-        return await p1.serve_anonymized(ctx, requester, query)
 
-    # the requester must not be a contributor: it would hold a pair secret with p1
-    assert (await ask("p2", ["p1", "p2"], "1" * 32))["refused"] == "requester_is_contributor"
-    assert (await ask("req", ["p1"], "2" * 32))["refused"] == "bad_request"  # one contributor
-    assert (await ask("req", ["p1", "p1"], "3" * 32))["refused"] == "bad_contributors"
-    assert (await ask("req", ["p2", "p3"], "4" * 32))["refused"] == "not_a_contributor"
-    assert (await ask("req", ["p1", "mallory"], "5" * 32))["refused"] == "unknown_contributor"
-    assert "masked" in await ask("req", ["p1", "p2", "p3"], "6" * 32)
-    assert (await ask("req", ["p1", "p2", "p3"], "6" * 32))["refused"] == "request_id_reused"
-    # same round: only a strict subset (an honest retry) is answered, not an overlapping set
-    assert "masked" in await ask("req", ["p1", "p2"], "7" * 32)
-    assert (await ask("req", ["p1", "p3"], "8" * 32))["refused"] == "not_a_retry"
+def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]) -> None:
+    """With secure_aggregation every model a node receives is inside a secure
+    sum: no plain `model` reply travels, and every tensor any node receives
+    is int64 masked data (the anonymized peer and the FedAVGP2P step alike)."""
+    network = InMemoryNetwork(inline_train=True)
+    received: list[Any] = []
+    original = network.request
+
+    async def recording(
+        src: str, dst: str, kind: str, query: dict[str, Any], timeout: float
+    ) -> Any:
+        reply = await original(src, dst, kind, query, timeout)
+        received.append((kind, reply))
+        return reply
+
+    network.request = recording  # type: ignore[method-assign]
+    cfgs = configs(
+        sources,
+        {
+            "name": "fedperl",
+            "rounds": 3,
+            "warmup_rounds": 1,
+            "top_t": 2,
+            "fraction": 1.0,
+            "secure_aggregation": True,
+        },
+    )
+    result = asyncio.run(simulate(cfgs, network=network))
+    assert result.errors == {}
+    assert result.messages_sent("model") == 0
+    kinds = {kind for kind, _ in received}
+    assert kinds == {SECAGG_KIND}
+    floats = [t for _, reply in received for t in _tensors(reply) if t.is_floating_point()]
+    assert floats == []
+    for node in SITES:
+        # rounds 1-2: the community's sum (2), and k - T = 1 other raised to 2 for a sum of
+        # its own, but only 1 other is left: no second sum; round 3 (no peer learning
+        # after the last round): one sum over all 3 others
+        assert by_node(result.records, node, "neighbours") == [2, 2, 3]
+        assert by_node(result.records, node, "anon_contributors") == [2.0, 2.0, 0.0]
+        assert by_node(result.records, node, "peer_learning") == [0.0, 1.0, 1.0]
+        assert all(v is not None for v in by_node(result.records, node, "macro_f1"))
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 @pytest.mark.slow

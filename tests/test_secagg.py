@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2pfl.config import ModelSection
 from p2pfl.learning.site_model import create_site_model
@@ -50,7 +53,9 @@ class Federation:
         self.reference = small_cnn_state(99)
 
     def source(self, name: str) -> Any:
-        def model(wanted: int, newest: int) -> tuple[int, dict[str, torch.Tensor], float]:
+        def model(
+            wanted: int, newest: int, purpose: str
+        ) -> tuple[int, dict[str, torch.Tensor], float]:
             if wanted > ROUND:
                 raise NotReady(f"round {wanted}")
             return ROUND, self.states[name], self.weights[name]
@@ -318,3 +323,94 @@ def test_shamir_shares_rebuild_the_secret_from_any_t() -> None:
     assert secagg.combine_shares([shares[0], shares[2]]) == secret
     assert secagg.combine_shares([shares[1], shares[2]]) == secret
     assert secagg.combine_shares([shares[0]]) != secret
+
+
+# ---------------------------------------------------------------------- the masked inputs
+
+
+def masked_inputs(
+    states: dict[str, dict[str, torch.Tensor]], weights: dict[str, float] | None = None
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, bytes], dict[str, bytes]]:
+    """Round 2 for every contributor as the protocol does it (fresh X25519
+    keys, self seeds): (masked inputs, self seeds, public keys)."""
+    names = sorted(states)
+    private = {n: secagg.X25519PrivateKey.generate() for n in names}
+    public = {n: k.public_key().public_bytes_raw() for n, k in private.items()}
+    seeds = {n: bytes([i + 1]) * 32 for i, n in enumerate(names)}
+    out = {}
+    for me in names:
+        pair = {
+            v: secagg.mask_seed(private[me], public[v], b"ctx", me, v) for v in names if v != me
+        }
+        out[me] = secagg.masked_input(
+            states[me], (weights or {}).get(me, 1.0), me=me, self_seed=seeds[me], pair_seeds=pair
+        )
+    return out, seeds, public
+
+
+def test_no_single_masked_input_is_close_to_its_model() -> None:
+    states = {name: small_cnn_state(i) for i, name in enumerate(CONTRIBUTORS)}
+    masked, _, _ = masked_inputs(states)
+    for name in CONTRIBUTORS:
+        for key, value in masked[name].items():
+            if key == secagg.WEIGHT_KEY or value.numel() < 16:
+                continue
+            assert value.dtype == torch.int64
+            decoded = torch.from_numpy(secagg.from_fixed(value.numpy().reshape(-1).view(np.uint64)))
+            model = states[name][key].double().reshape(-1)
+            # what a requester could read off one input is noise of magnitude ~2^43
+            assert float((decoded - model).abs().median()) > 1e9
+            if float(model.std()) > 0 and model.numel() >= 256:
+                corr = np.corrcoef(decoded.numpy(), model.numpy())[0, 1]
+                assert abs(corr) < 0.5, (name, key, corr)
+    # the sum of all inputs is still masked by the self masks until they are revealed
+    key = "classifier.weight"
+    total = sum(masked[n][key].numpy().reshape(-1).view(np.uint64) for n in CONTRIBUTORS)
+    plain = sum(states[n][key].double() for n in CONTRIBUTORS).reshape(-1).numpy()
+    assert np.median(np.abs(secagg.from_fixed(total) - plain)) > 1e9
+
+
+def test_masks_cancel_bit_exactly() -> None:
+    zeros = {"w": torch.zeros(1000), "b": torch.zeros(3, 7)}
+    masked, seeds, public = masked_inputs(dict.fromkeys(CONTRIBUTORS, zeros))
+    assert all(bool((m["w"] != 0).any()) for m in masked.values())  # each one is masked
+    mean, total = secagg.unmask_sum(masked, seeds, {}, public, b"ctx", zeros)
+    assert total == 4.0
+    assert not mean["w"].any() and not mean["b"].any()  # exactly zero, no rounding
+
+
+def test_unmaskable_values_are_refused_never_sent_in_clear() -> None:
+    for bad in (torch.tensor([float("inf")]), torch.tensor([float("nan")]), torch.tensor([1e12])):
+        with pytest.raises(SecAggError) as err:
+            secagg.masked_input({"w": bad}, 1.0, me="a", self_seed=b"s" * 32, pair_seeds={})
+        assert err.value.reason == "out_of_range"
+    with pytest.raises(SecAggError) as err:
+        secagg.masked_input({"w": torch.zeros(2)}, 0.0, me="a", self_seed=b"s" * 32, pair_seeds={})
+    assert err.value.reason == "bad_weight"
+
+
+def test_a_contributor_clips_its_own_model_before_masking() -> None:
+    state = {"w": torch.full((4,), 3.0), "n": torch.tensor(5)}
+    clipped = secagg.clip_state(state, 2.0)
+    assert float(clipped["w"].norm()) == pytest.approx(2.0)
+    assert torch.equal(clipped["n"], state["n"])  # counters untouched
+    assert torch.equal(secagg.clip_state(state, 100.0)["w"], state["w"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    values=st.lists(
+        st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=5, max_size=5),
+        min_size=2,
+        max_size=5,
+    )
+)
+def test_any_values_in_range_average_exactly_up_to_the_fixed_point_step(
+    values: list[list[float]],
+) -> None:
+    states = {f"n{i}": {"w": torch.tensor(v, dtype=torch.float64)} for i, v in enumerate(values)}
+    masked, seeds, public = masked_inputs(states)
+    reference = {"w": torch.zeros(5, dtype=torch.float64)}
+    mean, _ = secagg.unmask_sum(masked, seeds, {}, public, b"ctx", reference)
+    expected = np.mean(np.array(values), axis=0)
+    assert np.allclose(mean["w"].numpy(), expected, rtol=0, atol=2.0**-20)

@@ -36,7 +36,41 @@ class BaseParams(BaseModel):
     )
 
 
-class _ModelAveraging(BaseParams):
+class _SecureAggregation(BaseParams):
+    """The model exchange of FedAVGP2P and of the protocols that run it (SSFL,
+    FedPerl, Fed-MAE), optionally through secure aggregation (protocols/secagg.py)."""
+
+    secure_aggregation: bool = Field(
+        False,
+        description="obtain only the masked, weighted sum of the chosen neighbours' models "
+        "(SecAgg without a server), never an individual model; this node serves none either",
+    )
+    secagg_threshold: int | None = Field(
+        None,
+        ge=1,
+        description="Shamir threshold t of secure aggregation; default (and least accepted): a "
+        "majority of the other contributors. Higher: more colluders needed, fewer dropouts tolerated",
+    )
+    secagg_clip_norm: float | None = Field(
+        None,
+        gt=0,
+        description="secure aggregation: this node scales its contributed model down to this L2 "
+        "norm before masking (the requester cannot check a single contribution)",
+    )
+
+    @model_validator(mode="after")
+    def _secure_aggregation_needs_the_mean(self) -> _SecureAggregation:
+        method = getattr(self, "aggregation", "mean")
+        if self.secure_aggregation and method != "mean":
+            raise ValueError(
+                f"aggregation {method!r} needs every neighbour's model, but with "
+                "secure_aggregation a node only sees their sum: use aggregation: mean, or "
+                "secure_aggregation: false"
+            )
+        return self
+
+
+class _ModelAveraging(_SecureAggregation):
     """FedAVGP2P's exchange: k neighbours' models, averaged (robustly if asked)."""
 
     fraction: float = Field(
@@ -73,7 +107,7 @@ class ProbeParams(BaseParams):
     interval_s: float = Field(0.0, ge=0.0, description="pause between rounds")
 
 
-class _SemiSupervised(BaseParams):
+class _SemiSupervised(_SecureAggregation):
     fraction: float = Field(
         0.5, gt=0.0, le=1.0, description="c of the FedAVGP2P exchange between rounds"
     )

@@ -128,10 +128,20 @@ class LocalFederation:
     """Context manager: start every node, always stop them all."""
 
     def __init__(
-        self, plans: list[SitePlan], log_dir: Path, env: dict[str, str] | None = None
+        self,
+        plans: list[SitePlan],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        node_env: dict[str, dict[str, str]] | None = None,
     ) -> None:
+        """`env`: for every node; `node_env`: per node name, on top (a fault plan)."""
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.nodes = {p.name: NodeProcess(p, log_dir / f"{p.name}.log", env or {}) for p in plans}
+        self.nodes = {
+            p.name: NodeProcess(
+                p, log_dir / f"{p.name}.log", {**(env or {}), **(node_env or {}).get(p.name, {})}
+            )
+            for p in plans
+        }
 
     def __enter__(self) -> LocalFederation:
         for node in self.nodes.values():

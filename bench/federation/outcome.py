@@ -32,6 +32,7 @@ EXTRA_ROW_KEYS = (
     "stale_models",
     "steps",
     "timeouts",
+    "secagg_dropped",
     "t",
 )
 POLL_INTERVAL_S = 0.5

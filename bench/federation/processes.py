@@ -109,9 +109,11 @@ def run_processes(
     *,
     report: Report = stdout_line,
     on_started: OnStarted | None = None,
+    node_env: dict[str, dict[str, str]] | None = None,
 ) -> RunOutcome:
     """Provision and start one `p2pfl-node` process per site, follow them until
-    they all exit (or spec.timeout_s passes), stop them, collect metrics.jsonl."""
+    they all exit (or spec.timeout_s passes), stop them, collect metrics.jsonl.
+    `node_env`: extra environment per node name (a drill's fault plan)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     names = site_names(spec.nodes)
@@ -129,7 +131,7 @@ def run_processes(
     peak_rss: dict[str, float] = dict.fromkeys(names, 0.0)
     started = time.perf_counter()
     deadline = started + spec.timeout_s
-    with LocalFederation(plans, run_dir / "logs") as fed:
+    with LocalFederation(plans, run_dir / "logs", node_env=node_env) as fed:
         if on_started is not None:
             on_started(plans)
         handles: dict[str, psutil.Process] = {}

@@ -305,3 +305,46 @@ def test_chained_finetuning_runs_after_pretraining_and_resumes_in_its_stage(
     assert sorted({r["round"] for r in second.records}) == [5]
     assert all("recon_loss" not in r for r in second.records)
     assert second.messages_sent("model") == 0
+
+
+@pytest.mark.slow
+def test_secure_aggregation_covers_pretraining_and_the_chained_finetuning(
+    tmp_path: Path,
+) -> None:
+    """Three sites (a secure sum needs two others): with secure_aggregation in
+    both stages no plain model travels, only secure-sum messages."""
+    out = tmp_path / "digits3"
+    partition_dataset("digits", 3, "iid", out, label_fraction=0.2, seed=0)
+    sources = [str(out / f"site_{i}.npz") for i in range(3)]
+    names = ["site0", "site1", "site2"]
+    finetune = {"name": "fedavgp2p", "rounds": 1, "fraction": 1.0, "secure_aggregation": True}
+    cfgs = simulation_configs(
+        sources,
+        names=names,
+        protocol={
+            "name": "fedmae",
+            "rounds": 1,
+            "fraction": 1.0,
+            "secure_aggregation": True,
+            "finetune": finetune,
+            **TINY_MAE,
+        },
+        state_root=tmp_path / "state",
+        model={"name": VIT},
+        data={"image_size": 8, "augment": "none"},
+        training={
+            "epochs": 1,
+            "batch_size": 32,
+            "lr": 3e-3,
+            "device": "cpu",
+            "max_steps_per_epoch": 2,
+        },
+    )
+    result = run(cfgs)
+    assert result.errors == {}
+    assert result.messages_sent("model") == 0
+    assert result.messages_sent("finetune.model") == 0
+    assert result.messages_sent("secagg") == 3 * 2 * 5  # nodes x contributors x phases
+    assert result.messages_sent("finetune.secagg") == 3 * 2 * 5
+    for node in names:
+        assert result.metric("neighbours", node) == {1: 2, 2: 2}

@@ -117,6 +117,7 @@ log = logging.getLogger(__name__)
 SECAGG_KIND = "secagg"
 MIN_SUM = 2  # a sum over fewer contributions is an individual model
 MAX_CONTRIBUTORS = 64
+MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
 SECRET_BYTES = 32
 PHASES = ("advertise", "share", "mask", "consistency", "unmask")
 _NONCE = bytes(12)  # every AEAD key below is used for one message
@@ -392,6 +393,8 @@ class Contributor:
             raise SecAggError("unknown_contributor")
         if (requester, request.session) in self.sessions:
             raise SecAggError("session_reused")
+        if sum(1 for r, _ in self.sessions if r == requester) >= MAX_OPEN_SESSIONS:
+            raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
         if request.max_round < request.round:
             raise SecAggError("bad_request", "max_round < round")
         model = self.source(

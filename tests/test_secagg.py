@@ -414,3 +414,12 @@ def test_any_values_in_range_average_exactly_up_to_the_fixed_point_step(
     mean, _ = secagg.unmask_sum(masked, seeds, {}, public, b"ctx", reference)
     expected = np.mean(np.array(values), axis=0)
     assert np.allclose(mean["w"].numpy(), expected, rtol=0, atol=2.0**-20)
+
+
+def test_a_flood_of_sessions_is_bounded() -> None:
+    fed = Federation()
+    members = ["alice", "bob"]
+    for i in range(secagg.MAX_OPEN_SESSIONS):
+        assert "pk" in asyncio.run(fed.raw("alice", "advertise", f"{i:032x}", members, {}))
+    reply = asyncio.run(fed.raw("alice", "advertise", "f" * 32, members, {}))
+    assert reply == {"refused": "too_many_sessions"}

@@ -7,7 +7,9 @@ Every node, every round r:
      heuristic (H0 random, H1 n-latest, H2 F1, H3 cosine)
   4. pull their round-r models, concurrently        (Alg. 3 line 6)
   5. aggregate: sample-count-weighted mean of its own model and theirs
-     (or a robust variant, `protocol.aggregation`)
+     (or a robust variant, `protocol.aggregation`); a neighbour's count is a
+     claim, capped by the roster's max_samples and `max_weight_ratio`
+     (protocols/checks.py)
   6. evaluate on val and test, gossip per-class F1 and model statistics for
      the heuristics, log, checkpoint.
 
@@ -37,7 +39,7 @@ from p2pfl.config import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate as aggregate_models
 from protocols.base import NotReady, PeerUnavailable, RoundContext
-from protocols.checks import incompatibility
+from protocols.checks import admit, cap_claims
 from protocols.exchange import pull_concurrently
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
@@ -86,6 +88,7 @@ class FedAvgP2P(RoundLoop):
         self, ctx: RoundContext, round: int, reference: dict[str, Tensor], peer: str, timeout: float
     ) -> PeerModel | None:
         query = {"round": round, "max_round": round + self.params.max_staleness}
+        where = f" round {round}"
         try:
             reply = await ctx.request(peer, MODEL_KIND, query, timeout)
         except PeerUnavailable as exc:
@@ -103,14 +106,12 @@ class FedAvgP2P(RoundLoop):
             log.warning("%s round %d: %s sent round %r", ctx.me, round, peer, got_round)
             ctx.reject(peer, "model_wrong_round")
             return None
-        if not isinstance(num_train, int) or num_train < 1:
+        if not isinstance(num_train, int) or isinstance(num_train, bool) or num_train < 1:
             log.warning("%s round %d: %s sent num_train %r", ctx.me, round, peer, num_train)
             ctx.reject(peer, "model_bad_num_train")
             return None
-        problem = incompatibility(state, reference, max_norm_ratio=self.params.max_norm_ratio)
-        if problem is not None:
-            log.warning("%s round %d: model from %s rejected (%s)", ctx.me, round, peer, problem)
-            ctx.reject(peer, f"model_{problem}")
+        max_ratio = self.params.max_norm_ratio
+        if not admit(ctx, peer, "model", state, reference, max_norm_ratio=max_ratio, where=where):
             return None
         return PeerModel(peer, got_round, state, num_train)
 
@@ -189,14 +190,22 @@ class FedAvgP2P(RoundLoop):
 
     async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
         # 5. w <- weighted mean of own + neighbours' models (DFU Alg. 3 line 6).
+        capped: list[str] = []
         if rnd.received:
             options = self.aggregation_options()
+            # The neighbours' sample counts are claims: capped (roster, median ratio).
+            claims = {ctx.me: float(self.sample_weight(site))}
+            claims.update((m.peer, float(m.num_train)) for m in rnd.received)
+            weights, capped = cap_claims(
+                ctx, claims, ratio=self.params.max_weight_ratio, where=f" round {rnd.number}"
+            )
             averaged = await ctx.train(
                 functools.partial(aggregate_models, options.pop("method"), own=0, **options),
                 [rnd.own] + [m.state for m in rnd.received],
-                [float(self.sample_weight(site))] + [float(m.num_train) for m in rnd.received],
+                [weights[ctx.me]] + [weights[m.peer] for m in rnd.received],
             )
             await ctx.train(site.load_state_dict, averaged)
+        rnd.log["weights_capped"] = len(capped)
         rnd.merged = [(m.peer, m.round) for m in rnd.received]
         used = [m.peer for m in rnd.received]
         self.remember_neighbours(used)

@@ -15,6 +15,7 @@ import yaml
 from node.cli import load_site, main
 from p2pfl.config import FedSGDP2PParams, SSFLParams, params_class
 from p2pfl.secure.identity import Card, IdentityError, LocalIdentity, Roster
+from protocols import create
 from protocols.base import NotReady
 from protocols.checks import admit, cap_claims, cap_weights, lower_median, own_weight_cap
 from protocols.fedmae import FinetuneContext
@@ -131,6 +132,19 @@ def test_every_averaging_protocol_selects_its_aggregation_and_weight_cap() -> No
             params_class(name)(name=name, max_weight_ratio=0.5)
     assert SSFLParams(name="ssfl").aggregation == "mean"  # FedPerl Eq. 1 by default
     assert FedSGDP2PParams(name="fedsgdp2p").max_norm_ratio == 100.0
+
+
+def test_ssfl_and_fedperl_average_with_the_configured_aggregation() -> None:
+    """SSFL/FedPerl hard-coded the plain mean; FedAVGP2P's aggregate now reads
+    their `aggregation` (mean by default: FedPerl Eq. 1)."""
+    for name in ("ssfl", "fedperl"):
+        proto = create(name, aggregation="trimmed_mean", trim_ratio=0.3)
+        assert proto.aggregation_options() == {  # type: ignore[attr-defined]
+            "method": "trimmed_mean",
+            "trim_ratio": 0.3,
+            "clip_norm": None,
+        }
+        assert create(name).aggregation_options()["method"] == "mean"  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------- roster cards

@@ -82,7 +82,7 @@ class FedSGDP2PParams(_Aggregation):
         gt=1.0,
         description="refuse a neighbour's gradient whose L2 norm is more than this many times "
         "the node's own gradient of the same step; null accepts any. Honest gradients of one "
-        "step differ far more than models do (up to 27x measured on pneumoniamnist)",
+        "step differ far more than models do (up to 35x apart on the pneumoniamnist bench split)",
     )
 
 

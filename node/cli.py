@@ -7,6 +7,7 @@ key) prints one line naming the file, the field and the fix, and exits 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -197,10 +198,20 @@ def cmd_roster(args: argparse.Namespace) -> int:
             return _user_error(
                 f"{args.card}: address is still {ADDRESS_PLACEHOLDER} — ask the site for its reachable HOST:PORT and edit the card"
             )
+        # max_samples is the admin's word, not the site's: --max-samples sets it, a
+        # re-added card (a rotated key) keeps the one the roster had.
+        previous = cards.get(card.name)
+        if args.max_samples is not None:
+            if args.max_samples < 1:
+                return _user_error(f"--max-samples must be >= 1, got {args.max_samples}")
+            card = dataclasses.replace(card, max_samples=args.max_samples)
+        elif previous is not None and previous.max_samples is not None:
+            card = dataclasses.replace(card, max_samples=previous.max_samples)
         cards[card.name] = card
         Roster(list(cards.values()), path).save(path)
+        cap = f", max_samples {card.max_samples}" if card.max_samples is not None else ""
         print(
-            f"{path}: {card.name} added ({len(cards)} sites); send SIGHUP to running nodes to reload"
+            f"{path}: {card.name} added ({len(cards)} sites{cap}); send SIGHUP to running nodes to reload"
         )
     elif args.roster_command == "remove":
         if args.name not in cards:
@@ -214,7 +225,8 @@ def cmd_roster(args: argparse.Namespace) -> int:
         )
     else:
         for card in roster.cards():
-            print(f"{card.name}\t{card.address}")
+            cap = f"\tmax_samples={card.max_samples}" if card.max_samples is not None else ""
+            print(f"{card.name}\t{card.address}{cap}")
     return 0
 
 
@@ -297,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     q = rsub.add_parser("add")
     q.add_argument("card")
     q.add_argument("--roster", required=True)
+    q.add_argument(
+        "--max-samples",
+        type=int,
+        default=None,
+        help="the most training samples this site may claim (caps its weight in every mean; "
+        "default: keep the roster's, if any)",
+    )
     q = rsub.add_parser("remove")
     q.add_argument("name")
     q.add_argument("--roster", required=True)

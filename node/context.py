@@ -91,6 +91,13 @@ class NodeContext(RoundContext):
     def reject(self, peer: str, reason: str) -> None:
         self.node.inbound.on_reject(reason, peer)
 
+    def sample_caps(self) -> dict[str, int]:
+        return {
+            card.name: card.max_samples
+            for card in self.node.membership.roster.cards()
+            if card.max_samples is not None
+        }
+
     def set_community(self, community: dict[str, Any]) -> None:
         self.node.telemetry.set_community(community)
 

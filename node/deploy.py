@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +129,7 @@ def write_compose(
     compose_dir = out / COMPOSE_DIR
     compose_dir.mkdir(parents=True, exist_ok=True)
     in_containers = [
-        Card(
-            c.name,
-            f"{c.name}:{CONTAINER_PEER_PORT}" if c.name in names else c.address,
-            c.signing_key,
-            c.agreement_key,
-            c.previous_signing_key,
-            c.previous_valid_until,
-        )
+        replace(c, address=f"{c.name}:{CONTAINER_PEER_PORT}" if c.name in names else c.address)
         for c in roster.cards()
     ]
     Roster(in_containers).save(compose_dir / "roster.yaml")

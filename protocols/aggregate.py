@@ -10,6 +10,13 @@ function returns a new state dict with the keys and dtypes of `states[own]`.
 - `norm_clip`: each neighbour's update w_j - w_own is scaled down to at most
   `clip_norm` in L2 norm (all float entries together) before the weighted mean,
   so one huge update cannot drag the model far.
+- `aggregate_gradients`: the same methods over FedSGDP2P's gradients. A
+  gradient is already an update (the step from the model every node shares), so
+  norm_clip there clips each neighbour's gradient itself (its update measured
+  from zero, not from our own gradient); our own gradient is never clipped.
+
+The weights are sample counts (or batch sizes) the peers claim: callers cap
+them first (protocols.checks.cap_weights). Median and trimmed mean ignore them.
 
 Non-float entries (BatchNorm's `num_batches_tracked`, integer buffers) are
 not averaged: the node keeps its own value. Arithmetic runs in float64 and is
@@ -151,30 +158,42 @@ def norm_clip(
     clip_norm: float | None = None,
     *,
     own: int = 0,
+    origin: StateDict | None = None,
 ) -> dict[str, Tensor]:
-    """w_own + sum_k (n_k / n) * clip(w_k - w_own), where clip scales an update
-    down to L2 norm `clip_norm`. Without `clip_norm`, the bound is the median of
-    the neighbours' update norms (adaptive: a lone huge update is cut to the
-    size of the typical one)."""
+    """origin + sum_k (n_k / n) * clip(w_k - origin), where clip scales an update
+    down to L2 norm `clip_norm` and `origin` is our own state unless given (a
+    gradient's origin is zero: `aggregate_gradients`). Our own update is never
+    clipped. Without `clip_norm` the bound adapts, so a lone huge update is cut
+    to the size of the typical one: the median of the neighbours' update norms
+    (ours is 0 when measured from our own state), or, with an `origin`, the
+    lower median of every update norm, ours included (with two, the smaller)."""
     _check(states, own, weights)
-    reference = states[own]
+    reference = states[own] if origin is None else origin
+    if origin is not None:
+        _check([states[own], origin], 0)
     norms = [update_norm(s, reference) for s in states]
     if clip_norm is None:
-        others = sorted(n for i, n in enumerate(norms) if i != own)
-        if not others:
-            return {k: v.detach().clone() for k, v in reference.items()}
-        mid = len(others) // 2
-        clip_norm = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
+        if len(states) == 1:
+            return {k: v.detach().clone() for k, v in states[own].items()}
+        if origin is not None:
+            clip_norm = sorted(norms)[(len(norms) - 1) // 2]
+        else:
+            others = sorted(n for i, n in enumerate(norms) if i != own)
+            mid = len(others) // 2
+            clip_norm = others[mid] if len(others) % 2 else 0.5 * (others[mid - 1] + others[mid])
     elif clip_norm <= 0:
         raise AggregationError("bad_clip_norm", f"clip_norm must be > 0, got {clip_norm}")
-    scales = [1.0 if n <= clip_norm or n == 0.0 else clip_norm / n for n in norms]
+    scales = [
+        1.0 if i == own or n <= clip_norm or n == 0.0 else clip_norm / n
+        for i, n in enumerate(norms)
+    ]
     total = float(sum(weights))
     out: dict[str, Tensor] = {}
-    for key, mine in reference.items():
+    for key, mine in states[own].items():
         if not is_averaged(key, mine):
             out[key] = mine.detach().clone()
             continue
-        base = mine.detach().to("cpu", torch.float64)
+        base = reference[key].detach().to("cpu", torch.float64)
         step = torch.zeros_like(base)
         for state, weight, scale in zip(states, weights, scales, strict=True):
             step += (weight / total) * scale * (state[key].detach().to("cpu", torch.float64) - base)
@@ -190,9 +209,11 @@ def aggregate(
     own: int = 0,
     trim_ratio: float = 0.2,
     clip_norm: float | None = None,
+    origin: StateDict | None = None,
 ) -> dict[str, Tensor]:
-    """Dispatch on FedAvgP2PParams.aggregation. Median and trimmed mean ignore
-    the weights (a sample count is a claim a faulty peer can inflate)."""
+    """Dispatch on `protocol.aggregation`. Median and trimmed mean ignore the
+    weights (a sample count is a claim a faulty peer can inflate); `origin` is
+    where norm_clip measures updates from (default: our own state)."""
     if method == "mean":
         return weighted_mean(states, weights, own=own)
     if method == "median":
@@ -200,8 +221,33 @@ def aggregate(
     if method == "trimmed_mean":
         return trimmed_mean(states, trim_ratio, own=own)
     if method == "norm_clip":
-        return norm_clip(states, weights, clip_norm, own=own)
+        return norm_clip(states, weights, clip_norm, own=own, origin=origin)
     raise AggregationError(
         "unknown_method",
         f"unknown aggregation {method!r}: use mean, median, trimmed_mean or norm_clip",
+    )
+
+
+def aggregate_gradients(
+    method: Method,
+    grads: Sequence[StateDict],
+    weights: Sequence[float],
+    *,
+    own: int = 0,
+    trim_ratio: float = 0.2,
+    clip_norm: float | None = None,
+) -> dict[str, Tensor]:
+    """`aggregate` over gradients (FedSGDP2P). A gradient is itself the update,
+    so norm_clip scales each neighbour's gradient down to `clip_norm` (default:
+    the lower median of all the gradients' norms, ours included) and takes the
+    weighted mean with our own, unclipped, gradient."""
+    zero = {k: torch.zeros_like(v) for k, v in grads[own].items()} if grads else None
+    return aggregate(
+        method,
+        grads,
+        weights,
+        own=own,
+        trim_ratio=trim_ratio,
+        clip_norm=clip_norm,
+        origin=zero,
     )

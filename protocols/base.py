@@ -186,6 +186,12 @@ class RoundContext(ABC):
         """Count an input from `peer` the protocol refused (a poisoned model, ...) under
         `reason`, as the transport counts the messages it refuses (/status, /metrics)."""
 
+    def sample_caps(self) -> dict[str, int]:
+        """The most training samples each site may claim, as the federation admin
+        wrote them in the roster (`max_samples` of a card); sites without one
+        are absent. A claimed count is capped there (protocols.checks)."""
+        return {}
+
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 

@@ -1,15 +1,39 @@
-"""The checks a peer's tensors pass before they are merged into this node's model.
+"""What a peer's tensors and claims must pass before they are merged into this node's model.
 
-A refused input is counted by the caller through `RoundContext.reject` with the
-reason returned here (prefixed by what it was: `model_`, `grad_`, ...).
+Every protocol merges what its peers send through two doors, both here:
+
+- `admit` (with `incompatibility` as its core): a peer's state dict or
+  gradient must have our keys, shapes and dtypes, finite values and (with
+  `max_norm_ratio`) an L2 norm at most that many times ours. A refusal is
+  logged and counted through `RoundContext.reject` as `<what>_<reason>`
+  (`model_huge_norm`, `grad_shape_mismatch`, `relay_non_finite`, ...).
+- `cap_weights` / `cap_claims`: a sample count (or batch size) a peer claims
+  weighs its update in a weighted mean, and nothing checks it. Each claim is
+  capped at the site's roster `max_samples` (where the federation admin wrote
+  one) and at `max_weight_ratio` times the median claim of the merge; a cap that
+  bites is logged and counted as `weight_capped`, and the peer still takes part
+  with the capped weight.
+
+The caps bound how far an inflated claim pulls a weighted mean; they do not
+stop it. Against a peer that lies within the caps, the roster's `max_samples`
+(set to what each site really holds) or a robust `protocol.aggregation`
+(median, trimmed_mean: they ignore the claims) is the defence.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from protocols.base import RoundContext
+
+log = logging.getLogger(__name__)
+
+WEIGHT_CAPPED = "weight_capped"
 
 
 def incompatibility(
@@ -44,3 +68,102 @@ def float_norm(state: dict[str, Tensor]) -> float:
         if value.is_floating_point():
             total += float(value.detach().double().square().sum())
     return total**0.5
+
+
+def admit(
+    ctx: RoundContext,
+    peer: str,
+    what: str,
+    state: Any,
+    reference: dict[str, Tensor],
+    *,
+    max_norm_ratio: float | None = None,
+    where: str = "",
+) -> bool:
+    """Whether `state` from `peer` may be merged with `reference` (ours); if not,
+    the refusal is logged and counted as `<what>_<reason>` (`what`: model, grad,
+    relay). `where` says which round or step, for the log."""
+    problem = incompatibility(state, reference, max_norm_ratio=max_norm_ratio)
+    if problem is None:
+        return True
+    log.warning("%s%s: %s from %s refused (%s)", ctx.me, where, what, peer, problem)
+    ctx.reject(peer, f"{what}_{problem}")
+    return False
+
+
+# ---------------------------------------------------------------------- claimed weights
+
+
+def lower_median(values: list[float]) -> float:
+    """The median of an odd count, the lower of the two middle values of an even
+    one: with two claims (ours and one neighbour's) it is the smaller, so a
+    neighbour cannot raise the median it is capped against by inflating its own."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def cap_weights(
+    claims: Mapping[str, float],
+    *,
+    ratio: float | None,
+    caps: Mapping[str, float] | None = None,
+    own: str | None = None,
+) -> tuple[dict[str, float], list[str]]:
+    """(capped claims, the names whose claim was capped, sorted).
+
+    Each claim is cut to its site's cap in `caps` (the roster's max_samples),
+    then to `ratio` times the lower median of the claims so capped (`own`'s
+    included); `ratio` None: no median cap. `own` is this node's count of its
+    own data, not a claim: it is never capped. Pure: no logging, no counting."""
+    caps = caps or {}
+    capped: dict[str, float] = {}
+    bitten: set[str] = set()
+    for name, claim in claims.items():
+        value = float(claim)
+        cap = caps.get(name)
+        if name != own and cap is not None and value > cap:
+            value = float(cap)
+            bitten.add(name)
+        capped[name] = value
+    if ratio is not None and capped:
+        bound = ratio * lower_median(list(capped.values()))
+        for name, value in capped.items():
+            if name != own and value > bound:
+                capped[name] = bound
+                bitten.add(name)
+    return capped, sorted(bitten)
+
+
+def cap_claims(
+    ctx: RoundContext,
+    claims: Mapping[str, float],
+    *,
+    ratio: float | None,
+    where: str = "",
+    quiet: bool = False,
+) -> tuple[dict[str, float], list[str]]:
+    """`cap_weights` for this node's merge (`claims` holds ours under `ctx.me`),
+    with the roster's caps (`ctx.sample_caps()`); each capped claim is counted
+    as `weight_capped` against its peer and (unless `quiet`: the caller logs a
+    summary) logged as a warning."""
+    capped, bitten = cap_weights(claims, ratio=ratio, caps=ctx.sample_caps(), own=ctx.me)
+    for peer in bitten:
+        if not quiet:
+            log.warning(
+                "%s%s: %s claims %g samples, capped at %g",
+                ctx.me,
+                where,
+                peer,
+                float(claims[peer]),
+                capped[peer],
+            )
+        ctx.reject(peer, WEIGHT_CAPPED)
+    return capped, bitten
+
+
+def own_weight_cap(ctx: RoundContext) -> float | None:
+    """The most samples this site may claim (its roster card's max_samples), or
+    None: what a contributor clips its own weight to where nobody else can see
+    and cap it (secure aggregation)."""
+    cap = ctx.sample_caps().get(ctx.me)
+    return None if cap is None else float(cap)

@@ -7,7 +7,9 @@ Every node, every round r:
      heuristic (H0 random, H1 n-latest, H2 F1, H3 cosine)
   4. pull their round-r models, concurrently        (Alg. 3 line 6)
   5. aggregate: sample-count-weighted mean of its own model and theirs
-     (or a robust variant, `protocol.aggregation`)
+     (or a robust variant, `protocol.aggregation`); a neighbour's count is a
+     claim, capped by the roster's max_samples and `max_weight_ratio`
+     (protocols/checks.py)
   6. evaluate on val and test, gossip per-class F1 and model statistics for
      the heuristics, log, checkpoint.
 
@@ -44,7 +46,7 @@ from p2pfl.config import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate as aggregate_models
 from protocols.base import NotReady, PeerUnavailable, RoundContext
-from protocols.checks import incompatibility
+from protocols.checks import admit, cap_claims, incompatibility, own_weight_cap
 from protocols.exchange import pull_concurrently
 from protocols.rounds import Round, RoundLoop
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
@@ -104,6 +106,7 @@ class FedAvgP2P(RoundLoop):
             self.contribution,
             min_threshold=getattr(p, "secagg_threshold", None),
             clip_norm=getattr(p, "secagg_clip_norm", None),
+            max_weight=own_weight_cap(ctx),  # nobody can cap it after masking: I do
             keep_rounds=p.max_staleness + 2,
         )
         ctx.serve(SECAGG_KIND, self.contributor.serve)
@@ -129,6 +132,7 @@ class FedAvgP2P(RoundLoop):
         self, ctx: RoundContext, round: int, reference: dict[str, Tensor], peer: str, timeout: float
     ) -> PeerModel | None:
         query = {"round": round, "max_round": round + self.params.max_staleness}
+        where = f" round {round}"
         try:
             reply = await ctx.request(peer, MODEL_KIND, query, timeout)
         except PeerUnavailable as exc:
@@ -146,14 +150,12 @@ class FedAvgP2P(RoundLoop):
             log.warning("%s round %d: %s sent round %r", ctx.me, round, peer, got_round)
             ctx.reject(peer, "model_wrong_round")
             return None
-        if not isinstance(num_train, int) or num_train < 1:
+        if not isinstance(num_train, int) or isinstance(num_train, bool) or num_train < 1:
             log.warning("%s round %d: %s sent num_train %r", ctx.me, round, peer, num_train)
             ctx.reject(peer, "model_bad_num_train")
             return None
-        problem = incompatibility(state, reference, max_norm_ratio=self.params.max_norm_ratio)
-        if problem is not None:
-            log.warning("%s round %d: model from %s rejected (%s)", ctx.me, round, peer, problem)
-            ctx.reject(peer, f"model_{problem}")
+        max_ratio = self.params.max_norm_ratio
+        if not admit(ctx, peer, "model", state, reference, max_norm_ratio=max_ratio, where=where):
             return None
         return PeerModel(peer, got_round, state, num_train)
 
@@ -307,43 +309,78 @@ class FedAvgP2P(RoundLoop):
         )
 
     def merge_terms(
-        self, ctx: RoundContext, rnd: Round
-    ) -> tuple[list[dict[str, Tensor]], list[float], list[tuple[str, int]]]:
-        """(states, weights, merged (peer, its round)) of what arrived: each
-        neighbour's model, or each secure sum as one term weighted by its total
-        weight. A secure sum is checked as a whole (the only check possible)."""
+        self, ctx: RoundContext, site: Any, rnd: Round
+    ) -> tuple[list[dict[str, Tensor]], list[float], list[tuple[str, int]], int]:
+        """(states, weights, merged (peer, its round), weights capped) of what
+        arrived: each neighbour's model, weighted by its claimed sample count
+        capped (roster, `max_weight_ratio` x the median claim), or each secure
+        sum as one term, weighted by its total weight capped at the sum of its
+        contributors' caps (checked as a whole: the only check possible)."""
         assert rnd.own is not None
+        own = float(self.sample_weight(site))
+        models = [m for m in rnd.received if isinstance(m, PeerModel)]
+        claims = {ctx.me: own}
+        claims.update((m.peer, float(m.num_train)) for m in models)
+        weights, capped = cap_claims(
+            ctx, claims, ratio=self.params.max_weight_ratio, where=f" round {rnd.number}"
+        )
         states: list[dict[str, Tensor]] = []
-        weights: list[float] = []
+        terms: list[float] = []
         merged: list[tuple[str, int]] = []
+        bitten = len(capped)
         for item in rnd.received:
-            if isinstance(item, SecureSum):
-                problem = incompatibility(
-                    item.mean, rnd.own, max_norm_ratio=self.params.max_norm_ratio
-                )
-                if problem is not None:
-                    log.warning(
-                        "%s round %d: secure sum of %s rejected (%s)",
-                        ctx.me,
-                        rnd.number,
-                        item.contributors,
-                        problem,
-                    )
-                    for peer in item.contributors:
-                        ctx.reject(peer, f"sum_{problem}")
-                    continue
-                states.append(item.mean)
-                weights.append(item.total_weight)
-                merged += [(peer, item.rounds[peer]) for peer in item.contributors]
-            else:
+            if isinstance(item, PeerModel):
                 states.append(item.state)
-                weights.append(float(item.num_train))
+                terms.append(weights[item.peer])
                 merged.append((item.peer, item.round))
-        return states, weights, merged
+                continue
+            problem = incompatibility(item.mean, rnd.own, max_norm_ratio=self.params.max_norm_ratio)
+            if problem is not None:
+                log.warning(
+                    "%s round %d: secure sum of %s rejected (%s)",
+                    ctx.me,
+                    rnd.number,
+                    item.contributors,
+                    problem,
+                )
+                for peer in item.contributors:
+                    ctx.reject(peer, f"sum_{problem}")
+                continue
+            states.append(item.mean)
+            terms.append(self.cap_sum(ctx, rnd.number, item, own))
+            bitten += terms[-1] < item.total_weight
+            merged += [(peer, item.rounds[peer]) for peer in item.contributors]
+        return states, terms, merged, bitten
+
+    def cap_sum(self, ctx: RoundContext, round: int, item: SecureSum, own: float) -> float:
+        """A secure sum's total weight, at most the sum over its contributors of
+        what each may claim: its roster cap and `max_weight_ratio` x our own
+        count. Nobody can tell which contributor overclaimed: each is counted."""
+        ratio = self.params.max_weight_ratio
+        caps = ctx.sample_caps()
+        bound = 0.0
+        for peer in item.contributors:
+            limits = [float(caps[peer])] if peer in caps else []
+            if ratio is not None:
+                limits.append(ratio * own)
+            bound += min(limits) if limits else float("inf")
+        if item.total_weight <= bound:
+            return item.total_weight
+        log.warning(
+            "%s round %d: the secure sum of %s claims %g samples, capped at %g",
+            ctx.me,
+            round,
+            item.contributors,
+            item.total_weight,
+            bound,
+        )
+        for peer in item.contributors:
+            ctx.reject(peer, "sum_weight_capped")
+        return bound
 
     async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
         # 5. w <- weighted mean of own + neighbours' models (DFU Alg. 3 line 6).
-        states, weights, merged = self.merge_terms(ctx, rnd)
+        states, weights, merged, capped = self.merge_terms(ctx, site, rnd)
         if states:
             options = self.aggregation_options()
             averaged = await ctx.train(
@@ -352,6 +389,7 @@ class FedAvgP2P(RoundLoop):
                 [float(self.sample_weight(site))] + weights,
             )
             await ctx.train(site.load_state_dict, averaged)
+        rnd.log["weights_capped"] = capped
         rnd.merged = merged
         used = [peer for peer, _ in merged]
         self.remember_neighbours(used)

@@ -17,6 +17,12 @@ the next alive one in the ring. Or a random alive peer (asynchronous: arrivals
 queue), or the selection heuristic. A node that receives nothing keeps training
 the model it holds.
 
+The relayed model replaces the receiver's own, so it must fit that model: the
+same keys, shapes and dtypes, finite values, and an L2 norm at most
+`max_norm_ratio` times the receiver's current model's. A relay that fails this
+(or is malformed, or carries a bad buffer) is refused and counted
+(`relay_<reason>`), and the node keeps training its own model.
+
 Buffers travel once: a buffer is named by its content hash, and a node sends
 only the hash to a peer that already acknowledged that buffer (the peer keeps
 every buffer it received, and can pull one it lost).
@@ -45,7 +51,7 @@ from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.train import LocalSite
 from p2pfl.secure.tensors import state_dict_nbytes
 from protocols.base import NotReady, PeerUnavailable, Received, RoundContext
-from protocols.checks import incompatibility
+from protocols.checks import admit
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
 
@@ -137,6 +143,7 @@ class FedER(RoundLoop):
         self.sent_buffers: dict[str, set[str]] = {}  # peer -> hashes it acknowledged
         self.last_received_hash: str | None = None  # the buffer replayed until a new one comes
         self.num_classes: int | None = None
+        self.refused = 0  # relays refused this round
 
     @property
     def relays_model(self) -> bool:
@@ -217,6 +224,7 @@ class FedER(RoundLoop):
                 return None
             if await self.accept(ctx, msg, reference):
                 return msg
+            self.refused += 1
 
     async def accept(self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor]) -> bool:
         from genbuffer.buffer import verify_buffer
@@ -225,12 +233,18 @@ class FedER(RoundLoop):
         p = msg.payload
         if not isinstance(p, dict) or not isinstance(p.get("buffer_hash"), str):
             log.warning("%s: malformed relay from %s", ctx.me, msg.sender)
+            ctx.reject(msg.sender, "relay_malformed")
             return False
-        if self.relays_model:
-            problem = incompatibility(p.get("model"), reference)
-            if problem is not None:
-                log.warning("%s: model from %s rejected (%s)", ctx.me, msg.sender, problem)
-                return False
+        if self.relays_model and not admit(
+            ctx,
+            msg.sender,
+            "relay",
+            p.get("model"),
+            reference,
+            max_norm_ratio=self.params.max_norm_ratio,
+            where=f" round {ctx.round}",
+        ):
+            return False
         digest = p["buffer_hash"]
         buffer = p.get("buffer")
         if buffer is None and digest not in self.buffers:
@@ -245,6 +259,7 @@ class FedER(RoundLoop):
                 checked = verify_buffer(buffer, num_classes=self.num_classes)
             except SyntheticBufferError as exc:
                 log.warning("%s: buffer from %s rejected (%s)", ctx.me, msg.sender, exc)
+                ctx.reject(msg.sender, f"relay_{exc.reason}")
                 return False
             self.buffers[checked["content_hash"]] = dict(checked)
         return True
@@ -261,10 +276,12 @@ class FedER(RoundLoop):
         """Send (M_j^{r-1}, B_j) to the successor; receive (M_i^{r-1}, B_i)."""
         reference = site.state_dict()
         successor, model_bytes, buffer_bytes = await self.send_relay(ctx, rnd.number, site)
+        self.refused = 0
         msg = await self.receive_relay(ctx, rnd.number, reference)
         rnd.received = [msg] if msg is not None else []
         rnd.log.update(
             received=int(msg is not None),
+            relays_refused=self.refused,
             sent_model_bytes=model_bytes,
             sent_buffer_bytes=buffer_bytes,
             successor_found=int(successor is not None),

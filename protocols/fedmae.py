@@ -280,6 +280,9 @@ class FinetuneContext(RoundContext):
     def reject(self, peer: str, reason: str) -> None:
         self.outer.reject(peer, reason)
 
+    def sample_caps(self) -> dict[str, int]:
+        return self.outer.sample_caps()
+
     def set_community(self, community: dict[str, Any]) -> None:
         self.outer.set_community(community)
 

@@ -7,6 +7,13 @@ Every node, every local step s of round r:
      gradients concurrently                                       (Alg. 4 line 6)
   4. apply the batch-size-weighted mean of its own gradient and theirs with
      its optimizer                                                (Alg. 4 line 7)
+     (or a robust variant, `protocol.aggregation`: median, trimmed_mean, or
+     norm_clip, which clips each neighbour's gradient itself)
+A neighbour's gradient must have the node's own gradient's names, shapes and
+dtypes, finite values and an L2 norm at most `max_norm_ratio` times the own
+gradient's of the same step; every refusal is counted (`grad_<reason>`). Its
+batch size is a claim, capped like a sample count (`max_weight_ratio`, the
+roster's max_samples; counted as `weight_capped`, logged as `weights_capped`).
 A neighbour that fails or does not answer within `step_timeout_s` is skipped,
 and then left out for 1, 2, 4, ... steps (at most one round's worth) until it
 answers again: the step goes on with what arrived.
@@ -32,9 +39,9 @@ from torch import Tensor
 from p2pfl.config import FedSGDP2PParams
 from p2pfl.learning.train import LocalSite
 from protocols import selection
-from protocols.aggregate import weighted_mean
+from protocols.aggregate import aggregate_gradients
 from protocols.base import NotReady, PeerInfo, PeerUnavailable, RoundContext
-from protocols.checks import incompatibility
+from protocols.checks import admit, cap_claims
 from protocols.exchange import pull_concurrently
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
@@ -113,22 +120,26 @@ class FedSgdP2P(RoundLoop):
             log.info("%s (%d, %d): no gradient from %s (%s)", ctx.me, round, step, peer, exc.reason)
             self.failed(peer)
             return None
-        if not isinstance(reply, dict) or reply.get("grad") is None:
+        if not isinstance(reply, dict):
+            log.warning("%s (%d, %d): malformed gradient reply from %s", ctx.me, round, step, peer)
+            ctx.reject(peer, "grad_malformed")
+            return None
+        if reply.get("grad") is None:  # the step is gone from the neighbour's memory
             return None
         batch_size = reply.get("batch_size")
-        if (
-            reply.get("round") != round
-            or reply.get("step") != step
-            or not isinstance(batch_size, int)
-            or batch_size < 1
-        ):
-            log.warning("%s (%d, %d): malformed gradient reply from %s", ctx.me, round, step, peer)
+        if reply.get("round") != round or reply.get("step") != step:
+            log.warning("%s (%d, %d): %s sent another step's gradient", ctx.me, round, step, peer)
+            ctx.reject(peer, "grad_wrong_step")
             return None
-        problem = incompatibility(reply["grad"], reference)
-        if problem is not None:
-            log.warning(
-                "%s (%d, %d): gradient from %s rejected (%s)", ctx.me, round, step, peer, problem
-            )
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            log.warning("%s (%d, %d): %s sent batch size %r", ctx.me, round, step, peer, batch_size)
+            ctx.reject(peer, "grad_bad_batch_size")
+            return None
+        max_ratio = self.params.max_norm_ratio
+        where = f" ({round}, {step})"
+        if not admit(
+            ctx, peer, "grad", reply["grad"], reference, max_norm_ratio=max_ratio, where=where
+        ):
             return None
         return peer, reply["grad"], batch_size
 
@@ -161,6 +172,16 @@ class FedSgdP2P(RoundLoop):
         self.max_skip = max(1, total_steps)
         ctx.publish(STEPS_KEY, total_steps)
         ctx.serve(GRAD_KIND, self.serve_gradient)
+        p = self.params
+        k_max = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
+        if p.aggregation == "trimmed_mean" and int(p.trim_ratio * (k_max + 1)) == 0:
+            log.warning(
+                "%s: trimmed_mean with trim_ratio %.2f over %d gradients cuts nothing (a plain "
+                "mean): raise protocol.trim_ratio or protocol.fraction, or use median",
+                ctx.me,
+                p.trim_ratio,
+                k_max + 1,
+            )
         return site
 
     async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
@@ -173,6 +194,7 @@ class FedSgdP2P(RoundLoop):
         losses: list[float] = []
         neighbours_used = 0
         merged: set[str] = set()
+        capped: dict[str, int] = {}  # neighbour -> steps its batch size was capped
         step = 0
         # The same batches as FedAVGP2P's local training: E epochs, or exactly
         # training.steps_per_round steps whatever the site's size.
@@ -205,10 +227,20 @@ class FedSgdP2P(RoundLoop):
             received.sort(key=lambda item: item[0])
             exchange_s += time.perf_counter() - t0
 
-            # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
+            # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7);
+            # the neighbours' batch sizes are claims: capped (roster, median ratio).
             t0 = time.perf_counter()
-            mean = weighted_mean(
-                [grad] + [g for _, g, _ in received], [len(y)] + [n for _, _, n in received]
+            claims = {ctx.me: float(len(y))}
+            claims.update((peer, float(n)) for peer, _, n in received)
+            weights, bitten = cap_claims(ctx, claims, ratio=p.max_weight_ratio, quiet=True)
+            for peer in bitten:
+                capped[peer] = capped.get(peer, 0) + 1
+            mean = aggregate_gradients(
+                p.aggregation,
+                [grad] + [g for _, g, _ in received],
+                [weights[ctx.me]] + [weights[peer] for peer, _, _ in received],
+                trim_ratio=p.trim_ratio,
+                clip_norm=p.clip_norm,
             )
             await ctx.train(site.apply_gradient, mean)
             train_s += time.perf_counter() - t0
@@ -222,6 +254,14 @@ class FedSgdP2P(RoundLoop):
             ctx.record_choice(used)
 
         rnd.merged = [(peer, r) for peer in sorted(merged)]
+        for peer, times in sorted(capped.items()):
+            log.warning(
+                "%s round %d: %s's claimed batch size capped at %d of its steps",
+                ctx.me,
+                r,
+                peer,
+                times,
+            )
         rnd.log.update(
             train_loss=sum(losses) / len(losses) if losses else float("nan"),
             train_s=train_s,
@@ -229,6 +269,7 @@ class FedSgdP2P(RoundLoop):
             steps=step,
             neighbours=neighbours_used / step if step else 0.0,
             timeouts=self.timeouts,
+            weights_capped=sum(capped.values()),
         )
 
     def load_extra(self, saved: dict[str, Any]) -> None:

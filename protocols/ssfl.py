@@ -6,7 +6,9 @@ Bdair et al., MICCAI 2021, and the journal version). Every node, every round r:
   2. publish its feature vector F_m (p2pfl.learning.state.feature_vector) of the model
      it just trained, and offer that model to FedAVGP2P neighbours
   3. FedAVGP2P: pull k = round(c * (N - 1)) neighbours' round-r models and take
-     the mean weighted by their image counts (labeled + unlabeled, Eq. 1's w_j)
+     the mean weighted by their image counts (labeled + unlabeled, Eq. 1's w_j;
+     claims capped as in FedAVGP2P), or a robust variant (`protocol.aggregation`:
+     median, trimmed_mean, norm_clip; the default mean is Eq. 1)
   4. evaluate (macro-F1, ECE on test; accuracy on val), gossip, log, checkpoint
 
 FedPerl (protocols/fedperl.py) adds peer learning between 2 and 3.
@@ -44,9 +46,6 @@ class SSFL(FedAvgP2P):
         super().__init__(params)  # type: ignore[arg-type]
         self.peer_state: dict[str, Tensor] | None = None  # FedPerl: peer for the next fit
         self.gamma = 0.0  # weight of L_CON (FedPerl only)
-
-    def aggregation_options(self) -> dict[str, Any]:
-        return {"method": "mean"}  # Eq. 1: the image-count-weighted mean
 
     def sample_weight(self, site: Any) -> int:
         return num_images(site)

@@ -8,6 +8,7 @@ import torch
 from protocols.aggregate import (
     AggregationError,
     aggregate,
+    aggregate_gradients,
     coordinate_median,
     norm_clip,
     trimmed_mean,
@@ -104,3 +105,30 @@ def test_mismatched_states_are_refused_with_a_reason() -> None:
     with pytest.raises(AggregationError) as method:
         aggregate("max", [a], [1])  # type: ignore[arg-type]
     assert method.value.reason == "unknown_method"
+
+
+def test_norm_clip_on_gradients_clips_each_neighbours_gradient_itself() -> None:
+    """A gradient is the update: norm_clip measures it from zero, not from our
+    own gradient, and never clips ours."""
+    mine = {"g": torch.tensor([3.0, 4.0])}  # norm 5
+    small = {"g": torch.tensor([0.0, 1.0])}  # norm 1
+    huge = {"g": torch.tensor([0.0, -100.0])}  # norm 100
+    out = aggregate_gradients("norm_clip", [mine, small, huge], [1, 1, 1], clip_norm=2.0)
+    # (3, 4) unclipped + (0, 1) + (0, -100) scaled to norm 2 = (0, -2); / 3
+    assert torch.allclose(out["g"], torch.tensor([1.0, 1.0]))
+    # adaptive bound: the lower median of every gradient's norm, ours included
+    # (1, 5, 100 -> 5): the huge one is cut to the typical size
+    out = aggregate_gradients("norm_clip", [mine, small, huge], [1, 1, 1])
+    assert torch.allclose(out["g"], torch.tensor([1.0, (4.0 + 1.0 - 5.0) / 3]))
+    # with one neighbour, the smaller of the two norms
+    out = aggregate_gradients("norm_clip", [mine, huge], [1, 1])
+    assert torch.allclose(out["g"], torch.tensor([1.5, (4.0 - 5.0) / 2]))
+    # measured from our own gradient instead, the small one would be "far" too:
+    # the model-state norm_clip is a different rule
+    as_models = aggregate("norm_clip", [mine, small, huge], [1, 1, 1], clip_norm=2.0)
+    assert not torch.allclose(as_models["g"], out["g"])
+    # the other methods are the same over gradients as over states
+    for method in ("mean", "median", "trimmed_mean"):
+        grads = aggregate_gradients(method, [mine, small, huge], [1, 2, 3])  # type: ignore[arg-type]
+        states = aggregate(method, [mine, small, huge], [1, 2, 3])  # type: ignore[arg-type]
+        assert torch.equal(grads["g"], states["g"]), method

@@ -13,9 +13,11 @@ from bench.baselines import centralized_fedavg, standalone
 from p2pfl.config import FedAvgP2PParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from protocols import create
+from protocols.aggregate import weighted_mean
 from protocols.base import NotReady, PeerUnavailable
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+from protocols.site import build_site
 
 SITES = ["site0", "site1", "site2"]
 
@@ -228,3 +230,84 @@ async def test_model_requests_wait_for_the_round_or_take_a_newer_one() -> None:
         await proto.serve_model("x", {"round": 5, "max_round": 6})
     too_new = await proto.serve_model("x", {"round": 0, "max_round": 1})
     assert too_new["state"] is None and too_new["round"] == 4
+
+
+# ---------------------------------------------------------------------- claimed sample counts
+
+
+class InflatingFedAvg(FedAvgP2P):
+    """A site that claims 1000 times the images it has (0.6 % of the data can
+    then pull every neighbour's mean onto its own model)."""
+
+    def sample_weight(self, site: Any) -> int:
+        return site.num_train * 1000
+
+
+def run_protocols(
+    cfgs: list[SiteConfig], protos: list[FedAvgP2P], network: InMemoryNetwork
+) -> None:
+    async def all_nodes() -> None:
+        contexts = [network.join(c.node.name, c) for c in cfgs]
+        await asyncio.gather(*(p.run(ctx) for p, ctx in zip(protos, contexts, strict=True)))
+
+    asyncio.run(all_nodes())
+
+
+def merged_with(protos: list[FedAvgP2P], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Round 1's weighted mean of the three trained models, as site0 takes it
+    (its own first, then the neighbours by name)."""
+    return weighted_mean([p.served[1]["state"] for p in protos], weights)
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.allclose(a[k].double(), b[k].double(), atol=1e-6) for k in a)
+
+
+def test_an_inflated_sample_count_is_capped_at_the_ratio_and_counted(sources: list[str]) -> None:
+    cfgs = configs(sources, rounds=1, fraction=1.0)
+    protos: list[FedAvgP2P] = [FedAvgP2P(c.protocol) for c in cfgs[:2]]  # type: ignore[arg-type]
+    protos.append(InflatingFedAvg(cfgs[2].protocol))  # type: ignore[arg-type]
+    network = InMemoryNetwork(inline_train=True)
+    run_protocols(cfgs, protos, network)
+
+    claims = [float(p.served[1]["num_train"]) for p in protos]
+    honest = [
+        float(p.served[1]["num_train"]) / (1000 if i == 2 else 1) for i, p in enumerate(protos)
+    ]
+    assert claims[2] > 100 * max(claims[:2])
+    final = network.saved_state("site0")["model"]  # type: ignore[index]
+    # Before the cap, site0 took the claim at its word: the mean was ~the liar's model.
+    assert not close(final, merged_with(protos, claims))
+    # Now the claim weighs 16 x the median claim (the default max_weight_ratio).
+    capped = 16.0 * sorted(claims)[1]
+    assert close(final, merged_with(protos, claims[:2] + [capped]))
+    assert not close(final, merged_with(protos, honest))  # bounded, not undone
+    assert sorted((r["node"], r["peer"], r["reason"]) for r in network.rejections) == [
+        ("site0", "site2", "weight_capped"),
+        ("site1", "site2", "weight_capped"),
+    ]
+    logged = {r["node"]: r["weights_capped"] for r in network.records}
+    assert logged == {"site0": 1, "site1": 1, "site2": 0}
+
+
+def test_the_rosters_max_samples_undoes_an_inflated_count(sources: list[str]) -> None:
+    cfgs = configs(sources, rounds=1, fraction=1.0)
+    protos: list[FedAvgP2P] = [FedAvgP2P(c.protocol) for c in cfgs[:2]]  # type: ignore[arg-type]
+    protos.append(InflatingFedAvg(cfgs[2].protocol))  # type: ignore[arg-type]
+    true_count = len(build_site(cfgs[2]).data.train)
+    network = InMemoryNetwork(inline_train=True, sample_caps={"site2": true_count})
+    run_protocols(cfgs, protos, network)
+
+    honest = [float(p.served[1]["num_train"]) for p in protos[:2]] + [float(true_count)]
+    for node in ("site0", "site1"):
+        final = network.saved_state(node)["model"]  # type: ignore[index]
+        order = [0, 1, 2] if node == "site0" else [1, 0, 2]
+        states = [protos[i].served[1]["state"] for i in order]
+        assert close(final, weighted_mean(states, [honest[i] for i in order]))
+    assert [r["reason"] for r in network.rejections] == ["weight_capped"] * 2
+
+
+def test_honest_counts_are_not_capped_by_default(sources: list[str]) -> None:
+    result = run(configs(sources, rounds=2, fraction=1.0))
+    assert result.errors == {}
+    assert all(r["weights_capped"] == 0 for r in result.records)

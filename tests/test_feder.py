@@ -267,3 +267,63 @@ def test_feder_over_real_daemons_then_cross_site_and_ensemble_evaluation(tmp_pat
     )
     assert 0.0 <= result["macro_f1_std"] <= 1.0 and "ensemble" in result
     assert "ensemble of 3 models" in out.stdout
+
+
+def _buffer(images: int = 8, size: int = 8) -> dict:
+    from genbuffer.buffer import buffer_content_hash
+
+    x = torch.randint(0, 256, (images, 1, size, size), dtype=torch.uint8)
+    y = torch.arange(images, dtype=torch.int64) % 2
+    return {"images": x, "labels": y, "content_hash": buffer_content_hash(x, y)}
+
+
+@pytest.mark.parametrize("scale", [1.0, 1000.0])
+def test_a_relayed_model_must_fit_the_receivers_own(tmp_path: Path, scale: float) -> None:
+    """The relayed model replaces the receiver's: one 1000 times the norm of the
+    receiver's current model is refused and counted, and the receiver trains
+    its own model on; one of the same size is taken."""
+    from protocols.feder import RELAY_KIND, FedER
+    from protocols.site import build_site
+
+    parts = tmp_path / "parts"
+    partition_dataset("digits", 2, "iid", parts, seed=0)
+    (cfg,) = simulation_configs(
+        [str(parts / "site_0.npz")],
+        names=["victim"],
+        protocol={"name": "feder", "rounds": 1, "initial_epochs": 0, "round_timeout_s": 1.0},
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+    )
+    initial = build_site(cfg).state_dict()
+    forged = {k: v * scale if v.is_floating_point() else v for k, v in initial.items()}
+    network = InMemoryNetwork(inline_train=True)
+    victim = FedER(cfg.protocol)  # type: ignore[arg-type]
+    victim.own_buffer = _buffer()  # no generator to train: its buffer is given
+    mallory = network.join("mallory")  # a roster member that runs no protocol, only pushes
+    buffer = _buffer()
+    relay = {"round": 1, "buffer_hash": buffer["content_hash"], "buffer": buffer}
+
+    async def scenario() -> None:
+        ctx = network.join("victim", cfg)
+        await mallory.send("victim", RELAY_KIND, {**relay, "model": forged, "num_train": 9}, 1)
+        await victim.run(ctx)
+
+    asyncio.run(scenario())
+    (record,) = [r for r in network.records if r["node"] == "victim"]
+    final = network.saved_state("victim")["model"]  # type: ignore[index]
+    norm = sum(float(v.double().square().sum()) for k, v in final.items() if v.is_floating_point())
+    initial_norm = sum(
+        float(v.double().square().sum()) for v in initial.values() if v.is_floating_point()
+    )
+    # Either way the node trained a model of its own size, not the forged one.
+    assert norm**0.5 < 2 * initial_norm**0.5
+    if scale == 1.0:
+        assert record["received"] == 1 and record["relays_refused"] == 0
+        assert network.rejections == []
+    else:
+        assert record["received"] == 0 and record["relays_refused"] == 1
+        assert [(r["peer"], r["reason"]) for r in network.rejections] == [
+            ("mallory", "relay_huge_norm")
+        ]
+        assert record["replayed_images"] == 0  # nothing of the refused relay is used

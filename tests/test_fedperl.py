@@ -165,11 +165,13 @@ def test_fedperl_learns_from_anonymized_peers_after_warm_up(sources: list[str]) 
 def test_a_restarted_node_resumes_with_its_anonymized_peer(
     sources: list[str], tmp_path: Path
 ) -> None:
-    cfgs = configs(sources, {"name": "fedperl", "rounds": 3, "warmup_rounds": 1})
+    cfgs = configs(sources, {"name": "fedperl", "rounds": 3, "warmup_rounds": 1, "fraction": 1.0})
     network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path)
 
     async def crash_in_round_3() -> None:
         async def kill_all() -> None:
+            # With c = 1 nobody can finish round 3 before the last node trained it,
+            # and every round-2 sum is complete once all nodes are in round 3.
             for node in SITES:
                 await network.wait_for_round(node, 3)
             for node in SITES:

@@ -14,7 +14,7 @@ from bench.baselines import centralized_fedsgd
 from p2pfl.config import SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from protocols.aggregate import weighted_mean
-from protocols.fedsgdp2p import steps_per_round
+from protocols.fedsgdp2p import FedSgdP2P, steps_per_round
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.site import build_site
 
@@ -144,3 +144,106 @@ def test_steps_per_round_gives_every_site_the_same_steps(tmp_path: Path) -> None
     assert set(steps.values()) == {4}, (sizes, steps)
     assert all(steps_per_round(build_site(c)) == 4 for c in cfgs)
     assert result.messages_sent("grad") == 2 * 2 * 4
+
+
+# ---------------------------------------------------------------------- hostile neighbours
+
+
+class ScalingFedSgd(FedSgdP2P):
+    """Serves its gradients `scale` times too large and claims `inflate` times its
+    batch size (its own steps stay honest)."""
+
+    def __init__(self, params: Any, scale: float = 1.0, inflate: int = 1) -> None:
+        super().__init__(params)
+        self.scale, self.inflate = scale, inflate
+
+    def keep_for_peers(
+        self, round: int, step: int, grad: dict[str, torch.Tensor], batch_size: int
+    ) -> None:
+        scaled = {k: v * self.scale for k, v in grad.items()}
+        super().keep_for_peers(round, step, scaled, batch_size * self.inflate)
+
+
+def run_protocols(
+    cfgs: list[SiteConfig], protos: list[FedSgdP2P], network: InMemoryNetwork
+) -> None:
+    async def all_nodes() -> None:
+        contexts = [network.join(c.node.name, c) for c in cfgs]
+        await asyncio.gather(*(p.run(ctx) for p, ctx in zip(protos, contexts, strict=True)))
+
+    asyncio.run(all_nodes())
+
+
+def test_a_huge_norm_gradient_is_refused_and_counted(sources: list[str]) -> None:
+    cfgs = configs(sources[:2], {"optimizer": "sgd", "lr": 0.1, "max_steps_per_epoch": 3}, rounds=1)
+    protos = [FedSgdP2P(cfgs[0].protocol), ScalingFedSgd(cfgs[1].protocol, scale=1e4)]  # type: ignore[arg-type]
+    network = InMemoryNetwork(inline_train=True)
+    run_protocols(cfgs, protos, network)
+
+    # site0 refused all 3 of site1's gradients: it stepped exactly as if alone
+    alone = build_site(cfgs[0])
+    batches = alone.batches("train")
+    for _ in range(3):
+        x, y = next(batches)
+        alone.apply_gradient(alone.compute_gradient(x, y))
+    saved = network.saved_state("site0")["model"]  # type: ignore[index]
+    for key, value in alone.state_dict().items():
+        assert torch.allclose(saved[key], value, atol=1e-6), key
+    refused = [(r["node"], r["peer"], r["reason"]) for r in network.rejections]
+    assert refused == [("site0", "site1", "grad_huge_norm")] * 3
+    (record,) = [r for r in network.records if r["node"] == "site0"]
+    assert record["neighbours"] == 0.0
+
+
+def test_an_inflated_batch_size_is_capped_and_counted(sources: list[str]) -> None:
+    training = {"optimizer": "sgd", "lr": 0.1, "max_steps_per_epoch": 3}
+    cfgs = configs(sources[:2], training, rounds=1)
+    protos = [FedSgdP2P(cfgs[0].protocol), ScalingFedSgd(cfgs[1].protocol, inflate=1000)]  # type: ignore[arg-type]
+    network = InMemoryNetwork(inline_train=True)
+    run_protocols(cfgs, protos, network)
+
+    # Reference: site0 weighs site1's gradient at 16 x its own batch size (the
+    # lower median of two claims is its own), not at the 1000-fold claim.
+    sites = [build_site(cfg) for cfg in cfgs]
+    batches = [site.batches("train") for site in sites]
+    for _ in range(3):
+        (x0, y0), (x1, y1) = (next(it) for it in batches)
+        g0, g1 = sites[0].compute_gradient(x0, y0), sites[1].compute_gradient(x1, y1)
+        capped = min(1000 * len(y1), 16 * len(y0))
+        assert capped < 1000 * len(y1)
+        sites[0].apply_gradient(weighted_mean([g0, g1], [len(y0), capped]))
+        sites[1].apply_gradient(weighted_mean([g1, g0], [len(y1), len(y0)]))
+    for name, reference in zip(("site0", "site1"), sites, strict=True):
+        saved = network.saved_state(name)["model"]  # type: ignore[index]
+        for key, value in reference.state_dict().items():
+            assert torch.allclose(saved[key], value, atol=1e-6), (name, key)
+    refused = [(r["node"], r["peer"], r["reason"]) for r in network.rejections]
+    assert refused == [("site0", "site1", "weight_capped")] * 3
+    logged = {r["node"]: r["weights_capped"] for r in network.records}
+    assert logged == {"site0": 3, "site1": 0}
+
+
+def test_a_robust_aggregation_bounds_a_scaled_gradient_under_the_norm_guard(
+    sources: list[str],
+) -> None:
+    """site2 serves its gradients 50 times too large (under the default bound of
+    100 x ours): the plain mean follows it, median and norm_clip stay near the
+    attack-free run."""
+    training = {"optimizer": "sgd", "lr": 0.05, "steps_per_round": 4}
+
+    def final(aggregation: str, scale: float) -> dict[str, torch.Tensor]:
+        cfgs = configs(sources, training, rounds=1, aggregation=aggregation)
+        protos = [FedSgdP2P(c.protocol) for c in cfgs[:2]]  # type: ignore[arg-type]
+        protos.append(ScalingFedSgd(cfgs[2].protocol, scale=scale))  # type: ignore[arg-type]
+        network = InMemoryNetwork(inline_train=True)
+        run_protocols(cfgs, protos, network)
+        assert not network.rejections
+        return network.saved_state("site0")["model"]  # type: ignore[index]
+
+    def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return sum(float((a[k] - b[k]).double().square().sum()) for k in a) ** 0.5
+
+    clean = final("mean", 1.0)
+    pulled = distance(final("mean", 50.0), clean)
+    for robust in ("median", "norm_clip"):
+        assert distance(final(robust, 50.0), clean) < 0.25 * pulled, robust

@@ -4,7 +4,9 @@ A site's private keys are PEM files (PKCS#8, mode 0600) that never leave it.
 What it shares is its public card: name, address and both public keys as
 base64 of the raw 32 bytes. The roster is the list of cards: the allow-list of
 who may talk to whom. A roster entry may carry a previous signing key with a
-grace deadline, so keys rotate without downtime.
+grace deadline, so keys rotate without downtime, and `max_samples`: the most
+training samples the federation admin lets that site claim (its weight in a
+weighted mean is capped there, whatever count it sends; absent = no cap).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Card:
     agreement_key: str  # base64 raw X25519 public key
     previous_signing_key: str | None = None
     previous_valid_until: float | None = None  # unix seconds
+    max_samples: int | None = None  # the admin's cap on this site's claimed sample count
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -71,6 +74,8 @@ class Card:
         if self.previous_signing_key:
             out["previous_signing_key"] = self.previous_signing_key
             out["previous_valid_until"] = self.previous_valid_until
+        if self.max_samples is not None:
+            out["max_samples"] = self.max_samples
         return out
 
     @classmethod
@@ -91,6 +96,7 @@ class Card:
             "agreement_key",
             "previous_signing_key",
             "previous_valid_until",
+            "max_samples",
         }
         if unknown:
             raise IdentityError(f"{where}: unknown keys {sorted(unknown)} — remove them")
@@ -101,12 +107,25 @@ class Card:
             agreement_key=str(data["agreement_key"]),
             previous_signing_key=data.get("previous_signing_key"),
             previous_valid_until=data.get("previous_valid_until"),
+            max_samples=_max_samples(data.get("max_samples"), f"{where} ({data['name']})"),
         )
         _unb64(card.signing_key, "signing_key", f"{where} ({card.name})")
         _unb64(card.agreement_key, "agreement_key", f"{where} ({card.name})")
         if card.previous_signing_key:
             _unb64(card.previous_signing_key, "previous_signing_key", f"{where} ({card.name})")
         return card
+
+
+def _max_samples(value: Any, where: str) -> int | None:
+    """A card's optional `max_samples`: a positive whole number of samples."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise IdentityError(
+            f"{where}: max_samples must be a whole number >= 1 (the most training samples "
+            f"this site may claim), got {value!r} — fix it or remove the line"
+        )
+    return value
 
 
 @dataclass

@@ -111,6 +111,8 @@ class InMemoryNetwork:
     checkpoint_dir: also write each node's checkpoint to DIR/<name>.ckpt; a node
         that joined without a config keeps its artifacts under DIR/<name>/.
     poll_interval_s: how often a pull re-asks a handler that said NotReady.
+    sample_caps: the roster's max_samples by site (what `RoundContext.sample_caps`
+        gives every node); change it any time.
     """
 
     def __init__(
@@ -120,11 +122,13 @@ class InMemoryNetwork:
         checkpoint_dir: str | Path | None = None,
         poll_interval_s: float = 0.01,
         send_timeout_s: float = 60.0,
+        sample_caps: dict[str, int] | None = None,
     ) -> None:
         self.inline_train = inline_train
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.poll_interval_s = poll_interval_s
         self.send_timeout_s = send_timeout_s
+        self.sample_caps: dict[str, int] = dict(sample_caps or {})
         self._nodes: dict[str, _Node] = {}
         self.records: list[dict[str, Any]] = []
         self.choices: list[dict[str, Any]] = []
@@ -367,6 +371,10 @@ class InMemoryContext(RoundContext):
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     def checkpoint(self, state: dict[str, Any]) -> None:
+        if not self._node.alive:
+            # Killed while it ran without yielding (its cancellation is pending):
+            # a crashed process writes nothing more.
+            raise asyncio.CancelledError(f"{self.me} was killed")
         data = dumps(state)
         self._node.checkpoint = data
         directory = self.network.checkpoint_dir
@@ -411,3 +419,6 @@ class InMemoryContext(RoundContext):
         self.network.rejections.append(
             {"node": self.me, "round": self.round, "peer": peer, "reason": reason}
         )
+
+    def sample_caps(self) -> dict[str, int]:
+        return dict(self.network.sample_caps)

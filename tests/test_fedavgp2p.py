@@ -17,6 +17,7 @@ from protocols.aggregate import weighted_mean
 from protocols.base import NotReady, PeerUnavailable
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+from protocols.secagg import SECAGG_KIND, Contributor, SecureSum, secure_sum
 from protocols.site import build_site
 
 SITES = ["site0", "site1", "site2"]
@@ -311,3 +312,39 @@ def test_honest_counts_are_not_capped_by_default(sources: list[str]) -> None:
     result = run(configs(sources, rounds=2, fraction=1.0))
     assert result.errors == {}
     assert all(r["weights_capped"] == 0 for r in result.records)
+
+
+def test_a_secure_sums_total_weight_is_capped_at_its_contributors_caps() -> None:
+    """Inside a secure sum nobody can see who claimed what: the sum's total
+    weight is capped at what its contributors may claim together (roster cap,
+    or max_weight_ratio x our own count), and every contributor is counted."""
+    network = InMemoryNetwork(sample_caps={"p1": 50})
+    ctx = network.join("me")
+    protocol = FedAvgP2P(FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True))
+    state = {"w": torch.zeros(2)}
+    honest = SecureSum(state, 150.0, ["p1", "p2"], {"p1": 1, "p2": 1}, [])
+    assert protocol.cap_sum(ctx, 1, honest, own=100.0) == 150.0
+    inflated = SecureSum(state, 1e6, ["p1", "p2"], {"p1": 1, "p2": 1}, [])
+    assert protocol.cap_sum(ctx, 1, inflated, own=100.0) == 50.0 + 16 * 100.0
+    assert [r["reason"] for r in network.rejections] == ["sum_weight_capped"] * 2
+
+
+def test_a_contributor_caps_its_own_weight_at_its_roster_card() -> None:
+    network = InMemoryNetwork(sample_caps={"p1": 10, "p2": 10})
+    ctxs = {n: network.join(n) for n in ("req", "p1", "p2")}
+    for name in ("p1", "p2"):
+        contributor = Contributor(
+            ctxs[name], lambda a, b, c: (1, {"w": torch.ones(2)}, 1000.0), max_weight=10.0
+        )
+        ctxs[name].serve(SECAGG_KIND, contributor.serve)
+    result = asyncio.run(
+        secure_sum(
+            ctxs["req"],
+            ["p1", "p2"],
+            round=1,
+            max_round=1,
+            reference={"w": torch.zeros(2)},
+            timeout=2.0,
+        )
+    )
+    assert result.total_weight == pytest.approx(20.0)

@@ -71,6 +71,7 @@ class Node:
             max_message_bytes=cfg.wire.max_message_bytes,
             clock_skew_s=cfg.wire.clock_skew_s,
             replay_cache_size=cfg.wire.replay_cache_size,
+            require_encryption=cfg.wire.encryption,
         )
         self.telemetry = Telemetry(self.name)
         self.spool = Spool(state / "spool")

@@ -48,6 +48,7 @@ STATUS_FOR_REASON = {
     "bad_signature": 401,
     "stale_timestamp": 401,
     "replayed": 409,
+    "encryption_required": 403,
     "digest_mismatch": 400,
     "decryption_failed": 400,
     "payload_schema": 422,

@@ -204,6 +204,21 @@ def test_reason_replayed(codecs):
     reject(codecs["bob"], frame, "replayed")
 
 
+def test_reason_encryption_required(identities, roster, codecs):
+    strict = WireCodec(identities["bob"], roster, "fed-test", require_encryption=True)
+    for kind in ("model", "heartbeat", "req:model", "resp:model"):
+        plain = codecs["alice"].encode(kind, "bob", {"meta": {"f1": [0.9, 0.1]}})
+        reject(strict, plain.to_bytes(), "encryption_required")
+        sealed = codecs["alice"].encode(kind, "bob", {"meta": {"f1": [0.9, 0.1]}}, encrypt=True)
+        assert strict.decode(sealed.to_bytes()).payload == {"meta": {"f1": [0.9, 0.1]}}
+    # Refused from the header alone, before a payload byte is read (as the transport does).
+    plain = codecs["alice"].encode("model", "bob", {"state": state_dict()}).to_bytes()
+    _, header, sig, _ = frame_parts(plain)
+    with pytest.raises(WireError) as err:
+        strict.verify_header(header, sig)
+    assert err.value.reason == "encryption_required"
+
+
 def test_replay_cache_is_bounded_and_never_forgets_unsafely():
     cache = ReplayCache(capacity=3)
     for i in range(5):

@@ -13,8 +13,13 @@ so tampering is caught before decryption; the header stays clear and signed.
 
 Checks, in order, each a `WireError` reason: oversize, undecodable_header,
 unsupported_version, wrong_federation, unknown_sender, wrong_recipient,
-bad_signature, stale_timestamp, replayed, digest_mismatch, decryption_failed,
-payload_schema. Nothing else escapes `WireCodec`.
+bad_signature, stale_timestamp, replayed, encryption_required,
+digest_mismatch, decryption_failed, payload_schema. Nothing else escapes
+`WireCodec`.
+
+`require_encryption` (wire.encryption: true) refuses a payload sent in the
+clear, `encryption_required`, before a byte of it is read: pushes, requests,
+heartbeats and the answers to this node's own requests alike.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ REASONS = (
     "bad_signature",
     "stale_timestamp",
     "replayed",
+    "encryption_required",
     "digest_mismatch",
     "decryption_failed",
     "payload_schema",
@@ -192,6 +198,7 @@ class WireCodec:
         max_message_bytes: int = 512 * 1024 * 1024,
         clock_skew_s: float = 300.0,
         replay_cache_size: int = 100_000,
+        require_encryption: bool = False,
     ) -> None:
         self.identity = identity
         self.roster = roster
@@ -199,6 +206,7 @@ class WireCodec:
         self.max_message_bytes = max_message_bytes
         self.clock_skew_ms = int(clock_skew_s * 1000)
         self.replay = ReplayCache(replay_cache_size)
+        self.require_encryption = require_encryption
         self._shared: dict[str, bytes] = {}
 
     # ------------------------------------------------------------------ send
@@ -286,7 +294,7 @@ class WireCodec:
         total_len: int | None = None,
         header: Header | None = None,
     ) -> Header:
-        """Checks 2-9 (everything but the payload). Does not mark the id seen.
+        """Checks 2-10 (everything but the payload). Does not mark the id seen.
         `header`: these header_bytes already unpacked (saves decoding them twice)."""
         if header is None:
             header = Header.unpack(header_bytes)
@@ -312,6 +320,8 @@ class WireCodec:
             )
         if self.replay.seen(header.msg_id, header.timestamp_ms):
             raise WireError("replayed", header.id_hex)
+        if self.require_encryption and not header.encrypted:
+            raise WireError("encryption_required", "this node accepts encrypted payloads only")
         if (
             total_len is not None
             and total_len != PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
@@ -327,7 +337,7 @@ class WireCodec:
         digest: bytes | None = None,
         require_finite: bool = False,
     ) -> Any:
-        """Checks 10-12 on the payload bytes; `digest` if the caller hashed while streaming.
+        """Checks 11-13 on the payload bytes; `digest` if the caller hashed while streaming.
         On success the message id is marked seen."""
         if len(payload) != header.payload_len:
             raise WireError("digest_mismatch", "payload length differs from the header")

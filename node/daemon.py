@@ -144,7 +144,7 @@ class Node:
         if checkpoint:
             self.ctx.round = int(checkpoint.get("round", 0))
             log.info("%s: resuming from checkpoint (round %d)", self.name, self.ctx.round)
-        requeued = self.inbound.recover()
+        requeued = self.inbound.recover(list(checkpoint.get("consumed", [])) if checkpoint else [])
         host, port = parse_hostport(self.cfg.node.listen)
         try:
             self.peer_port = await self.server.start(host, port, self.server_ssl)
@@ -264,10 +264,13 @@ class Node:
         self.faults.partition(self.server, self.client)
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        """The protocol's state for this round; then the pushes it consumed since
-        the last one are journaled and leave the spool (node/queues.py)."""
-        consumed = self.inboxes.take_consumed()
-        self.checkpoints.save({"round": self.ctx.round, "protocol": state})
+        """The protocol's state for this round with the ids of the pushes it
+        consumed since the last one, in one atomic write; then those ids are
+        journaled and leave the spool (node/queues.py)."""
+        consumed = self.inbound.consumed_records(self.inboxes.take_consumed())
+        self.checkpoints.save({"round": self.ctx.round, "protocol": state, "consumed": consumed})
+        if self.faults.active:
+            self.faults.on_progress(self.ctx.round, "checkpointed")  # drill: before the journal
         self.inbound.settle(consumed)
 
     def log_metrics(self, round: int, values: dict[str, Any]) -> None:

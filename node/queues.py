@@ -7,16 +7,22 @@ Each received push is delivered to the protocol once, tied to checkpoints:
      temp file, fsync, rename, fsync dir) before the sender gets its 200.
   2. It goes to a bounded per-kind inbox. When the protocol takes it, it is
      noted as consumed.
-  3. When the protocol next checkpoints, the checkpoint (round and protocol
-     state, no message ids) is written first; then the ids consumed since the
-     last checkpoint are appended to `journal.jsonl` (fsynced), and their
-     spool files are deleted.
-  4. After a crash the node restores its last checkpoint, counts every
-     journaled id as already seen, and re-queues every spooled frame not in the
-     journal: what was consumed after the checkpoint is consumed again on top
-     of the rolled-back state, so it counts once. (A crash between writing a
-     checkpoint and appending its ids to the journal re-queues those messages
-     on top of the checkpoint that already includes them.)
+  3. When the protocol next checkpoints, the checkpoint is written with the
+     ids consumed since the last one inside it (`consumed`: id, kind, sender,
+     round, timestamp), in the same atomic write as the protocol state: the
+     state and the ids it covers are on disk together or not at all. Then the
+     ids are appended to `journal.jsonl` (fsynced) and their spool files are
+     deleted. The journal is derived from the checkpoints (and kept as the
+     audit log of every processed id).
+  4. After a crash the node restores its last checkpoint, appends the ids that
+     checkpoint names to the journal where a crash between the two writes left
+     them out, counts every journaled id as already seen (their spool files
+     are deleted, not re-queued), and re-queues every other spooled frame:
+     what was consumed after the checkpoint is consumed again on top of the
+     rolled-back state, so it counts once. There is no window: a crash before
+     the checkpoint's rename keeps the old state and re-queues; a crash after
+     it keeps the new state and the ids with it (the fault plan's
+     `checkpointed` kill drills exactly that moment).
 A sender that retries after our crash is told it was delivered, never
 delivered twice: a 409 `replayed` from the replay cache (seeded with the
 journal at start; the sender takes it as delivered), or a 200 when the id is

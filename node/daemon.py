@@ -30,7 +30,7 @@ from node.logsetup import configure_logging
 from node.membership import Membership, Progress
 from node.outbound import Outbound
 from node.peers import PeerTable
-from node.queues import Checkpoints, Inboxes, Journal, Outbox, Spool
+from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spool
 from node.status import create_status_app, start_status_server
 from node.telemetry import Telemetry
 from node.transport import (
@@ -73,6 +73,12 @@ class Node:
             replay_cache_size=cfg.wire.replay_cache_size,
             require_encryption=cfg.wire.encryption,
         )
+        # What the last run accepted is refused from now on (node/queues.py).
+        self.marks = ReplayMarks(
+            state / "replay_marks.json", cfg.wire.replay_margin_s, cfg.wire.clock_skew_s
+        )
+        self.codec.restart_floor = dict(self.marks.floor)
+        self.codec.restart_floor_all = self.marks.floor_all
         self.telemetry = Telemetry(self.name)
         self.spool = Spool(state / "spool")
         self.journal = Journal(state / "journal.jsonl")
@@ -109,6 +115,7 @@ class Node:
             outbox=self.outbox,
             peers=self.peers,
             telemetry=self.telemetry,
+            marks=self.marks,
             current_round=lambda: self.ctx.round,
         )
         self.inbound = Inbound(
@@ -121,6 +128,7 @@ class Node:
             telemetry=self.telemetry,
             membership=self.membership,
             faults=self.faults,
+            marks=self.marks,
             count_sent=self.outbound.count_sent,
             stopping=self.stopping,
         )

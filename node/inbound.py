@@ -9,6 +9,12 @@
   consumed; then they are journaled and their spool files dropped; after a
   restart the spooled pushes neither checkpointed nor journaled are queued
   again (see node/queues.py for the whole scheme).
+
+Before any of that, the sender's replay mark is on disk at or above the
+message's timestamp (node/queues.py `ReplayMarks`), so a message this node
+acted on is refused if it comes again after a restart; a node that cannot
+write the marks refuses the message (`storage_error`, retried by the sender)
+rather than accept it unguarded.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership
 from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX
-from node.queues import Inboxes, Journal, Spool, unlink_all
+from node.queues import Inboxes, Journal, ReplayMarks, Spool, unlink_all
 from node.telemetry import Telemetry
 from node.transport import IncomingFrame, Rejection
 from p2pfl.config import SiteConfig
@@ -46,6 +52,7 @@ class Inbound:
     telemetry: Telemetry
     membership: Membership
     faults: FaultPlan
+    marks: ReplayMarks
     count_sent: Callable[[str, str, int], None]
     stopping: asyncio.Event
     handlers: dict[str, Handler] = field(default_factory=dict)
@@ -64,6 +71,11 @@ class Inbound:
     async def on_frame(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
         kind = header.kind
+        try:
+            await self.marks.cover(header.sender, header.timestamp_ms)
+        except OSError as exc:
+            log.error("%s: cannot write the replay marks: %s", self.name, exc)
+            raise Rejection("storage_error", "replay marks not persisted") from None
         if kind == HEARTBEAT:
             self.membership.heard(header.sender, self._open(incoming))
             return 200, None

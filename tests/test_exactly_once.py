@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_daemon import FAST, Heartbeats, peer_codec, post
 from test_faults import events, write_plan
+from test_replay_restart import send_until_taken
 
 from bench.localfed import LocalFederation
 from node.provision import provision
@@ -59,7 +60,7 @@ def test_a_kill_between_checkpoint_and_journal_processes_nothing_twice(tmp_path)
         node_b.start()
         node_b.wait_for(lambda s: s["round"] >= 1, 60, "restarted")
         second = {"round": 2, "from": "a", "tensor": torch.ones(8)}
-        status, body = post(plan_b.port, a.encode("probe", "b", second, round=2).to_bytes())
+        status, body, _ = send_until_taken(a, plan_b.port, "probe", "b", second, round=2)
         assert status == 200, body
         node_b.wait_for(lambda s: s["phase"] == "done", 60, "b done")
 

@@ -30,7 +30,7 @@ from node.logsetup import configure_logging
 from node.membership import Membership, Progress
 from node.outbound import Outbound
 from node.peers import PeerTable
-from node.queues import Checkpoints, Inboxes, Journal, Outbox, Spool
+from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spool
 from node.status import create_status_app, start_status_server
 from node.telemetry import Telemetry
 from node.transport import (
@@ -71,7 +71,14 @@ class Node:
             max_message_bytes=cfg.wire.max_message_bytes,
             clock_skew_s=cfg.wire.clock_skew_s,
             replay_cache_size=cfg.wire.replay_cache_size,
+            require_encryption=cfg.wire.encryption,
         )
+        # What the last run accepted is refused from now on (node/queues.py).
+        self.marks = ReplayMarks(
+            state / "replay_marks.json", cfg.wire.replay_margin_s, cfg.wire.clock_skew_s
+        )
+        self.codec.restart_floor = dict(self.marks.floor)
+        self.codec.restart_floor_all = self.marks.floor_all
         self.telemetry = Telemetry(self.name)
         self.spool = Spool(state / "spool")
         self.journal = Journal(state / "journal.jsonl")
@@ -108,6 +115,7 @@ class Node:
             outbox=self.outbox,
             peers=self.peers,
             telemetry=self.telemetry,
+            marks=self.marks,
             current_round=lambda: self.ctx.round,
         )
         self.inbound = Inbound(
@@ -120,6 +128,7 @@ class Node:
             telemetry=self.telemetry,
             membership=self.membership,
             faults=self.faults,
+            marks=self.marks,
             count_sent=self.outbound.count_sent,
             stopping=self.stopping,
         )
@@ -143,7 +152,7 @@ class Node:
         if checkpoint:
             self.ctx.round = int(checkpoint.get("round", 0))
             log.info("%s: resuming from checkpoint (round %d)", self.name, self.ctx.round)
-        requeued = self.inbound.recover()
+        requeued = self.inbound.recover(list(checkpoint.get("consumed", [])) if checkpoint else [])
         host, port = parse_hostport(self.cfg.node.listen)
         try:
             self.peer_port = await self.server.start(host, port, self.server_ssl)
@@ -263,10 +272,13 @@ class Node:
         self.faults.partition(self.server, self.client)
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        """The protocol's state for this round; then the pushes it consumed since
-        the last one are journaled and leave the spool (node/queues.py)."""
-        consumed = self.inboxes.take_consumed()
-        self.checkpoints.save({"round": self.ctx.round, "protocol": state})
+        """The protocol's state for this round with the ids of the pushes it
+        consumed since the last one, in one atomic write; then those ids are
+        journaled and leave the spool (node/queues.py)."""
+        consumed = self.inbound.consumed_records(self.inboxes.take_consumed())
+        self.checkpoints.save({"round": self.ctx.round, "protocol": state, "consumed": consumed})
+        if self.faults.active:
+            self.faults.on_progress(self.ctx.round, "checkpointed")  # drill: before the journal
         self.inbound.settle(consumed)
 
     def log_metrics(self, round: int, values: dict[str, Any]) -> None:

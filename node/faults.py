@@ -14,9 +14,11 @@ them by accident, and a node with a fault plan says so loudly in its log.
 
 - kill: SIGKILL this process `delay_s` after it enters `phase` of `round`
   (phases: train, exchange, aggregate = right after the neighbours' models
-  were received, evaluate, and acked = right after acknowledging a push of
-  that round or a later one). Each kill fires once: its id is appended to
-  `<file>.fired` before the signal, so a restarted node does not fire it again.
+  were received, evaluate, acked = right after acknowledging a push of
+  that round or a later one, and checkpointed = right after the checkpoint
+  of `round` is written, before the ids it consumed are journaled). Each kill
+  fires once: its id is appended to `<file>.fired` before the signal, so a
+  restarted node does not fire it again.
 - partition: while this node's round is in [from_round, to_round) it is cut
   off both ways: every outgoing post fails, every incoming connection is
   closed without an answer. It heals by itself.

@@ -5,9 +5,16 @@
   capped at transport.request_timeout_s) until the protocol's handler for
   `kind` has an answer, which goes back as `resp:<kind>`;
 - a push is spooled to disk, then queued in its kind's inbox, and only then
-  acknowledged. At each checkpoint the pushes the protocol consumed are
-  journaled and their spool files dropped; after a restart the spooled pushes
-  not journaled are queued again (see node/queues.py for the whole scheme).
+  acknowledged. Each checkpoint carries the ids of the pushes the protocol
+  consumed; then they are journaled and their spool files dropped; after a
+  restart the spooled pushes neither checkpointed nor journaled are queued
+  again (see node/queues.py for the whole scheme).
+
+Before any of that, the sender's replay mark is on disk at or above the
+message's timestamp (node/queues.py `ReplayMarks`), so a message this node
+acted on is refused if it comes again after a restart; a node that cannot
+write the marks refuses the message (`storage_error`, retried by the sender)
+rather than accept it unguarded.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership
 from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX
-from node.queues import Inboxes, Journal, Spool, unlink_all
+from node.queues import Inboxes, Journal, ReplayMarks, Spool, unlink_all
 from node.telemetry import Telemetry
 from node.transport import IncomingFrame, Rejection
 from p2pfl.config import SiteConfig
@@ -45,6 +52,7 @@ class Inbound:
     telemetry: Telemetry
     membership: Membership
     faults: FaultPlan
+    marks: ReplayMarks
     count_sent: Callable[[str, str, int], None]
     stopping: asyncio.Event
     handlers: dict[str, Handler] = field(default_factory=dict)
@@ -63,6 +71,11 @@ class Inbound:
     async def on_frame(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
         kind = header.kind
+        try:
+            await self.marks.cover(header.sender, header.timestamp_ms)
+        except OSError as exc:
+            log.error("%s: cannot write the replay marks: %s", self.name, exc)
+            raise Rejection("storage_error", "replay marks not persisted") from None
         if kind == HEARTBEAT:
             self.membership.heard(header.sender, self._open(incoming))
             return 200, None
@@ -156,9 +169,23 @@ class Inbound:
             self.faults.on_progress(header.round, "acked")  # drill: crash right after an ack
         return 200, None
 
-    def recover(self) -> int:
-        """At start: journaled ids count as seen (a resend is a replay), and every
-        spooled push not journaled is queued again. Returns how many were."""
+    def recover(self, checkpointed: list[dict[str, Any]]) -> int:
+        """At start: the ids the latest checkpoint consumed (`checkpointed`) are
+        journaled if a crash left them out; journaled ids count as seen (a resend
+        is a replay, their spool files are dropped), and every other spooled push
+        is queued again. Returns how many were."""
+        missing = [
+            e
+            for e in checkpointed
+            if isinstance(e, dict) and isinstance(e.get("id"), str) and e["id"] not in self.journal
+        ]
+        if missing:
+            log.info(
+                "%s: journaling %d ids the last checkpoint consumed (crash before the journal)",
+                self.name,
+                len(missing),
+            )
+            self.journal.append(missing)
         for msg_id, ts in self.journal.ids.items():
             self.codec.replay.add(bytes.fromhex(msg_id), ts)
         count = 0
@@ -187,23 +214,25 @@ class Inbound:
             count += 1
         return count
 
-    def settle(self, consumed: list[Received]) -> None:
-        """The checkpoint covering `consumed` is written: journal them, then drop
-        their spool files."""
-        self.journal.append(
-            [
-                {
-                    "id": r.msg_id,
-                    "kind": r.kind,
-                    "from": r.sender,
-                    "round": r.round,
-                    "ts": self._spool_ts.pop(r.msg_id, 0),
-                    "t": round(time.time(), 3),
-                }
-                for r in consumed
-            ]
-        )
-        done = self.spool.forget([r.msg_id for r in consumed])
+    def consumed_records(self, consumed: list[Received]) -> list[dict[str, Any]]:
+        """What the checkpoint and then the journal keep of each consumed push."""
+        return [
+            {
+                "id": r.msg_id,
+                "kind": r.kind,
+                "from": r.sender,
+                "round": r.round,
+                "ts": self._spool_ts.pop(r.msg_id, 0),
+                "t": round(time.time(), 3),
+            }
+            for r in consumed
+        ]
+
+    def settle(self, consumed: list[dict[str, Any]]) -> None:
+        """The checkpoint holding `consumed` (consumed_records) is written:
+        journal them, then drop their spool files."""
+        self.journal.append(consumed)
+        done = self.spool.forget([r["id"] for r in consumed])
         if done:
             # Journaled first, so deleting later (off the loop) is crash-safe.
             try:

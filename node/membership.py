@@ -3,7 +3,10 @@
 Every `transport.heartbeat_s` the node sends each roster peer a signed
 heartbeat with its round, phase, whether its protocol is done, what the
 protocol published and its traffic edges and choices; the heartbeats it
-receives feed the peer table (node/peers.py) and the telemetry. A peer that
+receives feed the peer table (node/peers.py) and the telemetry. With
+`wire.encryption` each heartbeat is encrypted to its recipient, like every
+other message: it carries the gossiped metadata (per-class F1, model
+statistics, FedPerl's feature vectors). A peer that
 (re)joins is answered at once. On SIGHUP the roster file is read again: sites
 no longer listed are refused from then on, new ones are linked.
 """
@@ -71,7 +74,9 @@ class Membership:
         }
 
     async def _send(self, peer: str, beat: dict[str, Any]) -> None:
-        message = self.codec.encode(HEARTBEAT, peer, beat, round=self.progress().round)
+        message = self.codec.encode(
+            HEARTBEAT, peer, beat, round=self.progress().round, encrypt=self.cfg.wire.encryption
+        )
         try:
             status, _ = await self.client.post(
                 peer,

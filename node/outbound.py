@@ -9,6 +9,14 @@ may hold it open; the peer answers `resp:<kind>` once its handler has
 something, or "not_ready" at the end of the wait, and the request is asked
 again (a fresh message each time) until its timeout.
 
+A receiver that restarted refuses messages stamped at or before its replay
+mark for this node (`before_restart`, 425; p2pfl/secure/wire.py): they may be
+replays of what it accepted before. That refusal is never taken as delivered
+(only 200, or 409 `replayed` for an id the receiver holds, is): a push is
+encoded again with a fresh timestamp and its same id and sent again until its
+deadline, a request is asked again, and an answer to our own request refused
+for that reason after our restart is asked for again.
+
 Heartbeats are the membership's (node/membership.py) and not counted here.
 """
 
@@ -23,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node.peers import PeerTable
-from node.queues import Outbox, OutboxEntry
+from node.queues import Outbox, OutboxEntry, ReplayMarks
 from node.telemetry import Telemetry, TrafficCounter
 from node.transport import MessageClient, TransportError, reason_of_response
 from p2pfl.config import SiteConfig
@@ -35,7 +43,10 @@ log = logging.getLogger(__name__)
 REQUEST_PREFIX = "req:"
 RESPONSE_PREFIX = "resp:"
 # Answers after which a request is asked again (until its timeout) rather than given up.
-ASK_AGAIN = ("not_ready", "no_handler", "rate_limited", "queue_full")
+ASK_AGAIN = ("not_ready", "no_handler", "rate_limited", "queue_full", "before_restart")
+# The peer restarted since this message's timestamp: encode it again, it was not taken.
+SEND_AGAIN = "before_restart"
+SEND_AGAIN_PAUSE_S = 0.25
 
 
 @dataclass(kw_only=True, eq=False)
@@ -49,6 +60,7 @@ class Outbound:
     outbox: Outbox
     peers: PeerTable
     telemetry: Telemetry
+    marks: ReplayMarks
     current_round: Callable[[], int]
     sent: TrafficCounter = field(default_factory=TrafficCounter)  # since start, no heartbeats
 
@@ -69,30 +81,46 @@ class Outbound:
             self.outbox.done(entry.msg_id)
 
     async def _deliver(self, entry: OutboxEntry, *, timeout: float | None = None) -> None:
-        message = self.codec.encode(
-            entry.kind,
-            entry.peer,
-            entry.payload,
-            round=entry.round,
-            encrypt=self.cfg.wire.encryption,
-            msg_id=entry.msg_id,
-        )
-        try:
-            status, body = await self.client.post(entry.peer, message, timeout=timeout)
-        except TransportError as exc:
-            raise PeerUnavailable(entry.peer, exc.reason) from None
-        if status == 200 or (status == 409 and reason_of_response(status, body) == "replayed"):
-            self.count_sent(entry.peer, entry.kind, message.nbytes)
+        deadline = time.monotonic() + (timeout or self.cfg.transport.request_timeout_s)
+        while True:
+            # A fresh timestamp on every encoding, the same id: see the module docstring.
+            message = self.codec.encode(
+                entry.kind,
+                entry.peer,
+                entry.payload,
+                round=entry.round,
+                encrypt=self.cfg.wire.encryption,
+                msg_id=entry.msg_id,
+            )
+            remaining = deadline - time.monotonic()
+            try:
+                status, body = await self.client.post(
+                    entry.peer, message, timeout=max(0.05, remaining)
+                )
+            except TransportError as exc:
+                raise PeerUnavailable(entry.peer, exc.reason) from None
+            reason = reason_of_response(status, body)
+            if status == 200 or (status == 409 and reason == "replayed"):
+                self.count_sent(entry.peer, entry.kind, message.nbytes)
+                log.info(
+                    "%s: %s %s delivered to %s (round %d)",
+                    self.name,
+                    entry.kind,
+                    entry.msg_id.hex(),
+                    entry.peer,
+                    entry.round,
+                )
+                return
+            if reason != SEND_AGAIN or deadline - time.monotonic() <= SEND_AGAIN_PAUSE_S:
+                raise PeerUnavailable(entry.peer, reason)
             log.info(
-                "%s: %s %s delivered to %s (round %d)",
+                "%s: %s %s refused by %s as stamped before its restart; sending it again",
                 self.name,
                 entry.kind,
                 entry.msg_id.hex(),
                 entry.peer,
-                entry.round,
             )
-            return
-        raise PeerUnavailable(entry.peer, reason_of_response(status, body))
+            await asyncio.sleep(SEND_AGAIN_PAUSE_S)
 
     async def resend_outbox(self) -> None:
         """Pushes interrupted by a crash go out again with their original id, once
@@ -156,19 +184,37 @@ class Outbound:
                 continue
             self.count_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
             if status == 200:
-                return self._open_response(peer, kind, body)
+                try:
+                    return await self._open_response(peer, kind, body)
+                except WireError as exc:
+                    if exc.reason != SEND_AGAIN:
+                        raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
+                    reason = exc.reason  # our restart floor: ask again for a fresh answer
+                    await asyncio.sleep(
+                        min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic()))
+                    )
+                    continue
             reason = reason_of_response(status, body)
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
+            if reason == SEND_AGAIN:  # answered at once: pause, not a busy loop
+                await asyncio.sleep(min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
-    def _open_response(self, peer: str, kind: str, body: bytes) -> Any:
+    async def _open_response(self, peer: str, kind: str, body: bytes) -> Any:
+        """Verify and open the answer to our request; WireError (counted) if refused."""
         try:
             delivered = self.codec.decode(bytearray(body), require_finite=True)
         except WireError as exc:
             self.telemetry.record_rejection(exc.reason, peer)
-            raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
+            raise
         if delivered.header.sender != peer or delivered.header.kind != RESPONSE_PREFIX + kind:
             self.telemetry.record_rejection("payload_schema", peer)
             raise PeerUnavailable(peer, "response does not match the request")
+        try:
+            await self.marks.cover(peer, delivered.header.timestamp_ms)
+        except OSError as exc:
+            log.error("%s: cannot write the replay marks: %s", self.name, exc)
+            self.telemetry.record_rejection("storage_error", peer)
+            raise PeerUnavailable(peer, "storage_error") from None
         self.telemetry.record_received(peer, delivered.header.kind, delivered.nbytes)
         return delivered.payload

@@ -1,22 +1,28 @@
-"""Crash-safe message queues: the spool, the journal, the inboxes, the outbox
-and the checkpoints, each a class here (node/inbound.py and node/daemon.py
-drive them).
+"""Crash-safe message queues: the spool, the journal, the inboxes, the outbox,
+the checkpoints and the replay marks, each a class here (node/inbound.py and
+node/daemon.py drive them).
 
 Each received push is delivered to the protocol once, tied to checkpoints:
   1. A verified push is written to `spool/` (p2pfl.files.atomic_write_bytes:
      temp file, fsync, rename, fsync dir) before the sender gets its 200.
   2. It goes to a bounded per-kind inbox. When the protocol takes it, it is
      noted as consumed.
-  3. When the protocol next checkpoints, the checkpoint (round and protocol
-     state, no message ids) is written first; then the ids consumed since the
-     last checkpoint are appended to `journal.jsonl` (fsynced), and their
-     spool files are deleted.
-  4. After a crash the node restores its last checkpoint, counts every
-     journaled id as already seen, and re-queues every spooled frame not in the
-     journal: what was consumed after the checkpoint is consumed again on top
-     of the rolled-back state, so it counts once. (A crash between writing a
-     checkpoint and appending its ids to the journal re-queues those messages
-     on top of the checkpoint that already includes them.)
+  3. When the protocol next checkpoints, the checkpoint is written with the
+     ids consumed since the last one inside it (`consumed`: id, kind, sender,
+     round, timestamp), in the same atomic write as the protocol state: the
+     state and the ids it covers are on disk together or not at all. Then the
+     ids are appended to `journal.jsonl` (fsynced) and their spool files are
+     deleted. The journal is derived from the checkpoints (and kept as the
+     audit log of every processed id).
+  4. After a crash the node restores its last checkpoint, appends the ids that
+     checkpoint names to the journal where a crash between the two writes left
+     them out, counts every journaled id as already seen (their spool files
+     are deleted, not re-queued), and re-queues every other spooled frame:
+     what was consumed after the checkpoint is consumed again on top of the
+     rolled-back state, so it counts once. There is no window: a crash before
+     the checkpoint's rename keeps the old state and re-queues; a crash after
+     it keeps the new state and the ids with it (the fault plan's
+     `checkpointed` kill drills exactly that moment).
 A sender that retries after our crash is told it was delivered, never
 delivered twice: a 409 `replayed` from the replay cache (seeded with the
 journal at start; the sender takes it as delivered), or a 200 when the id is
@@ -25,6 +31,35 @@ still spooled or journaled.
 Outgoing pushes are written to `outbox/` before the first attempt and removed
 once the peer acknowledged them; after a restart pending ones are sent again
 with their original message id, so the receiver's dedupe still applies.
+
+Replay across restarts (`ReplayMarks`, `replay_marks.json`): the replay cache
+lives in memory, and the journal holds only consumed pushes, so a heartbeat,
+request or not yet checkpointed push captured within the clock-skew window
+could otherwise be replayed once the node restarted. Before a message stamped
+`ts` by sender S has any effect, `replay_marks.json` holds a mark[S] >= ts;
+after a restart every message from S stamped at or below mark[S] is refused
+`before_restart` (p2pfl/secure/wire.py). The marks are written ahead of time:
+each write sets mark[S] to S's predicted clock (our clock plus the offset its
+newest message showed) plus `wire.replay_margin_s`, for every sender heard in
+this run, in one atomic file write (temp file, fsync, rename), started in the
+background once a message comes within half a margin of its mark. So a steady
+stream of messages never waits on the disk, the file is written about once
+per half margin whatever the number of peers, and only the first message of a
+sender after a start (or one stamped beyond its prediction: a sender whose
+clock jumped ahead) waits for a write (a few ms, off the event loop).
+
+The cost is after a restart: a sender's fresh messages are refused
+`before_restart` until its clock passes its mark, at most one margin after
+the crash (less the time the restart took). Senders expect this: a push is
+sent again with a fresh timestamp and the same id (node/outbound.py), a
+request is asked again, a heartbeat is simply the next one; nothing is lost.
+A sender whose clock steps back by d seconds is refused for up to d plus the
+margin after our restart (its messages are not otherwise held against it: in a
+run the replay cache goes by message ids); a step forward moves its mark
+forward with it. Either is bounded by `wire.clock_skew_s`: anything stamped
+more than that before our clock is `stale_timestamp` anyway, and marks that
+old are dropped. A marks file that cannot be read (not absent: unreadable)
+fails closed: every sender is refused for a clock-skew window plus a margin.
 """
 
 from __future__ import annotations
@@ -38,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2pfl.files import append_lines, atomic_write_bytes
+from p2pfl.files import append_lines, atomic_write_bytes, atomic_write_json
 from p2pfl.secure import tensors
 from protocols.base import Received
 
@@ -251,3 +286,102 @@ class Checkpoints:
             except (tensors.CodecError, KeyError, TypeError, OSError) as exc:
                 log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, exc)
         return None
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ReplayMarks:
+    """Per-sender high-water marks of accepted timestamps, on disk before they
+    are needed (the module docstring says how and why). `floor` and
+    `floor_all` are what the previous run left: the codec's restart floor."""
+
+    VERSION = 1
+
+    def __init__(self, path: Path, margin_s: float, clock_skew_s: float) -> None:
+        self.path = path
+        self.margin_ms = int(margin_s * 1000)
+        self.skew_ms = int(clock_skew_s * 1000)
+        self.floor, self.floor_all = self._load()
+        self.durable: dict[str, int] = dict(self.floor)  # what the file holds now
+        self._latest: dict[str, int] = {}  # the newest stamp each sender sent in this run
+        self._offset: dict[str, int] = {}  # its clock minus ours, from that message (ms)
+        self._writing: asyncio.Future[None] | None = None
+        self.writes = 0  # file writes in this run
+        self.waits = 0  # messages that had to wait for one
+
+    def _load(self) -> tuple[dict[str, int], int]:
+        if not self.path.exists():
+            return {}, 0
+        now = _now_ms()
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            marks = raw["marks"]
+            floor_all = raw.get("all", 0)
+            if raw.get("v") != self.VERSION or not isinstance(marks, dict):
+                raise ValueError("not a replay marks file")
+            if not all(
+                isinstance(k, str) and type(v) is int for k, v in [*marks.items(), ("", floor_all)]
+            ):
+                raise ValueError("marks must map names to integers")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Fail closed: anything stamped up to a skew window ahead of our
+            # clock may have been accepted before.
+            log.error(
+                "replay marks %s unreadable (%s): refusing every sender's messages stamped "
+                "before %.0f s from now",
+                self.path,
+                exc,
+                (self.skew_ms + self.margin_ms) / 1000,
+            )
+            return {}, now + self.skew_ms + self.margin_ms
+        # A mark more than a skew window behind our clock guards nothing that
+        # stale_timestamp does not refuse already.
+        keep = {k: v for k, v in marks.items() if v >= now - self.skew_ms}
+        return keep, floor_all if floor_all >= now - self.skew_ms else 0
+
+    async def cover(self, sender: str, ts: int) -> None:
+        """Return once the file holds a mark of `sender` at or above `ts` (the
+        message stamped `ts` may then be accepted). Raises OSError when the
+        marks cannot be written."""
+        if ts > self._latest.get(sender, -1):
+            self._latest[sender] = ts
+            self._offset[sender] = ts - _now_ms()
+        if ts > self.mark(sender) - self.margin_ms // 2:
+            if ts > self.mark(sender):
+                self.waits += 1
+                while ts > self.mark(sender):
+                    await asyncio.shield(self._write())
+            elif self._writing is None:
+                self._write().add_done_callback(_log_failure)  # ahead of time, in the background
+
+    def mark(self, sender: str) -> int:
+        """The sender's mark on disk now (the floor a restart would start from)."""
+        return max(self.durable.get(sender, 0), self.floor_all)
+
+    def _write(self) -> asyncio.Future[None]:
+        """The write in flight, or a new one with every sender's next mark."""
+        if self._writing is None:
+            self._writing = asyncio.ensure_future(self._write_marks())
+        return self._writing
+
+    async def _write_marks(self) -> None:
+        try:
+            now = _now_ms()
+            marks = dict(self.durable)
+            for sender, latest in self._latest.items():
+                ahead = max(latest, now + self._offset[sender]) + self.margin_ms
+                marks[sender] = max(marks.get(sender, 0), ahead)
+            marks = {k: v for k, v in marks.items() if v >= now - self.skew_ms}
+            record = {"v": self.VERSION, "marks": marks, "all": self.floor_all}
+            await asyncio.to_thread(atomic_write_json, self.path, record)
+            self.durable = marks
+            self.writes += 1
+        finally:
+            self._writing = None
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("replay marks not written ahead of time: %s", future.exception())

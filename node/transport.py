@@ -4,7 +4,8 @@ Server: `POST /p2pfl/v1/message` streams the body. It reads the frame prefix,
 header and signature first and verifies them (size limit, sender, signature,
 clock, replay) before it reads a single payload byte; then it reads the payload
 into one buffer while hashing it, and hands the verified frame to the node.
-Anything rejected gets a 4xx with a JSON body `{"reason": CODE}`.
+Anything rejected gets a 4xx (a 503 when this node cannot store what it
+must before accepting) with a JSON body `{"reason": CODE}`.
 
 Client: one pooled session for all peers; per-peer retries with exponential
 backoff and full jitter; a per-peer circuit breaker so a dead peer costs one
@@ -48,6 +49,8 @@ STATUS_FOR_REASON = {
     "bad_signature": 401,
     "stale_timestamp": 401,
     "replayed": 409,
+    "before_restart": 425,  # maybe a replay from before our restart: send again, freshly stamped
+    "encryption_required": 403,
     "digest_mismatch": 400,
     "decryption_failed": 400,
     "payload_schema": 422,
@@ -57,6 +60,7 @@ STATUS_FOR_REASON = {
     "no_handler": 404,
     "handler_error": 500,
     "truncated": 400,
+    "storage_error": 503,
 }
 RETRYABLE = {429, 500, 502, 503, 504}
 

@@ -204,6 +204,52 @@ def test_reason_replayed(codecs):
     reject(codecs["bob"], frame, "replayed")
 
 
+def test_reason_before_restart(codecs):
+    # The node's restart floor for alice (node/queues.py ReplayMarks): anything
+    # she stamped at or before it may have been accepted before the restart.
+    now = int(time.time() * 1000)
+    bob = codecs["bob"]
+    bob.restart_floor = {"alice": now}
+    reject(
+        bob,
+        codecs["alice"].encode("heartbeat", "bob", {}, timestamp_ms=now).to_bytes(),
+        "before_restart",
+    )
+    reject(
+        bob,
+        codecs["alice"].encode("m", "bob", {}, timestamp_ms=now - 1000).to_bytes(),
+        "before_restart",
+    )
+    assert bob.decode(
+        codecs["alice"].encode("m", "bob", {"x": 1}, timestamp_ms=now + 1).to_bytes()
+    ).payload == {"x": 1}
+    # A floor for every sender not listed (an unreadable marks file fails closed).
+    # It holds for listed senders too, whatever their own floor.
+    bob.restart_floor_all = now + 60_000
+    for sender in ("carol", "alice"):
+        reject(
+            bob,
+            codecs[sender].encode("m", "bob", {}, timestamp_ms=now + 30_000).to_bytes(),
+            "before_restart",
+        )
+    assert bob.decode(codecs["alice"].encode("m", "bob", {}, timestamp_ms=now + 60_001).to_bytes())
+
+
+def test_reason_encryption_required(identities, roster, codecs):
+    strict = WireCodec(identities["bob"], roster, "fed-test", require_encryption=True)
+    for kind in ("model", "heartbeat", "req:model", "resp:model"):
+        plain = codecs["alice"].encode(kind, "bob", {"meta": {"f1": [0.9, 0.1]}})
+        reject(strict, plain.to_bytes(), "encryption_required")
+        sealed = codecs["alice"].encode(kind, "bob", {"meta": {"f1": [0.9, 0.1]}}, encrypt=True)
+        assert strict.decode(sealed.to_bytes()).payload == {"meta": {"f1": [0.9, 0.1]}}
+    # Refused from the header alone, before a payload byte is read (as the transport does).
+    plain = codecs["alice"].encode("model", "bob", {"state": state_dict()}).to_bytes()
+    _, header, sig, _ = frame_parts(plain)
+    with pytest.raises(WireError) as err:
+        strict.verify_header(header, sig)
+    assert err.value.reason == "encryption_required"
+
+
 def test_replay_cache_is_bounded_and_never_forgets_unsafely():
     cache = ReplayCache(capacity=3)
     for i in range(5):

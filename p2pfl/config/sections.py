@@ -186,8 +186,20 @@ class StatusSection(Section):
 class WireSection(Section):
     max_message_bytes: int = Field(512 * 1024 * 1024, ge=1024)
     clock_skew_s: float = Field(300.0, gt=0.0)
-    encryption: bool = False
+    encryption: bool = Field(
+        False,
+        description="encrypt every payload to its recipient (heartbeats included) and refuse "
+        "payloads that arrive in the clear; switch every site together",
+    )
     replay_cache_size: int = Field(100_000, ge=16)
+    replay_margin_s: float = Field(
+        5.0,
+        gt=0.0,
+        le=60.0,
+        description="how far ahead of each sender's newest accepted timestamp the replay marks "
+        "are kept on disk: larger means fewer writes, and fresh messages refused (and sent "
+        "again) for longer right after a restart",
+    )
 
 
 class TLSSection(Section):

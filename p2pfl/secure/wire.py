@@ -13,8 +13,22 @@ so tampering is caught before decryption; the header stays clear and signed.
 
 Checks, in order, each a `WireError` reason: oversize, undecodable_header,
 unsupported_version, wrong_federation, unknown_sender, wrong_recipient,
-bad_signature, stale_timestamp, replayed, digest_mismatch, decryption_failed,
-payload_schema. Nothing else escapes `WireCodec`.
+bad_signature, stale_timestamp, replayed, before_restart, encryption_required,
+digest_mismatch, decryption_failed, payload_schema. Nothing else escapes
+`WireCodec`.
+
+Replay: within a run the replay cache refuses an id seen before (and, once
+full, everything stamped at or before the ids it had to drop). Across a
+restart the cache is empty, so the node hands the codec a floor per sender
+(`restart_floor`, the high-water marks node/queues.py `ReplayMarks` persisted
+ahead of time): a message from S stamped at or below floor[S] may have been
+accepted before the restart and is refused `before_restart`. A sender told
+`before_restart` sends again with a fresh timestamp (node/outbound.py), so a
+fresh message refused only for its stamp is delayed, never lost.
+
+`require_encryption` (wire.encryption: true) refuses a payload sent in the
+clear, `encryption_required`, before a byte of it is read: pushes, requests,
+heartbeats and the answers to this node's own requests alike.
 """
 
 from __future__ import annotations
@@ -54,6 +68,8 @@ REASONS = (
     "bad_signature",
     "stale_timestamp",
     "replayed",
+    "before_restart",
+    "encryption_required",
     "digest_mismatch",
     "decryption_failed",
     "payload_schema",
@@ -192,6 +208,7 @@ class WireCodec:
         max_message_bytes: int = 512 * 1024 * 1024,
         clock_skew_s: float = 300.0,
         replay_cache_size: int = 100_000,
+        require_encryption: bool = False,
     ) -> None:
         self.identity = identity
         self.roster = roster
@@ -199,6 +216,12 @@ class WireCodec:
         self.max_message_bytes = max_message_bytes
         self.clock_skew_ms = int(clock_skew_s * 1000)
         self.replay = ReplayCache(replay_cache_size)
+        self.require_encryption = require_encryption
+        # sender -> timestamp (ms) at or below which its messages may have been
+        # accepted before this node restarted, and a floor for every sender;
+        # set once at start.
+        self.restart_floor: dict[str, int] = {}
+        self.restart_floor_all = 0
         self._shared: dict[str, bytes] = {}
 
     # ------------------------------------------------------------------ send
@@ -286,7 +309,7 @@ class WireCodec:
         total_len: int | None = None,
         header: Header | None = None,
     ) -> Header:
-        """Checks 2-9 (everything but the payload). Does not mark the id seen.
+        """Checks 2-11 (everything but the payload). Does not mark the id seen.
         `header`: these header_bytes already unpacked (saves decoding them twice)."""
         if header is None:
             header = Header.unpack(header_bytes)
@@ -312,6 +335,15 @@ class WireCodec:
             )
         if self.replay.seen(header.msg_id, header.timestamp_ms):
             raise WireError("replayed", header.id_hex)
+        floor = max(self.restart_floor.get(header.sender, 0), self.restart_floor_all)
+        if header.timestamp_ms <= floor:
+            raise WireError(
+                "before_restart",
+                f"stamped {floor - header.timestamp_ms} ms at or before this node's restart "
+                "floor for the sender; send it again with a fresh timestamp",
+            )
+        if self.require_encryption and not header.encrypted:
+            raise WireError("encryption_required", "this node accepts encrypted payloads only")
         if (
             total_len is not None
             and total_len != PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
@@ -327,7 +359,7 @@ class WireCodec:
         digest: bytes | None = None,
         require_finite: bool = False,
     ) -> Any:
-        """Checks 10-12 on the payload bytes; `digest` if the caller hashed while streaming.
+        """Checks 12-14 on the payload bytes; `digest` if the caller hashed while streaming.
         On success the message id is marked seen."""
         if len(payload) != header.payload_len:
             raise WireError("digest_mismatch", "payload length differs from the header")

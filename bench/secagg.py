@@ -9,11 +9,12 @@ warmer machine). Reported per mode: final macro-F1 (mean over nodes), mean
 round time, exchange time and protocol bytes; and the ratios secure / plain.
 
 The dropout drill (`--dropout`): c = 1, so each node's sum has every other
-node as a contributor; one node (`site_4`) is killed by its fault plan right
-after it answered a Round 2 (masked input) request of the drill round. The
-others' sums of that round must still complete with the survivors: the bench
-reports, per node, the contributors and the dropped contributors of that round
-and whether the node finished.
+node as a contributor; one node (`site_4`) is killed by its fault plan when
+the first Round 2 request (masked input) of the drill round reaches it: the
+others have masked with it (its mask key's shares dealt), its own input never
+comes. The sums of that round must still complete with the survivors: the
+bench reports, per node, the contributors and the dropped contributors of that
+round and whether the node finished.
 
     python -m bench.secagg --data ../shared/data/pneumoniamnist.npz --seeds 0 1 2 \\
         --out runs/secagg
@@ -188,6 +189,8 @@ def dropout_drill(args: argparse.Namespace) -> dict[str, Any]:
     sources, _ = partition(spec, out / "data")
     plan_file = out / "faults.json"
     out.mkdir(parents=True, exist_ok=True)
+    for sidecar in (".fired", ".events.jsonl"):  # a fresh drill: no kill fired yet
+        plan_file.with_name(plan_file.name + sidecar).unlink(missing_ok=True)
     plan_file.write_text(
         json.dumps(
             {
@@ -195,8 +198,8 @@ def dropout_drill(args: argparse.Namespace) -> dict[str, Any]:
                     {
                         "id": "after-masking",
                         "round": args.drill_round,
-                        "answered": "secagg:mask",
-                        "delay_s": 0.3,
+                        "phase": "asked:secagg:mask",
+                        "delay_s": 0.0,
                     }
                 ]
             }

@@ -15,8 +15,13 @@ them by accident, and a node with a fault plan says so loudly in its log.
 - kill: SIGKILL this process `delay_s` after it enters `phase` of `round`
   (phases: train, exchange, aggregate = right after the neighbours' models
   were received, evaluate, acked = right after acknowledging a push of
-  that round or a later one, and checkpointed = right after the checkpoint
-  of `round` is written, before the ids it consumed are journaled). Each kill
+  that round or a later one, checkpointed = right after the checkpoint
+  of `round` is written, before the ids it consumed are journaled,
+  asked:KIND[:STEP] = on receiving a request of that kind (and `phase` in
+  its query) from a peer in `round`, before answering it, and
+  answered:KIND[:STEP] = right after answering one; e.g. asked:secagg:mask is
+  a secure-aggregation contributor gone after the others masked with it,
+  before its own masked input). Each kill
   fires once: its id is appended to `<file>.fired` before the signal, so a
   restarted node does not fire it again.
 - partition: while this node's round is in [from_round, to_round) it is cut

@@ -101,6 +101,9 @@ class Inbound:
         if not isinstance(query, dict):
             raise WireError("payload_schema", "request query must be a map")
         kind = header.kind[len(REQUEST_PREFIX) :]
+        if self.faults.active:
+            # drill: crash on a request before answering it (e.g. "asked:secagg:mask")
+            self.faults.on_progress(header.round, self._step("asked", kind, query))
         wait_s = query.pop("_wait_s", 0.0)
         wait_s = min(
             float(wait_s) if isinstance(wait_s, int | float) else 0.0,
@@ -138,7 +141,15 @@ class Inbound:
         self.count_sent(header.sender, RESPONSE_PREFIX + kind, reply.nbytes)
         if self.faults.active:
             self.faults.remember_reply(header.sender, reply.chunks)
+            # drill: crash right after answering (e.g. "answered:secagg:share")
+            self.faults.on_progress(header.round, self._step("answered", kind, query))
         return 200, reply.chunks
+
+    @staticmethod
+    def _step(event: str, kind: str, query: dict[str, Any]) -> str:
+        """The fault plan's name for a request event: EVENT:KIND[:the query's phase]."""
+        step = query.get("phase")
+        return f"{event}:{kind}" + (f":{step}" if isinstance(step, str) else "")
 
     # ------------------------------------------------------------------ pushes
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:

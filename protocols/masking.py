@@ -70,33 +70,53 @@ def pair_secret_from_shared(shared_secret: bytes, me: str, peer: str, context: b
     ).derive(shared_secret)
 
 
+_ZEROS = bytes(0)  # read-only zeros to encrypt into a keystream, grown on demand
+
+
+def _zeros(nbytes: int) -> memoryview:
+    global _ZEROS
+    if len(_ZEROS) < nbytes:
+        _ZEROS = bytes(nbytes)
+    return memoryview(_ZEROS)[:nbytes]
+
+
 def mask_stream(secret: bytes, entry: str, numel: int) -> Fixed:
-    """The pair mask of one state-dict entry: `numel` uniform uint64 values."""
+    """The pair mask of one state-dict entry: `numel` uniform uint64 values
+    (the ChaCha20 keystream, encrypted straight into the returned array)."""
     if len(secret) != PAIR_SECRET_BYTES:
         raise MaskingError("bad_secret", f"pair secret must be {PAIR_SECRET_BYTES} bytes")
     nonce = b"\x00" * 4 + hashlib.sha256(entry.encode()).digest()[:12]  # counter 0 + 96-bit nonce
     encryptor = Cipher(algorithms.ChaCha20(secret, nonce), mode=None).encryptor()
-    stream = encryptor.update(bytes(8 * numel))
-    return np.frombuffer(stream, dtype="<u8").astype(np.uint64)
+    out = np.empty(numel + 2, dtype="<u8")  # update_into wants 15 bytes of room beyond the data
+    written = encryptor.update_into(_zeros(8 * numel), memoryview(out).cast("B"))
+    assert written == 8 * numel
+    return out[:numel]
 
 
 # ---------------------------------------------------------------------- fixed point
 
 
-def to_fixed(values: Tensor | NDArray[np.floating], bits: int = FIXED_POINT_BITS) -> Fixed:
-    """Float values -> round(x * 2^bits) as two's-complement uint64; refuses
-    non-finite values and |x| >= 2^MAX_VALUE_BITS."""
+def to_fixed(
+    values: Tensor | NDArray[np.floating], bits: int = FIXED_POINT_BITS, *, scale: float = 1.0
+) -> Fixed:
+    """Float values (times `scale`) -> round(x * 2^bits) as two's-complement
+    uint64; refuses non-finite values and |x| >= 2^MAX_VALUE_BITS. In torch,
+    in place on one float64 copy (the state dicts of large models)."""
     x = (
-        values.detach().to(torch.float64).cpu().numpy()
+        values.detach().to("cpu", torch.float64, copy=True)
         if isinstance(values, Tensor)
-        else np.asarray(values, dtype=np.float64)
-    )
-    if x.size and (not np.isfinite(x).all() or np.abs(x).max() >= 2.0**MAX_VALUE_BITS):
+        else torch.tensor(np.asarray(values, dtype=np.float64))
+    ).reshape(-1)
+    if scale != 1.0:
+        x.mul_(scale)
+    if x.numel() and (
+        not bool(torch.isfinite(x).all()) or float(x.abs().max()) >= 2.0**MAX_VALUE_BITS
+    ):
         raise MaskingError(
             "out_of_range",
             f"values must be finite and below 2^{MAX_VALUE_BITS} in magnitude to be masked",
         )
-    return np.rint(x * 2.0**bits).astype(np.int64).reshape(-1).view(np.uint64)
+    return x.mul_(2.0**bits).round_().to(torch.int64).numpy().view(np.uint64)
 
 
 def from_fixed(values: Fixed, bits: int = FIXED_POINT_BITS) -> NDArray[np.float64]:

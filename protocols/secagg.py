@@ -274,8 +274,7 @@ def masked_input(
     if not weight > 0 or not math.isfinite(weight):
         raise SecAggError("bad_weight", f"{me}: weight must be a positive number, got {weight}")
 
-    def masked(entry: str, fixed: Fixed) -> Tensor:
-        out = fixed.copy()
+    def masked(entry: str, out: Fixed) -> Tensor:
         out += mask_stream(self_seed, entry, out.size)
         for peer, seed in pair_seeds.items():
             _signed(mask_stream(seed, entry, out.size), me < peer, out)
@@ -285,8 +284,7 @@ def masked_input(
     try:
         for entry in averaged_keys(state):
             value = state[entry]
-            scaled = value.detach().to(torch.float64) * weight
-            result[entry] = masked(entry, to_fixed(scaled, bits)).reshape(value.shape)
+            result[entry] = masked(entry, to_fixed(value, bits, scale=weight)).reshape(value.shape)
         result[WEIGHT_KEY] = masked(WEIGHT_KEY, to_fixed(np.array([weight]), bits))
     except MaskingError as exc:
         raise SecAggError(exc.reason, str(exc)) from None

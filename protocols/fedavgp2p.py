@@ -83,18 +83,27 @@ class FedAvgP2P(RoundLoop):
         while len(self.served) > self.params.max_staleness + 2:
             self.served.popitem(last=False)
 
-    async def serve_model(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
-        """'Your model of round r': the one of round r, or the nearest newer one
-        up to `max_round`; NotReady while this node has not finished r."""
-        wanted = int(query.get("round", 0))
-        newest = int(query.get("max_round", wanted))
+    def model_of(self, wanted: int, newest: int) -> dict[str, Any] | None:
+        """This node's served model of round `wanted`, or the nearest newer one
+        up to `newest`; None if it only has newer ones; NotReady while it has
+        not finished `wanted`."""
         for r in sorted(self.served):
             if wanted <= r <= newest:
                 return self.served[r]
         latest = max(self.served, default=-1)
         if latest < wanted:
             raise NotReady(f"round {wanted} not trained yet (latest {latest})")
-        return {"round": latest, "state": None, "num_train": 0, "reason": "too_new"}
+        return None
+
+    async def serve_model(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
+        """'Your model of round r': the one of round r, or the nearest newer one
+        up to `max_round`; NotReady while this node has not finished r."""
+        wanted = int(query.get("round", 0))
+        found = self.model_of(wanted, int(query.get("max_round", wanted)))
+        if found is None:
+            latest = max(self.served, default=-1)
+            return {"round": latest, "state": None, "num_train": 0, "reason": "too_new"}
+        return found
 
     def serve_secure_sums(self, ctx: RoundContext) -> None:
         """Answer secure-aggregation requests with this node's served models."""
@@ -117,14 +126,10 @@ class FedAvgP2P(RoundLoop):
         """(round, model, weight) this node masks into a requester's sum: its
         model of round `wanted` (or the nearest newer one up to `newest`),
         weighted by its sample count; NotReady while `wanted` is not trained."""
-        for r in sorted(self.served):
-            if wanted <= r <= newest:
-                entry = self.served[r]
-                return r, entry["state"], float(entry["num_train"])
-        latest = max(self.served, default=-1)
-        if latest < wanted:
-            raise NotReady(f"round {wanted} not trained yet (latest {latest})")
-        return None
+        found = self.model_of(wanted, newest)
+        if found is None:
+            return None
+        return found["round"], found["state"], float(found["num_train"])
 
     # ------------------------------------------------------------------ exchange
 

@@ -24,13 +24,14 @@ The scenarios (hole numbers are the issue's):
 
 | scenario | hole | federation | attack |
 |---|---|---|---|
-| fedperl_subset_difference | 1 | 3 FedPerl daemons + a raw requester | masked sums over nested or overlapping contributor sets, subtracted |
+| fedperl_subset_difference | 1 | 4 FedPerl daemons + a raw requester | sums over nested and overlapping contributor sets, subtracted; with secure aggregation also a lie about a dropout |
 | fedperl_model_pull | 1 | the same | a plain FedAVGP2P `model` request for one contributor's model |
 | unencrypted_injection | 2 | FedAVGP2P, `wire.encryption: true` | a signed but unencrypted push, request and heartbeat |
 | replay_after_restart | 3 | the same | a captured push, request and heartbeat resent after the victim's SIGKILL and restart |
 | poisoned_sgd_gradients | 5 | 3 FedSGDP2P daemons, one compromised | `scaled_random` gradients (x `--sgd-scale` the norm) |
 | poisoned_feder_relay | 5 | 3 FedER daemons + a raw ring member | a signed relay whose model is x `--feder-scale` a real one |
 | inflated_sample_count | 6 | 5 FedAVGP2P daemons, one compromised | a site with 0.6 % of the images claims `--inflation-factor` x its count |
+| inflated_sample_count_capped | 6 | the same, every roster card's `max_samples` its site's true count | the same claim (inconclusive where the roster has no `max_samples`) |
 | forged_signature | earlier | wire federation | a push signed with a key not the sender's; a stranger's push; forged answers |
 | wrong_federation | earlier | wire federation | a correctly signed push for another federation id |
 | nan_model | earlier | wire federation + a compromised node | NaN and Inf models served |
@@ -55,6 +56,7 @@ scenario's evidence; the last stdout line is one JSON object
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import secrets
 import shutil
@@ -83,7 +85,7 @@ from p2pfl.config import FedPerlParams
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.state import averaged_keys
 from p2pfl.secure import tensors
-from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.identity import Card, LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec, WireError
 from protocols.checks import float_norm
 
@@ -145,7 +147,7 @@ class Options:
     inflation_factor: float = 100.0
     inflation_share: float = 0.006
     inflation_nodes: int = 5
-    sgd_scale: float = 100.0
+    sgd_scale: float = 1000.0
     feder_scale: float = 1000.0
 
 
@@ -508,17 +510,21 @@ def judge_damage(
     attacked: dict[str, Any],
     bound: float,
     rejected_from_attacker: int,
+    reasons: dict[str, int],
     **evidence: Any,
 ) -> dict[str, Any]:
     """Learning attacks: the honest nodes' final macro-F1 against the same
-    federation without the attack. Beyond `bound`: succeeded; within it and
-    the attacker's inputs counted as refused: refused; else neutralised."""
+    federation without the attack. Beyond `bound`: succeeded. Within it:
+    refused if the victims counted the attacker's inputs as refused (a reason
+    that rose against the reference run, other than a cap); neutralised if
+    they took them, capped (`*_capped`) or not."""
     clean, hit = reference["final"], attacked["final"]
     evidence |= {
         "honest_macro_f1_reference": reference,
         "honest_macro_f1_attacked": attacked,
         "bound": bound,
         "rejected_from_attacker": rejected_from_attacker,
+        "reasons_counted_by_victims": reasons,
     }
     if clean is None or hit is None:
         return inconclusive(hole, "no final macro-F1 to compare", **evidence)
@@ -528,13 +534,36 @@ def judge_damage(
         return verdict(
             "succeeded", hole, f"honest macro-F1 {drop:+.3f} below the clean run", **evidence
         )
-    if rejected_from_attacker > 0:
+    refusals = {r: n for r, n in reasons.items() if not r.endswith("_capped")}
+    if rejected_from_attacker > 0 and refusals:
         return verdict(
-            "refused", hole, "the victims refused and counted the attacker's inputs", **evidence
+            "refused",
+            hole,
+            f"the victims refused and counted the attacker's inputs: {refusals}",
+            **evidence,
         )
+    capped = {r: n for r, n in reasons.items() if r.endswith("_capped")}
     return verdict(
-        "neutralised", hole, f"honest macro-F1 within {bound} of the clean run", **evidence
+        "neutralised",
+        hole,
+        f"honest macro-F1 within {bound} of the clean run"
+        + (f"; counted caps {capped}" if capped else ""),
+        **evidence,
     )
+
+
+def reason_rise(
+    reference: dict[str, dict[str, Any]], attacked: dict[str, dict[str, Any]], attacker: str
+) -> dict[str, int]:
+    """Rejection reasons the honest nodes counted in the attacked run beyond the reference run."""
+    totals: dict[str, int] = {}
+    for statuses, sign in ((attacked, 1), (reference, -1)):
+        for name, status in statuses.items():
+            if name == attacker:
+                continue
+            for reason, n in (status.get("rejected") or {}).items():
+                totals[reason] = totals.get(reason, 0) + sign * int(n)
+    return {r: n for r, n in sorted(totals.items()) if n > 0}
 
 
 # ---------------------------------------------------------------------- wire group (holes 2, 3, earlier)
@@ -776,29 +805,56 @@ def replay_after_restart(
 
 # ---------------------------------------------------------------------- FedPerl group (hole 1)
 
-
-# ONE function speaks the requester's side of FedPerl's anonymized peer; when the
-# protocol changes (secure aggregation: requests of kind "secagg" with phases),
-# adapt this function and `attack_subset_difference`'s calls, nothing else.
+# The requester's side, and only here: `collect_sum` speaks whichever protocol
+# the daemons serve (the masked anonymized peer of `anon_model` requests, or
+# secure aggregation's `secagg` sessions once protocols/secagg.py exists); the
+# attacks below only choose contributor sets, rounds and lies.
 ANON_KIND = "anon_model"
+SECAGG_KIND = "secagg"
 
 
-def collect_masked_sum(
+@dataclass
+class Sum:
+    """What a requester obtained: sum_u w_u x_u per float entry (float64) and sum_u w_u."""
+
+    entries: dict[str, np.ndarray]
+    weight: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def secure_aggregation_code() -> bool:
+    """Do these daemons speak secure aggregation (protocols/secagg.py beside the
+    `protocols` package the daemons import; an editable install's finder may
+    resolve the module name to another checkout, so the file is what counts)?"""
+    import protocols
+
+    return (Path(protocols.__file__).parent / "secagg.py").exists()
+
+
+def collect_sum(
     attacker: RawPeer,
     contributors: list[str],
     round: int,
     *,
     dropped: list[str] | None = None,
     wait_s: float = 10.0,
-) -> tuple[dict[str, np.ndarray] | None, dict[str, Any]]:
-    """Ask each contributor for its masked contribution to one anonymized-peer
-    request over `contributors` (protocols/fedperl.py AnonymizedPeerRequest),
-    as a requester that is a roster member; sum the answers mod 2^64.
-    `dropped`: contributors claimed to have dropped out (today's protocol has
-    no dropout phase: a retry is a fresh request over the survivors, which is
-    what the caller sends). Returns (the summed fixed-point entries, or None
-    unless every contributor answered; each contributor's answer)."""
-    del dropped  # today's protocol: the caller's smaller contributor set says it
+) -> tuple[Sum | None, dict[str, Any]]:
+    """One sum over `contributors`' models of `round`, asked for by `attacker`.
+    `dropped`: contributors to claim dropped out after masking (secure
+    aggregation's Unmasking), though they answered. Returns (the sum, or None
+    when the contributors did not all go along; what each answered)."""
+    if secure_aggregation_code():
+        return collect_secure_sum(attacker, contributors, round, dropped=dropped, wait_s=wait_s)
+    return collect_masked_sum(attacker, contributors, round, wait_s=wait_s)
+
+
+def collect_masked_sum(
+    attacker: RawPeer, contributors: list[str], round: int, *, wait_s: float
+) -> tuple[Sum | None, dict[str, Any]]:
+    """The old protocol (protocols/fedperl.py AnonymizedPeerRequest): every
+    contributor answers one request with its masked model; the masks cancel in
+    the sum mod 2^64. It has no dropout phase: a retry is a fresh request over
+    the survivors, which is how the caller claims a dropout."""
     request = {
         "request_id": secrets.token_hex(16),
         "contributors": sorted(contributors),
@@ -819,7 +875,158 @@ def collect_masked_sum(
             continue
         answers[peer] = {"status": 200, "masked_entries": len(masked)}
         add_masked(total, masked)
-    return (total if complete else None), answers
+    if not complete or MASKED_WEIGHT_KEY not in total:
+        return None, answers
+    return masked_total(total), answers
+
+
+def masked_total(total: dict[str, np.ndarray]) -> Sum:
+    """The summed masked contributions (fixed point, mod 2^64) as floats."""
+    rest = dict(total)
+    weight = float(fixed_to_float(rest.pop(MASKED_WEIGHT_KEY))[0])
+    return Sum({k: fixed_to_float(v) for k, v in rest.items()}, weight)
+
+
+def collect_secure_sum(
+    attacker: RawPeer,
+    contributors: list[str],
+    round: int,
+    *,
+    dropped: list[str] | None,
+    wait_s: float,
+) -> tuple[Sum | None, dict[str, Any]]:
+    """Secure aggregation (protocols/secagg.py, Bonawitz et al.'s five rounds),
+    played by a raw requester. With `dropped`, the requester lies after every
+    masked input arrived: it tells the others that those dropped out (U3
+    without them), collects the survivors' shares of the dropped ones' mask
+    keys, and tries to peel their pair masks off the masked inputs it holds.
+    Returns the sum over the contributors the others unmasked."""
+    from protocols import secagg
+
+    u = sorted(contributors)
+    base = {
+        "session": secrets.token_hex(16),
+        "contributors": u,
+        "round": round,
+        "max_round": round,
+        "purpose": "model",
+    }
+    answers: dict[str, dict[str, Any]] = {p: {} for p in u}
+
+    def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        query = {**base, "phase": phase, "body": body}
+        reply, payload = attacker.request(peer, SECAGG_KIND, query, round=round, wait_s=wait_s)
+        if not reply.accepted or not isinstance(payload, dict) or "refused" in payload:
+            answers[peer][phase] = reply.brief() | {
+                "refused": payload.get("refused") if isinstance(payload, dict) else None
+            }
+            return None
+        answers[peer][phase] = {"status": 200}
+        return payload
+
+    keys = {p: r for p in u if (r := ask(p, "advertise", {})) is not None}
+    u1 = sorted(keys)
+    t = secagg.threshold_for(len(u) - 1, None)
+    if len(u1) < max(secagg.MIN_SUM, t + 1):
+        return None, answers
+
+    def keys_for(peer: str) -> dict[str, Any]:
+        return {
+            "threshold": t,
+            "keys": {
+                v: {
+                    "pk": keys[v]["pk"],
+                    "tag": b"" if v == peer else keys[v]["tags"].get(peer, b""),
+                }
+                for v in u1
+            },
+        }
+
+    shares = {p: r["shares"] for p in u1 if (r := ask(p, "share", keys_for(p))) is not None}
+    u2 = sorted(shares)
+    inputs = {
+        p: r["masked"]
+        for p in u2
+        if (r := ask(p, "mask", {"u2": u2, "shares": {v: shares[v][p] for v in u2 if v != p}}))
+        is not None
+    }
+    claimed_dropped = [v for v in u2 if v not in inputs or v in (dropped or [])]
+    u3 = sorted(v for v in inputs if v not in claimed_dropped)
+    vouched = {p: r["tags"] for p in u3 if (r := ask(p, "consistency", {"u3": u3})) is not None}
+    u4 = sorted(vouched)
+    revealed = {
+        p: r
+        for p in u4
+        if (r := ask(p, "unmask", {"u4": u4, "tags": {v: vouched[v][p] for v in u4 if v != p}}))
+        is not None
+    }
+    self_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in u3}
+    key_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in claimed_dropped}
+    for reply in revealed.values():
+        for name, bucket in (("self_shares", self_shares), ("key_shares", key_shares)):
+            for v, item in (reply.get(name) or {}).items():
+                if v in bucket and isinstance(item, dict):
+                    bucket[v].append((item["idx"], item["share"]))
+    if not u3 or any(len(s) < t for s in (*self_shares.values(), *key_shares.values())):
+        return None, answers
+    reference = {
+        k: torch.zeros(tuple(v.shape), dtype=torch.float64)
+        for k, v in inputs[u3[0]].items()
+        if k != MASKED_WEIGHT_KEY
+    }
+    context = secagg.session_context(attacker.name, secagg.SessionRequest(**base, phase="unmask"))
+    dropped_keys = {v: secagg.combine_shares(s[:t]) for v, s in key_shares.items()}
+    public_keys = {v: keys[v]["pk"] for v in u1}
+    mean, total = secagg.unmask_sum(
+        {v: inputs[v] for v in u3},
+        {v: secagg.combine_shares(s[:t]) for v, s in self_shares.items()},
+        dropped_keys,
+        public_keys,
+        context,
+        reference,
+    )
+    result = Sum({k: (v.double() * total).numpy().reshape(-1) for k, v in mean.items()}, total)
+    # The lie's prize: a masked input whose owner's mask key the others revealed.
+    for v in claimed_dropped:
+        if v in inputs:
+            result.extra[v] = peel_pair_masks(
+                inputs[v], v, dropped_keys[v], public_keys, u2, context
+            )
+    return result, answers
+
+
+def peel_pair_masks(
+    masked: dict[str, Tensor],
+    owner: str,
+    private_key: bytes,
+    public_keys: dict[str, bytes],
+    u2: list[str],
+    context: bytes,
+) -> dict[str, np.ndarray]:
+    """owner's masked input less its pair masks with every other member of U2
+    (rebuilt from its revealed mask key): what is left is its weighted model
+    plus its self-mask, which only the shares of its self-mask seed remove."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from protocols import secagg
+
+    private = X25519PrivateKey.from_private_bytes(private_key)
+    out = {}
+    for entry, value in masked.items():
+        if entry == MASKED_WEIGHT_KEY:
+            continue
+        flat = value.detach().cpu().numpy().reshape(-1).view(np.uint64).copy()
+        for u in u2:
+            if u == owner:
+                continue
+            seed = secagg.mask_seed(private, public_keys[u], context, owner, u)
+            mask = secagg.mask_stream(seed, entry, flat.size)
+            if owner < u:
+                flat -= mask
+            else:
+                flat += mask
+        out[entry] = fixed_to_float(flat)
+    return out
 
 
 def add_masked(total: dict[str, np.ndarray], masked: dict[str, Any]) -> None:
@@ -836,61 +1043,75 @@ def fixed_to_float(values: np.ndarray) -> np.ndarray:
     return values.view(np.int64).astype(np.float64) / 2.0**FIXED_POINT_BITS
 
 
-def difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """sum(a) - sum(b), entry by entry, in float (mod 2^64 first, so masks that
-    cancel in both sums cancel here too)."""
-    return {k: fixed_to_float(a[k] - b[k]) for k in a if k in b and k != MASKED_WEIGHT_KEY}
+def combination(sums: list[tuple[int, Sum]]) -> dict[str, np.ndarray]:
+    """sum_i c_i S_i / sum_i c_i W_i: one model out of signed combinations of
+    weighted sums (e.g. S_abc - S_ab = w_c x_c, over W_abc - W_ab = w_c)."""
+    weight = sum(c * s.weight for c, s in sums)
+    keys = set.intersection(*(set(s.entries) for _, s in sums))
+    return {
+        k: sum(c * s.entries[k] for c, s in sums) / (weight if abs(weight) > 1e-9 else 1.0)
+        for k in keys
+    }
 
 
 def attack_subset_difference(
-    attacker: RawPeer, a: str, b: str, c: str, rounds: int, wait_s: float
+    attacker: RawPeer, names: list[str], rounds: int, wait_s: float
 ) -> dict[str, Any]:
-    """The requester's attempts to isolate one contributor's model; each returns
-    the recovered float entries (or None) and the contributors' answers.
+    """A curious requester's attempts to isolate one contributor's model, one
+    model round each (a contributor keeps its last 3):
 
-    - `retry_after_dropout` (round `rounds`): over {a, b, c}, then over {a, b}
-      as if c had dropped out: sum - sum = c's model.
-    - `different_subsets` (round `rounds - 1`): {a, b}, {b, c}, {a, c}, three
-      requests over different subsets of the same round:
-      a = (s_ab + s_ac - s_bc) / 2."""
+    - `retry_after_dropout` (round `rounds`): a sum over all of `names`, then
+      one over all but the last, as a retry after it dropped out:
+      S_all - S_rest = w_last x_last.
+    - `different_subsets` (round `rounds - 1`): sums over {a, b}, {b, c},
+      {a, c}: a = (S_ab + S_ac - S_bc) / (W_ab + W_ac - W_bc).
+    - `claimed_dropout` (round `rounds - 2`, secure aggregation only; the old
+      protocol's dropout claim is `retry_after_dropout`): one session over all
+      of `names` in which the requester, holding every masked input, tells the
+      others the last one dropped; it peels that one's pair masks off its
+      input with the mask key the others reveal.
+    Each attempt: the target, the answers, and the recovered model or None."""
+    a, b, c, last = names[0], names[1], names[2], names[-1]
     attempts: dict[str, Any] = {}
-    full, full_answers = collect_masked_sum(attacker, [a, b, c], rounds, wait_s=wait_s)
-    rest, rest_answers = collect_masked_sum(attacker, [a, b], rounds, dropped=[c], wait_s=wait_s)
+    full, full_answers = collect_sum(attacker, names, rounds, wait_s=wait_s)
+    rest, rest_answers = collect_sum(attacker, names[:-1], rounds, dropped=[last], wait_s=wait_s)
     attempts["retry_after_dropout"] = {
-        "target": c,
+        "target": last,
         "round": rounds,
-        "answers": {"all_three": full_answers, "survivors": rest_answers},
-        "recovered": difference(full, rest) if full is not None and rest is not None else None,
+        "answers": {"all": full_answers, "survivors": rest_answers},
+        "recovered": combination([(1, full), (-1, rest)]) if full and rest else None,
     }
-    r = rounds - 1
     sums, answers = {}, {}
     for pair in ((a, b), (b, c), (a, c)):
         label = "+".join(pair)
-        sums[label], answers[label] = collect_masked_sum(attacker, list(pair), r, wait_s=wait_s)
-    recovered = None
-    if all(s is not None for s in sums.values()):
-        ab, bc, ac = sums[f"{a}+{b}"], sums[f"{b}+{c}"], sums[f"{a}+{c}"]
-        recovered = {
-            k: (fixed_to_float(ab[k]) + fixed_to_float(ac[k]) - fixed_to_float(bc[k])) / 2
-            for k in ab
-            if k != MASKED_WEIGHT_KEY
-        }
+        sums[label], answers[label] = collect_sum(attacker, list(pair), rounds - 1, wait_s=wait_s)
+    ab, bc, ac = sums[f"{a}+{b}"], sums[f"{b}+{c}"], sums[f"{a}+{c}"]
     attempts["different_subsets"] = {
         "target": a,
-        "round": r,
+        "round": rounds - 1,
         "answers": answers,
-        "recovered": recovered,
+        "recovered": combination([(1, ab), (1, ac), (-1, bc)]) if ab and bc and ac else None,
     }
+    if secure_aggregation_code():
+        lie, lie_answers = collect_sum(attacker, names, rounds - 2, dropped=[last], wait_s=wait_s)
+        attempts["claimed_dropout"] = {
+            "target": last,
+            "round": rounds - 2,
+            "answers": {"session": lie_answers},
+            "sum_over": sorted(set(names) - {last}) if lie else None,
+            "recovered": lie.extra.get(last) if lie else None,
+        }
     return attempts
 
 
 def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
-    """Three FedPerl daemons (pa, pb, pc); `m`, a roster member without a daemon,
-    is the curious requester. With `protocol.secure_aggregation` in the schema
-    (the planned fix) the daemons run with it on."""
+    """Four FedPerl daemons (pa, pb, pc, pd); `m`, a roster member without a
+    daemon, is the curious requester. With `protocol.secure_aggregation` in the
+    schema (the planned fix) the daemons run with it on."""
     folder = fresh(opts.out / "fedperl")
-    names = ["pa", "pb", "pc", "m"]
-    rounds = 2
+    daemons = ["pa", "pb", "pc", "pd"]
+    names = [*daemons, "m"]
+    rounds = 3
     sources = site_data(folder / "data", len(names), opts.seed, label_fraction=0.5)
     protocol: dict[str, Any] = {
         "name": "fedperl",
@@ -915,58 +1136,58 @@ def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     )
     by_name = {p.name: p for p in plans}
     ports = {p.name: p.port for p in plans}
-    fed_dir = folder / "fed"
-    daemons = ["pa", "pb", "pc"]
     fed = LocalFederation([by_name[n] for n in daemons], folder / "logs")
-    m = RawPeer(fed_dir, "m", ports)
+    m = RawPeer(folder / "fed", "m", ports)
+    target = daemons[-1]
     results: dict[str, dict[str, Any]] = {}
     say(
-        f"fedperl: {', '.join(daemons)}, {rounds} rounds, secure_aggregation={secure}; raw requester m"
+        f"fedperl: {', '.join(daemons)}, {rounds} rounds, secure_aggregation={secure}; "
+        "raw requester m"
     )
     with fed:
         farewell([m], fed, encrypt=False, timeout=opts.timeout_s)
         wait_done(fed, rounds, opts.timeout_s)
         say("fedperl: federation done; m asks for models")
-        before = {n: Counters.of(fed[n]) for n in daemons}
-        pulled, pull_reply = None, None
-        if "fedperl_model_pull" in selected or "fedperl_subset_difference" in selected:
-            pull_reply, payload = m.request(
-                "pc", "model", {"round": rounds, "max_round": rounds}, round=rounds
-            )
-            if isinstance(payload, dict) and isinstance(payload.get("state"), dict):
-                pulled = payload["state"]
-        after_pull = {n: Counters.of(fed[n]) for n in daemons}
+        before = Counters.of(fed[target])
+        pull_reply, payload = m.request(
+            target, "model", {"round": rounds, "max_round": rounds}, round=rounds
+        )
+        pulled = payload.get("state") if isinstance(payload, dict) else None
+        pulled = pulled if isinstance(pulled, dict) else None
+        after = {n: Counters.of(fed[n]) for n in daemons}
         if "fedperl_model_pull" in selected:
             results["fedperl_model_pull"] = judge_model_pull(
-                pull_reply, pulled, before["pc"], after_pull["pc"], secure
+                pull_reply, pulled, before, after[target], secure
             )
         if "fedperl_subset_difference" in selected:
             results["fedperl_subset_difference"] = guarded(
                 "fedperl_subset_difference",
-                lambda: subset_difference(
-                    m, fed, by_name, daemons, rounds, pulled, after_pull, secure
-                ),
+                lambda: subset_difference(m, fed, by_name, daemons, rounds, pulled, after, secure),
             )
     return results
 
 
 def judge_model_pull(
-    reply: Reply | None,
+    reply: Reply,
     state: dict[str, Tensor] | None,
     before: Counters,
     after: Counters,
     secure: bool,
 ) -> dict[str, Any]:
-    """m asks pc for its model of the last round with a plain FedAVGP2P `model`
-    request: an individual model handed to a roster member is the leak."""
-    evidence = {"reply": reply.brief() if reply else None, "secure_aggregation": secure}
+    """m asks a daemon for its model of the last round with a plain FedAVGP2P
+    `model` request: an individual model handed to a roster member is the
+    leak. Any refusal the daemon counted (a kind it no longer serves included)
+    is a refusal here: the request itself is well formed."""
+    evidence = {"reply": reply.brief(), "secure_aggregation": secure, "counted": before.rise(after)}
     if state is not None:
-        return verdict("succeeded", "1", "pc answered with its own model", **evidence)
-    assert reply is not None
-    evidence["counted"] = before.rise(after)
-    if refused_and_counted(reply, before, after):
+        return verdict("succeeded", "1", "the daemon answered with its own model", **evidence)
+    if (
+        not reply.accepted
+        and reply.reason
+        and after.rejected.get(reply.reason, 0) > before.rejected.get(reply.reason, 0)
+    ):
         return verdict("refused", "1", f"refused: {reply.reason}", **evidence)
-    return verdict("neutralised", "1", "no model given, refusal not counted", **evidence)
+    return verdict("neutralised", "1", "no model given, no refusal counted", **evidence)
 
 
 def subset_difference(
@@ -979,50 +1200,58 @@ def subset_difference(
     before: dict[str, Counters],
     secure: bool,
 ) -> dict[str, Any]:
-    """Hole 1: a curious requester (roster member m) collects masked sums over
-    contributor sets it chooses and subtracts them. A recovered model is
-    compared with pc's own (from the plain pull, when pc gave it) or, when no
-    ground truth is at hand, judged by whether it is a plausible trained model
-    (finite, weights of model size, macro-F1 well above chance on the test set)."""
-    a, b, c = daemons
-    attempts = attack_subset_difference(m, a, b, c, rounds, wait_s=10.0)
+    """Hole 1: a curious requester (roster member m) collects sums over
+    contributor sets it chooses, subtracts them, lies about dropouts. A
+    recovered model is compared with the target's own (from the plain pull,
+    when the target gave it) or, without that ground truth, judged by whether
+    it is a plausible trained model (judge_recovered). Per attempt: succeeded
+    if a model came out; refused if a contributor refused and counted it;
+    neutralised if contributors refused without counting, or only noise came out."""
+    attempts = attack_subset_difference(m, daemons, rounds, wait_s=10.0)
     after = {n: Counters.of(fed[n]) for n in daemons}
     counted = {n: before[n].rise(after[n]) for n in daemons}
-    evidence: dict[str, Any] = {"secure_aggregation": secure, "counted_by_contributors": counted}
+    evidence: dict[str, Any] = {
+        "protocol": "secagg" if secure_aggregation_code() else ANON_KIND,
+        "secure_aggregation": secure,
+        "counted_by_contributors": counted,
+    }
     parts: dict[str, str] = {}
-    all_answers = []
+    replies: list[dict[str, Any]] = []
     for label, attempt in attempts.items():
         recovered = attempt.pop("recovered")
-        for answers in attempt["answers"].values():
-            all_answers += list(answers.values())
+        replies += list(_answers(attempt["answers"]))
         if recovered is None:
-            refused_somewhere = any(
-                a.get("status") != 200 or a.get("refused") for a in _flat(attempt["answers"])
-            )
-            parts[label] = (
-                "refused" if refused_somewhere and any(counted.values()) else "neutralised"
-            )
-            attempt["result"] = "no complete set of contributions"
+            refused = [
+                x
+                for x in _answers(attempt["answers"])
+                if x.get("status") != 200 or x.get("refused")
+            ]
+            parts[label] = "refused" if refused and any(counted.values()) else "neutralised"
+            attempt["result"] = "the contributors did not all go along"
         else:
-            attempt |= judge_recovered(
-                recovered,
-                truth if label == "retry_after_dropout" else None,
-                by_name[attempt["target"]],
-            )
+            target = attempt["target"]
+            exact = truth if label == "retry_after_dropout" and target == daemons[-1] else None
+            attempt |= judge_recovered(recovered, exact, by_name[target])
             parts[label] = "succeeded" if attempt["leaked"] else "neutralised"
         attempt["outcome"] = parts[label]
         evidence[label] = attempt
-    if all_answers and all(x.get("reason") == "no_handler" for x in all_answers):
+    if replies and all(x.get("reason") == "no_handler" for x in replies):
         return inconclusive(
             "1",
-            f"the daemons no longer serve {ANON_KIND!r}: adapt collect_masked_sum to the new protocol",
+            "the daemons serve neither anon_model nor secagg: adapt collect_sum",
             **evidence,
         )
     return verdict(combine(parts), "1", f"{parts}", **evidence)
 
 
-def _flat(answers: dict[str, Any]) -> list[dict[str, Any]]:
-    return [x for group in answers.values() for x in group.values()]
+def _answers(tree: Any) -> Iterable[dict[str, Any]]:
+    """Every contributor's answer record in an attempt's nested answers."""
+    if isinstance(tree, dict):
+        if "status" in tree:
+            yield tree
+            return
+        for value in tree.values():
+            yield from _answers(value)
 
 
 PLAUSIBLE_DISTANCE = 0.5  # relative L2 distance to the target's own latest model
@@ -1148,9 +1377,17 @@ def run_inflation(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]
         "honest_weight_in_a_victims_mean": round(kept / (kept + sum(honest_counts)), 4),
         "per_site_before_shrinking": per_site,
     }
+    counts = {**dict(zip(names[:-1], honest_counts, strict=True)), "big": kept}
+    plan = [("reference", False, False)]
+    if "inflated_sample_count" in selected:
+        plan.append(("attacked", True, False))
+    capped_possible = "max_samples" in {f.name for f in dataclasses.fields(Card)}
+    if "inflated_sample_count_capped" in selected and capped_possible:
+        plan.append(("attacked_capped", True, True))
     runs: dict[str, dict[str, Any]] = {}
     rejected: dict[str, int] = {}
-    for label, attack in (("reference", False), ("attacked", True)):
+    seen: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, attack, capped in plan:
         run_dir = fresh(folder / label)
         plans = provision(
             run_dir / "fed",
@@ -1163,6 +1400,12 @@ def run_inflation(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]
             # a compromised site trains as it likes: long and fast on its few images
             per_site={"big": {"training": {"epochs": 10, "lr": 1e-2}}},
         )
+        if capped:  # the admin's cap: every card's max_samples is its site's true count
+            roster_path = run_dir / "fed" / "roster.yaml"
+            roster = Roster.load(roster_path)
+            Roster(
+                [dataclasses.replace(c, max_samples=counts[c.name]) for c in roster.cards()]
+            ).save(roster_path)
         env = {}
         if attack:
             plan_path = write_plan(
@@ -1181,6 +1424,7 @@ def run_inflation(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]
             f"inflation/{label}", plans, run_dir, rounds=rounds, timeout=opts.timeout_s, env=env
         )
         runs[label] = honest_macro_f1(plans, names[:-1])
+        seen[label] = statuses
         rejected[label] = sum(
             int((s.get("rejected_by_peer") or {}).get("big", 0))
             for name, s in statuses.items()
@@ -1189,16 +1433,29 @@ def run_inflation(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]
         evidence[f"rejected_reasons_{label}"] = {
             name: s.get("rejected") for name, s in statuses.items() if name != "big"
         }
-    return {
-        "inflated_sample_count": judge_damage(
+    results = {}
+    for name, label in (
+        ("inflated_sample_count", "attacked"),
+        ("inflated_sample_count_capped", "attacked_capped"),
+    ):
+        if name not in selected:
+            continue
+        if label not in runs:
+            results[name] = inconclusive(
+                "6", "the roster has no max_samples: there is no cap to set", **evidence
+            )
+            continue
+        results[name] = judge_damage(
             "6",
             runs["reference"],
-            runs["attacked"],
+            runs[label],
             opts.bound,
-            rejected["attacked"] - rejected["reference"],
+            rejected[label] - rejected["reference"],
+            reason_rise(seen["reference"], seen[label], "big"),
+            roster_max_samples=counts if label == "attacked_capped" else None,
             **evidence,
         )
-    }
+    return results
 
 
 # ---------------------------------------------------------------------- FedSGDP2P group (hole 5)
@@ -1221,6 +1478,7 @@ def run_sgd(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     }
     runs: dict[str, dict[str, Any]] = {}
     rejected: dict[str, int] = {}
+    seen: dict[str, dict[str, dict[str, Any]]] = {}
     evidence: dict[str, Any] = {"attacker": "g2", "mode": "scaled_random", "scale": opts.sgd_scale}
     for label, attack in (("reference", False), ("attacked", True)):
         run_dir = fresh(folder / label)
@@ -1252,6 +1510,7 @@ def run_sgd(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
             f"sgd/{label}", plans, run_dir, rounds=rounds, timeout=opts.timeout_s, env=env
         )
         runs[label] = honest_macro_f1(plans, names[:-1])
+        seen[label] = statuses
         rejected[label] = sum(
             int((s.get("rejected_by_peer") or {}).get("g2", 0))
             for name, s in statuses.items()
@@ -1271,6 +1530,7 @@ def run_sgd(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
             runs["attacked"],
             opts.bound,
             rejected["attacked"] - rejected["reference"],
+            reason_rise(seen["reference"], seen["attacked"], "g2"),
             **evidence,
         )
     }
@@ -1438,6 +1698,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {  # name -> (hole, group)
     "poisoned_sgd_gradients": ("5", "sgd"),
     "poisoned_feder_relay": ("5", "feder"),
     "inflated_sample_count": ("6", "inflation"),
+    "inflated_sample_count_capped": ("6", "inflation"),
     "forged_signature": ("earlier", "wire"),
     "wrong_federation": ("earlier", "wire"),
     "nan_model": ("earlier", "wire"),
@@ -1519,7 +1780,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="per federation, seconds")
     p.add_argument("--inflation-factor", type=float, default=100.0)
     p.add_argument("--inflation-nodes", type=int, default=5)
-    p.add_argument("--sgd-scale", type=float, default=100.0)
+    p.add_argument("--sgd-scale", type=float, default=1000.0)
     p.add_argument("--feder-scale", type=float, default=1000.0)
     return p
 

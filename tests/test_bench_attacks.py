@@ -10,13 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from bench import attacks
 from node.faults import CYCLE_MODES, FaultPlan
-from p2pfl.secure.identity import LocalIdentity, Roster
-from p2pfl.secure.wire import WireCodec
 from protocols import masking
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,51 +49,55 @@ def test_cycle_never_serves_inflated_count(tmp_path):
     assert set(modes) == set(CYCLE_MODES) and "inflated_count" not in modes
 
 
-def _contributions(
-    states: dict[str, dict[str, torch.Tensor]], codecs: dict[str, WireCodec], request_id: str
+def _masked(
+    models: dict[str, dict[str, torch.Tensor]], secrets: dict[frozenset[str], bytes]
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Each contributor's masked contribution to one request over `states`' keys,
-    with the pair secrets the daemons derive (node/context.py pair_secret)."""
-    names = sorted(states)
-    context = masking.request_context("m", request_id, 2)
+    """Pairwise additive masking as the old anonymized peer did it, with
+    protocols/masking.py's keystreams: x_i in fixed point (2^20, mod 2^64),
+    plus m_ij for j > i, minus m_ij for j < i; the weight (1) travels masked too."""
+    names = sorted(models)
     out = {}
     for me in names:
-        secrets = {
-            p: masking.pair_secret_from_shared(codecs[me].shared_secret(p), me, p, context)
-            for p in names
-            if p != me
-        }
-        out[me] = masking.masked_contribution(
-            states[me], me=me, contributors=names, secrets=secrets
-        )
+        entries = {**models[me], attacks.MASKED_WEIGHT_KEY: torch.ones(1, dtype=torch.float64)}
+        masked = {}
+        for key, value in entries.items():
+            fixed = (
+                np.rint(value.double().numpy().reshape(-1) * 2.0**attacks.FIXED_POINT_BITS)
+                .astype(np.int64)
+                .view(np.uint64)
+            )
+            for peer in names:
+                if peer != me:
+                    mask = masking.mask_stream(secrets[frozenset((me, peer))], key, fixed.size)
+                    fixed = fixed + mask if me < peer else fixed - mask
+            masked[key] = torch.from_numpy(fixed.view(np.int64)).reshape(value.shape)
+        out[me] = masked
     return out
 
 
-def test_the_attackers_subset_difference_recovers_a_model_from_real_masked_sums():
-    """What fedperl_subset_difference does with the contributors' answers, on
-    contributions masked by protocols/masking.py: the sum over {a, b, c} less
-    the sum over {a, b} (fresh masks) is c's model, to the fixed-point step;
-    one sum alone reveals nothing close to it."""
+def test_the_attackers_subset_difference_recovers_a_model_from_masked_sums():
+    """What fedperl_subset_difference does with the old protocol's answers:
+    the sum over {a, b, c} less the sum over {a, b} (fresh masks) is c's model,
+    to the fixed-point step; a single masked contribution is nowhere near it."""
     torch.manual_seed(0)
-    ids = {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "m")}
-    roster = Roster([i.card("127.0.0.1:1") for i in ids.values()])
-    codecs = {n: WireCodec(i, roster, "f") for n, i in ids.items()}
     models = {n: {"w": torch.randn(5, 3), "b": torch.randn(3)} for n in ("a", "b", "c")}
-    full = _contributions(models, codecs, "1" * 32)
-    rest = _contributions({n: models[n] for n in ("a", "b")}, codecs, "2" * 32)
+    pairs = [frozenset(p) for p in (("a", "b"), ("a", "c"), ("b", "c"))]
+    full = _masked(models, {p: os.urandom(32) for p in pairs})
+    rest = _masked({n: models[n] for n in ("a", "b")}, {p: os.urandom(32) for p in pairs})
     total_full: dict = {}
     total_rest: dict = {}
     for masked in full.values():
         attacks.add_masked(total_full, masked)
     for masked in rest.values():
         attacks.add_masked(total_rest, masked)
-    recovered = attacks.difference(total_full, total_rest)
+    s_full, s_rest = attacks.masked_total(total_full), attacks.masked_total(total_rest)
+    assert (s_full.weight, s_rest.weight) == (3.0, 2.0)
+    recovered = attacks.combination([(1, s_full), (-1, s_rest)])
     assert set(recovered) == {"w", "b"}
     for key, value in models["c"].items():
         gap = abs(recovered[key] - value.double().numpy().reshape(-1)).max()
         assert gap <= 2.0 ** -(attacks.FIXED_POINT_BITS - 1), (key, gap)
-    # A single contribution is masked: nowhere near c's model.
-    alone = attacks.fixed_to_float(full["c"]["w"].numpy().reshape(-1).view(attacks.np.uint64))
+    alone = attacks.fixed_to_float(full["c"]["w"].numpy().reshape(-1).view(np.uint64))
     assert abs(alone - models["c"]["w"].double().numpy().reshape(-1)).max() > 1e3
 
 

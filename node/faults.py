@@ -34,7 +34,11 @@ them by accident, and a node with a fault plan says so loudly in its log.
   `shape`, `dtype`, `huge_norm` (x 1e6), `scaled_random` (random tensors with
   `scale` times each tensor's norm), `forged` (signed with a key not in the
   roster), `replayed` (the first answer it ever gave, byte for byte), or
-  `cycle` (each of those in turn).
+  `cycle` (each of those in turn); and `inflated_count`, the answer with its
+  claimed sample count (a model's `num_train`, a gradient's `batch_size`)
+  multiplied by `scale` and its tensors untouched: a site that claims more
+  data than it holds, to weigh more in its neighbours' means (not in `cycle`,
+  whose attacks a receiver must all refuse).
 
 Every event is appended to `<file>.events.jsonl` with a wall-clock time, so a
 test can line it up with the nodes' metrics.
@@ -68,7 +72,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENV = "P2PFL_FAULTS"
-POISON_MODES = ("nan", "inf", "shape", "dtype", "huge_norm", "scaled_random", "forged", "replayed")
+CYCLE_MODES = ("nan", "inf", "shape", "dtype", "huge_norm", "scaled_random", "forged", "replayed")
+POISON_MODES = (*CYCLE_MODES, "inflated_count")
+COUNT_KEYS = ("num_train", "batch_size")  # what `inflated_count` multiplies
 WIRE_MODES = ("forged", "replayed")  # done by the daemon on the encoded answer
 
 
@@ -185,7 +191,7 @@ class FaultPlan:
             return None
         mode = str(p["mode"])
         if mode == "cycle":
-            mode = POISON_MODES[self._poison_count % len(POISON_MODES)]
+            mode = CYCLE_MODES[self._poison_count % len(CYCLE_MODES)]
         self._poison_count += 1
         return mode
 
@@ -195,6 +201,11 @@ class FaultPlan:
             return payload
         scale = float((self.poison or {}).get("scale", 5.0))
         out = dict(payload)
+        if mode == "inflated_count":
+            for key in COUNT_KEYS:
+                if isinstance(out.get(key), int) and not isinstance(out[key], bool):
+                    out[key] = max(1, round(out[key] * scale))
+            return out
         for key, value in payload.items():
             if (
                 isinstance(value, dict)

@@ -117,6 +117,8 @@ log = logging.getLogger(__name__)
 SECAGG_KIND = "secagg"
 MIN_SUM = 2  # a sum over fewer contributions is an individual model
 MAX_CONTRIBUTORS = 64
+# Refusals an honest requester meets too (I am past its round): not counted against it.
+BENIGN_REFUSALS = frozenset({"too_new"})
 MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
 SECRET_BYTES = 32
 PHASES = ("advertise", "share", "mask", "consistency", "unmask")
@@ -351,6 +353,7 @@ class Contributor:
         try:
             request = SessionRequest.model_validate(query)
         except ValidationError:
+            self.ctx.reject(requester, "secagg_bad_request")
             return {"refused": "bad_request"}
         try:
             if request.phase == "advertise":
@@ -375,6 +378,8 @@ class Contributor:
             log.info(
                 "%s: secagg %s from %s refused: %s", self.ctx.me, request.phase, requester, exc
             )
+            if exc.reason not in BENIGN_REFUSALS:
+                self.ctx.reject(requester, f"secagg_{exc.reason}")  # counted like any refusal
             return {"refused": exc.reason}
 
     # Round 0: AdvertiseKeys

@@ -209,6 +209,8 @@ def test_subset_difference_is_refused_one_contribution_per_model() -> None:
     assert err.value.reason == "too_few"
     reply = asyncio.run(fed.raw("alice", "advertise", "b" * 32, ["alice", "bob"], {}))
     assert reply == {"refused": "already_contributed"}
+    counted = {(r["peer"], r["reason"]) for r in fed.network.rejections if r["node"] == "alice"}
+    assert counted == {(REQUESTER, "secagg_already_contributed")}
 
 
 def test_a_contributor_refuses_sessions_it_must_not_join() -> None:

@@ -1804,7 +1804,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inflation_nodes < 3:
         raise SystemExit("--inflation-nodes: at least 3")
     opts = Options(
-        out=args.out,
+        out=args.out.resolve(),  # site.yaml files name their data by absolute path
         seed=args.seed,
         bound=args.bound,
         timeout_s=args.timeout,

@@ -930,19 +930,11 @@ def collect_secure_sum(
     if len(u1) < max(secagg.MIN_SUM, t + 1):
         return None, answers
 
-    def keys_for(peer: str) -> dict[str, Any]:
-        return {
-            "threshold": t,
-            "keys": {
-                v: {
-                    "pk": keys[v]["pk"],
-                    "tag": b"" if v == peer else keys[v]["tags"].get(peer, b""),
-                }
-                for v in u1
-            },
-        }
-
-    shares = {p: r["shares"] for p in u1 if (r := ask(p, "share", keys_for(p))) is not None}
+    shares = {
+        p: r["shares"]
+        for p in u1
+        if (r := ask(p, "share", secagg.share_keys_body(keys, u1, t, p))) is not None
+    }
     u2 = sorted(shares)
     inputs = {
         p: r["masked"]

@@ -679,19 +679,7 @@ async def secure_sum(
         raise SecAggError("too_few", f"{len(u1)} of {len(u)} advertised keys (t={t})", unmasked=u1)
 
     # Round 1: ShareKeys
-    def keys_for(peer: str) -> dict[str, Any]:
-        return {
-            "threshold": t,
-            "keys": {
-                v: {
-                    "pk": keys[v]["pk"],
-                    "tag": b"" if v == peer else keys[v]["tags"].get(peer, b""),
-                }
-                for v in u1
-            },
-        }
-
-    shared = await everyone(u1, "share", keys_for)
+    shared = await everyone(u1, "share", lambda peer: share_keys_body(keys, u1, t, peer))
     ciphertexts: dict[str, dict[str, bytes]] = {}
     for peer, reply in shared.items():
         sealed = reply.get("shares")
@@ -786,6 +774,20 @@ async def secure_sum(
         reference,
     )
     return SecureSum(mean, total, u3, rounds, dropped)
+
+
+def share_keys_body(
+    keys: Mapping[str, Mapping[str, Any]], u1: Sequence[str], threshold: int, peer: str
+) -> dict[str, Any]:
+    """Round 1's query to `peer`: the threshold and every key of U1 with the
+    tag its owner made for `peer` (from the Round 0 answers `keys`)."""
+    return {
+        "threshold": threshold,
+        "keys": {
+            v: {"pk": keys[v]["pk"], "tag": b"" if v == peer else keys[v]["tags"].get(peer, b"")}
+            for v in u1
+        },
+    }
 
 
 def unmask_sum(

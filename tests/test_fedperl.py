@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from tensor_util import tensors_in
 from torch import nn
 
 from bench.semisup_baselines import local_fixmatch, local_supervised
@@ -351,7 +352,7 @@ def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]
     assert result.messages_sent("model") == 0
     kinds = {kind for kind, _ in received}
     assert kinds == {SECAGG_KIND}
-    floats = [t for _, reply in received for t in _tensors(reply) if t.is_floating_point()]
+    floats = [t for _, reply in received for t in tensors_in(reply) if t.is_floating_point()]
     assert floats == []
     for node in SITES:
         # rounds 1-2: the community's sum (2), and k - T = 1 other raised to 2 for a sum of
@@ -361,16 +362,6 @@ def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]
         assert by_node(result.records, node, "anon_contributors") == [2.0, 2.0, 0.0]
         assert by_node(result.records, node, "peer_learning") == [0.0, 1.0, 1.0]
         assert all(v is not None for v in by_node(result.records, node, "macro_f1"))
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, list):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 @pytest.mark.slow

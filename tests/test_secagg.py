@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensor_util import tensors_in
 
 from p2pfl.config import ModelSection
 from p2pfl.learning.site_model import create_site_model
@@ -131,7 +132,7 @@ def test_nothing_the_requester_receives_is_an_individual_model() -> None:
 
     ctx.request = spying  # type: ignore[method-assign]
     asyncio.run(fed.ask(CONTRIBUTORS))
-    tensors = [t for reply in seen for t in _tensors(reply)]
+    tensors = [t for reply in seen for t in tensors_in(reply)]
     assert tensors, "the masked inputs travelled"
     assert all(t.dtype == torch.int64 for t in tensors)
     key = (
@@ -146,16 +147,6 @@ def test_nothing_the_requester_receives_is_an_individual_model() -> None:
         for name in CONTRIBUTORS:
             plain = fed.states[name][key].double() * fed.weights[name]
             assert not torch.allclose(decoded, plain, atol=1e-3)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, list):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def test_a_contributor_that_dies_after_masking_leaves_the_survivors_sum() -> None:

@@ -617,7 +617,7 @@ def run_wire(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         statuses = wait_done(fed, rounds, opts.timeout_s)
         say("wire: federation done; attacking v1")
         v1 = fed["v1"]
-        victims = [n for n in ("v1", "v2")]
+        victims = ["v1", "v2"]
         if with_evil:
             events = poison_events(plan_path)
             ledgers = {n: ledger(by_name[n]) for n in victims}

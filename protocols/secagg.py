@@ -400,9 +400,8 @@ class Contributor:
             raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
         if request.max_round < request.round:
             raise SecAggError("bad_request", "max_round < round")
-        model = self.source(
-            request.round, request.max_round, request.purpose
-        )  # NotReady until trained
+        # NotReady (the request is held open) until that round is trained
+        model = self.source(request.round, request.max_round, request.purpose)
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model

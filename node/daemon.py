@@ -147,6 +147,15 @@ class Node:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        uncapped = uncapped_peers(self.cfg, self.membership.roster)
+        if uncapped:
+            log.warning(
+                "%s: roster cards without max_samples: %s — their claimed sample counts weigh "
+                "in this node's averages up to protocol.max_weight_ratio x the median claim; "
+                "set max_samples to each site's size (docs/threat-model.md)",
+                self.name,
+                ", ".join(uncapped),
+            )
         checkpoint = self.checkpoints.latest()
         self.restored_state = checkpoint.get("protocol") if checkpoint else None
         if checkpoint:
@@ -295,6 +304,18 @@ class Node:
         )
         self._metrics_file.flush()
         self.telemetry.log_metrics(round, **clean)
+
+
+def uncapped_peers(cfg: SiteConfig, roster: Roster) -> list[str]:
+    """The other sites whose claimed sample counts this node's protocol weighs
+    (a weighted mean of models or gradients) with no `max_samples` on their
+    roster card: what a compromised one could inflate unnoticed."""
+    method = getattr(cfg.protocol, "aggregation", None)
+    if method not in ("mean", "norm_clip") or not hasattr(cfg.protocol, "max_weight_ratio"):
+        return []
+    return sorted(
+        c.name for c in roster.cards() if c.name != cfg.node.name and c.max_samples is None
+    )
 
 
 def _now() -> float:

@@ -7,6 +7,7 @@ keys and speaks the real wire format to the node under test.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -19,8 +20,10 @@ import pytest
 import torch
 
 from bench.localfed import LocalFederation
+from node.daemon import uncapped_peers
 from node.provision import provision
 from node.transport import MESSAGE_PATH
+from p2pfl.config.site import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 
@@ -380,3 +383,20 @@ def test_outbox_entries_survive_a_restart(tmp_path):
     ]
     assert journal.count(msg_id.hex()) == 1
     assert not list((tmp_path / "fed" / "a" / "state" / "outbox").glob("*.out"))
+
+
+def test_the_node_names_the_roster_cards_whose_counts_it_trusts(tmp_path):
+    """A weighted mean trusts claimed sample counts up to max_weight_ratio x the
+    median; the node says at start which peers' cards carry no max_samples."""
+    plans = provision(tmp_path, ["a", "b", "c"], protocol={"name": "fedavgp2p", "rounds": 1})
+    roster = Roster.load(tmp_path / "roster.yaml")
+    cfg = load_config(plans[0].config_path)
+    assert uncapped_peers(cfg, roster) == ["b", "c"]
+    capped = Roster(
+        [dataclasses.replace(c, max_samples=100) if c.name == "b" else c for c in roster.cards()]
+    )
+    assert uncapped_peers(cfg, capped) == ["c"]
+    robust = cfg.model_copy(
+        update={"protocol": cfg.protocol.model_copy(update={"aggregation": "median"})}
+    )
+    assert uncapped_peers(robust, roster) == []  # the median ignores the counts

@@ -901,7 +901,7 @@ def collect_secure_sum(
     without them), collects the survivors' shares of the dropped ones' mask
     keys, and tries to peel their pair masks off the masked inputs it holds.
     Returns the sum over the contributors the others unmasked."""
-    from protocols import secagg
+    from protocols import secagg, secagg_primitives
 
     u = sorted(contributors)
     base = {
@@ -967,11 +967,11 @@ def collect_secure_sum(
         if k != MASKED_WEIGHT_KEY
     }
     context = secagg.session_context(attacker.name, secagg.SessionRequest(**base, phase="unmask"))
-    dropped_keys = {v: secagg.combine_shares(s[:t]) for v, s in key_shares.items()}
+    dropped_keys = {v: secagg_primitives.combine_shares(s[:t]) for v, s in key_shares.items()}
     public_keys = {v: keys[v]["pk"] for v in u1}
-    mean, total = secagg.unmask_sum(
+    mean, total = secagg_primitives.unmask_sum(
         {v: inputs[v] for v in u3},
-        {v: secagg.combine_shares(s[:t]) for v, s in self_shares.items()},
+        {v: secagg_primitives.combine_shares(s[:t]) for v, s in self_shares.items()},
         dropped_keys,
         public_keys,
         context,
@@ -1000,7 +1000,7 @@ def peel_pair_masks(
     plus its self-mask, which only the shares of its self-mask seed remove."""
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-    from protocols import secagg
+    from protocols import masking, secagg_primitives
 
     private = X25519PrivateKey.from_private_bytes(private_key)
     out = {}
@@ -1011,8 +1011,8 @@ def peel_pair_masks(
         for u in u2:
             if u == owner:
                 continue
-            seed = secagg.mask_seed(private, public_keys[u], context, owner, u)
-            mask = secagg.mask_stream(seed, entry, flat.size)
+            seed = secagg_primitives.mask_seed(private, public_keys[u], context, owner, u)
+            mask = masking.mask_stream(seed, entry, flat.size)
             if owner < u:
                 flat -= mask
             else:

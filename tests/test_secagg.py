@@ -15,8 +15,9 @@ from tensor_util import tensors_in
 
 from p2pfl.config import ModelSection
 from p2pfl.learning.site_model import create_site_model
-from protocols import secagg
-from protocols.base import NotReady
+from protocols import masking, secagg
+from protocols import secagg_primitives as primitives
+from protocols.base import NotReady, PeerUnavailable
 from protocols.memory import InMemoryContext, InMemoryNetwork
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, secure_sum
 
@@ -162,7 +163,7 @@ def test_a_contributor_that_dies_after_masking_leaves_the_survivors_sum() -> Non
         reply = await original(peer, kind, query, timeout)
         if peer == "erin" and query["phase"] == "mask":
             fed.network.kill("erin")  # it masked, then died before its input arrived
-            raise secagg.PeerUnavailable(peer, "dead")
+            raise PeerUnavailable(peer, "dead")
         return reply
 
     ctx.request = losing_erins_input  # type: ignore[method-assign]
@@ -237,7 +238,7 @@ def test_a_swapped_public_key_is_caught_by_its_tag() -> None:
     members = ["alice", "bob", "carol"]
     session = "f" * 32
     replies = {m: asyncio.run(fed.raw(m, "advertise", session, members, {})) for m in members}
-    forged = secagg.X25519PrivateKey.generate().public_key().public_bytes_raw()
+    forged = primitives.X25519PrivateKey.generate().public_key().public_bytes_raw()
     keys = {
         v: {
             "pk": forged if v == "bob" else replies[v]["pk"],
@@ -312,10 +313,10 @@ def test_unmasking_needs_every_member_to_vouch_for_the_same_survivors() -> None:
 
 def test_shamir_shares_rebuild_the_secret_from_any_t() -> None:
     secret = bytes(range(32))
-    shares = secagg.share_secret(secret, 2, 3)
-    assert secagg.combine_shares([shares[0], shares[2]]) == secret
-    assert secagg.combine_shares([shares[1], shares[2]]) == secret
-    assert secagg.combine_shares([shares[0]]) != secret
+    shares = primitives.share_secret(secret, 2, 3)
+    assert primitives.combine_shares([shares[0], shares[2]]) == secret
+    assert primitives.combine_shares([shares[1], shares[2]]) == secret
+    assert primitives.combine_shares([shares[0]]) != secret
 
 
 # ---------------------------------------------------------------------- the masked inputs
@@ -327,15 +328,15 @@ def masked_inputs(
     """Round 2 for every contributor as the protocol does it (fresh X25519
     keys, self seeds): (masked inputs, self seeds, public keys)."""
     names = sorted(states)
-    private = {n: secagg.X25519PrivateKey.generate() for n in names}
+    private = {n: primitives.X25519PrivateKey.generate() for n in names}
     public = {n: k.public_key().public_bytes_raw() for n, k in private.items()}
     seeds = {n: bytes([i + 1]) * 32 for i, n in enumerate(names)}
     out = {}
     for me in names:
         pair = {
-            v: secagg.mask_seed(private[me], public[v], b"ctx", me, v) for v in names if v != me
+            v: primitives.mask_seed(private[me], public[v], b"ctx", me, v) for v in names if v != me
         }
-        out[me] = secagg.masked_input(
+        out[me] = primitives.masked_input(
             states[me], (weights or {}).get(me, 1.0), me=me, self_seed=seeds[me], pair_seeds=pair
         )
     return out, seeds, public
@@ -346,10 +347,12 @@ def test_no_single_masked_input_is_close_to_its_model() -> None:
     masked, _, _ = masked_inputs(states)
     for name in CONTRIBUTORS:
         for key, value in masked[name].items():
-            if key == secagg.WEIGHT_KEY or value.numel() < 16:
+            if key == masking.WEIGHT_KEY or value.numel() < 16:
                 continue
             assert value.dtype == torch.int64
-            decoded = torch.from_numpy(secagg.from_fixed(value.numpy().reshape(-1).view(np.uint64)))
+            decoded = torch.from_numpy(
+                masking.from_fixed(value.numpy().reshape(-1).view(np.uint64))
+            )
             model = states[name][key].double().reshape(-1)
             # what a requester could read off one input is noise of magnitude ~2^43
             assert float((decoded - model).abs().median()) > 1e9
@@ -360,14 +363,14 @@ def test_no_single_masked_input_is_close_to_its_model() -> None:
     key = "classifier.weight"
     total = sum(masked[n][key].numpy().reshape(-1).view(np.uint64) for n in CONTRIBUTORS)
     plain = sum(states[n][key].double() for n in CONTRIBUTORS).reshape(-1).numpy()
-    assert np.median(np.abs(secagg.from_fixed(total) - plain)) > 1e9
+    assert np.median(np.abs(masking.from_fixed(total) - plain)) > 1e9
 
 
 def test_masks_cancel_bit_exactly() -> None:
     zeros = {"w": torch.zeros(1000), "b": torch.zeros(3, 7)}
     masked, seeds, public = masked_inputs(dict.fromkeys(CONTRIBUTORS, zeros))
     assert all(bool((m["w"] != 0).any()) for m in masked.values())  # each one is masked
-    mean, total = secagg.unmask_sum(masked, seeds, {}, public, b"ctx", zeros)
+    mean, total = primitives.unmask_sum(masked, seeds, {}, public, b"ctx", zeros)
     assert total == 4.0
     assert not mean["w"].any() and not mean["b"].any()  # exactly zero, no rounding
 
@@ -375,19 +378,21 @@ def test_masks_cancel_bit_exactly() -> None:
 def test_unmaskable_values_are_refused_never_sent_in_clear() -> None:
     for bad in (torch.tensor([float("inf")]), torch.tensor([float("nan")]), torch.tensor([1e12])):
         with pytest.raises(SecAggError) as err:
-            secagg.masked_input({"w": bad}, 1.0, me="a", self_seed=b"s" * 32, pair_seeds={})
+            primitives.masked_input({"w": bad}, 1.0, me="a", self_seed=b"s" * 32, pair_seeds={})
         assert err.value.reason == "out_of_range"
     with pytest.raises(SecAggError) as err:
-        secagg.masked_input({"w": torch.zeros(2)}, 0.0, me="a", self_seed=b"s" * 32, pair_seeds={})
+        primitives.masked_input(
+            {"w": torch.zeros(2)}, 0.0, me="a", self_seed=b"s" * 32, pair_seeds={}
+        )
     assert err.value.reason == "bad_weight"
 
 
 def test_a_contributor_clips_its_own_model_before_masking() -> None:
     state = {"w": torch.full((4,), 3.0), "n": torch.tensor(5)}
-    clipped = secagg.clip_state(state, 2.0)
+    clipped = primitives.clip_state(state, 2.0)
     assert float(clipped["w"].norm()) == pytest.approx(2.0)
     assert torch.equal(clipped["n"], state["n"])  # counters untouched
-    assert torch.equal(secagg.clip_state(state, 100.0)["w"], state["w"])
+    assert torch.equal(primitives.clip_state(state, 100.0)["w"], state["w"])
 
 
 @settings(max_examples=30, deadline=None)
@@ -404,7 +409,7 @@ def test_any_values_in_range_average_exactly_up_to_the_fixed_point_step(
     states = {f"n{i}": {"w": torch.tensor(v, dtype=torch.float64)} for i, v in enumerate(values)}
     masked, seeds, public = masked_inputs(states)
     reference = {"w": torch.zeros(5, dtype=torch.float64)}
-    mean, _ = secagg.unmask_sum(masked, seeds, {}, public, b"ctx", reference)
+    mean, _ = primitives.unmask_sum(masked, seeds, {}, public, b"ctx", reference)
     expected = np.mean(np.array(values), axis=0)
     assert np.allclose(mean["w"].numpy(), expected, rtol=0, atol=2.0**-20)
 

@@ -1,0 +1,199 @@
+"""The building blocks of secure aggregation (protocols/secagg.py runs the
+rounds with them): the tags that authenticate keys and vouch for a set of
+survivors, the pairwise mask seeds, Shamir sharing of a 32-byte secret
+(pycryptodome, GF(2^128), as two 16-byte halves), the sealed shares, a
+contributor's masked input and the requester's unmasking. The fixed point and
+the keystreams are protocols/masking.py's.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+from Crypto.Protocol.SecretSharing import Shamir
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from torch import Tensor
+
+from p2pfl.learning.state import averaged_keys
+from protocols.masking import (
+    FIXED_POINT_BITS,
+    WEIGHT_KEY,
+    Fixed,
+    MaskingError,
+    from_fixed,
+    mask_stream,
+    to_fixed,
+)
+
+SECRET_BYTES = 32
+_NONCE = bytes(12)  # every AEAD key is used for one message
+
+
+class SecAggError(Exception):
+    """A session that cannot go on; `reason` is a stable code (what a contributor
+    answers as {"refused": reason}, what a requester logs)."""
+
+    def __init__(
+        self, reason: str, message: str = "", *, unmasked: list[str] | None = None
+    ) -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+        # Failed before anyone masked: these answered and may be asked again in a new session.
+        self.unmasked = unmasked
+
+
+def _hkdf(secret: bytes, salt: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
+
+
+def auth_tag(key: bytes, sender: str, public_key: bytes) -> bytes:
+    """Round 0: what proves to v that pk came from `sender` (k_uv^auth)."""
+    return hmac.new(key, b"secagg-pk|" + sender.encode() + b"|" + public_key, "sha256").digest()
+
+
+def consistency_tag(key: bytes, sender: str, u3: Sequence[str]) -> bytes:
+    """Round 3: `sender`'s word to the holder of `key` that U3 is `u3`."""
+    message = b"secagg-u3|" + sender.encode() + b"|" + ",".join(sorted(u3)).encode()
+    return hmac.new(key, message, "sha256").digest()
+
+
+def mask_seed(
+    private: X25519PrivateKey, peer_public: bytes, context: bytes, a: str, b: str
+) -> bytes:
+    """s_uv: HKDF over X25519(sk_u, pk_v), the same for (u, v) and (v, u)."""
+    try:
+        shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError:
+        raise SecAggError("bad_public_key", "a low-order or malformed X25519 key") from None
+    first, second = sorted((a, b))
+    return _hkdf(shared, context, b"p2pfl secagg mask|" + first.encode() + b"|" + second.encode())
+
+
+def share_secret(secret: bytes, threshold: int, holders: int) -> list[tuple[int, bytes]]:
+    """Shamir shares (index 1..holders) of a 32-byte secret, any `threshold` of
+    which rebuild it: the two 16-byte halves shared alike (pycryptodome)."""
+    first = Shamir.split(threshold, holders, secret[:16])
+    second = Shamir.split(threshold, holders, secret[16:])
+    return [(i, a + b) for (i, a), (_, b) in zip(first, second, strict=True)]
+
+
+def combine_shares(shares: Sequence[tuple[int, bytes]]) -> bytes:
+    if any(len(s) != SECRET_BYTES for _, s in shares):
+        raise SecAggError("bad_share", "a share is not 32 bytes")
+    first = Shamir.combine([(i, s[:16]) for i, s in shares])
+    second = Shamir.combine([(i, s[16:]) for i, s in shares])
+    return first + second
+
+
+def seal(key: bytes, plain: bytes, aad: bytes) -> bytes:
+    return ChaCha20Poly1305(key).encrypt(_NONCE, plain, aad)
+
+
+def unseal(key: bytes, sealed: bytes, aad: bytes) -> bytes:
+    try:
+        return ChaCha20Poly1305(key).decrypt(_NONCE, sealed, aad)
+    except (InvalidTag, ValueError):
+        raise SecAggError("bad_share", "a share does not authenticate") from None
+
+
+def _signed(mask: Fixed, positive: bool, out: Fixed) -> None:
+    if positive:
+        out += mask
+    else:
+        out -= mask
+
+
+def clip_state(state: Mapping[str, Tensor], max_norm: float | None) -> dict[str, Tensor]:
+    """The float entries scaled down together to L2 norm `max_norm` (a
+    contributor's own clipping before masking); unchanged below it."""
+    out = dict(state)
+    if max_norm is None:
+        return out
+    keys = averaged_keys(state)
+    norm = math.sqrt(sum(float(state[k].detach().double().square().sum()) for k in keys))
+    if norm > max_norm > 0:
+        scale = max_norm / norm
+        for k in keys:
+            out[k] = (state[k].detach().double() * scale).to(state[k].dtype)
+    return out
+
+
+def masked_input(
+    state: Mapping[str, Tensor],
+    weight: float,
+    *,
+    me: str,
+    self_seed: bytes,
+    pair_seeds: Mapping[str, bytes],
+    bits: int = FIXED_POINT_BITS,
+) -> dict[str, Tensor]:
+    """Round 2: y_u for every averaged entry and the weight (int64 tensors)."""
+    if not weight > 0 or not math.isfinite(weight):
+        raise SecAggError("bad_weight", f"{me}: weight must be a positive number, got {weight}")
+
+    def masked(entry: str, out: Fixed) -> Tensor:
+        out += mask_stream(self_seed, entry, out.size)
+        for peer, seed in pair_seeds.items():
+            _signed(mask_stream(seed, entry, out.size), me < peer, out)
+        return torch.from_numpy(out.view(np.int64))
+
+    result: dict[str, Tensor] = {}
+    try:
+        for entry in averaged_keys(state):
+            value = state[entry]
+            result[entry] = masked(entry, to_fixed(value, bits, scale=weight)).reshape(value.shape)
+        result[WEIGHT_KEY] = masked(WEIGHT_KEY, to_fixed(np.array([weight]), bits))
+    except MaskingError as exc:
+        raise SecAggError(exc.reason, str(exc)) from None
+    return result
+
+
+def unmask_sum(
+    inputs: Mapping[str, Mapping[str, Tensor]],
+    self_seeds: Mapping[str, bytes],
+    dropped_keys: Mapping[str, bytes],
+    public_keys: Mapping[str, bytes],
+    context: bytes,
+    reference: Mapping[str, Tensor],
+    bits: int = FIXED_POINT_BITS,
+) -> tuple[dict[str, Tensor], float]:
+    """sum_u y_u - PRG(b_u) - the dropped contributors' pair masks, as the
+    weighted mean (entries of `reference`, its dtypes) and the total weight."""
+    dropped = {d: X25519PrivateKey.from_private_bytes(sk) for d, sk in dropped_keys.items()}
+    seeds = {
+        (u, d): mask_seed(private, public_keys[u], context, d, u)
+        for d, private in dropped.items()
+        for u in inputs
+    }
+    totals: dict[str, Fixed] = {}
+    for entry in [*averaged_keys(reference), WEIGHT_KEY]:
+        total: Fixed | None = None
+        for y in inputs.values():
+            flat = y[entry].detach().cpu().numpy().reshape(-1).view(np.uint64)
+            total = flat.copy() if total is None else total + flat
+        assert total is not None
+        for u in inputs:
+            total -= mask_stream(self_seeds[u], entry, total.size)
+            for d in dropped:
+                # y_u holds +PRG(s_ud) when u < d, -PRG(s_ud) otherwise: take it out.
+                _signed(mask_stream(seeds[(u, d)], entry, total.size), not u < d, total)
+        totals[entry] = total
+    total_weight = float(from_fixed(totals.pop(WEIGHT_KEY), bits)[0])
+    if not total_weight > 0:
+        raise SecAggError("bad_sum", f"the weights sum to {total_weight}")
+    mean: dict[str, Tensor] = {}
+    for key, ref in reference.items():
+        if key in totals:
+            values = from_fixed(totals[key], bits) / total_weight
+            mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
+        else:
+            mean[key] = ref.detach().clone()
+    return mean, total_weight

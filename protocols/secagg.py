@@ -554,15 +554,9 @@ async def secure_sum(
 
     # Round 1: ShareKeys
     shared = await everyone(u1, "share", lambda peer: share_keys_body(keys, u1, t, peer))
-    ciphertexts: dict[str, dict[str, bytes]] = {}
-    for peer, reply in shared.items():
-        sealed = reply.get("shares")
-        if isinstance(sealed, dict) and all(
-            isinstance(sealed.get(v), bytes) for v in u1 if v != peer
-        ):
-            ciphertexts[peer] = sealed
-        else:
-            ctx.reject(peer, "secagg_malformed")
+    ciphertexts = bytes_for_the_others(shared, "shares", u1)
+    for peer in set(shared) - set(ciphertexts):
+        ctx.reject(peer, "secagg_malformed")
     u2 = sorted(ciphertexts)
     if len(u2) < max(MIN_SUM, t + 1):
         raise SecAggError(
@@ -602,13 +596,7 @@ async def secure_sum(
 
     # Round 3: ConsistencyCheck
     vouched = await everyone(u3, "consistency", lambda p: {"u3": u3})
-    consistency: dict[str, dict[str, bytes]] = {}
-    for peer, reply in vouched.items():
-        given = reply.get("tags")
-        if isinstance(given, dict) and all(
-            isinstance(given.get(v), bytes) for v in u3 if v != peer
-        ):
-            consistency[peer] = given
+    consistency = bytes_for_the_others(vouched, "tags", u3)
     u4 = sorted(consistency)
     if len(u4) < t:
         raise SecAggError("too_few", f"{len(u4)} of {len(u3)} vouched for U3 (t={t})")
@@ -648,6 +636,21 @@ async def secure_sum(
         reference,
     )
     return SecureSum(mean, total, u3, rounds, dropped)
+
+
+def bytes_for_the_others(
+    replies: Mapping[str, Mapping[str, Any]], name: str, members: Sequence[str]
+) -> dict[str, dict[str, bytes]]:
+    """The replies whose `name` maps every other member to bytes (the sealed
+    shares of Round 1, the tags of Round 3), by who sent them."""
+    out: dict[str, dict[str, bytes]] = {}
+    for peer, reply in replies.items():
+        given = reply.get(name)
+        if isinstance(given, dict) and all(
+            isinstance(given.get(v), bytes) for v in members if v != peer
+        ):
+            out[peer] = given
+    return out
 
 
 def share_keys_body(

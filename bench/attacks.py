@@ -110,7 +110,7 @@ TRANSPORT = {
     "breaker_reset_s": 2.0,
     "request_timeout_s": 30.0,
 }
-# FedER's generator, as small as tests/test_feder.py makes it.
+# FedER's generator, as small as it trains (tests/test_feder.py uses it too).
 TINY_GAN = {
     "resolution": 16,
     "z_dim": 16,

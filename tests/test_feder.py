@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.attacks import TINY_GAN  # the smallest generator that trains
 from p2pfl.config import TrainingSection
 from p2pfl.learning.data import site_data_from_arrays
 from p2pfl.learning.data.partition import partition_dataset
@@ -17,25 +18,6 @@ from p2pfl.learning.models import create_model
 from p2pfl.learning.train import LocalSite
 from protocols.feder import derive_ring, ring_successor
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
-
-TINY_GAN = {
-    "resolution": 16,
-    "z_dim": 16,
-    "w_dim": 16,
-    "mapping_layers": 2,
-    "channel_base": 128,
-    "channel_max": 16,
-    "batch_size": 8,
-    "lpips_backbone": "random",
-    "device": "cpu",
-    "iterations": 12,
-    "stage1_patience": 12,
-    "stage2_iterations": 6,
-    "quality_every": 6,
-    "quality_samples": 16,
-    "train_reference": False,
-    "checkpoint_every": 6,
-}
 
 
 def test_ring_is_the_same_permutation_on_every_node_and_changes_per_round():

@@ -35,7 +35,7 @@ def test_steps_per_round_gives_every_site_the_same_work():
 def test_class_weighted_loss_uses_median_frequency_weights():
     weights = median_frequency_weights([90, 10, 0])
     assert torch.allclose(weights, torch.tensor([50 / 90, 50 / 10, 0.0]))
-    plain = site(100, TrainingSection(batch_size=16), minority_every=10)
+    plain = site(100, TrainingSection(batch_size=16, class_weighted=False), minority_every=10)
     weighted = site(100, TrainingSection(batch_size=16, class_weighted=True), minority_every=10)
     assert plain.class_weight is None
     counts = weighted.data.class_counts("train")

@@ -143,10 +143,29 @@ class TrainingSection(Section):
         ge=1,
         description="local steps per round instead of epochs (equal work per site, whatever its size)",
     )
-    class_weighted: bool = Field(
-        False,
-        description="weight cross-entropy by median class frequency / class frequency of the labelled train split",
+    class_weighted: bool | Literal["auto"] = Field(
+        "auto",
+        description="weight cross-entropy by median class frequency / class frequency of the "
+        "labelled train split: true, false, or auto (weighted when the split's imbalance "
+        "exceeds imbalance_threshold)",
     )
+    imbalance_threshold: float = Field(
+        1.5,
+        ge=1.0,
+        description="class_weighted auto: weighted when the largest class of the labelled train "
+        "split has more than this many times the images of the smallest class present",
+    )
+    lr_schedule: Literal["constant", "cosine", "step"] = Field(
+        "cosine",
+        description="learning rate over the protocol's rounds: cosine from lr in round 1 to "
+        "lr x lr_min_factor in the last round, step (x lr_gamma every lr_step_rounds rounds), "
+        "or constant",
+    )
+    lr_min_factor: float = Field(
+        0.1, ge=0.0, le=1.0, description="cosine: the last round's lr is lr x this"
+    )
+    lr_step_rounds: int = Field(5, ge=1, description="step: rounds between two lr drops")
+    lr_gamma: float = Field(0.5, gt=0.0, le=1.0, description="step: factor of each lr drop")
 
 
 class SelectionSection(Section):

@@ -1,9 +1,11 @@
-"""A site's local optimizer: built from the `training:` section, and its state
-saved and restored in a codec-friendly form (string keys, tensors, plain
-values) for checkpoints and data-parallel workers."""
+"""A site's local optimizer: built from the `training:` section, its learning
+rate over the protocol's rounds (`lr_factor`), and its state saved and
+restored in a codec-friendly form (string keys, tensors, plain values) for
+checkpoints and data-parallel workers."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -12,13 +14,39 @@ from torch import Tensor, nn
 from p2pfl.config import TrainingSection
 
 
-def build_optimizer(model: nn.Module, training: TrainingSection) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, training: TrainingSection, lr_factor: float = 1.0
+) -> torch.optim.Optimizer:
     """Adam or SGD (training.optimizer) over the trainable parameters, with
-    training.lr and training.weight_decay."""
+    training.lr x lr_factor and training.weight_decay."""
     params = [p for p in model.parameters() if p.requires_grad]
+    lr = training.lr * lr_factor
     if training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=training.lr, weight_decay=training.weight_decay)
-    return torch.optim.Adam(params, lr=training.lr, weight_decay=training.weight_decay)
+        return torch.optim.SGD(params, lr=lr, weight_decay=training.weight_decay)
+    return torch.optim.Adam(params, lr=lr, weight_decay=training.weight_decay)
+
+
+def lr_factor(training: TrainingSection, round: int, rounds: int) -> float:
+    """training.lr_schedule's factor of training.lr in `round` (1-based) of `rounds`:
+    - constant: 1;
+    - cosine: 1 in round 1 down to lr_min_factor in the last round,
+      lr_min_factor + (1 - lr_min_factor) * (1 + cos(pi * (round - 1) / (rounds - 1))) / 2;
+    - step: lr_gamma ** ((round - 1) // lr_step_rounds).
+    The factor holds for a whole round, so every protocol (and every baseline)
+    follows the same schedule whatever its steps per round. Rounds past `rounds`
+    (a protocol asked to go on) keep the last round's factor."""
+    if rounds < 1 or round < 1:
+        raise ValueError(f"round {round} of {rounds}: both must be at least 1")
+    round = min(round, rounds)
+    if training.lr_schedule == "cosine":
+        if rounds == 1:
+            return 1.0
+        progress = (round - 1) / (rounds - 1)
+        floor = training.lr_min_factor
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if training.lr_schedule == "step":
+        return training.lr_gamma ** ((round - 1) // training.lr_step_rounds)
+    return 1.0
 
 
 def export_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

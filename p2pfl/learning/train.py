@@ -66,6 +66,29 @@ def median_frequency_weights(counts: list[int] | np.ndarray) -> Tensor:
     return torch.as_tensor(weights, dtype=torch.float32)
 
 
+def class_weighting(counts: list[int], training: TrainingSection) -> dict[str, Any]:
+    """What training.class_weighted means for a labelled train split with these
+    class counts: {'mode' (true | false | auto), 'applied', 'imbalance' (largest
+    class / smallest class present; 1.0 with fewer than two classes present),
+    'threshold', 'class_counts', 'weights' (median-frequency weights, or None
+    when not applied)}. `auto` applies the weights when the imbalance exceeds
+    training.imbalance_threshold: a skewed site then learns its minority classes
+    instead of collapsing to the majority one."""
+    present = [int(c) for c in counts if c > 0]
+    imbalance = max(present) / min(present) if len(present) >= 2 else 1.0
+    mode = training.class_weighted
+    applied = imbalance > training.imbalance_threshold if mode == "auto" else bool(mode)
+    weights = median_frequency_weights(counts).tolist() if applied else None
+    return {
+        "mode": str(mode).lower(),
+        "applied": applied,
+        "imbalance": round(imbalance, 4),
+        "threshold": training.imbalance_threshold,
+        "class_counts": [int(c) for c in counts],
+        "weights": None if weights is None else [round(w, 6) for w in weights],
+    }
+
+
 class LocalSite:
     """One site's model + optimizer + data + device.
 
@@ -98,10 +121,12 @@ class LocalSite:
                 enabled=True, margin=model.margin, embedding_dim=model.embedding_dim
             )
         self.use_amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.lr_factor = 1.0  # training.lr_schedule's factor of the current round
         self.optimizer = build_optimizer(self.model, self.training)
+        self.class_weighting = class_weighting(data.class_counts("train"), training)
         self.class_weight = (
             median_frequency_weights(data.class_counts("train")).to(self.device)
-            if training.class_weighted
+            if self.class_weighting["applied"]
             else None
         )
         self.last_loss: float | None = None
@@ -132,8 +157,21 @@ class LocalSite:
         )
 
     def reset_optimizer(self) -> None:
-        """Fresh optimizer state (FedER and FedPerl rebuild Adam every round)."""
-        self.optimizer = build_optimizer(self.model, self.training)
+        """Fresh optimizer state (FedER and FedPerl rebuild Adam every round), at
+        the current round's learning rate."""
+        self.optimizer = build_optimizer(self.model, self.training, self.lr_factor)
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Train at training.lr x `factor` from now on (the round's step of
+        training.lr_schedule, see `p2pfl.learning.optimizer.lr_factor`)."""
+        self.lr_factor = float(factor)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.training.lr * self.lr_factor
+
+    @property
+    def lr(self) -> float:
+        """The learning rate local training uses now."""
+        return self.training.lr * self.lr_factor
 
     # ------------------------------------------------------------------ properties
 

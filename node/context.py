@@ -101,6 +101,9 @@ class NodeContext(RoundContext):
     def set_community(self, community: dict[str, Any]) -> None:
         self.node.telemetry.set_community(community)
 
+    def set_training(self, training: dict[str, Any]) -> None:
+        self.node.telemetry.set_training(training)
+
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         if peer not in self.node.membership.roster:
             raise PeerUnavailable(peer, "not in roster")

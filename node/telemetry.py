@@ -146,6 +146,7 @@ class Telemetry:
         self._queue_depths: dict[str, int] = {}
         self._peers: dict[str, PeerGauge] = {}
         self._community: dict[str, Any] = {}
+        self._training: dict[str, Any] = {}
         self._history: deque[MetricPoint] = deque(maxlen=max_history)
         self._latest_metrics: dict[str, float] = {}
         self._latest_metrics_round: int | None = None
@@ -264,6 +265,12 @@ class Telemetry:
         with self._lock:
             self._community = detached
 
+    def set_training(self, training: dict[str, Any]) -> None:
+        """How the node trains (class weighting, lr, best model), shown on /status."""
+        detached = json.loads(json.dumps(training, default=str, allow_nan=False))
+        with self._lock:
+            self._training = detached
+
     # ---- metrics -------------------------------------------------------------
 
     def log_metrics(self, round: int, **values: float) -> None:
@@ -306,6 +313,7 @@ class Telemetry:
                 "bytes": self._traffic_summary("bytes"),
                 "queues": dict(sorted(self._queue_depths.items())),
                 "community": self._community,
+                "training": self._training,
             }
 
     def _peer_entry(self, name: str, gauge: PeerGauge, now: float) -> dict[str, Any]:

@@ -179,6 +179,9 @@ class RoundContext(ABC):
     def set_community(self, community: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """This node's community (chosen peers, similarities, policy) for /status."""
 
+    def set_training(self, training: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """How this node trains (class weighting, learning rate, best model) for /status."""
+
     def record_choice(self, chosen: list[str]) -> None:  # noqa: B027 - optional hook, no-op by default
         """Who this node chose as neighbours this round (for /peers)."""
 

@@ -286,6 +286,9 @@ class FinetuneContext(RoundContext):
     def set_community(self, community: dict[str, Any]) -> None:
         self.outer.set_community(community)
 
+    def set_training(self, training: dict[str, Any]) -> None:
+        self.outer.set_training(training)
+
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         return self.outer.pair_secret(peer, context)
 

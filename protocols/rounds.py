@@ -3,18 +3,21 @@
     setup (build the site, serve what peers ask for)
     resume from the last checkpoint, or prepare a fresh start
     for each round r:
+        the round's learning rate (training.lr_schedule)
         the protocol's phases, in its order        train -> fit()
                                                     exchange -> exchange()
                                                     aggregate -> aggregate()
-        evaluate (every `eval_every` rounds and the last)
+        evaluate (every `eval_every` rounds and the last); keep the best model
+            on the site's validation split (p2pfl.learning.best)
         log: the phases' timers, the evaluation, what the protocol noted
         checkpoint: everything resume needs, with the ledger of what was merged
+            and the best model
         after_round (probe: the pause between rounds)
     finish (export what the protocol produces), phase "done"
 
-The skeleton owns the loop, the phases and their timers, logging, the
-checkpoint and resume, the merged ledger and the gossip a selection heuristic
-reads. A protocol (FedAVGP2P, FedSGDP2P, SSFL/FedPerl, FedER, Fed-MAE, probe)
+The skeleton owns the loop, the learning-rate schedule, the phases and their
+timers, logging, the best model, the checkpoint and resume, the merged ledger
+and the gossip a selection heuristic reads. A protocol (FedAVGP2P, FedSGDP2P, SSFL/FedPerl, FedER, Fed-MAE, probe)
 overrides only the hooks its paper's algorithm box makes different.
 """
 
@@ -25,7 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from p2pfl.learning.best import BestModel
 from p2pfl.learning.evaluate import evaluate_site
+from p2pfl.learning.optimizer import lr_factor
 from protocols import selection
 from protocols.base import Protocol, RoundContext
 
@@ -62,6 +67,7 @@ class RoundLoop(Protocol):
         self.selection_history: list[list[str]] = []  # neighbours used, most recent last
         self.merged: list[list[Any]] = []  # [round, [[peer, peer's round], ...]] (bounded)
         self.gossip: dict[str, Any] = {}  # what this node publishes for the heuristics
+        self.best = BestModel()  # the best model so far on the site's validation split
 
     # ------------------------------------------------------------------ the loop
 
@@ -75,12 +81,16 @@ class RoundLoop(Protocol):
         """The rounds, resumed from the last checkpoint."""
         self.heuristic = selection.from_config(ctx.config.selection)  # who to exchange with
         start = self.resume(ctx, site)
+        self.show_training(ctx, site, announce=True)
         await self.before_rounds(ctx, site)
         for r in range(start, self.params.rounds + 1):
             ctx.round = r
             rnd = Round(r)
             round_start = time.perf_counter()
             timers: dict[str, float] = {}
+            lr = self.schedule_lr(ctx, site, r)
+            if lr is not None:
+                rnd.log["lr"] = lr
             for phase in self.phases:
                 ctx.set_phase(phase)
                 phase_start = time.perf_counter()
@@ -92,14 +102,50 @@ class RoundLoop(Protocol):
             if self.evaluates(r):
                 ctx.set_phase("evaluate")
                 metrics = await self.evaluate_round(ctx, site)
+                metrics.update(self.best.observe(r, metrics, site.state_dict))
+                self.show_training(ctx, site)
             # A hook's own timers (FedSGDP2P splits its steps) win over the phase's.
             values = {**metrics, **timers, **rnd.log}
             ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
-            ctx.checkpoint(self.checkpoint_state(r, site))
+            ctx.checkpoint({**self.checkpoint_state(r, site), "best": self.best.checkpoint()})
             await self.after_round(ctx, site, r)
 
     def evaluates(self, round: int) -> bool:
         return round % self.params.eval_every == 0 or round == self.params.rounds
+
+    def schedule_lr(self, ctx: RoundContext, site: Any, round: int) -> float | None:
+        """Set the round's learning rate (training.lr_schedule over this
+        protocol's rounds) on a site that trains with one; returns it."""
+        if not hasattr(site, "set_lr_factor"):
+            return None
+        site.set_lr_factor(lr_factor(ctx.config.training, round, self.params.rounds))
+        return float(site.lr)
+
+    def show_training(self, ctx: RoundContext, site: Any, *, announce: bool = False) -> None:
+        """/status's `training` block: the class weighting the site trains with,
+        the learning-rate schedule and the best model so far. `announce` also
+        logs the class-weighting choice (once, at start)."""
+        training = ctx.config.training
+        weighting = getattr(site, "class_weighting", None)
+        if announce and weighting is not None:
+            log.info(
+                "%s: class-weighted loss %s (class_weighted: %s, imbalance %.2f, threshold %.2f, "
+                "train class counts %s)",
+                ctx.me,
+                "ON" if weighting["applied"] else "off",
+                weighting["mode"],
+                weighting["imbalance"],
+                weighting["threshold"],
+                weighting["class_counts"],
+            )
+        ctx.set_training(
+            {
+                "class_weighting": weighting,
+                "lr": float(site.lr) if hasattr(site, "lr") else None,
+                "lr_schedule": training.lr_schedule,
+                "best": self.best.summary(),
+            }
+        )
 
     # ------------------------------------------------------------------ hooks
 
@@ -161,6 +207,7 @@ class RoundLoop(Protocol):
         self.selection_history = [list(x) for x in saved.get("selection_history", [])]
         self.merged = [list(x) for x in saved.get("merged", [])]
         self.gossip = dict(saved.get("gossip", {}))
+        self.best = BestModel.restore(saved.get("best"))
         for key, value in self.gossip.items():
             ctx.publish(key, value)
         self.load_extra(saved)

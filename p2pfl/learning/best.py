@@ -1,0 +1,97 @@
+"""The best model so far on the site's own validation split, kept next to the
+latest one.
+
+A federation's model can peak some rounds before the last and fall back
+(neighbours pulled in a late round, a learning rate still too high). A node
+therefore keeps, besides the model it trains on, the model of the round whose
+validation macro-F1 was the highest so far, with that round's test figures,
+and reports both. Only the site's own validation split chooses; its test split
+never does. The earliest round wins a tie.
+
+`BestModel.observe` is called after each evaluation with the round's metrics
+(those of `p2pfl.learning.evaluate.evaluate_site`). The node protocols (the
+round skeleton) and the in-process baselines use the same rule, so a
+benchmark's figures compare like with like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+CHOOSE_BY = "val_macro_f1"
+# A round's test figures kept with the best model, reported as best_<key>.
+REPORTED = ("macro_f1", "accuracy", "balanced_accuracy", "auc", "ece")
+
+
+@dataclass
+class BestModel:
+    """The best-on-validation model so far: its round, validation macro-F1,
+    test figures and (when a state function was given) its weights."""
+
+    round: int | None = None
+    val_macro_f1: float | None = None
+    test: dict[str, float] = field(default_factory=dict)
+    state: dict[str, Tensor] | None = None
+
+    def observe(
+        self,
+        round: int,
+        metrics: dict[str, Any],
+        state: Callable[[], dict[str, Tensor]] | None = None,
+    ) -> dict[str, float]:
+        """Take round `round`'s model as the best when its val macro-F1 beats the
+        best so far (`state()` gives its weights; called only then). Returns the
+        figures to log with the round: best_round, best_val_macro_f1 and
+        best_<test figure>; {} when the site has no validation split."""
+        value = metrics.get(CHOOSE_BY)
+        if value is None:
+            return {}
+        if self.val_macro_f1 is None or float(value) > self.val_macro_f1:
+            self.round = int(round)
+            self.val_macro_f1 = float(value)
+            self.test = {k: float(metrics[k]) for k in REPORTED if metrics.get(k) is not None}
+            self.state = state() if state is not None else None
+        return self.figures()
+
+    def figures(self) -> dict[str, float]:
+        """best_round, best_val_macro_f1, best_<test figure> ({} before any)."""
+        if self.round is None or self.val_macro_f1 is None:
+            return {}
+        return {
+            "best_round": float(self.round),
+            "best_val_macro_f1": self.val_macro_f1,
+            **{f"best_{k}": v for k, v in self.test.items()},
+        }
+
+    def summary(self) -> dict[str, Any] | None:
+        """What /status shows: the best round, its val macro-F1 and test figures."""
+        if self.round is None:
+            return None
+        return {"round": self.round, "val_macro_f1": self.val_macro_f1, "test": dict(self.test)}
+
+    def checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint's `best` entry (weights included), or None before any."""
+        if self.round is None:
+            return None
+        return {
+            "round": self.round,
+            "val_macro_f1": self.val_macro_f1,
+            "test": dict(self.test),
+            "model": self.state,
+        }
+
+    @classmethod
+    def restore(cls, saved: dict[str, Any] | None) -> BestModel:
+        """The BestModel a checkpoint's `best` entry describes (empty for None)."""
+        if not saved:
+            return cls()
+        return cls(
+            round=int(saved["round"]),
+            val_macro_f1=float(saved["val_macro_f1"]),
+            test={str(k): float(v) for k, v in dict(saved.get("test") or {}).items()},
+            state=saved.get("model"),
+        )

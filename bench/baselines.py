@@ -7,26 +7,40 @@
   E local epochs, and the server replaces the global model with the
   sample-count-weighted mean. Each site's test split is evaluated with the
   global model.
+- `pooled`: centralized training: one model trained on the union of every
+  site's training split (epochs x rounds over all of it, the images the whole
+  federation sees), chosen on the union of their validation splits, and
+  evaluated on each site's test split. The ceiling a federation approaches.
 - `centralized_fedsgd`: FedSGDP2P's reference (DFU Alg. 1 with C = 1), in one
   process: every local step every site computes the gradient of its next
   batch on the shared weights and all apply the batch-size-weighted mean of
   all of them, which is FedSGDP2P with every neighbour at every step. As in
   FedSGDP2P each site keeps its own BatchNorm running statistics.
 
-All start from the federation's common initial model (`build_site`) and
+All start from the federation's common initial model (`build_site`), follow
+the nodes' learning-rate schedule (training.lr_schedule over the rounds), keep
+each site's best model on its validation split as the nodes do
+(p2pfl.learning.best: best_round, best_macro_f1, ... in every record), and
 return per-site per-round records {node, round, macro_f1, accuracy, ...}.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.utils.data import TensorDataset
+
 from p2pfl.config import SiteConfig
+from p2pfl.learning.best import BestModel
 from p2pfl.learning.evaluate import evaluate_site
+from p2pfl.learning.optimizer import lr_factor
 from p2pfl.learning.train import LocalSite
 from protocols.aggregate import weighted_mean
 from protocols.memory.results import first_round_reaching, mean_by_round
@@ -62,11 +76,20 @@ class BaselineResult:
         return {"name": self.name, "records": self.records, "wall_s": self.wall_s}
 
 
-def _scores(site: LocalSite) -> dict[str, Any]:
-    """evaluate_site without the gossiped per-class F1 (baselines gossip nothing)."""
+def _scores(site: LocalSite, best: BestModel | None = None, round: int = 0) -> dict[str, Any]:
+    """evaluate_site without the gossiped per-class F1 (baselines gossip nothing),
+    with the site's best model so far (`best`, updated) as the nodes report it."""
     metrics = evaluate_site(site)
     metrics.pop("per_class_f1", None)
+    if best is not None:
+        metrics.update(best.observe(round, metrics))
     return metrics
+
+
+def _schedule(sites: Sequence[LocalSite], round: int, rounds: int) -> None:
+    """The round's learning rate on every site, as a node sets it."""
+    for site in sites:
+        site.set_lr_factor(lr_factor(site.training, round, rounds))
 
 
 def _rounds(configs: Sequence[SiteConfig], rounds: int | None) -> int:
@@ -83,11 +106,13 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
     final_states: dict[str, dict[str, Any]] = {}
     for cfg in configs:
         site = build_site(cfg)
+        best = BestModel()
         for r in range(1, total + 1):
+            _schedule([site], r, total)
             t0 = time.perf_counter()
             fit = site.train_epochs()
             train_s = time.perf_counter() - t0
-            metrics = _scores(site)
+            metrics = _scores(site, best, r)
             records.append(
                 {
                     "node": cfg.node.name,
@@ -112,8 +137,10 @@ def centralized_fedavg(
     sites = [build_site(cfg) for cfg in configs]
     global_state = sites[0].state_dict()
     weights = [float(site.num_train) for site in sites]
+    bests = [BestModel() for _ in sites]
     records: list[dict[str, Any]] = []
     for r in range(1, total + 1):
+        _schedule(sites, r, total)
         local_states = []
         train_s = 0.0
         for site in sites:
@@ -123,11 +150,63 @@ def centralized_fedavg(
             train_s += time.perf_counter() - t0
             local_states.append(site.state_dict())
         global_state = weighted_mean(local_states, weights, own=0)
-        for cfg, site in zip(configs, sites, strict=True):
+        for cfg, site, best in zip(configs, sites, bests, strict=True):
             site.load_state_dict(global_state)
-            metrics = _scores(site)
+            metrics = _scores(site, best, r)
             records.append({"node": cfg.node.name, "round": r, **metrics, "train_s": train_s})
     return BaselineResult("centralized_fedavg", records, time.perf_counter() - start)
+
+
+def _union(datasets: Sequence[TensorDataset | None]) -> TensorDataset | None:
+    """One TensorDataset of every site's split (None when no site has it)."""
+    present = [d for d in datasets if d is not None and len(d) > 0]
+    if not present:
+        return None
+    return TensorDataset(
+        torch.cat([d.tensors[0] for d in present]), torch.cat([d.tensors[1] for d in present])
+    )
+
+
+def pooled(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> BaselineResult:
+    """Centralized training: one model on the union of every site's training
+    split, `rounds` x training.epochs epochs (the first site's training
+    settings; every site has the same in a benchmark). The class weighting
+    follows the union's class counts; the best model is chosen on the union of
+    the validation splits, and each site's test split is scored with the
+    latest model and with the best one."""
+    start = time.perf_counter()
+    total = _rounds(configs, rounds)
+    sites = [build_site(cfg) for cfg in configs]
+    first = sites[0]
+    data = dataclasses.replace(
+        first.data,
+        train=_union([s.data.train for s in sites]),
+        val=_union([s.data.val for s in sites]),
+        test=None,
+        source="pooled",
+    )
+    central = LocalSite(
+        copy.deepcopy(first.model), data, first.training, augment=first.augment, device=first.device
+    )
+    best = BestModel()
+    records: list[dict[str, Any]] = []
+    for r in range(1, total + 1):
+        _schedule([central], r, total)
+        t0 = time.perf_counter()
+        central.train_epochs()
+        train_s = time.perf_counter() - t0
+        best.observe(r, evaluate_site(central), central.state_dict)
+        latest = central.state_dict()
+        for cfg, site in zip(configs, sites, strict=True):
+            site.load_state_dict(latest)
+            metrics = _scores(site)
+            if best.state is not None:
+                site.load_state_dict(best.state)
+                of_best = _scores(site)
+                metrics.update({f"best_{k}": of_best[k] for k in ("macro_f1", "accuracy")})
+                metrics["best_round"] = float(best.round or 0)
+            records.append({"node": cfg.node.name, "round": r, **metrics, "train_s": train_s})
+    return BaselineResult("pooled", records, time.perf_counter() - start)
 
 
 def centralized_fedsgd(
@@ -139,8 +218,10 @@ def centralized_fedsgd(
     start = time.perf_counter()
     total = _rounds(configs, rounds)
     sites = [build_site(cfg) for cfg in configs]
+    bests = [BestModel() for _ in sites]
     records: list[dict[str, Any]] = []
     for r in range(1, total + 1):
+        _schedule(sites, r, total)
         t0 = time.perf_counter()
         batches = [site.training_batches(site.training.epochs) for site in sites]
         steps = 0
@@ -155,8 +236,8 @@ def centralized_fedsgd(
                 site.apply_gradient(mean)
             steps += 1
         train_s = time.perf_counter() - t0
-        for cfg, site in zip(configs, sites, strict=True):
-            metrics = _scores(site)
+        for cfg, site, best in zip(configs, sites, bests, strict=True):
+            metrics = _scores(site, best, r)
             records.append(
                 {"node": cfg.node.name, "round": r, **metrics, "train_s": train_s, "steps": steps}
             )

@@ -119,10 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="local steps per round instead of epochs (equal work per site)",
     )
-    parser.add_argument(
+    spec_option(
         "--class-weighted",
-        action="store_true",
-        help="class-weighted cross-entropy (median frequency / frequency) for every method",
+        type=_class_weighted,
+        nargs="?",
+        const=True,
+        help="training.class_weighted of every method: auto (the default: weighted where a "
+        "site's labels are skewed), true (also: the bare flag) or false",
+    )
+    spec_option(
+        "--lr-schedule",
+        choices=("cosine", "step", "constant"),
+        help="training.lr_schedule of every method (default cosine)",
     )
     spec_option(
         "--round-timeout",
@@ -160,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--verbose", action="store_true")
     return parser
+
+
+def _class_weighted(text: str) -> bool | str:
+    value = text.strip().lower()
+    if value in ("auto", "true", "false"):
+        return {"true": True, "false": False}.get(value, "auto")
+    raise argparse.ArgumentTypeError(f"{text!r}: use auto, true or false")
 
 
 def _protocol_option(text: str) -> tuple[str, Any]:

@@ -63,6 +63,7 @@ class RoundWatcher:
         self.report(
             f"[{self.elapsed():7.1f}s] {name} round {round_}/{self.rounds}"
             f"  macro-F1 {_fmt(m.get('macro_f1'))}  acc {_fmt(m.get('accuracy'))}"
+            f"  best {_fmt(m.get('best_macro_f1'))} (round {_fmt(m.get('best_round'), 0)})"
             f"  train {_fmt(m.get('train_s'), 1)}s  exchange {_fmt(m.get('exchange_s'), 1)}s"
             f"  round {_fmt(m.get('round_s'), 1)}s{source}"
         )

@@ -19,6 +19,7 @@ BASELINE_LABELS = {
     "standalone": ("standalone (mean)", "standalone"),
     "centralized": ("centralized FedAvg", "centralized"),
     "centralized_fedsgd": ("centralized FedSGD", "centralized FedSGD"),
+    "pooled": ("pooled (centralized training)", "pooled"),
 }
 
 
@@ -40,6 +41,10 @@ def write_plots(
     for c in fractions:
         picked = [(s, o) for s, o in zip(specs, outcomes, strict=True) if s.fraction == c]
         curves = {s.heuristic: mean_by_round(o.rows) for s, o in picked}
+        for s, o in picked:  # the model each node reports: its best on validation so far
+            best = mean_by_round(o.rows, "best_macro_f1")
+            if best:
+                curves[f"{s.heuristic} (reported: best on val)"] = best
         per_node: dict[str, dict[int, float]] | None = None
         if len(picked) == 1 and picked[0][0].nodes <= 20:
             per_node = {}

@@ -37,7 +37,8 @@ class RunSpec:
     seed: int = 0
     max_steps_per_epoch: int | None = None
     steps_per_round: int | None = None
-    class_weighted: bool = False
+    class_weighted: bool | str = "auto"  # training.class_weighted: True, False or "auto"
+    lr_schedule: str = "cosine"
     label_fraction: float | None = None
     round_timeout_s: float | None = None
     startup_wait_s: float = 60.0
@@ -93,13 +94,13 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
         "batch_size": spec.batch_size,
         "lr": spec.lr,
         "seed": spec.seed,
+        "class_weighted": spec.class_weighted,
+        "lr_schedule": spec.lr_schedule,
     }
     if spec.max_steps_per_epoch is not None:
         training["max_steps_per_epoch"] = spec.max_steps_per_epoch
     if spec.steps_per_round is not None:
         training["steps_per_round"] = spec.steps_per_round
-    if spec.class_weighted:
-        training["class_weighted"] = True
     return {
         "model": {"name": spec.model},
         "training": training,

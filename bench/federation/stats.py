@@ -6,11 +6,17 @@ Figures (keys of `summary`):
   `global`), mean over the nodes, at the first round and at each node's last
   logged round; macro_f1_mean_last3: the mean of the last three rounds' means
   (one round can swing by several points);
-- standalone_macro_f1_mean, centralized_macro_f1: the same figure for the two
-  baselines at their last round (centralized: the global model evaluated on
-  each site's test split, mean over sites; with `--test-split global` that is
-  one figure, the common test set); gain_over_standalone = final -
-  standalone, gap_to_centralized = centralized - final (positive: below it);
+- best_macro_f1_mean_final: the same for the model each node reports, its
+  best so far on its own validation split (p2pfl.learning.best), at each
+  node's last logged round; best_macro_f1_min_final its lowest node;
+- standalone_macro_f1_mean, centralized_macro_f1, pooled_macro_f1: the same
+  figure for the baselines at their last round (centralized: the global model
+  evaluated on each site's test split, mean over sites; with `--test-split
+  global` that is one figure, the common test set; pooled: one model trained
+  on all sites' data); gain_over_standalone = final - standalone,
+  gap_to_centralized = centralized - final, gap_to_pooled = pooled - final
+  (positive: below it); the same with best_ / _best for the reported (best
+  on validation) models of the nodes and of each baseline;
   for fedsgdp2p also centralized_fedsgd_macro_f1 (_last3) and
   gap_to_centralized_fedsgd, its own centralized counterpart;
 - non_training_share = 1 - sum(train_s) / sum(round_s) over every logged
@@ -105,6 +111,7 @@ def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[
     rows = outcome.rows
     by_round = mean_by_round(rows)
     final = per_node_final(rows)
+    best = per_node_final(rows, "best_macro_f1")
     first_round = min(by_round, default=None)
     first = [
         float(r["macro_f1"])
@@ -139,6 +146,8 @@ def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[
         "macro_f1_mean_last3": _round(mean_of_last(by_round)),
         "macro_f1_min_final": _round(min(final.values(), default=None)),
         "macro_f1_max_final": _round(max(final.values(), default=None)),
+        "best_macro_f1_mean_final": _round(_mean(list(best.values()))),
+        "best_macro_f1_min_final": _round(min(best.values(), default=None)),
         **time_shares(rows),
         "train_s_mean": _round(_mean(train_s), 3),
         "round_s_mean": _round(_mean(round_s), 3),
@@ -174,6 +183,7 @@ def with_baselines(summary: dict[str, Any], baselines: dict[str, Any] | None) ->
     alone = baselines["standalone"]["macro_f1_mean"] if baselines else None
     central = baselines["centralized"]["macro_f1"] if baselines else None
     final = summary.get("macro_f1_mean_final")
+    best = summary.get("best_macro_f1_mean_final")
     last3: dict[str, float | None] = {"standalone": None, "centralized": None}
     for name in last3:
         if baselines:
@@ -188,7 +198,34 @@ def with_baselines(summary: dict[str, Any], baselines: dict[str, Any] | None) ->
         "gap_to_centralized": None
         if central is None or final is None
         else round(central - final, 4),
+        **reported_figures(baselines, final, best),
         **fedsgd_figures(baselines, final),
+    }
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 4)
+
+
+def reported_figures(
+    baselines: dict[str, Any] | None, final: float | None, best: float | None
+) -> dict[str, Any]:
+    """The pooled baseline, and every comparison again with the models the nodes
+    and the baselines report (their best on validation)."""
+    if not baselines:
+        return {}
+    alone_best = baselines["standalone"].get("best_macro_f1")
+    central_best = baselines["centralized"].get("best_macro_f1")
+    union = baselines.get("pooled") or {}
+    return {
+        "pooled_macro_f1": _round(union.get("macro_f1")),
+        "gap_to_pooled": _difference(union.get("macro_f1"), final),
+        "standalone_best_macro_f1_mean": _round(alone_best),
+        "centralized_best_macro_f1": _round(central_best),
+        "pooled_best_macro_f1": _round(union.get("best_macro_f1")),
+        "gain_over_standalone_best": _difference(best, alone_best),
+        "gap_to_centralized_best": _difference(central_best, best),
+        "gap_to_pooled_best": _difference(union.get("best_macro_f1"), best),
     }
 
 

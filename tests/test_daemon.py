@@ -400,3 +400,37 @@ def test_the_node_names_the_roster_cards_whose_counts_it_trusts(tmp_path):
         update={"protocol": cfg.protocol.model_copy(update={"aggregation": "median"})}
     )
     assert uncapped_peers(robust, roster) == []  # the median ignores the counts
+
+
+def test_status_shows_how_the_node_trains_and_its_best_model(tmp_path):
+    """The class-weighting choice, the round's lr and the best model on the site's
+    validation split: logged once at start, on /status, in metrics.jsonl."""
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "fedavgp2p", "rounds": 3, "fraction": 1.0},
+        overrides={
+            **FAST,
+            "training": {"max_steps_per_epoch": 2, "threads": 1},
+            "data": {"augment": "none"},
+        },
+    )
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        st = fed["a"].wait_for(lambda s: s["phase"] == "done", 120, "three rounds done")
+        training = st["training"]
+        weighting = training["class_weighting"]
+        assert weighting["mode"] == "auto" and weighting["threshold"] == 1.5
+        assert weighting["applied"] == (weighting["imbalance"] > 1.5)
+        assert training["lr_schedule"] == "cosine"
+        assert training["lr"] == pytest.approx(1e-4)  # the last round: 0.1 x lr
+        rows = [
+            json.loads(x)
+            for x in (tmp_path / "fed" / "a" / "state" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["round"] for r in rows] == [1, 2, 3]
+        chosen = max(rows, key=lambda r: (r["val_macro_f1"], -r["round"]))
+        assert training["best"]["round"] == chosen["round"] == rows[-1]["best_round"]
+        assert training["best"]["test"]["macro_f1"] == pytest.approx(chosen["macro_f1"])
+        assert st["metrics"]["best_macro_f1"] == pytest.approx(chosen["macro_f1"])
+        log_text = fed["a"].log_tail(400)
+        assert log_text.count("class-weighted loss") == 1, log_text

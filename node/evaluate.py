@@ -32,6 +32,13 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--federation-dir", type=Path, help="every DIR/*/site.yaml")
     parser.add_argument("--split", default="test", choices=["test", "val"])
     parser.add_argument(
+        "--model",
+        dest="which",
+        default="latest",
+        choices=["latest", "best"],
+        help="each node's latest model, or its best on its own validation split",
+    )
+    parser.add_argument(
         "--ensemble",
         action="store_true",
         help="also evaluate the softmax ensemble of all node models",
@@ -39,7 +46,9 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the full results here")
 
 
-def latest_model(cfg: SiteConfig, path: Path) -> dict[str, torch.Tensor]:
+def latest_model(cfg: SiteConfig, path: Path, which: str = "latest") -> dict[str, torch.Tensor]:
+    """The node's latest model, or (`which="best"`) its best on its own
+    validation split, from its last checkpoint."""
     state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest()
     if not state or not isinstance(state.get("protocol"), dict) or "model" not in state["protocol"]:
         raise ConfigError(
@@ -48,6 +57,17 @@ def latest_model(cfg: SiteConfig, path: Path) -> dict[str, torch.Tensor]:
             f"no checkpoint with a model in {cfg.node.state_dir}/checkpoints",
             "run the node first",
         )
+    if which == "best":
+        best = state["protocol"].get("best")
+        if not isinstance(best, dict) or not isinstance(best.get("model"), dict):
+            raise ConfigError(
+                path,
+                "node.state_dir",
+                f"the last checkpoint in {cfg.node.state_dir}/checkpoints keeps no best model "
+                "(the site has no validation split, or the node ran before best models were kept)",
+                "evaluate --model latest, or give the site a val split (data.val_fraction)",
+            )
+        return best["model"]
     return state["protocol"]["model"]
 
 
@@ -108,7 +128,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise UserError("evaluate: give --config SITE.yaml (repeatable) or --federation-dir DIR")
     configs = {p: load_config(p, check_files=False) for p in paths}
     sites = {cfg.node.name: LocalSite.from_config(cfg) for cfg in configs.values()}
-    models = {cfg.node.name: latest_model(cfg, p) for p, cfg in configs.items()}
+    models = {cfg.node.name: latest_model(cfg, p, args.which) for p, cfg in configs.items()}
     result = cross_site(sites, models, args.split, args.ensemble)
     names = list(sites)
     print(

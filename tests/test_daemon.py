@@ -434,3 +434,18 @@ def test_status_shows_how_the_node_trains_and_its_best_model(tmp_path):
         assert st["metrics"]["best_macro_f1"] == pytest.approx(chosen["macro_f1"])
         log_text = fed["a"].log_tail(400)
         assert log_text.count("class-weighted loss") == 1, log_text
+    # `evaluate --model best` scores the checkpoint's best model: on a's own test
+    # split it gives the figure a reported
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "node.cli", "evaluate", "--federation-dir", str(tmp_path / "fed")]
+        + ["--model", "best", "--json", str(tmp_path / "best.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    matrix = json.loads((tmp_path / "best.json").read_text())["matrix"]
+    assert matrix["a"]["a"]["macro_f1"] == pytest.approx(chosen["macro_f1"], abs=1e-6)

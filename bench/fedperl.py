@@ -170,6 +170,7 @@ def site_configs(
             "device": "cpu",
             "seed": seed,
             "threads": 1,
+            "lr_schedule": "constant",  # the reference code's Adam at a constant lr
         },
         selection={"name": "random"},
     )

@@ -172,6 +172,7 @@ def pretrain(
             "batch_size": 64,
             "lr": args.pretrain_lr,
             "device": "cpu",
+            "lr_schedule": "constant",  # as the README's figures were measured
         },
     )
     # on disk, so a killed benchmark resumes pre-training where it stopped
@@ -206,6 +207,7 @@ def finetune(
             "batch_size": args.batch_size,
             "lr": lr,
             "device": "cpu",
+            "lr_schedule": "constant",  # as the README's figures were measured
         },
     )
     for cfg, encoder in zip(configs, encoders, strict=True):

@@ -24,7 +24,7 @@ from p2pfl.config import SSFLParams
 from p2pfl.learning.evaluate import CALIBRATION_KEYS, evaluate_site
 from p2pfl.learning.semisup import fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.state import feature_vector
-from p2pfl.learning.train import LocalSite
+from p2pfl.learning.train import LocalSite, class_weighting
 from protocols import communities
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
@@ -49,6 +49,16 @@ class SSFL(FedAvgP2P):
 
     def sample_weight(self, site: Any) -> int:
         return num_images(site)
+
+    async def setup(self, ctx: RoundContext) -> Any:
+        site = await super().setup(ctx)
+        # FixMatch weights its supervised loss by protocol.class_weighted (the
+        # reference code's choice), not training.class_weighted: /status says so.
+        training = ctx.config.training.model_copy(
+            update={"class_weighted": self.params.class_weighted}
+        )
+        site.class_weighting = class_weighting(site.data.class_counts("train"), training)
+        return site
 
     # ------------------------------------------------------------------ 1. local FixMatch
 

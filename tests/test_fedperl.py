@@ -207,6 +207,24 @@ def test_ssfl_is_fixmatch_plus_fedavgp2p_without_peers(sources: list[str]) -> No
     assert len(result.choices) == 8  # SSFL records its FedAVGP2P neighbours
 
 
+def test_status_shows_fixmatchs_class_weighting_not_the_training_sections(tmp_path: Path) -> None:
+    """FixMatch weights its loss by protocol.class_weighted; /status's training
+    block shows that choice whatever training.class_weighted says."""
+    partition_dataset("digits", 2, "iid", tmp_path, label_fraction=0.5, seed=0)
+    cfgs = simulation_configs(
+        [str(tmp_path / f"site_{i}.npz") for i in range(2)],
+        names=SITES[:2],
+        protocol={"name": "ssfl", "rounds": 1, "fraction": 1.0, "class_weighted": False},
+        data={"image_size": 8, "augment": "none"},
+        training={"device": "cpu", "max_steps_per_epoch": 1, "class_weighted": True},
+    )
+    network = InMemoryNetwork(inline_train=True)
+    assert asyncio.run(simulate(cfgs, network=network)).errors == {}
+    for node in SITES[:2]:
+        weighting = network.training[node]["class_weighting"]
+        assert weighting["mode"] == "false" and weighting["applied"] is False
+
+
 def test_a_gate_nobody_passes_means_no_peer_and_no_model_sent(sources: list[str]) -> None:
     cfgs = configs(
         sources,

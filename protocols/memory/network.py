@@ -132,6 +132,7 @@ class InMemoryNetwork:
         self._nodes: dict[str, _Node] = {}
         self.records: list[dict[str, Any]] = []
         self.choices: list[dict[str, Any]] = []
+        self.training: dict[str, dict[str, Any]] = {}  # node -> its /status training block
         self.rejections: list[dict[str, Any]] = []  # inputs a protocol refused
 
     # ------------------------------------------------------------------ membership
@@ -411,6 +412,9 @@ class InMemoryContext(RoundContext):
         other = self.network._node(peer)
         shared = self._node.agreement.exchange(other.agreement.public_key())
         return pair_secret_from_shared(shared, self.me, peer, context)
+
+    def set_training(self, training: dict[str, Any]) -> None:
+        self.network.training[self.me] = dict(training)
 
     def record_choice(self, chosen: list[str]) -> None:
         self.network.choices.append({"node": self.me, "round": self.round, "chosen": list(chosen)})

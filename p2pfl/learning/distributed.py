@@ -174,7 +174,7 @@ def _train_worker(
                 continue
             x_shard = torch.tensor_split(x, world_size)[rank]
             y_shard = torch.tensor_split(y, world_size)[rank]
-            x_shard = site._augment(x_shard).to(device, non_blocking=True)
+            x_shard = site._augment(x_shard)  # on the worker's device
             y_shard = y_shard.to(device, non_blocking=True)
             site.optimizer.zero_grad(set_to_none=True)
             shard_mean = site.loss(x_shard, y_shard)

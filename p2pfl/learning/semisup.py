@@ -190,13 +190,14 @@ def fixmatch_epoch(
             x_l, y_l = next(labeled_stream)
             if unlabeled_stream is not None:
                 u = next(unlabeled_stream)
-                u_weak = weak_augment_batch(u).to(site.device)
-                u_strong = strong_augment_batch(u).to(site.device)
+                u = u.to(site.device)
+                u_weak = weak_augment_batch(u)
+                u_strong = strong_augment_batch(u)
             else:
                 u_weak = u_strong = x_l[:0].to(site.device)
             if len(y_l) + 2 * len(u_weak) < 2:  # BatchNorm cannot train on a single sample
                 continue
-            x_l = weak_augment_batch(x_l).to(site.device)
+            x_l = weak_augment_batch(x_l.to(site.device))
             y_l = y_l.to(site.device)
             site.optimizer.zero_grad(set_to_none=True)
             with site.autocast():

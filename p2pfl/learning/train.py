@@ -246,6 +246,9 @@ class LocalSite:
             return F.cross_entropy(logits.float(), y, weight=self.class_weight)
 
     def _augment(self, x: Tensor) -> Tensor:
+        """The training view of a batch, on the site's device (augmented there:
+        p2pfl.learning.data.augment works on the whole batch at once)."""
+        x = x.to(self.device, non_blocking=True)
         if self.augment == "weak":
             return weak_augment_batch(x)
         if self.augment == "strong":
@@ -295,7 +298,7 @@ class LocalSite:
         losses: list[float] = []
         samples = 0
         for x, y in self.training_batches(epochs):
-            x = self._augment(x).to(self.device, non_blocking=True)
+            x = self._augment(x)
             y = y.to(self.device, non_blocking=True)
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.loss(x, y)
@@ -364,11 +367,11 @@ class LocalSite:
                 if len(ry) < 2 or (x is not None and len(y) < 2):
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                rx, ry = self._augment(rx).to(self.device), ry.to(self.device)
+                rx, ry = self._augment(rx), ry.to(self.device)
                 if x is None:
                     loss = self.loss(rx, ry)
                 else:
-                    x, y = self._augment(x).to(self.device), y.to(self.device)
+                    x, y = self._augment(x), y.to(self.device)
                     loss = lam * self.loss(x, y) + (1.0 - lam) * self.loss(rx, ry)
                 loss.backward()
                 self.optimizer.step()

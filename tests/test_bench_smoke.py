@@ -40,3 +40,13 @@ def test_transport_benchmark_reports_its_figures():
         "receiver_peak_rss_over_payload",
     } <= set(result)
     assert result["node_path_mb_s"] > 0 and result["raw_post_mb_s"] > 0
+
+
+def test_augment_benchmark_reports_the_overhead_of_each_view():
+    result = last_json(["bench.augment", "--steps", "5", "--batch-size", "8"])
+    for view in ("weak", "strong", "weak_torchvision", "strong_torchvision"):
+        assert result[f"{view}_ms"] > 0
+        assert result[f"{view}_overhead"] == pytest.approx(
+            result[f"{view}_ms"] / result["step_ms"], rel=0.01
+        )
+    assert isinstance(result["pass"], bool)

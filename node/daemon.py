@@ -144,6 +144,7 @@ class Node:
         self.status_port: int | None = None
         self.peer_port: int | None = None
         self._metrics_file = open(state / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self.telemetry.mark_startup("node_created")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

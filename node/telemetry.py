@@ -26,6 +26,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from node.prometheus import ExpositionWriter
 
+# The phases of a round: the first of them marks the first round's start.
+ROUND_PHASES = ("train", "exchange", "aggregate")
+
+
+def process_launch_time(wall_clock: Callable[[], float] = time.time) -> float:
+    """When this process was launched (epoch seconds; now where unknown)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a missing /proc only loses the start-up breakdown
+        return wall_clock()
+
 logger = logging.getLogger(__name__)
 
 SENT = "sent"
@@ -147,6 +160,8 @@ class Telemetry:
         self._peers: dict[str, PeerGauge] = {}
         self._community: dict[str, Any] = {}
         self._training: dict[str, Any] = {}
+        self._launched_at = process_launch_time(wall_clock)
+        self._startup: dict[str, float] = {}
         self._history: deque[MetricPoint] = deque(maxlen=max_history)
         self._latest_metrics: dict[str, float] = {}
         self._latest_metrics_round: int | None = None
@@ -249,6 +264,22 @@ class Telemetry:
     def set_phase(self, phase: str) -> None:
         with self._lock:
             self._phase = phase
+        if phase == "waiting_for_peers":
+            self.mark_startup("listening")
+        elif phase == "start":
+            self.mark_startup("peers_ready")
+        elif phase in ROUND_PHASES:
+            self.mark_startup("first_round")
+
+    def mark_startup(self, milestone: str) -> None:
+        """Seconds from the process's launch to a start-up milestone (the first
+        time it is reached): node_created (imports, config, keys), listening
+        (transport and status up), peers_ready (every peer seen, or
+        startup_wait_s over), first_round (the site is built; round 1 runs).
+        /status shows them under `startup`."""
+        with self._lock:
+            if milestone not in self._startup:
+                self._startup[milestone] = round(self._wall_clock() - self._launched_at, 3)
 
     def set_peer(
         self, name: str, state: str, round: int = -1, phase: str = "", last_seen: float = 0.0
@@ -314,6 +345,7 @@ class Telemetry:
                 "queues": dict(sorted(self._queue_depths.items())),
                 "community": self._community,
                 "training": self._training,
+                "startup": {"launched_at": self._launched_at, **self._startup},
             }
 
     def _peer_entry(self, name: str, gauge: PeerGauge, now: float) -> dict[str, Any]:

@@ -50,3 +50,14 @@ def test_augment_benchmark_reports_the_overhead_of_each_view():
             result[f"{view}_ms"] / result["step_ms"], rel=0.01
         )
     assert isinstance(result["pass"], bool)
+
+
+@pytest.mark.slow
+def test_startup_benchmark_reports_when_every_node_runs_round_one(tmp_path):
+    result = last_json(
+        ["bench.startup", "--nodes", "2", "--repeats", "1", "--out", str(tmp_path)], timeout=180
+    )
+    assert len(result["first_round_s"]) == 1 and result["first_round_s"][0] > 0
+    steps = result["breakdown_median_node"]
+    assert 0 < steps["node_created"] <= steps["listening"] <= steps["first_round"]
+    assert isinstance(result["pass"], bool)

@@ -39,6 +39,7 @@ def process_launch_time(wall_clock: Callable[[], float] = time.time) -> float:
     except Exception:  # noqa: BLE001 - a missing /proc only loses the start-up breakdown
         return wall_clock()
 
+
 logger = logging.getLogger(__name__)
 
 SENT = "sent"

@@ -180,7 +180,13 @@ def cmd_provision(args: argparse.Namespace) -> int:
         print(
             f"compose file (one container per site): {write_compose(out, names, ports, status_ports)}"
         )
+    from node.resources import available_cores, threads_per_site
+
     print(f"provisioned {len(names)} sites in {out}: roster {out / 'roster.yaml'}")
+    print(
+        f"training.threads: {threads_per_site(len(names))} per site "
+        f"({len(names)} sites on this machine's {available_cores()} cores)"
+    )
     for name, port, status_port in zip(names, ports, status_ports, strict=True):
         print(
             f"  {name}: p2pfl-node --config {out / name / 'site.yaml'}   (peer port {port}, status http://127.0.0.1:{status_port}/)"

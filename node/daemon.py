@@ -31,6 +31,7 @@ from node.membership import Membership, Progress
 from node.outbound import Outbound
 from node.peers import PeerTable
 from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spool
+from node.resources import CHECK_EVERY_S, HostThreads, available_cores, registry_dir
 from node.status import create_status_app, start_status_server
 from node.telemetry import Telemetry
 from node.transport import (
@@ -144,6 +145,7 @@ class Node:
         self.status_port: int | None = None
         self.peer_port: int | None = None
         self._metrics_file = open(state / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self.host_threads: HostThreads | None = None  # registered once the node runs
         self.telemetry.mark_startup("node_created")
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,7 +202,28 @@ class Node:
                 ) from None
         self._spawn(self.membership.run(), "heartbeat")
         self._spawn(self.outbound.resend_outbox(), "outbox")
+        self._spawn(self._watch_threads(), "threads")
         self._spawn(self._run_protocol(), "protocol")
+
+    async def _watch_threads(self) -> None:
+        """Register this node's training threads on the host and check, every few
+        seconds, that all nodes here together do not oversubscribe the cores
+        (node/resources.py: warned once in the log, shown on /status)."""
+        import torch
+
+        self.host_threads = HostThreads(
+            self.name, torch.get_num_threads(), registry_dir(), available_cores()
+        )
+        try:
+            self.host_threads.register()
+        except OSError as exc:
+            log.warning("%s: cannot register in %s: %s", self.name, registry_dir(), exc)
+        while True:
+            try:
+                self.telemetry.set_resources(self.host_threads.check())
+            except OSError as exc:  # the registry went away: say so, keep running
+                log.debug("%s: thread registry unreadable: %s", self.name, exc)
+            await asyncio.sleep(CHECK_EVERY_S)
 
     def _spawn(self, coro: Any, name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=f"{self.name}:{name}"))
@@ -220,6 +243,8 @@ class Node:
             await self._status_runner.cleanup()
         await self.client.close()
         self.trainer.shutdown(wait=True, cancel_futures=True)
+        if self.host_threads is not None:
+            self.host_threads.unregister()
         self._metrics_file.close()
         log.info("%s: stopped", self.name)
 

@@ -1,5 +1,7 @@
 """Provision a federation on this machine (loopback addresses): one key pair
-per site, one roster, one site.yaml per site.
+per site, one roster, one site.yaml per site. As every site runs on this
+machine, each site.yaml gets `training.threads` = cores // sites (at least 1),
+so the nodes together do not oversubscribe the CPU (node/resources.py).
 
 Used by `p2pfl-node provision`, and by the tests and benchmarks, which then
 start one node process per site with bench/localfed.py.
@@ -15,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from node.resources import threads_per_site
 from p2pfl.secure.identity import LocalIdentity, Roster
 
 
@@ -50,13 +53,14 @@ def site_config(
     protocol: dict[str, Any],
     data_source: str,
     seed: int = 0,
+    threads: int = 1,
 ) -> dict[str, Any]:
     return {
         "node": {"name": name, "listen": f"127.0.0.1:{port}", "state_dir": "state"},
         "federation": {"id": federation, "roster": "../roster.yaml", "seed": seed},
         "data": {"source": data_source},
         "model": {"name": "small_cnn"},
-        "training": {"epochs": 1, "batch_size": 32, "lr": 0.001, "seed": seed},
+        "training": {"epochs": 1, "batch_size": 32, "lr": 0.001, "seed": seed, "threads": threads},
         "protocol": protocol,
         "selection": {"name": "random"},
         "status": {"host": "127.0.0.1", "port": status_port},
@@ -105,6 +109,7 @@ def provision(
             protocol=protocol,
             data_source=sources[i],
             seed=seed,
+            threads=threads_per_site(len(names)),  # every site runs on this machine
         )
         cfg = deep_merge(cfg, overrides or {})
         cfg = deep_merge(cfg, (per_site or {}).get(name, {}))

@@ -163,6 +163,7 @@ class Telemetry:
         self._training: dict[str, Any] = {}
         self._launched_at = process_launch_time(wall_clock)
         self._startup: dict[str, float] = {}
+        self._resources: dict[str, Any] = {}
         self._history: deque[MetricPoint] = deque(maxlen=max_history)
         self._latest_metrics: dict[str, float] = {}
         self._latest_metrics_round: int | None = None
@@ -272,6 +273,12 @@ class Telemetry:
         elif phase in ROUND_PHASES:
             self.mark_startup("first_round")
 
+    def set_resources(self, resources: dict[str, Any]) -> None:
+        """Cores and training threads of the nodes on this host (node/resources.py)."""
+        detached = json.loads(json.dumps(resources, default=str))
+        with self._lock:
+            self._resources = detached
+
     def mark_startup(self, milestone: str) -> None:
         """Seconds from the process's launch to a start-up milestone (the first
         time it is reached): node_created (imports, config, keys), listening
@@ -347,6 +354,7 @@ class Telemetry:
                 "community": self._community,
                 "training": self._training,
                 "startup": {"launched_at": self._launched_at, **self._startup},
+                "resources": self._resources,
             }
 
     def _peer_entry(self, name: str, gauge: PeerGauge, now: float) -> dict[str, Any]:

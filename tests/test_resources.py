@@ -1,0 +1,79 @@
+"""No CPU oversubscription by default: provision writes training.threads so the
+sites fit the cores, and a node says when the nodes on its host do not."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.localfed import LocalFederation
+from node.provision import provision
+from node.resources import HostThreads, available_cores, threads_per_site
+
+
+def test_provision_fits_the_sites_to_the_cores(tmp_path: Path) -> None:
+    assert threads_per_site(3, cores=8) == 2 and threads_per_site(5, cores=2) == 1
+    plans = provision(tmp_path, ["a", "b", "c"], protocol={"name": "probe", "rounds": 1})
+    threads = [yaml.safe_load(p.config_path.read_text())["training"]["threads"] for p in plans]
+    assert threads == [threads_per_site(3)] * 3
+    assert sum(threads) <= max(available_cores(), 3)  # at least one thread each
+
+
+def test_the_registry_ignores_gone_and_reused_pids(tmp_path: Path) -> None:
+    me = HostThreads("a", 2, tmp_path, cores=4)
+    me.register()
+    (tmp_path / "999999.json").write_text(
+        json.dumps({"pid": 999999, "name": "gone", "threads": 8, "started": 1.0})
+    )
+    (tmp_path / f"{os.getppid()}.json").write_text(  # a live pid, started at another time
+        json.dumps({"pid": os.getppid(), "name": "reused", "threads": 8, "started": 1.0})
+    )
+    (tmp_path / "garbage.json").write_text("{not json")
+    report = me.check()
+    assert report == {
+        "cores": 4,
+        "threads": 2,
+        "nodes_on_host": 1,
+        "threads_on_host": 2,
+        "other_nodes": [],
+        "oversubscribed": False,
+    }
+    assert not (tmp_path / "999999.json").exists()  # pruned
+    me.unregister()
+    assert not me.path.exists()
+
+
+def _federation(tmp_path: Path, threads: int | None):
+    overrides = {"node": {"startup_wait_s": 10}}
+    if threads is not None:
+        overrides["training"] = {"threads": threads}
+    return provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "probe", "rounds": 200, "interval_s": 0.2},
+        overrides=overrides,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oversubscribed", [True, False])
+def test_a_node_says_once_when_the_host_is_oversubscribed(tmp_path: Path, oversubscribed: bool):
+    runtime = tmp_path / "runtime"  # a registry of this test's nodes only
+    runtime.mkdir()
+    plans = _federation(tmp_path, available_cores() if oversubscribed else None)
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    with LocalFederation(plans, tmp_path / "logs", env=env) as fed:
+        for name in ("a", "b"):  # each has seen the other's registration at least once
+            st = fed[name].wait_for(
+                lambda s: s["resources"].get("nodes_on_host") == 2, 60, "both nodes registered"
+            )
+            assert st["resources"]["oversubscribed"] is oversubscribed, st["resources"]
+            assert st["resources"]["cores"] == available_cores()
+        fed["a"].wait_for(lambda s: s["round"] >= 3, 60, "a few rounds")
+        log_text = (tmp_path / "logs" / "a.log").read_text()
+    assert log_text.count("CPU oversubscribed") == (1 if oversubscribed else 0), log_text
+    assert list(runtime.glob("p2pfl-node/*.json")) == []  # both unregistered on stop

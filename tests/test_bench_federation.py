@@ -116,6 +116,16 @@ def test_in_memory_run_writes_the_documented_results_and_prints_the_summary_last
         "site_2",
     }
     assert len(results["baselines"]["centralized"]["macro_f1_mean_by_round"]) == 2
+    assert len(results["baselines"]["pooled"]["macro_f1_mean_by_round"]) == 2
+    # the reported (best on validation) models, and the compute limit of a round
+    assert 0.0 <= summary["best_macro_f1_mean_final"] <= 1.0
+    assert summary["gap_to_pooled_best"] == pytest.approx(
+        summary["pooled_best_macro_f1"] - summary["best_macro_f1_mean_final"], abs=1e-3
+    )
+    assert summary["epoch_s"] > 0 and summary["cores"] >= 1
+    assert summary["compute_limit_ratio"] == pytest.approx(
+        summary["round_s_mean"] / (summary["epoch_s"] / summary["cores"]), rel=1e-3
+    )
     assert sorted(p.name for p in (out / "data").glob("site_*.npz")) == [
         "site_0.npz",
         "site_1.npz",

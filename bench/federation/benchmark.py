@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.federation.baselines import compute_baselines
 from bench.federation.inmemory import run_in_memory
+from bench.federation.limit import epoch_seconds, limit_figures
 from bench.federation.outcome import Report, RunOutcome, stdout_line
 from bench.federation.processes import OnStarted, run_processes
 from bench.federation.report import write_plots
@@ -63,16 +64,21 @@ def run_benchmark(
             outcome = run_processes(spec, run_dir, sources, report=report, on_started=on_started)
         outcomes.append(outcome)
         report(f"--- {spec.label}: done in {outcomes[-1].wall_s:.1f} s")
+    report("compute limit: one epoch over every site's data, one thread (in process)")
+    epoch_s = epoch_seconds(base, sources, out / "limit_state")
     reference: dict[str, Any] | None = None
     if baselines:
         report("baselines: standalone and centralized FedAvg (in process, same partition)")
         reference = compute_baselines(base, sources, out / "baseline_state", threshold)
     summaries = [summarize_run(s, o, threshold) for s, o in zip(specs, outcomes, strict=True)]
+    for m in summaries:
+        m.update(limit_figures(m, epoch_s))
     plot_paths = write_plots(out, specs, outcomes, summaries, reference, threshold)
     if len(specs) == 1:
         summary = with_baselines(summaries[0], reference)
     else:
         summary = grid_summary(base, outcomes, summaries, reference)
+        summary.update(limit_figures({}, epoch_s))
     summary["benchmark_wall_s"] = round(time.perf_counter() - started, 1)
     summary["results"] = str(out / "results.json")
     config = {

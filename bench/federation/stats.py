@@ -32,6 +32,9 @@ Figures (keys of `summary`):
 - rounds_to_threshold: first round whose mean macro-F1 over the nodes reaches
   --threshold (DFU Table 2), messages_to_threshold: messages all nodes had sent
   by then (DFU Fig. 7);
+- epoch_s, cores, compute_limit_s, compute_limit_ratio: one epoch over every
+  site's data on one thread, timed in the same run, over the cores, and the
+  mean round time over that limit (bench/federation/limit.py);
 - wall_s, peak_rss_mb (per node for processes, polled with psutil; with
   --in-memory, the peak of this whole process so far (getrusage), read before
   the baselines run).
@@ -258,6 +261,8 @@ def grid_summary(
     keep = (
         "heuristic",
         "fraction",
+        "round_s_mean",
+        "compute_limit_ratio",
         "macro_f1_mean_first",
         "macro_f1_mean_final",
         "macro_f1_mean_last3",

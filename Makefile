@@ -22,6 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: $(STAMP)
+	sh scripts/ensure-chromium.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -1,8 +1,10 @@
 """Drive headless Chromium from tests: dump a page's DOM, take a screenshot.
 
-Chromium is the Debian package `chromium` (/usr/bin/chromium). When it is not
-installed a browser test fails with a message saying how to install it, unless
-P2PFL_SKIP_BROWSER=1 is set, in which case it is skipped.
+Chromium is the Debian package `chromium` (/usr/bin/chromium), or the binary
+P2PFL_CHROMIUM names. `make test` installs it where it can
+(scripts/ensure-chromium.sh); where it is missing, conftest.py skips the
+browser tests with one loud line saying how to install it. P2PFL_SKIP_BROWSER=1
+skips them even when Chromium is there.
 
 Both the async helpers (use them when the page is served by an aiohttp app in
 the test's own event loop) and the sync ones (when the server is another
@@ -23,6 +25,8 @@ import pytest
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser", "google-chrome")
 SKIP_ENV = "P2PFL_SKIP_BROWSER"
+BINARY_ENV = "P2PFL_CHROMIUM"
+INSTALL_HINT = "sudo apt-get update && sudo apt-get install -y chromium"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -33,20 +37,33 @@ class ChromiumRun:
     stderr: str
 
 
-def find_chromium() -> str:
-    """Path of a Chromium binary; fails the test (or skips with P2PFL_SKIP_BROWSER=1)."""
-    for candidate in CHROMIUM_CANDIDATES:
+def chromium_binary() -> str | None:
+    """Path of the Chromium binary the browser tests use: the one P2PFL_CHROMIUM
+    names when it is set, else the first of CHROMIUM_CANDIDATES found; None
+    when there is none."""
+    named = os.environ.get(BINARY_ENV)
+    for candidate in (named,) if named else CHROMIUM_CANDIDATES:
         found = shutil.which(candidate)
         if found:
             return found
-    message = (
-        "headless Chromium not found: install it with "
-        "`apt-get update && apt-get install -y chromium`, "
-        f"or set {SKIP_ENV}=1 to skip browser tests"
-    )
+    return None
+
+
+def missing_browser_message() -> str:
+    named = os.environ.get(BINARY_ENV)
+    what = f"{BINARY_ENV}={named!r}" if named else "headless Chromium (Debian package `chromium`)"
+    return f"{what} not found: install it with `{INSTALL_HINT}` and rerun `make test`"
+
+
+def find_chromium() -> str:
+    """Path of a Chromium binary; fails the test (or skips with P2PFL_SKIP_BROWSER=1)
+    when there is none (conftest.py skips browser tests before they get here)."""
+    found = chromium_binary()
+    if found:
+        return found
     if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(message)
-    pytest.fail(message)
+        pytest.skip(missing_browser_message())
+    pytest.fail(missing_browser_message())
 
 
 def chromium_command(

@@ -12,6 +12,13 @@ Every half second the benchmark reads each process's RSS and open descriptors
 checkpoints), it fits a least-squares line per node, value against round:
 `rss_mb_per_100_rounds` and `fds_per_100_rounds` are those slopes.
 
+Descriptors are split in two: sockets (psutil's connections: keep-alive
+pools that fill, at their own pace, up to the transport's bound of
+limit_per_host = 8 per peer and direction) and everything else (`files`:
+spool, journal, checkpoints, logs), which must not grow at all once the node
+runs: `files_per_100_rounds`, `files_end - files_after_warmup` and
+`sockets_max` are the figures a leak shows in, whatever the machine's load.
+
 Writes DIR/soak.json (samples, slopes) and DIR/soak.png, prints the summary
 as the last stdout line (one JSON object).
 """
@@ -89,6 +96,7 @@ def run_soak(
                 try:
                     rss = procs[name].memory_info().rss / 2**20
                     fds = procs[name].num_fds()
+                    sockets = len(procs[name].net_connections(kind="all"))
                 except psutil.Error:
                     continue
                 samples[name].append(
@@ -97,6 +105,8 @@ def run_soak(
                         "round": status["round"],
                         "rss_mb": round(rss, 2),
                         "fds": fds,
+                        "sockets": sockets,
+                        "files": fds - sockets,
                     }
                 )
             low = min((s[-1]["round"] for s in samples.values() if s), default=0)
@@ -112,6 +122,7 @@ def run_soak(
         late = [r for r in rows if r["round"] >= first]
         rss_slope = slope([(r["round"], r["rss_mb"]) for r in late])
         fd_slope = slope([(r["round"], r["fds"]) for r in late])
+        file_slope = slope([(r["round"], r["files"]) for r in late])
         logged = (out / "fed" / name / "state" / "metrics.jsonl").read_text().splitlines()
         per_node[name] = {
             "last_round": max((json.loads(x)["round"] for x in logged), default=0),
@@ -121,6 +132,10 @@ def run_soak(
             "fds_after_warmup": late[0]["fds"] if late else None,
             "fds_end": late[-1]["fds"] if late else None,
             "fds_max": max((r["fds"] for r in rows), default=None),
+            "files_after_warmup": late[0]["files"] if late else None,
+            "files_end": late[-1]["files"] if late else None,
+            "sockets_max": max((r["sockets"] for r in rows), default=None),
+            "files_per_100_rounds": None if file_slope is None else round(100 * file_slope, 2),
             "rss_mb_per_100_rounds": None if rss_slope is None else round(100 * rss_slope, 2),
             "fds_per_100_rounds": None if fd_slope is None else round(100 * fd_slope, 2),
         }

@@ -162,7 +162,11 @@ def test_a_silent_neighbour_is_replaced_after_its_timeout(sources: list[str]) ->
         )
     waited = [r for r in result.records if r["node"] != "site2" and r["exchange_s"] >= 0.3]
     assert waited, "site2 was never picked first: the replacement path was not exercised"
-    assert max(r["exchange_s"] for r in result.records) < 2 * 0.3 + 0.5
+    # One timeout per round at most: a waiting round takes one timeout more than
+    # the slowest round that did not wait (the same pulls, under the same load),
+    # never a second one.
+    plain = [r["exchange_s"] for r in result.records if r["exchange_s"] < 0.3]
+    assert max(r["exchange_s"] for r in waited) < 2 * 0.3 + max(plain, default=0.3)
 
 
 def test_a_node_killed_mid_run_does_not_stop_the_others(sources: list[str]) -> None:

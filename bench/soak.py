@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -132,8 +133,10 @@ def run_soak(
             "fds_after_warmup": late[0]["fds"] if late else None,
             "fds_end": late[-1]["fds"] if late else None,
             "fds_max": max((r["fds"] for r in rows), default=None),
-            "files_after_warmup": late[0]["files"] if late else None,
-            "files_end": late[-1]["files"] if late else None,
+            # medians of 5 samples: a file open for a moment (a checkpoint being
+            # written) is not a leak
+            "files_after_warmup": _median([r["files"] for r in late[:5]]),
+            "files_end": _median([r["files"] for r in late[-5:]]),
             "sockets_max": max((r["sockets"] for r in rows), default=None),
             "files_per_100_rounds": None if file_slope is None else round(100 * file_slope, 2),
             "rss_mb_per_100_rounds": None if rss_slope is None else round(100 * rss_slope, 2),
@@ -159,6 +162,10 @@ def run_soak(
         json.dumps({"summary": summary, "per_node": per_node, "samples": samples}, indent=1)
     )
     return summary
+
+
+def _median(values: list[int]) -> float | None:
+    return float(statistics.median(values)) if values else None
 
 
 def _max_abs(values: Any) -> float | None:

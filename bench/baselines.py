@@ -170,7 +170,9 @@ def _union(datasets: Sequence[TensorDataset | None]) -> TensorDataset | None:
 def pooled(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> BaselineResult:
     """Centralized training: one model on the union of every site's training
     split, `rounds` x training.epochs epochs (the first site's training
-    settings; every site has the same in a benchmark). The class weighting
+    settings; every site has the same in a benchmark), or, with
+    training.steps_per_round, as many steps per round as all sites together
+    take. The class weighting
     follows the union's class counts; the best model is chosen on the union of
     the validation splits, and each site's test split is scored with the
     latest model and with the best one."""
@@ -185,8 +187,13 @@ def pooled(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> Basel
         test=None,
         source="pooled",
     )
+    training = first.training
+    if training.steps_per_round is not None:  # the steps of every site together
+        training = training.model_copy(
+            update={"steps_per_round": training.steps_per_round * len(sites)}
+        )
     central = LocalSite(
-        copy.deepcopy(first.model), data, first.training, augment=first.augment, device=first.device
+        copy.deepcopy(first.model), data, training, augment=first.augment, device=first.device
     )
     best = BestModel()
     records: list[dict[str, Any]] = []

@@ -126,6 +126,10 @@ def test_in_memory_run_writes_the_documented_results_and_prints_the_summary_last
     assert summary["compute_limit_ratio"] == pytest.approx(
         summary["round_s_mean"] / (summary["epoch_s"] / summary["cores"]), rel=1e-3
     )
+    assert 0 < summary["largest_site_epoch_s"] <= summary["epoch_s"]
+    assert summary["critical_path_s"] == pytest.approx(
+        max(summary["epoch_s"] / summary["cores"], summary["largest_site_epoch_s"]), rel=1e-3
+    )
     assert sorted(p.name for p in (out / "data").glob("site_*.npz")) == [
         "site_0.npz",
         "site_1.npz",

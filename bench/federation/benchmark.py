@@ -65,20 +65,20 @@ def run_benchmark(
         outcomes.append(outcome)
         report(f"--- {spec.label}: done in {outcomes[-1].wall_s:.1f} s")
     report("compute limit: one epoch over every site's data, one thread (in process)")
-    epoch_s = epoch_seconds(base, sources, out / "limit_state")
+    site_epochs = epoch_seconds(base, sources, out / "limit_state")
     reference: dict[str, Any] | None = None
     if baselines:
         report("baselines: standalone and centralized FedAvg (in process, same partition)")
         reference = compute_baselines(base, sources, out / "baseline_state", threshold)
     summaries = [summarize_run(s, o, threshold) for s, o in zip(specs, outcomes, strict=True)]
     for m in summaries:
-        m.update(limit_figures(m, epoch_s))
+        m.update(limit_figures(m, site_epochs))
     plot_paths = write_plots(out, specs, outcomes, summaries, reference, threshold)
     if len(specs) == 1:
         summary = with_baselines(summaries[0], reference)
     else:
         summary = grid_summary(base, outcomes, summaries, reference)
-        summary.update(limit_figures({}, epoch_s))
+        summary.update(limit_figures({}, site_epochs))
     summary["benchmark_wall_s"] = round(time.perf_counter() - started, 1)
     summary["results"] = str(out / "results.json")
     config = {

@@ -13,6 +13,13 @@ is not counted). The summary then gives
 1.0 means the federation's rounds run at the speed of the hardware; what is
 above it is exchange, aggregation, evaluation, waiting on the slowest site and
 contention (5 processes on 2 cores).
+
+Each node trains on one thread, so a site holding most of the data cannot
+spread its epoch over the cores: its epoch alone (`largest_site_epoch_s`) is a
+floor too, and the critical path of a round is the larger of the two:
+
+    critical_path_s = max(epoch_s / cores, largest_site_epoch_s)
+    critical_path_ratio = round_s_mean / critical_path_s
 """
 
 from __future__ import annotations
@@ -27,30 +34,40 @@ from node.resources import available_cores
 from protocols.site import build_site
 
 
-def epoch_seconds(spec: RunSpec, sources: Sequence[Path], state_root: Path) -> float:
-    """One local epoch (or round of steps) over every site's data, one thread."""
+def epoch_seconds(spec: RunSpec, sources: Sequence[Path], state_root: Path) -> list[float]:
+    """Each site's local epoch (or round of steps), one thread: their sum is one
+    epoch over every site's data."""
     one_torch_thread()
-    total = 0.0
+    seconds = []
     for cfg in in_process_configs(spec, sources, state_root):
         site = build_site(cfg)
         site.train_epochs()  # warm-up: first-call costs are not a round's
         start = time.perf_counter()
         site.train_epochs()
-        total += time.perf_counter() - start
-    return total
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _ratio(numerator: float | None, denominator: float) -> float | None:
+    return None if not numerator or denominator <= 0 else round(numerator / denominator, 4)
 
 
 def limit_figures(
-    summary: dict[str, Any], epoch_s: float, cores: int | None = None
+    summary: dict[str, Any], site_epochs: Sequence[float], cores: int | None = None
 ) -> dict[str, Any]:
-    """epoch_s, cores, compute_limit_s and compute_limit_ratio for a summary."""
+    """epoch_s, cores, compute_limit_s/_ratio and critical_path_s/_ratio for a summary."""
     cores = available_cores() if cores is None else cores
-    epoch_s = round(epoch_s, 4)  # the ratio is computed from the figures reported
+    epoch_s = round(sum(site_epochs), 4)  # the ratios are computed from the figures reported
+    largest = round(max(site_epochs, default=0.0), 4)
     limit = epoch_s / cores
+    critical = max(limit, largest)
     round_s = summary.get("round_s_mean")
     return {
         "epoch_s": epoch_s,
         "cores": cores,
         "compute_limit_s": round(limit, 4),
-        "compute_limit_ratio": None if not round_s or limit <= 0 else round(round_s / limit, 4),
+        "compute_limit_ratio": _ratio(round_s, limit),
+        "largest_site_epoch_s": largest,
+        "critical_path_s": round(critical, 4),
+        "critical_path_ratio": _ratio(round_s, critical),
     }

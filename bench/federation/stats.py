@@ -34,7 +34,9 @@ Figures (keys of `summary`):
   by then (DFU Fig. 7);
 - epoch_s, cores, compute_limit_s, compute_limit_ratio: one epoch over every
   site's data on one thread, timed in the same run, over the cores, and the
-  mean round time over that limit (bench/federation/limit.py);
+  mean round time over that limit; largest_site_epoch_s, critical_path_s,
+  critical_path_ratio: the same against the larger of that and the largest
+  site's epoch, which one thread cannot spread (bench/federation/limit.py);
 - wall_s, peak_rss_mb (per node for processes, polled with psutil; with
   --in-memory, the peak of this whole process so far (getrusage), read before
   the baselines run).
@@ -263,6 +265,7 @@ def grid_summary(
         "fraction",
         "round_s_mean",
         "compute_limit_ratio",
+        "critical_path_ratio",
         "macro_f1_mean_first",
         "macro_f1_mean_final",
         "macro_f1_mean_last3",

@@ -65,9 +65,9 @@ def limit_figures(
     return {
         "epoch_s": epoch_s,
         "cores": cores,
-        "compute_limit_s": round(limit, 4),
+        "compute_limit_s": round(limit, 6),
         "compute_limit_ratio": _ratio(round_s, limit),
         "largest_site_epoch_s": largest,
-        "critical_path_s": round(critical, 4),
+        "critical_path_s": round(critical, 6),
         "critical_path_ratio": _ratio(round_s, critical),
     }

@@ -90,9 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--lpips-backbone",
-        choices=["random", "alex", "vgg"],
+        choices=["random", "alex", "vgg", "squeeze"],
         default="random",
-        help="alex/vgg need torchvision's ImageNet weights (--lpips-weights or the torch hub cache)",
+        help="alex/vgg/squeeze need ImageNet weights: --lpips-weights FILE (an lpips state dict or torchvision backbone file) or the torch hub cache",
     )
     p.add_argument("--lpips-weights", type=Path, default=None)
     return p.parse_args(argv)

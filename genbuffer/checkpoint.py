@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,12 @@ def safe_torch_load(path: Path, expected_format: str) -> dict[str, Any]:
         )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            "checkpoint_unreadable",
+            f"{path}: holds Python objects besides tensors, which are never unpickled "
+            "(weights_only=True) — not a genbuffer file",
+        ) from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         raise CheckpointError(
             "checkpoint_unreadable", f"{path}: cannot read ({exc}) — delete it and train again"

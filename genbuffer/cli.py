@@ -1,4 +1,4 @@
-"""`p2pfl-node genbuffer train|sample|audit --config site.yaml`.
+"""`p2pfl-node genbuffer train|sample|audit|lpips --config site.yaml`.
 
 node/cli.py registers this with `add_genbuffer_parser(subparsers)` and runs
 `run_genbuffer(args)`. The config may be a site.yaml (validated whole, like
@@ -39,7 +39,7 @@ def add_genbuffer_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
         "sample synthetic buffers from it, and audit how well it hides the training images.",
     )
     parser.set_defaults(func=run_genbuffer)
-    sub = parser.add_subparsers(dest="genbuffer_command", metavar="{train,sample,audit}")
+    sub = parser.add_subparsers(dest="genbuffer_command", metavar="{train,sample,audit,lpips}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -71,9 +71,9 @@ def add_genbuffer_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     train.add_argument("--resolution", type=int, help="GAN resolution (power of two, 16-256)")
     train.add_argument("--batch-size", type=int)
     train.add_argument("--alpha", type=float, help="weight of the privacy loss (FedER Eq. 5)")
-    train.add_argument("--lpips-backbone", choices=["alex", "vgg", "random"])
+    train.add_argument("--lpips-backbone", choices=["alex", "vgg", "squeeze", "random"])
     train.add_argument(
-        "--lpips-weights", type=Path, help="torchvision ImageNet weights file of the backbone"
+        "--lpips-weights", type=Path, help="lpips state dict or torchvision backbone file"
     )
     train.add_argument(
         "--no-reference", action="store_true", help="skip the no-privacy continuation used by audit"
@@ -122,8 +122,21 @@ def add_genbuffer_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
     audit.add_argument(
         "--out", type=Path, help="folder for audit.json and the PNGs (default OUT_DIR/audit)"
     )
-    audit.add_argument("--lpips-backbone", choices=["alex", "vgg", "random"])
+    audit.add_argument("--lpips-backbone", choices=["alex", "vgg", "squeeze", "random"])
     audit.add_argument("--lpips-weights", type=Path)
+
+    distance = sub.add_parser(
+        "lpips",
+        help="print the LPIPS distance of two images, to check the configured weights",
+        description="LPIPS distance between two image files with the site's genbuffer.lpips_backbone "
+        "and lpips_weights. Images are compared at their own size (no upsampling), as the "
+        "lpips package does, so published reference values can be checked.",
+    )
+    common(distance)
+    distance.add_argument("image_a", type=Path)
+    distance.add_argument("image_b", type=Path)
+    distance.add_argument("--lpips-backbone", choices=["alex", "vgg", "squeeze", "random"])
+    distance.add_argument("--lpips-weights", type=Path)
     return parser
 
 
@@ -338,13 +351,67 @@ def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_image(path: Path) -> torch.Tensor:
+    """(1, C, H, W) in [-1, 1]; C is 1 for grey images and 3 for colour ones."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            mode = "L" if image.mode in ("1", "L", "I", "I;16", "F") else "RGB"
+            pixels = np.asarray(image.convert(mode), dtype=np.float32)
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise GenbufferError("image_unreadable", f"{path}: not a readable image ({exc})") from None
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    return torch.from_numpy(pixels).permute(2, 0, 1)[None] / 127.5 - 1
+
+
+def _cmd_lpips(config: GenbufferConfig, args: argparse.Namespace) -> int:
+    from .privacy import build_perceptual_distance
+
+    section = _with_overrides(config, args, {})
+    a, b = _read_image(args.image_a), _read_image(args.image_b)
+    if a.shape[1] != b.shape[1]:  # grey against colour: compare both in colour
+        a, b = a.expand(-1, 3, -1, -1), b.expand(-1, 3, -1, -1)
+    if a.shape != b.shape:
+        raise GenbufferError(
+            "image_sizes_differ",
+            f"{args.image_a} is {a.shape[-1]}x{a.shape[-2]} but {args.image_b} is "
+            f"{b.shape[-1]}x{b.shape[-2]} — LPIPS compares images of the same size",
+        )
+    metric = build_perceptual_distance(
+        section.lpips_backbone, section.lpips_weights, min_size=min(a.shape[-2:])
+    )
+    with torch.no_grad():
+        d = float(metric(a, b)[0])
+    print(
+        json.dumps(
+            {
+                "lpips": round(d, 6),
+                "image_a": str(args.image_a),
+                "image_b": str(args.image_b),
+                "lpips_backbone": section.lpips_backbone,
+                "lpips_weights": str(section.lpips_weights) if section.lpips_weights else None,
+            }
+        )
+    )
+    return 0
+
+
 def run_genbuffer(args: argparse.Namespace) -> int:
     command = getattr(args, "genbuffer_command", None)
     if command is None:
-        return _user_error("genbuffer needs a sub-command: train, sample or audit (see --help)")
+        return _user_error(
+            "genbuffer needs a sub-command: train, sample, audit or lpips (see --help)"
+        )
     try:
         config = load_genbuffer_config(args.config)
-        handler = {"train": _cmd_train, "sample": _cmd_sample, "audit": _cmd_audit}[command]
+        handler = {
+            "train": _cmd_train,
+            "sample": _cmd_sample,
+            "audit": _cmd_audit,
+            "lpips": _cmd_lpips,
+        }[command]
         return handler(config, args)
     except (ConfigError, GenbufferError) as exc:
         return _user_error(str(exc))

@@ -18,14 +18,15 @@ same as the mean with alpha multiplied by b.
 
 The network comes from the `lpips` package (its linear weights ship with it).
 The ImageNet backbone under it is never downloaded: we build the package's
-network with a random trunk and load the torchvision weights file ourselves
-from the torch hub cache or a configured path. `backbone="random"` keeps the
+network with a random trunk and load, from a configured path or the torch hub
+cache, either a full `lpips.LPIPS` state dict or torchvision's backbone file. `backbone="random"` keeps the
 random trunk; it exists for tests, gives no meaningful privacy, and says so.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
 import warnings
 from pathlib import Path
 from typing import Literal
@@ -39,24 +40,43 @@ from .errors import GenbufferError, LpipsBackboneMissing
 
 log = logging.getLogger(__name__)
 
-Backbone = Literal["alex", "vgg", "random"]
-BACKBONE_FILES = {"alex": "alexnet-owt-7be5be79.pth", "vgg": "vgg16-397923af.pth"}
+Backbone = Literal["alex", "vgg", "squeeze", "random"]
+Net = Literal["alex", "vgg", "squeeze"]
+BACKBONE_FILES = {
+    "alex": "alexnet-owt-7be5be79.pth",
+    "vgg": "vgg16-397923af.pth",
+    "squeeze": "squeezenet1_1-b8a52dc0.pth",
+}
 BACKBONE_URLS = {
     name: f"https://download.pytorch.org/models/{file}" for name, file in BACKBONE_FILES.items()
 }
-_TORCHVISION_BUILDERS = {"alex": "alexnet", "vgg": "vgg16"}
+_TORCHVISION_BUILDERS = {"alex": "alexnet", "vgg": "vgg16", "squeeze": "squeezenet1_1"}
+ACCEPTED_KINDS = (
+    "a full lpips.LPIPS state dict of the same net (backbone + linear layers), "
+    "or torchvision's ImageNet backbone file ({file}), loadable with weights_only=True"
+)
 RANDOM_BACKBONE_SEED = (
     0  # the random trunk is the same in every process, so distances are comparable
 )
 
 
-def default_backbone_path(backbone: Literal["alex", "vgg"]) -> Path:
-    """Where torchvision would have cached the weights: $TORCH_HOME/hub/checkpoints/<file>."""
-    return Path(torch.hub.get_dir()) / "checkpoints" / BACKBONE_FILES[backbone]
+def default_backbone_path(backbone: Net) -> Path:
+    """Where torchvision caches the weights: $TORCH_HOME/hub/checkpoints/<file>.
+
+    The exact file name carries a hash prefix that torchvision has changed before;
+    any `<arch>-*.pth` beside it is taken when the current name is absent."""
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    exact = folder / BACKBONE_FILES[backbone]
+    if not exact.is_file() and folder.is_dir():
+        prefix = BACKBONE_FILES[backbone].rsplit("-", 1)[0]
+        others = sorted(folder.glob(f"{prefix}-*.pth"))
+        if others:
+            return others[0]
+    return exact
 
 
-def resolve_backbone_file(backbone: Literal["alex", "vgg"], configured: Path | None = None) -> Path:
-    """The ImageNet weights file to load, or LpipsBackboneMissing saying where to put it."""
+def resolve_backbone_file(backbone: Net, configured: Path | None = None) -> Path:
+    """The weights file to load, or LpipsBackboneMissing saying where to put one."""
     path = Path(configured) if configured is not None else default_backbone_path(backbone)
     if path.is_file():
         return path
@@ -67,21 +87,22 @@ def resolve_backbone_file(backbone: Literal["alex", "vgg"], configured: Path | N
         else f"expected the file {path} (torch hub cache; set TORCH_HOME to move it, or genbuffer.lpips_weights to use another path)"
     )
     raise LpipsBackboneMissing(
-        f"LPIPS needs the ImageNet '{backbone}' backbone weights and will not download them: {where}. "
+        f"LPIPS needs ImageNet '{backbone}' weights and will not download them: {where}. "
+        f"Accepted: {ACCEPTED_KINDS.format(file=file)}. "
         f'On a machine with internet, run `python -c "import torchvision; '
         f"torchvision.models.{_TORCHVISION_BUILDERS[backbone]}(weights='IMAGENET1K_V1')\"` "
         f"(or download {BACKBONE_URLS[backbone]}), then copy {file} to {path}"
     )
 
 
-def _lpips_network(net: Literal["alex", "vgg"]) -> lpips.LPIPS:
+def _lpips_network(net: Net) -> lpips.LPIPS:
     """The lpips package's network with a random trunk and no linear weights loaded (no I/O)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchvision's deprecation notice for `pretrained=`
         return lpips.LPIPS(pretrained=False, net=net, pnet_rand=True, verbose=False)
 
 
-def _load_linear_weights(model: lpips.LPIPS, net: Literal["alex", "vgg"]) -> None:
+def _load_linear_weights(model: lpips.LPIPS, net: Net) -> None:
     path = Path(lpips.__file__).parent / "weights" / "v0.1" / f"{net}.pth"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -95,27 +116,87 @@ def _load_linear_weights(model: lpips.LPIPS, net: Literal["alex", "vgg"]) -> Non
     model.load_state_dict(state, strict=False)
 
 
-def _load_backbone(model: lpips.LPIPS, net: Literal["alex", "vgg"], path: Path) -> None:
-    """Copy torchvision `features.<i>.<param>` tensors into the lpips slices `slice<k>.<i>.<param>`."""
+def _wrong_kind(path: Path, net: Net, what: str) -> GenbufferError:
+    return GenbufferError(
+        "lpips_weights_wrong_kind",
+        f"{path} is {what}, not weights for lpips_backbone '{net}' — accepted: "
+        + ACCEPTED_KINDS.format(file=BACKBONE_FILES[net]),
+    )
+
+
+def _backbone_key(name: str) -> str:
+    """lpips slice parameter `slice<k>.<i>.<rest>` -> torchvision `features.<i>.<rest>`."""
+    _, rest = name.split(".", 1)
+    return f"features.{rest}"
+
+
+def load_lpips_weights(model: lpips.LPIPS, net: Net, path: Path) -> str:
+    """Load `path` into `model` strictly; returns the kind of file it was.
+
+    Two kinds are accepted: a full `lpips.LPIPS` state dict (keys `net.slice*`,
+    `lin*`, `scaling_layer.*`), loaded with strict=True; or torchvision's ImageNet
+    backbone (`features.*`, classifier keys ignored), where every backbone tensor
+    must be present with its shape and the package's own linear layers are used.
+    """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
+    except pickle.UnpicklingError:
         raise GenbufferError(
-            "lpips_backbone_unreadable",
-            f"cannot read LPIPS backbone weights {path}: {exc} — replace the file",
+            "lpips_weights_unreadable",
+            f"{path} holds Python objects besides tensors, which are never unpickled "
+            "(weights_only=True) — accepted: " + ACCEPTED_KINDS.format(file=BACKBONE_FILES[net]),
         ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GenbufferError(
+            "lpips_weights_unreadable",
+            f"cannot read {path} with weights_only=True ({first[:200]}) — accepted: "
+            + ACCEPTED_KINDS.format(file=BACKBONE_FILES[net]),
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise _wrong_kind(path, net, "not a state dict of tensors")
+    if any(str(k).startswith("net.slice") for k in state):
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError:
+            expected = set(model.state_dict())
+            stray = sorted(set(state) - expected)[:2]
+            absent = sorted(expected - set(state))[:2]
+            shapes = [
+                k
+                for k, v in model.state_dict().items()
+                if k in state and tuple(state[k].shape) != tuple(v.shape)
+            ][:2]
+            detail = "; ".join(
+                part
+                for part in (
+                    f"missing {absent}" if absent else "",
+                    f"unexpected {stray}" if stray else "",
+                    f"other shapes {shapes}" if shapes else "",
+                )
+                if part
+            )
+            raise _wrong_kind(
+                path, net, f"an lpips state dict of another network ({detail})"
+            ) from None
+        return "lpips_state_dict"
+    if not any(str(k).startswith("features.") for k in state):
+        keys = ", ".join(list(map(str, state))[:3])
+        raise _wrong_kind(path, net, f"a state dict of another model (keys {keys}, ...)")
+    _load_linear_weights(model, net)
     with torch.no_grad():
         for name, param in model.net.named_parameters():
-            _, index, kind = name.split(".")
-            key = f"features.{index}.{kind}"
-            source = state.get(key) if isinstance(state, dict) else None
+            key = _backbone_key(name)
+            source = state.get(key)
             if source is None or tuple(source.shape) != tuple(param.shape):
-                raise GenbufferError(
-                    "lpips_backbone_mismatch",
-                    f"{path} is not torchvision's ImageNet {_TORCHVISION_BUILDERS[net]} state dict "
-                    f"(no matching {key}) — use the file {BACKBONE_FILES[net]}",
+                raise _wrong_kind(
+                    path,
+                    net,
+                    f"not torchvision's ImageNet {_TORCHVISION_BUILDERS[net]} "
+                    f"({key} {'missing' if source is None else 'has another shape'})",
                 )
             param.copy_(source)
+    return "torchvision_backbone"
 
 
 class PerceptualDistance(nn.Module):
@@ -219,9 +300,8 @@ def build_perceptual_distance(
     else:
         path = resolve_backbone_file(backbone, weights)
         model = _lpips_network(backbone)
-        _load_linear_weights(model, backbone)
-        _load_backbone(model, backbone, path)
-        log.info("LPIPS backbone '%s' loaded from %s", backbone, path)
+        kind = load_lpips_weights(model, backbone, path)
+        log.info("LPIPS backbone '%s' loaded from %s (%s)", backbone, path, kind)
     return PerceptualDistance(model, backbone, min_size=min_size).to(device)
 
 

@@ -104,6 +104,9 @@ class NodeContext(RoundContext):
     def set_training(self, training: dict[str, Any]) -> None:
         self.node.telemetry.set_training(training)
 
+    def set_privacy_gate(self, decision: dict[str, Any]) -> None:
+        self.node.telemetry.set_privacy_gate(decision)
+
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         if peer not in self.node.membership.roster:
             raise PeerUnavailable(peer, "not in roster")

@@ -276,7 +276,11 @@ class Node:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed protocol must not take the node (and its serving) down
             self.protocol_failed = f"{type(exc).__name__}: {exc}"
-            log.exception("%s: protocol %s failed", self.name, self.cfg.protocol.name)
+            if isinstance(exc, UserError):  # a reason a person can act on: one line, no traceback
+                log.error("%s: protocol %s failed: %s", self.name, self.cfg.protocol.name, exc)
+            else:
+                log.exception("%s: protocol %s failed", self.name, self.cfg.protocol.name)
+            self.telemetry.set_error(self.protocol_failed)
             self.ctx.set_phase("failed")
             return
         self.protocol_done = True

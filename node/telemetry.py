@@ -161,6 +161,8 @@ class Telemetry:
         self._peers: dict[str, PeerGauge] = {}
         self._community: dict[str, Any] = {}
         self._training: dict[str, Any] = {}
+        self._privacy_gate: dict[str, Any] = {}
+        self._error: str | None = None
         self._launched_at = process_launch_time(wall_clock)
         self._startup: dict[str, float] = {}
         self._resources: dict[str, Any] = {}
@@ -310,6 +312,17 @@ class Telemetry:
         with self._lock:
             self._training = detached
 
+    def set_error(self, error: str | None) -> None:
+        """Why the protocol failed, one line (None while it has not), shown on /status."""
+        with self._lock:
+            self._error = None if error is None else error.splitlines()[0][:2000]
+
+    def set_privacy_gate(self, decision: dict[str, Any]) -> None:
+        """The privacy gate's last decision about this node's synthetic buffer, shown on /status."""
+        detached = json.loads(json.dumps(decision, default=str, allow_nan=False))
+        with self._lock:
+            self._privacy_gate = detached
+
     # ---- metrics -------------------------------------------------------------
 
     def log_metrics(self, round: int, **values: float) -> None:
@@ -339,6 +352,7 @@ class Telemetry:
                 "protocol": protocol,
                 "round": self._round,
                 "phase": self._phase,
+                "error": self._error,
                 "uptime_s": round(time.monotonic() - self._started_monotonic, 3),
                 "started_at": self._started_at,
                 "time": now,
@@ -353,6 +367,7 @@ class Telemetry:
                 "queues": dict(sorted(self._queue_depths.items())),
                 "community": self._community,
                 "training": self._training,
+                "privacy_gate": self._privacy_gate,
                 "startup": {"launched_at": self._launched_at, **self._startup},
                 "resources": self._resources,
             }

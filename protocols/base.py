@@ -182,6 +182,9 @@ class RoundContext(ABC):
     def set_training(self, training: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """How this node trains (class weighting, learning rate, best model) for /status."""
 
+    def set_privacy_gate(self, decision: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """The privacy gate's decision about this node's synthetic buffer, for /status."""
+
     def record_choice(self, chosen: list[str]) -> None:  # noqa: B027 - optional hook, no-op by default
         """Who this node chose as neighbours this round (for /peers)."""
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from genbuffer.config import GenbufferSection
+from genbuffer.gate import GateDecision, PrivacyGateRefused, gate_status
 from p2pfl.config import FedERParams
 from p2pfl.learning.data.loaders import convert_images, to_float_tensor
 from p2pfl.learning.evaluate import evaluate_site
@@ -97,11 +98,16 @@ def buffer_training_tensors(
 
 def make_buffer(
     params: FedERParams, site: LocalSite, section: GenbufferSection, out_dir: Path, seed: int
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], GateDecision | None]:
     """Load or train this site's privacy-preserving generator (its files in
-    `out_dir`) and sample B_j (blocking)."""
+    `out_dir`), sample B_j and put it through the privacy gate (blocking).
+
+    Returns the buffer and the gate's decision (None when the gate is switched
+    off); the caller must not share a buffer the gate refused."""
     from genbuffer.buffer import sample_buffer
     from genbuffer.checkpoint import load_generator
+    from genbuffer.gate import check_buffer
+    from genbuffer.privacy import build_perceptual_distance
     from genbuffer.train import resolve_device, train_generator
     from genbuffer.trainer import label_prior
 
@@ -117,7 +123,7 @@ def make_buffer(
     prior = info.label_prior or label_prior(
         torch.as_tensor(site.data.train_labels).long(), site.data.num_classes
     )
-    return dict(
+    buffer = dict(
         sample_buffer(
             generator,
             params.buffer_size,
@@ -126,6 +132,21 @@ def make_buffer(
             seed=seed,
         )
     )
+    if not section.privacy_gate:
+        log.warning(
+            "PRIVACY GATE OFF (genbuffer.privacy_gate: false): synthetic buffer %s leaves this "
+            "site WITHOUT being checked against the site's own images",
+            buffer["content_hash"][:12],
+        )
+        return buffer, None
+    metric = build_perceptual_distance(
+        section.lpips_backbone,
+        section.lpips_weights,
+        min_size=section.lpips_min_size,
+        device=resolve_device(section.device),
+    )
+    decision = check_buffer(buffer, site.data.train_uint8, metric, section, out_dir, seed=seed)
+    return buffer, decision
 
 
 # ---------------------------------------------------------------------- the protocol
@@ -328,6 +349,12 @@ class FedER(RoundLoop):
         """Before federation (a fresh start): G_j, B_j and M_j^0, logged as round 0."""
         if self.own_buffer is None:
             await self.prepare(ctx, site)
+        else:  # resumed: the buffer passed the gate before; show that decision again
+            from genbuffer.gate import read_decision
+
+            saved = read_decision(self.genbuffer_settings(ctx)[1])
+            if saved is not None and saved.get("buffer_hash") == self.own_buffer["content_hash"]:
+                ctx.set_privacy_gate(saved)
         assert self.own_buffer is not None
         self.own_x, self.own_y = buffer_training_tensors(
             [self.own_buffer], site.data.image_size, site.data.channels
@@ -337,7 +364,11 @@ class FedER(RoundLoop):
         ctx.set_phase("generator")
         section, out_dir = self.genbuffer_settings(ctx)
         seed = ctx.config.federation.seed + ctx.config.training.seed
-        self.own_buffer = await ctx.train(make_buffer, self.params, site, section, out_dir, seed)
+        buffer, decision = await ctx.train(make_buffer, self.params, site, section, out_dir, seed)
+        ctx.set_privacy_gate(gate_status(decision))
+        if decision is not None and not decision.released:
+            raise PrivacyGateRefused(decision)  # nothing was sent; the node reports why and stops
+        self.own_buffer = buffer
         ctx.offered(BUFFER_KIND)
         ctx.set_phase("train")
         if self.variant == "feder_b":  # M_j^0 on its own synthetic images only

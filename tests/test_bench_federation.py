@@ -190,3 +190,54 @@ def test_overall_timeout_stops_every_node_and_still_reports(
     exit_codes = results["runs"][0]["exit_codes"]
     assert set(exit_codes) == {"site_0", "site_1"}
     assert all(code is not None for code in exit_codes.values())  # nobody left running
+
+
+@pytest.mark.parametrize("mode", ["in_memory", pytest.param("processes", marks=pytest.mark.slow)])
+def test_a_failed_node_ends_the_benchmark_at_once_with_its_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+) -> None:
+    """As a new user would: --protocol feder without LPIPS weights. The first node
+    that fails ends the run with its one-line error and a non-zero exit, long
+    before the overall timeout (600 s here)."""
+    import time
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "no-torch-home"))  # nothing cached
+    out = tmp_path / "feder"
+    argv = ["--protocol", "feder", "--nodes", "2", "--rounds", "2", "--partition", "iid", *TINY]
+    argv += ["--timeout", "600", "--out", str(out)] + (
+        ["--in-memory"] if mode == "in_memory" else []
+    )
+    started = time.monotonic()
+    code = cli.main(argv)
+    assert time.monotonic() - started < 120
+    printed = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(printed[-1])
+    assert code == 1
+    assert summary["failed"] is True and summary["failed_node"] in ("site_0", "site_1")
+    assert summary["error"].startswith("LpipsBackboneMissing: LPIPS needs ImageNet 'alex' weights")
+    assert "lpips_weights" in summary["error"] and "\n" not in summary["error"]
+    assert any(line.startswith(f"{summary['failed_node']} failed: Lpips") for line in printed)
+    assert json.loads((out / "results.json").read_text())["summary"] == summary
+
+
+def test_lpips_options_reach_every_nodes_genbuffer_section(tmp_path: Path) -> None:
+    from bench.federation.specs import in_process_configs, node_overrides
+
+    weights = tmp_path / "lpips.pth"
+    args = cli.build_parser().parse_args(
+        ["--nodes", "2", "--protocol", "feder", "--lpips-backbone", "squeeze"]
+        + ["--lpips-weights", str(weights)]
+        + ["--out", str(tmp_path)]
+    )
+    spec = cli.spec_from_args(args)
+    assert node_overrides(spec)["genbuffer"] == {
+        "lpips_backbone": "squeeze",
+        "lpips_weights": str(weights.resolve()),
+    }
+    sources = [tmp_path / "a.npz", tmp_path / "b.npz"]
+    for config in in_process_configs(spec, sources, tmp_path / "state"):
+        assert config.genbuffer.lpips_backbone == "squeeze"
+        assert config.genbuffer.lpips_weights == weights.resolve()

@@ -328,24 +328,79 @@ def test_missing_backbone_weights_give_a_clear_error(
     assert not out.exists()
 
 
-def test_backbone_weights_load_from_a_local_file(
-    tmp_path: Path, metric: PerceptualDistance
-) -> None:
+@pytest.mark.parametrize("net", ["alex", "squeeze"])
+def test_each_kind_of_weights_file_loads_strictly(tmp_path: Path, net: str) -> None:
+    """A torchvision backbone file (classifier keys and all) and a full lpips.LPIPS
+    state dict both load, tensor for tensor; anything else is named in one line."""
+    import lpips
+    import torchvision
+
     torch.manual_seed(3)
-    state = {}
-    for name, param in metric.model.net.named_parameters():
-        _, index, kind = name.split(".")
-        state[f"features.{index}.{kind}"] = torch.randn_like(param)
-    path = tmp_path / "alexnet-owt-7be5be79.pth"
-    torch.save(state, path)
-    loaded = build_perceptual_distance("alex", path)
+    builder = {"alex": torchvision.models.alexnet, "squeeze": torchvision.models.squeezenet1_1}
+    backbone = builder[net](weights=None).state_dict()  # random, but torchvision's own layout
+    tv_path = tmp_path / f"{net}-torchvision.pth"
+    torch.save(backbone, tv_path)
+    loaded = build_perceptual_distance(net, tv_path)
     for name, param in loaded.model.net.named_parameters():
-        _, index, kind = name.split(".")
-        assert torch.equal(param, state[f"features.{index}.{kind}"])
-    torch.save({"features.0.weight": torch.zeros(1)}, path)
+        assert torch.equal(param, backbone["features." + name.split(".", 1)[1]])
+
+    model = lpips.LPIPS(pretrained=False, net=net, pnet_rand=True, verbose=False)
+    with torch.no_grad():
+        for lin in model.lins:  # lin<i> and lins.<i> are the same modules
+            lin.model[-1].weight.uniform_(0, 1)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    full_path = tmp_path / f"{net}-lpips.pth"
+    torch.save(full, full_path)
+    loaded = build_perceptual_distance(net, full_path)
+    for key, value in loaded.model.state_dict().items():
+        assert torch.equal(value, full[key]), key
+
+    other = "squeeze" if net == "alex" else "alex"
+    with pytest.raises(GenbufferError) as err:  # the other net's file
+        build_perceptual_distance(other, full_path)
+    assert err.value.reason == "lpips_weights_wrong_kind"
+    assert "another network" in str(err.value) and "accepted:" in str(err.value)
     with pytest.raises(GenbufferError) as err:
-        build_perceptual_distance("alex", path)
-    assert err.value.reason == "lpips_backbone_mismatch"
+        build_perceptual_distance(other, tv_path)
+    assert err.value.reason == "lpips_weights_wrong_kind" and "not torchvision's" in str(err.value)
+
+
+def test_a_file_that_is_not_lpips_weights_is_refused_in_one_line(tmp_path: Path) -> None:
+    cases = {
+        "resnet.pth": {"conv1.weight": torch.zeros(2)},  # another model
+        "partial.pth": {"features.0.weight": torch.zeros(1)},  # a backbone with a tensor missing
+        "list.pth": [torch.zeros(1)],  # not a state dict
+    }
+    for name, obj in cases.items():
+        torch.save(obj, tmp_path / name)
+        with pytest.raises(GenbufferError) as err:
+            build_perceptual_distance("alex", tmp_path / name)
+        assert err.value.reason == "lpips_weights_wrong_kind", name
+        assert "\n" not in str(err.value) and "alexnet-owt-7be5be79.pth" in str(err.value)
+    # A pickled object is never unpickled (weights_only=True), and says so.
+    torch.save({"model": argparse.Namespace(a=1)}, tmp_path / "pickled.pth")
+    with pytest.raises(GenbufferError) as err:
+        build_perceptual_distance("alex", tmp_path / "pickled.pth")
+    assert err.value.reason == "lpips_weights_unreadable" and "weights_only" in str(err.value)
+    (tmp_path / "garbage.pth").write_bytes(b"not a torch file")
+    with pytest.raises(GenbufferError) as err:
+        build_perceptual_distance("alex", tmp_path / "garbage.pth")
+    assert err.value.reason == "lpips_weights_unreadable"
+
+
+def test_the_torch_hub_cache_is_searched_for_any_hash_of_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(
+        torchvision.models.squeezenet1_1(weights=None).state_dict(),
+        cache / "squeezenet1_1-0123abcd.pth",
+    )
+    assert build_perceptual_distance("squeeze").backbone == "squeeze"
 
 
 def test_random_backbone_is_logged_loudly(caplog: pytest.LogCaptureFixture) -> None:

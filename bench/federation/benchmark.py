@@ -63,6 +63,8 @@ def run_benchmark(
         else:
             outcome = run_processes(spec, run_dir, sources, report=report, on_started=on_started)
         outcomes.append(outcome)
+        if outcome.failure is not None:
+            return failed_benchmark(out, spec, outcome, time.perf_counter() - started)
         report(f"--- {spec.label}: done in {outcomes[-1].wall_s:.1f} s")
     report("compute limit: one epoch over every site's data, one thread (in process)")
     site_epochs = epoch_seconds(base, sources, out / "limit_state")
@@ -114,6 +116,34 @@ def run_benchmark(
     )
     ok = all(not o.errors and not o.timed_out for o in outcomes)
     return BenchmarkResult(results, path, ok)
+
+
+def failed_benchmark(
+    out: Path, spec: RunSpec, outcome: RunOutcome, wall_s: float
+) -> BenchmarkResult:
+    """A node failed: no baselines, no plots; results.json and the summary say which and why."""
+    assert outcome.failure is not None
+    node, error = outcome.failure
+    summary = {
+        "failed": True,
+        "failed_node": node,
+        "error": error,
+        "protocol": spec.protocol,
+        "errors": outcome.errors,
+        "benchmark_wall_s": round(wall_s, 1),
+        "results": str(out / "results.json"),
+    }
+    results = {
+        "config": asdict(spec),
+        "rounds": outcome.rows,
+        "summary": summary,
+        "plots": {},
+    }
+    path = out / "results.json"
+    atomic_write_text(
+        path, json.dumps(results, indent=2, allow_nan=False, default=json_default) + "\n"
+    )
+    return BenchmarkResult(results, path, False)
 
 
 def json_default(value: Any) -> Any:

@@ -159,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="another protocol: field for every node, VALUE read as YAML "
         "(e.g. aggregation=median); repeatable",
     )
+    spec_option(
+        "--lpips-backbone",
+        choices=("alex", "vgg", "squeeze", "random"),
+        help="genbuffer.lpips_backbone of every node (FedER's generators and privacy gate)",
+    )
+    spec_option(
+        "--lpips-weights",
+        metavar="FILE",
+        help="genbuffer.lpips_weights of every node: an lpips.LPIPS state dict or torchvision's "
+        "backbone file (e.g. ../shared/weights/lpips_alex_v0.1_full_state.pth)",
+    )
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--threshold",

@@ -28,6 +28,8 @@ def run_in_memory(
     network = InMemoryNetwork()
     started = time.perf_counter()
 
+    failure: list[tuple[str, str]] = []
+
     async def follow() -> dict[str, str]:
         task = asyncio.create_task(simulate(configs, network=network))
         printed = 0
@@ -35,6 +37,15 @@ def run_in_memory(
             while not task.done():
                 await asyncio.wait({task}, timeout=POLL_INTERVAL_S)
                 printed = _report_complete_rounds(network.records, spec, printed, started, report)
+                failed = network.failures()
+                if failed:  # one failed node ends the benchmark at once
+                    for name, line in sorted(failed.items()):
+                        report(f"{name} failed: {line}")
+                        failure.append((name, line))
+                    report(
+                        "stopping the simulation: it cannot measure a federation with a failed site"
+                    )
+                    return failed
             return task.result().errors
         finally:
             task.cancel()
@@ -59,6 +70,7 @@ def run_in_memory(
         peak_rss_mb={"process": round(peak_mb, 1)},
         errors=errors,
         timed_out=timed_out,
+        failure=failure[0] if failure else None,
     )
 
 

@@ -64,6 +64,7 @@ class RunOutcome:
     timed_out: bool = False
     traffic_source: str = "metrics"
     dashboards: dict[str, str] = field(default_factory=dict)
+    failure: tuple[str, str] | None = None  # (node, one-line error): the run was ended at once
 
 
 def _finite(value: Any) -> Any:

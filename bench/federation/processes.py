@@ -76,6 +76,19 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
 
 
+def error_line(log_tail: str) -> str:
+    """The line of a node's log that says why it stopped: its `error: ...` line
+    (a start-up error), else the last ERROR record, else the last line."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("error:"):
+            return line
+    for line in reversed(lines):
+        if " ERROR " in line:
+            return line.split(" ERROR ", 1)[1]
+    return lines[-1] if lines else "(no log output)"
+
+
 def protocol_traffic(status: dict[str, Any]) -> tuple[int, int]:
     """(messages, bytes) this node sent, heartbeats left out, from its /status."""
     out = []
@@ -139,9 +152,21 @@ def run_processes(
         for name, node in fed.nodes.items():
             if node.proc is not None:
                 handles[name] = psutil.Process(node.proc.pid)
-        while time.perf_counter() < deadline and any(n.running for n in fed.nodes.values()):
+        failure: tuple[str, str] | None = None
+        while (
+            failure is None
+            and time.perf_counter() < deadline
+            and any(n.running for n in fed.nodes.values())
+        ):
             for name, node in fed.nodes.items():
                 if not node.running:
+                    code = node.proc.returncode if node.proc is not None else None
+                    if code not in (0, None):
+                        failure = (
+                            name,
+                            f"exited with code {code}: {error_line(node.log_tail(40))}",
+                        )
+                        break
                     continue
                 try:
                     rss = handles[name].memory_info().rss / 2**20
@@ -151,16 +176,27 @@ def run_processes(
                 status = node.status()
                 if status is not None:
                     watcher.observe(name, status)
-            time.sleep(POLL_INTERVAL_S)
-        timed_out = any(n.running for n in fed.nodes.values())
+                    if status.get("phase") == "failed":
+                        failure = (name, str(status.get("error") or error_line(node.log_tail(40))))
+                        break
+            else:
+                time.sleep(POLL_INTERVAL_S)
+        if failure is not None:  # one failed node ends the benchmark at once
+            report(f"{failure[0]} failed: {failure[1]}")
+            report(
+                "stopping every node: the benchmark cannot measure a federation with a failed site"
+            )
+        timed_out = failure is None and any(n.running for n in fed.nodes.values())
         if timed_out:
             report(f"timeout after {spec.timeout_s:.0f} s: stopping the nodes still running")
         exit_codes = fed.stop_all()
         errors = {
-            name: f"exit code {code}; log tail: {fed[name].log_tail(5)}"
+            name: f"exit code {code}: {error_line(fed[name].log_tail(40))}"
             for name, code in exit_codes.items()
             if code != 0
         }
+        if failure is not None:  # the others were stopped by the benchmark, not failed
+            errors = {failure[0]: failure[1]}
     wall = time.perf_counter() - started
     rows: list[dict[str, Any]] = []
     traffic_source = "metrics"
@@ -187,4 +223,5 @@ def run_processes(
         timed_out=timed_out,
         traffic_source=traffic_source,
         dashboards=dashboards,
+        failure=failure,
     )

@@ -45,6 +45,8 @@ class RunSpec:
     timeout_s: float = 1800.0
     in_memory: bool = False
     protocol_options: tuple[tuple[str, Any], ...] = ()
+    lpips_backbone: str | None = None  # genbuffer.lpips_backbone of every node (FedER)
+    lpips_weights: str | None = None  # genbuffer.lpips_weights of every node (FedER)
 
     @property
     def label(self) -> str:
@@ -101,12 +103,20 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
         training["max_steps_per_epoch"] = spec.max_steps_per_epoch
     if spec.steps_per_round is not None:
         training["steps_per_round"] = spec.steps_per_round
-    return {
+    sections: dict[str, dict[str, Any]] = {
         "model": {"name": spec.model},
         "training": training,
         "selection": {"name": spec.heuristic},
         "data": {"image_size": spec.image_size, "augment": spec.augment},
     }
+    genbuffer: dict[str, Any] = {}
+    if spec.lpips_backbone is not None:
+        genbuffer["lpips_backbone"] = spec.lpips_backbone
+    if spec.lpips_weights is not None:
+        genbuffer["lpips_weights"] = str(Path(spec.lpips_weights).resolve())
+    if genbuffer:
+        sections["genbuffer"] = genbuffer
+    return sections
 
 
 def node_overrides(spec: RunSpec) -> dict[str, Any]:

@@ -59,13 +59,14 @@ class GenbufferSection(Section):
         description="L_PP = sum of the pairwise distances divided by the number of pairs (a mean), "
         "or by the batch size as FedER Eq. 3 writes it (batch size times the mean)",
     )
-    lpips_backbone: Literal["alex", "vgg", "random"] = Field(
+    lpips_backbone: Literal["alex", "vgg", "squeeze", "random"] = Field(
         "alex",
         description="ImageNet backbone under LPIPS; 'random' is for tests only and gives no real privacy",
     )
     lpips_weights: Path | None = Field(
         None,
-        description="torchvision ImageNet weights file of the backbone; default: the torch hub cache",
+        description="a full lpips.LPIPS state dict of that net, or torchvision's ImageNet backbone "
+        "file (alexnet-owt-*.pth, vgg16-*.pth, squeezenet1_1-*.pth); default: the torch hub cache",
     )
     lpips_min_size: int = Field(
         64, ge=16, description="smaller images are upsampled to this side before LPIPS"
@@ -115,6 +116,29 @@ class GenbufferSection(Section):
     audit_images: int = Field(64, ge=1, description="real training images projected into W")
     audit_steps: int = Field(300, ge=1, description="optimisation steps per projection")
     audit_lr: float = Field(0.1, gt=0.0)
+    # --- privacy gate (beyond the paper): checked before a buffer leaves the site ---------------
+    privacy_gate: bool = Field(
+        True,
+        description="check every buffer against the site's own images before it leaves the site; "
+        "false only for experiments (logged as a warning at every buffer)",
+    )
+    gate_distance: float | None = Field(
+        None,
+        gt=0.0,
+        description="a real image counts as exposed when a synthetic image lies closer than this "
+        "LPIPS distance; default: gate_distance_factor x the median distance from each checked real "
+        "image to its nearest other real image",
+    )
+    gate_distance_factor: float = Field(0.5, gt=0.0, le=1.0)
+    gate_max_fraction: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="refuse the buffer when more than this share of the checked real images is exposed",
+    )
+    gate_images: int = Field(
+        1000, ge=2, description="real training images the gate checks (all of them when fewer)"
+    )
     # --- where and how ------------------------------------------------------------------------
     out_dir: Path = Field(
         Path("genbuffer"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -235,15 +235,17 @@ class LocalSite:
 
     # ------------------------------------------------------------------ losses
 
-    def loss(self, x: Tensor, y: Tensor) -> Tensor:
-        """Training loss of one batch already on the device: cross-entropy, or the
-        contrastive loss (DFU paper Eq. 1) over all pairs of the batch for Siamese."""
+    def loss(self, x: Tensor, y: Tensor, weight: Tensor | None | str = "site") -> Tensor:
+        """Training loss of one batch already on the device: cross-entropy (with the
+        site's class weights unless `weight` gives others), or the contrastive loss
+        (DFU paper Eq. 1) over all pairs of the batch for Siamese."""
         with self.autocast():
             if isinstance(self.model, SiameseNet):
                 embeddings = self.model.embed(x)
                 return contrastive_loss(embeddings.float(), y, margin=self.model.margin)
             logits = self.model(x)
-            return F.cross_entropy(logits.float(), y, weight=self.class_weight)
+            w = self.class_weight if isinstance(weight, str) else weight
+            return F.cross_entropy(logits.float(), y, weight=w)
 
     def _augment(self, x: Tensor) -> Tensor:
         """The training view of a batch, on the site's device (augmented there:
@@ -333,7 +335,13 @@ class LocalSite:
         """Experience replay (FedER Eq. 6): every step pairs a private batch with as
         many replayed images, loss = lam * CE(private) + (1 - lam) * CE(replayed).
         `private=False` trains on the replayed images alone (FedER-B). With nothing
-        to replay this is `train_epochs`."""
+        to replay this is `train_epochs`.
+
+        The steps are those of `train_epochs` (training.steps_per_round when set,
+        else the private epochs), so FedER does the same local work as the other
+        protocols. Under class weighting the private half uses the site's weights
+        and the replayed half weights of its own class mix (none for a balanced
+        buffer), so both halves count every class alike."""
         if len(replay_y) == 0 and private:
             return self.train_epochs(epochs)
         if len(replay_y) == 0:
@@ -345,38 +353,44 @@ class LocalSite:
         size = self.training.batch_size
         losses: list[float] = []
         samples = 0
+        replay_weight = None
+        if self.class_weight is not None:
+            counts = torch.bincount(replay_y.long(), minlength=self.data.num_classes)
+            replay_weight = median_frequency_weights(counts.tolist()).to(self.device)
 
-        def replay_batches(n_steps: int) -> Iterator[tuple[Tensor, Tensor]]:
-            order = torch.randperm(len(replay_y), generator=gen)
-            pos = 0
-            for _ in range(n_steps):
+        def replay_batches() -> Iterator[tuple[Tensor, Tensor]]:
+            order, pos = torch.randperm(len(replay_y), generator=gen), 0
+            while True:
                 if pos + size > len(order):
                     order, pos = torch.randperm(len(replay_y), generator=gen), 0
                 idx = order[pos : pos + size]
                 pos += size
                 yield replay_x[idx], replay_y[idx]
 
-        for _ in range(epochs):
-            if private:
-                steps = list(self.batches("train"))
+        if private:
+            steps: Iterable[tuple[Tensor | None, Tensor | None]] = self.training_batches(epochs)
+        else:
+            per_epoch = max(1, len(replay_y) // size)
+            if self.training.steps_per_round is not None:
+                count = self.training.steps_per_round
             else:
-                steps = [(None, None)] * max(1, len(replay_y) // size)
-            cap = self.training.max_steps_per_epoch
-            steps = steps[:cap] if cap is not None else steps
-            for (x, y), (rx, ry) in zip(steps, replay_batches(len(steps)), strict=True):
-                if len(ry) < 2 or (x is not None and len(y) < 2):
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                rx, ry = self._augment(rx), ry.to(self.device)
-                if x is None:
-                    loss = self.loss(rx, ry)
-                else:
-                    x, y = self._augment(x), y.to(self.device)
-                    loss = lam * self.loss(x, y) + (1.0 - lam) * self.loss(rx, ry)
-                loss.backward()
-                self.optimizer.step()
-                losses.append(float(loss.detach()))
-                samples += len(ry) + (0 if y is None else len(y))
+                cap = self.training.max_steps_per_epoch
+                count = epochs * (min(per_epoch, cap) if cap is not None else per_epoch)
+            steps = [(None, None)] * count
+        for (x, y), (rx, ry) in zip(steps, replay_batches(), strict=False):
+            if len(ry) < 2:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            rx, ry = self._augment(rx), ry.to(self.device)
+            if x is None:
+                loss = self.loss(rx, ry, weight=replay_weight)
+            else:
+                x, y = self._augment(x), y.to(self.device)
+                loss = lam * self.loss(x, y) + (1.0 - lam) * self.loss(rx, ry, weight=replay_weight)
+            loss.backward()
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            samples += len(ry) + (0 if y is None else len(y))
         return self.record_fit(losses, samples, time.perf_counter() - start)
 
     def compute_gradient(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:

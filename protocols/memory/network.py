@@ -133,6 +133,7 @@ class InMemoryNetwork:
         self.records: list[dict[str, Any]] = []
         self.choices: list[dict[str, Any]] = []
         self.training: dict[str, dict[str, Any]] = {}  # node -> its /status training block
+        self.privacy_gate: dict[str, dict[str, Any]] = {}  # node -> its /status privacy_gate block
         self.rejections: list[dict[str, Any]] = []  # inputs a protocol refused
 
     # ------------------------------------------------------------------ membership
@@ -159,6 +160,19 @@ class InMemoryNetwork:
 
     def names(self) -> list[str]:
         return sorted(self._nodes)
+
+    def failures(self) -> dict[str, str]:
+        """Nodes whose protocol task ended with an exception: name -> one line."""
+        out = {}
+        for name, node in self._nodes.items():
+            task = node.task
+            if task is not None and task.done() and not task.cancelled():
+                exc = task.exception()
+                if exc is not None:
+                    out[name] = (
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    )
+        return out
 
     def _node(self, name: str) -> _Node:
         node = self._nodes.get(name)
@@ -415,6 +429,9 @@ class InMemoryContext(RoundContext):
 
     def set_training(self, training: dict[str, Any]) -> None:
         self.network.training[self.me] = dict(training)
+
+    def set_privacy_gate(self, decision: dict[str, Any]) -> None:
+        self.network.privacy_gate[self.me] = dict(decision)
 
     def record_choice(self, chosen: list[str]) -> None:
         self.network.choices.append({"node": self.me, "round": self.round, "chosen": list(chosen)})

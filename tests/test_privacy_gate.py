@@ -1,0 +1,223 @@
+"""The privacy gate: a buffer that copies the site's images never leaves the site.
+
+Attacked with a generator that memorised its training images (trained until its
+samples are copies of them): its buffer is refused, the refusal is written to the
+state directory and shown on /status, and nothing is sent. A generator trained
+with the privacy loss passes. The LPIPS backbone is the explicitly configured
+random one (the ImageNet weights are not shipped with the tests); a copy is at
+distance ~0 in any feature space, which is what the gate has to catch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from genbuffer.buffer import sample_buffer
+from genbuffer.checkpoint import GeneratorInfo, load_generator, save_generator
+from genbuffer.gate import GATE_GRID, GATE_HISTOGRAM, GATE_JSON, check_buffer, read_decision
+from genbuffer.privacy import build_perceptual_distance
+from genbuffer.stylegan2 import Generator, GeneratorSpec
+from genbuffer.train import train_generator
+from genbuffer.trainer import prepare_images
+from p2pfl.learning.data.partition import partition_dataset
+from protocols.memory import InMemoryNetwork, simulate, simulation_configs
+from tests.test_genbuffer import TINY, tiny_section
+
+
+def memorising_generator(
+    images_u8: np.ndarray, labels: np.ndarray, num_classes: int = 2, steps: int = 400
+) -> Generator:
+    """A generator driven until its samples are copies of its training images: each
+    output is pulled to its nearest training image of the same class, and each
+    training image pulls its nearest output (so no image is left uncopied)."""
+    torch.manual_seed(0)
+    spec = GeneratorSpec(
+        num_classes=num_classes, resolution=16, channels=images_u8.shape[-1], **TINY
+    )
+    generator = Generator(spec)
+    real = prepare_images(images_u8, 16)
+    y = torch.as_tensor(labels).long()
+    present = y.unique()
+    optimizer = torch.optim.Adam(generator.parameters(), lr=0.01)
+    for _ in range(steps):
+        cls = present.repeat_interleave(max(1, 64 // len(present)))
+        out = generator(torch.randn(len(cls), spec.z_dim), cls, noise_mode="const")
+        d = (out[:, None] - real[None]).square().flatten(2).mean(2)  # (outputs, N)
+        d = d.masked_fill(cls[:, None] != y[None, :], float("inf"))
+        loss = d.min(dim=1).values.mean() + d.min(dim=0).values.mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return generator.eval()
+
+
+def digits16(n: int = 48) -> tuple[np.ndarray, np.ndarray]:
+    """The first n scikit-learn digits as uint8 (N, 16, 16, 1) images and their labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.as_tensor(digits.images[:n] * (255 / 16), dtype=torch.float32)[:, None]
+    x = torch.nn.functional.interpolate(x, size=16, mode="bilinear", align_corners=False)
+    return x.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy(), digits.target[:n]
+
+
+def save(generator: Generator, path: Path) -> Path:
+    prior = [1 / generator.num_classes] * generator.num_classes
+    info = GeneratorInfo(spec=generator.spec, label_prior=prior, stage="test")
+    save_generator(path, generator, info)
+    return path
+
+
+@pytest.fixture(scope="module")
+def metric():
+    return build_perceptual_distance("random")
+
+
+def test_a_memorising_generator_is_refused_and_a_privacy_trained_one_passes(tmp_path, metric):
+    images, labels = digits16(48)
+    section = tiny_section()
+    # Memorised: trained far past convergence on six of the site's images.
+    memoriser = memorising_generator(images[:6], labels[:6], num_classes=10, steps=600)
+    buffer = sample_buffer(memoriser, 64, seed=1)
+    refused = check_buffer(buffer, images, metric, section, tmp_path / "memorised")
+    assert not refused.released
+    assert refused.exposed_fraction >= 5 / 48 > section.gate_max_fraction, refused
+    assert refused.nearest_synthetic["min"] < refused.real_spacing["min"]
+    assert "REFUSED" in refused.reason and "not shared" in refused.reason
+    saved = json.loads((tmp_path / "memorised" / GATE_JSON).read_text())
+    assert saved["released"] is False and len(saved["nearest_synthetic_distances"]) == 48
+    for name in (GATE_GRID, GATE_HISTOGRAM):
+        assert (tmp_path / "memorised" / name).stat().st_size > 1000
+
+    # Privacy-trained: the two-stage training with the LPIPS privacy loss, on all 48 images.
+    cfg = tiny_section(
+        iterations=20,
+        stage1_patience=20,
+        stage2_iterations=10,
+        quality_every=10,
+        train_reference=False,
+        checkpoint_every=10,
+    )
+    result = train_generator(images, labels, 10, cfg, tmp_path / "gan", metric=metric)
+    trained, info = load_generator(result.generator_path)
+    assert info.stage == "stage2" and info.alpha > 0
+    passed = check_buffer(
+        sample_buffer(trained, 64, seed=1), images, metric, section, tmp_path / "trained"
+    )
+    assert passed.released, passed.reason
+    assert passed.exposed_fraction <= section.gate_max_fraction
+    assert read_decision(tmp_path / "trained")["released"] is True
+
+
+def test_the_gate_distance_and_limit_are_honoured(tmp_path, metric):
+    images, labels = digits16(24)
+    memoriser = memorising_generator(images[:4], labels[:4], num_classes=10, steps=300)
+    buffer = sample_buffer(memoriser, 32, seed=2)
+    # A configured distance of ~0 exposes nobody; a limit of 100 % releases anything.
+    tiny_d = check_buffer(buffer, images, metric, tiny_section(gate_distance=1e-12), tmp_path / "a")
+    assert tiny_d.released and tiny_d.exposed_fraction == 0.0
+    assert tiny_d.distance_source == "configured"
+    lax = check_buffer(buffer, images, metric, tiny_section(gate_max_fraction=1.0), tmp_path / "b")
+    assert lax.released and lax.exposed_fraction > 0
+    auto = check_buffer(buffer, images, metric, tiny_section(gate_images=10), tmp_path / "c")
+    assert auto.real_images == 10 and auto.distance_source == "auto"
+    assert auto.distance == pytest.approx(0.5 * auto.real_spacing["median"], rel=1e-4)
+
+
+def _feder_configs(tmp_path: Path) -> list:
+    parts = tmp_path / "parts"
+    partition_dataset("digits", 30, "iid", parts, seed=0)  # small sites: ~40 training images
+    configs = simulation_configs(
+        [str(parts / f"site_{i}.npz") for i in range(2)],
+        protocol={"name": "feder", "rounds": 1, "buffer_size": 64, "round_timeout_s": 5},
+        state_root=tmp_path / "state",
+        data={"image_size": 16, "augment": "none"},
+        training={"epochs": 1, "batch_size": 16},
+        genbuffer={"lpips_backbone": "random", "device": "cpu"},
+    )
+    for i, config in enumerate(configs):
+        config.protocol.generator = str(tmp_path / f"g{i}.pt")
+    return configs
+
+
+@pytest.mark.slow
+def test_a_feder_node_does_not_share_a_refused_buffer(tmp_path):
+    """In memory: the memorising site stops before its first send and says why; its
+    peer's gate releases an untrained generator's noise."""
+    from p2pfl.learning.data import load_site_data
+
+    configs = _feder_configs(tmp_path)
+    data = load_site_data(configs[0].data, seed=0)
+    memoriser = memorising_generator(  # site 0's generator memorised 8 of its images
+        data.train_uint8[:8], np.asarray(data.train_labels)[:8], num_classes=10, steps=600
+    )
+    save(memoriser, Path(configs[0].protocol.generator))
+    torch.manual_seed(1)
+    save(Generator(memoriser.spec), Path(configs[1].protocol.generator))
+
+    network = InMemoryNetwork()
+    result = asyncio.run(simulate(configs, network=network))
+    name0, name1 = configs[0].node.name, configs[1].node.name
+    assert "privacy gate REFUSED" in result.errors.get(name0, ""), result.errors
+    assert name1 not in result.errors, result.errors
+    gate0, gate1 = network.privacy_gate[name0], network.privacy_gate[name1]
+    assert gate0["enabled"] and gate0["released"] is False, gate0
+    assert gate0["exposed_fraction"] > gate0["max_fraction"]
+    assert gate1["released"] is True and gate1["exposed_fraction"] == 0.0, gate1
+    assert read_decision(Path(configs[0].node.state_dir) / "genbuffer")["released"] is False
+    # nothing of site 0 reached site 1: it finished its round without a relay
+    rounds = [r for r in result.records if r["node"] == name1 and r["round"] == 1]
+    assert rounds and rounds[0]["received"] == 0, rounds
+
+
+@pytest.mark.slow
+def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
+    """Two real daemons on 127.0.0.1: the memorising site's /status says the buffer
+    was refused and why; the node stays up serving it, then exits non-zero."""
+    from bench.localfed import LocalFederation
+    from node.provision import provision
+
+    parts = tmp_path / "parts"
+    partition_dataset("digits", 30, "iid", parts, seed=0)
+    generators = {"a": tmp_path / "ga.pt", "b": tmp_path / "gb.pt"}
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "feder", "rounds": 1, "buffer_size": 64, "round_timeout_s": 5},
+        data_sources=[str(parts / f"site_{i}.npz") for i in range(2)],
+        overrides={
+            "transport": {"heartbeat_s": 0.3},
+            "data": {"image_size": 16, "augment": "none"},
+            "node": {"exit_when_done": True},
+            "genbuffer": {"lpips_backbone": "random", "device": "cpu"},
+        },
+        per_site={n: {"protocol": {"generator": str(p)}} for n, p in generators.items()},
+    )
+    from p2pfl.config import load_config
+    from p2pfl.learning.data import load_site_data
+
+    data = load_site_data(load_config(plans[0].config_path).data, seed=0)
+    memoriser = memorising_generator(
+        data.train_uint8[:8], np.asarray(data.train_labels)[:8], num_classes=10, steps=600
+    )
+    save(memoriser, generators["a"])
+    torch.manual_seed(1)
+    save(Generator(memoriser.spec), generators["b"])
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        status = fed["a"].wait_for(
+            lambda s: bool(s.get("privacy_gate")), 120, "the privacy gate's decision"
+        )
+        gate = status["privacy_gate"]
+        assert gate["released"] is False and "REFUSED" in gate["reason"], gate
+        assert gate["exposed_fraction"] > gate["max_fraction"]
+        assert gate["files"]["grid"].endswith("privacy_gate.png")
+        failed = fed["a"].wait_for(lambda s: s["phase"] == "failed", 30, "phase failed")
+        assert failed["privacy_gate"] == gate
+        codes = fed.wait_all_exit(120)
+    assert codes == {"a": 1, "b": 0}, codes

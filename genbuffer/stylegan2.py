@@ -162,19 +162,21 @@ class MappingNetwork(nn.Module):
         truncation_psi: float = 1.0,
         update_w_avg: bool = False,
     ) -> Tensor:
-        onehot = F.one_hot(labels.long(), self.num_classes).to(self.class_embed.weight.dtype)
-        x = normalize_second_moment(self.class_embed(onehot))
-        if self.z_dim > 0:
-            if z is None:
-                raise ValueError("this mapping network needs a latent z")
-            x = torch.cat([normalize_second_moment(z), x], dim=1)
-        for layer in self.layers:
-            x = layer(x)
-        if update_w_avg:
-            self.w_avg.copy_(x.detach().mean(0).lerp(self.w_avg, self.w_avg_beta))
-        if truncation_psi != 1.0:
-            x = self.w_avg.lerp(x, truncation_psi)
-        return x
+        # Always in fp32, also under autocast (as StyleGAN2-ADA): w and its running mean stay exact.
+        with torch.autocast(labels.device.type, enabled=False):
+            onehot = F.one_hot(labels.long(), self.num_classes).to(self.class_embed.weight.dtype)
+            x = normalize_second_moment(self.class_embed(onehot))
+            if self.z_dim > 0:
+                if z is None:
+                    raise ValueError("this mapping network needs a latent z")
+                x = torch.cat([normalize_second_moment(z.float()), x], dim=1)
+            for layer in self.layers:
+                x = layer(x)
+            if update_w_avg:
+                self.w_avg.copy_(x.detach().mean(0).lerp(self.w_avg, self.w_avg_beta))
+            if truncation_psi != 1.0:
+                x = self.w_avg.lerp(x, truncation_psi)
+            return x
 
 
 # ----------------------------------------------------------------------------- synthesis

@@ -12,6 +12,7 @@ where A is the adaptive augmentation. The stages around it are in `train.py`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -83,6 +84,17 @@ def build_specs(
     return g, d
 
 
+def training_dtype(cfg: GenbufferSection, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of GAN training: None for fp32 (genbuffer.precision)."""
+    if cfg.precision == "fp32":
+        return None
+    if cfg.precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
 class GanTrainer:
     """G, D, the EMA generator, their optimisers and ADA; `step()` is one training iteration."""
 
@@ -104,8 +116,15 @@ class GanTrainer:
         self.metric = metric
         torch.manual_seed(cfg.seed)
         g_spec, d_spec = build_specs(cfg, num_classes, images.shape[1])
-        self.G = Generator(g_spec).to(device)
-        self.D = Discriminator(d_spec).to(device)
+        self.dtype = training_dtype(cfg, device)
+        memory = (
+            torch.channels_last
+            if cfg.channels_last == "on" or (cfg.channels_last == "auto" and device.type == "cuda")
+            else torch.contiguous_format
+        )
+        self.G = Generator(g_spec).to(device, memory_format=memory)
+        self.D = Discriminator(d_spec).to(device, memory_format=memory)
+        self.images = self.images.contiguous(memory_format=memory)
         self.G_ema = copy.deepcopy(self.G).eval().requires_grad_(False)
         betas = tuple(cfg.adam_betas)
         self.opt_g = torch.optim.Adam(self.G.parameters(), lr=cfg.lr, betas=betas)  # type: ignore[arg-type]
@@ -145,6 +164,12 @@ class GanTrainer:
 
     # ------------------------------------------------------------------ one iteration
 
+    def _autocast(self) -> Any:
+        """bf16 autocast when configured (genbuffer.precision), else a no-op context."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
     def step(self, use_privacy: bool) -> dict[str, float]:
         cfg = self.cfg
         real, real_labels = self._next_batch()
@@ -156,16 +181,17 @@ class GanTrainer:
         self.D.requires_grad_(False)
         z = torch.randn(batch, self.G.z_dim, device=self.device)
         fake_labels = self._fake_labels(batch)
-        ws = self.G.mixed_ws(z, fake_labels, cfg.style_mixing_prob, update_w_avg=True)
-        fake = self.G.synthesis(ws)
-        loss_g = F.softplus(-self.D(self.augment(fake), fake_labels)).mean()
-        loss = loss_g
-        if use_privacy:
-            if self.metric is None:
-                raise GenbufferError("no_lpips", "the privacy loss needs an LPIPS metric")
-            loss_pp = privacy_loss(self.metric, real, fake, cfg.pp_normalization)  # FedER Eq. 3
-            loss = privacy_preserving_generator_loss(loss_g, loss_pp, cfg.alpha)  # FedER Eq. 5
-            stats["loss_pp"] = float(loss_pp.detach())
+        with self._autocast():
+            ws = self.G.mixed_ws(z, fake_labels, cfg.style_mixing_prob, update_w_avg=True)
+            fake = self.G.synthesis(ws)
+            loss_g = F.softplus(-self.D(self.augment(fake), fake_labels).float()).mean()
+            loss = loss_g
+            if use_privacy:
+                if self.metric is None:
+                    raise GenbufferError("no_lpips", "the privacy loss needs an LPIPS metric")
+                loss_pp = privacy_loss(self.metric, real, fake, cfg.pp_normalization).float()
+                loss = privacy_preserving_generator_loss(loss_g, loss_pp, cfg.alpha)  # Eq. 3, 5
+                stats["loss_pp"] = float(loss_pp.detach())
         self.opt_g.zero_grad(set_to_none=True)
         loss.backward()
         self.opt_g.step()
@@ -175,9 +201,10 @@ class GanTrainer:
         self.G.requires_grad_(False)
         self.D.requires_grad_(True)
         do_r1 = self.r1_gamma > 0 and self.iteration % cfg.r1_interval == 0
-        fake_logits = self.D(self.augment(fake.detach()), fake_labels)
         real_in = real.detach().requires_grad_(do_r1)
-        real_logits = self.D(self.augment(real_in), real_labels)
+        with self._autocast():
+            fake_logits = self.D(self.augment(fake.detach()), fake_labels).float()
+            real_logits = self.D(self.augment(real_in), real_labels).float()
         loss_d = F.softplus(fake_logits).mean() + F.softplus(-real_logits).mean()
         if do_r1:
             penalty = r1_penalty(real_logits, real_in).mean()

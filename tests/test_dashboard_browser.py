@@ -135,3 +135,37 @@ async def test_dashboard_screenshot_shows_the_coloured_graph(
     present = {colour for _, colour in colours}
     # Node discs are filled with the state colours: b is alive, d is dead.
     assert ALIVE_GREEN in present and DEAD_RED in present
+
+
+async def test_dashboard_shows_why_a_buffer_was_refused() -> None:
+    from genbuffer.gate import GateDecision, gate_status
+
+    telemetry = four_node_telemetry()
+    decision = GateDecision(
+        released=False,
+        reason="privacy gate REFUSED: 12.5% of 48 site images have a synthetic image closer "
+        "than LPIPS 0.0105 (auto; the limit is 5.0%) — the buffer was not shared",
+        exposed_fraction=0.125,
+        max_fraction=0.05,
+        distance=0.0105,
+        distance_source="auto",
+        real_images=48,
+        buffer_images=64,
+        nearest_synthetic={"min": 0.0019, "p05": 0.0035, "median": 0.0353},
+        real_spacing={"min": 0.0078, "p05": 0.0096, "median": 0.0210},
+        lpips_backbone="alex",
+        buffer_hash="ab" * 32,
+        seconds=1.2,
+        decided_at=time.time(),
+        files={"grid": "/srv/site/state/genbuffer/privacy_gate.png"},
+    )
+    telemetry.set_privacy_gate(gate_status(decision))
+    app = create_status_app(telemetry, node_name="a", protocol_name="feder", token=TOKEN)
+    runner, port = await start_status_server(app, "127.0.0.1", 0)
+    try:
+        dom = await dump_dom(f"http://127.0.0.1:{port}/#token={TOKEN}")
+    finally:
+        await runner.cleanup()
+    assert 'id="gate-verdict">REFUSED<' in dom
+    assert "12.5% of 48 site images" in dom and "12.5 %" in dom and "5.0 %" in dom
+    assert "/srv/site/state/genbuffer/privacy_gate.png" in dom

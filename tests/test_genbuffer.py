@@ -692,3 +692,32 @@ def test_interrupted_training_resumes_to_the_same_generator(
             metric=metric,
         )
     assert err.value.reason == "checkpoint_mismatch"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_mixed_precision_and_channels_last_train_finite(
+    metric: PerceptualDistance, precision: str
+) -> None:
+    """The CUDA settings run on any device: bf16 autocast and channels-last give
+    finite losses and keep the parameters in fp32 (no GPU on CI; timings in the README)."""
+    from genbuffer.trainer import training_dtype
+
+    images_u8, labels = shapes_dataset(16)
+    cfg = tiny_section(precision=precision, channels_last="on")
+    assert training_dtype(cfg, torch.device("cpu")) == (
+        torch.bfloat16 if precision == "bf16" else None
+    )
+    assert training_dtype(tiny_section(), torch.device("cpu")) is None  # auto: fp32 on CPU
+    trainer = GanTrainer(
+        cfg,
+        prepare_images(images_u8, 16),
+        torch.as_tensor(labels),
+        2,
+        metric=metric,
+        device=torch.device("cpu"),
+    )
+    for use_pp in (False, True, True):
+        stats = trainer.step(use_pp)
+        assert all(np.isfinite(v) for v in stats.values()), stats
+    assert all(p.dtype == torch.float32 for p in trainer.G.parameters())
+    assert "loss_pp" in stats

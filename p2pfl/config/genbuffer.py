@@ -145,6 +145,14 @@ class GenbufferSection(Section):
         description="checkpoints, buffers and audit files; default in a site.yaml: STATE/genbuffer",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="GAN training arithmetic: bf16 autocast (no loss scaling needed) or fp32; "
+        "auto: bf16 on a CUDA device that supports it, fp32 elsewhere",
+    )
+    channels_last: Literal["auto", "on", "off"] = Field(
+        "auto", description="channels-last memory format for G, D and the images; auto: on CUDA"
+    )
     seed: int = 0
 
     @field_validator("resolution")

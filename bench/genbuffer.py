@@ -4,7 +4,10 @@
    no-privacy continuation from the same stage-1 start, for the audit).
 2. Sample a synthetic buffer and train the same small classifier on it and, as the
    baseline, on the site's real images; compare macro-F1 on the real test split.
-3. Privacy audit: project M real training images into W of both generators.
+3. Privacy audit: project M real training images into W of both generators;
+   and the privacy gate (genbuffer/gate.py) on a buffer of each, against all of
+   the site's training images (gate_pp/ and gate_nopp/: JSON, histogram, and a
+   grid of the closest real images next to their nearest synthetic ones).
 4. Seconds per GAN training iteration at 32 px, batch 32, on this CPU.
 
 LPIPS needs torchvision's ImageNet AlexNet/VGG weights, which cannot be
@@ -47,6 +50,7 @@ from genbuffer.audit import audit_privacy, write_grid  # noqa: E402
 from genbuffer.buffer import buffer_to_bytes, sample_buffer  # noqa: E402
 from genbuffer.checkpoint import load_generator  # noqa: E402
 from genbuffer.config import GenbufferSection  # noqa: E402
+from genbuffer.gate import check_buffer  # noqa: E402
 from genbuffer.privacy import build_perceptual_distance  # noqa: E402
 from genbuffer.train import train_generator  # noqa: E402
 from genbuffer.trainer import GanTrainer, prepare_images  # noqa: E402
@@ -281,6 +285,26 @@ def main(argv: list[str] | None = None) -> int:
             "audit_increase": audit.increase,
         }
 
+    # 3b. The privacy gate on what would leave the site: the buffer of each generator,
+    # checked against all of the site's training images.
+    gate_json: dict[str, Any] = {}
+    generators = {"pp": result.generator_path, "nopp": result.reference_path}
+    for name, path in generators.items():
+        if path is None:
+            continue
+        gen, _ = load_generator(path)
+        candidate = sample_buffer(gen, args.buffer_size, per_class="balanced", seed=args.seed)
+        decision = check_buffer(candidate, train_u8, metric, cfg, out / f"gate_{name}")
+        gate_json.update(
+            {
+                f"gate_{name}_released": decision.released,
+                f"gate_{name}_exposed_fraction": decision.exposed_fraction,
+                f"gate_{name}_nearest_median": decision.nearest_synthetic["median"],
+            }
+        )
+    if gate_json:
+        gate_json["gate_distance"] = decision.distance
+
     # 4. Timing.
     timing = seconds_per_iteration(cfg, real_x, real_y, metric, args.timing_iterations)
 
@@ -290,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "real_macro_f1": real_f1,
         "ratio": synthetic_f1 / real_f1 if real_f1 > 0 else None,
         **audit_json,
+        **gate_json,
         "s_per_iter_cpu": timing["plain"],
         "s_per_iter_cpu_with_pp": timing["pp"],
         "torch_threads": torch.get_num_threads(),

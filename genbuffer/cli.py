@@ -271,6 +271,7 @@ def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
     )
     out = args.out or section.out_dir / "buffer.bin"
     out.parent.mkdir(parents=True, exist_ok=True)
+    gate = _gate(config, section, buffer, out.parent)
     out.write_bytes(buffer_to_bytes(buffer))
     preview = out.with_suffix(".png")
     rows = []
@@ -291,10 +292,31 @@ def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
                 "per_class": counts,
                 "content_hash": buffer["content_hash"],
                 "generator": str(checkpoint),
+                "privacy_gate": gate,
             }
         )
     )
     return 0
+
+
+def _gate(
+    config: GenbufferConfig, section: GenbufferSection, buffer: Any, out_dir: Path
+) -> dict[str, Any]:
+    """The privacy gate on a buffer about to be written (raises when it is refused)."""
+    from .gate import PrivacyGateRefused, check_buffer, gate_status
+    from .privacy import build_perceptual_distance
+
+    if not section.privacy_gate:
+        log.warning("PRIVACY GATE OFF (genbuffer.privacy_gate: false): buffer written unchecked")
+        return gate_status(None)
+    metric = build_perceptual_distance(
+        section.lpips_backbone, section.lpips_weights, min_size=section.lpips_min_size
+    )
+    images, _, _ = _site_training_arrays(config)
+    decision = check_buffer(buffer, images, metric, section, out_dir, seed=section.seed)
+    if not decision.released:
+        raise PrivacyGateRefused(decision)
+    return gate_status(decision)
 
 
 def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:

@@ -624,6 +624,47 @@ def test_cli_reports_missing_backbone_in_one_line(
     assert not (tmp_path / "genbuffer").exists()
 
 
+def test_cli_lpips_prints_the_distance_of_two_images(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    b = np.clip(a.astype(int) + 40, 0, 255).astype(np.uint8)
+    for name, pixels in (("a.png", a), ("b.png", b), ("grey.png", a[..., 0])):
+        Image.fromarray(pixels).save(tmp_path / name)
+    Image.fromarray(a[:32, :32]).save(tmp_path / "small.png")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    config = tmp_path / "site.yaml"
+    config.write_text("genbuffer: {lpips_backbone: random}\n", encoding="utf-8")
+
+    def distance(x: str, y: str) -> float:
+        assert (
+            _cli(
+                [
+                    "genbuffer",
+                    "lpips",
+                    str(tmp_path / x),
+                    str(tmp_path / y),
+                    "--config",
+                    str(config),
+                ]
+            )
+            == 0
+        )
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["lpips"]
+
+    assert distance("a.png", "a.png") == pytest.approx(0.0, abs=1e-6)
+    assert distance("a.png", "b.png") > 0.0
+    assert distance("a.png", "grey.png") > 0.0  # grey against colour: compared in colour
+    for other, words in (("small.png", "same size"), ("broken.png", "not a readable image")):
+        argv = ["genbuffer", "lpips", str(tmp_path / "a.png"), str(tmp_path / other)]
+        assert _cli([*argv, "--config", str(config)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+
+
 @pytest.mark.slow
 def test_cli_train_sample_audit_on_embedded_digits(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -648,6 +689,7 @@ def test_cli_train_sample_audit_on_embedded_digits(
     sampled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     buffer = buffer_from_bytes((tmp_path / "gan" / "buffer.bin").read_bytes(), num_classes=10)
     assert len(buffer["labels"]) == 30 and buffer["content_hash"] == sampled["content_hash"]
+    assert sampled["privacy_gate"]["enabled"] and sampled["privacy_gate"]["released"] is True
     assert (tmp_path / "gan" / "buffer.png").is_file()
 
     assert _cli(["genbuffer", "audit", *common, "--images", "4", "--steps", "2"]) == 0

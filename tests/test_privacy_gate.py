@@ -221,3 +221,37 @@ def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
         assert failed["privacy_gate"] == gate
         codes = fed.wait_all_exit(120)
     assert codes == {"a": 1, "b": 0}, codes
+
+
+def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys):
+    """`p2pfl-node genbuffer sample` runs the same gate: a memorising generator's
+    buffer is not written, and the reason is one line with exit status 2."""
+    import argparse
+
+    from genbuffer.cli import add_genbuffer_parser
+
+    parts = tmp_path / "parts"
+    partition_dataset("digits", 30, "iid", parts, seed=0)
+    config = tmp_path / "site.yaml"
+    config.write_text(
+        f"seed: 0\ndata: {{source: {parts / 'site_0.npz'}, image_size: 16}}\n"
+        "genbuffer: {lpips_backbone: random, out_dir: gan}\n",
+        encoding="utf-8",
+    )
+    from genbuffer.config import load_genbuffer_config
+    from p2pfl.learning.data import load_site_data
+
+    data = load_site_data(load_genbuffer_config(config).data, seed=0)
+    memoriser = memorising_generator(
+        data.train_uint8[:8], np.asarray(data.train_labels)[:8], num_classes=10, steps=600
+    )
+    generator = save(memoriser, tmp_path / "memoriser.pt")
+    parser = argparse.ArgumentParser(prog="p2pfl-node")
+    add_genbuffer_parser(parser.add_subparsers(dest="command"))
+    argv = ["genbuffer", "sample", "--config", str(config), "--checkpoint", str(generator)]
+    args = parser.parse_args([*argv, "--size", "64"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "privacy gate REFUSED" in err, err
+    assert not (tmp_path / "gan" / "buffer.bin").exists()
+    assert read_decision(tmp_path / "gan")["released"] is False

@@ -178,6 +178,8 @@ class _TwoStageRun:
             )
             self.meta.update(
                 stage2_settings=settings,
+                stage2_every=None,
+                stage2_length=None,
                 selected_iteration=None,
                 selected_quality=None,
                 stage2_stop="skipped",
@@ -294,12 +296,15 @@ class _TwoStageRun:
         cfg = self.cfg
         limit = cfg.stage2_degrade_factor * self.meta["stage1_quality"]
 
+        every = self.meta.get("stage2_every") or cfg.stage2_quality_every or cfg.quality_every
+        length = self.meta.get("stage2_length") or cfg.stage2_iterations
+
         def on_eval(quality: float) -> bool:
             if quality <= limit or self.meta["selected_iteration"] is None:
-                if quality > limit:
+                if quality > limit and every == 1:
                     log.warning(
-                        "stage 2 quality %.4f already exceeds %.1f x stage 1 (%.4f) at the first evaluation: "
-                        "keeping this snapshot; alpha (%.2f) is probably too large",
+                        "stage 2 quality %.4f exceeds %.1f x stage 1 (%.4f) after one iteration: "
+                        "keeping it; alpha (%.2f) is too large for this data",
                         quality,
                         cfg.stage2_degrade_factor,
                         self.meta["stage1_quality"],
@@ -314,8 +319,31 @@ class _TwoStageRun:
             self.meta["stage2_stop"] = "max_iterations"
             return True
 
-        every = cfg.stage2_quality_every or cfg.quality_every
-        self._steps("stage2", True, cfg.stage2_iterations, on_eval, eval_every=every)
+        while True:
+            self._steps("stage2", True, length, on_eval, eval_every=every)
+            first_within = self.meta["selected_quality"] <= limit
+            if first_within or every == 1:
+                break
+            # The first score already broke the limit: the snapshot kept would break the
+            # paper's rule (the last one within 2.5 x stage 1). Redo stage 2 from the same
+            # stage-1 state, scoring more often, over the span known to stay under it.
+            length, every = every, max(1, every // 5)
+            log.warning(
+                "stage 2 quality %.4f exceeds %.1f x stage 1 (%.4f) at its first score: redoing "
+                "stage 2 from the stage-1 best state, scored every %d iterations over %d",
+                self.meta["selected_quality"],
+                cfg.stage2_degrade_factor,
+                self.meta["stage1_quality"],
+                every,
+                length,
+            )
+            self.meta.update(
+                stage2_every=every,
+                stage2_length=length,
+                selected_iteration=None,
+                selected_quality=None,
+            )
+            self._restart_from_stage1_best("stage2")
         log.info(
             "stage 2 done (%s): kept iteration %d of stage 2, quality %.4f (limit %.4f)",
             self.meta["stage2_stop"],

@@ -763,3 +763,30 @@ def test_mixed_precision_and_channels_last_train_finite(
         assert all(np.isfinite(v) for v in stats.values()), stats
     assert all(p.dtype == torch.float32 for p in trainer.G.parameters())
     assert "loss_pp" in stats
+
+
+def test_stage2_keeps_a_snapshot_within_the_quality_limit_by_scoring_more_often(
+    tmp_path: Path, metric: PerceptualDistance
+) -> None:
+    """FedER's stage-2 rule keeps the last snapshot within 2.5 x stage 1's score (1.001 x
+    here). When the first score (after 6 iterations of an enormous privacy weight) breaks it,
+    stage 2 is redone from the same stage-1 state and scored every iteration instead."""
+    images, labels = shapes_dataset(32)
+    cfg = tiny_section(
+        iterations=8,
+        stage1_patience=8,
+        stage2_iterations=12,
+        quality_every=4,
+        stage2_quality_every=6,
+        stage2_degrade_factor=1.001,  # any loss of quality breaks the limit
+        alpha=1e6,
+        train_reference=False,
+        checkpoint_every=4,
+    )
+    result = train_generator(images, labels, 2, cfg, tmp_path, metric=metric)
+    stage2 = [h for h in result.history if h["phase"] == "stage2"]
+    limit = cfg.stage2_degrade_factor * result.stage1_quality
+    assert stage2[0]["quality"] > limit  # the first attempt broke the limit at its first score
+    assert len(stage2) >= 2 and stage2[1]["iteration"] - result.stage1_iterations == 1
+    assert 1 <= result.stage2_iterations < 6
+    assert result.stage2_quality <= limit or result.stage2_iterations == 1

@@ -183,6 +183,8 @@ class GenbufferSection(Section):
             "stage2_degrade_factor": self.stage2_degrade_factor,
             "stage2_quality_every": self.stage2_quality_every or self.quality_every,
             "train_reference": self.train_reference,
+            # how the stage-2 snapshot is chosen; a state from an older rule redoes stage 2
+            "selection": "last_within_limit_rescored",
         }
 
     def effective_r1_gamma(self) -> float:

@@ -103,10 +103,10 @@ def run_protocol(
             cfg.protocol.generator = generators[cfg.node.name]
     network = InMemoryNetwork()
     t0 = time.perf_counter()
-    result = asyncio.run(simulate(configs, network=network))
+    result = asyncio.run(simulate(configs, network=network, fail_fast=True))
     wall = time.perf_counter() - t0
     if result.errors:
-        raise RuntimeError(f"{name}: {result.errors}")
+        raise RuntimeError(f"{name}: {result.first_error() or result.errors}")
     states = {c.node.name: network.saved_state(c.node.name)["model"] for c in configs}
     records = [r for r in result.records if r["round"] >= 1]
     rounds = max(r["round"] for r in records)

@@ -206,10 +206,10 @@ def records_of(method: str, configs: list[SiteConfig]) -> tuple[list[dict[str, A
     if method == "local_fixmatch":
         return local_fixmatch(configs).records, None
     result: SimulationResult = asyncio.run(
-        simulate(configs, network=InMemoryNetwork(inline_train=True))
+        simulate(configs, network=InMemoryNetwork(inline_train=True), fail_fast=True)
     )
     if result.errors:
-        raise SystemExit(f"{method}: nodes failed: {result.errors}")
+        raise SystemExit(f"error: {method}: {result.first_error() or result.errors}")
     return result.records, result
 
 

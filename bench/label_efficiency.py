@@ -39,6 +39,7 @@ import asyncio
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -99,9 +100,9 @@ def run_simulation(
     configs: list[SiteConfig], checkpoint_dir: Path | None = None
 ) -> SimulationResult:
     network = InMemoryNetwork(inline_train=True, checkpoint_dir=checkpoint_dir)
-    result = asyncio.run(simulate(configs, network=network))
+    result = asyncio.run(simulate(configs, network=network, fail_fast=True))
     if result.errors:
-        raise RuntimeError(f"simulation failed: {result.errors}")
+        raise RuntimeError(f"simulation failed: {result.first_error() or result.errors}")
     return result
 
 
@@ -451,4 +452,8 @@ def pre_patch(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as exc:  # a failed node: its one-line reason, non-zero exit
+        sys.stderr.write(f"error: {str(exc).splitlines()[0]}\n")
+        sys.exit(1)

@@ -171,3 +171,26 @@ async def test_metrics_and_choices_are_collected_per_node() -> None:
     assert net.records == [
         {"node": "a", "round": 1, "macro_f1": 0.5, "messages_sent": 0, "bytes_sent": 0}
     ]
+
+
+def test_fail_fast_stops_the_others_when_one_node_fails(tmp_path) -> None:
+    """A benchmark's simulation ends when one node fails, instead of the others
+    waiting out their round timeouts (here 60 s per round)."""
+    from p2pfl.learning.data.partition import partition_dataset
+    from protocols.memory import simulate
+
+    partition_dataset("digits", 3, "iid", tmp_path / "parts", seed=0)
+    sources = [str(tmp_path / "parts" / f"site_{i}.npz") for i in range(3)]
+    sources[2] = str(tmp_path / "missing.npz")  # site2 cannot load its data
+    configs = simulation_configs(
+        sources,
+        protocol={"name": "fedavgp2p", "rounds": 5, "round_timeout_s": 60},
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={"max_steps_per_epoch": 1},
+    )
+    started = time.monotonic()
+    result = asyncio.run(simulate(configs, network=InMemoryNetwork(), fail_fast=True))
+    assert time.monotonic() - started < 30
+    assert result.errors["site0"] == result.errors["site1"] == "stopped: another node failed"
+    assert result.first_error().startswith("site2: ") and "\n" not in result.first_error()

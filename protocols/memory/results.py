@@ -39,6 +39,13 @@ class SimulationResult:
     def nodes(self) -> list[str]:
         return sorted(self.traffic)
 
+    def first_error(self) -> str | None:
+        """'node: reason' of a node that failed (not one stopped or killed), one line."""
+        for name, error in sorted(self.errors.items()):
+            if not error.startswith(("stopped:", "killed")):
+                return f"{name}: {error.splitlines()[0] if error else 'failed'}"
+        return None
+
     def metric(self, name: str, node: str) -> dict[int, float]:
         """round -> value of one metric for one node (rounds that logged it)."""
         return {

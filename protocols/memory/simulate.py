@@ -27,11 +27,15 @@ async def _run_node(ctx: InMemoryContext, config: SiteConfig) -> None:
 
 
 async def simulate(
-    configs: Sequence[SiteConfig], *, network: InMemoryNetwork | None = None
+    configs: Sequence[SiteConfig],
+    *,
+    network: InMemoryNetwork | None = None,
+    fail_fast: bool = False,
 ) -> SimulationResult:
     """Run every site's protocol concurrently in this process until all finish
     (or are killed). Nodes the network already marks dead are not started. A
-    node that raises is recorded in `errors`; the others go on."""
+    node that raises is recorded in `errors`; the others go on, or with
+    `fail_fast` are stopped at once (recorded as stopped), as a benchmark wants."""
     network = network if network is not None else InMemoryNetwork()
     names = [c.node.name for c in configs]
     if len(set(names)) != len(names):
@@ -53,12 +57,25 @@ async def simulate(
             network._nodes[cfg.node.name].task = task
             tasks[cfg.node.name] = task
     errors: dict[str, str] = {name: "killed before start" for name in names if name not in contexts}
+    stopped: set[str] = set()
+    if fail_fast and tasks:
+        pending: set[asyncio.Task[None]] = set(tasks.values())
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any(not t.cancelled() and t.exception() is not None for t in done):
+                stopped = {name for name, t in tasks.items() if t in pending}
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                break
     for name, task in tasks.items():
         try:
             await task
         except asyncio.CancelledError:
             if not network._nodes[name].alive:
                 errors[name] = "killed"
+            elif name in stopped:
+                errors[name] = "stopped: another node failed"
             else:
                 for other in tasks.values():
                     other.cancel()

@@ -229,11 +229,12 @@ def test_lpips_options_reach_every_nodes_genbuffer_section(tmp_path: Path) -> No
     weights = tmp_path / "lpips.pth"
     args = cli.build_parser().parse_args(
         ["--nodes", "2", "--protocol", "feder", "--lpips-backbone", "squeeze"]
-        + ["--lpips-weights", str(weights)]
+        + ["--lpips-weights", str(weights), "--genbuffer-option", "iterations=800"]
         + ["--out", str(tmp_path)]
     )
     spec = cli.spec_from_args(args)
     assert node_overrides(spec)["genbuffer"] == {
+        "iterations": 800,
         "lpips_backbone": "squeeze",
         "lpips_weights": str(weights.resolve()),
     }

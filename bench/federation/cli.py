@@ -170,6 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="genbuffer.lpips_weights of every node: an lpips.LPIPS state dict or torchvision's "
         "backbone file (e.g. ../shared/weights/lpips_alex_v0.1_full_state.pth)",
     )
+    parser.add_argument(
+        "--genbuffer-option",
+        dest="genbuffer_options",
+        type=_protocol_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another genbuffer: field for every node, e.g. iterations=800 (FedER's GAN trains "
+        "for genbuffer.iterations, 50,000 by default); repeatable",
+    )
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--threshold",
@@ -216,6 +226,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         round_timeout_s=args.round_timeout,
         timeout_s=args.timeout,
         protocol_options=tuple(args.protocol_options),
+        genbuffer_options=tuple(args.genbuffer_options),
     )
 
 

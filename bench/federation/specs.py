@@ -47,6 +47,7 @@ class RunSpec:
     protocol_options: tuple[tuple[str, Any], ...] = ()
     lpips_backbone: str | None = None  # genbuffer.lpips_backbone of every node (FedER)
     lpips_weights: str | None = None  # genbuffer.lpips_weights of every node (FedER)
+    genbuffer_options: tuple[tuple[str, Any], ...] = ()  # other genbuffer: fields (FedER)
 
     @property
     def label(self) -> str:
@@ -109,7 +110,7 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
         "selection": {"name": spec.heuristic},
         "data": {"image_size": spec.image_size, "augment": spec.augment},
     }
-    genbuffer: dict[str, Any] = {}
+    genbuffer: dict[str, Any] = dict(spec.genbuffer_options)
     if spec.lpips_backbone is not None:
         genbuffer["lpips_backbone"] = spec.lpips_backbone
     if spec.lpips_weights is not None:

@@ -255,3 +255,30 @@ def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "privacy gate REFUSED" in err, err
     assert not (tmp_path / "gan" / "buffer.bin").exists()
     assert read_decision(tmp_path / "gan")["released"] is False
+
+
+def test_switching_the_gate_off_is_explicit_and_loud(tmp_path, caplog):
+    import logging
+
+    from genbuffer.gate import gate_status
+    from protocols.feder import make_buffer
+    from protocols.site import build_site
+
+    configs = _feder_configs(tmp_path)
+    config = configs[0]
+    torch.manual_seed(0)
+    spec = GeneratorSpec(num_classes=10, resolution=16, channels=1, **TINY)
+    save(Generator(spec), Path(config.protocol.generator))
+    site = build_site(config)
+    assert config.genbuffer.privacy_gate is True  # on unless configured otherwise
+    section = config.genbuffer.model_copy(update={"privacy_gate": False})
+    with caplog.at_level(logging.WARNING, logger="protocols.feder"):
+        buffer, decision = make_buffer(config.protocol, site, section, tmp_path / "gb", seed=0)
+    assert decision is None and len(buffer["labels"]) == 64
+    assert any("PRIVACY GATE OFF" in r.getMessage() for r in caplog.records)
+    status = gate_status(decision)
+    assert status["enabled"] is False and "PRIVACY GATE OFF" in status["reason"]
+    assert not (tmp_path / "gb" / GATE_JSON).exists()
+    # switched on, the same buffer is checked and the evidence written
+    _, decision = make_buffer(config.protocol, site, config.genbuffer, tmp_path / "gb", seed=0)
+    assert decision is not None and (tmp_path / "gb" / GATE_JSON).is_file()

@@ -42,6 +42,7 @@ from genbuffer.config import GenbufferSection  # noqa: E402
 from genbuffer.errors import GenbufferError  # noqa: E402
 from genbuffer.train import GENERATOR_FILE, train_generator  # noqa: E402
 from node.evaluate import cross_site  # noqa: E402
+from p2pfl.files import atomic_write_text  # noqa: E402
 from p2pfl.learning.data import load_site_data  # noqa: E402
 from p2pfl.learning.data.partition import partition_dataset  # noqa: E402
 from p2pfl.learning.train import LocalSite  # noqa: E402
@@ -174,26 +175,30 @@ def run_seed(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     for name in args.protocols.split(","):
         log.info("seed %d: running %s", args.seed, name)
         run = run_protocol(name, sources, args, generators, out)
-        evaluation = cross_site(sites, run["states"], "test", ensemble=True)
-        methods[name] = {
-            "cross_site": {k: v for k, v in evaluation.items() if k.endswith(("_mean", "_std"))},
-            "ensemble_accuracy": evaluation["ensemble"]["accuracy_mean"],
-            "per_model": evaluation["per_model"],
-            "per_round_macro_f1": run["per_round_macro_f1"],
-            "bytes_per_node_per_round": run["bytes_per_node_per_round"],
-            "wall_s": run["wall_s"],
-        }
+        methods[name] = method_row(
+            cross_site(sites, run["states"], "test", ensemble=True),
+            per_round_macro_f1=run["per_round_macro_f1"],
+            bytes_per_node_per_round=run["bytes_per_node_per_round"],
+            wall_s=run["wall_s"],
+        )
     alone = standalone(base_configs)
-    evaluation = cross_site(sites, alone.final_states, "test", ensemble=True)
-    methods["standalone"] = {
+    methods["standalone"] = method_row(
+        cross_site(sites, alone.final_states, "test", ensemble=True),
+        bytes_per_node_per_round=0.0,
+    )
+    result = {"seed": args.seed, "methods": methods, "gates": gate_decisions(out)}
+    atomic_write_text(done, json.dumps(result, indent=2, default=str))
+    return result
+
+
+def method_row(evaluation: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One method's entry of a seed's results: its cross-site figures and `extra`."""
+    return {
         "cross_site": {k: v for k, v in evaluation.items() if k.endswith(("_mean", "_std"))},
         "ensemble_accuracy": evaluation["ensemble"]["accuracy_mean"],
         "per_model": evaluation["per_model"],
-        "bytes_per_node_per_round": 0.0,
+        **extra,
     }
-    result = {"seed": args.seed, "methods": methods, "gates": gate_decisions(out)}
-    done.write_text(json.dumps(result, indent=2, default=str))
-    return result
 
 
 def gate_decisions(out: Path) -> dict[str, Any]:
@@ -364,10 +369,11 @@ def main() -> None:
         "gates_refused": sum(1 for r in per_seed for g in r["gates"].values() if not g["released"]),
         "plot": str(out / "feder.png"),
     }
-    (out / "results.json").write_text(
+    atomic_write_text(
+        out / "results.json",
         json.dumps(
             {"summary": summary, "table": table, "per_seed": per_seed}, indent=2, default=str
-        )
+        ),
     )
     print(json.dumps(summary))
 

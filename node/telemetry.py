@@ -127,6 +127,11 @@ def _valid_entries(
             logger.debug("dropping malformed %s from %s: %s", what, peer_name, error)
 
 
+def _json_copy(value: dict[str, Any]) -> dict[str, Any]:
+    """A detached, JSON-clean copy of a protocol's /status block (fails here, not in /status)."""
+    return json.loads(json.dumps(value, default=str, allow_nan=False))
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -302,13 +307,13 @@ class Telemetry:
 
     def set_community(self, community: dict[str, Any]) -> None:
         """Free-form, JSON-serialisable protocol state shown on /status (replaces the last)."""
-        detached = json.loads(json.dumps(community, default=str, allow_nan=False))
+        detached = _json_copy(community)
         with self._lock:
             self._community = detached
 
     def set_training(self, training: dict[str, Any]) -> None:
         """How the node trains (class weighting, lr, best model), shown on /status."""
-        detached = json.loads(json.dumps(training, default=str, allow_nan=False))
+        detached = _json_copy(training)
         with self._lock:
             self._training = detached
 
@@ -319,7 +324,7 @@ class Telemetry:
 
     def set_privacy_gate(self, decision: dict[str, Any]) -> None:
         """The privacy gate's last decision about this node's synthetic buffer, shown on /status."""
-        detached = json.loads(json.dumps(decision, default=str, allow_nan=False))
+        detached = _json_copy(decision)
         with self._lock:
             self._privacy_gate = detached
 

@@ -111,15 +111,24 @@ def make_buffer(
     from genbuffer.train import resolve_device, train_generator
     from genbuffer.trainer import label_prior
 
+    device = resolve_device(section.device)
+    metric = None  # one LPIPS network for the privacy loss and the gate
+    if not params.generator or section.privacy_gate:
+        metric = build_perceptual_distance(
+            section.lpips_backbone,
+            section.lpips_weights,
+            min_size=section.lpips_min_size,
+            device=device,
+        )
     if params.generator:
         generator_path = Path(params.generator)
     else:
         data = site.data
         result = train_generator(
-            data.train_uint8, data.train_labels, data.num_classes, section, out_dir
+            data.train_uint8, data.train_labels, data.num_classes, section, out_dir, metric=metric
         )
         generator_path = result.generator_path
-    generator, info = load_generator(generator_path, resolve_device(section.device))
+    generator, info = load_generator(generator_path, device)
     prior = info.label_prior or label_prior(
         torch.as_tensor(site.data.train_labels).long(), site.data.num_classes
     )
@@ -139,12 +148,7 @@ def make_buffer(
             buffer["content_hash"][:12],
         )
         return buffer, None
-    metric = build_perceptual_distance(
-        section.lpips_backbone,
-        section.lpips_weights,
-        min_size=section.lpips_min_size,
-        device=resolve_device(section.device),
-    )
+    assert metric is not None
     decision = check_buffer(buffer, site.data.train_uint8, metric, section, out_dir, seed=seed)
     return buffer, decision
 

@@ -149,16 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the nodes in this process over the in-memory network",
     )
-    parser.add_argument(
-        "--protocol-option",
-        dest="protocol_options",
-        type=_protocol_option,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another protocol: field for every node, VALUE read as YAML "
-        "(e.g. aggregation=median); repeatable",
-    )
+
+    def section_option(section: str, example: str) -> None:
+        """--SECTION-option KEY=VALUE (repeatable): another SECTION: field of every node."""
+        parser.add_argument(
+            f"--{section}-option",
+            dest=f"{section}_options",
+            type=_protocol_option,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"another {section}: field for every node, VALUE read as YAML ({example}); "
+            "repeatable",
+        )
+
+    section_option("protocol", "e.g. aggregation=median")
     spec_option(
         "--lpips-backbone",
         choices=("alex", "vgg", "squeeze", "random"),
@@ -170,15 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="genbuffer.lpips_weights of every node: an lpips.LPIPS state dict or torchvision's "
         "backbone file (e.g. ../shared/weights/lpips_alex_v0.1_full_state.pth)",
     )
-    parser.add_argument(
-        "--genbuffer-option",
-        dest="genbuffer_options",
-        type=_protocol_option,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another genbuffer: field for every node, e.g. iterations=800 (FedER's GAN trains "
-        "for genbuffer.iterations, 50,000 by default); repeatable",
+    section_option(
+        "genbuffer", "e.g. iterations=800: FedER's GAN trains 50,000 iterations by default"
     )
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(

@@ -15,7 +15,7 @@ from typing import Any
 
 from bench.federation.outcome import POLL_INTERVAL_S, Report, RunOutcome, bench_row, stdout_line
 from bench.federation.specs import RunSpec, in_process_configs, one_torch_thread, site_names
-from protocols.memory import InMemoryNetwork, simulate
+from protocols.memory import InMemoryNetwork, SimulationResult, simulate
 
 
 def run_in_memory(
@@ -28,32 +28,27 @@ def run_in_memory(
     network = InMemoryNetwork()
     started = time.perf_counter()
 
-    failure: list[tuple[str, str]] = []
-
-    async def follow() -> dict[str, str]:
-        task = asyncio.create_task(simulate(configs, network=network))
+    async def follow() -> SimulationResult:
+        # fail_fast: one failed node ends the benchmark at once
+        task = asyncio.create_task(simulate(configs, network=network, fail_fast=True))
         printed = 0
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=POLL_INTERVAL_S)
                 printed = _report_complete_rounds(network.records, spec, printed, started, report)
-                failed = network.failures()
-                if failed:  # one failed node ends the benchmark at once
-                    for name, line in sorted(failed.items()):
-                        report(f"{name} failed: {line}")
-                        failure.append((name, line))
-                    report(
-                        "stopping the simulation: it cannot measure a federation with a failed site"
-                    )
-                    return failed
-            return task.result().errors
+            return task.result()
         finally:
             task.cancel()
 
     timed_out = False
     node_errors: dict[str, str] = {}
+    failure: tuple[str, str] | None = None
     try:
-        node_errors = asyncio.run(asyncio.wait_for(follow(), spec.timeout_s))
+        result = asyncio.run(asyncio.wait_for(follow(), spec.timeout_s))
+        node_errors, failure = result.errors, result.first_failure()
+        if failure is not None:
+            report(f"{failure[0]} failed: {failure[1]}")
+            report("stopped the simulation: it cannot measure a federation with a failed site")
     except TimeoutError:
         timed_out = True
         report(f"timeout after {spec.timeout_s:.0f} s: the simulation was cancelled")
@@ -70,7 +65,7 @@ def run_in_memory(
         peak_rss_mb={"process": round(peak_mb, 1)},
         errors=errors,
         timed_out=timed_out,
-        failure=failure[0] if failure else None,
+        failure=failure,
     )
 
 

@@ -17,7 +17,7 @@ import psutil
 
 from bench.federation.outcome import POLL_INTERVAL_S, Report, RunOutcome, bench_row, stdout_line
 from bench.federation.specs import RunSpec, node_overrides, protocol_section, site_names
-from bench.localfed import LocalFederation
+from bench.localfed import LocalFederation, NodeProcess
 from node.provision import SitePlan, provision
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,33 @@ class RoundWatcher:
 
 def _fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
+
+
+def poll_node(
+    node: NodeProcess,
+    handle: psutil.Process | None,
+    peak_rss: dict[str, float],
+    watcher: RoundWatcher,
+) -> str | None:
+    """Follow one node once (peak RSS, /status); why it failed, or None while it has not."""
+    if not node.running:
+        code = node.proc.returncode if node.proc is not None else None
+        if code in (0, None):
+            return None
+        return f"exited with code {code}: {error_line(node.log_tail(40))}"
+    try:
+        if handle is not None:
+            rss = handle.memory_info().rss / 2**20
+            peak_rss[node.name] = max(peak_rss[node.name], rss)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+    status = node.status()
+    if status is None:
+        return None
+    watcher.observe(node.name, status)
+    if status.get("phase") == "failed":
+        return str(status.get("error") or error_line(node.log_tail(40)))
+    return None
 
 
 def error_line(log_tail: str) -> str:
@@ -159,26 +186,10 @@ def run_processes(
             and any(n.running for n in fed.nodes.values())
         ):
             for name, node in fed.nodes.items():
-                if not node.running:
-                    code = node.proc.returncode if node.proc is not None else None
-                    if code not in (0, None):
-                        failure = (
-                            name,
-                            f"exited with code {code}: {error_line(node.log_tail(40))}",
-                        )
-                        break
-                    continue
-                try:
-                    rss = handles[name].memory_info().rss / 2**20
-                    peak_rss[name] = max(peak_rss[name], rss)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
-                    pass
-                status = node.status()
-                if status is not None:
-                    watcher.observe(name, status)
-                    if status.get("phase") == "failed":
-                        failure = (name, str(status.get("error") or error_line(node.log_tail(40))))
-                        break
+                reason = poll_node(node, handles.get(name), peak_rss, watcher)
+                if reason is not None:
+                    failure = (name, reason)
+                    break
             else:
                 time.sleep(POLL_INTERVAL_S)
         if failure is not None:  # one failed node ends the benchmark at once

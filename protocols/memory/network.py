@@ -161,19 +161,6 @@ class InMemoryNetwork:
     def names(self) -> list[str]:
         return sorted(self._nodes)
 
-    def failures(self) -> dict[str, str]:
-        """Nodes whose protocol task ended with an exception: name -> one line."""
-        out = {}
-        for name, node in self._nodes.items():
-            task = node.task
-            if task is not None and task.done() and not task.cancelled():
-                exc = task.exception()
-                if exc is not None:
-                    out[name] = (
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                    )
-        return out
-
     def _node(self, name: str) -> _Node:
         node = self._nodes.get(name)
         if node is None:

@@ -39,12 +39,17 @@ class SimulationResult:
     def nodes(self) -> list[str]:
         return sorted(self.traffic)
 
-    def first_error(self) -> str | None:
-        """'node: reason' of a node that failed (not one stopped or killed), one line."""
+    def first_failure(self) -> tuple[str, str] | None:
+        """(node, one-line reason) of a node that failed, not one stopped or killed."""
         for name, error in sorted(self.errors.items()):
             if not error.startswith(("stopped:", "killed")):
-                return f"{name}: {error.splitlines()[0] if error else 'failed'}"
+                return name, error.splitlines()[0] if error else "failed"
         return None
+
+    def first_error(self) -> str | None:
+        """'node: reason' of a node that failed (see first_failure), or None."""
+        failure = self.first_failure()
+        return None if failure is None else f"{failure[0]}: {failure[1]}"
 
     def metric(self, name: str, node: str) -> dict[int, float]:
         """round -> value of one metric for one node (rounds that logged it)."""

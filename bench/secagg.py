@@ -209,7 +209,11 @@ def dropout_drill(args: argparse.Namespace) -> dict[str, Any]:
 
     stdout_line(f"--- dropout drill: {DROPPED} killed after masking in round {args.drill_round}")
     outcome = run_processes(
-        spec, out / "run", sources, node_env={DROPPED: {"P2PFL_FAULTS": str(plan_file)}}
+        spec,
+        out / "run",
+        sources,
+        node_env={DROPPED: {"P2PFL_FAULTS": str(plan_file)}},
+        expendable=frozenset({DROPPED}),
     )
     survivors = [n for n in site_names(spec.nodes) if n != DROPPED]
     drill = {

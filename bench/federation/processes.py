@@ -151,10 +151,13 @@ def run_processes(
     report: Report = stdout_line,
     on_started: OnStarted | None = None,
     node_env: dict[str, dict[str, str]] | None = None,
+    expendable: frozenset[str] = frozenset(),
 ) -> RunOutcome:
     """Provision and start one `p2pfl-node` process per site, follow them until
     they all exit (or spec.timeout_s passes), stop them, collect metrics.jsonl.
-    `node_env`: extra environment per node name (a drill's fault plan)."""
+    `node_env`: extra environment per node name (a drill's fault plan).
+    `expendable`: nodes a drill kills on purpose; their failure is reported
+    but does not end the benchmark (every other node's failure does)."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     names = site_names(spec.nodes)
@@ -180,16 +183,24 @@ def run_processes(
             if node.proc is not None:
                 handles[name] = psutil.Process(node.proc.pid)
         failure: tuple[str, str] | None = None
+        drilled: set[str] = set()
         while (
             failure is None
             and time.perf_counter() < deadline
             and any(n.running for n in fed.nodes.values())
         ):
             for name, node in fed.nodes.items():
+                if name in drilled:
+                    continue
                 reason = poll_node(node, handles.get(name), peak_rss, watcher)
-                if reason is not None:
-                    failure = (name, reason)
-                    break
+                if reason is None:
+                    continue
+                if name in expendable:
+                    drilled.add(name)
+                    report(f"{name} stopped as the drill planned: {reason}")
+                    continue
+                failure = (name, reason)
+                break
             else:
                 time.sleep(POLL_INTERVAL_S)
         if failure is not None:  # one failed node ends the benchmark at once

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ from bench.federation.benchmark import json_default, run_benchmark
 from bench.federation.outcome import stdout_line
 from bench.federation.specs import RunSpec, spec_from_options
 from p2pfl.config import protocol_names
+from p2pfl.learning.data.partition import PartitionError
+from p2pfl.learning.data.sources import DataError
 
 HEURISTICS = ("random", "n_latest", "f1", "cosine")
 GRID_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -101,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "global: every site is scored on the whole test split (DFU paper)",
     )
     spec_option("--label-fraction", type=float)
+    spec_option(
+        "--min-per-site",
+        type=int,
+        help="the fewest training images a site may get (partition's --min-per-site)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     spec_option("--epochs", type=int)
     spec_option("--batch-size", type=int)
@@ -234,13 +242,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    bench = run_benchmark(
-        spec_from_args(args),
-        grid_cells(args),
-        args.out,
-        baselines=args.baselines,
-        threshold=args.threshold,
-    )
+    try:
+        bench = run_benchmark(
+            spec_from_args(args),
+            grid_cells(args),
+            args.out,
+            baselines=args.baselines,
+            threshold=args.threshold,
+        )
+    except (PartitionError, DataError) as exc:  # refused up front, before any node starts
+        sys.stderr.write(f"bench.federation: {exc}\n")
+        return 2
     for name, path in bench.results["plots"].items():
         stdout_line(f"plot {name}: {path}")
     stdout_line(f"results: {bench.path}")

@@ -40,6 +40,7 @@ class RunSpec:
     class_weighted: bool | str = "auto"  # training.class_weighted: True, False or "auto"
     lr_schedule: str = "cosine"
     label_fraction: float | None = None
+    min_per_site: int | None = None  # partition_dataset's min_per_site
     round_timeout_s: float | None = None
     startup_wait_s: float = 60.0
     timeout_s: float = 1800.0
@@ -141,6 +142,7 @@ def partition(spec: RunSpec, data_dir: Path) -> tuple[list[Path], dict[str, Any]
         label_fraction=spec.label_fraction,
         seed=spec.seed,
         test=spec.test_split,
+        min_per_site=spec.min_per_site,
     )
     return [data_dir / row["file"] for row in summary["per_site"]], summary
 

@@ -4,12 +4,17 @@ The source's train split is divided among the sites by a scheme:
 - `iid`: a seeded shuffle cut into near-equal parts;
 - `dirichlet:ALPHA`: label skew; for every class, its samples are shared out with
   proportions drawn from Dir(ALPHA, ..., ALPHA) (smaller ALPHA = more skew);
-  draws are repeated (up to 100 times) until every site has at least
-  min(10, N / (2 * sites)) samples;
+  the whole draw is repeated (up to 100 times, as flwr-datasets'
+  DirichletPartitioner does) until every site has at least the minimum per
+  site, else the partition is refused with an error naming the minimum and
+  the fix: no site is ever left without training data;
 - `shards:K`: sort by label, cut into sites * K shards, give each site K random
   shards (McMahan et al.'s pathological non-IID split);
-- `quantity:ALPHA`: quantity skew; beyond a floor of min(10, N / (2 * sites))
-  samples each, site sizes follow Dir(ALPHA) proportions; labels are iid.
+- `quantity:ALPHA`: quantity skew; beyond a floor of the minimum per site,
+  site sizes follow Dir(ALPHA) proportions; labels are iid.
+
+The minimum per site (`--min-per-site`) is by default min(10, N / (2 * sites)),
+at least 1; it is met by construction for iid, shards and quantity splits.
 
 Val follows the train split (a choice): each class's val samples are shared
 among the sites in proportion to each site's share of that class in train
@@ -107,13 +112,26 @@ def split_iid(labels: NDArray[np.int64], sites: int, rng: np.random.Generator) -
     return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), sites)]
 
 
+MAX_DRAWS = 100
+
+
+def default_min_per_site(samples: int, sites: int) -> int:
+    """min(10, N / (2 * sites)), at least 1: a site can always train."""
+    return max(1, min(10, samples // (2 * sites)))
+
+
 def split_dirichlet(
-    labels: NDArray[np.int64], sites: int, alpha: float, rng: np.random.Generator
+    labels: NDArray[np.int64],
+    sites: int,
+    alpha: float,
+    rng: np.random.Generator,
+    min_per_site: int | None = None,
 ) -> list[Indices]:
-    """Per class, proportions ~ Dir(alpha) over the sites."""
-    min_size = min(10, len(labels) // (2 * sites))
-    parts: list[Indices] = []
-    for _attempt in range(100):
+    """Per class, proportions ~ Dir(alpha) over the sites; the whole draw is
+    repeated until every site has `min_per_site` samples (MAX_DRAWS at most)."""
+    min_size = default_min_per_site(len(labels), sites) if min_per_site is None else min_per_site
+    smallest = 0
+    for _attempt in range(MAX_DRAWS):
         buckets: list[list[int]] = [[] for _ in range(sites)]
         for cls in np.unique(labels):
             idx = rng.permutation(np.flatnonzero(labels == cls))
@@ -122,12 +140,18 @@ def split_dirichlet(
             for site, chunk in enumerate(np.split(idx, cuts)):
                 buckets[site].extend(chunk.tolist())
         parts = [np.sort(np.asarray(b, dtype=np.int64)) for b in buckets]
-        if min(len(p) for p in parts) >= min_size:
+        smallest = min(len(p) for p in parts)
+        if smallest >= min_size:
             return parts
-    log.warning(
-        "dirichlet:%g: some site has fewer than %d samples after 100 draws", alpha, min_size
+    fixes = ["a larger alpha", "fewer sites"]
+    if min_size > 1:
+        fixes.insert(0, "--min-per-site 1 (the least a site can train on)")
+    raise PartitionError(
+        "site_too_small",
+        f"dirichlet:{alpha:g} over {sites} sites: none of {MAX_DRAWS} draws gave every site "
+        f"at least {min_size} of the {len(labels)} training samples (the last left one with "
+        f"{smallest}); use {', '.join(fixes[:-1])} or {fixes[-1]}",
     )
-    return parts
 
 
 def split_shards(
@@ -147,12 +171,16 @@ def split_shards(
 
 
 def split_quantity(
-    labels: NDArray[np.int64], sites: int, alpha: float, rng: np.random.Generator
+    labels: NDArray[np.int64],
+    sites: int,
+    alpha: float,
+    rng: np.random.Generator,
+    min_per_site: int | None = None,
 ) -> list[Indices]:
-    """Site sizes: min(10, N / (2 * sites)) (at least 1) each, plus a Dir(alpha)
-    share of the rest; labels iid."""
+    """Site sizes: the minimum per site each, plus a Dir(alpha) share of the
+    rest; labels iid."""
     n = len(labels)
-    base = max(1, min(10, n // (2 * sites)))
+    base = default_min_per_site(n, sites) if min_per_site is None else min_per_site
     spare = n - base * sites
     proportions = rng.dirichlet(np.full(sites, alpha))
     extra = np.floor(proportions * spare).astype(np.int64)
@@ -161,21 +189,44 @@ def split_quantity(
     return [np.sort(part) for part in np.split(rng.permutation(n), cuts)]
 
 
-def split_train(labels: NDArray[np.int64], sites: int, scheme: Scheme, seed: int) -> list[Indices]:
+def split_train(
+    labels: NDArray[np.int64],
+    sites: int,
+    scheme: Scheme,
+    seed: int,
+    min_per_site: int | None = None,
+) -> list[Indices]:
+    """The train split's indices of every site; no site gets fewer than
+    `min_per_site` (default: `default_min_per_site`) or the split is refused."""
     if sites < 1:
         raise PartitionError("bad_sites", f"--sites must be at least 1, got {sites}")
-    if sites > len(labels):
+    if min_per_site is not None and min_per_site < 1:
         raise PartitionError(
-            "too_few_samples", f"{sites} sites but the train split has only {len(labels)} samples"
+            "bad_min_per_site", f"--min-per-site must be at least 1, got {min_per_site}"
+        )
+    needed = sites * (1 if min_per_site is None else min_per_site)
+    if needed > len(labels):
+        raise PartitionError(
+            "too_few_samples",
+            f"{sites} sites with at least {needed // sites} training samples each need {needed} "
+            f"but the train split has only {len(labels)} — use fewer sites",
         )
     rng = np.random.default_rng(seed)
     if scheme.kind == "iid":
         return split_iid(labels, sites, rng)
     if scheme.kind == "dirichlet":
-        return split_dirichlet(labels, sites, scheme.alpha, rng)
+        return split_dirichlet(labels, sites, scheme.alpha, rng, min_per_site)
     if scheme.kind == "shards":
-        return split_shards(labels, sites, scheme.shards, rng)
-    return split_quantity(labels, sites, scheme.alpha, rng)
+        parts = split_shards(labels, sites, scheme.shards, rng)
+        smallest = min(len(p) for p in parts)
+        if min_per_site is not None and smallest < min_per_site:
+            raise PartitionError(
+                "site_too_small",
+                f"shards:{scheme.shards} over {sites} sites gives a site only {smallest} training "
+                f"samples, fewer than --min-per-site {min_per_site} — use more shards or fewer sites",
+            )
+        return parts
+    return split_quantity(labels, sites, scheme.alpha, rng, min_per_site)
 
 
 def follow_class_shares(
@@ -257,11 +308,13 @@ def partition_dataset(
     label_fraction: float | None = None,
     seed: int = 0,
     test: str = "local",
+    min_per_site: int | None = None,
 ) -> dict[str, Any]:
     """Write site_<i>.npz, partition.json and partition.png into `out`; return the
     summary that partition.json holds. `test` is "local" (test follows the
     train class shares, like val) or "global" (every site gets the whole test
-    split)."""
+    split). `min_per_site`: no site gets fewer training samples (default
+    min(10, N / (2 * sites)), at least 1); a split that cannot meet it is refused."""
     parsed = parse_scheme(scheme)
     if test not in TEST_ASSIGNMENTS:
         raise PartitionError("bad_test", f"--test must be local or global, got {test!r}")
@@ -271,7 +324,7 @@ def partition_dataset(
         )
     raw: RawSplits = read_source(source)
     num_classes = raw.num_classes
-    train_parts = split_train(raw.train_labels, sites, parsed, seed)
+    train_parts = split_train(raw.train_labels, sites, parsed, seed, min_per_site)
     train_counts = np.array(
         [_counts(raw.train_labels[p], num_classes) for p in train_parts], dtype=np.int64
     )
@@ -334,6 +387,7 @@ def partition_dataset(
         "class_names": raw.class_names,
         "image_shape": list(raw.train_images.shape[1:]),
         "label_skew": label_skew(train_counts),
+        "smallest_site": int(min(len(p) for p in train_parts)),
         "test": test,
         "val_test_assignment": (
             "val and test follow each site's train class shares"
@@ -375,6 +429,13 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--min-per-site",
+        type=int,
+        default=None,
+        help="the fewest training samples any site may get (default min(10, N / (2 * sites)), "
+        "at least 1); a dirichlet split that cannot meet it in 100 draws is refused",
+    )
+    parser.add_argument(
         "--test",
         choices=TEST_ASSIGNMENTS,
         default="local",
@@ -396,6 +457,7 @@ def run_partition(args: argparse.Namespace) -> int:
             label_fraction=args.label_fraction,
             seed=args.seed,
             test=args.test,
+            min_per_site=args.min_per_site,
         )
     except (DataError, PartitionError) as exc:
         sys.stderr.write(f"p2pfl-node partition: {exc}\n")

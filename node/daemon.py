@@ -44,6 +44,7 @@ from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
+from protocols.base import FAILED
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class Node:
         self.restored_state: dict[str, Any] | None = None
         self.protocol_done = False
         self.protocol_failed: str | None = None
+        self.failed_kind = ""  # the class of the error that stopped the protocol
         self._tasks: list[asyncio.Task[Any]] = []
         self._status_runner: Any = None
         self.status_port: int | None = None
@@ -253,7 +255,7 @@ class Node:
         deadline = time.monotonic() + self.cfg.node.startup_wait_s
         while time.monotonic() < deadline:
             everyone = self.peers.peers(alive_only=False)
-            if all(p.state == "alive" or p.phase == "done" for p in everyone):
+            if all(p.state in ("alive", FAILED) or p.phase == "done" for p in everyone):
                 return
             await asyncio.sleep(0.2)
         alive = [p.name for p in self.peers.peers()]
@@ -281,7 +283,10 @@ class Node:
             else:
                 log.exception("%s: protocol %s failed", self.name, self.cfg.protocol.name)
             self.telemetry.set_error(self.protocol_failed)
-            self.ctx.set_phase("failed")
+            self.failed_kind = type(exc).__name__
+            self.ctx.set_phase(FAILED)
+            self.inbound.gone.set()  # requests held open for what will never come: refused now
+            self._spawn(self.membership.broadcast(), "hb-failed")  # peers know at once
             return
         self.protocol_done = True
         self.ctx.set_phase("done")
@@ -301,7 +306,7 @@ class Node:
 
     # ------------------------------------------------------------------ state
     def progress(self) -> Progress:
-        return Progress(self.ctx.round, self.ctx.phase, self.protocol_done)
+        return Progress(self.ctx.round, self.ctx.phase, self.protocol_done, self.failed_kind)
 
     def on_progress(self) -> None:
         """Round or phase changed: let the fault plan (drills only) act."""

@@ -55,6 +55,9 @@ class Inbound:
     marks: ReplayMarks
     count_sent: Callable[[str, str, int], None]
     stopping: asyncio.Event
+    # set when this node's protocol failed: a request for what it has not made
+    # is refused at once ("peer_failed") instead of held open until its timeout
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
     handlers: dict[str, Handler] = field(default_factory=dict)
     offers: Offers = field(default_factory=Offers)  # wakes requests held open on a kind
     # message id -> header timestamp, for the journal
@@ -124,6 +127,8 @@ class Inbound:
                         "%s: %s handler failed for %s: %r", self.name, kind, header.sender, exc
                     )
                     raise Rejection("handler_error", type(exc).__name__) from None
+            if self.gone.is_set():
+                raise Rejection("peer_failed", kind)
             if time.monotonic() >= deadline or self.stopping.is_set():
                 raise Rejection("not_ready" if handler is not None else "no_handler", kind)
             # Re-ask when the protocol offers something new, at the latest in 0.1 s.

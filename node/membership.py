@@ -2,7 +2,8 @@
 
 Every `transport.heartbeat_s` the node sends each roster peer a signed
 heartbeat with its round, phase, whether its protocol is done, what the
-protocol published and its traffic edges and choices; the heartbeats it
+protocol published and its traffic edges and choices (a node whose protocol
+failed says so at once, with its error's kind); the heartbeats it
 receives feed the peer table (node/peers.py) and the telemetry. With
 `wire.encryption` each heartbeat is encrypted to its recipient, like every
 other message: it carries the gossiped metadata (per-class F1, model
@@ -27,6 +28,7 @@ from node.transport import MessageClient, TransportError
 from p2pfl.config import SiteConfig
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import WireCodec, WireError
+from protocols.base import FAILED
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class Progress(NamedTuple):
     round: int
     phase: str
     done: bool
+    error: str = ""  # a failed protocol's error kind (its class name, never its text)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -67,6 +70,7 @@ class Membership:
             "round": progress.round,
             "phase": progress.phase,
             "done": progress.done,
+            "error": progress.error,
             "bye": bye,
             "meta": self.published,
             "edges": self.telemetry.local_edges(),
@@ -106,7 +110,7 @@ class Membership:
             for record in self.peers.records.values():
                 info = record.info
                 self.telemetry.set_peer(
-                    info.name, info.state, info.round, info.phase, info.last_seen
+                    info.name, info.state, info.round, info.phase, info.last_seen, record.error
                 )
             for kind, depth in self.inboxes.depths().items():
                 self.telemetry.set_queue_depth(kind, depth)
@@ -117,21 +121,32 @@ class Membership:
         """A verified heartbeat from `sender` (its payload already opened)."""
         if not isinstance(beat, dict):
             raise WireError("payload_schema", "heartbeat must be a map")
-        was = self.peers.records[sender].info.state if sender in self.peers.records else "unknown"
+        before = self.peers.records.get(sender)
+        was = before.info.state if before is not None else "unknown"
+        was_phase = before.info.phase if before is not None else ""
         self.peers.heard(sender, beat)
         if isinstance(beat.get("edges"), list):
             self.telemetry.merge_remote_edges(sender, beat["edges"])
         if isinstance(beat.get("choices"), list):
             self.telemetry.merge_remote_choices(sender, beat["choices"])
-        info = self.peers.records[sender].info if sender in self.peers.records else None
-        if info is not None:
+        record = self.peers.records.get(sender)
+        if record is not None:
+            info = record.info
             self.telemetry.set_peer(
                 sender,
-                self.peers.state_of(self.peers.records[sender], time.monotonic()),
+                self.peers.state_of(record, time.monotonic()),
                 info.round,
                 info.phase,
                 info.last_seen,
+                record.error,
             )
+            if info.phase == FAILED and was_phase != FAILED:
+                log.warning(
+                    "%s: peer %s reports its protocol failed (%s): not chosen from now on",
+                    self.name,
+                    sender,
+                    record.error or "no reason given",
+                )
         if was in ("unknown", "dead") and not beat.get("bye"):
             # A peer (re)joined: answer at once so it learns our round without waiting.
             self.spawn(self._send(sender, self._payload()), f"hb-{sender}")

@@ -5,7 +5,9 @@ Each node sends every roster peer a heartbeat every `transport.heartbeat_s`
 carrying its round, phase, the metadata its protocol published and its traffic
 edges. A peer heard from within `suspect_after_s` is alive, within
 `dead_after_s` suspect, otherwise dead; a goodbye heartbeat marks it dead at
-once. A node that starts late learns everyone's round and metadata from the
+once, and a heartbeat whose phase is "failed" (its protocol stopped with an
+error; the node still answers for what it has) marks it failed at once: a
+failed peer is not chosen, not waited for and not counted in a quorum. A node that starts late learns everyone's round and metadata from the
 first heartbeats it receives (and it answers with its own at once).
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pfl.config import TransportSection
-from protocols.base import PeerInfo
+from protocols.base import FAILED, PeerInfo
 
 
 @dataclass
@@ -25,6 +27,7 @@ class PeerRecord:
     heard_monotonic: float = 0.0
     said_goodbye: bool = False
     done: bool = False
+    error: str = ""  # the kind of error a failed peer reported (e.g. DataError)
 
 
 class PeerTable:
@@ -58,6 +61,8 @@ class PeerTable:
         record.heard_monotonic = time.monotonic()
         record.said_goodbye = bool(heartbeat.get("bye", False))
         record.done = bool(heartbeat.get("done", False))
+        error = heartbeat.get("error")
+        record.error = error[:80] if isinstance(error, str) else ""
 
     def state_of(self, record: PeerRecord, now: float) -> str:
         if record.heard_monotonic == 0.0:
@@ -66,7 +71,7 @@ class PeerTable:
             return "dead"
         age = now - record.heard_monotonic
         if age <= self.cfg.suspect_after_s:
-            return "alive"
+            return "failed" if record.info.phase == FAILED else "alive"
         if age <= self.cfg.dead_after_s:
             return "suspect"
         return "dead"
@@ -85,4 +90,4 @@ class PeerTable:
 
     def all_done_or_gone(self) -> bool:
         self.refresh()
-        return all(r.done or r.info.state == "dead" for r in self.records.values())
+        return all(r.done or r.info.state in ("dead", FAILED) for r in self.records.values())

@@ -71,6 +71,7 @@ class PeerGauge:
     round: int = -1
     phase: str = ""
     last_seen: float = 0.0
+    error: str = ""  # a failed peer's error kind
 
 
 @dataclass
@@ -297,12 +298,19 @@ class Telemetry:
                 self._startup[milestone] = round(self._wall_clock() - self._launched_at, 3)
 
     def set_peer(
-        self, name: str, state: str, round: int = -1, phase: str = "", last_seen: float = 0.0
+        self,
+        name: str,
+        state: str,
+        round: int = -1,
+        phase: str = "",
+        last_seen: float = 0.0,
+        error: str = "",
     ) -> None:
-        """A peer's heartbeat view; `last_seen` in epoch seconds (0 = never)."""
+        """A peer's heartbeat view; `last_seen` in epoch seconds (0 = never);
+        `error`: the kind of error that stopped a failed peer's protocol."""
         with self._lock:
             self._peers[name] = PeerGauge(
-                state=state, round=round, phase=phase, last_seen=last_seen
+                state=state, round=round, phase=phase, last_seen=last_seen, error=error
             )
 
     def set_community(self, community: dict[str, Any]) -> None:
@@ -385,6 +393,7 @@ class Telemetry:
             "state": gauge.state,
             "round": gauge.round,
             "phase": gauge.phase,
+            "error": gauge.error or None,
             "last_seen": gauge.last_seen,
             "seen_ago_s": round(now - gauge.last_seen, 3) if gauge.last_seen > 0 else None,
             "messages_out": sent.messages,

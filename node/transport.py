@@ -58,6 +58,7 @@ STATUS_FOR_REASON = {
     "queue_full": 503,
     "not_ready": 404,
     "no_handler": 404,
+    "peer_failed": 410,  # its protocol failed: it will never have what was asked
     "handler_error": 500,
     "truncated": 400,
     "storage_error": 503,

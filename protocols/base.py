@@ -17,6 +17,10 @@ from typing import Any
 
 from p2pfl.config import SiteConfig
 
+# The phase of a node whose protocol stopped with an error: its peers see it
+# (heartbeats, or the in-memory network) and stop choosing and waiting for it.
+FAILED = "failed"
+
 
 class PeerUnavailable(Exception):
     """A peer did not answer (dead, partitioned, breaker open, or timed out)."""
@@ -36,7 +40,7 @@ class PeerInfo:
     """A peer as seen through heartbeats."""
 
     name: str
-    state: str = "unknown"  # alive | suspect | dead | unknown
+    state: str = "unknown"  # alive | suspect | dead | failed | unknown
     round: int = -1
     phase: str = ""
     meta: dict[str, Any] = field(default_factory=dict)  # what the peer publish()ed
@@ -80,6 +84,12 @@ class Offers:
     def offered(self, kind: str) -> None:
         event = self._events.pop(kind, None)
         if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        """Wake every held request (the node failed: they need a new answer)."""
+        events, self._events = self._events, {}
+        for event in events.values():
             event.set()
 
     @staticmethod

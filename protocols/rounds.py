@@ -13,6 +13,8 @@
         checkpoint: everything resume needs, with the ledger of what was merged
             and the best model
         after_round (probe: the pause between rounds)
+        (before the round's first exchange, with protocol.min_peers: wait for a
+        quorum of alive peers, phase waiting_for_quorum)
     finish (export what the protocol produces), phase "done"
 
 The skeleton owns the loop, the learning-rate schedule, the phases and their
@@ -23,11 +25,13 @@ overrides only the hooks its paper's algorithm box makes different.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from p2pfl.config import ConfigError
 from p2pfl.learning.best import BestModel
 from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.optimizer import lr_factor
@@ -37,6 +41,8 @@ from protocols.base import Protocol, RoundContext
 log = logging.getLogger(__name__)
 
 HISTORY_KEEP = 1000  # selection history and merged-ledger entries kept in checkpoints
+QUORUM_POLL_S = 0.5  # how often a node below quorum counts its alive peers again
+QUORUM_LOG_EVERY_S = 30.0
 
 # A phase's name (what /status shows) -> the hook that runs it.
 PHASE_HOOKS = {"train": "fit", "exchange": "exchange", "aggregate": "aggregate"}
@@ -80,6 +86,7 @@ class RoundLoop(Protocol):
     async def run_rounds(self, ctx: RoundContext, site: Any) -> None:
         """The rounds, resumed from the last checkpoint."""
         self.heuristic = selection.from_config(ctx.config.selection)  # who to exchange with
+        self.check_quorum(ctx)
         start = self.resume(ctx, site)
         self.show_training(ctx, site, announce=True)
         await self.before_rounds(ctx, site)
@@ -92,6 +99,8 @@ class RoundLoop(Protocol):
             if lr is not None:
                 rnd.log["lr"] = lr
             for phase in self.phases:
+                if phase == self.quorum_phase:
+                    await self.wait_for_quorum(ctx)
                 ctx.set_phase(phase)
                 phase_start = time.perf_counter()
                 await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
@@ -109,6 +118,63 @@ class RoundLoop(Protocol):
             ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
             ctx.checkpoint({**self.checkpoint_state(r, site), "best": self.best.checkpoint()})
             await self.after_round(ctx, site, r)
+
+    @property
+    def quorum_phase(self) -> str:
+        """The phase a quorum is awaited before: the exchange, or the first
+        phase of a protocol that exchanges inside it (FedSGDP2P's train)."""
+        return "exchange" if "exchange" in self.phases else self.phases[0]
+
+    def check_quorum(self, ctx: RoundContext) -> None:
+        """A quorum the roster cannot reach is a configuration mistake."""
+        needed = getattr(self.params, "min_peers", None)
+        others = len([n for n in ctx.roster() if n != ctx.me])
+        if needed and needed > others:
+            raise ConfigError(
+                "site.yaml",
+                "protocol.min_peers",
+                f"{needed} peers can never be alive: the roster lists {others} other site(s)",
+                f"set min_peers to at most {others}, or leave it out",
+            )
+
+    async def wait_for_quorum(self, ctx: RoundContext) -> None:
+        """With protocol.min_peers, wait until that many peers are alive (a failed
+        or departed peer does not count); /status shows waiting_for_quorum."""
+        needed = getattr(self.params, "min_peers", None)
+        if not needed:
+            return
+        alive = len(ctx.peers())
+        if alive >= needed:
+            return
+        ctx.set_phase("waiting_for_quorum")
+        log.warning(
+            "%s round %d: %d of the %d peers a quorum needs are alive: waiting",
+            ctx.me,
+            ctx.round,
+            alive,
+            needed,
+        )
+        started = last_log = time.monotonic()
+        while alive < needed:
+            await asyncio.sleep(QUORUM_POLL_S)
+            alive = len(ctx.peers())
+            if time.monotonic() - last_log >= QUORUM_LOG_EVERY_S:
+                last_log = time.monotonic()
+                log.warning(
+                    "%s round %d: still waiting for a quorum (%d of %d peers alive, %.0f s)",
+                    ctx.me,
+                    ctx.round,
+                    alive,
+                    needed,
+                    last_log - started,
+                )
+        log.info(
+            "%s round %d: quorum reached (%d peers alive) after %.1f s",
+            ctx.me,
+            ctx.round,
+            alive,
+            time.monotonic() - started,
+        )
 
     def evaluates(self, round: int) -> bool:
         return round % self.params.eval_every == 0 or round == self.params.rounds

@@ -28,6 +28,13 @@ class BaseParams(BaseModel):
         description="a pull for round r also accepts the peer's model of rounds r+1..r+max_staleness",
     )
     eval_every: int = Field(1, ge=1)
+    min_peers: int | None = Field(
+        None,
+        ge=1,
+        description="quorum: before exchanging, wait (phase waiting_for_quorum) until at least "
+        "this many peers are alive, instead of going on with fewer; resumes by itself when "
+        "they return. null: go on with whoever is alive",
+    )
     max_norm_ratio: float | None = Field(
         10.0,
         gt=1.0,

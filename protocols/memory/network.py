@@ -15,6 +15,9 @@ Faults tests can inject:
   network.partition(name, on=True)   cut off both ways; looks dead to the others
   network.silence(name, on=True)     looks alive, never answers (costs timeouts)
   network.set_latency(name, s)       one-way delay of every message to/from it
+
+A node whose protocol raised is marked failed (`simulate` does it): its peers
+see it as failed at once, as a daemon's heartbeat would tell them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from p2pfl.config import SiteConfig
 from p2pfl.files import atomic_write_bytes
 from p2pfl.secure.tensors import dumps, loads
 from protocols.base import (
+    FAILED,
     Handler,
     NotReady,
     Offers,
@@ -91,6 +95,7 @@ class _Node:
     latency_s: float = 0.0
     round: int = 0
     phase: str = ""
+    failed: str = ""  # the kind of error that stopped its protocol ("" while it runs)
     meta: dict[str, Any] = field(default_factory=dict)
     last_seen: float = 0.0
     handlers: dict[str, Handler] = field(default_factory=dict)
@@ -176,6 +181,15 @@ class InMemoryNetwork:
         if node.task is not None and not node.task.done():
             node.task.cancel()
         log.info("network: %s killed", name)
+
+    def mark_failed(self, name: str, error: BaseException) -> None:
+        """The node's protocol stopped with `error`: like a daemon's heartbeat
+        saying so, its peers see it as failed at once (not chosen, not waited
+        for); it still answers for what it had offered."""
+        node = self._node(name)
+        node.failed = type(error).__name__
+        node.phase = FAILED
+        node.offers.wake_all()
 
     def revive(self, name: str) -> None:
         """Let a killed node come back (it resumes from its checkpoint when run again)."""
@@ -263,7 +277,8 @@ class InMemoryNetwork:
                 try:
                     payload = await handler(src.name, loads(query_bytes))
                 except NotReady:
-                    pass
+                    if dst.failed:
+                        raise PeerUnavailable(dst.name, "peer_failed") from None
                 except Exception as exc:  # noqa: BLE001 - a peer's failing handler is that peer's fault
                     log.warning("%s: %r handler failed for %s: %r", dst.name, kind, src.name, exc)
                     raise PeerUnavailable(dst.name, "handler_error") from exc
@@ -272,6 +287,8 @@ class InMemoryNetwork:
                     dst.traffic.add(kind, len(reply))
                     await self._hop(dst, src)
                     return loads(reply)
+            elif dst.failed and not dst.silent:
+                raise PeerUnavailable(dst.name, "peer_failed")
             await dst.offers.wait(changed, self.poll_interval_s)
 
     async def send(self, sender: str, peer: str, kind: str, payload: Any, round: int) -> None:
@@ -327,7 +344,10 @@ class InMemoryContext(RoundContext):
             if name == self.me:
                 continue
             other = self.network._nodes[name]
-            state = "alive" if self.network.can_reach(self.me, name) else "dead"
+            if not self.network.can_reach(self.me, name):
+                state = "dead"
+            else:
+                state = FAILED if other.failed else "alive"
             if alive_only and state != "alive":
                 continue
             out.append(

@@ -23,7 +23,11 @@ log = logging.getLogger(__name__)
 
 async def _run_node(ctx: InMemoryContext, config: SiteConfig) -> None:
     protocol = from_params(config.protocol)
-    await protocol.run(ctx)
+    try:
+        await protocol.run(ctx)
+    except Exception as exc:
+        ctx.network.mark_failed(ctx.me, exc)  # its peers stop choosing it at once
+        raise
 
 
 async def simulate(

@@ -313,7 +313,10 @@ class LocalSite:
     def record_fit(self, losses: list[float], samples: int, seconds: float) -> dict[str, float]:
         """After local training: the prototypes are stale, `last_loss` is the mean
         batch loss; returns the summary every training method gives: {'loss',
-        'steps', 'samples', 'seconds'}."""
+        'steps', 'samples', 'seconds'}. The gradients are dropped: the next step
+        zeroes them anyway, and between rounds they would hold a model's worth of
+        memory per site (thousands of simulated sites)."""
+        self.optimizer.zero_grad(set_to_none=True)
         self._prototypes_stale = True
         self.last_loss = float(np.mean(losses)) if losses else None
         return {

@@ -31,6 +31,13 @@ class PeerUnavailable(Exception):
         self.reason = reason
 
 
+class Kept(dict):  # type: ignore[type-arg]
+    """A payload a protocol keeps and serves unchanged to every peer that asks
+    (a kept model of a round). Never modified once made, by its maker or by
+    those who receive it, so the in-memory network encodes it once and hands
+    every requester the object itself; on the wire it is a plain map."""
+
+
 class NotReady(Exception):
     """Raised by a serve() handler: the asked-for thing does not exist (yet)."""
 

@@ -45,7 +45,7 @@ from torch import Tensor
 from p2pfl.config import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate as aggregate_models
-from protocols.base import NotReady, PeerUnavailable, RoundContext
+from protocols.base import Kept, NotReady, PeerUnavailable, RoundContext
 from protocols.checks import admit, cap_claims, incompatibility, own_weight_cap
 from protocols.exchange import pull_concurrently
 from protocols.rounds import Round, RoundLoop
@@ -79,7 +79,7 @@ class FedAvgP2P(RoundLoop):
     # ------------------------------------------------------------------ serving
 
     def keep_for_peers(self, round: int, state: dict[str, Tensor], num_train: int) -> None:
-        self.served[round] = {"round": round, "state": state, "num_train": num_train}
+        self.served[round] = Kept(round=round, state=state, num_train=num_train)
         while len(self.served) > self.params.max_staleness + 2:
             self.served.popitem(last=False)
 

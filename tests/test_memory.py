@@ -194,3 +194,48 @@ def test_fail_fast_stops_the_others_when_one_node_fails(tmp_path) -> None:
     assert time.monotonic() - started < 30
     assert result.errors["site0"] == result.errors["site1"] == "stopped: another node failed"
     assert result.first_error().startswith("site2: ") and "\n" not in result.first_error()
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "trimmed_mean", "norm_clip", "median"])
+def test_a_kept_model_is_shared_by_its_requesters_and_nobody_modifies_it(
+    tmp_path, aggregation: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A model kept for peers reaches every requester as the one kept object
+    (bytes counted per request); after the whole federation aggregated with
+    it, it still equals a copy taken when it was first served."""
+    from p2pfl.learning.data.partition import partition_dataset
+    from protocols.base import Kept
+    from protocols.memory import simulate
+
+    partition_dataset("digits", 4, "iid", tmp_path / "parts", seed=0)
+    configs = simulation_configs(
+        [str(tmp_path / "parts" / f"site_{i}.npz") for i in range(4)],
+        protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0, "aggregation": aggregation},
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={"max_steps_per_epoch": 2},
+    )
+    network = InMemoryNetwork(inline_train=True, keep_checkpoints=False)
+    first_served: dict[int, tuple[Kept, dict[str, torch.Tensor]]] = {}
+    reply = InMemoryNetwork._reply
+
+    def watching(dst: Any, payload: Any) -> tuple[int, Any]:
+        if isinstance(payload, Kept) and id(payload) not in first_served:
+            snapshot = {k: v.clone() for k, v in payload["state"].items()}
+            first_served[id(payload)] = (payload, snapshot)
+        size, got = reply(dst, payload)
+        if isinstance(payload, Kept):
+            assert got is payload
+        return size, got
+
+    network._reply = watching  # type: ignore[method-assign]
+    result = asyncio.run(simulate(configs, network=network))
+    assert not result.errors
+    assert len(first_served) == 8  # every node's model of both rounds was pulled
+    for payload, snapshot in first_served.values():
+        for key, value in payload["state"].items():
+            assert torch.equal(value, snapshot[key]), f"a requester modified {key}"
+    model_bytes = [t["by_kind"]["model"]["bytes"] for t in result.traffic.values()]
+    model_messages = [t["by_kind"]["model"]["messages"] for t in result.traffic.values()]
+    assert model_messages == [6] * 4  # 3 requesters x 2 rounds, each counted
+    assert len(set(model_bytes)) == 1 and model_bytes[0] > 6 * 1000

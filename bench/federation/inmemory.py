@@ -25,7 +25,7 @@ def run_in_memory(
     round once every node has reported it."""
     one_torch_thread()  # the nodes' training threads share the cores
     configs = in_process_configs(spec, sources, state_root)
-    network = InMemoryNetwork()
+    network = InMemoryNetwork(keep_checkpoints=False)  # no node restarts in a benchmark
     started = time.perf_counter()
 
     async def follow() -> SimulationResult:

@@ -23,6 +23,7 @@ see it as failed at once, as a daemon's heartbeat would tell them.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 import uuid
@@ -39,6 +40,7 @@ from p2pfl.secure.tensors import dumps, loads
 from protocols.base import (
     FAILED,
     Handler,
+    Kept,
     NotReady,
     Offers,
     PeerInfo,
@@ -103,6 +105,9 @@ class _Node:
     inboxes: dict[str, asyncio.Queue[Received]] = field(default_factory=dict)
     traffic: Traffic = field(default_factory=Traffic)
     checkpoint: bytes | None = None
+    # the last Kept payload a handler returned and its encoded size
+    kept_reply: tuple[Kept, int] | None = None
+    info: PeerInfo | None = None  # what peers() shows of it, updated in place
     task: asyncio.Task[None] | None = None
     round_events: dict[int, asyncio.Event] = field(default_factory=dict)
     agreement: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate)
@@ -118,6 +123,14 @@ class InMemoryNetwork:
     poll_interval_s: how often a pull re-asks a handler that said NotReady.
     sample_caps: the roster's max_samples by site (what `RoundContext.sample_caps`
         gives every node); change it any time.
+    keep_checkpoints: keep each node's last checkpoint in memory (for restarts
+        and `saved_state`); a simulation that never restarts a node can say
+        False and save a model-and-optimizer's worth of memory per node.
+
+    Membership costs O(N) per change, not per call: every node's PeerInfo is
+    kept and updated in place (round, phase, published metadata), and the list
+    of reachable nodes is rebuilt only when a node joins, fails, is killed,
+    revived or partitioned; `peers()` filters that list.
     """
 
     def __init__(
@@ -128,13 +141,19 @@ class InMemoryNetwork:
         poll_interval_s: float = 0.01,
         send_timeout_s: float = 60.0,
         sample_caps: dict[str, int] | None = None,
+        keep_checkpoints: bool = True,
     ) -> None:
         self.inline_train = inline_train
+        self.keep_checkpoints = keep_checkpoints or checkpoint_dir is not None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.poll_interval_s = poll_interval_s
         self.send_timeout_s = send_timeout_s
         self.sample_caps: dict[str, int] = dict(sample_caps or {})
         self._nodes: dict[str, _Node] = {}
+        self._reachable: list[PeerInfo] | None = None  # alive, not partitioned; by name
+        self._alive: list[PeerInfo] = []  # of those, the ones whose protocol runs
+        self._alive_names: list[str] = []
+        self._names: list[str] | None = None
         self.records: list[dict[str, Any]] = []
         self.choices: list[dict[str, Any]] = []
         self.training: dict[str, dict[str, Any]] = {}  # node -> its /status training block
@@ -150,13 +169,18 @@ class InMemoryNetwork:
         node = self._nodes.get(name)
         if node is None:
             node = _Node(name=name, config=config)
+            node.info = PeerInfo(name=name, state="alive", round=node.round, meta=node.meta)
             self._nodes[name] = node
         else:
             node.handlers.clear()
             node.inboxes.clear()
             node.task = None
             node.config = config or node.config
-        node.last_seen = time.monotonic()
+            node.failed = ""  # a restarted process runs its protocol again
+            assert node.info is not None
+            node.info.state = "alive"
+        node.last_seen = node.info.last_seen = time.monotonic()
+        self._reachable = None
         if self.checkpoint_dir is not None and node.checkpoint is None:
             path = self.checkpoint_dir / f"{name}.ckpt"
             if path.exists():
@@ -164,7 +188,9 @@ class InMemoryNetwork:
         return InMemoryContext(self, node)
 
     def names(self) -> list[str]:
-        return sorted(self._nodes)
+        if self._names is None or len(self._names) != len(self._nodes):
+            self._names = sorted(self._nodes)
+        return list(self._names)
 
     def _node(self, name: str) -> _Node:
         node = self._nodes.get(name)
@@ -178,6 +204,7 @@ class InMemoryNetwork:
         """Crash a node: it stops running and every message to/from it fails."""
         node = self._node(name)
         node.alive = False
+        self._reachable = None
         if node.task is not None and not node.task.done():
             node.task.cancel()
         log.info("network: %s killed", name)
@@ -189,14 +216,41 @@ class InMemoryNetwork:
         node = self._node(name)
         node.failed = type(error).__name__
         node.phase = FAILED
+        assert node.info is not None
+        node.info.phase = node.info.state = FAILED
+        self._reachable = None
         node.offers.wake_all()
 
     def revive(self, name: str) -> None:
         """Let a killed node come back (it resumes from its checkpoint when run again)."""
         self._node(name).alive = True
+        self._reachable = None
 
     def partition(self, name: str, on: bool = True) -> None:
         self._node(name).partitioned = on
+        self._reachable = None
+
+    def reachable(self) -> list[PeerInfo]:
+        """Every node alive and not partitioned (failed ones included, with
+        state "failed"), by name; rebuilt only after a membership change."""
+        if self._reachable is None:
+            self._reachable = [
+                node.info
+                for name, node in sorted(self._nodes.items())
+                if node.alive and not node.partitioned and node.info is not None
+            ]
+            self._alive = [info for info in self._reachable if info.state == "alive"]
+            self._alive_names = [info.name for info in self._alive]
+        return self._reachable
+
+    def alive_except(self, me: str) -> list[PeerInfo]:
+        """The alive (not failed) reachable nodes but `me`, by name: two slices
+        of the shared list, not a pass over it."""
+        self.reachable()
+        i = bisect.bisect_left(self._alive_names, me)
+        if i < len(self._alive_names) and self._alive_names[i] == me:
+            return self._alive[:i] + self._alive[i + 1 :]
+        return list(self._alive)
 
     def silence(self, name: str, on: bool = True) -> None:
         """The node keeps running and looks alive but answers nothing."""
@@ -283,13 +337,29 @@ class InMemoryNetwork:
                     log.warning("%s: %r handler failed for %s: %r", dst.name, kind, src.name, exc)
                     raise PeerUnavailable(dst.name, "handler_error") from exc
                 else:
-                    reply = dumps(payload)
-                    dst.traffic.add(kind, len(reply))
+                    size, decoded = self._reply(dst, payload)
+                    dst.traffic.add(kind, size)
                     await self._hop(dst, src)
-                    return loads(reply)
+                    return decoded
             elif dst.failed and not dst.silent:
                 raise PeerUnavailable(dst.name, "peer_failed")
             await dst.offers.wait(changed, self.poll_interval_s)
+
+    @staticmethod
+    def _reply(dst: _Node, payload: Any) -> tuple[int, Any]:
+        """(encoded size, what the requester gets): the payload through the
+        codec. A Kept payload (a model kept for slower peers) is encoded once,
+        which checks it can travel and counts its bytes, and every requester
+        gets the kept object itself: nobody modifies it, so a model pulled by
+        k neighbours costs one copy, not k."""
+        cached = dst.kept_reply
+        if cached is not None and cached[0] is payload:
+            return cached[1], payload
+        reply = dumps(payload)
+        if isinstance(payload, Kept):
+            dst.kept_reply = (payload, len(reply))
+            return len(reply), payload
+        return len(reply), loads(reply)
 
     async def send(self, sender: str, peer: str, kind: str, payload: Any, round: int) -> None:
         src, dst = self._node(sender), self._node(peer)
@@ -329,6 +399,8 @@ class InMemoryContext(RoundContext):
     @round.setter
     def round(self, value: int) -> None:
         self._node.round = value
+        if self._node.info is not None:
+            self._node.info.round = value
         for r, event in list(self._node.round_events.items()):
             if r <= value:
                 event.set()
@@ -336,9 +408,19 @@ class InMemoryContext(RoundContext):
 
     def set_phase(self, phase: str) -> None:
         self._node.phase = phase
+        if self._node.info is not None:
+            self._node.info.phase = phase
         self.phase = phase
 
     def peers(self, alive_only: bool = True) -> list[PeerInfo]:
+        """The other nodes as the network sees them now. The alive ones come
+        from the network's shared list (O(N) per call, no copies: read-only,
+        like everything a peer published); with alive_only=False every node,
+        as fresh PeerInfo objects."""
+        if alive_only:
+            if not self._node.alive or self._node.partitioned:
+                return []
+            return self.network.alive_except(self.me)
         out: list[PeerInfo] = []
         for name in self.network.names():
             if name == self.me:
@@ -348,8 +430,6 @@ class InMemoryContext(RoundContext):
                 state = "dead"
             else:
                 state = FAILED if other.failed else "alive"
-            if alive_only and state != "alive":
-                continue
             out.append(
                 PeerInfo(
                     name=name,
@@ -386,6 +466,9 @@ class InMemoryContext(RoundContext):
     def publish(self, key: str, value: Any) -> None:
         self._node.meta[key] = loads(dumps(value))
         self._node.last_seen = time.monotonic()
+        if self._node.info is not None:
+            self._node.info.meta = self._node.meta
+            self._node.info.last_seen = self._node.last_seen
 
     async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.network.inline_train:
@@ -397,6 +480,8 @@ class InMemoryContext(RoundContext):
             # Killed while it ran without yielding (its cancellation is pending):
             # a crashed process writes nothing more.
             raise asyncio.CancelledError(f"{self.me} was killed")
+        if not self.network.keep_checkpoints:
+            return  # a simulation that never restarts a node
         data = dumps(state)
         self._node.checkpoint = data
         directory = self.network.checkpoint_dir

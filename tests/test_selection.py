@@ -42,6 +42,20 @@ def test_random_is_a_seeded_permutation_of_the_candidates() -> None:
     assert "me" not in rank(h, [*peers, peer("me")])
 
 
+def test_random_among_thousands_draws_k_and_their_fallbacks_uniformly() -> None:
+    """Past max(4k, 32) candidates the ranking is a seeded sample of that many
+    (not a shuffle of all); every peer is as likely to be chosen first."""
+    peers = [peer(f"site_{i:04d}") for i in range(5000)]
+    h = selection.create("random")
+    ranking = h.select("me", peers, 4, round=2, seed=1)
+    assert len(ranking) == 32 and len(set(ranking)) == 32
+    assert ranking == h.select("me", list(reversed(peers)), 4, round=2, seed=1)
+    assert len(h.select("me", peers, 20, round=2, seed=1)) == 80
+    firsts = [h.select("me", peers[:100], 1, round=r, seed=0)[0] for r in range(3000)]
+    counts = [firsts.count(p.name) for p in peers[:100]]
+    assert sum(counts) == 3000 and max(counts) < 3 * 30  # ~30 each, none favoured
+
+
 def test_n_latest_avoids_recent_neighbours_and_prefers_least_overlap() -> None:
     h = selection.create("n_latest", n=2)
     # my last neighbours were b (round 1) then c (round 2): they go last, b first (least recent)

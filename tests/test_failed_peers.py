@@ -228,3 +228,37 @@ def test_real_nodes_skip_a_peer_whose_protocol_failed_and_show_why(tmp_path: Pat
         assert all(r["neighbours"] == 1 for r in rows)  # the survivor, never c
         # a round that waited for c would last the 60 s round timeout
         assert max(r["round_s"] for r in rows) < ROUND_TIMEOUT_S / 3
+
+
+@pytest.mark.slow
+def test_real_nodes_wait_for_a_quorum_and_resume_when_it_is_back(tmp_path: Path) -> None:
+    from bench.localfed import LocalFederation
+    from node.provision import provision
+
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b", "c"],
+        protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0, "min_peers": 2},
+        data_sources=sites(tmp_path, 3),
+        overrides={
+            "transport": {"heartbeat_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 6.0},
+            "node": {"exit_when_done": True, "startup_wait_s": 1},
+            "data": SMALL_DATA,
+            "training": {**FAST_TRAINING, "threads": 1},
+        },
+    )
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        fed["c"].kill()  # a and b see one peer each; the quorum is two
+        for name in ("a", "b"):
+            fed[name].wait_for(
+                lambda s: s["phase"] == "waiting_for_quorum", 90, f"{name} waiting for a quorum"
+            )
+        time.sleep(2.0)
+        assert fed["a"].status()["phase"] == "waiting_for_quorum"  # no round without it
+        assert fed["a"].status()["round"] == 1
+        fed["c"].start()
+        codes = fed.wait_all_exit(120)
+    assert codes == {"a": 0, "b": 0, "c": 0}, codes
+    rows = (plans[0].config_path.parent / "state" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in rows] == [1, 2]
+    assert all(json.loads(line)["neighbours"] == 2 for line in rows)

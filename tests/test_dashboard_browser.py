@@ -169,3 +169,19 @@ async def test_dashboard_shows_why_a_buffer_was_refused() -> None:
     assert 'id="gate-verdict">REFUSED<' in dom
     assert "12.5% of 48 site images" in dom and "12.5 %" in dom and "5.0 %" in dom
     assert "/srv/site/state/genbuffer/privacy_gate.png" in dom
+
+
+async def test_dashboard_shows_a_failed_peer_and_why() -> None:
+    telemetry = four_node_telemetry()
+    telemetry.set_peer(
+        "d", "failed", round=0, phase="failed", last_seen=time.time(), error="DataError"
+    )
+    app = create_status_app(telemetry, node_name="a", protocol_name="fedavgp2p", token=TOKEN)
+    runner, port = await start_status_server(app, "127.0.0.1", 0)
+    try:
+        dom = await dump_dom(f"http://127.0.0.1:{port}/#token={TOKEN}")
+    finally:
+        await runner.cleanup()
+    assert 'class="pill failed">failed<' in dom
+    assert "failed (DataError)" in dom
+    assert "1 failed" in dom  # the peers tile counts it

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
+from bench.failed_site import empty_site
 from node.peers import PeerTable
 from p2pfl.config import TransportSection
 from p2pfl.learning.data.partition import PartitionError, partition_dataset
@@ -27,16 +27,6 @@ from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 ROUND_TIMEOUT_S = 60
 FAST_TRAINING = {"max_steps_per_epoch": 1, "batch_size": 16}
 SMALL_DATA = {"image_size": 8, "augment": "none"}
-
-
-def empty_site(path: Path, like: Path) -> Path:
-    """A site file whose training split is empty (its node fails at start)."""
-    with np.load(like) as data:
-        arrays = {k: data[k] for k in data.files}
-    arrays["train_images"] = arrays["train_images"][:0]
-    arrays["train_labels"] = arrays["train_labels"][:0]
-    np.savez(path, **arrays)
-    return path
 
 
 def sites(tmp_path: Path, n: int) -> list[str]:
@@ -71,7 +61,7 @@ def test_a_heartbeat_saying_failed_marks_the_peer_failed_at_once() -> None:
 
 def test_in_memory_a_node_failed_at_start_is_skipped_at_once(tmp_path: Path) -> None:
     sources = sites(tmp_path, 4)
-    sources[3] = str(empty_site(tmp_path / "empty.npz", Path(sources[3])))
+    sources[3] = str(empty_site(Path(sources[3]), tmp_path / "empty.npz"))
     configs = simulation_configs(
         sources,
         protocol={"name": "fedavgp2p", "rounds": 3, "fraction": 1.0, "round_timeout_s": 60},
@@ -188,24 +178,28 @@ def test_partition_cli_refuses_in_one_line(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- real processes
 
 
+def real_node_overrides(startup_wait_s: float) -> dict[str, Any]:
+    return {
+        "transport": {"heartbeat_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 6.0},
+        "node": {"exit_when_done": True, "startup_wait_s": startup_wait_s},
+        "data": SMALL_DATA,
+        "training": {**FAST_TRAINING, "threads": 1},
+    }
+
+
 @pytest.mark.slow
 def test_real_nodes_skip_a_peer_whose_protocol_failed_and_show_why(tmp_path: Path) -> None:
     from bench.localfed import LocalFederation
     from node.provision import provision
 
     sources = sites(tmp_path, 3)
-    sources[2] = str(empty_site(tmp_path / "empty.npz", Path(sources[2])))
+    sources[2] = str(empty_site(Path(sources[2]), tmp_path / "empty.npz"))
     plans = provision(
         tmp_path / "fed",
         ["a", "b", "c"],
         protocol={"name": "fedavgp2p", "rounds": 3, "fraction": 1.0, "round_timeout_s": 60},
         data_sources=sources,
-        overrides={
-            "transport": {"heartbeat_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 6.0},
-            "node": {"exit_when_done": True, "startup_wait_s": 30},
-            "data": SMALL_DATA,
-            "training": {**FAST_TRAINING, "threads": 1},
-        },
+        overrides=real_node_overrides(startup_wait_s=30),
     )
     with LocalFederation(plans, tmp_path / "logs") as fed:
         seen = fed["a"].wait_for(
@@ -240,12 +234,7 @@ def test_real_nodes_wait_for_a_quorum_and_resume_when_it_is_back(tmp_path: Path)
         ["a", "b", "c"],
         protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0, "min_peers": 2},
         data_sources=sites(tmp_path, 3),
-        overrides={
-            "transport": {"heartbeat_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 6.0},
-            "node": {"exit_when_done": True, "startup_wait_s": 1},
-            "data": SMALL_DATA,
-            "training": {**FAST_TRAINING, "threads": 1},
-        },
+        overrides=real_node_overrides(startup_wait_s=1),
     )
     with LocalFederation(plans, tmp_path / "logs") as fed:
         fed["c"].kill()  # a and b see one peer each; the quorum is two

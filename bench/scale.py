@@ -138,7 +138,7 @@ def run_one(
     wall = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     per_round = [
-        round(done_at[r] - done_at.get(r - 1, 0.0), 2) for r in sorted(done_at) if r in done_at
+        round(done_at[r] - done_at.get(r - 1, 0.0), 4) for r in sorted(done_at) if r in done_at
     ]
     later = per_round[1:]
     return {
@@ -149,7 +149,7 @@ def run_one(
         "errors": len(result.errors),
         "first_error": result.first_error(),
         "round_times_s": per_round,
-        "round_s": round(float(np.mean(later)), 2) if later else None,
+        "round_s": round(float(np.mean(later)), 4) if later else None,
         "wall_s": round(wall, 1),
         "base_rss_mb": round(base_mb, 1),
         "peak_rss_mb": round(peak_mb, 1),

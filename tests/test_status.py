@@ -115,6 +115,7 @@ async def test_status_reports_round_phase_peers_metrics_rejections_and_traffic(
         "state": "alive",
         "round": 3,
         "phase": "train",
+        "error": None,
         "last_seen": NOW - 1.5,
         "seen_ago_s": 1.5,
         "messages_out": 3,

@@ -1,56 +1,56 @@
-"""Prometheus text exposition (format 0.0.4), as /metrics serves it: each
-family's HELP and TYPE lines, then its samples, with label values escaped and
-non-finite values spelled as Prometheus spells them.
+"""/metrics through prometheus-client: the families a node exposes are built
+from one snapshot of its telemetry per scrape and rendered by the client
+library (HELP and TYPE lines, label escaping, NaN/±Inf), in the text format
+0.0.4 that every Prometheus version reads.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+Samples = Iterable[tuple[dict[str, str], float]]
 
 
-def _prom_number(value: float) -> str:
-    """A sample value as Prometheus text writes it (NaN, +Inf, -Inf, ints without .0)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _prom_label_value(value: str) -> str:
-    # Exposition format 0.0.4: backslash, double quote and line feed are escaped.
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _prom_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-class ExpositionWriter:
-    """Builds one exposition: each family's HELP and TYPE, then its samples."""
+class Exposition:
+    """One scrape: families added in order, each sample labelled with the
+    common labels (the node's name) and its own, then `render()`."""
 
     def __init__(self, common_labels: dict[str, str]) -> None:
         self._common = common_labels
-        self._lines: list[str] = []
+        self._families: list[Metric] = []
 
-    def family(
+    def _add(
         self,
+        family: type[GaugeMetricFamily] | type[CounterMetricFamily],
         name: str,
-        kind: str,
         help_text: str,
-        samples: Iterable[tuple[dict[str, str], float]],
+        label_names: list[str],
+        samples: Samples,
     ) -> None:
-        self._lines.append(f"# HELP {name} {_prom_help(help_text)}")
-        self._lines.append(f"# TYPE {name} {kind}")
+        names = [*self._common, *label_names]
+        metric = family(name, help_text, labels=names)
         for labels, value in samples:
             merged = {**self._common, **labels}
-            label_text = ",".join(
-                f'{key}="{_prom_label_value(val)}"' for key, val in merged.items()
-            )
-            self._lines.append(f"{name}{{{label_text}}} {_prom_number(value)}")
+            metric.add_metric([merged[n] for n in names], float(value))
+        self._families.append(metric)
 
-    def text(self) -> str:
-        return "\n".join(self._lines) + "\n"
+    def gauge(self, name: str, help_text: str, label_names: list[str], samples: Samples) -> None:
+        self._add(GaugeMetricFamily, name, help_text, label_names, samples)
+
+    def counter(self, name: str, help_text: str, label_names: list[str], samples: Samples) -> None:
+        """`name` ends in _total, as its samples do (the client keeps it)."""
+        self._add(CounterMetricFamily, name, help_text, label_names, samples)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+    def render(self) -> str:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return generate_latest(registry).decode("utf-8")

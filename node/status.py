@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.telemetry import Telemetry
 from p2pfl.config import is_loopback
 
@@ -36,7 +37,6 @@ PROTOCOL_KEY = web.AppKey("protocol_name", str)
 DASHBOARD_KEY = web.AppKey("dashboard_html", str)
 TOKEN_REQUIRED_KEY = web.AppKey("token_required", bool)
 
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The page may talk only to the server it came from; inline script and style only.
 DASHBOARD_CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "

@@ -4,7 +4,7 @@ One `Telemetry` per node, owned by the Node object (no module-level state). It
 is written from the event loop and from training threads, so every mutation and
 every snapshot happens under one lock. Readers get plain dicts (JSON-ready:
 non-finite floats become None) for /status, /peers and /history, and
-Prometheus text (exposition format 0.0.4, node/prometheus.py) for /metrics.
+Prometheus text (prometheus-client, format 0.0.4: node/prometheus.py) for /metrics.
 
 Times: `last_seen` given to `set_peer` and every `last` in an edge are wall-clock
 epoch seconds (`time.time()`), so a browser can show "seen 3 s ago".
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from node.prometheus import ExpositionWriter
+from node.prometheus import Exposition
 
 # The phases of a round: the first of them marks the first round's start.
 ROUND_PHASES = ("train", "exchange", "aggregate")
@@ -470,59 +470,57 @@ class Telemetry:
 
     def prometheus_text(self, node_name: str) -> str:
         """Exposition format 0.0.4; every sample carries a `node` label."""
-        writer = ExpositionWriter({"node": node_name})
+        out = Exposition({"node": node_name})
         with self._lock:
-            writer.family("p2pfl_up", "gauge", "1 while the node daemon runs.", [({}, 1)])
-            writer.family(
+            out.gauge("p2pfl_up", "1 while the node daemon runs.", [], [({}, 1)])
+            out.gauge(
                 "p2pfl_uptime_seconds",
-                "gauge",
                 "Seconds since the node started.",
+                [],
                 [({}, round(time.monotonic() - self._started_monotonic, 3))],
             )
-            writer.family(
-                "p2pfl_round", "gauge", "Federated round this node is in.", [({}, self._round)]
-            )
+            out.gauge("p2pfl_round", "Federated round this node is in.", [], [({}, self._round)])
             for family, field_name, help_text in (
                 ("p2pfl_messages_total", "messages", "Messages sent or received, by kind."),
                 ("p2pfl_bytes_total", "bytes", "Message bytes sent or received, by kind."),
             ):
-                writer.family(
+                out.counter(
                     family,
-                    "counter",
                     help_text,
+                    ["direction", "kind"],
                     [
                         ({"direction": direction, "kind": kind}, getattr(counter, field_name))
                         for (direction, kind), counter in sorted(self._traffic_by_kind.items())
                     ],
                 )
-            writer.family(
+            out.counter(
                 "p2pfl_rejected_total",
-                "counter",
                 "Messages refused, by reason code.",
+                ["reason"],
                 [({"reason": reason}, n) for reason, n in sorted(self._rejections.items())],
             )
-            writer.family(
+            out.gauge(
                 "p2pfl_queue_depth",
-                "gauge",
                 "Messages waiting in each inbox, by kind.",
+                ["kind"],
                 [({"kind": kind}, n) for kind, n in sorted(self._queue_depths.items())],
             )
-            writer.family(
+            out.gauge(
                 "p2pfl_peer_up",
-                "gauge",
                 "1 if the peer answers heartbeats (alive), else 0.",
+                ["peer"],
                 [
                     ({"peer": name}, 1 if gauge.state == "alive" else 0)
                     for name, gauge in sorted(self._peers.items())
                 ],
             )
-            writer.family(
+            out.gauge(
                 "p2pfl_metric",
-                "gauge",
                 "Latest value of each train/eval metric the protocol logged.",
+                ["name"],
                 [({"name": name}, v) for name, v in sorted(self._latest_metrics.items())],
             )
-        return writer.text()
+        return out.render()
 
 
 def _edge_dict(key: tuple[str, str], stats: EdgeStats) -> dict[str, Any]:

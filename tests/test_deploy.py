@@ -335,11 +335,17 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
+# Kinds of the Prometheus Operator (deploy/k8s/monitoring), which Kubernetes'
+# own schemas do not know: checked field by field in the scrape test instead.
+OPERATOR_KINDS = {"ServiceMonitor"}
+
+
 def k8s_validate(docs: list[dict[str, Any]]) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for version in K8S_VERSIONS:
         for doc in docs:
-            kubernetes_validate.validate(doc, version, strict=True)
+            if doc["kind"] not in OPERATOR_KINDS:
+                kubernetes_validate.validate(doc, version, strict=True)
 
 
 @pytest.fixture
@@ -385,6 +391,7 @@ def test_k8s_example_renders_and_validates_against_kubernetes_schemas(k8s_exampl
     k8s_validate(docs)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("StatefulSet") == 3 and kinds.count("NetworkPolicy") == 3
+    assert kinds.count("ServiceMonitor") == 3
     assert (
         kinds.count("Service") == 3 and kinds.count("Secret") == 3 and kinds.count("ConfigMap") == 6
     )
@@ -471,18 +478,73 @@ def test_k8s_network_policy_admits_only_roster_peers_and_local_status(k8s_exampl
         spec = policy["spec"]
         assert spec["podSelector"]["matchLabels"]["p2pfl.io/site"] == site
         assert spec["policyTypes"] == ["Ingress"]
-        by_port = {rule["ports"][0]["port"]: rule for rule in spec["ingress"]}
-        assert set(by_port) == {7000, 8000}
+        by_port: dict[int, list[dict[str, Any]]] = {}
         for rule in spec["ingress"]:
             assert rule.get("from"), "a rule without `from` admits everyone"
             assert len(rule["ports"]) == 1
-        # Status: any pod of this namespace, nothing from outside it.
-        assert by_port[8000]["from"] == [{"podSelector": {}}]
+            by_port.setdefault(rule["ports"][0]["port"], []).append(rule)
+        assert set(by_port) == {7000, 8000}
+        # Status: any pod of this namespace, and from other namespaces only the
+        # Prometheus Operator's Prometheus pods (deploy/k8s/monitoring).
+        assert [r["from"] for r in by_port[8000]] == [
+            [{"podSelector": {}}],
+            [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {
+                        "matchExpressions": [
+                            {
+                                "key": "app.kubernetes.io/name",
+                                "operator": "In",
+                                "values": ["prometheus"],
+                            }
+                        ]
+                    },
+                }
+            ],
+        ]
+        (peer_rule,) = by_port[7000]
         # Peer port: exactly the other sites of the roster.
-        (peers,) = by_port[7000]["from"]
+        (peers,) = peer_rule["from"]
         (expression,) = peers["podSelector"]["matchExpressions"]
         assert expression["key"] == "p2pfl.io/site" and expression["operator"] == "In"
         assert set(expression["values"]) == roster_names - {site}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def test_k8s_prometheus_scrapes_each_site_with_that_sites_status_token(k8s_example):
+    """/metrics answers 401 without the token (test_status), so the scrape must
+    carry it: each site's ServiceMonitor selects that site's Service only and
+    authenticates with the status.token of that site's keys Secret, the file
+    the node itself reads its token from."""
+    docs = kustomize(k8s_example)
+    secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
+    services = by_kind(docs, "Service")
+    monitors = by_kind(docs, "ServiceMonitor")
+    assert len(monitors) == len(by_kind(docs, "StatefulSet")) == 3
+    for sts in by_kind(docs, "StatefulSet"):
+        # prometheus.io/* annotations would scrape without a token: 401 forever
+        annotations = sts["spec"]["template"]["metadata"].get("annotations", {})
+        assert not any(key.startswith("prometheus.io/") for key in annotations)
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        site = monitor["metadata"]["labels"]["p2pfl.io/site"]
+        assert monitor["metadata"]["namespace"] == "p2pfl-example"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        chosen = [s for s in services if selects(selector, s["metadata"]["labels"])]
+        assert [s["metadata"]["name"] for s in chosen] == [f"{site}-p2pfl-node"]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["port"] in {p["name"] for p in chosen[0]["spec"]["ports"]}
+        auth = endpoint["authorization"]
+        assert auth["type"] == "Bearer"
+        secret = secrets[auth["credentials"]["name"]]  # the generated, hashed name
+        assert secret["metadata"]["labels"]["p2pfl.io/site"] == site
+        token = base64.b64decode(secret["data"][auth["credentials"]["key"]]).decode()
+        assert token == (k8s_example / site / "keys" / "status.token").read_text()
 
 
 def test_k8s_base_alone_admits_no_peer(tmp_path):

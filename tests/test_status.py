@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from node.status import create_status_app, start_status_server
 from node.telemetry import Telemetry
@@ -287,14 +288,30 @@ async def test_metrics_is_valid_prometheus_text_with_every_family(serve: ServerF
     assert sample_value(families, "p2pfl_peer_up", peer="c") == 0
     assert sample_value(families, "p2pfl_metric", name="val_acc") == 0.75
 
+    # The Prometheus project's own parser reads it alike (counters under their
+    # base name, samples with _total, as Prometheus stores them).
+    official = {f.name: f for f in text_string_to_metric_families(body)}
+    assert official["p2pfl_messages"].type == "counter"
+    assert {s.name for s in official["p2pfl_messages"].samples} == {"p2pfl_messages_total"}
+    assert {name: f.type for name, f in official.items()} == {
+        name.removesuffix("_total") if kind == "counter" else name: kind
+        for name, kind in {**expected_types, "p2pfl_uptime_seconds": "gauge"}.items()
+    }
+    (up,) = official["p2pfl_up"].samples
+    assert up.labels == {"node": "a"} and up.value == 1
+
 
 def test_prometheus_label_values_are_escaped_and_non_finite_values_spelled_out() -> None:
     telemetry = Telemetry("a")
     awkward = 'we"ird\\reason\nline2'
     telemetry.record_rejection(awkward, None)
     telemetry.log_metrics(0, loss=math.nan, ratio=-math.inf)
-    families = parse_prometheus(telemetry.prometheus_text('node "a"'))
+    text = telemetry.prometheus_text('node "a"')
+    families = parse_prometheus(text)
     assert sample_value(families, "p2pfl_rejected_total", reason=awkward) == 1
+    official = {f.name: f for f in text_string_to_metric_families(text)}
+    (rejected,) = official["p2pfl_rejected"].samples
+    assert rejected.labels == {"node": 'node "a"', "reason": awkward}
     assert families["p2pfl_up"]["samples"][0][0] == {"node": 'node "a"'}
     assert math.isnan(sample_value(families, "p2pfl_metric", name="loss"))
     assert sample_value(families, "p2pfl_metric", name="ratio") == -math.inf

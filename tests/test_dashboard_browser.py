@@ -137,6 +137,16 @@ async def test_dashboard_screenshot_shows_the_coloured_graph(
     assert ALIVE_GREEN in present and DEAD_RED in present
 
 
+async def dashboard_dom(telemetry: Telemetry, protocol: str) -> str:
+    """The dashboard of node a (this telemetry) as the browser rendered it."""
+    app = create_status_app(telemetry, node_name="a", protocol_name=protocol, token=TOKEN)
+    runner, port = await start_status_server(app, "127.0.0.1", 0)
+    try:
+        return await dump_dom(f"http://127.0.0.1:{port}/#token={TOKEN}")
+    finally:
+        await runner.cleanup()
+
+
 async def test_dashboard_shows_why_a_buffer_was_refused() -> None:
     from genbuffer.gate import GateDecision, gate_status
 
@@ -160,12 +170,7 @@ async def test_dashboard_shows_why_a_buffer_was_refused() -> None:
         files={"grid": "/srv/site/state/genbuffer/privacy_gate.png"},
     )
     telemetry.set_privacy_gate(gate_status(decision))
-    app = create_status_app(telemetry, node_name="a", protocol_name="feder", token=TOKEN)
-    runner, port = await start_status_server(app, "127.0.0.1", 0)
-    try:
-        dom = await dump_dom(f"http://127.0.0.1:{port}/#token={TOKEN}")
-    finally:
-        await runner.cleanup()
+    dom = await dashboard_dom(telemetry, "feder")
     assert 'id="gate-verdict">REFUSED<' in dom
     assert "12.5% of 48 site images" in dom and "12.5 %" in dom and "5.0 %" in dom
     assert "/srv/site/state/genbuffer/privacy_gate.png" in dom
@@ -176,12 +181,7 @@ async def test_dashboard_shows_a_failed_peer_and_why() -> None:
     telemetry.set_peer(
         "d", "failed", round=0, phase="failed", last_seen=time.time(), error="DataError"
     )
-    app = create_status_app(telemetry, node_name="a", protocol_name="fedavgp2p", token=TOKEN)
-    runner, port = await start_status_server(app, "127.0.0.1", 0)
-    try:
-        dom = await dump_dom(f"http://127.0.0.1:{port}/#token={TOKEN}")
-    finally:
-        await runner.cleanup()
+    dom = await dashboard_dom(telemetry, "fedavgp2p")
     assert 'class="pill failed">failed<' in dom
     assert "failed (DataError)" in dom
     assert "1 failed" in dom  # the peers tile counts it

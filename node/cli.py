@@ -360,7 +360,27 @@ def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction
         add_evaluate_arguments(p)
         p.set_defaults(func=run_evaluate)
 
-    for name, fn in (("partition", partition), ("genbuffer", genbuffer), ("evaluate", evaluate)):
+    def export(sub: argparse._SubParsersAction, name: str) -> None:
+        from node.export import add_export_arguments, run_export
+
+        p = sub.add_parser(name, help="this site's model as a package + model card")
+        add_export_arguments(p)
+        p.set_defaults(func=run_export)
+
+    def predict(sub: argparse._SubParsersAction, name: str) -> None:
+        from node.predict import add_predict_arguments, run_predict
+
+        p = sub.add_parser(name, help="run an exported model on images (PNG, DICOM, npz)")
+        add_predict_arguments(p)
+        p.set_defaults(func=run_predict)
+
+    for name, fn in (
+        ("partition", partition),
+        ("genbuffer", genbuffer),
+        ("evaluate", evaluate),
+        ("export", export),
+        ("predict", predict),
+    ):
         out.append((name, _tolerant(fn)))
     return out
 

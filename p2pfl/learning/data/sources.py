@@ -5,7 +5,8 @@ Three sources, chosen by `data.source` in site.yaml:
 - a MedMNIST-style `.npz`: `train_images` (N,H,W[,C]) uint8, `train_labels` (N,) or
   (N,1), optional `val_*`, `test_*`, `unlabeled_images`, `class_names`;
 - an ImageFolder tree: `train/<class>/*.png`, optional `val/<class>/`,
-  `test/<class>/`, `unlabeled/` (any images, any depth).
+  `test/<class>/`, `unlabeled/` (any images, any depth); the images may be DICOM
+  files (`.dcm`, single-frame, see dicom.py).
 
 `read_source` returns the native uint8 arrays (N,H,W,C) as `RawSplits`; every
 problem with a source is a `DataError` naming the file and the fix.
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp", ".dcm")
 SPLITS = ("train", "val", "test")
 
 UInt8Images = NDArray[np.uint8]
@@ -211,7 +212,11 @@ def read_digits() -> RawSplits:
     return raw
 
 
-def _read_image(path: Path) -> np.ndarray:
+def read_image_file(path: Path) -> np.ndarray:
+    if path.suffix.lower() == ".dcm":
+        from p2pfl.learning.data.dicom import read_dicom  # lazy: pydicom only when needed
+
+        return read_dicom(path)
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -293,7 +298,7 @@ def read_image_folder(root: str | Path) -> RawSplits:
             labels[split] += [class_names.index(sub.name)] * len(found)
     if (root / "unlabeled").is_dir():
         files["unlabeled"] = _image_files(root / "unlabeled")
-    decoded = {split: [_read_image(f) for f in fs] for split, fs in files.items() if fs}
+    decoded = {split: [read_image_file(f) for f in fs] for split, fs in files.items() if fs}
     all_images = [img for imgs in decoded.values() for img in imgs]
     all_files = [f for split in decoded for f in files[split]]
     channels = 3 if any(img.shape[2] == 3 for img in all_images) else 1

@@ -1,0 +1,306 @@
+"""`p2pfl-node export`: this site's model as a package with its model card.
+
+    p2pfl-node export --config site.yaml [--which best|latest]
+                      [--format safetensors onnx torchscript] --out DIR
+                      [--cross-site evaluate.json]
+
+The model comes from the node's last checkpoint (its latest model, or its best
+on its own validation split). The package (`p2pfl.learning.export`) holds each
+requested format, checked against torch on this site's test split before it
+is named, and model.json; the model card (model_card.md and .json) says what
+the model was trained on (counts per class and split, never an image), by which
+protocol and how many rounds, how well it does on this site's test split
+(accuracy, macro-F1, ECE), across sites when `--cross-site` gives the JSON of
+`p2pfl-node evaluate --json`, and under which privacy settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from node.evaluate import latest_model
+from p2pfl.config import SiteConfig, load_config
+from p2pfl.files import atomic_write_text
+from p2pfl.learning.export import FORMATS, Architecture, ExportError, write_package
+from p2pfl.learning.metrics import classification_report
+from p2pfl.learning.train import LocalSite
+
+CHECK_IMAGES = 512  # images of the test split each export is checked on
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, required=True, help="the site's site.yaml")
+    parser.add_argument(
+        "--which",
+        default="best",
+        choices=["best", "latest"],
+        help="the best model on this site's validation split (default), or the latest",
+    )
+    parser.add_argument(
+        "--format",
+        dest="formats",
+        nargs="+",
+        default=["safetensors", "onnx"],
+        choices=list(FORMATS),
+        help="one or more (default: safetensors onnx)",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument(
+        "--cross-site",
+        type=Path,
+        help="the JSON of `p2pfl-node evaluate --json` for the model card",
+    )
+
+
+def _checkpoint_round(cfg: SiteConfig, which: str) -> int | None:
+    from node.queues import Checkpoints
+
+    state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest() or {}
+    protocol = state.get("protocol") if isinstance(state.get("protocol"), dict) else {}
+    source = protocol.get("best") if which == "best" else protocol
+    value = source.get("round") if isinstance(source, dict) else None
+    return int(value) if isinstance(value, int) else None
+
+
+def class_counts(site: LocalSite) -> dict[str, dict[str, int]]:
+    """Images per class and split: counts only."""
+    names = site.data.class_names
+    out: dict[str, dict[str, int]] = {}
+    for split in ("train", "val", "test"):
+        dataset = getattr(site.data, split)
+        if dataset is None:
+            continue
+        labels = dataset.tensors[1].numpy()
+        out[split] = {name: int((labels == i).sum()) for i, name in enumerate(names)}
+    if site.data.unlabeled is not None:
+        out["unlabeled"] = {"(no label)": len(site.data.unlabeled)}
+    return out
+
+
+def privacy_settings(cfg: SiteConfig) -> dict[str, Any]:
+    protocol = cfg.protocol
+    return {
+        "payload_encryption": bool(cfg.wire.encryption),
+        "mutual_tls": getattr(cfg.transport, "tls", None) is not None,
+        "secure_aggregation": bool(getattr(protocol, "secure_aggregation", False)),
+        "differential_privacy": None,  # training.dp is not built yet (issue 20)
+        "what_left_the_site": _what_left(protocol.name),
+    }
+
+
+def _what_left(protocol: str) -> str:
+    return {
+        "fedavgp2p": "model weights, to the peers that asked (inside secure sums when "
+        "secure_aggregation is on)",
+        "fedsgdp2p": "gradients of every step, to the peers that asked",
+        "feder": "the model relayed to one successor per round, and a buffer of synthetic "
+        "images that passed the privacy gate",
+        "feder_a": "a buffer of synthetic images that passed the privacy gate",
+        "feder_b": "the model relayed to one successor per round, and a buffer of synthetic "
+        "images that passed the privacy gate",
+    }.get(protocol, "see docs/threat-model.md for this protocol")
+
+
+def _cross_site(path: Path | None) -> dict[str, Any] | None:
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        return {
+            k: float(v)
+            for k, v in doc.items()
+            if k.endswith(("_mean", "_std")) and isinstance(v, (int, float))
+        } | {"split": doc.get("split"), "sites": sorted(doc.get("matrix", {}))}
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ExportError(f"{path}: not the JSON of `p2pfl-node evaluate --json` ({exc})") from None
+
+
+def model_card(
+    cfg: SiteConfig,
+    site: LocalSite,
+    which: str,
+    model_round: int | None,
+    evaluation: dict[str, Any] | None,
+    cross_site: dict[str, Any] | None,
+    files: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "site": cfg.node.name,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": {
+            "which": which,
+            "round": model_round,
+            "architecture": cfg.model.name,
+            "image_size": site.data.image_size,
+            "channels": site.data.channels,
+            "classes": site.data.class_names,
+            "files": files,
+        },
+        "training": {
+            "protocol": cfg.protocol.name,
+            "rounds": getattr(cfg.protocol, "rounds", None),
+            "federation": cfg.federation.id,
+            "optimizer": cfg.training.optimizer,
+            "lr": cfg.training.lr,
+            "lr_schedule": getattr(cfg.training, "lr_schedule", None),
+            "class_weighting": {
+                "mode": site.class_weighting["mode"],
+                "applied": site.class_weighting["applied"],
+            },
+            "augmentation": str(cfg.data.augment),
+        },
+        "data": {
+            "source_kind": _source_kind(cfg),
+            "images_per_class": class_counts(site),
+        },
+        "evaluation_this_site": evaluation,
+        "evaluation_cross_site": cross_site,
+        "privacy": privacy_settings(cfg),
+        "limitations": [
+            "Evaluated on this site's own test split; other sites' images may differ "
+            "(scanner, population, protocol).",
+            "Probabilities are not calibrated beyond what the ECE above shows.",
+            "Not a medical device; for research use.",
+        ],
+    }
+
+
+def _source_kind(cfg: SiteConfig) -> str:
+    source = str(cfg.data.source)
+    if source == "digits":
+        return "digits (scikit-learn, embedded)"
+    return "npz file" if source.endswith(".npz") else "image folder"
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    m, t, d = card["model"], card["training"], card["data"]
+    lines = [
+        f"# Model card: {m['architecture']} of site {card['site']}",
+        "",
+        f"Exported {card['created']}: the {m['which']} model"
+        + (f" (round {m['round']})" if m["round"] is not None else "")
+        + f", {m['image_size']}×{m['image_size']} px, {m['channels']} channel(s), "
+        f"classes {', '.join(m['classes'])}.",
+        "",
+        "## Training",
+        "",
+        f"- protocol: {t['protocol']}, {t['rounds']} rounds",
+        f"- optimizer: {t['optimizer']}, lr {t['lr']}, schedule {t['lr_schedule']}",
+        f"- class weighting: {t['class_weighting']['mode']} (applied: "
+        f"{t['class_weighting']['applied']}); augmentation: {t['augmentation']}",
+        "",
+        f"## Data of this site ({d['source_kind']}; counts only, no image leaves the site)",
+        "",
+        "| split | " + " | ".join(m["classes"]) + " |",
+        "|---|" + "---:|" * len(m["classes"]),
+    ]
+    for split, counts in d["images_per_class"].items():
+        if split == "unlabeled":
+            continue
+        lines.append(f"| {split} | " + " | ".join(str(counts[c]) for c in m["classes"]) + " |")
+    if "unlabeled" in d["images_per_class"]:
+        lines.append(f"\nUnlabelled images: {d['images_per_class']['unlabeled']['(no label)']}.")
+    lines += ["", "## Evaluation", ""]
+    ev = card["evaluation_this_site"]
+    if ev:
+        lines.append(
+            f"This site's test split ({ev['n']} images): accuracy {ev['accuracy']:.3f}, "
+            f"macro-F1 {ev['macro_f1']:.3f}, balanced accuracy {ev['balanced_accuracy']:.3f}, "
+            f"ECE {ev['ece']:.3f} (15 bins)."
+        )
+    else:
+        lines.append("This site has no test split: no evaluation here.")
+    cs = card["evaluation_cross_site"]
+    if cs:
+        lines.append(
+            f"\nAcross sites ({', '.join(cs['sites'])}, {cs['split']} splits, every node "
+            f"model on every site): macro-F1 {cs.get('macro_f1_mean', float('nan')):.3f} ± "
+            f"{cs.get('macro_f1_std', float('nan')):.3f}, accuracy "
+            f"{cs.get('accuracy_mean', float('nan')):.3f} ± {cs.get('accuracy_std', float('nan')):.3f}."
+        )
+    else:
+        lines.append("\nNo cross-site evaluation was given (`--cross-site`).")
+    p = card["privacy"]
+    dp = p["differential_privacy"]
+    lines += [
+        "",
+        "## Privacy",
+        "",
+        f"- what left the site during training: {p['what_left_the_site']}",
+        f"- payload encryption: {'on' if p['payload_encryption'] else 'off'}; "
+        f"mutual TLS: {'on' if p['mutual_tls'] else 'off'}",
+        f"- secure aggregation: {'on' if p['secure_aggregation'] else 'off'}",
+        "- differential privacy: "
+        + ("none (no ε guarantee)" if dp is None else f"ε = {dp['epsilon']}, δ = {dp['delta']}"),
+        "",
+        "## Files",
+        "",
+    ]
+    for fmt, entry in m["files"].items():
+        lines.append(f"- `{entry['file']}` ({fmt}), SHA-256 `{entry['sha256']}`")
+    lines += ["", "## Limitations", ""] + [f"- {x}" for x in card["limitations"]]
+    return "\n".join(lines) + "\n"
+
+
+def run_export(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, check_files=False)
+    if cfg.model.siamese.enabled or cfg.model.pretrained_from is not None:
+        raise ExportError(
+            "export: Siamese models and Fed-MAE classifiers are not exportable yet; "
+            "export a site whose model.name builds the whole network"
+        )
+    cross = _cross_site(args.cross_site)
+    state = latest_model(cfg, args.config, args.which)
+    site = LocalSite.from_config(cfg)
+    site.load_state_dict(state)
+    arch = Architecture(
+        cfg.model.name, site.data.channels, site.data.num_classes, site.data.image_size
+    )
+    split = site.data.test if site.data.test is not None else site.data.val
+    evaluation = None
+    if split is not None:
+        x, y = split.tensors
+        proba = site.predict_proba(x).numpy()
+        report = classification_report(y.numpy(), proba, site.num_classes)
+        evaluation = {
+            k: float(report[k]) for k in ("accuracy", "macro_f1", "balanced_accuracy", "ece")
+        }
+        evaluation["n"] = len(y)
+        evaluation["split"] = "test" if site.data.test is not None else "val"
+        check = x[:CHECK_IMAGES]
+    else:
+        check = site.data.train.tensors[0][:CHECK_IMAGES]
+    model_round = _checkpoint_round(cfg, args.which)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
+        description = write_package(
+            args.out,
+            {k: v.detach().cpu() for k, v in site.state_dict().items()},
+            arch,
+            site.data.class_names,
+            args.formats,
+            check.cpu().float(),
+            extra={"site": cfg.node.name, "which": args.which, "round": model_round},
+        )
+    card = model_card(cfg, site, args.which, model_round, evaluation, cross, description["files"])
+    atomic_write_text(args.out / "model_card.json", json.dumps(card, indent=2) + "\n")
+    atomic_write_text(args.out / "model_card.md", card_markdown(card))
+    summary = {
+        "out": str(args.out),
+        "formats": list(description["files"]),
+        "which": args.which,
+        "round": model_round,
+        "max_abs_diff": {f: e["max_abs_diff"] for f, e in description["files"].items()},
+        **(
+            {f"test_{k}": evaluation[k] for k in ("accuracy", "macro_f1", "ece")}
+            if evaluation
+            else {}
+        ),
+    }
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,143 @@
+"""`p2pfl-node predict`: run an exported model on image files.
+
+    p2pfl-node predict --model DIR IMAGES...|FOLDER [--csv OUT] [--batch-size N]
+                       [--runtime auto|torch|onnx]
+
+Inputs: PNG, JPEG (and the other formats of ImageFolder sources), DICOM
+(`.dcm`, read as data sources read it: modality and VOI LUT, MONOCHROME1
+inverted) and `.npz` files (every image of `images`, else of `test_images`,
+`val_images`, `train_images` or `unlabeled_images`, named FILE.npz[i]); a folder
+is searched recursively. Each image gets exactly the training preprocessing.
+
+Output: CSV with `file`, `prediction` (the class name), then one probability
+column per class, to --csv or stdout. A file that cannot be read is named on
+stderr with its reason, counted, and skipped. Exit status: 0 every file
+predicted; 1 some files unreadable (the rest predicted); 2 nothing predicted
+or a bad model directory / argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from p2pfl.errors import UserError
+from p2pfl.learning.data.sources import IMAGE_SUFFIXES, DataError, read_image_file
+from p2pfl.learning.export import Predictor
+
+NPZ_KEYS = ("images", "test_images", "val_images", "train_images", "unlabeled_images")
+
+
+def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, required=True, help="a directory from `export`")
+    parser.add_argument("inputs", nargs="+", type=Path, help="image files, .npz files, folders")
+    parser.add_argument("--csv", type=Path, help="write the results here (default: stdout)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--runtime", default="auto", choices=["auto", "torch", "onnx"])
+
+
+def input_files(inputs: list[Path]) -> tuple[list[Path], list[tuple[str, str]]]:
+    """(files to read, [(input, reason)] for inputs that do not exist)."""
+    suffixes = (*IMAGE_SUFFIXES, ".npz")
+    files: list[Path] = []
+    missing: list[tuple[str, str]] = []
+    for path in inputs:
+        if path.is_dir():
+            files += sorted(
+                p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes
+            )
+        elif path.is_file():
+            files.append(path)
+        else:
+            missing.append((str(path), "no such file or folder"))
+    return files, missing
+
+
+def images_of(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, uint8 H,W,C) for each image a file holds; DataError if unreadable."""
+    if path.suffix.lower() != ".npz":
+        yield str(path), read_image_file(path)
+        return
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            key = next((k for k in NPZ_KEYS if k in arrays.files), None)
+            if key is None:
+                raise DataError("no_images", f"{path}: no array named {' or '.join(NPZ_KEYS)}")
+            images = np.asarray(arrays[key])
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError("corrupt_npz", f"{path}: cannot read .npz ({exc})") from None
+    if images.dtype != np.uint8 or images.ndim not in (3, 4):
+        raise DataError(
+            "bad_npz",
+            f"{path}: {key} must be uint8 N,H,W or N,H,W,C, got {images.dtype} {images.shape}",
+        )
+    if images.ndim == 3:
+        images = images[..., None]
+    for i, image in enumerate(images):
+        yield f"{path}[{i}]", image
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise UserError("predict: --batch-size must be at least 1")
+    predictor = Predictor(args.model, args.runtime)
+    files, failures = input_files(args.inputs)
+    for name, reason in failures:
+        print(f"predict: {name}: {reason}", file=sys.stderr)
+    from tqdm import tqdm
+
+    rows: list[list[str]] = []
+    names: list[str] = []
+    batch: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        proba = predictor.predict_proba(torch.cat(batch))
+        for name, p in zip(names, proba, strict=True):
+            rows.append(
+                [name, predictor.classes[int(np.argmax(p))], *(f"{float(v):.6f}" for v in p)]
+            )
+        batch.clear()
+        names.clear()
+
+    for path in tqdm(files, desc="predict", unit="file", disable=None, file=sys.stderr):
+        try:
+            for name, image in images_of(path):
+                batch.append(predictor.preprocess(image))
+                names.append(name)
+                if len(batch) >= args.batch_size:
+                    flush()
+        except DataError as exc:
+            failures.append((str(path), str(exc)))
+            print(f"predict: {exc}", file=sys.stderr)
+    flush()
+    header = ["file", "prediction", *predictor.classes]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        args.csv.write_text(buffer.getvalue())
+    else:
+        sys.stdout.write(buffer.getvalue())
+    summary = {
+        "predicted": len(rows),
+        "unreadable": len(failures),
+        "unreadable_files": [name for name, _ in failures],
+        "runtime": predictor.runtime,
+        "csv": str(args.csv) if args.csv else None,
+    }
+    print(json.dumps(summary), file=sys.stderr)
+    if not rows:
+        return 2
+    return 1 if failures else 0

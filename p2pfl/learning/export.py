@@ -1,0 +1,341 @@
+"""A trained model as a package another program can run, and the reader that runs it.
+
+A package is a directory:
+
+    model.json         architecture (name and arguments), input (size, channels,
+                       resizing, normalisation), class names, and each model
+                       file with its SHA-256
+    model.safetensors  the weights (safetensors: no code, no pickle)
+    model.onnx         the network with a softmax on its output (onnxruntime)
+    model.pt           TorchScript of the same (for torch programs; run it only
+                       if it came from your own site: it is code)
+    model_card.md/json what it was trained on and how well it does (node/export.py)
+
+`Predictor` reads a package (safetensors with torch, or ONNX with onnxruntime),
+checks each file's hash against model.json before it trusts a byte of it, and
+applies exactly the preprocessing training used: resize to the training size
+(bilinear, antialiased when shrinking), convert channels, scale to [0, 1],
+normalise with mean 0.5 and std 0.5 (`p2pfl.learning.data.loaders`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from p2pfl.errors import UserError
+from p2pfl.learning.data.loaders import MEAN, STD, convert_images, to_float_tensor
+from p2pfl.learning.data.sources import UInt8Images
+
+FORMAT_VERSION = 1
+MODEL_JSON = "model.json"
+FILES = {"safetensors": "model.safetensors", "onnx": "model.onnx", "torchscript": "model.pt"}
+FORMATS = tuple(FILES)
+Runtime = Literal["auto", "torch", "onnx"]
+ONNX_TOLERANCE = 1e-4  # largest |p_onnx - p_torch| an export accepts
+
+
+class ExportError(UserError):
+    """A model that cannot be exported or a package that cannot be used; one line."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    in_chans: int
+    num_classes: int
+    image_size: int
+
+    def build(self) -> nn.Module:
+        from p2pfl.learning.models import create_model
+
+        return create_model(
+            self.name,
+            in_chans=self.in_chans,
+            num_classes=self.num_classes,
+            image_size=self.image_size,
+        )
+
+
+class WithSoftmax(nn.Module):
+    """The exported network: class probabilities, not logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.softmax(self.model(x).float(), dim=1)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_description(image_size: int, channels: int) -> dict[str, Any]:
+    return {
+        "layout": "N,C,H,W float32",
+        "image_size": image_size,
+        "channels": channels,
+        "resize": "bilinear to image_size x image_size, antialiased when shrinking",
+        "channels_from": "1: luminance (ITU-R 601-2) of colour images; 3: grey repeated",
+        "scale": "pixel / 255",
+        "normalise": {"mean": MEAN, "std": STD},
+    }
+
+
+def write_package(
+    out: Path,
+    state: dict[str, Tensor],
+    arch: Architecture,
+    class_names: Sequence[str],
+    formats: Sequence[str],
+    check_images: Tensor,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the model in each of `formats` and model.json; every file is read
+    back and checked against the torch model on `check_images` (N,C,H,W, already
+    preprocessed) before model.json names it. Returns model.json's content."""
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ExportError(f"unknown format {unknown[0]!r}: choose from {', '.join(FORMATS)}")
+    if len(class_names) != arch.num_classes:
+        raise ExportError(
+            f"the model has {arch.num_classes} outputs but the site has {len(class_names)} classes"
+        )
+    model = arch.build()
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ExportError(
+            f"the checkpoint's model does not fit {arch.name} ({first}); "
+            "export needs a model that `model.name` builds (Fed-MAE classifiers and "
+            "Siamese models are not exportable yet)"
+        ) from None
+    net = WithSoftmax(model).eval()
+    with torch.no_grad():
+        reference = net(check_images).numpy()
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, dict[str, Any]] = {}
+    for fmt in formats:
+        path = out / FILES[fmt]
+        check = _WRITERS[fmt](net, path, check_images, arch)
+        got = check()
+        gap = float(np.abs(got - reference).max()) if len(reference) else 0.0
+        if gap > ONNX_TOLERANCE:
+            path.unlink(missing_ok=True)
+            raise ExportError(
+                f"{fmt}: read back, its probabilities differ from torch's by {gap:.2e} "
+                f"(> {ONNX_TOLERANCE}); the export was removed"
+            )
+        files[fmt] = {"file": path.name, "sha256": sha256_of(path), "max_abs_diff": gap}
+    description = {
+        "format_version": FORMAT_VERSION,
+        "architecture": {
+            "name": arch.name,
+            "in_chans": arch.in_chans,
+            "num_classes": arch.num_classes,
+            "image_size": arch.image_size,
+        },
+        "input": input_description(arch.image_size, arch.in_chans),
+        "output": "class probabilities (softmax), one per class, in `classes` order",
+        "classes": list(class_names),
+        "files": files,
+        **(extra or {}),
+    }
+    (out / MODEL_JSON).write_text(json.dumps(description, indent=2) + "\n")
+    return description
+
+
+def _write_safetensors(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Any:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().clone() for k, v in net.model.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+
+    def check() -> np.ndarray:
+        from safetensors.torch import load_file
+
+        model = WithSoftmax(arch.build())  # from the description, as predict will
+        model.model.load_state_dict(load_file(str(path)), strict=True)
+        with torch.no_grad():
+            return model.eval()(x).numpy()
+
+    return check
+
+
+def _write_onnx(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Any:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ExportError("onnx export needs onnxruntime: pip install onnxruntime") from None
+    sample = x[:2] if len(x) >= 2 else torch.zeros(2, *x.shape[1:])  # a batch dim > 1
+    torch.onnx.export(  # torch.export-based exporter (onnxscript), any batch size
+        net,
+        (sample,),
+        str(path),
+        input_names=["image"],
+        output_names=["probabilities"],
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+        dynamo=True,
+        verbose=False,
+    )
+
+    def check() -> np.ndarray:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        if not len(x):
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.asarray(session.run(None, {"image": x.numpy()})[0])
+
+    return check
+
+
+def _write_torchscript(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Any:
+    sample = x[:1] if len(x) else torch.zeros(1, *x.shape[1:])
+    with torch.no_grad():
+        traced = torch.jit.trace(net, sample)
+    traced.save(str(path))
+
+    def check() -> np.ndarray:
+        loaded = torch.jit.load(str(path))  # our own file, written just now
+        with torch.no_grad():
+            return loaded(x).numpy()
+
+    return check
+
+
+_WRITERS = {
+    "safetensors": _write_safetensors,
+    "onnx": _write_onnx,
+    "torchscript": _write_torchscript,
+}
+
+
+# ---------------------------------------------------------------------- reading
+
+
+class Predictor:
+    """An exported package, ready to turn uint8 images into class probabilities."""
+
+    def __init__(self, package: Path, runtime: Runtime = "auto") -> None:
+        self.dir = Path(package)
+        meta_path = self.dir / MODEL_JSON
+        if not meta_path.is_file():
+            raise ExportError(
+                f"{self.dir}: no {MODEL_JSON} — point --model at a directory written by "
+                "`p2pfl-node export`"
+            )
+        try:
+            meta = json.loads(meta_path.read_text())
+            arch = meta["architecture"]
+            self.arch = Architecture(
+                str(arch["name"]),
+                int(arch["in_chans"]),
+                int(arch["num_classes"]),
+                int(arch["image_size"]),
+            )
+            self.classes = [str(c) for c in meta["classes"]]
+            files = dict(meta["files"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ExportError(f"{meta_path}: not a p2pfl-node model description ({exc})") from None
+        if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+            raise ExportError(
+                f"{meta_path}: format_version {meta['format_version']} is newer than this "
+                f"p2pfl-node reads ({FORMAT_VERSION}); upgrade p2pfl-node"
+            )
+        if len(self.classes) != self.arch.num_classes:
+            raise ExportError(
+                f"{meta_path}: {len(self.classes)} classes for a model with "
+                f"{self.arch.num_classes} outputs"
+            )
+        self.meta = meta
+        self.runtime = self._choose(runtime, files)
+        entry = files[self.runtime_format]
+        path = self.dir / str(entry["file"])
+        if not path.is_file():
+            raise ExportError(f"{path}: missing (named in {MODEL_JSON})")
+        if sha256_of(path) != entry.get("sha256"):
+            raise ExportError(
+                f"{path}: its SHA-256 differs from {MODEL_JSON}'s — the file was changed or "
+                "damaged after export; export it again"
+            )
+        self._run = self._load_torch(path) if self.runtime == "torch" else self._load_onnx(path)
+
+    @property
+    def runtime_format(self) -> str:
+        return "safetensors" if self.runtime == "torch" else "onnx"
+
+    @property
+    def image_size(self) -> int:
+        return self.arch.image_size
+
+    @property
+    def channels(self) -> int:
+        return self.arch.in_chans
+
+    def _choose(self, runtime: Runtime, files: dict[str, Any]) -> str:
+        if runtime == "torch" or (runtime == "auto" and "safetensors" in files):
+            if "safetensors" not in files:
+                raise ExportError(f"{self.dir}: no safetensors file; use --runtime onnx")
+            return "torch"
+        if "onnx" not in files:
+            raise ExportError(f"{self.dir}: no ONNX file; use --runtime torch")
+        return "onnx"
+
+    def _load_torch(self, path: Path) -> Any:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ExportError(f"{path}: not a safetensors file ({exc})") from None
+        model = self.arch.build()
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ExportError(f"{path}: does not fit {self.arch.name} ({first})") from None
+        net = WithSoftmax(model).eval()
+
+        def run(x: Tensor) -> np.ndarray:
+            with torch.no_grad():
+                return net(x).numpy()
+
+        return run
+
+    def _load_onnx(self, path: Path) -> Any:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise ExportError(
+                "the ONNX runtime needs onnxruntime: pip install onnxruntime"
+            ) from None
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+        def run(x: Tensor) -> np.ndarray:
+            return np.asarray(session.run(None, {"image": x.numpy()})[0])
+
+        return run
+
+    def preprocess(self, image: UInt8Images) -> Tensor:
+        """One uint8 H,W,C image -> the 1,C,H,W tensor training would have made of it."""
+        batch = convert_images(np.array(image[None]), self.image_size, self.channels)
+        return to_float_tensor(batch)
+
+    def predict_proba(self, x: Tensor) -> np.ndarray:
+        """Preprocessed N,C,H,W -> N x classes probabilities."""
+        return self._run(x.float().contiguous())

@@ -1,0 +1,227 @@
+"""export and predict: a trained federation's model, packaged, run on new files.
+
+One federation of two real nodes (digits, FedAVGP2P, 2 rounds) is trained once
+for the module; every test exports or predicts from its state directories.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
+from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
+
+from bench.localfed import LocalFederation
+from node.cli import main
+from node.evaluate import latest_model
+from node.provision import provision
+from p2pfl.config.site import load_config
+from p2pfl.learning.data.sources import read_source
+from p2pfl.learning.train import LocalSite
+
+FAST = {
+    "transport": {
+        "heartbeat_s": 0.3,
+        "suspect_after_s": 1.5,
+        "dead_after_s": 3.0,
+        "retries": 0,
+        "backoff_base_s": 0.05,
+    },
+    "training": {"max_steps_per_epoch": 4, "threads": 1},
+    "data": {"augment": "none"},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """site.yaml of node a after a two-node federation finished."""
+    root = tmp_path_factory.mktemp("export")
+    plans = provision(
+        root / "fed",
+        ["a", "b"],
+        protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0},
+        overrides=FAST,
+    )
+    with LocalFederation(plans, root / "logs") as fed:
+        for name in ("a", "b"):
+            fed[name].wait_for(lambda s: s["phase"] == "done", 120, "two rounds done")
+    return root / "fed" / "a" / "site.yaml"
+
+
+def write_dicom(path: Path, pixels: np.ndarray, photometric: str, **attributes: object) -> None:
+    """A single-frame DICOM file with a patient's name and id in its header."""
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = SecondaryCaptureImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset(str(path), Dataset(), file_meta=meta, preamble=b"\0" * 128)
+    ds.SOPClassUID = SecondaryCaptureImageStorage
+    ds.SOPInstanceUID = meta.MediaStorageSOPInstanceUID
+    ds.PatientName, ds.PatientID = "Doe^Jane", "SECRET123"
+    ds.set_pixel_data(pixels, photometric, pixels.dtype.itemsize * 8, generate_instance_uid=False)
+    for keyword, value in attributes.items():
+        setattr(ds, keyword, value)
+    ds.save_as(path, enforce_file_format=True)
+
+
+def node_classes(config: Path, which: str) -> tuple[np.ndarray, np.ndarray]:
+    """The node's own evaluation of its test split: (probabilities, labels)."""
+    cfg = load_config(config, check_files=False)
+    site = LocalSite.from_config(cfg)
+    site.load_state_dict(latest_model(cfg, config, which))
+    x, y = site.data.test.tensors
+    return site.predict_proba(x).numpy(), y.numpy()
+
+
+def raw_test_images(config: Path) -> np.ndarray:
+    """The site's test images as they are on disk (uint8 N,H,W,C, native size)."""
+    cfg = load_config(config, check_files=False)
+    split = read_source(cfg.data.source).split("test")
+    assert split is not None
+    return split[0]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def last_json(text: str) -> dict[str, Any]:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_every_format_round_trips_to_the_nodes_own_classes(trained, tmp_path, capsys):
+    out = tmp_path / "pkg"
+    code = main(
+        ["export", "--config", str(trained), "--which", "best", "--out", str(out)]
+        + ["--format", "safetensors", "onnx", "torchscript"]
+    )
+    assert code == 0
+    summary = last_json(capsys.readouterr().out)
+    assert sorted(summary["formats"]) == ["onnx", "safetensors", "torchscript"]
+    assert all(gap <= 1e-4 for gap in summary["max_abs_diff"].values())
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["input"]["image_size"] == 28 and meta["input"]["channels"] == 1
+    assert meta["classes"] == [str(i) for i in range(10)]
+
+    proba, labels = node_classes(trained, "best")
+    images = raw_test_images(trained)
+    np.savez(tmp_path / "test.npz", images=images)
+    results = {}
+    for runtime in ("torch", "onnx"):
+        target = tmp_path / f"{runtime}.csv"
+        code = main(
+            ["predict", "--model", str(out), str(tmp_path / "test.npz")]
+            + ["--csv", str(target), "--runtime", runtime, "--batch-size", "50"]
+        )
+        assert code == 0
+        rows = read_csv(target)
+        assert [r["file"] for r in rows] == [
+            f"{tmp_path / 'test.npz'}[{i}]" for i in range(len(images))
+        ]
+        results[runtime] = np.array([[float(r[c]) for c in meta["classes"]] for r in rows])
+        predicted = [r["prediction"] for r in rows]
+        assert predicted == [meta["classes"][i] for i in proba.argmax(1)]  # the node's classes
+    assert np.abs(results["onnx"] - results["torch"]).max() <= 1e-4
+    assert np.abs(results["torch"] - proba).max() <= 1e-5  # same preprocessing, same model
+    assert len(labels) == len(images)
+
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["site"] == "a" and card["model"]["which"] == "best"
+    assert card["training"]["protocol"] == "fedavgp2p" and card["training"]["rounds"] == 2
+    cfg = load_config(trained, check_files=False)
+    site = LocalSite.from_config(cfg)
+    train_labels = site.data.train.tensors[1].numpy()
+    assert card["data"]["images_per_class"]["train"] == {
+        str(c): int((train_labels == c).sum()) for c in range(10)
+    }
+    macro = card["evaluation_this_site"]["macro_f1"]
+    from p2pfl.learning.metrics import classification_report
+
+    report = classification_report(labels, proba, 10)
+    assert macro == pytest.approx(report["macro_f1"]) and card["evaluation_this_site"]["ece"] >= 0
+    assert card["privacy"]["secure_aggregation"] is False
+    assert card["privacy"]["differential_privacy"] is None
+    text = (out / "model_card.md").read_text()
+    assert "differential privacy: none" in text and f"macro-F1 {macro:.3f}" in text
+
+
+def test_predict_reads_a_mixed_folder_and_names_the_unreadable_file(trained, tmp_path, capsys):
+    out = tmp_path / "pkg"
+    assert (
+        main(["export", "--config", str(trained), "--out", str(out), "--format", "safetensors"])
+        == 0
+    )
+    capsys.readouterr()
+    images = raw_test_images(trained)[:6]
+    folder = tmp_path / "scans"
+    (folder / "sub").mkdir(parents=True)
+    for i, image in enumerate(images):
+        Image.fromarray(image[..., 0]).save(folder / ("sub" if i % 2 else ".") / f"img{i}.png")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    # image 0 as DICOM three ways, which all decode to the same pixels: 8-bit
+    # MONOCHROME2; MONOCHROME1 (stored inverted); 16-bit with rescale slope and
+    # intercept (stored = 4 x pixel + 100, rescaled back by 0.25 and -25)
+    first = images[0][..., 0]
+    assert first.min() == 0 and first.max() == 255  # so no VOI stretch changes it
+    write_dicom(folder / "m2.dcm", first, "MONOCHROME2")
+    write_dicom(folder / "m1.dcm", (255 - first).astype(np.uint8), "MONOCHROME1")
+    stored = (first.astype(np.uint16) * 4 + 100).astype(np.uint16)
+    write_dicom(
+        folder / "rescaled.dcm", stored, "MONOCHROME2", RescaleSlope=0.25, RescaleIntercept=-25
+    )
+    code = main(["predict", "--model", str(out), str(folder), "--csv", str(tmp_path / "r.csv")])
+    err = capsys.readouterr().err
+    assert code == 1  # documented: some files unreadable, the rest predicted
+    rows = read_csv(tmp_path / "r.csv")
+    assert len(rows) == 9
+    by_file = {Path(r["file"]).name: [r[c] for c in [str(i) for i in range(10)]] for r in rows}
+    assert by_file["m2.dcm"] == by_file["m1.dcm"] == by_file["rescaled.dcm"] == by_file["img0.png"]
+    assert "Doe" not in err and "SECRET" not in (tmp_path / "r.csv").read_text()
+    assert f"predict: {folder / 'broken.png'}: cannot decode image" in err
+    summary = last_json(err)
+    assert summary["predicted"] == 9 and summary["unreadable"] == 1
+    assert summary["unreadable_files"] == [str(folder / "broken.png")]
+    # the same classes as the npz route (PNG is lossless)
+    proba, _ = node_classes(trained, "best")
+    by_name = {Path(r["file"]).name: r["prediction"] for r in rows}
+    assert by_name["m2.dcm"] == by_name["img0.png"]
+    assert [by_name[f"img{i}.png"] for i in range(6)] == [str(c) for c in proba[:6].argmax(1)]
+
+
+def test_a_changed_model_file_is_refused(trained, tmp_path, capsys):
+    out = tmp_path / "pkg"
+    assert (
+        main(["export", "--config", str(trained), "--out", str(out), "--format", "safetensors"])
+        == 0
+    )
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    image = tmp_path / "x.png"
+    Image.fromarray(raw_test_images(trained)[0][..., 0]).save(image)
+    assert main(["predict", "--model", str(out), str(image)]) == 2
+    err = capsys.readouterr().err
+    assert "SHA-256 differs" in err and err.count("\n") == 1
+
+
+def test_export_without_a_checkpoint_says_so_in_one_line(tmp_path, capsys):
+    (plan,) = provision(tmp_path / "fed", ["solo"], protocol={"name": "fedavgp2p", "rounds": 1})
+    config = tmp_path / "fed" / "solo" / "site.yaml"
+    assert main(["export", "--config", str(config), "--out", str(tmp_path / "pkg")]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint with a model" in err and err.count("\n") == 1
+    assert not (tmp_path / "pkg" / "model.json").exists()
+
+
+def test_predict_without_a_package_says_so(tmp_path, capsys):
+    assert main(["predict", "--model", str(tmp_path), str(tmp_path)]) == 2
+    assert "no model.json" in capsys.readouterr().err

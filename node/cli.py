@@ -93,10 +93,11 @@ def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from p2pfl.learning.site_model import check_model_name  # torch: only for this command
+    from p2pfl.learning.site_model import check_dp, check_model_name  # torch: this command only
 
     cfg, roster, _ = load_site(Path(args.config))
     check_model_name(cfg, Path(args.config))
+    check_dp(cfg, Path(args.config))
     print(dump_config(cfg), end="")
     print(
         f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"

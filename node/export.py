@@ -82,14 +82,48 @@ def class_counts(site: LocalSite) -> dict[str, dict[str, int]]:
     return out
 
 
-def privacy_settings(cfg: SiteConfig) -> dict[str, Any]:
+def privacy_settings(cfg: SiteConfig, model_round: int | None) -> dict[str, Any]:
     protocol = cfg.protocol
     return {
         "payload_encryption": bool(cfg.wire.encryption),
         "mutual_tls": getattr(cfg.transport, "tls", None) is not None,
         "secure_aggregation": bool(getattr(protocol, "secure_aggregation", False)),
-        "differential_privacy": None,  # training.dp is not built yet (issue 20)
+        "differential_privacy": dp_spent(cfg, model_round),
         "what_left_the_site": _what_left(protocol.name),
+    }
+
+
+def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
+    """training.dp's (ε, δ) from the node's metrics.jsonl: ε of the exported
+    model (spent up to its round) and ε the site has spent in all (every model
+    it sent is covered by the latter). None without training.dp."""
+    dp = cfg.training.dp
+    if dp is None:
+        return None
+    rows: list[dict[str, Any]] = []
+    path = Path(cfg.node.state_dir) / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a torn last line after a crash
+            if isinstance(row, dict) and isinstance(row.get("dp_epsilon"), (int, float)):
+                rows.append(row)
+    if not rows:
+        raise ExportError(
+            f"training.dp is set but {path} records no ε (dp_epsilon): run the node first"
+        )
+    at_model = [r for r in rows if model_round is not None and r.get("round") == model_round]
+    last = rows[-1]
+    return {
+        "epsilon": float(at_model[-1]["dp_epsilon"]) if at_model else float(last["dp_epsilon"]),
+        "epsilon_site_total": float(last["dp_epsilon"]),
+        "delta": dp.delta if dp.delta is not None else 1e-5,
+        "noise_multiplier": float(last.get("dp_noise_multiplier", float("nan"))),
+        "max_grad_norm": dp.max_grad_norm,
+        "target_epsilon": dp.target_epsilon,
+        "accountant": "Opacus RDP, sample rate batch/train images (shuffled batches)",
     }
 
 
@@ -160,7 +194,7 @@ def model_card(
         },
         "evaluation_this_site": evaluation,
         "evaluation_cross_site": cross_site,
-        "privacy": privacy_settings(cfg),
+        "privacy": privacy_settings(cfg, model_round),
         "limitations": [
             "Evaluated on this site's own test split; other sites' images may differ "
             "(scanner, population, protocol).",
@@ -236,7 +270,13 @@ def card_markdown(card: dict[str, Any]) -> str:
         f"mutual TLS: {'on' if p['mutual_tls'] else 'off'}",
         f"- secure aggregation: {'on' if p['secure_aggregation'] else 'off'}",
         "- differential privacy: "
-        + ("none (no ε guarantee)" if dp is None else f"ε = {dp['epsilon']}, δ = {dp['delta']}"),
+        + (
+            "none (no ε guarantee)"
+            if dp is None
+            else f"DP-SGD (Opacus), ε = {dp['epsilon']:.2f} at δ = {dp['delta']:g} for this "
+            f"model, ε = {dp['epsilon_site_total']:.2f} spent by the site in all; noise "
+            f"multiplier {dp['noise_multiplier']:.3f}, clipping norm {dp['max_grad_norm']}"
+        ),
         "",
         "## Files",
         "",

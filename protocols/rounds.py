@@ -106,6 +106,12 @@ class RoundLoop(Protocol):
                 await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
                 timers[f"{phase}_s"] = time.perf_counter() - phase_start
             self.note_merged(r, rnd.merged)
+            dp = getattr(site, "dp", None)
+            if dp is not None:  # training.dp: ε spent so far (Opacus's RDP accountant)
+                rnd.log["dp_epsilon"] = dp.epsilon
+                rnd.log["dp_steps"] = float(dp.steps)
+                rnd.log["dp_noise_multiplier"] = dp.noise_multiplier
+                rnd.log["dp_sample_rate"] = dp.sample_rate
 
             metrics: dict[str, Any] = {}
             if self.evaluates(r):
@@ -210,6 +216,7 @@ class RoundLoop(Protocol):
                 "lr": float(site.lr) if hasattr(site, "lr") else None,
                 "lr_schedule": training.lr_schedule,
                 "best": self.best.summary(),
+                "dp": site.dp.summary() if getattr(site, "dp", None) is not None else None,
             }
         )
 
@@ -259,6 +266,7 @@ class RoundLoop(Protocol):
             "selection_history": self.selection_history,
             "merged": self.merged,
             "gossip": self.gossip,
+            "dp_steps": site.dp.steps if getattr(site, "dp", None) is not None else None,
         }
 
     def resume(self, ctx: RoundContext, site: Any) -> int:
@@ -273,6 +281,8 @@ class RoundLoop(Protocol):
         self.selection_history = [list(x) for x in saved.get("selection_history", [])]
         self.merged = [list(x) for x in saved.get("merged", [])]
         self.gossip = dict(saved.get("gossip", {}))
+        if getattr(site, "dp", None) is not None:  # the privacy already spent stays spent
+            site.dp.restore(int(saved.get("dp_steps") or 0))
         self.best = BestModel.restore(saved.get("best"))
         for key, value in self.gossip.items():
             ctx.publish(key, value)

@@ -185,3 +185,21 @@ async def test_dashboard_shows_a_failed_peer_and_why() -> None:
     assert 'class="pill failed">failed<' in dom
     assert "failed (DataError)" in dom
     assert "1 failed" in dom  # the peers tile counts it
+
+
+async def test_dashboard_shows_the_privacy_a_site_spent() -> None:
+    telemetry = four_node_telemetry()
+    dom = await dashboard_dom(telemetry, "fedavgp2p")
+    assert 'id="t-dp">–<' in dom and "differential privacy off" in dom
+    dp = {
+        "epsilon": 2.4978,
+        "delta": 1e-5,
+        "noise_multiplier": 1.1894,
+        "max_grad_norm": 1.0,
+        "steps": 40,
+        "target_epsilon": 3.0,
+    }
+    telemetry.set_training({"class_weighting": None, "lr": 1e-3, "best": None, "dp": dp})
+    dom = await dashboard_dom(telemetry, "fedavgp2p")
+    assert 'id="t-dp">ε 2.50<' in dom
+    assert "δ 0.00001, σ 1.19, clip 1, 40 steps (target ε 3)" in dom

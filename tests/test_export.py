@@ -38,20 +38,47 @@ FAST = {
 }
 
 
+DP_STATUS: dict[str, Any] = {}  # what the nodes showed when they were done (the fixture fills it)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """site.yaml of node a after a two-node federation finished."""
+    """site.yaml of node a after a two-node federation finished. Site a trains
+    under differential privacy (training.dp, a site's own choice), site b not;
+    both run the GroupNorm CNN that Opacus can train."""
     root = tmp_path_factory.mktemp("export")
     plans = provision(
         root / "fed",
         ["a", "b"],
         protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0},
-        overrides=FAST,
+        overrides={**FAST, "model": {"name": "small_cnn_gn"}},
+        per_site={"a": {"training": {**FAST["training"], "dp": {"target_epsilon": 4.0}}}},
     )
     with LocalFederation(plans, root / "logs") as fed:
         for name in ("a", "b"):
             fed[name].wait_for(lambda s: s["phase"] == "done", 120, "two rounds done")
+        DP_STATUS["status"] = fed["a"].status()
+        DP_STATUS["metrics"] = fed["a"].get("/metrics")
+        DP_STATUS["status_b"] = fed["b"].status()
     return root / "fed" / "a" / "site.yaml"
+
+
+def test_the_privacy_a_site_spent_is_in_metrics_status_and_prometheus(trained):
+    rows = [
+        json.loads(line)
+        for line in (trained.parent / "state" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert 0 < rows[0]["dp_epsilon"] < rows[1]["dp_epsilon"] <= 4.0  # within the target
+    dp = DP_STATUS["status"]["training"]["dp"]
+    assert dp["epsilon"] == pytest.approx(rows[1]["dp_epsilon"])
+    assert dp["steps"] == rows[1]["dp_steps"] == 8  # 2 rounds x 4 steps
+    assert dp["target_epsilon"] == 4.0 and dp["delta"] == 1e-5
+    assert (
+        f'p2pfl_metric{{name="dp_epsilon",node="a"}} {rows[1]["dp_epsilon"]}'
+        in (DP_STATUS["metrics"])
+    )
+    assert DP_STATUS["status_b"]["training"]["dp"] is None  # site b chose no DP
 
 
 def write_dicom(path: Path, pixels: np.ndarray, photometric: str, **attributes: object) -> None:
@@ -147,9 +174,17 @@ def test_every_format_round_trips_to_the_nodes_own_classes(trained, tmp_path, ca
     report = classification_report(labels, proba, 10)
     assert macro == pytest.approx(report["macro_f1"]) and card["evaluation_this_site"]["ece"] >= 0
     assert card["privacy"]["secure_aggregation"] is False
-    assert card["privacy"]["differential_privacy"] is None
+    dp = card["privacy"]["differential_privacy"]
+    rows = [
+        json.loads(line)
+        for line in (trained.parent / "state" / "metrics.jsonl").read_text().splitlines()
+    ]
+    model_round = card["model"]["round"]
+    assert dp["epsilon"] == pytest.approx(rows[model_round - 1]["dp_epsilon"])
+    assert dp["epsilon_site_total"] == pytest.approx(rows[-1]["dp_epsilon"])
+    assert dp["delta"] == 1e-5 and dp["target_epsilon"] == 4.0
     text = (out / "model_card.md").read_text()
-    assert "differential privacy: none" in text and f"macro-F1 {macro:.3f}" in text
+    assert f"ε = {dp['epsilon']:.2f} at δ = 1e-05" in text and f"macro-F1 {macro:.3f}" in text
 
 
 def test_predict_reads_a_mixed_folder_and_names_the_unreadable_file(trained, tmp_path, capsys):
@@ -158,6 +193,14 @@ def test_predict_reads_a_mixed_folder_and_names_the_unreadable_file(trained, tmp
         main(["export", "--config", str(trained), "--out", str(out), "--format", "safetensors"])
         == 0
     )
+    site_b = trained.parent.parent / "b" / "site.yaml"
+    b_out = tmp_path / "b"
+    assert (
+        main(["export", "--config", str(site_b), "--out", str(b_out), "--format", "safetensors"])
+        == 0
+    )
+    card_b = (b_out / "model_card.md").read_text()
+    assert "differential privacy: none (no ε guarantee)" in card_b
     capsys.readouterr()
     images = raw_test_images(trained)[:6]
     folder = tmp_path / "scans"

@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec_option("--label-fraction", type=float)
     spec_option(
+        "--dp-target-epsilon",
+        type=float,
+        help="differentially private local training (Opacus) spending at most this ε "
+        "over the run (needs a model without BatchNorm: --model small_cnn_gn)",
+    )
+    spec_option("--dp-max-grad-norm", type=float, help="DP-SGD's per-sample clipping norm")
+    spec_option(
         "--min-per-site",
         type=int,
         help="the fewest training images a site may get (partition's --min-per-site)",

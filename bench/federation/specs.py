@@ -41,6 +41,8 @@ class RunSpec:
     lr_schedule: str = "cosine"
     label_fraction: float | None = None
     min_per_site: int | None = None  # partition_dataset's min_per_site
+    dp_target_epsilon: float | None = None  # training.dp.target_epsilon (None: no DP)
+    dp_max_grad_norm: float = 1.0  # training.dp.max_grad_norm
     round_timeout_s: float | None = None
     startup_wait_s: float = 60.0
     timeout_s: float = 1800.0
@@ -105,6 +107,11 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
         training["max_steps_per_epoch"] = spec.max_steps_per_epoch
     if spec.steps_per_round is not None:
         training["steps_per_round"] = spec.steps_per_round
+    if spec.dp_target_epsilon is not None:
+        training["dp"] = {
+            "target_epsilon": spec.dp_target_epsilon,
+            "max_grad_norm": spec.dp_max_grad_norm,
+        }
     sections: dict[str, dict[str, Any]] = {
         "model": {"name": spec.model},
         "training": training,

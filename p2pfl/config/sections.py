@@ -121,6 +121,30 @@ class ModelSection(Section):
     siamese: SiameseSection = SiameseSection()
 
 
+class DPSection(Section):
+    """Differentially private local training (Opacus DP-SGD)."""
+
+    noise_multiplier: float | None = Field(
+        None, ge=0.0, description="Gaussian noise std / max_grad_norm (or give target_epsilon)"
+    )
+    target_epsilon: float | None = Field(
+        None,
+        gt=0.0,
+        description="the ε the whole run may spend: the noise multiplier is computed for the "
+        "protocol's rounds x the steps of a round (or give noise_multiplier)",
+    )
+    max_grad_norm: float = Field(1.0, gt=0.0, description="per-sample gradient clipping norm")
+    delta: float | None = Field(
+        None, gt=0.0, lt=1.0, description="δ of the (ε, δ) guarantee (default 1e-5)"
+    )
+
+    @model_validator(mode="after")
+    def _one_noise_setting(self) -> DPSection:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("training.dp: give exactly one of noise_multiplier and target_epsilon")
+        return self
+
+
 class TrainingSection(Section):
     epochs: int = Field(1, ge=1, description="local epochs per round (E)")
     batch_size: int = Field(32, ge=1)
@@ -166,6 +190,11 @@ class TrainingSection(Section):
     )
     lr_step_rounds: int = Field(5, ge=1, description="step: rounds between two lr drops")
     lr_gamma: float = Field(0.5, gt=0.0, le=1.0, description="step: factor of each lr drop")
+    dp: DPSection | None = Field(
+        None,
+        description="differentially private local training (Opacus: per-sample clipping, "
+        "noise, RDP accountant); FedAVGP2P and FedSGDP2P only",
+    )
 
 
 class SelectionSection(Section):

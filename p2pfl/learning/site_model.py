@@ -68,3 +68,40 @@ def check_model_name(cfg: SiteConfig, path: str | Path) -> None:
     problem = not_a_vit(name) if builds_vit else unknown_model(name)
     if problem is not None:
         raise ConfigError(path, "model.name", *problem)
+
+
+def check_dp(cfg: SiteConfig, path: str | Path) -> None:
+    """`p2pfl-node check` of training.dp: a protocol whose local training is
+    DP-SGD, and a model Opacus can take per-sample gradients of (builds the
+    model with random weights, nothing else)."""
+    from p2pfl.learning.dp import DP_PROTOCOLS, refuse_unsupported
+    from p2pfl.learning.errors import TrainingError
+
+    if cfg.training.dp is None:
+        return
+    if cfg.protocol.name not in DP_PROTOCOLS:
+        raise ConfigError(
+            path,
+            "training.dp",
+            f"differential privacy is supported for {' and '.join(DP_PROTOCOLS)}, "
+            f"not {cfg.protocol.name}",
+            "remove training.dp or change protocol.name",
+        )
+    if cfg.model.siamese.enabled or cfg.training.devices > 1:
+        raise ConfigError(
+            path,
+            "training.dp",
+            "differential privacy needs one training device and no Siamese head",
+            "set training.devices: 1 and model.siamese.enabled: false",
+        )
+    model = create_model(
+        cfg.model.name,
+        in_chans=cfg.data.channels,
+        num_classes=2,
+        image_size=cfg.data.image_size,
+    )
+    try:
+        refuse_unsupported(model, cfg.model.name)
+    except TrainingError as exc:
+        problem, _, fix = str(exc).partition("; ")
+        raise ConfigError(path, "model.name", problem, fix) from None

@@ -24,6 +24,8 @@ from p2pfl.config import SiameseSection, SiteConfig, TrainingSection
 from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
 from p2pfl.learning.devices import resolve_device
+from p2pfl.learning.dp import DP_PROTOCOLS, DPTraining, refuse_unsupported
+from p2pfl.learning.dp import steps_per_round as dp_steps_per_round
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import (
     CALIBRATION_IMAGES,
@@ -107,7 +109,11 @@ class LocalSite:
         augment: str = "none",
         siamese: SiameseSection | None = None,
         device: str | torch.device | None = None,
+        rounds: int = 1,
+        model_name: str | None = None,
     ) -> None:
+        """`rounds` (the protocol's) and `model_name` serve training.dp: the steps a
+        target ε is planned over, and the model named in a refusal."""
         if augment not in ("none", "weak", "strong"):
             raise ValueError(f"augment must be 'none', 'weak' or 'strong', got {augment!r}")
         self.training = training
@@ -133,6 +139,37 @@ class LocalSite:
         self._shuffle_calls = 0
         self._prototypes_stale = True
         self._eval_chunk: int | None = None
+        self.dp: DPTraining | None = None
+        if training.dp is not None:
+            self._make_private(training, rounds, model_name or type(model).__name__)
+
+    def _make_private(self, training: TrainingSection, rounds: int, model_name: str) -> None:
+        """training.dp: Opacus's per-sample gradients on this model, its DPOptimizer
+        around the optimizer, its accountant (`p2pfl.learning.dp`)."""
+        if self.siamese is not None:
+            raise TrainingError(
+                "dp_unsupported_model", "training.dp: Siamese training is not supported"
+            )
+        if training.devices > 1:
+            raise TrainingError("dp_unsupported_devices", "training.dp: set training.devices: 1")
+        assert training.dp is not None
+        refuse_unsupported(self.model, model_name)
+        n_train = len(self.data.train)
+        per_round = dp_steps_per_round(
+            n_train,
+            training.batch_size,
+            training.epochs,
+            training.max_steps_per_epoch,
+            training.steps_per_round,
+        )
+        self.dp = DPTraining(
+            training.dp,
+            n_train=n_train,
+            batch_size=training.batch_size,
+            total_steps=max(1, rounds) * per_round,
+        )
+        self.dp.attach(self.model)
+        self.optimizer = self.dp.wrap(self.optimizer)
 
     # ------------------------------------------------------------------ construction
 
@@ -148,18 +185,28 @@ class LocalSite:
             num_classes=data.num_classes,
             image_size=data.image_size,
         )
+        if cfg.training.dp is not None and cfg.protocol.name not in DP_PROTOCOLS:
+            raise TrainingError(
+                "dp_unsupported_protocol",
+                f"training.dp is supported for {' and '.join(DP_PROTOCOLS)}, not "
+                f"{cfg.protocol.name}; remove training.dp or change protocol.name",
+            )
         return cls(
             model,
             data,
             cfg.training,
             augment=cfg.data.augment,
             siamese=cfg.model.siamese if cfg.model.siamese.enabled else None,
+            rounds=int(getattr(cfg.protocol, "rounds", 1) or 1),
+            model_name=cfg.model.name,
         )
 
     def reset_optimizer(self) -> None:
         """Fresh optimizer state (FedER and FedPerl rebuild Adam every round), at
         the current round's learning rate."""
         self.optimizer = build_optimizer(self.model, self.training, self.lr_factor)
+        if self.dp is not None:
+            self.optimizer = self.dp.wrap(self.optimizer)
 
     def set_lr_factor(self, factor: float) -> None:
         """Train at training.lr x `factor` from now on (the round's step of
@@ -306,6 +353,8 @@ class LocalSite:
             loss = self.loss(x, y)
             loss.backward()
             self.optimizer.step()
+            if self.dp is not None:
+                self.dp.step_taken()
             losses.append(float(loss.detach()))
             samples += len(y)
         return self.record_fit(losses, samples, time.perf_counter() - start)
@@ -405,6 +454,10 @@ class LocalSite:
         loss = self.loss(x.to(self.device), y.to(self.device))
         loss.backward()
         self.last_loss = float(loss.detach())
+        if self.dp is not None:
+            # DP-SGD's gradient: per-sample clipped, noised, averaged (no step)
+            self.optimizer.pre_step()  # type: ignore[attr-defined]
+            self.dp.step_taken()
         grads: dict[str, Tensor] = {}
         for name, param in self.model.named_parameters():
             if not param.requires_grad:
@@ -435,7 +488,10 @@ class LocalSite:
                     f"gradient {name} has shape {tuple(grad.shape)}, model has {tuple(param.shape)}",
                 )
             param.grad = grad.to(device=param.device, dtype=param.dtype)
-        self.optimizer.step()
+        if self.dp is not None:  # already private (each site noised its own): a plain step
+            self.optimizer.original_optimizer.step()  # type: ignore[attr-defined]
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._prototypes_stale = True
 

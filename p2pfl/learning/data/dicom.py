@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from p2pfl.learning.data.errors import DataError
+
 if TYPE_CHECKING:
     from pydicom.dataset import Dataset
 
@@ -35,8 +37,6 @@ _PRINTABLE = set(string.ascii_letters + string.digits + " .,:;()[]_-^/+=")
 
 
 def _error(reason: str, message: str) -> Exception:
-    from p2pfl.learning.data.sources import DataError  # sources imports us lazily
-
     return DataError(reason, message)
 
 

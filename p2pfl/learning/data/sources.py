@@ -22,20 +22,13 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from p2pfl.learning.data.errors import DataError
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp", ".dcm")
 SPLITS = ("train", "val", "test")
 
 UInt8Images = NDArray[np.uint8]
 Labels = NDArray[np.int64]
-
-
-class DataError(Exception):
-    """A data source that cannot be used; `reason` is a stable code, `str()` names the
-    file and the fix."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass

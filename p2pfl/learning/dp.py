@@ -1,0 +1,164 @@
+"""Differentially private local training with Opacus (`training.dp`).
+
+DP-SGD (Abadi et al. 2016) as Opacus implements it: per-sample gradients
+(`GradSampleModule`'s hooks on the site's own model, so parameter names and
+state dicts stay those of the model), each clipped to `max_grad_norm`, summed,
+Gaussian noise of std `noise_multiplier x max_grad_norm` added, divided by the
+batch size (`DPOptimizer`), and Opacus's RDP accountant advanced by one step of
+sample rate batch_size / train images per optimizer step. With
+`target_epsilon`, the noise multiplier is the one Opacus computes for the
+whole run (the protocol's rounds x the steps of a round) at `delta`.
+
+Batches are shuffled fixed-size batches, as Opacus's `make_private` makes with
+`poisson_sampling=False`; the accountant's bound assumes Poisson subsampling
+(the usual approximation; docs/threat-model.md). Everything a site shares
+afterwards (models, FedSGDP2P's noised gradients) is post-processing, so ε is
+the site's guarantee for its training images against anyone who sees what it
+sent, peers included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from p2pfl.config.sections import DPSection
+from p2pfl.learning.errors import TrainingError
+
+DEFAULT_DELTA = 1e-5
+DP_PROTOCOLS = ("fedavgp2p", "fedsgdp2p")  # the protocols whose local training is DP-SGD
+
+
+def unsupported_layers(model: nn.Module) -> list[str]:
+    """What Opacus cannot train privately in `model` (BatchNorm, ...), one line each."""
+    from opacus.validators import ModuleValidator
+
+    # Opacus explains at length; the first sentence names the layer and the problem
+    return [str(e).split(". ")[0].strip() for e in ModuleValidator.validate(model, strict=False)]
+
+
+def refuse_unsupported(model: nn.Module, model_name: str) -> None:
+    problems = unsupported_layers(model)
+    if problems:
+        fix = (
+            "use model.name: small_cnn_gn (the same CNN with GroupNorm)"
+            if model_name == "small_cnn"
+            else "use a model without BatchNorm (GroupNorm), e.g. small_cnn_gn"
+        )
+        raise TrainingError(
+            "dp_unsupported_model",
+            f"training.dp: Opacus cannot compute per-sample gradients of {model_name} "
+            f"({problems[0]}); {fix}",
+        )
+
+
+def steps_per_round(
+    n_train: int, batch_size: int, epochs: int, cap: int | None, fixed: int | None
+) -> int:
+    """Optimizer steps of one round of `LocalSite.training_batches`."""
+    if fixed is not None:
+        return fixed
+    per_epoch = math.ceil(n_train / batch_size)
+    if cap is not None:
+        per_epoch = min(per_epoch, cap)
+    return per_epoch * epochs
+
+
+class DPTraining:
+    """The privacy side of a LocalSite: noise, clipping, the accountant."""
+
+    def __init__(
+        self,
+        section: DPSection,
+        *,
+        n_train: int,
+        batch_size: int,
+        total_steps: int,
+    ) -> None:
+        from opacus.accountants import RDPAccountant
+        from opacus.accountants.utils import get_noise_multiplier
+
+        if n_train < 1:
+            raise TrainingError("dp_no_data", "training.dp: the site has no training images")
+        self.section = section
+        self.delta = section.delta if section.delta is not None else DEFAULT_DELTA
+        self.sample_rate = min(1.0, batch_size / n_train)
+        self.max_grad_norm = section.max_grad_norm
+        self.batch_size = batch_size
+        self.total_steps = max(1, total_steps)
+        if section.noise_multiplier is not None:
+            self.noise_multiplier = float(section.noise_multiplier)
+        else:
+            assert section.target_epsilon is not None
+            self.noise_multiplier = float(
+                get_noise_multiplier(
+                    target_epsilon=section.target_epsilon,
+                    target_delta=self.delta,
+                    sample_rate=self.sample_rate,
+                    steps=self.total_steps,
+                    accountant="rdp",
+                )
+            )
+        self.accountant = RDPAccountant()
+        self.steps = 0
+
+    def attach(self, model: nn.Module) -> None:
+        """Per-sample gradient hooks on `model` itself (its state dict is unchanged)."""
+        import warnings
+
+        from opacus import GradSampleModule
+
+        # The first layer's input needs no gradient; torch says so on every backward.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        self._hooks = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+
+    def wrap(self, optimizer: Optimizer) -> Optimizer:
+        from opacus.optimizers import DPOptimizer
+
+        if isinstance(optimizer, DPOptimizer):
+            optimizer = optimizer.original_optimizer
+        return DPOptimizer(
+            optimizer,
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.batch_size,
+            loss_reduction="mean",
+        )
+
+    def step_taken(self) -> None:
+        """Account for one private optimizer step."""
+        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        self.steps += 1
+
+    def restore(self, steps: int) -> None:
+        """After a resume: the steps already taken (the accountant's history)."""
+        from opacus.accountants import RDPAccountant
+
+        self.accountant = RDPAccountant()
+        self.steps = 0
+        if steps > 0:
+            self.accountant.history = [(self.noise_multiplier, self.sample_rate, int(steps))]
+            self.steps = int(steps)
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent so far at δ (0 before the first step)."""
+        if self.steps == 0:
+            return 0.0
+        return float(self.accountant.get_epsilon(delta=self.delta))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": self.max_grad_norm,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+            "target_epsilon": self.section.target_epsilon,
+            "planned_steps": self.total_steps,
+            "accountant": "rdp (opacus)",
+        }

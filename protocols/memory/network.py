@@ -95,11 +95,7 @@ class _Node:
     partitioned: bool = False
     silent: bool = False
     latency_s: float = 0.0
-    round: int = 0
-    phase: str = ""
     failed: str = ""  # the kind of error that stopped its protocol ("" while it runs)
-    meta: dict[str, Any] = field(default_factory=dict)
-    last_seen: float = 0.0
     handlers: dict[str, Handler] = field(default_factory=dict)
     offers: Offers = field(default_factory=Offers)
     inboxes: dict[str, asyncio.Queue[Received]] = field(default_factory=dict)
@@ -107,10 +103,43 @@ class _Node:
     checkpoint: bytes | None = None
     # the last Kept payload a handler returned and its encoded size
     kept_reply: tuple[Kept, int] | None = None
-    info: PeerInfo | None = None  # what peers() shows of it, updated in place
     task: asyncio.Task[None] | None = None
     round_events: dict[int, asyncio.Event] = field(default_factory=dict)
     agreement: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate)
+    # What peers() shows of it, and the one record of its round, phase, published
+    # metadata and last-seen time (the properties below): updated in place.
+    info: PeerInfo = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.info = PeerInfo(name=self.name, state="alive", round=0)
+
+    @property
+    def round(self) -> int:
+        return self.info.round
+
+    @round.setter
+    def round(self, value: int) -> None:
+        self.info.round = value
+
+    @property
+    def phase(self) -> str:
+        return self.info.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.info.phase = value
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.info.meta
+
+    @property
+    def last_seen(self) -> float:
+        return self.info.last_seen
+
+    @last_seen.setter
+    def last_seen(self, value: float) -> None:
+        self.info.last_seen = value
 
 
 class InMemoryNetwork:
@@ -169,7 +198,6 @@ class InMemoryNetwork:
         node = self._nodes.get(name)
         if node is None:
             node = _Node(name=name, config=config)
-            node.info = PeerInfo(name=name, state="alive", round=node.round, meta=node.meta)
             self._nodes[name] = node
         else:
             node.handlers.clear()
@@ -177,9 +205,8 @@ class InMemoryNetwork:
             node.task = None
             node.config = config or node.config
             node.failed = ""  # a restarted process runs its protocol again
-            assert node.info is not None
             node.info.state = "alive"
-        node.last_seen = node.info.last_seen = time.monotonic()
+        node.last_seen = time.monotonic()
         self._reachable = None
         if self.checkpoint_dir is not None and node.checkpoint is None:
             path = self.checkpoint_dir / f"{name}.ckpt"
@@ -215,9 +242,7 @@ class InMemoryNetwork:
         for); it still answers for what it had offered."""
         node = self._node(name)
         node.failed = type(error).__name__
-        node.phase = FAILED
-        assert node.info is not None
-        node.info.phase = node.info.state = FAILED
+        node.phase = node.info.state = FAILED
         self._reachable = None
         node.offers.wake_all()
 
@@ -237,7 +262,7 @@ class InMemoryNetwork:
             self._reachable = [
                 node.info
                 for name, node in sorted(self._nodes.items())
-                if node.alive and not node.partitioned and node.info is not None
+                if node.alive and not node.partitioned
             ]
             self._alive = [info for info in self._reachable if info.state == "alive"]
             self._alive_names = [info.name for info in self._alive]
@@ -399,8 +424,6 @@ class InMemoryContext(RoundContext):
     @round.setter
     def round(self, value: int) -> None:
         self._node.round = value
-        if self._node.info is not None:
-            self._node.info.round = value
         for r, event in list(self._node.round_events.items()):
             if r <= value:
                 event.set()
@@ -408,8 +431,6 @@ class InMemoryContext(RoundContext):
 
     def set_phase(self, phase: str) -> None:
         self._node.phase = phase
-        if self._node.info is not None:
-            self._node.info.phase = phase
         self.phase = phase
 
     def peers(self, alive_only: bool = True) -> list[PeerInfo]:
@@ -466,9 +487,6 @@ class InMemoryContext(RoundContext):
     def publish(self, key: str, value: Any) -> None:
         self._node.meta[key] = loads(dumps(value))
         self._node.last_seen = time.monotonic()
-        if self._node.info is not None:
-            self._node.info.meta = self._node.meta
-            self._node.info.last_seen = self._node.last_seen
 
     async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.network.inline_train:

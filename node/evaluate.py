@@ -49,6 +49,14 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 def latest_model(cfg: SiteConfig, path: Path, which: str = "latest") -> dict[str, torch.Tensor]:
     """The node's latest model, or (`which="best"`) its best on its own
     validation split, from its last checkpoint."""
+    return checkpointed_model(cfg, path, which)[0]
+
+
+def checkpointed_model(
+    cfg: SiteConfig, path: Path, which: str = "latest"
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """(`latest_model`'s model, the round it is the model of) from one read of
+    the last checkpoint."""
     state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest()
     if not state or not isinstance(state.get("protocol"), dict) or "model" not in state["protocol"]:
         raise ConfigError(
@@ -67,8 +75,13 @@ def latest_model(cfg: SiteConfig, path: Path, which: str = "latest") -> dict[str
                 "(the site has no validation split, or the node ran before best models were kept)",
                 "evaluate --model latest, or give the site a val split (data.val_fraction)",
             )
-        return best["model"]
-    return state["protocol"]["model"]
+        return best["model"], _round_of(best)
+    return state["protocol"]["model"], _round_of(state["protocol"])
+
+
+def _round_of(entry: dict[str, Any]) -> int | None:
+    value = entry.get("round")
+    return value if isinstance(value, int) else None
 
 
 def cross_site(

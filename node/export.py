@@ -23,9 +23,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from node.evaluate import latest_model
+from node.evaluate import checkpointed_model
+from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
 from p2pfl.files import atomic_write_text
+from p2pfl.learning.dp import DEFAULT_DELTA
 from p2pfl.learning.export import FORMATS, Architecture, ExportError, write_package
 from p2pfl.learning.metrics import classification_report
 from p2pfl.learning.train import LocalSite
@@ -57,26 +59,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _checkpoint_round(cfg: SiteConfig, which: str) -> int | None:
-    from node.queues import Checkpoints
-
-    state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest() or {}
-    protocol = state.get("protocol") if isinstance(state.get("protocol"), dict) else {}
-    source = protocol.get("best") if which == "best" else protocol
-    value = source.get("round") if isinstance(source, dict) else None
-    return int(value) if isinstance(value, int) else None
-
-
 def class_counts(site: LocalSite) -> dict[str, dict[str, int]]:
     """Images per class and split: counts only."""
     names = site.data.class_names
-    out: dict[str, dict[str, int]] = {}
-    for split in ("train", "val", "test"):
-        dataset = getattr(site.data, split)
-        if dataset is None:
-            continue
-        labels = dataset.tensors[1].numpy()
-        out[split] = {name: int((labels == i).sum()) for i, name in enumerate(names)}
+    out = {
+        split: dict(zip(names, site.data.class_counts(split), strict=True))
+        for split in ("train", "val", "test")
+        if getattr(site.data, split) is not None
+    }
     if site.data.unlabeled is not None:
         out["unlabeled"] = {"(no label)": len(site.data.unlabeled)}
     return out
@@ -100,16 +90,8 @@ def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
     dp = cfg.training.dp
     if dp is None:
         return None
-    rows: list[dict[str, Any]] = []
     path = Path(cfg.node.state_dir) / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a torn last line after a crash
-            if isinstance(row, dict) and isinstance(row.get("dp_epsilon"), (int, float)):
-                rows.append(row)
+    rows = [r for r in read_metrics(path) if isinstance(r.get("dp_epsilon"), (int, float))]
     if not rows:
         raise ExportError(
             f"training.dp is set but {path} records no ε (dp_epsilon): run the node first"
@@ -119,7 +101,7 @@ def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
     return {
         "epsilon": float(at_model[-1]["dp_epsilon"]) if at_model else float(last["dp_epsilon"]),
         "epsilon_site_total": float(last["dp_epsilon"]),
-        "delta": dp.delta if dp.delta is not None else 1e-5,
+        "delta": dp.delta if dp.delta is not None else DEFAULT_DELTA,
         "noise_multiplier": float(last.get("dp_noise_multiplier", float("nan"))),
         "max_grad_norm": dp.max_grad_norm,
         "target_epsilon": dp.target_epsilon,
@@ -295,7 +277,7 @@ def run_export(args: argparse.Namespace) -> int:
             "export a site whose model.name builds the whole network"
         )
     cross = _cross_site(args.cross_site)
-    state = latest_model(cfg, args.config, args.which)
+    state, model_round = checkpointed_model(cfg, args.config, args.which)
     site = LocalSite.from_config(cfg)
     site.load_state_dict(state)
     arch = Architecture(
@@ -315,16 +297,15 @@ def run_export(args: argparse.Namespace) -> int:
         check = x[:CHECK_IMAGES]
     else:
         check = site.data.train.tensors[0][:CHECK_IMAGES]
-    model_round = _checkpoint_round(cfg, args.which)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
         description = write_package(
             args.out,
-            {k: v.detach().cpu() for k, v in site.state_dict().items()},
+            site.state_dict(),
             arch,
             site.data.class_names,
             args.formats,
-            check.cpu().float(),
+            check,
             extra={"site": cfg.node.name, "which": args.which, "round": model_round},
         )
     card = model_card(cfg, site, args.which, model_round, evaluation, cross, description["files"])

@@ -30,7 +30,13 @@ import numpy as np
 import torch
 
 from p2pfl.errors import UserError
-from p2pfl.learning.data.sources import IMAGE_SUFFIXES, DataError, read_image_file
+from p2pfl.files import atomic_write_text
+from p2pfl.learning.data.sources import (
+    IMAGE_SUFFIXES,
+    DataError,
+    as_nhwc_uint8,
+    read_image_file,
+)
 from p2pfl.learning.export import Predictor
 
 NPZ_KEYS = ("images", "test_images", "val_images", "train_images", "unlabeled_images")
@@ -71,16 +77,10 @@ def images_of(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             key = next((k for k in NPZ_KEYS if k in arrays.files), None)
             if key is None:
                 raise DataError("no_images", f"{path}: no array named {' or '.join(NPZ_KEYS)}")
-            images = np.asarray(arrays[key])
+            raw = np.asarray(arrays[key])
     except (OSError, ValueError, EOFError) as exc:
         raise DataError("corrupt_npz", f"{path}: cannot read .npz ({exc})") from None
-    if images.dtype != np.uint8 or images.ndim not in (3, 4):
-        raise DataError(
-            "bad_npz",
-            f"{path}: {key} must be uint8 N,H,W or N,H,W,C, got {images.dtype} {images.shape}",
-        )
-    if images.ndim == 3:
-        images = images[..., None]
+    images = as_nhwc_uint8(raw, f"{path}: {key}")  # as a data source's images are read
     for i, image in enumerate(images):
         yield f"{path}[{i}]", image
 
@@ -126,8 +126,7 @@ def run_predict(args: argparse.Namespace) -> int:
     writer.writerow(header)
     writer.writerows(rows)
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        args.csv.write_text(buffer.getvalue())
+        atomic_write_text(args.csv, buffer.getvalue())
     else:
         sys.stdout.write(buffer.getvalue())
     summary = {

@@ -5,7 +5,6 @@ and read every node's state/metrics.jsonl."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -18,6 +17,7 @@ import psutil
 from bench.federation.outcome import POLL_INTERVAL_S, Report, RunOutcome, bench_row, stdout_line
 from bench.federation.specs import RunSpec, node_overrides, protocol_section, site_names
 from bench.localfed import LocalFederation, NodeProcess
+from node.metricslog import read_metrics
 from node.provision import SitePlan, provision
 
 log = logging.getLogger(__name__)
@@ -123,24 +123,6 @@ def protocol_traffic(status: dict[str, Any]) -> tuple[int, int]:
         by_kind = ((status.get(field_name) or {}).get("sent") or {}).get("by_kind") or {}
         out.append(sum(int(v) for k, v in by_kind.items() if k != HEARTBEAT_KIND))
     return out[0], out[1]
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    if not path.exists():
-        return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            log.warning("%s: unreadable metrics line skipped", path)
-            continue
-        if isinstance(record, dict) and isinstance(record.get("round"), int):
-            rows.append(record)
-    return rows
 
 
 def run_processes(

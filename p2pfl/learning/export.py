@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +41,7 @@ FILES = {"safetensors": "model.safetensors", "onnx": "model.onnx", "torchscript"
 FORMATS = tuple(FILES)
 Runtime = Literal["auto", "torch", "onnx"]
 ONNX_TOLERANCE = 1e-4  # largest |p_onnx - p_torch| an export accepts
+Runner = Callable[[Tensor], np.ndarray]  # preprocessed N,C,H,W -> N x classes probabilities
 
 
 class ExportError(UserError):
@@ -77,11 +78,42 @@ class WithSoftmax(nn.Module):
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def torch_runner(net: nn.Module) -> Runner:
+    """A module that outputs probabilities (`WithSoftmax`, or TorchScript of it)."""
+    net.eval()
+
+    def run(x: Tensor) -> np.ndarray:
+        with torch.no_grad():
+            return net(x).numpy()
+
+    return run
+
+
+def onnx_runner(path: Path) -> Runner:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ExportError("ONNX needs onnxruntime: pip install onnxruntime") from None
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def run(x: Tensor) -> np.ndarray:
+        return np.asarray(session.run(None, {"image": x.numpy()})[0])
+
+    return run
+
+
+def safetensors_model(arch: Architecture, path: Path) -> WithSoftmax:
+    """The network model.json describes, with the weights of `path` (strict)."""
+    from p2pfl.learning.models import ModelError, load_weights
+
+    try:
+        return WithSoftmax(load_weights(arch.build(), path))
+    except ModelError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def input_description(image_size: int, channels: int) -> dict[str, Any]:
@@ -132,9 +164,8 @@ def write_package(
     files: dict[str, dict[str, Any]] = {}
     for fmt in formats:
         path = out / FILES[fmt]
-        check = _WRITERS[fmt](net, path, check_images, arch)
-        got = check()
-        gap = float(np.abs(got - reference).max()) if len(reference) else 0.0
+        run = _WRITERS[fmt](net, path, check_images, arch)
+        gap = float(np.abs(run(check_images) - reference).max()) if len(reference) else 0.0
         if gap > ONNX_TOLERANCE:
             path.unlink(missing_ok=True)
             raise ExportError(
@@ -160,28 +191,19 @@ def write_package(
     return description
 
 
-def _write_safetensors(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Any:
+# Each writer saves `net` to `path` and returns a runner of what it saved, read
+# back as `predict` will read it.
+
+
+def _write_safetensors(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Runner:
     from safetensors.torch import save_file
 
     state = {k: v.detach().contiguous().clone() for k, v in net.model.state_dict().items()}
     save_file(state, str(path), metadata={"format": "pt"})
-
-    def check() -> np.ndarray:
-        from safetensors.torch import load_file
-
-        model = WithSoftmax(arch.build())  # from the description, as predict will
-        model.model.load_state_dict(load_file(str(path)), strict=True)
-        with torch.no_grad():
-            return model.eval()(x).numpy()
-
-    return check
+    return torch_runner(safetensors_model(arch, path))  # built from the description alone
 
 
-def _write_onnx(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Any:
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise ExportError("onnx export needs onnxruntime: pip install onnxruntime") from None
+def _write_onnx(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Runner:
     sample = x[:2] if len(x) >= 2 else torch.zeros(2, *x.shape[1:])  # a batch dim > 1
     torch.onnx.export(  # torch.export-based exporter (onnxscript), any batch size
         net,
@@ -193,28 +215,15 @@ def _write_onnx(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> 
         dynamo=True,
         verbose=False,
     )
-
-    def check() -> np.ndarray:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        if not len(x):
-            return np.zeros((0, 0), dtype=np.float32)
-        return np.asarray(session.run(None, {"image": x.numpy()})[0])
-
-    return check
+    return onnx_runner(path)
 
 
-def _write_torchscript(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Any:
+def _write_torchscript(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Runner:
     sample = x[:1] if len(x) else torch.zeros(1, *x.shape[1:])
     with torch.no_grad():
         traced = torch.jit.trace(net, sample)
     traced.save(str(path))
-
-    def check() -> np.ndarray:
-        loaded = torch.jit.load(str(path))  # our own file, written just now
-        with torch.no_grad():
-            return loaded(x).numpy()
-
-    return check
+    return torch_runner(torch.jit.load(str(path)))  # our own file, written just now
 
 
 _WRITERS = {
@@ -261,7 +270,6 @@ class Predictor:
                 f"{meta_path}: {len(self.classes)} classes for a model with "
                 f"{self.arch.num_classes} outputs"
             )
-        self.meta = meta
         self.runtime = self._choose(runtime, files)
         entry = files[self.runtime_format]
         path = self.dir / str(entry["file"])
@@ -272,7 +280,11 @@ class Predictor:
                 f"{path}: its SHA-256 differs from {MODEL_JSON}'s — the file was changed or "
                 "damaged after export; export it again"
             )
-        self._run = self._load_torch(path) if self.runtime == "torch" else self._load_onnx(path)
+        self._run = (
+            torch_runner(safetensors_model(self.arch, path))
+            if self.runtime == "torch"
+            else onnx_runner(path)
+        )
 
     @property
     def runtime_format(self) -> str:
@@ -294,42 +306,6 @@ class Predictor:
         if "onnx" not in files:
             raise ExportError(f"{self.dir}: no ONNX file; use --runtime torch")
         return "onnx"
-
-    def _load_torch(self, path: Path) -> Any:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise ExportError(f"{path}: not a safetensors file ({exc})") from None
-        model = self.arch.build()
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise ExportError(f"{path}: does not fit {self.arch.name} ({first})") from None
-        net = WithSoftmax(model).eval()
-
-        def run(x: Tensor) -> np.ndarray:
-            with torch.no_grad():
-                return net(x).numpy()
-
-        return run
-
-    def _load_onnx(self, path: Path) -> Any:
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            raise ExportError(
-                "the ONNX runtime needs onnxruntime: pip install onnxruntime"
-            ) from None
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-        def run(x: Tensor) -> np.ndarray:
-            return np.asarray(session.run(None, {"image": x.numpy()})[0])
-
-        return run
 
     def preprocess(self, image: UInt8Images) -> Tensor:
         """One uint8 H,W,C image -> the 1,C,H,W tensor training would have made of it."""

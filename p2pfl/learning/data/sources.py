@@ -58,7 +58,7 @@ class RawSplits:
 # ---------------------------------------------------------------------- readers
 
 
-def _as_nhwc_uint8(images: np.ndarray, where: str) -> UInt8Images:
+def as_nhwc_uint8(images: np.ndarray, where: str) -> UInt8Images:
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or images.shape[3] not in (1, 3, 4):
@@ -139,14 +139,14 @@ def read_npz(path: str | Path) -> RawSplits:
             raise DataError(
                 "missing_split", f"{path}: {split}_images without {split}_labels — add the labels"
             )
-        images = _as_nhwc_uint8(arrays[f"{split}_images"], f"{path}:{split}_images")
+        images = as_nhwc_uint8(arrays[f"{split}_images"], f"{path}:{split}_images")
         raw[f"{split}_images"] = images
         raw[f"{split}_labels"] = _as_labels(
             arrays[f"{split}_labels"], len(images), f"{path}:{split}_labels"
         )
     unlabeled = arrays.get("unlabeled_images")
     raw["unlabeled_images"] = (
-        None if unlabeled is None else _as_nhwc_uint8(unlabeled, f"{path}:unlabeled_images")
+        None if unlabeled is None else as_nhwc_uint8(unlabeled, f"{path}:unlabeled_images")
     )
     _check_same_size(raw, str(path))
     if "class_names" in arrays:

@@ -19,7 +19,6 @@ sent, peers included.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torch import nn
@@ -40,6 +39,24 @@ def unsupported_layers(model: nn.Module) -> list[str]:
     return [str(e).split(". ")[0].strip() for e in ModuleValidator.validate(model, strict=False)]
 
 
+def unsupported_setting(
+    protocol: str | None, *, siamese: bool, devices: int
+) -> tuple[str, str] | None:
+    """(problem, fix) when training.dp cannot run with this protocol (None: not
+    known here), Siamese head or number of training devices; else None."""
+    if protocol is not None and protocol not in DP_PROTOCOLS:
+        return (
+            f"differential privacy is supported for {' and '.join(DP_PROTOCOLS)}, not {protocol}",
+            "remove training.dp or change protocol.name",
+        )
+    if siamese or devices > 1:
+        return (
+            "differential privacy needs one training device and no Siamese head",
+            "set training.devices: 1 and model.siamese.enabled: false",
+        )
+    return None
+
+
 def refuse_unsupported(model: nn.Module, model_name: str) -> None:
     problems = unsupported_layers(model)
     if problems:
@@ -53,18 +70,6 @@ def refuse_unsupported(model: nn.Module, model_name: str) -> None:
             f"training.dp: Opacus cannot compute per-sample gradients of {model_name} "
             f"({problems[0]}); {fix}",
         )
-
-
-def steps_per_round(
-    n_train: int, batch_size: int, epochs: int, cap: int | None, fixed: int | None
-) -> int:
-    """Optimizer steps of one round of `LocalSite.training_batches`."""
-    if fixed is not None:
-        return fixed
-    per_epoch = math.ceil(n_train / batch_size)
-    if cap is not None:
-        per_epoch = min(per_epoch, cap)
-    return per_epoch * epochs
 
 
 class DPTraining:
@@ -103,7 +108,11 @@ class DPTraining:
                 )
             )
         self.accountant = RDPAccountant()
-        self.steps = 0
+
+    @property
+    def steps(self) -> int:
+        """Private steps taken so far (the accountant's history)."""
+        return sum(int(n) for _, _, n in self.accountant.history)
 
     def attach(self, model: nn.Module) -> None:
         """Per-sample gradient hooks on `model` itself (its state dict is unchanged)."""
@@ -131,17 +140,14 @@ class DPTraining:
     def step_taken(self) -> None:
         """Account for one private optimizer step."""
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
-        self.steps += 1
 
     def restore(self, steps: int) -> None:
         """After a resume: the steps already taken (the accountant's history)."""
         from opacus.accountants import RDPAccountant
 
         self.accountant = RDPAccountant()
-        self.steps = 0
         if steps > 0:
             self.accountant.history = [(self.noise_multiplier, self.sample_rate, int(steps))]
-            self.steps = int(steps)
 
     @property
     def epsilon(self) -> float:

@@ -74,26 +74,16 @@ def check_dp(cfg: SiteConfig, path: str | Path) -> None:
     """`p2pfl-node check` of training.dp: a protocol whose local training is
     DP-SGD, and a model Opacus can take per-sample gradients of (builds the
     model with random weights, nothing else)."""
-    from p2pfl.learning.dp import DP_PROTOCOLS, refuse_unsupported
+    from p2pfl.learning.dp import refuse_unsupported, unsupported_setting
     from p2pfl.learning.errors import TrainingError
 
     if cfg.training.dp is None:
         return
-    if cfg.protocol.name not in DP_PROTOCOLS:
-        raise ConfigError(
-            path,
-            "training.dp",
-            f"differential privacy is supported for {' and '.join(DP_PROTOCOLS)}, "
-            f"not {cfg.protocol.name}",
-            "remove training.dp or change protocol.name",
-        )
-    if cfg.model.siamese.enabled or cfg.training.devices > 1:
-        raise ConfigError(
-            path,
-            "training.dp",
-            "differential privacy needs one training device and no Siamese head",
-            "set training.devices: 1 and model.siamese.enabled: false",
-        )
+    problem = unsupported_setting(
+        cfg.protocol.name, siamese=cfg.model.siamese.enabled, devices=cfg.training.devices
+    )
+    if problem is not None:
+        raise ConfigError(path, "training.dp", *problem)
     model = create_model(
         cfg.model.name,
         in_chans=cfg.data.channels,

@@ -24,8 +24,7 @@ from p2pfl.config import SiameseSection, SiteConfig, TrainingSection
 from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
 from p2pfl.learning.devices import resolve_device
-from p2pfl.learning.dp import DP_PROTOCOLS, DPTraining, refuse_unsupported
-from p2pfl.learning.dp import steps_per_round as dp_steps_per_round
+from p2pfl.learning.dp import DPTraining, refuse_unsupported, unsupported_setting
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import (
     CALIBRATION_IMAGES,
@@ -53,6 +52,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def refuse_dp_setting(protocol: str | None, *, siamese: bool, devices: int) -> None:
+    """TrainingError when training.dp cannot run this way (`dp.unsupported_setting`)."""
+    problem = unsupported_setting(protocol, siamese=siamese, devices=devices)
+    if problem is not None:
+        raise TrainingError("dp_unsupported", f"training.dp: {problem[0]} — {problem[1]}")
 
 
 def median_frequency_weights(counts: list[int] | np.ndarray) -> Tensor:
@@ -146,27 +152,14 @@ class LocalSite:
     def _make_private(self, training: TrainingSection, rounds: int, model_name: str) -> None:
         """training.dp: Opacus's per-sample gradients on this model, its DPOptimizer
         around the optimizer, its accountant (`p2pfl.learning.dp`)."""
-        if self.siamese is not None:
-            raise TrainingError(
-                "dp_unsupported_model", "training.dp: Siamese training is not supported"
-            )
-        if training.devices > 1:
-            raise TrainingError("dp_unsupported_devices", "training.dp: set training.devices: 1")
+        refuse_dp_setting(None, siamese=self.siamese is not None, devices=training.devices)
         assert training.dp is not None
         refuse_unsupported(self.model, model_name)
-        n_train = len(self.data.train)
-        per_round = dp_steps_per_round(
-            n_train,
-            training.batch_size,
-            training.epochs,
-            training.max_steps_per_epoch,
-            training.steps_per_round,
-        )
         self.dp = DPTraining(
             training.dp,
-            n_train=n_train,
+            n_train=len(self.data.train),
             batch_size=training.batch_size,
-            total_steps=max(1, rounds) * per_round,
+            total_steps=max(1, rounds) * self.steps_per_round(),
         )
         self.dp.attach(self.model)
         self.optimizer = self.dp.wrap(self.optimizer)
@@ -185,11 +178,11 @@ class LocalSite:
             num_classes=data.num_classes,
             image_size=data.image_size,
         )
-        if cfg.training.dp is not None and cfg.protocol.name not in DP_PROTOCOLS:
-            raise TrainingError(
-                "dp_unsupported_protocol",
-                f"training.dp is supported for {' and '.join(DP_PROTOCOLS)}, not "
-                f"{cfg.protocol.name}; remove training.dp or change protocol.name",
+        if cfg.training.dp is not None:
+            refuse_dp_setting(
+                cfg.protocol.name,
+                siamese=cfg.model.siamese.enabled,
+                devices=cfg.training.devices,
             )
         return cls(
             model,
@@ -334,6 +327,17 @@ class LocalSite:
                     break
                 if len(y) >= 2:
                     yield x, y
+
+    def steps_per_round(self) -> int:
+        """The optimizer steps `training_batches` takes in a round, at most (a
+        last batch of one sample, which it skips, is counted)."""
+        training = self.training
+        if training.steps_per_round is not None:
+            return training.steps_per_round
+        per_epoch = -(-len(self.data.train) // training.batch_size)
+        if training.max_steps_per_epoch is not None:
+            per_epoch = min(per_epoch, training.max_steps_per_epoch)
+        return per_epoch * training.epochs
 
     def train_epochs(self, epochs: int | None = None) -> dict[str, float]:
         """Local training for `epochs` (default training.epochs) epochs, in this

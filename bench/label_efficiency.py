@@ -1,33 +1,40 @@
-"""Label efficiency of peer-to-peer Fed-MAE pre-training (issue 8).
+"""Label efficiency of peer-to-peer self-supervised pre-training (issues 8 and 19).
 
 A ViT classifier fine-tuned with FedAVGP2P starting from a P2P Fed-MAE
-pre-trained encoder against the same classifier started from scratch, at
-several label fractions, on an in-memory federation (protocols/memory/):
+encoder, from a P2P Fed-BEiT encoder, and from scratch, at several label
+fractions, on an in-memory federation (protocols/memory/), for every seed of
+--seeds (the seed draws the partition, the kept labels and every model):
 
-1. Partition the data among --nodes sites (--scheme, --seed), once per label
+1. Partition the data among --nodes sites (--scheme, seed), once per label
    fraction. The Dirichlet draw comes first, so every fraction gives each site
    the same images; only which of them keep their label changes.
-2. Pre-train: Fed-MAE (FedAVGP2P exchange, --selection heuristic) for
-   --pretrain-rounds rounds over every image of every site, labelled or not.
-   Each node writes its encoder and its reconstruction grid PNG under its
-   state dir.
-3. Scratch: the same protocol with 0 rounds writes each node's untouched
-   initial encoder, so both arms build the same classifier (same depth, patch
-   size, average pooling, head) through the same code path
-   (`model.pretrained_from`); only the pre-training differs.
+2. Pre-train, over every image of every site, labelled or not, for
+   --pretrain-rounds rounds each (FedAVGP2P exchange, --selection heuristic):
+   Fed-MAE (mask 0.6, pixel regression), and Fed-BEiT (a tokenizer trained by
+   the federation for --tokenizer-rounds rounds first, then blockwise masks of
+   at most 40 %, visual-token cross-entropy). Each node writes its encoder
+   (and its reconstruction grid or token maps PNG) under its state dir.
+3. Scratch: Fed-MAE with 0 rounds writes each node's untouched initial
+   encoder, so every arm builds the same classifier (same depth, patch size,
+   average pooling, head) through the same code path (`model.pretrained_from`);
+   only the pre-training differs.
 4. Fine-tune: FedAVGP2P for --finetune-rounds rounds at every label fraction,
-   from each arm's encoders, same seeds, the same --steps-per-round local steps
-   per round at every fraction, class-weighted cross-entropy, once per lr of
-   --finetune-lrs; each arm keeps, per fraction, the lr whose validation
-   macro-F1 (mean over the nodes, last 3 evaluations) is best.
+   from each arm's encoders, the same seeds, the same --steps-per-round local
+   steps per round at every fraction, class-weighted cross-entropy, once per
+   lr of --finetune-lrs; each arm keeps, per seed and fraction, the lr whose
+   validation macro-F1 (mean over the nodes, last 3 evaluations) is best.
 
-Reported, for the kept lr: mean over the nodes of the final test macro-F1
-(each node's own test share), the mean of the last 3 evaluations of it, and
-accuracy, per fraction and arm. Plot: macro-F1 against the label fraction, the
-fine-tuning curves, and the pre-training reconstruction loss. The last stdout
-line is one JSON object. Pre-training checkpoints go to disk: a killed run
-resumes it, a larger --pretrain-rounds extends it, and --reuse-pretraining
-skips it when OUT/pretrain.json holds a finished one.
+Reported per seed and as mean and standard deviation over the seeds: the mean
+over the nodes of the final test macro-F1 (each node's own test share), the
+mean of its last 3 evaluations, and accuracy, per fraction and arm; the
+tokenizer's codebook perplexity and share of codes in use. Plot: macro-F1
+against the label fraction (error bars: std over seeds), the fine-tuning
+curves, the pre-training curves. The last stdout line is one JSON object.
+Pre-training checkpoints go to disk: a killed run resumes it, and
+--reuse skips a pre-training (OUT/seedS/pretrain_ARM.json) or a whole seed
+(OUT/seedS/seed.json) finished with the same settings, so the seeds can run
+as separate processes (--seeds 0, --seeds 1, ...) and a last run with every
+seed and --reuse pools them.
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m bench.label_efficiency --out runs/label_efficiency
 """
@@ -38,6 +45,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import statistics
 import sys
 import time
@@ -54,6 +62,10 @@ from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simula
 log = logging.getLogger("bench.label_efficiency")
 
 MODEL = "vit_tiny_patch16_224"
+ARMS = ("scratch", "fedmae", "fedbeit")
+ARM_NAMES = {"scratch": "scratch", "fedmae": "Fed-MAE", "fedbeit": "Fed-BEiT"}
+ARM_COLOURS = {"scratch": "tab:gray", "fedmae": "tab:blue", "fedbeit": "tab:orange"}
+PRETRAIN_METRIC = {"fedmae": "recon_loss", "fedbeit": "token_loss"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=5)
     p.add_argument("--scheme", default="dirichlet:0.5")
     p.add_argument("--fractions", default="0.01,0.1,1.0")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeds", default="0,1,2", help="each draws the partition, the kept labels and the models"
+    )
     p.add_argument("--image-size", type=int, default=28)
     p.add_argument(
         "--depth", type=int, default=4, help="ViT blocks (vit_tiny has 12; fewer for CPU)"
@@ -73,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrain-rounds", type=int, default=40)
     p.add_argument("--pretrain-epochs", type=int, default=1)
     p.add_argument("--pretrain-lr", type=float, default=1e-3)
+    p.add_argument("--tokenizer-rounds", type=int, default=10, help="Fed-BEiT's tokenizer stage")
+    p.add_argument("--codebook-size", type=int, default=256, help="Fed-BEiT's visual tokens")
     p.add_argument("--finetune-rounds", type=int, default=20)
     p.add_argument(
         "--finetune-lrs",
@@ -89,9 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pretrain-only", action="store_true", help="stop after pre-training")
     p.add_argument(
-        "--reuse-pretraining",
+        "--reuse",
         action="store_true",
-        help="skip pre-training when OUT/pretrain.json holds a finished one with these settings",
+        help="reuse finished work in OUT run with the same settings: a pre-training "
+        "(OUT/seedS/pretrain_ARM.json) and a whole seed (OUT/seedS/seed.json), so seeds can run "
+        "in separate processes and one last run pools them",
     )
     return p.parse_args(argv)
 
@@ -136,15 +154,16 @@ def site_configs(
     sources: list[str],
     state_root: Path,
     *,
+    seed: int,
     protocol: dict[str, Any],
     training: dict[str, Any],
 ) -> list[SiteConfig]:
-    """Both arms' sites: the ViT on --image-size grey images, weak augmentation,
-    --selection neighbours, --seed; `protocol` and `training` per phase."""
+    """Every arm's sites: the ViT on --image-size grey images, weak augmentation,
+    --selection neighbours, `seed`; `protocol` and `training` per phase."""
     return simulation_configs(
         sources,
         protocol=protocol,
-        seed=args.seed,
+        seed=seed,
         state_root=state_root,
         model={"name": MODEL},
         data={"image_size": args.image_size, "channels": 1, "augment": "weak"},
@@ -153,21 +172,40 @@ def site_configs(
     )
 
 
+def pretrain_protocol(args: argparse.Namespace, arm: str, rounds: int) -> dict[str, Any]:
+    """The pre-training section of an arm: the same rounds, exchange, depth and
+    local training for Fed-MAE and Fed-BEiT (scratch: Fed-MAE with 0 rounds)."""
+    common = {
+        "rounds": rounds,
+        "fraction": args.fraction,
+        "encoder_depth": args.depth,
+        "round_timeout_s": 600.0,
+        "eval_every": 1,
+    }
+    if arm == "fedbeit":
+        return {
+            "name": "fedbeit",
+            **common,
+            "tokenizer_rounds": args.tokenizer_rounds,
+            "codebook_size": args.codebook_size,
+        }
+    return {"name": "fedmae", **common}
+
+
 def pretrain(
-    args: argparse.Namespace, sources: list[str], rounds: int, state_root: Path
+    args: argparse.Namespace,
+    sources: list[str],
+    arm: str,
+    rounds: int,
+    state_root: Path,
+    seed: int,
 ) -> tuple[list[Path], SimulationResult]:
     configs = site_configs(
         args,
         sources,
         state_root,
-        protocol={
-            "name": "fedmae",
-            "rounds": rounds,
-            "fraction": args.fraction,
-            "encoder_depth": args.depth,
-            "round_timeout_s": 600.0,
-            "eval_every": 1,
-        },
+        seed=seed,
+        protocol=pretrain_protocol(args, arm, rounds),
         training={
             "epochs": args.pretrain_epochs,
             "batch_size": 64,
@@ -187,6 +225,7 @@ def finetune(
     encoders: list[Path],
     lr: float,
     state_root: Path,
+    seed: int,
 ) -> SimulationResult:
     """FedAVGP2P from the given per-node encoders: --steps-per-round local steps
     per round whatever the number of labels, class-weighted cross-entropy (the
@@ -195,6 +234,7 @@ def finetune(
         args,
         sources,
         state_root,
+        seed=seed,
         protocol={
             "name": "fedavgp2p",
             "rounds": args.finetune_rounds,
@@ -216,68 +256,75 @@ def finetune(
     return run_simulation(configs)
 
 
-def plot(
-    path: Path,
-    fractions: list[float],
-    table: dict[str, dict[str, Any]],
-    curves: dict[str, dict[str, dict[int, float]]],
-    pretrain_curve: dict[int, float],
-) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 3.8))
-    FigureCanvasAgg(fig)
-    ax_bar, ax_curve, ax_pre = fig.subplots(1, 3)
-    labels = [f"{f:.0%}" for f in fractions]
-    width = 0.38
-    xs = range(len(fractions))
-    for offset, arm, colour in (
-        (-width / 2, "scratch", "tab:gray"),
-        (width / 2, "fedmae", "tab:blue"),
-    ):
-        values = [table[str(f)][f"{arm}_macro_f1"] for f in fractions]
-        bars = ax_bar.bar([x + offset for x in xs], values, width, label=arm, color=colour)
-        ax_bar.bar_label(bars, fmt="%.3f", fontsize=7)
-    ax_bar.set_xticks(list(xs), labels)
-    ax_bar.set_xlabel("labelled share of the training images")
-    ax_bar.set_ylabel("final macro-F1 (mean over nodes)")
-    ax_bar.set_ylim(0, 1)
-    ax_bar.legend(loc="lower right")
-    ax_bar.set_title("FedAVGP2P fine-tuning")
-    styles = {"fedmae": "-", "scratch": "--"}
-    for key, series in curves.items():
-        fraction, arm = key.split("|")
-        ax_curve.plot(
-            list(series),
-            list(series.values()),
-            styles[arm],
-            marker=".",
-            label=f"{arm} {float(fraction):.0%}",
+def cached_pretraining(
+    args: argparse.Namespace, sources: list[str], arm: str, out: Path, seed: int
+) -> dict[str, Any]:
+    """An arm's pre-training for one seed: its encoders, wall time, the curve of
+    its pre-training loss (and for Fed-BEiT the tokenizer's figures), from
+    OUT/seedS/pretrain_ARM.json when --reuse finds a finished one."""
+    record = out / f"pretrain_{arm}.json"
+    setting = {
+        "protocol": pretrain_protocol(args, arm, args.pretrain_rounds),
+        "epochs": args.pretrain_epochs,
+        "lr": args.pretrain_lr,
+        "seed": seed,
+    }
+    if args.reuse and record.exists():
+        saved = json.loads(record.read_text())
+        if saved.get("setting") == setting:
+            print(f"seed {seed}: {ARM_NAMES[arm]} pre-training reused from {record}", flush=True)
+            return saved
+    t0 = time.perf_counter()
+    encoders, result = pretrain(args, sources, arm, args.pretrain_rounds, out / "state" / arm, seed)
+    metric = PRETRAIN_METRIC[arm]
+    curve = result.mean_by_round(metric)
+    if not curve:
+        raise SystemExit(
+            f"{out / 'state' / arm}: its checkpoints hold a finished pre-training — pass "
+            "--reuse or delete that folder"
         )
-    ax_curve.set_xlabel("fine-tuning round")
-    ax_curve.set_ylabel("test macro-F1 (mean over nodes)")
-    ax_curve.legend(fontsize=7)
-    ax_curve.set_title("fine-tuning curves")
-    ax_pre.plot(list(pretrain_curve), list(pretrain_curve.values()), marker=".")
-    ax_pre.set_xlabel("pre-training round")
-    ax_pre.set_ylabel("test reconstruction loss (masked patches)")
-    ax_pre.set_title("P2P Fed-MAE pre-training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    saved = {
+        "setting": setting,
+        "encoders": [str(p) for p in encoders],
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "metric": metric,
+        "curve": {str(k): v for k, v in curve.items()},
+    }
+    if arm == "fedbeit":
+        last = args.tokenizer_rounds
+        saved["tokenizer"] = {
+            "rounds": last,
+            "codebook_size": args.codebook_size,
+            "recon_loss_first": result.mean_by_round("tokenizer_recon_loss").get(1),
+            "recon_loss_last": result.mean_by_round("tokenizer_recon_loss").get(last),
+            "perplexity_last": result.mean_by_round("codebook_perplexity").get(last),
+            "codes_used_last": result.mean_by_round("codebook_used").get(last),
+        }
+        maps = out / "state" / arm / result.nodes()[0] / "beit_tokens.png"
+        if maps.is_file():
+            shutil.copyfile(maps, out / "beit_tokens.png")
+            saved["token_maps"] = str(out / "beit_tokens.png")
+    atomic_write_text(record, json.dumps(saved, indent=2) + "\n")  # whole or absent
+    return saved
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    fractions = [float(x) for x in args.fractions.split(",")]
-    lrs = [float(x) for x in args.finetune_lrs.split(",")]
-
-    # 1. One partition per label fraction (same images per site in each).
+def run_seed(
+    args: argparse.Namespace, seed: int, fractions: list[float], lrs: list[float]
+) -> dict[str, Any]:
+    """Every arm at every fraction for one seed: the table row per fraction, the
+    kept runs' fine-tuning curves, the pre-training records (from
+    OUT/seedS/seed.json with --reuse when that seed finished with these settings)."""
+    out: Path = args.out / f"seed{seed}"
+    seed_file = out / "seed.json"
+    setting = seed_setting(args, seed, fractions, lrs)
+    if args.reuse and seed_file.exists() and not args.pretrain_only:
+        saved = json.loads(seed_file.read_text())
+        if saved.get("setting") == setting:
+            print(f"seed {seed}: reused from {seed_file}", flush=True)
+            saved["curves"] = {
+                k: {int(r): v for r, v in c.items()} for k, c in saved["curves"].items()
+            }
+            return saved
     partitions: dict[float, tuple[list[str], list[int]]] = {}
     for fraction in fractions:
         folder = out / "data" / f"labels_{fraction:g}"
@@ -287,76 +334,35 @@ def main(argv: list[str] | None = None) -> None:
             args.scheme,
             folder,
             label_fraction=None if fraction >= 1.0 else fraction,
-            seed=args.seed,
+            seed=seed,
         )
         sources = [str(folder / row["file"]) for row in summary["per_site"]]
         partitions[fraction] = (sources, [row["labelled"] for row in summary["per_site"]])
-    all_images_sources = partitions[fractions[0]][0]
+    all_images = partitions[fractions[0]][0]
 
-    # 2-3. Pre-trained and untouched (0-round) encoders for every node.
-    pretrain_json = out / "pretrain.json"
-    setting = {"rounds": args.pretrain_rounds, "depth": args.depth, "seed": args.seed}
-    saved = json.loads(pretrain_json.read_text()) if pretrain_json.exists() else {}
-    if args.reuse_pretraining and saved.get("setting") == setting:
-        pretrained = [Path(p) for p in saved["encoders"]]
-        pretrain_s = saved["wall_s"]
-        pretrain_curve = {int(k): v for k, v in saved["curve"].items()}
-        print(f"pre-training: reusing {pretrain_json}", flush=True)
-    else:
-        t0 = time.perf_counter()
-        pretrained, pre = pretrain(
-            args, all_images_sources, args.pretrain_rounds, out / "state" / "pretrain"
-        )
-        pretrain_s = time.perf_counter() - t0
-        # a run that resumed from checkpoints (killed, or asked for more rounds)
-        # logs only its new rounds: the earlier ones come from pretrain.json
-        pretrain_curve = pre.mean_by_round("recon_loss")
-        earlier = saved.get("setting", {})
-        if pretrain_curve and (earlier.get("depth"), earlier.get("seed")) == (
-            args.depth,
-            args.seed,
-        ):
-            first = min(pretrain_curve)
-            old = {int(k): v for k, v in saved["curve"].items() if int(k) < first}
-            pretrain_curve = {**old, **pretrain_curve}
-            pretrain_s += saved["wall_s"] if old else 0.0
-        if not pretrain_curve:
-            raise SystemExit(
-                f"{out / 'state' / 'pretrain'}: checkpoints already hold a finished pre-training — "
-                "pass --reuse-pretraining or delete that folder"
-            )
-        # read back by the next run (--reuse-pretraining): whole or absent
-        atomic_write_text(
-            pretrain_json,
-            json.dumps(
-                {
-                    "setting": setting,
-                    "encoders": [str(p) for p in pretrained],
-                    "wall_s": pretrain_s,
-                    "curve": pretrain_curve,
-                },
-                indent=2,
-            )
-            + "\n",
+    pretrained = {arm: cached_pretraining(args, all_images, arm, out, seed) for arm in ARMS[1:]}
+    for arm, record in pretrained.items():
+        curve = curve_of(record)
+        print(
+            f"seed {seed}: {ARM_NAMES[arm]} pre-training {args.pretrain_rounds} rounds in "
+            f"{record['wall_s']:.0f} s, test {record['metric']} "
+            f"{curve[min(curve)]:.4f} -> {curve[max(curve)]:.4f}",
+            flush=True,
         )
     if args.pretrain_only:
-        print(json.dumps({"pretrain_rounds": args.pretrain_rounds, "curve": pretrain_curve}))
-        return
-    scratch, _ = pretrain(args, all_images_sources, 0, out / "state" / "scratch")
-    print(
-        f"pre-training: {args.pretrain_rounds} rounds in {pretrain_s:.0f} s, test reconstruction "
-        f"loss {pretrain_curve[min(pretrain_curve)]:.4f} -> {pretrain_curve[max(pretrain_curve)]:.4f}",
-        flush=True,
-    )
+        return {"pretraining": pretrained}
+    scratch, _ = pretrain(args, all_images, "scratch", 0, out / "state" / "scratch", seed)
+    encoders = {
+        "scratch": scratch,
+        **{arm: [Path(p) for p in r["encoders"]] for arm, r in pretrained.items()},
+    }
 
-    # 4. Fine-tune both arms at every label fraction, each lr of --finetune-lrs;
-    #    each arm keeps the lr with the best validation macro-F1.
     table: dict[str, dict[str, Any]] = {}
     curves: dict[str, dict[int, float]] = {}
     for fraction in fractions:
         sources, labelled = partitions[fraction]
         row: dict[str, Any] = {"labelled_images": sum(labelled)}
-        for arm, encoders in (("scratch", scratch), ("fedmae", pretrained)):
+        for arm in ARMS:
             tried: dict[str, dict[str, float]] = {}
             results: dict[str, SimulationResult] = {}
             for lr in lrs:
@@ -364,17 +370,19 @@ def main(argv: list[str] | None = None) -> None:
                 result = finetune(
                     args,
                     sources,
-                    encoders,
+                    encoders[arm],
                     lr,
                     out / "state" / f"finetune_{arm}_{fraction:g}_lr{lr:g}",
+                    seed,
                 )
                 figures = run_figures(result)
                 figures["wall_s"] = round(time.perf_counter() - t0, 1)
                 tried[f"{lr:g}"], results[f"{lr:g}"] = figures, result
                 print(
-                    f"labels {fraction:.0%} ({sum(labelled)} images) {arm} lr {lr:g}: test macro-F1 "
-                    f"{figures['macro_f1']:.4f} (last 3 evaluations {figures['macro_f1_last3']:.4f}), "
-                    f"val macro-F1 {figures['val_macro_f1_last3']:.4f} ({figures['wall_s']:.0f} s)",
+                    f"seed {seed} labels {fraction:.0%} ({sum(labelled)} images) {ARM_NAMES[arm]} "
+                    f"lr {lr:g}: test macro-F1 {figures['macro_f1']:.4f} (last 3 evaluations "
+                    f"{figures['macro_f1_last3']:.4f}), val macro-F1 "
+                    f"{figures['val_macro_f1_last3']:.4f} ({figures['wall_s']:.0f} s)",
                     flush=True,
                 )
             best = max(tried, key=lambda lr: tried[lr]["val_macro_f1_last3"])
@@ -383,65 +391,227 @@ def main(argv: list[str] | None = None) -> None:
                 row[f"{arm}_{key}"] = tried[best][key]
             row[f"{arm}_by_lr"] = tried
             curves[f"{fraction}|{arm}"] = results[best].mean_by_round("macro_f1")
-        row["macro_f1_gain"] = round(row["fedmae_macro_f1"] - row["scratch_macro_f1"], 4)
-        row["macro_f1_last3_gain"] = round(
-            row["fedmae_macro_f1_last3"] - row["scratch_macro_f1_last3"], 4
-        )
         table[str(fraction)] = row
+    done = {"setting": setting, "table": table, "curves": curves, "pretraining": pretrained}
+    atomic_write_text(seed_file, json.dumps(done, indent=2) + "\n")
+    return done
 
-    png = out / "label_efficiency.png"
-    plot(png, fractions, table, curves, pretrain_curve)
-    grids = sorted(str(p) for p in (out / "state" / "pretrain").glob("*/mae_reconstruction.png"))
+
+def seed_setting(
+    args: argparse.Namespace, seed: int, fractions: list[float], lrs: list[float]
+) -> dict[str, Any]:
+    """What a seed's figures depend on: a cached seed is reused only when all match."""
+    keys = [
+        "data",
+        "nodes",
+        "scheme",
+        "image_size",
+        "depth",
+        "pretrain_rounds",
+        "pretrain_epochs",
+        "pretrain_lr",
+        "tokenizer_rounds",
+        "codebook_size",
+        "finetune_rounds",
+        "steps_per_round",
+        "batch_size",
+        "fraction",
+        "selection",
+        "eval_every",
+    ]
+    return {"seed": seed, "fractions": fractions, "lrs": lrs, **{k: getattr(args, k) for k in keys}}
+
+
+def pooled(per_seed: dict[int, dict[str, Any]], fractions: list[float]) -> dict[str, Any]:
+    """Mean and standard deviation over the seeds, per fraction and arm, and the
+    gains of the pre-trained arms over scratch."""
+    out: dict[str, Any] = {}
+    for fraction in fractions:
+        rows = [r["table"][str(fraction)] for r in per_seed.values()]
+        entry: dict[str, Any] = {"labelled_images": [r["labelled_images"] for r in rows]}
+        for arm in ARMS:
+            for key in ("macro_f1", "macro_f1_last3", "accuracy"):
+                values = [r[f"{arm}_{key}"] for r in rows]
+                entry[f"{arm}_{key}"] = round(statistics.fmean(values), 4)
+                entry[f"{arm}_{key}_std"] = round(statistics.pstdev(values), 4)
+                entry[f"{arm}_{key}_per_seed"] = values
+        for arm in ARMS[1:]:
+            for key in ("macro_f1", "macro_f1_last3"):
+                entry[f"{arm}_{key}_gain"] = round(
+                    entry[f"{arm}_{key}"] - entry[f"scratch_{key}"], 4
+                )
+        out[str(fraction)] = entry
+    return out
+
+
+def plot(
+    path: Path,
+    fractions: list[float],
+    table: dict[str, dict[str, Any]],
+    curves: dict[str, dict[int, float]],
+    pretrain_curves: dict[str, dict[int, float]],
+) -> None:
+    """Bars (mean over seeds, std as error bars), the first seed's fine-tuning
+    curves, and the mean pre-training curves of both methods."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(16, 3.9))
+    FigureCanvasAgg(fig)
+    ax_bar, ax_curve, ax_mae, ax_beit = fig.subplots(1, 4)
+    width = 0.27
+    xs = range(len(fractions))
+    for i, arm in enumerate(ARMS):
+        values = [table[str(f)][f"{arm}_macro_f1"] for f in fractions]
+        errors = [table[str(f)][f"{arm}_macro_f1_std"] for f in fractions]
+        bars = ax_bar.bar(
+            [x + (i - 1) * width for x in xs],
+            values,
+            width,
+            yerr=errors,
+            capsize=3,
+            label=ARM_NAMES[arm],
+            color=ARM_COLOURS[arm],
+        )
+        ax_bar.bar_label(bars, fmt="%.3f", fontsize=6)
+    ax_bar.set_xticks(list(xs), [f"{f:.0%}" for f in fractions])
+    ax_bar.set_xlabel("labelled share of the training images")
+    ax_bar.set_ylabel("final test macro-F1 (mean over nodes, seeds)")
+    ax_bar.set_ylim(0, 1)
+    ax_bar.legend(loc="lower right", fontsize=7)
+    ax_bar.set_title("FedAVGP2P fine-tuning")
+    styles = {"scratch": ":", "fedmae": "-", "fedbeit": "--"}
+    for key, series in curves.items():
+        fraction, arm = key.split("|")
+        ax_curve.plot(
+            list(series),
+            list(series.values()),
+            styles[arm],
+            marker=".",
+            color=ARM_COLOURS[arm],
+            alpha=0.4 + 0.6 * float(fraction),
+            label=f"{ARM_NAMES[arm]} {float(fraction):.0%}",
+        )
+    ax_curve.set_xlabel("fine-tuning round")
+    ax_curve.set_ylabel("test macro-F1 (first seed)")
+    ax_curve.legend(fontsize=5, ncol=3)
+    ax_curve.set_title("fine-tuning curves")
+    for ax, arm, label in (
+        (ax_mae, "fedmae", "test reconstruction loss (masked patches)"),
+        (ax_beit, "fedbeit", "test token cross-entropy (masked patches)"),
+    ):
+        curve = pretrain_curves.get(arm, {})
+        ax.plot(list(curve), list(curve.values()), marker=".", color=ARM_COLOURS[arm])
+        ax.set_xlabel("round (Fed-BEiT: after the tokenizer's)")
+        ax.set_ylabel(label)
+        ax.set_title(f"P2P {ARM_NAMES[arm]} pre-training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def curve_of(record: dict[str, Any]) -> dict[int, float]:
+    """A pre-training record's curve with int rounds (JSON keeps them as text)."""
+    return {int(k): float(v) for k, v in record["curve"].items()}
+
+
+def mean_curve(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Mean over seeds of pre-training curves, over the rounds they all logged."""
+    curves = [curve_of(r) for r in records]
+    rounds = sorted(set.intersection(*(set(c) for c in curves)))
+    return {k: statistics.fmean(c[k] for c in curves) for k in rounds}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    fractions = [float(x) for x in args.fractions.split(",")]
+    lrs = [float(x) for x in args.finetune_lrs.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+
+    per_seed = {seed: run_seed(args, seed, fractions, lrs) for seed in seeds}
+    if args.pretrain_only:
+        print(json.dumps({str(s): r["pretraining"] for s, r in per_seed.items()}))
+        return
+    table = pooled(per_seed, fractions)
+    pretrain_curves = {
+        arm: mean_curve([r["pretraining"][arm] for r in per_seed.values()]) for arm in ARMS[1:]
+    }
+    png = args.out / "label_efficiency.png"
+    plot(png, fractions, table, per_seed[seeds[0]]["curves"], pretrain_curves)
 
     print()
     print(
-        "| labels | labelled images | macro-F1 scratch | macro-F1 Fed-MAE | gain "
-        "| last-3 mean scratch | last-3 mean Fed-MAE | gain | accuracy scratch | accuracy Fed-MAE "
-        "| lr scratch | lr Fed-MAE |"
+        f"| labels | macro-F1 scratch | Fed-MAE | Fed-BEiT | gain Fed-MAE | gain Fed-BEiT "
+        f"| last-3 scratch | last-3 Fed-MAE | last-3 Fed-BEiT |   (mean ± std over seeds {seeds})"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fraction in fractions:
         r = table[str(fraction)]
+        cells = [f"{r[f'{arm}_macro_f1']:.3f} ± {r[f'{arm}_macro_f1_std']:.3f}" for arm in ARMS]
+        last3 = [f"{r[f'{arm}_macro_f1_last3']:.3f}" for arm in ARMS]
         print(
-            f"| {fraction:.0%} | {r['labelled_images']} | {r['scratch_macro_f1']:.4f} "
-            f"| {r['fedmae_macro_f1']:.4f} | {r['macro_f1_gain']:+.4f} "
-            f"| {r['scratch_macro_f1_last3']:.4f} | {r['fedmae_macro_f1_last3']:.4f} "
-            f"| {r['macro_f1_last3_gain']:+.4f} | {r['scratch_accuracy']:.4f} "
-            f"| {r['fedmae_accuracy']:.4f} | {r['scratch_lr']:g} | {r['fedmae_lr']:g} |"
+            f"| {fraction:.0%} | {' | '.join(cells)} | {r['fedmae_macro_f1_gain']:+.3f} "
+            f"| {r['fedbeit_macro_f1_gain']:+.3f} | {' | '.join(last3)} |"
         )
-    low_label = [f for f in fractions if f < 1.0]
+    low_label = [str(f) for f in fractions if f < 1.0]
     summary = {
         "bench": "label_efficiency",
         "data": str(args.data),
         "nodes": args.nodes,
         "scheme": args.scheme,
-        "seed": args.seed,
+        "seeds": seeds,
         "model": f"{MODEL} depth {args.depth}, patch {pre_patch(args)}, {args.image_size}px, avg pool",
         "pretrain": {
             "rounds": args.pretrain_rounds,
             "epochs_per_round": args.pretrain_epochs,
-            "mask_ratio": 0.6,
-            "recon_loss_first_round": round(pretrain_curve[min(pretrain_curve)], 4),
-            "recon_loss_last_round": round(pretrain_curve[max(pretrain_curve)], 4),
-            "wall_s": round(pretrain_s, 1),
+            "lr": args.pretrain_lr,
+            "fedmae": {"mask_ratio": 0.6, "metric": "recon_loss"},
+            "fedbeit": {
+                "mask_ratio": 0.4,
+                "masking": "blockwise",
+                "metric": "token_loss",
+                "tokenizer_rounds": args.tokenizer_rounds,
+                "codebook_size": args.codebook_size,
+            },
+            "per_seed": {
+                str(s): {
+                    arm: {
+                        "first": curve_of(rec)[min(curve_of(rec))],
+                        "last": curve_of(rec)[max(curve_of(rec))],
+                        "wall_s": rec["wall_s"],
+                        **({"tokenizer": rec["tokenizer"]} if "tokenizer" in rec else {}),
+                    }
+                    for arm, rec in r["pretraining"].items()
+                }
+                for s, r in per_seed.items()
+            },
         },
         "finetune": {
             "protocol": "fedavgp2p",
             "rounds": args.finetune_rounds,
             "steps_per_round": args.steps_per_round,
             "lrs": lrs,
-            "lr_selection": "per arm and fraction, best validation macro-F1 (mean of the last 3 evaluations)",
+            "lr_selection": "per seed, arm and fraction: best validation macro-F1 (mean of the last 3 evaluations)",
             "selection": args.selection,
             "fraction": args.fraction,
         },
         "results": table,
-        "target_met": all(table[str(f)]["macro_f1_gain"] > 0 for f in low_label),
-        "target_met_last3": all(table[str(f)]["macro_f1_last3_gain"] > 0 for f in low_label),
+        "per_seed": {str(s): r["table"] for s, r in per_seed.items()},
+        "target_met": {
+            arm: all(table[f][f"{arm}_macro_f1_gain"] > 0 for f in low_label) for arm in ARMS[1:]
+        },
+        "target_met_last3": {
+            arm: all(table[f][f"{arm}_macro_f1_last3_gain"] > 0 for f in low_label)
+            for arm in ARMS[1:]
+        },
         "plot": str(png),
-        "reconstruction_grids": grids,
+        "token_maps": [r["pretraining"]["fedbeit"].get("token_maps") for r in per_seed.values()],
         "wall_s": round(time.perf_counter() - start, 1),
     }
-    (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(args.out / "results.json", json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
 
 

@@ -25,6 +25,7 @@ IMPLEMENTATIONS: dict[type, str] = {
     params.SSFLParams: "protocols.ssfl:SSFL",
     params.FedPerlParams: "protocols.fedperl:FedPerl",
     params.FedMAEParams: "protocols.fedmae:FedMAE",
+    params.FedBEiTParams: "protocols.fedbeit:FedBEiT",
     params.FedERParams: "protocols.feder:FedER",  # feder, feder_a, feder_b
 }
 

@@ -294,7 +294,7 @@ class FedAvgP2P(RoundLoop):
         # 3-4. Choose k neighbours among the alive peers (H0-H3) and pull their
         # models (or, with secure aggregation, obtain their secure sum).
         assert rnd.own is not None
-        k = selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
+        k = self.neighbours_wanted(ctx, rnd.number)
         if self.secure:
             sums = await self.secure_neighbours(ctx, rnd.number, rnd.own, k)
             rnd.received = sums
@@ -312,6 +312,11 @@ class FedAvgP2P(RoundLoop):
             neighbours_wanted=k,
             stale_models=sum(1 for m in rnd.received if m.round != rnd.number),
         )
+
+    def neighbours_wanted(self, ctx: RoundContext, round: int) -> int:
+        """k of round `round`: the share `protocol.fraction` of the other nodes
+        (Fed-BEiT's tokenizer stage asks for all of them in its last round)."""
+        return selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
 
     def merge_terms(
         self, ctx: RoundContext, site: Any, rnd: Round

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import protocols
@@ -193,24 +194,39 @@ class FedMAE(FedAvgP2P):
         )
         log.info("%s: fine-tuning with %s from %s", ctx.me, p.finetune.name, encoder)
         await protocols.from_params(p.finetune).run(
-            FinetuneContext(ctx, config, protocol=self.name, round_offset=p.rounds)
+            StageContext(ctx, config, protocol=self.name, round_offset=self.pretraining_rounds())
         )
 
+    def pretraining_rounds(self) -> int:
+        """Rounds logged before fine-tuning's (Fed-BEiT adds its tokenizer's)."""
+        return int(self.params.rounds)
 
-class FinetuneContext(RoundContext):
-    """The node's context as the chained fine-tuning protocol sees it: its own
-    config (`model.pretrained_from` set), message kinds prefixed with
-    `finetune.`, rounds shown and logged after the pre-training rounds,
-    checkpoints wrapped as Fed-MAE's fine-tuning stage."""
+
+class StageContext(RoundContext):
+    """The node's context as one stage of a chained run sees it (by default the
+    fine-tuning protocol after pre-training): its own config (for fine-tuning,
+    `model.pretrained_from` set), message kinds prefixed with `prefix`, rounds
+    shown and logged after the earlier stages' (`round_offset`), checkpoints
+    wrapped as `{protocol, stage, <stage>: ...}` so a restarted node resumes in
+    the stage it was in."""
 
     def __init__(
-        self, outer: RoundContext, config: SiteConfig, *, protocol: str, round_offset: int
+        self,
+        outer: RoundContext,
+        config: SiteConfig,
+        *,
+        protocol: str,
+        round_offset: int,
+        stage: str = FINETUNE_STAGE,
+        prefix: str = FINETUNE_KIND_PREFIX,
     ) -> None:
         self.outer = outer
         self.me = outer.me
         self.config = config
         self.protocol = protocol
         self.round_offset = round_offset
+        self.stage = stage
+        self.prefix = prefix
 
     @property  # type: ignore[override]
     def round(self) -> int:
@@ -221,7 +237,7 @@ class FinetuneContext(RoundContext):
         self.outer.round = value + self.round_offset
 
     def kind(self, kind: str) -> str:
-        return FINETUNE_KIND_PREFIX + kind
+        return self.prefix + kind
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -245,7 +261,7 @@ class FinetuneContext(RoundContext):
         self.outer.serve(self.kind(kind), handler)
 
     def inbox(self, kind: str) -> asyncio.Queue[Received]:
-        return self.outer.inbox(self.kind(kind))  # pushes were sent with fine-tuning rounds
+        return self.outer.inbox(self.kind(kind))  # pushes were sent with this stage's rounds
 
     def publish(self, key: str, value: Any) -> None:
         self.outer.publish(key, value)
@@ -254,18 +270,12 @@ class FinetuneContext(RoundContext):
         return await self.outer.train(fn, *args, **kwargs)
 
     def checkpoint(self, state: dict[str, Any]) -> None:
-        self.outer.checkpoint(
-            {"protocol": self.protocol, "stage": FINETUNE_STAGE, "finetune": state}
-        )
+        self.outer.checkpoint({"protocol": self.protocol, "stage": self.stage, self.stage: state})
 
     def restore(self) -> dict[str, Any] | None:
         saved = self.outer.restore()
-        if (
-            saved
-            and saved.get("protocol") == self.protocol
-            and saved.get("stage") == FINETUNE_STAGE
-        ):
-            return saved["finetune"]
+        if saved and saved.get("protocol") == self.protocol and saved.get("stage") == self.stage:
+            return saved[self.stage]
         return None
 
     def log_metrics(self, round: int, **values: float) -> None:
@@ -289,8 +299,14 @@ class FinetuneContext(RoundContext):
     def set_training(self, training: dict[str, Any]) -> None:
         self.outer.set_training(training)
 
+    def set_privacy_gate(self, decision: dict[str, Any]) -> None:
+        self.outer.set_privacy_gate(decision)
+
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         return self.outer.pair_secret(peer, context)
+
+    def storage_dir(self) -> Path:
+        return self.outer.storage_dir()
 
     async def sleep(self, seconds: float) -> None:
         await self.outer.sleep(seconds)

@@ -18,7 +18,7 @@ from p2pfl.secure.identity import Card, IdentityError, LocalIdentity, Roster
 from protocols import create
 from protocols.base import NotReady
 from protocols.checks import admit, cap_claims, cap_weights, lower_median, own_weight_cap
-from protocols.fedmae import FinetuneContext
+from protocols.fedmae import StageContext
 from protocols.memory import InMemoryNetwork, simulation_configs
 
 # ---------------------------------------------------------------------- cap_weights
@@ -226,9 +226,9 @@ async def test_a_nodes_context_gives_its_protocol_the_rosters_caps_and_reloads_t
 # ---------------------------------------------------------------------- Fed-MAE's fine-tuning context
 
 
-def finetune_context(network: InMemoryNetwork) -> FinetuneContext:
+def finetune_context(network: InMemoryNetwork) -> StageContext:
     (cfg,) = simulation_configs(["digits"], protocol={"name": "fedavgp2p"}, names=["a"])
-    return FinetuneContext(network.join("a", cfg), cfg, protocol="fedmae", round_offset=5)
+    return StageContext(network.join("a", cfg), cfg, protocol="fedmae", round_offset=5)
 
 
 def test_the_finetuning_context_gives_the_rosters_caps() -> None:

@@ -7,6 +7,7 @@ from p2pfl.config.genbuffer import GenbufferSection
 from p2pfl.config.protocols import (
     BaseParams,
     FedAvgP2PParams,
+    FedBEiTParams,
     FedERParams,
     FedMAEParams,
     FedPerlParams,
@@ -53,6 +54,7 @@ __all__ = [
     "DataSection",
     "FedAvgP2PParams",
     "FedERParams",
+    "FedBEiTParams",
     "FedMAEParams",
     "FedPerlParams",
     "FedSGDP2PParams",

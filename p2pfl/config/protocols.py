@@ -174,25 +174,16 @@ class FedPerlParams(_SemiSupervised):
     rho: float = Field(0.85, description="gate of the gated policies")
 
 
-class FedMAEParams(_ModelAveraging):
-    """Masked-autoencoder pre-training of a ViT, peer to peer (then fine-tuning).
+class _PreTraining(_ModelAveraging):
+    """Self-supervised pre-training of a ViT encoder over FedAVGP2P's exchange,
+    then (optionally) a chained fine-tuning protocol starting from it."""
 
-    The exchange between rounds is FedAVGP2P's (fraction, aggregation, the
-    configured selection heuristic) over the encoder and decoder weights."""
-
-    name: Literal["fedmae"]
-    mask_ratio: float = Field(
-        0.6, gt=0.0, lt=1.0, description="gamma: share of patches masked (Fed-MAE: 0.6)"
-    )
     patch_size: int | None = Field(None, ge=1, description="default: chosen from the image size")
     encoder_depth: int | None = Field(
         None,
         ge=1,
         description="transformer blocks of the ViT encoder (default: the model's own, 12 for vit_tiny)",
     )
-    decoder_dim: int = Field(128, ge=8)
-    decoder_depth: int = Field(2, ge=1)
-    decoder_heads: int = Field(4, ge=1)
     encoder_out: str = Field(
         "pretrained_encoder.pt", description="written under the state dir at the end"
     )
@@ -208,6 +199,21 @@ class FedMAEParams(_ModelAveraging):
         "starting from the pre-trained encoder",
     )
 
+
+class FedMAEParams(_PreTraining):
+    """Masked-autoencoder pre-training of a ViT, peer to peer (then fine-tuning).
+
+    The exchange between rounds is FedAVGP2P's (fraction, aggregation, the
+    configured selection heuristic) over the encoder and decoder weights."""
+
+    name: Literal["fedmae"]
+    mask_ratio: float = Field(
+        0.6, gt=0.0, lt=1.0, description="gamma: share of patches masked (Fed-MAE: 0.6)"
+    )
+    decoder_dim: int = Field(128, ge=8)
+    decoder_depth: int = Field(2, ge=1)
+    decoder_heads: int = Field(4, ge=1)
+
     @model_validator(mode="after")
     def _decoder_heads_divide_dim(self) -> FedMAEParams:
         if self.decoder_dim % self.decoder_heads:
@@ -215,6 +221,37 @@ class FedMAEParams(_ModelAveraging):
                 f"decoder_dim {self.decoder_dim} is not a multiple of decoder_heads {self.decoder_heads}"
             )
         return self
+
+
+class FedBEiTParams(_PreTraining):
+    """BEiT masked-token pre-training of a ViT, peer to peer, over visual tokens
+    from a tokenizer the federation trains first (or `model.tokenizer_from`),
+    then fine-tuning. Both stages exchange with FedAVGP2P."""
+
+    name: Literal["fedbeit"]
+    mask_ratio: float = Field(
+        0.4,
+        gt=0.0,
+        lt=1.0,
+        description="at most this share of patches masked, in blocks (BEiT: 0.4)",
+    )
+    min_block_patches: int | None = Field(
+        None,
+        ge=1,
+        description="smallest masked block (default: BEiT's 16 of 196 patches, scaled to the grid)",
+    )
+    codebook_size: int = Field(256, ge=2, description="visual tokens (BEiT's dVAE: 8192)")
+    code_dim: int = Field(32, ge=2, description="dimension of a codebook vector")
+    tokenizer_hidden: int = Field(64, ge=4, description="channels of the tokenizer's convolutions")
+    tokenizer_rounds: int = Field(
+        10, ge=1, description="rounds of the tokenizer stage (unless model.tokenizer_from is set)"
+    )
+    tokenizer_lr: float | None = Field(
+        None, gt=0.0, description="learning rate of the tokenizer stage (default: training.lr)"
+    )
+    tokenizer_out: str = Field(
+        "tokenizer.pt", description="the trained tokenizer, written under the state dir"
+    )
 
 
 class FedERParams(BaseParams):
@@ -258,6 +295,7 @@ ProtocolParams = (
     | SSFLParams
     | FedPerlParams
     | FedMAEParams
+    | FedBEiTParams
     | FedERParams
 )
 

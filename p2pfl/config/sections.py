@@ -116,7 +116,11 @@ class ModelSection(Section):
     )
     init: Literal["default", "xavier"] = "default"
     pretrained_from: Path | None = Field(
-        None, description="encoder weights from a pre-training run (Fed-MAE)"
+        None, description="encoder weights from a pre-training run (Fed-MAE, Fed-BEiT)"
+    )
+    tokenizer_from: Path | None = Field(
+        None,
+        description="Fed-BEiT: a trained tokenizer file to use instead of training one in the federation",
     )
     siamese: SiameseSection = SiameseSection()
 

@@ -24,7 +24,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -279,12 +279,12 @@ def not_a_vit(name: str) -> tuple[str, str] | None:
     if name.startswith("vit_") and timm.is_model(name):
         return None
     return (
-        f"Fed-MAE needs a timm ViT, not {name!r}",
+        f"Fed-MAE and Fed-BEiT need a timm ViT, not {name!r}",
         "set model.name: vit_tiny_patch16_224 (or another timm vit_* model)",
     )
 
 
-def _vit(
+def build_vit(
     name: str,
     *,
     in_chans: int,
@@ -329,7 +329,7 @@ def create_mae(
             f"protocol.patch_size {patch} does not divide data.image_size {image_size} — "
             "pick a divisor or leave patch_size unset",
         )
-    encoder = _vit(
+    encoder = build_vit(
         name,
         in_chans=in_chans,
         num_classes=0,
@@ -351,7 +351,13 @@ def create_mae(
 # ---------------------------------------------------------------------- encoder export / import
 
 
-def save_encoder(model: MaskedAutoencoder, path: str | Path) -> Path:
+class HasEncoder(Protocol):
+    """A pre-trainer (MaskedAutoencoder, Fed-BEiT's BEiTPretrainer) around a ViT encoder."""
+
+    def encoder_state_dict(self) -> dict[str, Tensor]: ...
+
+
+def save_encoder(model: HasEncoder, path: str | Path) -> Path:
     """Write the encoder's weights (a torch state dict, readable with
     weights_only=True) atomically."""
     return atomic_torch_save(model.encoder_state_dict(), path)
@@ -397,7 +403,7 @@ def create_pretrained_classifier(
             f"this site uses {in_chans}-channel {image_size}x{image_size} — match data.channels and "
             "data.image_size to the pre-training run",
         )
-    model = _vit(
+    model = build_vit(
         name,
         in_chans=in_chans,
         num_classes=num_classes,

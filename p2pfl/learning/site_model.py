@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from p2pfl.config import ConfigError, FedMAEParams, ModelSection, SiteConfig
+from p2pfl.config import ConfigError, FedBEiTParams, FedMAEParams, ModelSection, SiteConfig
 from p2pfl.learning.mae import create_pretrained_classifier, not_a_vit
 from p2pfl.learning.models import SiameseNet, create_model, load_weights, unknown_model
 
@@ -62,9 +62,11 @@ def create_site_model(
 def check_model_name(cfg: SiteConfig, path: str | Path) -> None:
     """A ConfigError naming the file and `model.name` unless the site can build
     that model: a registered one, or a timm ViT where Fed-MAE builds it
-    (protocol fedmae, or model.pretrained_from set). Builds nothing."""
+    (protocol fedmae or fedbeit, or model.pretrained_from set). Builds nothing."""
     name = cfg.model.name
-    builds_vit = cfg.model.pretrained_from is not None or isinstance(cfg.protocol, FedMAEParams)
+    builds_vit = cfg.model.pretrained_from is not None or isinstance(
+        cfg.protocol, (FedMAEParams, FedBEiTParams)
+    )
     problem = not_a_vit(name) if builds_vit else unknown_model(name)
     if problem is not None:
         raise ConfigError(path, "model.name", *problem)

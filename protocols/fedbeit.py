@@ -1,0 +1,322 @@
+"""Fed-BEiT without a server: a federation-trained tokenizer, masked visual-token
+pre-training over FedAVGP2P, then fine-tuning.
+
+Stage 1, the tokenizer (`protocol.tokenizer_rounds` rounds; skipped when
+`model.tokenizer_from` names a trained one). BEiT's targets are the visual
+tokens of DALL-E's pretrained dVAE, which cannot be downloaded here; the
+federation trains its own discrete tokenizer instead, a VQ-VAE with an EMA
+codebook on the ViT's patch grid (p2pfl.learning.tokenizer), with FedAVGP2P:
+local epochs of the VQ-VAE loss over every local image, k neighbours'
+tokenizers pulled and averaged. Its last round averages with *every* alive
+peer, so the federation ends with one tokenizer: a token means the same
+patch content at every site, which averaging the token heads needs. Message
+kinds carry the prefix `tokenizer.`. Logged: reconstruction error, codebook
+perplexity and the share of codes in use. Written: `tokenizer.pt` and
+`beit_tokens.png` (images | token maps | decoded tokens).
+
+Stage 2, pre-training (`protocol.rounds` rounds; Fed-MAE paper Sec. III-C,
+BEiT): each node, each round, local epochs of masked-token prediction over
+every local image (blockwise masks of at most `mask_ratio` of the patches, a
+frozen tokenizer gives the targets, cross-entropy on the masked patches only),
+then FedAVGP2P's exchange of the whole pre-trainer (encoder, mask embedding,
+token head). Logged: token cross-entropy and accuracy on val and test (fixed
+masks). Written: the encoder (`protocol.encoder_out`).
+
+Stage 3, fine-tuning (`protocol.finetune`), as in Fed-MAE: the chained
+protocol builds its ViT classifier from the encoder one to one.
+
+Rounds are logged one after the other (tokenizer 1..T, pre-training
+T+1..T+R, fine-tuning after), each stage's checkpoints are wrapped with its
+name, and a restarted node resumes in the stage it was in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from p2pfl.config import FedBEiTParams, SiteConfig
+from p2pfl.learning.beit import BEiTPretrainer, create_beit
+from p2pfl.learning.beit_site import BEiTSite, TokenizerSite, first_split_images, save_token_maps
+from p2pfl.learning.data import load_site_data
+from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.mae import mae_patch_size, save_encoder
+from p2pfl.learning.models import ModelError
+from p2pfl.learning.tokenizer import VQTokenizer, load_tokenizer, save_tokenizer
+from p2pfl.learning.train import seed_everything
+from protocols.base import RoundContext
+from protocols.fedavgp2p import FedAvgP2P
+from protocols.fedmae import FINETUNE_STAGE, PRETRAIN_STAGE, FedMAE, FedMAEError, StageContext
+from protocols.site import common_initial_state
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_STAGE = "tokenizer"
+STAGES = (TOKENIZER_STAGE, PRETRAIN_STAGE, FINETUNE_STAGE)
+TOKENIZER_KIND_PREFIX = "tokenizer."
+TOKEN_MAPS_PNG = "beit_tokens.png"
+GRID_IMAGES = 8
+
+
+# ---------------------------------------------------------------------- the local sites
+
+
+def build_tokenizer_site(config: SiteConfig, params: FedBEiTParams) -> TokenizerSite:
+    """The node's TokenizerSite (every local image), starting from the tokenizer
+    every node draws alike from `federation.seed`."""
+    seed_everything(config.training.seed)
+    data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
+    patch = params.patch_size or mae_patch_size(data.image_size, data.channels)
+    if data.image_size % patch:
+        raise ModelError(
+            "bad_patch_size",
+            f"protocol.patch_size {patch} does not divide data.image_size {data.image_size} — "
+            "pick a divisor or leave patch_size unset",
+        )
+
+    def build() -> VQTokenizer:
+        return VQTokenizer(
+            in_chans=data.channels,
+            patch_size=patch,
+            codebook_size=params.codebook_size,
+            code_dim=params.code_dim,
+            hidden=params.tokenizer_hidden,
+        )
+
+    model = build()
+    key = (
+        f"tokenizer|{data.channels}|{patch}|{params.codebook_size}|{params.code_dim}|"
+        f"{params.tokenizer_hidden}|{config.federation.seed}"
+    )
+    model.load_state_dict(common_initial_state(key, config.federation.seed, build))
+    training = config.training
+    if params.tokenizer_lr is not None:
+        training = training.model_copy(update={"lr": params.tokenizer_lr})
+    return TokenizerSite(
+        model, data, training, augment=config.data.augment, seed=config.training.seed
+    )
+
+
+def build_beit_site(config: SiteConfig, params: FedBEiTParams, tokenizer_path: Path) -> BEiTSite:
+    """The node's BEiTSite: the pre-trainer every node draws alike from
+    `federation.seed` (its token head as wide as the tokenizer's codebook), and
+    the tokenizer at `tokenizer_path`, frozen."""
+    seed_everything(config.training.seed)
+    data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
+    tokenizer = load_tokenizer(tokenizer_path, in_chans=data.channels, image_size=data.image_size)
+
+    def build() -> BEiTPretrainer:
+        return create_beit(
+            config.model.name,
+            in_chans=data.channels,
+            image_size=data.image_size,
+            codebook_size=tokenizer.codebook_size,
+            patch_size=tokenizer.patch_size,
+            encoder_depth=params.encoder_depth,
+            mask_ratio=params.mask_ratio,
+            min_block=params.min_block_patches,
+        )
+
+    model = build()
+    if params.patch_size is not None and params.patch_size != tokenizer.patch_size:
+        raise ModelError(
+            "tokenizer_mismatch",
+            f"{tokenizer_path}: the tokenizer works on {tokenizer.patch_size}-pixel patches, "
+            f"protocol.patch_size is {params.patch_size} — make them equal or unset patch_size",
+        )
+    key = (
+        f"beit|{config.model.name}|{tokenizer.codebook_size}|{tokenizer.patch_size}|"
+        f"{params.encoder_depth}|{data.channels}|{data.image_size}|{config.federation.seed}"
+    )
+    model.load_state_dict(common_initial_state(key, config.federation.seed, build))
+    return BEiTSite(
+        model,
+        tokenizer,
+        data,
+        config.training,
+        augment=config.data.augment,
+        seed=config.training.seed,
+    )
+
+
+def _evaluate(
+    site: Any, names: dict[str, str], splits: tuple[str, ...] = ("val", "test")
+) -> dict[str, float]:
+    """site.evaluate on each split it has, its values renamed `names[key]` on
+    test and `val_<names[key]>` on val."""
+    out: dict[str, float] = {}
+    for split in splits:
+        try:
+            report = site.evaluate(split)
+        except TrainingError as exc:
+            if exc.reason != "missing_split":
+                raise
+            continue
+        for key, name in names.items():
+            out[name if split == "test" else f"val_{name}"] = report[key]
+    return out
+
+
+def evaluate_tokenizer(site: TokenizerSite) -> dict[str, float]:
+    return _evaluate(
+        site,
+        {
+            "tokenizer_recon_loss": "tokenizer_recon_loss",
+            "perplexity": "codebook_perplexity",
+            "codes_used": "codebook_used",
+        },
+    )
+
+
+def evaluate_tokens(site: BEiTSite) -> dict[str, float]:
+    return _evaluate(site, {"token_loss": "token_loss", "token_accuracy": "token_accuracy"})
+
+
+def fingerprint(state: dict[str, Any]) -> str:
+    """A short hash of a state dict, to see in the logs that peers agree."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------- stage 1
+
+
+class TokenizerStage(FedAvgP2P):
+    """FedAVGP2P's rounds over the tokenizer; the last round averages with every
+    alive peer (one tokenizer for the federation)."""
+
+    params: FedBEiTParams  # type: ignore[assignment]
+
+    def __init__(self, params: FedBEiTParams) -> None:
+        super().__init__(params.model_copy(update={"rounds": params.tokenizer_rounds}))  # type: ignore[arg-type]
+        self.beit = params
+
+    def neighbours_wanted(self, ctx: RoundContext, round: int) -> int:
+        if round == self.params.rounds:
+            return len(ctx.roster()) - 1
+        return super().neighbours_wanted(ctx, round)
+
+    async def setup(self, ctx: RoundContext) -> Any:
+        site = await ctx.train(build_tokenizer_site, ctx.config, self.beit)
+        self.start_exchange(ctx)
+        return site
+
+    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
+        metrics = await ctx.train(evaluate_tokenizer, site)
+        self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+        return metrics
+
+    def evaluates(self, round: int) -> bool:
+        return True  # every round: the tokenizer stage is short and its last round matters
+
+    async def finish(self, ctx: RoundContext, site: Any) -> None:
+        ctx.set_phase("export")
+        path = await ctx.train(
+            save_tokenizer, site.tokenizer, ctx.artifact(self.beit.tokenizer_out)
+        )
+        grid = await ctx.train(
+            save_token_maps,
+            site.tokenizer,
+            first_split_images(site, GRID_IMAGES),
+            ctx.artifact(TOKEN_MAPS_PNG),
+            title=f"{ctx.me}: tokenizer after {self.params.rounds} rounds "
+            f"({site.tokenizer.codebook_size} codes)",
+        )
+        log.info(
+            "%s: tokenizer %s (fingerprint %s) -> %s, token maps -> %s",
+            ctx.me,
+            self.beit.tokenizer_out,
+            fingerprint(site.state_dict()),
+            path,
+            grid,
+        )
+
+
+# ---------------------------------------------------------------------- the protocol
+
+
+class FedBEiT(FedMAE):
+    """Tokenizer stage, then FedAVGP2P's rounds over BEiT's masked-token
+    objective (serving, pulling, averaging, resume and gossip are FedAVGP2P's),
+    then the chained fine-tuning protocol (Fed-MAE's)."""
+
+    params: FedBEiTParams  # type: ignore[assignment]
+
+    def __init__(self, params: FedBEiTParams) -> None:
+        super().__init__(params)  # type: ignore[arg-type]
+
+    def tokenizer_rounds(self, config: SiteConfig) -> int:
+        """Rounds of the tokenizer stage: none with a supplied tokenizer."""
+        return 0 if config.model.tokenizer_from is not None else self.params.tokenizer_rounds
+
+    def pretraining_rounds(self) -> int:
+        return self.tokenizer_rounds(self.config) + int(self.params.rounds)
+
+    def tokenizer_path(self, ctx: RoundContext) -> Path:
+        supplied = ctx.config.model.tokenizer_from
+        return Path(supplied) if supplied is not None else ctx.artifact(self.params.tokenizer_out)
+
+    async def run(self, ctx: RoundContext) -> None:
+        self.config = ctx.config
+        saved = ctx.restore() or {}
+        stage = saved.get("stage") if saved.get("protocol") == self.name else None
+        reached = STAGES.index(stage) if stage in STAGES else 0
+        tokenizer_rounds = self.tokenizer_rounds(ctx.config)
+        if reached == 0 and tokenizer_rounds:
+            stage_1 = TokenizerStage(self.params)
+            tok = StageContext(
+                ctx,
+                ctx.config,
+                protocol=self.name,
+                round_offset=0,
+                stage=TOKENIZER_STAGE,
+                prefix=TOKENIZER_KIND_PREFIX,
+            )
+            site = await stage_1.setup(tok)
+            await stage_1.run_rounds(tok, site)
+            await stage_1.finish(tok, site)
+        if reached <= STAGES.index(PRETRAIN_STAGE):
+            pre = StageContext(
+                ctx,
+                ctx.config,
+                protocol=self.name,
+                round_offset=tokenizer_rounds,
+                stage=PRETRAIN_STAGE,
+                prefix="",
+            )
+            site = await self.setup(pre)
+            await self.run_rounds(pre, site)
+            await self.finish(pre, site)
+        if self.params.finetune is not None:
+            await self.finetune(ctx)
+        ctx.set_phase("done")
+
+    async def setup(self, ctx: RoundContext) -> Any:
+        tokenizer = self.tokenizer_path(ctx)
+        if not tokenizer.is_file():
+            raise FedMAEError(
+                "missing_tokenizer",
+                f"{tokenizer}: the tokenizer is gone — restore it, set model.tokenizer_from, "
+                "or delete the checkpoints to train it again",
+            )
+        site = await ctx.train(build_beit_site, ctx.config, self.params, tokenizer)
+        self.start_exchange(ctx)
+        return site
+
+    async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
+        metrics = await ctx.train(evaluate_tokens, site)
+        self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+        return metrics
+
+    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+        return FedAvgP2P.checkpoint_state(self, round, site)
+
+    async def finish(self, ctx: RoundContext, site: Any) -> None:
+        ctx.set_phase("export")
+        path = await ctx.train(save_encoder, site.beit, ctx.artifact(self.params.encoder_out))
+        log.info("%s: Fed-BEiT encoder -> %s", ctx.me, path)

@@ -39,17 +39,23 @@ from typing import Any
 
 from p2pfl.config import FedBEiTParams, SiteConfig
 from p2pfl.learning.beit import BEiTPretrainer, create_beit
-from p2pfl.learning.beit_site import BEiTSite, TokenizerSite, first_split_images, save_token_maps
-from p2pfl.learning.data import load_site_data
+from p2pfl.learning.beit_site import BEiTSite, TokenizerSite, save_token_maps
 from p2pfl.learning.errors import TrainingError
-from p2pfl.learning.mae import mae_patch_size, save_encoder
+from p2pfl.learning.mae import checked_patch_size, save_encoder
+from p2pfl.learning.mae_site import first_split_images
 from p2pfl.learning.models import ModelError
 from p2pfl.learning.tokenizer import VQTokenizer, load_tokenizer, save_tokenizer
-from p2pfl.learning.train import seed_everything
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
-from protocols.fedmae import FINETUNE_STAGE, PRETRAIN_STAGE, FedMAE, FedMAEError, StageContext
-from protocols.site import common_initial_state
+from protocols.fedmae import (
+    FINETUNE_STAGE,
+    PRETRAIN_STAGE,
+    FedMAE,
+    FedMAEError,
+    StageContext,
+    pretraining_data,
+)
+from protocols.site import common_initial_model
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +72,8 @@ GRID_IMAGES = 8
 def build_tokenizer_site(config: SiteConfig, params: FedBEiTParams) -> TokenizerSite:
     """The node's TokenizerSite (every local image), starting from the tokenizer
     every node draws alike from `federation.seed`."""
-    seed_everything(config.training.seed)
-    data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
-    patch = params.patch_size or mae_patch_size(data.image_size, data.channels)
-    if data.image_size % patch:
-        raise ModelError(
-            "bad_patch_size",
-            f"protocol.patch_size {patch} does not divide data.image_size {data.image_size} — "
-            "pick a divisor or leave patch_size unset",
-        )
+    data = pretraining_data(config)
+    patch = checked_patch_size(data.image_size, data.channels, params.patch_size)
 
     def build() -> VQTokenizer:
         return VQTokenizer(
@@ -85,12 +84,11 @@ def build_tokenizer_site(config: SiteConfig, params: FedBEiTParams) -> Tokenizer
             hidden=params.tokenizer_hidden,
         )
 
-    model = build()
     key = (
         f"tokenizer|{data.channels}|{patch}|{params.codebook_size}|{params.code_dim}|"
         f"{params.tokenizer_hidden}|{config.federation.seed}"
     )
-    model.load_state_dict(common_initial_state(key, config.federation.seed, build))
+    model = common_initial_model(key, config.federation.seed, build)
     training = config.training
     if params.tokenizer_lr is not None:
         training = training.model_copy(update={"lr": params.tokenizer_lr})
@@ -103,8 +101,7 @@ def build_beit_site(config: SiteConfig, params: FedBEiTParams, tokenizer_path: P
     """The node's BEiTSite: the pre-trainer every node draws alike from
     `federation.seed` (its token head as wide as the tokenizer's codebook), and
     the tokenizer at `tokenizer_path`, frozen."""
-    seed_everything(config.training.seed)
-    data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
+    data = pretraining_data(config)
     tokenizer = load_tokenizer(tokenizer_path, in_chans=data.channels, image_size=data.image_size)
 
     def build() -> BEiTPretrainer:
@@ -119,7 +116,6 @@ def build_beit_site(config: SiteConfig, params: FedBEiTParams, tokenizer_path: P
             min_block=params.min_block_patches,
         )
 
-    model = build()
     if params.patch_size is not None and params.patch_size != tokenizer.patch_size:
         raise ModelError(
             "tokenizer_mismatch",
@@ -130,7 +126,7 @@ def build_beit_site(config: SiteConfig, params: FedBEiTParams, tokenizer_path: P
         f"beit|{config.model.name}|{tokenizer.codebook_size}|{tokenizer.patch_size}|"
         f"{params.encoder_depth}|{data.channels}|{data.image_size}|{config.federation.seed}"
     )
-    model.load_state_dict(common_initial_state(key, config.federation.seed, build))
+    model = common_initial_model(key, config.federation.seed, build)
     return BEiTSite(
         model,
         tokenizer,

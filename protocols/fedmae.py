@@ -37,7 +37,7 @@ from typing import Any
 
 import protocols
 from p2pfl.config import FedMAEParams, SiteConfig
-from p2pfl.learning.data import load_site_data
+from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.mae import MaskedAutoencoder, create_mae, save_encoder
 from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
@@ -46,7 +46,7 @@ from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
     FedAvgP2P,
 )
-from protocols.site import common_initial_state
+from protocols.site import common_initial_model
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,16 @@ def _mae_kwargs(params: FedMAEParams) -> dict[str, Any]:
     }
 
 
+def pretraining_data(config: SiteConfig) -> SiteData:
+    """The site's data, torch seeded from training.seed first (as every site build)."""
+    seed_everything(config.training.seed)
+    return load_site_data(config.data, seed=config.federation.seed + config.training.seed)
+
+
 def build_mae_site(config: SiteConfig, params: FedMAEParams) -> MAESite:
     """The node's MAESite (every local image), starting from the autoencoder every
     node draws alike from `federation.seed`."""
-    seed_everything(config.training.seed)
-    data = load_site_data(config.data, seed=config.federation.seed + config.training.seed)
+    data = pretraining_data(config)
 
     def build() -> MaskedAutoencoder:
         return create_mae(
@@ -93,12 +98,11 @@ def build_mae_site(config: SiteConfig, params: FedMAEParams) -> MAESite:
             **_mae_kwargs(params),
         )
 
-    model = build()
     key = (
         f"mae|{config.model.name}|{sorted(_mae_kwargs(params).items())}|{data.channels}|"
         f"{data.image_size}|{config.federation.seed}"
     )
-    model.load_state_dict(common_initial_state(key, config.federation.seed, build))
+    model = common_initial_model(key, config.federation.seed, build)
     return MAESite(
         model, data, config.training, augment=config.data.augment, seed=config.training.seed
     )

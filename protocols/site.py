@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from p2pfl.learning.train import LocalSite
 # initial state is drawn once per process under this lock and then copied. The
 # cache is bounded: a process rarely builds more than a couple of architectures.
 _INITIAL_STATES_KEPT = 4
+ModelT = TypeVar("ModelT", bound=nn.Module)
 _initial_states_lock = threading.Lock()
 _initial_states: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
 
@@ -40,6 +42,13 @@ def common_initial_state(key: str, seed: int, build: Callable[[], nn.Module]) ->
                 _initial_states.popitem(last=False)
             _initial_states[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         return {k: v.clone() for k, v in _initial_states[key].items()}
+
+
+def common_initial_model(key: str, seed: int, build: Callable[[], ModelT]) -> ModelT:
+    """`build()` holding the common initial weights (`common_initial_state`)."""
+    model = build()
+    model.load_state_dict(common_initial_state(key, seed, build))
+    return model
 
 
 def build_site(config: SiteConfig) -> LocalSite:

@@ -25,8 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2pfl.learning.mae import build_vit, mae_patch_size
-from p2pfl.learning.models import ModelError
+from p2pfl.learning.mae import (
+    checked_patch_size,
+    pretraining_encoder,
+    square_grid,
+    with_positions,
+)
 
 BEIT_GRID_PATCHES = 196  # BEiT's 14 x 14 grid, for which its 16-patch minimum block was set
 BEIT_MIN_BLOCK = 16
@@ -149,21 +153,8 @@ class BEiTPretrainer(nn.Module):
         min_block: int | None = None,
     ) -> None:
         super().__init__()
-        if (
-            getattr(encoder, "cls_token", None) is None
-            or getattr(encoder, "reg_token", None) is not None
-        ):
-            raise ModelError(
-                "unsupported_vit",
-                "Fed-BEiT needs a ViT with a class token and no register tokens (e.g. vit_tiny_patch16_224)",
-            )
-        grid = encoder.patch_embed.grid_size
-        if grid[0] != grid[1]:
-            raise ModelError(
-                "unsupported_vit", f"Fed-BEiT needs square images, got a {grid} patch grid"
-            )
         self.encoder = encoder
-        self.grid = int(grid[0])
+        self.grid = square_grid(encoder, "Fed-BEiT")
         self.num_patches = self.grid * self.grid
         self.mask_ratio = mask_ratio
         self.min_block = min_block  # None: BEiT's 16 of 196 patches, scaled to the grid
@@ -182,11 +173,7 @@ class BEiTPretrainer(nn.Module):
         tokens = enc.patch_embed(images)  # N,L,D
         w = mask[..., None].to(tokens.dtype)
         tokens = tokens * (1 - w) + self.mask_token.to(tokens.dtype) * w
-        pos = enc.pos_embed
-        if enc.no_embed_class:
-            tokens, cls = tokens + pos, enc.cls_token
-        else:
-            tokens, cls = tokens + pos[:, 1:], enc.cls_token + pos[:, :1]
+        tokens, cls = with_positions(enc, tokens)
         h = torch.cat([cls.expand(len(images), -1, -1), tokens], dim=1)
         h = enc.norm_pre(enc.pos_drop(h))
         return enc.norm(enc.blocks(h))[:, 1:]
@@ -218,21 +205,8 @@ def create_beit(
     min_block: int | None = None,
 ) -> BEiTPretrainer:
     """A BEiT pre-trainer around timm ViT `name` (random weights)."""
-    patch = patch_size or mae_patch_size(image_size, in_chans)
-    if image_size % patch:
-        raise ModelError(
-            "bad_patch_size",
-            f"protocol.patch_size {patch} does not divide data.image_size {image_size} — "
-            "pick a divisor or leave patch_size unset",
-        )
-    encoder = build_vit(
-        name,
-        in_chans=in_chans,
-        num_classes=0,
-        image_size=image_size,
-        patch_size=patch,
-        depth=encoder_depth,
-    )
+    patch = checked_patch_size(image_size, in_chans, patch_size)
+    encoder = pretraining_encoder(name, in_chans, image_size, patch, encoder_depth)
     return BEiTPretrainer(
         encoder, codebook_size=codebook_size, mask_ratio=mask_ratio, min_block=min_block
     )

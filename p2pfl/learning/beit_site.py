@@ -17,9 +17,8 @@ from torch import Tensor
 from p2pfl.config import TrainingSection
 from p2pfl.learning.beit import BEiTPretrainer, blockwise_masks
 from p2pfl.learning.data import SiteData
-from p2pfl.learning.data.loaders import MEAN, STD
 from p2pfl.learning.errors import TrainingError
-from p2pfl.learning.mae_site import mae_training_data
+from p2pfl.learning.mae_site import image_column, mae_training_data, save_image_grid
 from p2pfl.learning.tokenizer import VQTokenizer, codebook_usage
 from p2pfl.learning.train import LocalSite
 
@@ -32,17 +31,6 @@ def _single_process(training: TrainingSection, what: str) -> None:
         raise TrainingError(
             "data_parallel_unsupported", f"{what} runs in one process — set training.devices: 1"
         )
-
-
-def first_split_images(site: LocalSite, count: int) -> Tensor:
-    """Up to `count` images for a figure: val, else test, else train."""
-    for split in ("val", "test", "train"):
-        try:
-            images, _ = site._split_tensors(split)
-        except TrainingError:
-            continue
-        return images[:count]
-    raise TrainingError("missing_split", "no images to show")
 
 
 class TokenizerSite(LocalSite):
@@ -154,12 +142,8 @@ def save_token_maps(
     tokenizer: VQTokenizer, images: Tensor, path: str | Path, *, title: str = ""
 ) -> Path:
     """A PNG with one row per image: the image | its token map (each patch
-    coloured by its token index) | the tokenizer's reconstruction from the tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    coloured by its token index, numbered on small grids) | the tokenizer's
+    reconstruction from the tokens."""
     tokenizer.eval()
     device = next(tokenizer.parameters()).device
     x = images.to(device)
@@ -168,35 +152,17 @@ def save_token_maps(
         recon = tokenizer.decode_tokens(tokens)
     side = int(round(tokens.shape[1] ** 0.5))
     maps = tokens.reshape(-1, side, side).cpu().numpy()
-    rows = len(images)
-    fig, axes = plt.subplots(rows, 3, figsize=(4.5, 1.5 * rows + 0.6), squeeze=False)
-    for row in range(rows):
-        views = [
-            ("image", (x[row].cpu() * STD + MEAN).clamp(0, 1)),
-            ("tokens", None),
-            ("from tokens", (recon[row].cpu() * STD + MEAN).clamp(0, 1)),
-        ]
-        for col, (label, view) in enumerate(views):
-            ax = axes[row][col]
-            if view is None:
-                # 20 colours cycle over the indices; the grid's numbers say which token
-                ax.imshow(maps[row] % 20, cmap="tab20", vmin=0, vmax=19)
-                if side <= 8:
-                    for (i, j), token in np.ndenumerate(maps[row]):
-                        ax.text(j, i, str(token), ha="center", va="center", fontsize=4)
-            elif view.shape[0] == 1:
-                ax.imshow(view[0].numpy(), cmap="gray", vmin=0.0, vmax=1.0)
-            else:
-                ax.imshow(view[:3].permute(1, 2, 0).numpy())
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if row == 0:
-                ax.set_title(label, fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+
+    def token_map(ax: Any, row: int) -> None:
+        # 20 colours cycle over the indices; the numbers say which token
+        ax.imshow(maps[row] % 20, cmap="tab20", vmin=0, vmax=19)
+        if side <= 8:
+            for (i, j), token in np.ndenumerate(maps[row]):
+                ax.text(j, i, str(token), ha="center", va="center", fontsize=4)
+
+    return save_image_grid(
+        path,
+        [("image", image_column(x)), ("tokens", token_map), ("from tokens", image_column(recon))],
+        len(images),
+        title=title,
+    )

@@ -156,6 +156,34 @@ def sincos_position_embedding(dim: int, grid: int, *, cls_token: bool = True) ->
 # ---------------------------------------------------------------------- the model
 
 
+def square_grid(encoder: nn.Module, method: str) -> int:
+    """The side of a timm ViT's square patch grid; refused (`unsupported_vit`)
+    without a class token, with register tokens, or on a non-square grid."""
+    if (
+        getattr(encoder, "cls_token", None) is None
+        or getattr(encoder, "reg_token", None) is not None
+    ):
+        raise ModelError(
+            "unsupported_vit",
+            f"{method} needs a ViT with a class token and no register tokens (e.g. vit_tiny_patch16_224)",
+        )
+    grid = encoder.patch_embed.grid_size
+    if grid[0] != grid[1]:
+        raise ModelError(
+            "unsupported_vit", f"{method} needs square images, got a {grid} patch grid"
+        )
+    return int(grid[0])
+
+
+def with_positions(encoder: nn.Module, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """(patch tokens + their position embeddings, class token + its own) as the
+    timm ViT adds them."""
+    pos = encoder.pos_embed
+    if encoder.no_embed_class:
+        return tokens + pos, encoder.cls_token
+    return tokens + pos[:, 1:], encoder.cls_token + pos[:, :1]
+
+
 @dataclass
 class MAEOutput:
     loss: Tensor
@@ -184,19 +212,8 @@ class MaskedAutoencoder(nn.Module):
         super().__init__()
         from timm.models.vision_transformer import Block
 
-        if (
-            getattr(encoder, "cls_token", None) is None
-            or getattr(encoder, "reg_token", None) is not None
-        ):
-            raise ModelError(
-                "unsupported_vit",
-                "Fed-MAE needs a ViT with a class token and no register tokens (e.g. vit_tiny_patch16_224)",
-            )
-        grid = encoder.patch_embed.grid_size
-        if grid[0] != grid[1]:
-            raise ModelError(
-                "unsupported_vit", f"Fed-MAE needs square images, got a {grid} patch grid"
-            )
+        side = square_grid(encoder, "Fed-MAE")
+        grid = (side, side)
         self.encoder = encoder
         self.patch_size = patch_size
         self.in_chans = in_chans
@@ -230,12 +247,7 @@ class MaskedAutoencoder(nn.Module):
     def encode(self, images: Tensor, draw: MaskDraw) -> Tensor:
         """Encoder over [class token, visible patches] with their position embeddings."""
         enc = self.encoder
-        tokens = enc.patch_embed(images)  # N,L,D
-        pos = enc.pos_embed
-        if enc.no_embed_class:
-            tokens, cls = tokens + pos, enc.cls_token
-        else:
-            tokens, cls = tokens + pos[:, 1:], enc.cls_token + pos[:, :1]
+        tokens, cls = with_positions(enc, enc.patch_embed(images))
         dim = tokens.shape[-1]
         visible = tokens.gather(1, draw.keep[..., None].expand(-1, -1, dim))
         h = torch.cat([cls.expand(len(images), -1, -1), visible], dim=1)
@@ -309,6 +321,29 @@ def build_vit(
     return timm_model(name, in_chans=in_chans, num_classes=num_classes, **kwargs)
 
 
+def checked_patch_size(image_size: int, in_chans: int, patch_size: int | None) -> int:
+    """`protocol.patch_size`, or the one `mae_patch_size` picks; refused
+    (`bad_patch_size`) when it does not divide the image size."""
+    patch = patch_size or mae_patch_size(image_size, in_chans)
+    if image_size % patch:
+        raise ModelError(
+            "bad_patch_size",
+            f"protocol.patch_size {patch} does not divide data.image_size {image_size} — "
+            "pick a divisor or leave patch_size unset",
+        )
+    return patch
+
+
+def pretraining_encoder(
+    name: str, in_chans: int, image_size: int, patch: int, depth: int | None
+) -> nn.Module:
+    """The ViT a pre-training method trains: no head, built as the fine-tuning
+    classifier will be (`build_vit`)."""
+    return build_vit(
+        name, in_chans=in_chans, num_classes=0, image_size=image_size, patch_size=patch, depth=depth
+    )
+
+
 def create_mae(
     name: str,
     *,
@@ -322,21 +357,8 @@ def create_mae(
     decoder_heads: int = 4,
 ) -> MaskedAutoencoder:
     """A masked autoencoder around timm ViT `name` (random weights)."""
-    patch = patch_size or mae_patch_size(image_size, in_chans)
-    if image_size % patch:
-        raise ModelError(
-            "bad_patch_size",
-            f"protocol.patch_size {patch} does not divide data.image_size {image_size} — "
-            "pick a divisor or leave patch_size unset",
-        )
-    encoder = build_vit(
-        name,
-        in_chans=in_chans,
-        num_classes=0,
-        image_size=image_size,
-        patch_size=patch,
-        depth=encoder_depth,
-    )
+    patch = checked_patch_size(image_size, in_chans, patch_size)
+    encoder = pretraining_encoder(name, in_chans, image_size, patch, encoder_depth)
     return MaskedAutoencoder(
         encoder,
         patch_size=patch,

@@ -7,6 +7,7 @@ LocalSite's. Also the figure of what the autoencoder sees and restores.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +85,18 @@ class MAESite(LocalSite):
 
     def sample_images(self, count: int = 8) -> Tensor:
         """Up to `count` images for the reconstruction grid: val, else test, else train."""
-        for split in ("val", "test", "train"):
-            try:
-                images, _ = self._split_tensors(split)
-            except TrainingError:
-                continue
-            return images[:count]
-        raise TrainingError("missing_split", "no images to reconstruct")
+        return first_split_images(self, count)
+
+
+def first_split_images(site: LocalSite, count: int) -> Tensor:
+    """Up to `count` of a site's images for a figure: val, else test, else train."""
+    for split in ("val", "test", "train"):
+        try:
+            images, _ = site._split_tensors(split)
+        except TrainingError:
+            continue
+        return images[:count]
+    raise TrainingError("missing_split", "no images to show")
 
 
 # ---------------------------------------------------------------------- reconstruction grid
@@ -123,29 +129,26 @@ def reconstruction_views(
     return views[0], views[1], views[2]
 
 
-def save_reconstruction_grid(
-    model: MaskedAutoencoder, images: Tensor, path: str | Path, *, title: str = ""
+def save_image_grid(
+    path: str | Path,
+    columns: Sequence[tuple[str, Callable[[Any, int], None]]],
+    rows: int,
+    *,
+    title: str = "",
 ) -> Path:
-    """A PNG with one row per image: masked input | reconstruction | original."""
+    """A PNG of `rows` rows, one column per (label, draw(ax, row))."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    columns = reconstruction_views(model, images)
-    rows = len(images)
-    fig, axes = plt.subplots(rows, 3, figsize=(4.5, 1.5 * rows + 0.6), squeeze=False)
-    for col, (label, view) in enumerate(
-        zip(("masked input", "reconstruction", "original"), columns, strict=True)
-    ):
-        pixels = (view * STD + MEAN).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    fig, axes = plt.subplots(
+        rows, len(columns), figsize=(1.5 * len(columns), 1.5 * rows + 0.6), squeeze=False
+    )
+    for col, (label, draw) in enumerate(columns):
         for row in range(rows):
             ax = axes[row][col]
-            image = pixels[row]
-            if image.shape[2] == 1:
-                ax.imshow(image[..., 0], cmap="gray", vmin=0.0, vmax=1.0)
-            else:
-                ax.imshow(np.clip(image[..., :3], 0.0, 1.0))
+            draw(ax, row)
             ax.set_xticks([])
             ax.set_yticks([])
             if row == 0:
@@ -158,3 +161,32 @@ def save_reconstruction_grid(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def image_column(images: Tensor) -> Callable[[Any, int], None]:
+    """A column of images given as N,C,H,W normalised pixels (grey or the first
+    three channels)."""
+    pixels = (images.detach().float().cpu() * STD + MEAN).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+    def draw(ax: Any, row: int) -> None:
+        image = pixels[row]
+        if image.shape[2] == 1:
+            ax.imshow(image[..., 0], cmap="gray", vmin=0.0, vmax=1.0)
+        else:
+            ax.imshow(np.clip(image[..., :3], 0.0, 1.0))
+
+    return draw
+
+
+def save_reconstruction_grid(
+    model: MaskedAutoencoder, images: Tensor, path: str | Path, *, title: str = ""
+) -> Path:
+    """A PNG with one row per image: masked input | reconstruction | original."""
+    columns = reconstruction_views(model, images)
+    labels = ("masked input", "reconstruction", "original")
+    return save_image_grid(
+        path,
+        [(label, image_column(view)) for label, view in zip(labels, columns, strict=True)],
+        len(images),
+        title=title,
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.mae import create_pretrained_classifier, save_encoder
 from p2pfl.learning.models import ModelError
 from p2pfl.learning.tokenizer import VQTokenizer, codebook_usage, load_tokenizer, save_tokenizer
-from protocols.fedbeit import TOKEN_MAPS_PNG, build_beit_site
+from protocols.fedbeit import TOKEN_MAPS_PNG, TokenizerStage, build_beit_site
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 
 VIT = "vit_tiny_patch16_224"
@@ -303,6 +304,14 @@ def test_two_nodes_train_one_tokenizer_then_lower_the_token_cross_entropy(
     assert second.messages_sent("tokenizer.model") == 0 and second.messages_sent("model") == 0
 
 
+def test_the_last_tokenizer_round_averages_with_every_peer() -> None:
+    params = FedBEiTParams(name="fedbeit", rounds=5, tokenizer_rounds=3, fraction=0.5)
+    stage = TokenizerStage(params)
+    ctx = SimpleNamespace(roster=lambda: [f"n{i}" for i in range(9)])
+    assert stage.params.rounds == 3
+    assert [stage.neighbours_wanted(ctx, r) for r in (1, 2, 3)] == [4, 4, 8]  # type: ignore[arg-type]
+
+
 @pytest.mark.slow
 def test_a_supplied_tokenizer_skips_the_tokenizer_stage(sources: list[str], tmp_path: Path) -> None:
     tokenizer = save_tokenizer(
@@ -328,3 +337,44 @@ def test_a_missing_supplied_tokenizer_stops_the_node_with_the_fix(
     assert set(result.errors) == set(SITES)
     message = str(result.first_error())
     assert "gone.pt" in message and "model.tokenizer_from" in message
+
+
+@pytest.mark.slow
+def test_secure_aggregation_covers_the_tokenizer_and_the_pretraining(tmp_path: Path) -> None:
+    """Three sites (a secure sum needs two others): with secure_aggregation no
+    plain tokenizer or pre-trainer travels, only secure-sum messages; the last
+    tokenizer round's secure sum covers every peer, so the tokenizers agree."""
+    out = tmp_path / "digits3"
+    partition_dataset("digits", 3, "iid", out, label_fraction=0.2, seed=0)
+    sources = [str(out / f"site_{i}.npz") for i in range(3)]
+    names = ["site0", "site1", "site2"]
+    cfgs = simulation_configs(
+        sources,
+        names=names,
+        protocol={
+            "name": "fedbeit",
+            "rounds": 1,
+            "tokenizer_rounds": 2,
+            "fraction": 1.0,
+            "secure_aggregation": True,
+            **TINY,
+        },
+        state_root=tmp_path / "state",
+        model={"name": VIT},
+        data={"image_size": 8, "augment": "none"},
+        training={"batch_size": 32, "lr": 3e-3, "device": "cpu", "steps_per_round": 2},
+    )
+    result = run(cfgs)
+    assert result.errors == {}
+    assert result.messages_sent("model") == 0
+    assert result.messages_sent("tokenizer.model") == 0
+    per_round = 3 * 2 * 5  # nodes x contributors x phases
+    assert result.messages_sent("tokenizer.secagg") == 2 * per_round
+    assert result.messages_sent("secagg") == per_round
+    for node in names:
+        assert result.metric("neighbours", node) == {1: 2, 2: 2, 3: 2}
+    first = torch.load(tmp_path / "state" / "site0" / "tokenizer.pt", weights_only=True)
+    for node in names[1:]:
+        other = torch.load(tmp_path / "state" / node / "tokenizer.pt", weights_only=True)
+        for key in first:
+            assert torch.allclose(first[key], other[key], atol=1e-5), key

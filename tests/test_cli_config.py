@@ -143,6 +143,21 @@ BAD = {
         "genbuffer.lpips_weights",
         "remove one of the two keys",
     ),
+    "fedbeit_missing_tokenizer": (
+        lambda d: (
+            d["protocol"].update(name="fedbeit"),
+            d.setdefault("model", {}).update(
+                name="vit_tiny_patch16_224", tokenizer_from="nowhere.pt"
+            ),
+        ),
+        "model.tokenizer_from",
+        "file not found",
+    ),
+    "fedbeit_needs_a_vit": (
+        lambda d: d["protocol"].update(name="fedbeit"),
+        "model.name",
+        "need a timm ViT",
+    ),
     "genbuffer_missing_weights": (
         lambda d: d.update(genbuffer={"lpips_weights": "nowhere.pth"}),
         "genbuffer.lpips_weights",

@@ -152,6 +152,7 @@ def config_from_dict(
         (cfg.identity, "agreement_key"),
         (cfg.model, "weights"),
         (cfg.model, "pretrained_from"),
+        (cfg.model, "tokenizer_from"),
         (cfg.status, "token_file"),
     ):
         setattr(section, attr, _resolve(getattr(section, attr), base))
@@ -183,6 +184,11 @@ def check_config_files(cfg: SiteConfig, path: Path) -> None:
             "model.pretrained_from",
             cfg.model.pretrained_from,
             "run pre-training first or remove the key",
+        ),
+        (
+            "model.tokenizer_from",
+            cfg.model.tokenizer_from,
+            "point it at a Fed-BEiT tokenizer.pt or remove the key to let the federation train one",
         ),
         (
             "status.token_file",

@@ -5,6 +5,7 @@ export into the classifier, and the peer-to-peer tokenizer + pre-training
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +16,8 @@ import torch
 from PIL import Image
 from scipy import ndimage
 
+from bench.localfed import LocalFederation
+from node.provision import provision
 from p2pfl.config import DataSection, FedBEiTParams, SiteConfig
 from p2pfl.learning.beit import blockwise_mask, create_beit, mask_blocks, min_block_patches
 from p2pfl.learning.data import load_site_data
@@ -378,3 +381,44 @@ def test_secure_aggregation_covers_the_tokenizer_and_the_pretraining(tmp_path: P
         other = torch.load(tmp_path / "state" / node / "tokenizer.pt", weights_only=True)
         for key in first:
             assert torch.allclose(first[key], other[key], atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_real_nodes_run_every_stage_over_the_transport(tmp_path: Path) -> None:
+    """Two p2pfl-node processes on loopback: tokenizer, pre-training and the
+    chained fine-tuning, each stage's models signed, sent and verified by the
+    daemons; every round of every stage logged; one tokenizer for both."""
+    fast = {
+        "transport": {"heartbeat_s": 0.3, "suspect_after_s": 1.5, "dead_after_s": 3.0},
+        "training": {"max_steps_per_epoch": 2, "threads": 1},
+        "data": {"augment": "none", "image_size": 8},
+        "model": {"name": VIT},
+    }
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={
+            "name": "fedbeit",
+            "tokenizer_rounds": 2,
+            "rounds": 2,
+            "fraction": 1.0,
+            **TINY,
+            "finetune": {"name": "fedavgp2p", "rounds": 1, "fraction": 1.0},
+        },
+        overrides=fast,
+    )
+    with LocalFederation(plans, tmp_path / "logs") as fed:
+        for name in ("a", "b"):
+            fed[name].wait_for(lambda s: s["phase"] == "done", 240, "every stage done")
+    tokenizers = []
+    for name in ("a", "b"):
+        state = tmp_path / "fed" / name / "state"
+        rows = [json.loads(line) for line in (state / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
+        assert "codebook_perplexity" in rows[1] and "token_loss" in rows[3]
+        assert "macro_f1" in rows[4]
+        assert all(r.get("neighbours") == 1 for r in rows)
+        tokenizers.append(torch.load(state / "tokenizer.pt", weights_only=True))
+        assert (state / "pretrained_encoder.pt").is_file() and (state / TOKEN_MAPS_PNG).is_file()
+    for key in tokenizers[0]:
+        assert torch.allclose(tokenizers[0][key], tokenizers[1][key], atol=1e-6), key

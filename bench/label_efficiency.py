@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from bench import plots
 from p2pfl.config import SiteConfig
 from p2pfl.files import atomic_write_text
 from p2pfl.learning.data.partition import partition_dataset
@@ -444,71 +445,6 @@ def pooled(per_seed: dict[int, dict[str, Any]], fractions: list[float]) -> dict[
     return out
 
 
-def plot(
-    path: Path,
-    fractions: list[float],
-    table: dict[str, dict[str, Any]],
-    curves: dict[str, dict[int, float]],
-    pretrain_curves: dict[str, dict[int, float]],
-) -> None:
-    """Bars (mean over seeds, std as error bars), the first seed's fine-tuning
-    curves, and the mean pre-training curves of both methods."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(16, 3.9))
-    FigureCanvasAgg(fig)
-    ax_bar, ax_curve, ax_mae, ax_beit = fig.subplots(1, 4)
-    width = 0.27
-    xs = range(len(fractions))
-    for i, arm in enumerate(ARMS):
-        values = [table[str(f)][f"{arm}_macro_f1"] for f in fractions]
-        errors = [table[str(f)][f"{arm}_macro_f1_std"] for f in fractions]
-        bars = ax_bar.bar(
-            [x + (i - 1) * width for x in xs],
-            values,
-            width,
-            yerr=errors,
-            capsize=3,
-            label=ARM_NAMES[arm],
-            color=ARM_COLOURS[arm],
-        )
-        ax_bar.bar_label(bars, fmt="%.3f", fontsize=6)
-    ax_bar.set_xticks(list(xs), [f"{f:.0%}" for f in fractions])
-    ax_bar.set_xlabel("labelled share of the training images")
-    ax_bar.set_ylabel("final test macro-F1 (mean over nodes, seeds)")
-    ax_bar.set_ylim(0, 1)
-    ax_bar.legend(loc="lower right", fontsize=7)
-    ax_bar.set_title("FedAVGP2P fine-tuning")
-    styles = {"scratch": ":", "fedmae": "-", "fedbeit": "--"}
-    for key, series in curves.items():
-        fraction, arm = key.split("|")
-        ax_curve.plot(
-            list(series),
-            list(series.values()),
-            styles[arm],
-            marker=".",
-            color=ARM_COLOURS[arm],
-            alpha=0.4 + 0.6 * float(fraction),
-            label=f"{ARM_NAMES[arm]} {float(fraction):.0%}",
-        )
-    ax_curve.set_xlabel("fine-tuning round")
-    ax_curve.set_ylabel("test macro-F1 (first seed)")
-    ax_curve.legend(fontsize=5, ncol=3)
-    ax_curve.set_title("fine-tuning curves")
-    for ax, arm, label in (
-        (ax_mae, "fedmae", "test reconstruction loss (masked patches)"),
-        (ax_beit, "fedbeit", "test token cross-entropy (masked patches)"),
-    ):
-        curve = pretrain_curves.get(arm, {})
-        ax.plot(list(curve), list(curve.values()), marker=".", color=ARM_COLOURS[arm])
-        ax.set_xlabel("round (Fed-BEiT: after the tokenizer's)")
-        ax.set_ylabel(label)
-        ax.set_title(f"P2P {ARM_NAMES[arm]} pre-training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def curve_of(record: dict[str, Any]) -> dict[int, float]:
     """A pre-training record's curve with int rounds (JSON keeps them as text)."""
     return {int(k): float(v) for k, v in record["curve"].items()}
@@ -540,7 +476,14 @@ def main(argv: list[str] | None = None) -> None:
         arm: mean_curve([r["pretraining"][arm] for r in per_seed.values()]) for arm in ARMS[1:]
     }
     png = args.out / "label_efficiency.png"
-    plot(png, fractions, table, per_seed[seeds[0]]["curves"], pretrain_curves)
+    plots.label_efficiency(
+        png,
+        fractions,
+        table,
+        per_seed[seeds[0]]["curves"],
+        pretrain_curves,
+        {arm: (ARM_NAMES[arm], ARM_COLOURS[arm]) for arm in ARMS},
+    )
 
     print()
     print(

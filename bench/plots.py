@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -166,6 +167,68 @@ def final_per_seed(values: Mapping[str, Mapping[int, float]], path: Path) -> Pat
     ax.set_title("final macro-F1 per seed (dots) and mean over the seeds (bar)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left", ncols=max(1, min(5, len(all_seeds))))
+    return _save(fig, path)
+
+
+def label_efficiency(
+    path: Path,
+    fractions: list[float],
+    table: dict[str, dict[str, Any]],
+    curves: dict[str, dict[int, float]],
+    pretrain_curves: dict[str, dict[int, float]],
+    arms: Mapping[str, tuple[str, str]],
+) -> Path:
+    """Bars (mean over seeds, std as error bars), the first seed's fine-tuning
+    curves, and the mean pre-training curves of both methods (bench.label_efficiency;
+    `arms`: arm -> (name, colour), scratch first)."""
+    fig = plt.figure(figsize=(16, 3.9))
+    ax_bar, ax_curve, ax_mae, ax_beit = fig.subplots(1, 4)
+    width = 0.27
+    xs = range(len(fractions))
+    for i, (arm, (name, colour)) in enumerate(arms.items()):
+        values = [table[str(f)][f"{arm}_macro_f1"] for f in fractions]
+        errors = [table[str(f)][f"{arm}_macro_f1_std"] for f in fractions]
+        bars = ax_bar.bar(
+            [x + (i - 1) * width for x in xs],
+            values,
+            width,
+            yerr=errors,
+            capsize=3,
+            label=name,
+            color=colour,
+        )
+        ax_bar.bar_label(bars, fmt="%.3f", fontsize=6)
+    ax_bar.set_xticks(list(xs), [f"{f:.0%}" for f in fractions])
+    ax_bar.set_xlabel("labelled share of the training images")
+    ax_bar.set_ylabel("final test macro-F1 (mean over nodes, seeds)")
+    ax_bar.set_ylim(0, 1)
+    ax_bar.legend(loc="lower right", fontsize=7)
+    ax_bar.set_title("FedAVGP2P fine-tuning")
+    styles = {"scratch": ":", "fedmae": "-", "fedbeit": "--"}
+    for key, series in curves.items():
+        fraction, arm = key.split("|")
+        ax_curve.plot(
+            list(series),
+            list(series.values()),
+            styles[arm],
+            marker=".",
+            color=arms[arm][1],
+            alpha=0.4 + 0.6 * float(fraction),
+            label=f"{arms[arm][0]} {float(fraction):.0%}",
+        )
+    ax_curve.set_xlabel("fine-tuning round")
+    ax_curve.set_ylabel("test macro-F1 (first seed)")
+    ax_curve.legend(fontsize=5, ncol=3)
+    ax_curve.set_title("fine-tuning curves")
+    for ax, arm, label in (
+        (ax_mae, "fedmae", "test reconstruction loss (masked patches)"),
+        (ax_beit, "fedbeit", "test token cross-entropy (masked patches)"),
+    ):
+        curve = pretrain_curves.get(arm, {})
+        ax.plot(list(curve), list(curve.values()), marker=".", color=arms[arm][1])
+        ax.set_xlabel("round (Fed-BEiT: after the tokenizer's)")
+        ax.set_ylabel(label)
+        ax.set_title(f"P2P {arms[arm][0]} pre-training")
     return _save(fig, path)
 
 

@@ -32,7 +32,6 @@ name, and a restarted node resumes in the stage it was in.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from typing import Any
 from p2pfl.config import FedBEiTParams, SiteConfig
 from p2pfl.learning.beit import BEiTPretrainer, create_beit
 from p2pfl.learning.beit_site import BEiTSite, TokenizerSite, save_token_maps
-from p2pfl.learning.errors import TrainingError
+from p2pfl.learning.export import sha256_of
 from p2pfl.learning.mae import checked_patch_size, save_encoder
 from p2pfl.learning.mae_site import first_split_images
 from p2pfl.learning.models import ModelError
@@ -54,6 +53,7 @@ from protocols.fedmae import (
     FedMAEError,
     StageContext,
     pretraining_data,
+    split_metrics,
 )
 from protocols.site import common_initial_model
 
@@ -137,26 +137,8 @@ def build_beit_site(config: SiteConfig, params: FedBEiTParams, tokenizer_path: P
     )
 
 
-def _evaluate(
-    site: Any, names: dict[str, str], splits: tuple[str, ...] = ("val", "test")
-) -> dict[str, float]:
-    """site.evaluate on each split it has, its values renamed `names[key]` on
-    test and `val_<names[key]>` on val."""
-    out: dict[str, float] = {}
-    for split in splits:
-        try:
-            report = site.evaluate(split)
-        except TrainingError as exc:
-            if exc.reason != "missing_split":
-                raise
-            continue
-        for key, name in names.items():
-            out[name if split == "test" else f"val_{name}"] = report[key]
-    return out
-
-
 def evaluate_tokenizer(site: TokenizerSite) -> dict[str, float]:
-    return _evaluate(
+    return split_metrics(
         site,
         {
             "tokenizer_recon_loss": "tokenizer_recon_loss",
@@ -167,16 +149,7 @@ def evaluate_tokenizer(site: TokenizerSite) -> dict[str, float]:
 
 
 def evaluate_tokens(site: BEiTSite) -> dict[str, float]:
-    return _evaluate(site, {"token_loss": "token_loss", "token_accuracy": "token_accuracy"})
-
-
-def fingerprint(state: dict[str, Any]) -> str:
-    """A short hash of a state dict, to see in the logs that peers agree."""
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        digest.update(key.encode())
-        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:12]
+    return split_metrics(site, {"token_loss": "token_loss", "token_accuracy": "token_accuracy"})
 
 
 # ---------------------------------------------------------------------- stage 1
@@ -224,11 +197,10 @@ class TokenizerStage(FedAvgP2P):
             f"({site.tokenizer.codebook_size} codes)",
         )
         log.info(
-            "%s: tokenizer %s (fingerprint %s) -> %s, token maps -> %s",
+            "%s: tokenizer -> %s (sha256 %s, the same on every node), token maps -> %s",
             ctx.me,
-            self.beit.tokenizer_out,
-            fingerprint(site.state_dict()),
             path,
+            sha256_of(path)[:12],
             grid,
         )
 
@@ -250,44 +222,36 @@ class FedBEiT(FedMAE):
         """Rounds of the tokenizer stage: none with a supplied tokenizer."""
         return 0 if config.model.tokenizer_from is not None else self.params.tokenizer_rounds
 
-    def pretraining_rounds(self) -> int:
-        return self.tokenizer_rounds(self.config) + int(self.params.rounds)
+    def pretraining_rounds(self, config: SiteConfig) -> int:
+        return self.tokenizer_rounds(config) + int(self.params.rounds)
 
     def tokenizer_path(self, ctx: RoundContext) -> Path:
         supplied = ctx.config.model.tokenizer_from
         return Path(supplied) if supplied is not None else ctx.artifact(self.params.tokenizer_out)
 
+    def stage(self, ctx: RoundContext, stage: str, prefix: str, round_offset: int) -> StageContext:
+        return StageContext(
+            ctx,
+            ctx.config,
+            protocol=self.name,
+            round_offset=round_offset,
+            stage=stage,
+            prefix=prefix,
+        )
+
     async def run(self, ctx: RoundContext) -> None:
-        self.config = ctx.config
+        """1. the tokenizer (unless supplied), 2. masked-token pre-training,
+        3. fine-tuning; a restarted node resumes in the stage it was in."""
         saved = ctx.restore() or {}
         stage = saved.get("stage") if saved.get("protocol") == self.name else None
         reached = STAGES.index(stage) if stage in STAGES else 0
         tokenizer_rounds = self.tokenizer_rounds(ctx.config)
         if reached == 0 and tokenizer_rounds:
-            stage_1 = TokenizerStage(self.params)
-            tok = StageContext(
-                ctx,
-                ctx.config,
-                protocol=self.name,
-                round_offset=0,
-                stage=TOKENIZER_STAGE,
-                prefix=TOKENIZER_KIND_PREFIX,
+            await TokenizerStage(self.params).run_stage(
+                self.stage(ctx, TOKENIZER_STAGE, TOKENIZER_KIND_PREFIX, 0)
             )
-            site = await stage_1.setup(tok)
-            await stage_1.run_rounds(tok, site)
-            await stage_1.finish(tok, site)
         if reached <= STAGES.index(PRETRAIN_STAGE):
-            pre = StageContext(
-                ctx,
-                ctx.config,
-                protocol=self.name,
-                round_offset=tokenizer_rounds,
-                stage=PRETRAIN_STAGE,
-                prefix="",
-            )
-            site = await self.setup(pre)
-            await self.run_rounds(pre, site)
-            await self.finish(pre, site)
+            await self.run_stage(self.stage(ctx, PRETRAIN_STAGE, "", tokenizer_rounds))
         if self.params.finetune is not None:
             await self.finetune(ctx)
         ctx.set_phase("done")
@@ -308,9 +272,6 @@ class FedBEiT(FedMAE):
         metrics = await ctx.train(evaluate_tokens, site)
         self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
         return metrics
-
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
-        return FedAvgP2P.checkpoint_state(self, round, site)
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
         ctx.set_phase("export")

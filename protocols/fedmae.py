@@ -38,10 +38,9 @@ from typing import Any
 import protocols
 from p2pfl.config import FedMAEParams, SiteConfig
 from p2pfl.learning.data import SiteData, load_site_data
-from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.mae import MaskedAutoencoder, create_mae, save_encoder
 from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
-from p2pfl.learning.train import seed_everything
+from p2pfl.learning.train import LocalSite, seed_everything
 from protocols.base import Handler, PeerInfo, Received, RoundContext
 from protocols.fedavgp2p import (
     FedAvgP2P,
@@ -108,17 +107,19 @@ def build_mae_site(config: SiteConfig, params: FedMAEParams) -> MAESite:
     )
 
 
+def split_metrics(site: LocalSite, names: dict[str, str]) -> dict[str, float]:
+    """`site.evaluate` on val and test (those the site has), each reported value
+    `key` logged as `names[key]` for test and `val_<names[key]>` for val."""
+    return {
+        (name if split == "test" else f"val_{name}"): report[key]
+        for split, report in site.evaluate_available(("val", "test")).items()
+        for key, name in names.items()
+    }
+
+
 def evaluate_reconstruction(site: MAESite) -> dict[str, float]:
-    """Reconstruction loss on test (`recon_loss`) and val (`val_recon_loss`),
-    for the splits the site has."""
-    out: dict[str, float] = {}
-    for split, name in (("val", "val_recon_loss"), ("test", "recon_loss")):
-        try:
-            out[name] = site.evaluate(split)["recon_loss"]
-        except TrainingError as exc:
-            if exc.reason != "missing_split":
-                raise
-    return out
+    """Reconstruction loss on test (`recon_loss`) and val (`val_recon_loss`)."""
+    return split_metrics(site, {"recon_loss": "recon_loss"})
 
 
 # ---------------------------------------------------------------------- the protocol
@@ -137,9 +138,7 @@ class FedMAE(FedAvgP2P):
         saved = ctx.restore() or {}
         finetuning = saved.get("protocol") == self.name and saved.get("stage") == FINETUNE_STAGE
         if not finetuning:  # a node restarted while fine-tuning does not pre-train again
-            site = await self.setup(ctx)
-            await self.run_rounds(ctx, site)
-            await self.finish(ctx, site)
+            await self.run_stage(ctx)
         if self.params.finetune is not None:
             await self.finetune(ctx)
         ctx.set_phase("done")
@@ -160,9 +159,6 @@ class FedMAE(FedAvgP2P):
         metrics = await ctx.train(evaluate_reconstruction, site)
         self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
         return metrics
-
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
-        return {**super().checkpoint_state(round, site), "stage": PRETRAIN_STAGE}
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
         """E*_k for fine-tuning, and a look at what the autoencoder learnt."""
@@ -198,10 +194,12 @@ class FedMAE(FedAvgP2P):
         )
         log.info("%s: fine-tuning with %s from %s", ctx.me, p.finetune.name, encoder)
         await protocols.from_params(p.finetune).run(
-            StageContext(ctx, config, protocol=self.name, round_offset=self.pretraining_rounds())
+            StageContext(
+                ctx, config, protocol=self.name, round_offset=self.pretraining_rounds(ctx.config)
+            )
         )
 
-    def pretraining_rounds(self) -> int:
+    def pretraining_rounds(self, config: SiteConfig) -> int:
         """Rounds logged before fine-tuning's (Fed-BEiT adds its tokenizer's)."""
         return int(self.params.rounds)
 

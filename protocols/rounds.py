@@ -78,10 +78,15 @@ class RoundLoop(Protocol):
     # ------------------------------------------------------------------ the loop
 
     async def run(self, ctx: RoundContext) -> None:
+        await self.run_stage(ctx)
+        ctx.set_phase("done")
+
+    async def run_stage(self, ctx: RoundContext) -> None:
+        """setup, the rounds, finish: the whole protocol, or one stage of a
+        chained one (Fed-MAE, Fed-BEiT)."""
         site = await self.setup(ctx)
         await self.run_rounds(ctx, site)
         await self.finish(ctx, site)
-        ctx.set_phase("done")
 
     async def run_rounds(self, ctx: RoundContext, site: Any) -> None:
         """The rounds, resumed from the last checkpoint."""

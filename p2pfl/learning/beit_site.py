@@ -18,24 +18,18 @@ from p2pfl.config import TrainingSection
 from p2pfl.learning.beit import BEiTPretrainer, blockwise_masks
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.errors import TrainingError
-from p2pfl.learning.mae_site import image_column, mae_training_data, save_image_grid
+from p2pfl.learning.mae_site import PretrainingSite, image_column, save_image_grid
 from p2pfl.learning.tokenizer import VQTokenizer, codebook_usage
-from p2pfl.learning.train import LocalSite
 
 EVAL_MASK_SEED = 1234  # evaluation draws the same masks every time, so rounds compare
 EVAL_BATCH = 256
 
 
-def _single_process(training: TrainingSection, what: str) -> None:
-    if training.devices > 1:
-        raise TrainingError(
-            "data_parallel_unsupported", f"{what} runs in one process — set training.devices: 1"
-        )
-
-
-class TokenizerSite(LocalSite):
+class TokenizerSite(PretrainingSite):
     """The tokenizer's local training: VQ-VAE loss over every local image;
     `evaluate(split)` reports the reconstruction error and the codebook's use."""
+
+    method = "Fed-BEiT's tokenizer training"
 
     def __init__(
         self,
@@ -47,8 +41,7 @@ class TokenizerSite(LocalSite):
         device: str | torch.device | None = None,
         seed: int = 0,
     ) -> None:
-        _single_process(training, "Fed-BEiT's tokenizer training")
-        super().__init__(model, mae_training_data(data), training, augment=augment, device=device)
+        super().__init__(model, data, training, augment=augment, device=device)
         self.tokenizer: VQTokenizer = model
         model.restart_generator = torch.Generator().manual_seed(seed)
 
@@ -71,12 +64,14 @@ class TokenizerSite(LocalSite):
         return {"tokenizer_recon_loss": total / max(count, 1), **usage, "split": split, "n": count}
 
 
-class BEiTSite(LocalSite):
+class BEiTSite(PretrainingSite):
     """Masked-token pre-training over every local image: the frozen tokenizer
     gives each (augmented) training image's tokens, blockwise masks are drawn
     from the site's seeded generator; `evaluate(split)` reports the token
     cross-entropy and accuracy on the masked patches with masks drawn from a
     fixed seed (so successive rounds compare)."""
+
+    method = "Fed-BEiT pre-training"
 
     def __init__(
         self,
@@ -89,14 +84,13 @@ class BEiTSite(LocalSite):
         device: str | torch.device | None = None,
         seed: int = 0,
     ) -> None:
-        _single_process(training, "Fed-BEiT pre-training")
         if tokenizer.codebook_size != model.codebook_size:
             raise TrainingError(
                 "tokenizer_mismatch",
                 f"the tokenizer has {tokenizer.codebook_size} codes, the token head "
                 f"{model.codebook_size} — set protocol.codebook_size to the tokenizer's",
             )
-        super().__init__(model, mae_training_data(data), training, augment=augment, device=device)
+        super().__init__(model, data, training, augment=augment, device=device)
         self.beit: BEiTPretrainer = model
         self.tokenizer = tokenizer.to(self.device).eval()
         for p in self.tokenizer.parameters():

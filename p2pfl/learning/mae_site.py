@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from p2pfl.config import TrainingSection
@@ -41,10 +41,36 @@ def mae_training_data(data: SiteData) -> SiteData:
     )
 
 
-class MAESite(LocalSite):
+class PretrainingSite(LocalSite):
+    """A LocalSite for self-supervised training (Fed-MAE, Fed-BEiT and its
+    tokenizer): every local image, labelled or not, is training data; it runs
+    in one process. `method` names it in the refusal."""
+
+    method = "self-supervised pre-training"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: SiteData,
+        training: TrainingSection,
+        *,
+        augment: str = "none",
+        device: str | torch.device | None = None,
+    ) -> None:
+        if training.devices > 1:
+            raise TrainingError(
+                "data_parallel_unsupported",
+                f"{self.method} runs in one process — set training.devices: 1",
+            )
+        super().__init__(model, mae_training_data(data), training, augment=augment, device=device)
+
+
+class MAESite(PretrainingSite):
     """A LocalSite whose local objective is masked-patch reconstruction over every
     local image; `evaluate(split)` reports the reconstruction loss on that split
     with masks drawn from a fixed seed (so successive rounds compare)."""
+
+    method = "Fed-MAE pre-training"
 
     def __init__(
         self,
@@ -56,12 +82,7 @@ class MAESite(LocalSite):
         device: str | torch.device | None = None,
         seed: int = 0,
     ) -> None:
-        if training.devices > 1:
-            raise TrainingError(
-                "data_parallel_unsupported",
-                "Fed-MAE pre-training runs in one process — set training.devices: 1",
-            )
-        super().__init__(model, mae_training_data(data), training, augment=augment, device=device)
+        super().__init__(model, data, training, augment=augment, device=device)
         self.mae: MaskedAutoencoder = model
         self.mask_generator = torch.Generator().manual_seed(seed)
 

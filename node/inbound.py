@@ -15,6 +15,20 @@ message's timestamp (node/queues.py `ReplayMarks`), so a message this node
 acted on is refused if it comes again after a restart; a node that cannot
 write the marks refuses the message (`storage_error`, retried by the sender)
 rather than accept it unguarded.
+
+Bounds against a hostile peer (issue 28):
+- only the message kinds this node's protocol declares (`Protocol.message_kinds`,
+  registered by the daemon at start with `accept_kinds`), the kinds it serves or
+  reads, and heartbeats are accepted; any other kind is refused `unknown_kind`
+  before it is spooled, queued or counted per kind, and a restart deletes (and
+  counts) spooled pushes of kinds no longer registered;
+- the numbers a request or heartbeat carries for the node itself (`_wait_s`,
+  `round`) pass a pydantic schema with finite bounds, else `payload_schema`;
+- a peer may have `transport.max_held_per_peer` requests held open at once;
+  one more is refused `too_many_held` (the upload reservation is not held
+  while they wait: node/transport.py);
+- payloads of `OFF_LOOP_BYTES` or more are opened (decrypted, decoded,
+  checked finite) in a worker thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership
@@ -37,6 +53,33 @@ from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 from protocols.base import Handler, NotReady, Offers, Received
 
 log = logging.getLogger(__name__)
+
+OFF_LOOP_BYTES = 256 * 1024  # payloads at least this large are opened in a worker thread
+MAX_WAIT_S = 3600.0  # the longest `_wait_s` a request may carry (then capped by the config)
+BUILTIN_KINDS = frozenset({HEARTBEAT})
+
+
+class RequestControl(BaseModel):
+    """What a request's query says to the node itself, not to the protocol."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    wait_s: float = Field(0.0, alias="_wait_s", ge=0.0, le=MAX_WAIT_S)
+
+
+class HeartbeatControl(BaseModel):
+    """The numbers of a heartbeat the node acts on (node/peers.py reads them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    round: int = Field(0, ge=-1, le=2**31 - 1)
+
+
+def _control(schema: type[BaseModel], payload: Any) -> Any:
+    try:
+        return schema.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise WireError("payload_schema", f"{where}: {first['msg']}"[:120]) from None
 
 
 @dataclass(kw_only=True, eq=False)
@@ -62,10 +105,25 @@ class Inbound:
     offers: Offers = field(default_factory=Offers)  # wakes requests held open on a kind
     # message id -> header timestamp, for the journal
     _spool_ts: dict[str, int] = field(default_factory=dict, init=False)
+    _kinds: set[str] = field(default_factory=set, init=False)  # accept_kinds
+    _held: dict[str, int] = field(default_factory=dict, init=False)  # sender -> requests held
 
     def serve(self, kind: str, handler: Handler) -> None:
         self.handlers[kind] = handler
         self.offers.offered(kind)
+
+    def accept_kinds(self, kinds: set[str] | frozenset[str]) -> None:
+        """Register the kinds the protocol pushes and serves (before any arrives)."""
+        self._kinds.update(kinds)
+
+    def known_kind(self, kind: str) -> bool:
+        """Heartbeats, registered kinds, kinds with a handler or an inbox the protocol made."""
+        if kind in BUILTIN_KINDS:
+            return True
+        if kind.startswith(REQUEST_PREFIX):
+            kind = kind[len(REQUEST_PREFIX) :]
+            return kind in self._kinds or kind in self.handlers
+        return kind in self._kinds or kind in self.inboxes.queues
 
     def on_reject(self, reason: str, sender: str | None) -> None:
         self.telemetry.record_rejection(reason, sender)
@@ -74,13 +132,18 @@ class Inbound:
     async def on_frame(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
         kind = header.kind
+        if not self.known_kind(kind):
+            raise Rejection("unknown_kind", kind[:64])
         try:
             await self.marks.cover(header.sender, header.timestamp_ms)
         except OSError as exc:
             log.error("%s: cannot write the replay marks: %s", self.name, exc)
             raise Rejection("storage_error", "replay marks not persisted") from None
         if kind == HEARTBEAT:
-            self.membership.heard(header.sender, self._open(incoming))
+            beat = await self._open(incoming)
+            if isinstance(beat, dict):
+                _control(HeartbeatControl, beat)
+            self.membership.heard(header.sender, beat)
             return 200, None
         if self.faults.latency_s:
             await asyncio.sleep(self.faults.latency_s)  # drill: a slow peer
@@ -88,10 +151,13 @@ class Inbound:
             return await self._on_request(incoming)
         return await self._on_push(incoming)
 
-    def _open(self, incoming: IncomingFrame) -> Any:
-        payload = self.codec.open_payload(
-            incoming.header, incoming.payload, digest=incoming.digest, require_finite=True
-        )
+    async def _open(self, incoming: IncomingFrame) -> Any:
+        args = (incoming.header, incoming.payload)
+        kw = {"digest": incoming.digest, "require_finite": True}
+        if len(incoming.payload) >= OFF_LOOP_BYTES:
+            payload = await asyncio.to_thread(self.codec.open_payload, *args, **kw)
+        else:
+            payload = self.codec.open_payload(*args, **kw)
         self.telemetry.record_received(
             incoming.header.sender, incoming.header.kind, len(incoming.frame)
         )
@@ -100,39 +166,17 @@ class Inbound:
     # ------------------------------------------------------------------ requests
     async def _on_request(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
-        query = self._open(incoming)
+        query = await self._open(incoming)
         if not isinstance(query, dict):
             raise WireError("payload_schema", "request query must be a map")
+        control = _control(RequestControl, query)
+        query.pop("_wait_s", None)
         kind = header.kind[len(REQUEST_PREFIX) :]
         if self.faults.active:
             # drill: crash on a request before answering it (e.g. "asked:secagg:mask")
             self.faults.on_progress(header.round, self._step("asked", kind, query))
-        wait_s = query.pop("_wait_s", 0.0)
-        wait_s = min(
-            float(wait_s) if isinstance(wait_s, int | float) else 0.0,
-            self.cfg.transport.request_timeout_s,
-        )
-        deadline = time.monotonic() + wait_s
-        while True:
-            changed = self.offers.watch(kind)
-            handler = self.handlers.get(kind)
-            if handler is not None:
-                try:
-                    payload = await handler(header.sender, query)
-                    break
-                except NotReady:
-                    pass
-                except Exception as exc:  # noqa: BLE001 - the protocol's handler failing is answered, not fatal
-                    log.warning(
-                        "%s: %s handler failed for %s: %r", self.name, kind, header.sender, exc
-                    )
-                    raise Rejection("handler_error", type(exc).__name__) from None
-            if self.gone.is_set():
-                raise Rejection("peer_failed", kind)
-            if time.monotonic() >= deadline or self.stopping.is_set():
-                raise Rejection("not_ready" if handler is not None else "no_handler", kind)
-            # Re-ask when the protocol offers something new, at the latest in 0.1 s.
-            await self.offers.wait(changed, min(0.1, max(0.0, deadline - time.monotonic())))
+        deadline = time.monotonic() + min(control.wait_s, self.cfg.transport.request_timeout_s)
+        payload = await self._answer(header.sender, kind, query, deadline)
         encrypt = self.cfg.wire.encryption
         if self.faults.active:
             poisoned = self.faults.poisoned_reply(
@@ -150,6 +194,43 @@ class Inbound:
             self.faults.on_progress(header.round, self._step("answered", kind, query))
         return 200, reply.chunks
 
+    async def _answer(self, sender: str, kind: str, query: dict[str, Any], deadline: float) -> Any:
+        """The handler's answer, asked again whenever the protocol offers something
+        new (at the latest every 0.1 s) until `deadline`. While it waits the
+        request counts against its sender's cap of held requests."""
+        held = False
+        try:
+            while True:
+                changed = self.offers.watch(kind)
+                handler = self.handlers.get(kind)
+                if handler is not None:
+                    try:
+                        return await handler(sender, query)
+                    except NotReady:
+                        pass
+                    except Exception as exc:  # noqa: BLE001 - the protocol's handler failing is answered, not fatal
+                        log.warning(
+                            "%s: %s handler failed for %s: %r", self.name, kind, sender, exc
+                        )
+                        raise Rejection("handler_error", type(exc).__name__) from None
+                if self.gone.is_set():
+                    raise Rejection("peer_failed", kind)
+                if time.monotonic() >= deadline or self.stopping.is_set():
+                    raise Rejection("not_ready" if handler is not None else "no_handler", kind)
+                if not held:
+                    if self._held.get(sender, 0) >= self.cfg.transport.max_held_per_peer:
+                        raise Rejection("too_many_held", f"{sender} has requests held already")
+                    self._held[sender] = self._held.get(sender, 0) + 1
+                    held = True
+                await self.offers.wait(changed, min(0.1, deadline - time.monotonic()))
+        finally:
+            if held:
+                left = self._held[sender] - 1
+                if left:
+                    self._held[sender] = left
+                else:
+                    del self._held[sender]
+
     @staticmethod
     def _step(event: str, kind: str, query: dict[str, Any]) -> str:
         """The fault plan's name for a request event: EVENT:KIND[:the query's phase]."""
@@ -161,13 +242,13 @@ class Inbound:
         header = incoming.header
         msg_id = header.id_hex
         if self.spool.has(msg_id) or msg_id in self.journal:
-            return 200, None  # a retry of something we already hold
+            return 200, None  # a retry of something we already hold (after a restart)
         queue = self.inboxes.get(header.kind)
         if not queue.has_room():
             raise Rejection("queue_full", header.kind)
         queue.reserved += 1
         try:
-            payload = self._open(incoming)
+            payload = await self._open(incoming)
             await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
         finally:
             queue.reserved -= 1
@@ -223,7 +304,20 @@ class Inbound:
                 )
                 path.rename(path.with_suffix(".corrupt"))
                 continue
+            if not self.known_kind(header.kind):
+                # no protocol of this node reads that kind: it would stay spooled for good
+                log.warning(
+                    "%s: spooled %s is of kind %r, not registered; deleted",
+                    self.name,
+                    path.name,
+                    header.kind[:64],
+                )
+                self.telemetry.record_rejection("unknown_kind", header.sender)
+                path.unlink(missing_ok=True)
+                self.spool.remove(msg_id)
+                continue
             self._spool_ts[msg_id] = header.timestamp_ms
+            self.codec.replay.add(header.msg_id, header.timestamp_ms)  # a resend is a replay
             self.inboxes.get(header.kind).put_nowait(
                 Received(header.sender, header.kind, header.round, payload, msg_id)
             )

@@ -237,7 +237,7 @@ class Outbox:
         out = []
         for path in sorted(self.dir.glob("*.out"), key=lambda p: p.stat().st_mtime):
             try:
-                rec = tensors.decode(bytearray(path.read_bytes()))
+                rec = tensors.decode(bytearray(path.read_bytes()), bounded=False)
                 out.append(
                     OutboxEntry(
                         rec["id"],
@@ -281,7 +281,7 @@ class Checkpoints:
     def latest(self) -> dict[str, Any] | None:
         for path in sorted(self.dir.glob("ckpt-*.bin"), key=self._number, reverse=True):
             try:
-                record = tensors.decode(bytearray(path.read_bytes()))
+                record = tensors.decode(bytearray(path.read_bytes()), bounded=False)
                 return record["state"]
             except (tensors.CodecError, KeyError, TypeError, OSError) as exc:
                 log.warning("checkpoint %s unreadable (%s); trying an older one", path.name, exc)

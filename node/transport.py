@@ -62,8 +62,15 @@ STATUS_FOR_REASON = {
     "handler_error": 500,
     "truncated": 400,
     "storage_error": 503,
+    "unknown_kind": 404,  # no protocol of this node sends or serves that kind
+    "too_many_held": 429,  # the peer already has transport.max_held_per_peer requests held open
 }
 RETRYABLE = {429, 500, 502, 503, 504}
+# Refusals after which the message had no effect and its honest sender may send
+# the very same frame again: its replay reservation is given back (WireCodec.release).
+RELEASE_REASONS = frozenset(
+    {"truncated", "digest_mismatch", "queue_full", "rate_limited", "storage_error", "too_many_held"}
+)
 
 
 class Rejection(Exception):
@@ -73,6 +80,14 @@ class Rejection(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+
+
+class ResponseRefused(Exception):
+    """A peer's answer this node would not read to the end (`oversize`, `truncated`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class TransportError(Exception):
@@ -191,7 +206,13 @@ class MessageServer:
             await self.runner.cleanup()
             self.runner = None
 
-    def _refuse(self, reason: str, detail: str = "", sender: str | None = None) -> web.Response:
+    def _refuse(
+        self, reason: str, detail: str = "", sender: str | None = None, header: Header | None = None
+    ) -> web.Response:
+        """Count and answer a refusal; `header`: a verified one, whose replay
+        reservation is given back when the sender may retry (RELEASE_REASONS)."""
+        if header is not None and reason in RELEASE_REASONS:
+            self.codec.release(header)
         self.on_reject(reason, sender)
         return _reject(reason, detail)
 
@@ -232,14 +253,31 @@ class MessageServer:
                 self.cfg.rate_limit_per_s, max(10.0, self.cfg.rate_limit_per_s)
             )
         if not bucket.take():
-            return self._refuse("rate_limited", "", header.sender)
+            return self._refuse("rate_limited", "", header.sender, header)
         if self.reserved_bytes + header.payload_len > self.reserve_limit:
-            return self._refuse("queue_full", "too many large uploads in progress", header.sender)
+            return self._refuse(
+                "queue_full", "too many large uploads in progress", header.sender, header
+            )
         self.reserved_bytes += header.payload_len
         try:
-            return await self._receive(stream, prefix, rest, header, length)
+            received = await self._receive(stream, prefix, rest, header)
         finally:
+            # Reserved while the payload streams in, not while the node holds the
+            # request open: held requests are capped per peer instead (node/inbound.py).
             self.reserved_bytes -= header.payload_len
+        if isinstance(received, web.Response):
+            return received
+        try:
+            status, body = await self.on_frame(received)
+        except (WireError, Rejection) as exc:
+            return self._refuse(exc.reason, exc.detail, header.sender, header)
+        if body is None:
+            return web.json_response({"ok": True}, status=status)
+        if isinstance(body, list):
+            return web.Response(
+                body=ChunksPayload(body), status=status, content_type="application/octet-stream"
+            )
+        return web.Response(body=body, status=status, content_type="application/octet-stream")
 
     async def _receive(
         self,
@@ -247,10 +285,9 @@ class MessageServer:
         prefix: bytes,
         rest: bytes,
         header: Header,
-        length: int | None,
-    ) -> web.StreamResponse:
+    ) -> IncomingFrame | web.Response:
         """Read the payload of a verified header into one buffer, hashing as it
-        comes; hand the frame to the node; answer."""
+        comes: the verified frame, or the refusal to answer."""
         idle = self.cfg.read_idle_timeout_s
         offset = PREFIX_LEN + len(rest)
         frame = bytearray(offset + header.payload_len)
@@ -267,39 +304,36 @@ class MessageServer:
                         "truncated",
                         f"payload ended at {pos - offset} of {header.payload_len} bytes",
                         header.sender,
+                        header,
                     )
                 n = len(chunk)
                 if pos + n > len(frame):
                     return self._refuse(
-                        "digest_mismatch", "payload longer than the header says", header.sender
+                        "digest_mismatch",
+                        "payload longer than the header says",
+                        header.sender,
+                        header,
                     )
                 view[pos : pos + n] = chunk
                 digest.update(chunk)
                 pos += n
             if not stream.at_eof() and await asyncio.wait_for(stream.read(1), idle):
                 return self._refuse(
-                    "digest_mismatch", "payload longer than the header says", header.sender
+                    "digest_mismatch", "payload longer than the header says", header.sender, header
                 )
         except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
-            return self._refuse("truncated", "connection closed mid-payload", header.sender)
+            return self._refuse("truncated", "connection closed mid-payload", header.sender, header)
         except TimeoutError:
             return self._refuse(
-                "truncated", f"payload stalled for {idle:g} s at byte {pos - offset}", header.sender
+                "truncated",
+                f"payload stalled for {idle:g} s at byte {pos - offset}",
+                header.sender,
+                header,
             )
         incoming = IncomingFrame(header, frame, offset, digest.digest())
         if incoming.digest != header.payload_sha256:
-            return self._refuse("digest_mismatch", "", header.sender)
-        try:
-            status, body = await self.on_frame(incoming)
-        except (WireError, Rejection) as exc:
-            return self._refuse(exc.reason, exc.detail, header.sender)
-        if body is None:
-            return web.json_response({"ok": True}, status=status)
-        if isinstance(body, list):
-            return web.Response(
-                body=ChunksPayload(body), status=status, content_type="application/octet-stream"
-            )
-        return web.Response(body=body, status=status, content_type="application/octet-stream")
+            return self._refuse("digest_mismatch", "", header.sender, header)
+        return incoming
 
 
 @dataclass
@@ -329,10 +363,24 @@ class PeerLink:
 
 
 class MessageClient:
-    """The sending side: one pooled session, retries, backoff with jitter, breakers."""
+    """The sending side: one pooled session, retries, backoff with jitter, breakers.
 
-    def __init__(self, cfg: TransportSection, ssl_context: ssl.SSLContext | None) -> None:
+    Answers are read with the limits requests are read with: at most
+    `max_message_bytes` (refused up front from Content-Length, else as soon as
+    the streamed body crosses it) and cut off after `read_idle_timeout_s`
+    without a byte; such an answer is counted (`on_reject`) and not retried."""
+
+    def __init__(
+        self,
+        cfg: TransportSection,
+        ssl_context: ssl.SSLContext | None,
+        *,
+        max_message_bytes: int = 512 * 1024 * 1024,
+        on_reject: RejectHook | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.max_message_bytes = max_message_bytes
+        self.on_reject = on_reject
         self.ssl_context = ssl_context
         self.links: dict[str, PeerLink] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -398,6 +446,13 @@ class MessageClient:
                 raise TransportError(peer, "circuit_open")
             try:
                 status, body = await self._attempt(link, message, max(0.05, deadline - now))
+            except ResponseRefused as exc:
+                if self.on_reject is not None:
+                    self.on_reject(exc.reason, peer)
+                link.breaker.failure(
+                    time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
+                )
+                raise TransportError(peer, exc.reason) from None
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 status, body = 0, b""
                 last_reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
@@ -431,8 +486,28 @@ class MessageClient:
         async with session.post(
             link.url, data=ChunksPayload(message.chunks), timeout=client_timeout
         ) as resp:
-            body = await resp.read()
-            return resp.status, body
+            return resp.status, await self._read_body(resp)
+
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
+        limit = self.max_message_bytes
+        if resp.content_length is not None and resp.content_length > limit:
+            resp.close()
+            raise ResponseRefused("oversize")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(resp.content.readany(), self.cfg.read_idle_timeout_s)
+            except TimeoutError:
+                resp.close()
+                raise ResponseRefused("truncated") from None
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                resp.close()  # drop the connection: not a byte more is read
+                raise ResponseRefused("oversize")
+            chunks.append(chunk)
 
 
 def _reason_of(body: bytes) -> str | None:

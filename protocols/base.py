@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from p2pfl.config import SiteConfig
 
@@ -101,8 +101,9 @@ class Offers:
 
     @staticmethod
     async def wait(event: asyncio.Event, timeout: float) -> None:
-        """Until `event` is set or `timeout` seconds passed, whichever is first."""
-        if timeout <= 0 or event.is_set():
+        """Until `event` is set or `timeout` seconds passed, whichever is first
+        (a timeout that is not a positive number, NaN included, waits not at all)."""
+        if not timeout > 0 or event.is_set():
             return
         try:
             async with asyncio.timeout(timeout):
@@ -221,6 +222,16 @@ class RoundContext(ABC):
 
 class Protocol(ABC):
     name: str  # set from the params' `name`, the one place a protocol's name is written
+    # The message kinds the protocol pushes, serves or requests (exact names), and
+    # the stage prefixes it puts before them (protocols/fedmae.py StageContext).
+    # A node accepts only these (and heartbeats): node/inbound.py.
+    kinds: ClassVar[tuple[str, ...]] = ()
+    kind_prefixes: ClassVar[tuple[str, ...]] = ()
+
+    def message_kinds(self) -> frozenset[str]:
+        """Every kind this protocol's messages may carry: a finite set, so an
+        unknown kind from the network cannot open a queue of its own."""
+        return frozenset(self.kinds) | {p + k for p in self.kind_prefixes for k in self.kinds}
 
     @abstractmethod
     async def run(self, ctx: RoundContext) -> None:

@@ -66,6 +66,8 @@ class PeerModel:
 
 
 class FedAvgP2P(RoundLoop):
+    kinds = (MODEL_KIND, SECAGG_KIND)
+
     def __init__(self, params: FedAvgP2PParams) -> None:
         super().__init__(params)
         self.served: OrderedDict[int, dict[str, Any]] = OrderedDict()  # round -> model payload

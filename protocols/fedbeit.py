@@ -214,6 +214,7 @@ class FedBEiT(FedMAE):
     then the chained fine-tuning protocol (Fed-MAE's)."""
 
     params: FedBEiTParams  # type: ignore[assignment]
+    kind_prefixes = (TOKENIZER_KIND_PREFIX,)  # the tokenizer stage's FedAVGP2P kinds
 
     def __init__(self, params: FedBEiTParams) -> None:
         super().__init__(params)  # type: ignore[arg-type]

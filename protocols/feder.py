@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 RELAY_KIND = "feder"  # model and/or buffer pushed to the successor
 BUFFER_KIND = "buffer"  # pull a buffer by hash (when a relay carried only the hash)
+EARLY_RELAYS = 4  # relays of later rounds kept for their round
 
 
 # ---------------------------------------------------------------------- successors
@@ -159,6 +160,7 @@ def make_buffer(
 class FedER(RoundLoop):
     # Alg. 1: receive the predecessor's model and buffer, take its model, then train.
     phases = ("exchange", "aggregate", "train")
+    kinds = (RELAY_KIND, BUFFER_KIND)
 
     def __init__(self, params: FedERParams) -> None:
         super().__init__(params)
@@ -169,6 +171,7 @@ class FedER(RoundLoop):
         self.last_received_hash: str | None = None  # the buffer replayed until a new one comes
         self.num_classes: int | None = None
         self.refused = 0  # relays refused this round
+        self.early: list[Received] = []  # relays of later rounds, from a predecessor ahead of us
 
     @property
     def relays_model(self) -> bool:
@@ -232,21 +235,42 @@ class FedER(RoundLoop):
     async def receive_relay(
         self, ctx: RoundContext, r: int, reference: dict[str, Tensor]
     ) -> Received | None:
-        """Alg. 1 'Receive M_i^{r-1}, B_i': the first valid arrival (extra ones stay queued)."""
+        """Alg. 1 'Receive M_i^{r-1}, B_i': the first valid arrival of round `r`
+        (extra ones stay queued). A relay of an earlier round is refused
+        (`relay_wrong_round`): stale or replayed, it must not replace this
+        round's; one of a later round is kept for that round (a few at most)."""
         inbox = ctx.inbox(RELAY_KIND)
+        pending = [m for m in self.early if m.round == r]
+        self.early = [m for m in self.early if m.round > r]
         deadline = time.monotonic() + self.params.round_timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 and inbox.empty():
+            if not pending and remaining <= 0 and inbox.empty():
                 return None
             try:
                 msg = (
-                    inbox.get_nowait()
+                    pending.pop(0)
+                    if pending
+                    else inbox.get_nowait()
                     if not inbox.empty()
                     else await asyncio.wait_for(inbox.get(), remaining)
                 )
             except TimeoutError:
                 return None
+            if msg.round != r:
+                if msg.round > r and len(self.early) < EARLY_RELAYS:
+                    self.early.append(msg)
+                    continue
+                log.warning(
+                    "%s: relay of round %d from %s refused in round %d",
+                    ctx.me,
+                    msg.round,
+                    msg.sender,
+                    r,
+                )
+                ctx.reject(msg.sender, "relay_wrong_round")
+                self.refused += 1
+                continue
             if await self.accept(ctx, msg, reference):
                 return msg
             self.refused += 1

@@ -134,6 +134,14 @@ class FedMAE(FedAvgP2P):
     def __init__(self, params: FedMAEParams) -> None:
         super().__init__(params)  # type: ignore[arg-type]  # the exchange reads fraction and max_staleness
 
+    def message_kinds(self) -> frozenset[str]:
+        """Pre-training's kinds, and the fine-tuning protocol's under `finetune.`."""
+        kinds = super().message_kinds()
+        if self.params.finetune is None:
+            return kinds
+        inner = protocols.from_params(self.params.finetune).message_kinds()
+        return kinds | {FINETUNE_KIND_PREFIX + k for k in inner}
+
     async def run(self, ctx: RoundContext) -> None:
         saved = ctx.restore() or {}
         finetuning = saved.get("protocol") == self.name and saved.get("stage") == FINETUNE_STAGE

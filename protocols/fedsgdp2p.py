@@ -70,6 +70,7 @@ def steps_per_round(site: LocalSite) -> int:
 class FedSgdP2P(RoundLoop):
     # A round is its steps, each with its own exchange: one "train" phase.
     phases = ("train",)
+    kinds = (GRAD_KIND,)
 
     def __init__(self, params: FedSGDP2PParams) -> None:
         super().__init__(params)

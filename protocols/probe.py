@@ -25,6 +25,7 @@ PROBE_KIND = "probe"
 
 class Probe(RoundLoop):
     phases = ("exchange",)  # no model: nothing to train, merge or evaluate
+    kinds = (PROBE_KIND,)
 
     def __init__(self, params: ProbeParams) -> None:
         super().__init__(params)

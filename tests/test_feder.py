@@ -309,3 +309,41 @@ def test_a_relayed_model_must_fit_the_receivers_own(tmp_path: Path, scale: float
             ("mallory", "relay_huge_norm")
         ]
         assert record["replayed_images"] == 0  # nothing of the refused relay is used
+
+
+def test_a_relay_of_another_round_is_refused_not_taken(tmp_path: Path) -> None:
+    """A stale (or replayed) relay must not replace the round's own: the one of
+    round 0 that arrives first is refused and counted, the round-1 relay is taken."""
+    from protocols.feder import RELAY_KIND, FedER
+    from protocols.site import build_site
+
+    parts = tmp_path / "parts"
+    partition_dataset("digits", 2, "iid", parts, seed=0)
+    (cfg,) = simulation_configs(
+        [str(parts / "site_0.npz")],
+        names=["victim"],
+        protocol={"name": "feder", "rounds": 1, "initial_epochs": 0, "round_timeout_s": 1.0},
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+    )
+    model = build_site(cfg).state_dict()
+    network = InMemoryNetwork(inline_train=True)
+    victim = FedER(cfg.protocol)  # type: ignore[arg-type]
+    victim.own_buffer = _buffer()
+    mallory = network.join("mallory")
+    buffer = _buffer()
+    relay = {"buffer_hash": buffer["content_hash"], "buffer": buffer, "model": model}
+
+    async def scenario() -> None:
+        ctx = network.join("victim", cfg)
+        await mallory.send("victim", RELAY_KIND, {**relay, "round": 0, "num_train": 9}, 0)
+        await mallory.send("victim", RELAY_KIND, {**relay, "round": 1, "num_train": 9}, 1)
+        await victim.run(ctx)
+
+    asyncio.run(scenario())
+    (record,) = [r for r in network.records if r["node"] == "victim"]
+    assert record["received"] == 1 and record["relays_refused"] == 1
+    assert [(r["peer"], r["reason"]) for r in network.rejections] == [
+        ("mallory", "relay_wrong_round")
+    ]

@@ -5,6 +5,15 @@ None, bytes, numpy arrays and torch tensors. A tensor travels as the msgpack map
 {"$t": dtype, "shape": [...], "pad": bin, "data": bin} with a whitelisted dtype,
 little-endian raw bytes; "pad" aligns "data" to 64 bytes from the payload start.
 
+Decoding cost is bounded by the bytes received: every decoded object spends
+units of a budget (one unit ~ 8 bytes of Python memory: a container 8 plus 1
+per element, 3 per map entry, a number 3, a string or binary 6 plus its length
+/ 8), and the budget is `ITEMS_FLOOR` + len(payload) / 8. So a payload never
+costs much more memory decoded than its own size (a msgpack array of 24 Mi
+empty maps, 24 MiB on the wire, once cost 1.7 GiB); a container whose declared
+length would overspend is refused (`too_many_items`) before a single element
+is allocated. Tensors view their bytes and cost a constant.
+
 Copies: `encode` returns chunks that reference the tensors' own memory (tensor
 bytes are copied zero times; only small framing is written). `decode` parses
 msgpack itself and, when given a writable buffer (a bytearray, as the transport
@@ -28,6 +37,13 @@ TENSOR_KEY = "$t"
 ALIGN = 64
 MAX_DEPTH = 64
 _BIG = 4096  # bins at least this large become their own chunk instead of being copied
+# The decoding budget (module docstring): units of about 8 bytes of Python memory.
+ITEM_BYTES = 8
+ITEMS_FLOOR = 1 << 18  # any payload may cost 2 MiB of objects
+_CONTAINER_UNITS = 8
+_SCALAR_UNITS = 3
+_STRING_UNITS = 6
+_TENSOR_UNITS = 32
 
 # dtype name -> (torch dtype, numpy dtype used to view the bytes, itemsize)
 DTYPES: dict[str, tuple[torch.dtype, np.dtype, int]] = {
@@ -266,13 +282,23 @@ def dumps(obj: Any) -> bytes:
 
 
 class _Reader:
-    __slots__ = ("buf", "pos", "end", "writable")
+    __slots__ = ("buf", "pos", "end", "writable", "budget")
 
-    def __init__(self, buf: memoryview, writable: bool) -> None:
+    def __init__(self, buf: memoryview, writable: bool, budget: int) -> None:
         self.buf = buf
         self.pos = 0
         self.end = len(buf)
         self.writable = writable
+        self.budget = budget
+
+    def spend(self, units: int) -> None:
+        self.budget -= units
+        if self.budget < 0:
+            raise CodecError(
+                "too_many_items",
+                f"decoding {self.end} bytes would cost more than {ITEM_BYTES} x their size "
+                "in objects",
+            )
 
     def take(self, n: int) -> memoryview:
         start = self.pos
@@ -294,13 +320,15 @@ class _Reader:
     def unpack(self, fmt: str, n: int) -> Any:
         return struct.unpack(fmt, self.take(n))[0]
 
-    def container_len(self, n: int) -> int:
+    def container_len(self, n: int, per_item: int = 1) -> int:
         if n > self.end - self.pos:  # every element needs at least one byte
             raise CodecError("truncated", f"container of {n} items in {self.end - self.pos} bytes")
+        self.spend(_CONTAINER_UNITS + per_item * n)  # before a single element exists
         return n
 
 
 def _read_str(r: _Reader, n: int) -> str:
+    r.spend(_STRING_UNITS + n // ITEM_BYTES)
     try:
         return str(r.take(n), "utf-8")
     except UnicodeDecodeError:
@@ -328,7 +356,7 @@ def _decode(r: _Reader, depth: int) -> Any:
     if 0xA0 <= b <= 0xBF:
         return _read_str(r, b & 0x1F)
     if 0x90 <= b <= 0x9F:
-        return [_decode(r, depth + 1) for _ in range(b & 0x0F)]
+        return [_decode(r, depth + 1) for _ in range(r.container_len(b & 0x0F))]
     if 0x80 <= b <= 0x8F:
         return _decode_map(r, b & 0x0F, depth)
     if b == 0xC0:
@@ -339,6 +367,7 @@ def _decode(r: _Reader, depth: int) -> Any:
         return True
     n = _read_bin_len(r, b)
     if n is not None:
+        r.spend(_STRING_UNITS + n // ITEM_BYTES)
         return bytes(r.take(n))
     simple = {
         0xCA: (">f", 4),
@@ -353,6 +382,7 @@ def _decode(r: _Reader, depth: int) -> Any:
         0xD3: (">q", 8),
     }.get(b)
     if simple:
+        r.spend(_SCALAR_UNITS)
         return r.unpack(*simple)
     if b == 0xD9:
         return _read_str(r, r.byte())
@@ -374,7 +404,7 @@ def _decode(r: _Reader, depth: int) -> Any:
 
 
 def _decode_map(r: _Reader, n: int, depth: int) -> Any:
-    n = r.container_len(n)
+    n = r.container_len(n, per_item=3)  # a dict entry: hash, key and value
     if n == 4 and _peek_tensor(r):
         return _decode_tensor(r)
     out: dict[str, Any] = {}
@@ -401,6 +431,7 @@ def _expect_key(r: _Reader, key: str) -> None:
 
 
 def _decode_tensor(r: _Reader) -> torch.Tensor:
+    r.spend(_TENSOR_UNITS)
     _expect_key(r, TENSOR_KEY)
     dtype_name = _decode(r, MAX_DEPTH)
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
@@ -442,10 +473,15 @@ def _decode_tensor(r: _Reader) -> torch.Tensor:
     return flat.view(shape)
 
 
-def decode(buf: bytes | bytearray | memoryview) -> Any:
-    """Bytes -> payload tree. Tensors view `buf` when it is writable. Raises CodecError only."""
+def decode(buf: bytes | bytearray | memoryview, *, bounded: bool = True) -> Any:
+    """Bytes -> payload tree. Tensors view `buf` when it is writable. Raises CodecError only.
+
+    `bounded` (the default, for anything that came from the network): the
+    decoding budget of the module docstring. Only this node's own files
+    (checkpoints, outbox) are read with bounded=False."""
     view = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
-    r = _Reader(view, writable=not view.readonly)
+    budget = ITEMS_FLOOR + len(view) // ITEM_BYTES if bounded else sys.maxsize
+    r = _Reader(view, writable=not view.readonly, budget=budget)
     try:
         obj = _decode(r, 0)
     except CodecError:

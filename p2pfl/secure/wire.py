@@ -57,6 +57,15 @@ SIG_LEN = 64
 MAX_HEADER = 2048
 TAG_LEN = 16
 HEADER_KEYS = ("v", "fed", "kind", "from", "to", "round", "id", "ts", "len", "sha256", "enc")
+# The integers a header may carry: anything outside is refused `undecodable_header`
+# before it reaches arithmetic or struct packing (a round of 2**63 once escaped as
+# struct.error from the encryption's associated data).
+HEADER_RANGES = {
+    "v": (0, 255),
+    "round": (-(2**31), 2**31 - 1),
+    "ts": (0, 2**53),  # milliseconds since 1970: year 285,000
+    "len": (0, 2**40),
+}
 
 REASONS = (
     "oversize",
@@ -129,8 +138,11 @@ class Header:
             value = obj[key]
             if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
                 raise WireError("undecodable_header", f"header field {key!r} has the wrong type")
-        if len(obj["id"]) != 16 or len(obj["sha256"]) != 32 or obj["len"] < 0:
-            raise WireError("undecodable_header", "bad id, digest or length")
+        if len(obj["id"]) != 16 or len(obj["sha256"]) != 32:
+            raise WireError("undecodable_header", "bad id or digest")
+        for key, (low, high) in HEADER_RANGES.items():
+            if not low <= obj[key] <= high:
+                raise WireError("undecodable_header", f"header field {key!r} out of range")
         return cls(*(obj[k] for k in HEADER_KEYS))
 
     @property
@@ -170,6 +182,18 @@ class ReplayCache:
 
     def seen(self, msg_id: bytes, timestamp_ms: int) -> bool:
         return msg_id in self._ids or timestamp_ms <= self.floor_ms
+
+    def reserve(self, msg_id: bytes, timestamp_ms: int) -> bool:
+        """Check-and-insert in one step (no await in between): True if the id was
+        free and is now taken, False if seen (or at or below the floor)."""
+        if self.seen(msg_id, timestamp_ms):
+            return False
+        self.add(msg_id, timestamp_ms)
+        return True
+
+    def release(self, msg_id: bytes) -> None:
+        """Free an id reserved by a message that then had no effect (see WireCodec.release)."""
+        self._ids.pop(msg_id, None)
 
     def add(self, msg_id: bytes, timestamp_ms: int) -> None:
         self._ids[msg_id] = timestamp_ms
@@ -309,7 +333,11 @@ class WireCodec:
         total_len: int | None = None,
         header: Header | None = None,
     ) -> Header:
-        """Checks 2-11 (everything but the payload). Does not mark the id seen.
+        """Checks 2-11 (everything but the payload). On success the message id is
+        reserved in the replay cache at once (check-and-insert, no await in
+        between), so a copy arriving while this one's payload still streams in
+        is refused `replayed`; a caller that then refuses the message for a
+        reason the honest sender retries calls `release`.
         `header`: these header_bytes already unpacked (saves decoding them twice)."""
         if header is None:
             header = Header.unpack(header_bytes)
@@ -349,7 +377,19 @@ class WireCodec:
             and total_len != PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
         ):
             raise WireError("digest_mismatch", "frame length does not match the header")
+        if not self.replay.reserve(header.msg_id, header.timestamp_ms):
+            raise WireError("replayed", header.id_hex)
         return header
+
+    def release(self, header: Header) -> None:
+        """Give back the replay reservation of a message that had no effect and that
+        its honest sender may send again: its payload never fully arrived
+        (`truncated`), arrived other than the signed header says
+        (`digest_mismatch`: whoever can see a header must not be able to burn its
+        id with junk bytes), or the node could not take it yet (`queue_full`,
+        `rate_limited`, `storage_error`). Never after the message was acted on,
+        and never for a frame whose signature failed (it reserved nothing)."""
+        self.replay.release(header.msg_id)
 
     def open_payload(
         self,
@@ -360,7 +400,8 @@ class WireCodec:
         require_finite: bool = False,
     ) -> Any:
         """Checks 12-14 on the payload bytes; `digest` if the caller hashed while streaming.
-        On success the message id is marked seen."""
+        The id was reserved by `verify_header`; this touches no shared state, so
+        it may run in a worker thread (large payloads are decoded off the loop)."""
         if len(payload) != header.payload_len:
             raise WireError("digest_mismatch", "payload length differs from the header")
         if digest is None:
@@ -385,7 +426,6 @@ class WireCodec:
             raise WireError(
                 "payload_schema", exc.reason + (f" ({exc.detail})" if exc.detail else "")
             ) from None
-        self.replay.add(header.msg_id, header.timestamp_ms)
         return obj
 
     def decode(
@@ -402,6 +442,10 @@ class WireCodec:
         signature = view[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN]
         header = self.verify_header(header_bytes, signature, total_len=len(view))
         payload = view[PREFIX_LEN + n + SIG_LEN :]
-        return Delivered(
-            header, self.open_payload(header, payload, require_finite=require_finite), len(view)
-        )
+        try:
+            obj = self.open_payload(header, payload, require_finite=require_finite)
+        except WireError as exc:
+            if exc.reason == "digest_mismatch":
+                self.release(header)
+            raise
+        return Delivered(header, obj, len(view))

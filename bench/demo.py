@@ -45,7 +45,7 @@ def say(line: str = "") -> None:
 def show_dashboards(plans: list[SitePlan]) -> None:
     say("live dashboards (while the nodes run):")
     for plan in plans:
-        say(f"  {plan.name}: http://127.0.0.1:{plan.status_port}/")
+        say(f"  {plan.name}: {plan.dashboard_url()}")
 
 
 def closing_table(results: dict[str, Any]) -> list[str]:

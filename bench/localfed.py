@@ -87,7 +87,10 @@ class NodeProcess:
     def get(self, path: str, timeout: float = 2.0) -> Any:
         """GET a status route; JSON decoded when it is JSON. Raises OSError when down."""
         url = f"http://127.0.0.1:{self.plan.status_port}{path}"
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback status endpoint
+        token = self.plan.status_token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - loopback status endpoint
             body = resp.read()
             if resp.headers.get_content_type() == "application/json":
                 return json.loads(body)

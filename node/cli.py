@@ -165,7 +165,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
         )
     ports = [args.base_port + i for i in range(len(names))]
     status_ports = [args.status_base_port + i for i in range(len(names))]
-    provision(
+    plans = provision(
         out,
         names,
         protocol={"name": args.protocol, "rounds": args.rounds},
@@ -188,9 +188,10 @@ def cmd_provision(args: argparse.Namespace) -> int:
         f"training.threads: {threads_per_site(len(names))} per site "
         f"({len(names)} sites on this machine's {available_cores()} cores)"
     )
-    for name, port, status_port in zip(names, ports, status_ports, strict=True):
+    for plan in plans:
         print(
-            f"  {name}: p2pfl-node --config {out / name / 'site.yaml'}   (peer port {port}, status http://127.0.0.1:{status_port}/)"
+            f"  {plan.name}: p2pfl-node --config {plan.config_path}   (peer port {plan.port}, "
+            f"dashboard {plan.dashboard_url()}, token in {plan.token_file})"
         )
     return 0
 

@@ -32,7 +32,7 @@ from node.outbound import Outbound
 from node.peers import PeerTable
 from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spool
 from node.resources import CHECK_EVERY_S, HostThreads, available_cores, registry_dir
-from node.status import create_status_app, start_status_server
+from node.status import config_status_app, dashboard_url, start_status_server
 from node.telemetry import Telemetry
 from node.transport import (
     MessageClient,
@@ -93,7 +93,9 @@ class Node:
             server_ssl_context(str(tls.cert), str(tls.key), str(tls.ca)) if tls else None
         )
         client_ssl = client_ssl_context(str(tls.cert), str(tls.key), str(tls.ca)) if tls else None
-        self.client = MessageClient(cfg.transport, client_ssl)
+        self.client = MessageClient(
+            cfg.transport, client_ssl, max_message_bytes=cfg.wire.max_message_bytes
+        )
         self.stopping = asyncio.Event()
         self.protocol = protocols.from_params(cfg.protocol)
         self.ctx = NodeContext(self)
@@ -134,6 +136,9 @@ class Node:
             count_sent=self.outbound.count_sent,
             stopping=self.stopping,
         )
+        # Only the protocol's kinds are accepted, from the first message on (issue 28).
+        self.inbound.accept_kinds(self.protocol.message_kinds())
+        self.client.on_reject = self.telemetry.record_rejection
         self.server = MessageServer(
             self.codec, cfg.transport, self.inbound.on_frame, self.inbound.on_reject
         )
@@ -184,15 +189,7 @@ class Node:
             requeued,
         )
         if self.cfg.status.enabled:
-            token = self.cfg.status.token
-            if self.cfg.status.token_file:
-                token = Path(self.cfg.status.token_file).read_text().strip()
-            app = create_status_app(
-                self.telemetry,
-                node_name=self.name,
-                protocol_name=self.cfg.protocol.name,
-                token=token,
-            )
+            app, token = config_status_app(self.cfg, self.telemetry, self.config_path or "<config>")
             try:
                 self._status_runner, self.status_port = await start_status_server(
                     app, self.cfg.status.host, self.cfg.status.port
@@ -202,6 +199,11 @@ class Node:
                 raise UserError(
                     f"status.port {self.cfg.status.port}: cannot bind ({exc.strerror}) — choose another port or set status.enabled: false"
                 ) from None
+            log.info(
+                "%s: dashboard %s",
+                self.name,
+                dashboard_url(self.cfg.status.host, self.status_port, token),
+            )
         self._spawn(self.membership.run(), "heartbeat")
         self._spawn(self.outbound.resend_outbox(), "outbox")
         self._spawn(self._watch_threads(), "threads")

@@ -3,7 +3,8 @@ key rotation, and the container health check.
 
 The container layout (deploy/Dockerfile, deploy/k8s, the compose file) is the
 same everywhere: the daemon listens on 0.0.0.0:7000 for peers and 0.0.0.0:8000
-for status (bearer token required off loopback; /healthz needs none), keeps its
+for status (bearer token always required; /healthz needs none and answers any
+Host, so probes that send the pod's IP work), keeps its
 state in /var/lib/p2pfl/state and reads its configuration from /etc/p2pfl.
 
     python -m node.deploy healthcheck [--url URL]    exit 0 when /healthz answers "ok"
@@ -15,7 +16,6 @@ import argparse
 import logging
 import os
 import re
-import secrets
 import shutil
 import sys
 import time
@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
+from node.status import STATUS_TOKEN_FILE, load_or_create_token
 from p2pfl.errors import UserError
-from p2pfl.files import atomic_write_text
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
     Card,
@@ -49,7 +49,6 @@ CONTAINER_DATA_DIR = "/data"
 CONTAINER_UID = 10001  # the image's p2pfl user (deploy/Dockerfile)
 DEFAULT_IMAGE = "p2pfl-node:cpu"
 HEALTHZ_URL = f"http://127.0.0.1:{CONTAINER_STATUS_PORT}/healthz"
-STATUS_TOKEN_FILE = "status.token"
 COMPOSE_DIR = "compose"  # under the provision directory: roster + per-site site.yaml
 
 
@@ -155,10 +154,7 @@ def write_compose(
             key = state / "keys" / f"{name}.{suffix}.pem"
             if not key.exists():
                 raise UserError(f"{key}: missing — provision again or run `p2pfl-node keygen`")
-        if not (state / STATUS_TOKEN_FILE).exists():
-            atomic_write_text(
-                state / STATUS_TOKEN_FILE, secrets.token_urlsafe(32) + "\n", mode=0o600
-            )
+        load_or_create_token(state / STATUS_TOKEN_FILE)  # provision wrote it; older dirs
 
         volumes: list[dict[str, Any]] = [
             {"type": "bind", "source": f"./{name}/state", "target": CONTAINER_STATE_DIR},

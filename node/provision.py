@@ -1,5 +1,6 @@
 """Provision a federation on this machine (loopback addresses): one key pair
-per site, one roster, one site.yaml per site. As every site runs on this
+per site, one roster, one site.yaml per site, and a random status token per site
+(SITE/state/status.token, 0600, named by the site.yaml's status.token_file). As every site runs on this
 machine, each site.yaml gets `training.threads` = cores // sites (at least 1),
 so the nodes together do not oversubscribe the CPU (node/resources.py).
 
@@ -18,7 +19,11 @@ from typing import Any
 import yaml
 
 from node.resources import threads_per_site
+from node.status import STATUS_TOKEN_FILE, load_or_create_token
 from p2pfl.secure.identity import LocalIdentity, Roster
+
+# Where each provisioned site keeps its status token, relative to its site.yaml.
+STATUS_TOKEN_PATH = f"state/{STATUS_TOKEN_FILE}"
 
 
 def free_ports(n: int) -> list[int]:
@@ -63,7 +68,7 @@ def site_config(
         "training": {"epochs": 1, "batch_size": 32, "lr": 0.001, "seed": seed, "threads": threads},
         "protocol": protocol,
         "selection": {"name": "random"},
-        "status": {"host": "127.0.0.1", "port": status_port},
+        "status": {"host": "127.0.0.1", "port": status_port, "token_file": STATUS_TOKEN_PATH},
     }
 
 
@@ -73,6 +78,16 @@ class SitePlan:
     config_path: Path
     port: int
     status_port: int
+    token_file: Path | None = None  # the status token (provision writes one per site)
+
+    def status_token(self) -> str | None:
+        return self.token_file.read_text(encoding="utf-8").strip() if self.token_file else None
+
+    def dashboard_url(self) -> str:
+        """The site's dashboard on this machine, with its token in the URL fragment."""
+        from node.status import dashboard_url
+
+        return dashboard_url("127.0.0.1", self.status_port, self.status_token())
 
 
 def provision(
@@ -115,5 +130,17 @@ def provision(
         cfg = deep_merge(cfg, (per_site or {}).get(name, {}))
         path = out / name / "site.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        plans.append(SitePlan(name, path, ports[i], status_ports[i]))
+        token_file = _status_token_file(path, cfg.get("status") or {})
+        plans.append(SitePlan(name, path, ports[i], status_ports[i], token_file))
     return plans
+
+
+def _status_token_file(site_yaml: Path, status: dict[str, Any]) -> Path | None:
+    """Write the site's status token (0600) where its site.yaml's status.token_file
+    points, unless the overrides gave a token or no file; the file it is in."""
+    if status.get("token") or not status.get("token_file"):
+        return None
+    path = Path(status["token_file"])
+    path = path if path.is_absolute() else site_yaml.parent / path
+    load_or_create_token(path)
+    return path

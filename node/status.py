@@ -13,21 +13,39 @@ With a token, every data route needs `Authorization: Bearer <token>`. The
 dashboard page itself holds no data, so it is served without one: a browser
 opening `/#token=...` cannot send a header for the page, and the page's script
 passes the token (read from the URL fragment, which never reaches the server)
-on each data request.
+on each data request. A node always has a token (`status_token`): the
+configured one, or a random one it keeps in STATE/status.token.
+
+Against DNS rebinding and cross-site requests (as Jupyter guards its server),
+every route but /healthz answers 403 `{"reason": "bad_host"}` unless the Host
+header names this node: localhost, 127.0.0.1, [::1] (any port), `status.host`,
+a name in `status.allowed_hosts`, or, when bound to every interface (0.0.0.0,
+::), any IP address. A rebinding page's requests carry the attacker's own name
+as Host; an IP-literal Host means the browser really went to that address. A
+data route also answers 403 `{"reason": "bad_origin"}` to a request whose
+Origin is not the Host it was sent to, or that the browser marks cross-site
+(Sec-Fetch-Site). Both refusals are counted with the message rejections.
+/healthz stays open to any Host and needs no token: probes send the pod's IP
+or a Service name, and its answer is the constant "ok".
 """
 
 from __future__ import annotations
 
 import hmac
 import importlib.resources
+import ipaddress
 import logging
-from collections.abc import Awaitable, Callable
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 
 from aiohttp import web
+from yarl import URL
 
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.telemetry import Telemetry
-from p2pfl.config import is_loopback
+from p2pfl.config import ConfigError, SiteConfig, is_loopback
+from p2pfl.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +61,16 @@ DASHBOARD_CSP = (
     "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
     "frame-ancestors 'none'"
 )
-PUBLIC_PATHS = frozenset({"/healthz", "/"})
+PUBLIC_PATHS = frozenset({"/healthz", "/"})  # no token
+ANY_HOST_PATHS = frozenset({"/healthz"})  # no Host check either
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+# A browser's Sec-Fetch-Site for a request another site's page made.
+CROSS_SITE = frozenset({"cross-site", "same-site"})
+STATUS_TOKEN_FILE = "status.token"  # under the state directory
+MIN_TOKEN_CHARS = 16  # as status.token
+BAD_HOST = "bad_host"
+BAD_ORIGIN = "bad_origin"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -72,6 +99,156 @@ def bearer_auth_middleware(
         return await handler(request)
 
     return require_token
+
+
+def _split_host(value: str) -> tuple[str, int | None] | None:
+    """'Name:8000' -> ('name', 8000); '[::1]:80' -> ('::1', 80); None if malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, bracket, rest = value[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        port_text = rest[1:]
+    elif value.count(":") > 1:  # a bare IPv6 address: no port
+        name, port_text = value, ""
+    else:
+        name, _, port_text = value.partition(":")
+    if port_text and not (port_text.isdigit() and int(port_text) < 65536):
+        return None
+    name = name.rstrip(".")
+    return (name, int(port_text) if port_text else None) if name else None
+
+
+class HostGuard:
+    """Which Host (and Origin) headers this endpoint answers."""
+
+    def __init__(self, bind_host: str = "127.0.0.1", allowed_hosts: Iterable[str] = ()) -> None:
+        bind = bind_host.strip("[]").lower()
+        self.any_ip = bind in WILDCARD_HOSTS
+        self.names = LOOPBACK_NAMES | {bind} | {h.strip("[]").lower() for h in allowed_hosts}
+
+    def allows(self, host_header: str | None) -> bool:
+        """True for a Host header naming this node; a missing one (no browser
+        omits it) is allowed."""
+        if host_header is None:
+            return True
+        parsed = _split_host(host_header)
+        if parsed is None:
+            return False
+        name = parsed[0]
+        if name in self.names:
+            return True
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return address.is_loopback or self.any_ip
+
+    @staticmethod
+    def same_origin(origin: str, host_header: str | None, scheme: str = "http") -> bool:
+        """True when `origin` (an Origin header) is the server the request was sent to
+        (`host_header`, over `scheme`)."""
+        try:
+            url = URL(origin)
+        except ValueError:
+            return False
+        if url.scheme != scheme or not url.host or host_header is None:
+            return False
+        sent_to = _split_host(host_header)
+        if sent_to is None:
+            return False
+        default_port = 443 if url.scheme == "https" else 80
+        return (url.host.strip("[]").lower().rstrip("."), url.port or default_port) == (
+            sent_to[0],
+            sent_to[1] or default_port,
+        )
+
+
+def _refuse(request: web.Request, reason: str, detail: str) -> web.Response:
+    request.app[TELEMETRY_KEY].record_rejection(reason)
+    return web.json_response({"reason": reason, "detail": detail}, status=403)
+
+
+def host_guard_middleware(
+    guard: HostGuard,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """403 bad_host for a Host header that does not name this node (DNS
+    rebinding), 403 bad_origin for a data request from another origin (CSRF)."""
+
+    @web.middleware
+    async def check_host(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in ANY_HOST_PATHS:
+            return await handler(request)
+        host = request.headers.get("Host")
+        if not guard.allows(host):
+            return _refuse(
+                request,
+                BAD_HOST,
+                "the Host header does not name this node: open it as http://127.0.0.1:PORT/ "
+                "or add the name to status.allowed_hosts",
+            )
+        if request.path not in PUBLIC_PATHS:
+            origin = request.headers.get("Origin")
+            fetch_site = request.headers.get("Sec-Fetch-Site", "").lower()
+            if (origin is not None and not guard.same_origin(origin, host, request.scheme)) or (
+                fetch_site in CROSS_SITE
+            ):
+                return _refuse(request, BAD_ORIGIN, "requests from other origins are refused")
+        return await handler(request)
+
+    return check_host
+
+
+# ----------------------------------------------------------------------------- token
+
+
+def load_or_create_token(path: Path) -> str:
+    """The token kept in `path`, created (random, 0600) the first time."""
+    if not path.exists():
+        atomic_write_text(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
+    return path.read_text(encoding="utf-8").strip()
+
+
+def status_token(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
+    """The status token of a site: status.token, else status.token_file, else
+    STATE/status.token (created with a random token on the first start, then reused)."""
+    if cfg.status.token:
+        return cfg.status.token
+    if cfg.status.token_file:
+        field, path = "status.token_file", Path(cfg.status.token_file)
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                config_path, field, f"cannot read {path}: {exc}", "write the token into it"
+            ) from None
+    else:
+        field, path = "node.state_dir", Path(cfg.node.state_dir) / STATUS_TOKEN_FILE
+        try:
+            token = load_or_create_token(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                config_path,
+                field,
+                f"cannot keep the status token in {path}: {exc}",
+                "make the state directory writable, or set status.token_file",
+            ) from None
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            config_path,
+            field,
+            f"the status token in {path} has fewer than {MIN_TOKEN_CHARS} characters",
+            "write a longer random token (e.g. `head -c 32 /dev/urandom | base64`) or delete "
+            "STATE/status.token to let the node create one",
+        )
+    return token
+
+
+def dashboard_url(host: str, port: int, token: str | None) -> str:
+    """The dashboard's address for a browser on this machine, token in the fragment."""
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    return f"http://{shown}:{port}/" + (f"#token={token}" if token else "")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -115,10 +292,19 @@ def _no_store(response: web.Response) -> web.Response:
 
 
 def create_status_app(
-    telemetry: Telemetry, *, node_name: str, protocol_name: str, token: str | None
+    telemetry: Telemetry,
+    *,
+    node_name: str,
+    protocol_name: str,
+    token: str | None,
+    host: str = "127.0.0.1",
+    allowed_hosts: Iterable[str] = (),
 ) -> web.Application:
-    """Assemble the status application; every route is listed here."""
-    middlewares = [bearer_auth_middleware(token)] if token else []
+    """Assemble the status application; every route is listed here. `host` is the
+    address it will be bound to, `allowed_hosts` further names it may be reached by."""
+    middlewares = [host_guard_middleware(HostGuard(host, allowed_hosts))]
+    if token:
+        middlewares.append(bearer_auth_middleware(token))
     app = web.Application(middlewares=middlewares)
     app[TELEMETRY_KEY] = telemetry
     app[NODE_NAME_KEY] = node_name
@@ -132,6 +318,22 @@ def create_status_app(
     app.router.add_get("/history", history)
     app.router.add_get("/", dashboard)
     return app
+
+
+def config_status_app(
+    cfg: SiteConfig, telemetry: Telemetry, config_path: Path | str = "<config>"
+) -> tuple[web.Application, str]:
+    """The status app of a site as its config says (a token always), and the token."""
+    token = status_token(cfg, config_path)
+    app = create_status_app(
+        telemetry,
+        node_name=cfg.node.name,
+        protocol_name=cfg.protocol.name,
+        token=token,
+        host=cfg.status.host,
+        allowed_hosts=cfg.status.allowed_hosts,
+    )
+    return app, token
 
 
 async def start_status_server(

@@ -76,6 +76,42 @@ def test_provision_makes_a_ready_federation(federation, capsys):
     assert "# ok: c in federation 'local' with 3 sites" in capsys.readouterr().out
 
 
+def test_provision_writes_a_status_token_per_site_that_site_yaml_names(tmp_path, capsys):
+    federation = tmp_path / "fed"
+    assert main(["provision", "--sites", "a,b,c", "--out", str(federation)]) == 0
+    tokens = set()
+    for name in "abc":
+        token_file = federation / name / "state" / "status.token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
+        tokens.add(token)
+        raw = yaml.safe_load((federation / name / "site.yaml").read_text())
+        assert raw["status"]["token_file"] == "state/status.token"
+        assert load_config(federation / name / "site.yaml").status.token_file == token_file
+    assert len(tokens) == 3
+    # provision printed each dashboard with its token in the URL fragment.
+    printed = capsys.readouterr().out
+    assert all(f"/#token={token}" in printed for token in tokens), printed
+
+
+def test_secure_aggregation_without_encryption_is_refused_by_check_and_run(federation, capsys):
+    path = edit(
+        federation / "a" / "site.yaml", lambda d: d["protocol"].update(secure_aggregation=True)
+    )
+    expected = (
+        f"p2pfl-node: {path}: protocol.secure_aggregation: secure aggregation needs "
+        "wire.encryption: true"
+    )
+    for command in ("check", "run"):
+        assert main([command, "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(expected) and err.count("\n") == 1, err
+        assert "— set wire.encryption: true in every site.yaml" in err
+    edit(path, lambda d: d.update(wire={"encryption": True}))
+    assert main(["check", "--config", str(path)]) == 0
+
+
 def test_console_script_check_and_schema(federation):
     out = run_cli("check", "--config", str(federation / "a" / "site.yaml"))
     assert out.returncode == 0, out.stderr
@@ -118,7 +154,7 @@ BAD = {
         "resnet18",
     ),
     "public_status_without_token": (
-        lambda d: d["status"].update(host="0.0.0.0"),
+        lambda d: d.update(status={"host": "0.0.0.0", "port": 8000}),
         "status",
         "bearer token",
     ),
@@ -152,6 +188,21 @@ BAD = {
         ),
         "model.tokenizer_from",
         "file not found",
+    ),
+    "secure_aggregation_without_encryption": (
+        lambda d: d["protocol"].update(secure_aggregation=True),
+        "protocol.secure_aggregation",
+        "needs wire.encryption: true",
+    ),
+    "fedmae_finetune_secure_aggregation_without_encryption": (
+        lambda d: d.update(
+            protocol={
+                "name": "fedmae",
+                "finetune": {"name": "fedavgp2p", "secure_aggregation": True},
+            }
+        ),
+        "protocol.finetune.secure_aggregation",
+        "set wire.encryption: true",
     ),
     "fedbeit_needs_a_vit": (
         lambda d: d["protocol"].update(name="fedbeit"),

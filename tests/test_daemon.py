@@ -298,7 +298,10 @@ def test_bind_errors_and_public_status_without_token_exit_2(tmp_path):
 
     probe = {"name": "probe", "rounds": 1}
     plans = provision(
-        tmp_path / "fed", ["a", "b"], protocol=probe, overrides={"status": {"host": "0.0.0.0"}}
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol=probe,
+        overrides={"status": {"host": "0.0.0.0", "token_file": None}},
     )
     out = subprocess.run(
         [sys.executable, "-m", "node.cli", "--config", str(plans[0].config_path)],
@@ -345,7 +348,7 @@ def test_dashboard_of_a_running_node_shows_every_peer(tmp_path):
             60,
             "federation up",
         )
-        url = f"http://127.0.0.1:{plans[0].status_port}/"
+        url = plans[0].dashboard_url()  # with #token=
         dom = dump_dom_sync(url, virtual_time_ms=4000)
         peers_drawn = set(re.findall(r'data-peer="([^"]+)"', dom))
         assert {"a", "b", "c"} <= peers_drawn, peers_drawn

@@ -30,6 +30,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jsonschema
 import pytest
 import yaml
@@ -699,3 +700,37 @@ def test_every_command_in_the_operator_docs_parses():
             pytest.fail(
                 f"docs/operations.md: `p2pfl-node {shlex.join(args)}` does not parse ({exc})"
             )
+
+
+async def test_k8s_probes_and_scrapes_pass_the_status_host_check(tmp_path):
+    """The status endpoint refuses a Host header that does not name the node
+    (DNS rebinding). Kubelet probes and Prometheus send the pod's IP as Host:
+    with each example site's status settings, /healthz answers them without a
+    token and /metrics with the token; a foreign name is still refused."""
+    from node.status import config_status_app, start_status_server
+    from node.telemetry import Telemetry
+
+    token = "k8s-example-status-token-0123456789"
+    sites = sorted((DEPLOY / "k8s" / "example").glob("*/site.yaml"))
+    assert len(sites) == 3
+    for site_yaml in sites:
+        raw = yaml.safe_load(site_yaml.read_text())
+        raw["status"] = {**raw["status"], "token": token, "token_file": None}
+        cfg = config_from_dict(raw, site_yaml, check_files=False)
+        app, _ = config_status_app(cfg, Telemetry(cfg.node.name))
+        runner, port = await start_status_server(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        pod_ip = {"Host": f"10.42.0.7:{deploy.CONTAINER_STATUS_PORT}"}
+        auth = {"Authorization": f"Bearer {token}"}
+        try:
+            async with aiohttp.ClientSession() as session:
+                for path, headers, expected in (
+                    ("/healthz", pod_ip, 200),  # startup/readiness/liveness probes
+                    ("/metrics", {**pod_ip, **auth}, 200),  # the ServiceMonitor's scrape
+                    ("/metrics", pod_ip, 401),
+                    ("/metrics", {"Host": "rebind.attacker.example", **auth}, 403),
+                ):
+                    async with session.get(url + path, headers=headers) as response:
+                        assert response.status == expected, (site_yaml, path, headers)
+        finally:
+            await runner.cleanup()

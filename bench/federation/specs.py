@@ -132,6 +132,12 @@ def node_overrides(spec: RunSpec) -> dict[str, Any]:
     """Everything a benchmark node's site.yaml sets beyond `provision`'s defaults."""
     sections = shared_sections(spec)
     sections["training"] = {**sections["training"], "threads": 1}
+    protocol = protocol_section(spec)
+    secure = protocol.get("secure_aggregation") or (protocol.get("finetune") or {}).get(
+        "secure_aggregation"
+    )
+    if secure:  # secure aggregation is refused without payload encryption
+        sections["wire"] = {"encryption": True}
     return {
         **sections,
         "node": {"exit_when_done": True, "startup_wait_s": spec.startup_wait_s},

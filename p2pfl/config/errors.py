@@ -24,6 +24,17 @@ class ConfigError(UserError):
         super().__init__(f"{where}: {problem}" + (f" — {fix}" if fix else ""))
 
 
+class FieldValueError(ValueError):
+    """A check across sections (a model validator) that still names the field and
+    the fix: `config_error` reports `field`, not the whole file."""
+
+    def __init__(self, field: str, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for item in loc:
@@ -62,6 +73,9 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
 def config_error(path: str | Path, exc: ValidationError) -> ConfigError:
     """The first pydantic error as the one-line FILE: FIELD: problem — fix message."""
     err = exc.errors()[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldValueError):
+        return ConfigError(path, cause.field, cause.problem, cause.fix)
     problem, fix = _describe(err)
     loc = tuple(err["loc"])
     if err["type"] in ("union_tag_invalid", "union_tag_not_found"):

@@ -8,6 +8,7 @@ silently ignored setting.
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -221,9 +222,29 @@ class StatusSection(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, lt=65536)
     token: str | None = Field(
-        None, min_length=16, description="bearer token; required off loopback"
+        None,
+        min_length=16,
+        description="bearer token of every route but /healthz; default: status.token_file, "
+        "else a random token the node keeps in STATE/status.token",
     )
     token_file: Path | None = None
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="names (or IP addresses) a browser may reach this endpoint by, beside "
+        "localhost, 127.0.0.1, [::1] and status.host; any other Host header gets 403 "
+        "(against DNS rebinding). Bound to 0.0.0.0 or ::, every IP address is accepted",
+    )
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _bare_host_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.fullmatch(r"[A-Za-z0-9.:_-]+", name.strip("[]")):
+                raise ValueError(
+                    f"status.allowed_hosts entry {name!r} is not a host name or IP address "
+                    "(no scheme, path or port)"
+                )
+        return [name.strip("[]").lower().rstrip(".") for name in names]
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> StatusSection:
@@ -282,6 +303,9 @@ class TransportSection(Section):
     )
     read_idle_timeout_s: float = Field(
         30.0, gt=0, description="an incoming message that sends no bytes this long is cut off"
+    )
+    max_held_per_peer: int = Field(
+        16, ge=1, description="requests one peer may have held open at once; more are refused"
     )
     tls: TLSSection | None = None
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
-from p2pfl.config.errors import ConfigError, config_error
+from p2pfl.config.errors import ConfigError, FieldValueError, config_error
 from p2pfl.config.genbuffer import GenbufferSection
 from p2pfl.config.protocols import ProtocolParams
 from p2pfl.config.sections import (
@@ -50,6 +50,20 @@ class SiteConfig(Section):
     logging: LoggingSection = LoggingSection()
     genbuffer: GenbufferSection = GenbufferSection()
 
+    @model_validator(mode="after")
+    def _secure_aggregation_needs_encryption(self) -> SiteConfig:
+        """Secure aggregation's shares and masked inputs travel as message payloads:
+        in the clear, a passive observer of the links learns every secure sum."""
+        field = secure_aggregation_field(self.protocol)
+        if field and not self.wire.encryption:
+            raise FieldValueError(
+                field,
+                "secure aggregation needs wire.encryption: true (in the clear, anyone "
+                "who sees the traffic learns every secure sum from the shares and masked inputs)",
+                "set wire.encryption: true in every site.yaml, or secure_aggregation: false",
+            )
+        return self
+
     # Resolved paths (filled by load_config relative to the config file).
     @property
     def state_dir(self) -> Path:
@@ -67,6 +81,17 @@ class SiteConfig(Section):
             self.identity.agreement_key
             or self.node.state_dir / "keys" / f"{self.node.name}.kex.pem"
         )
+
+
+def secure_aggregation_field(protocol: ProtocolParams) -> str | None:
+    """The field path that turns secure aggregation on (the protocol's own, or
+    its chained fine-tuning's); None when neither does."""
+    if getattr(protocol, "secure_aggregation", False):
+        return "protocol.secure_aggregation"
+    finetune = getattr(protocol, "finetune", None)
+    if finetune is not None and getattr(finetune, "secure_aggregation", False):
+        return "protocol.finetune.secure_aggregation"
+    return None
 
 
 def _resolve(path: Path | None, base: Path) -> Path | None:

@@ -108,7 +108,8 @@ def simulation_configs(
     **sections: dict[str, Any],
 ) -> list[SiteConfig]:
     """One SiteConfig per data source, for simulations and benchmarks: no key,
-    roster or status files are needed. `sections` are site.yaml sections shared
+    roster or status files are needed, and `wire.encryption` is on (nothing leaves
+    the process; secure aggregation asks for it). `sections` are site.yaml sections shared
     by every site (training={...}, selection={...}, model={...}, data={...});
     `data.source` is set per site from `sources`."""
     names = list(names) if names is not None else [f"site{i}" for i in range(len(sources))]
@@ -121,6 +122,9 @@ def simulation_configs(
             "federation": {"id": federation_id, "roster": "roster.yaml", "seed": seed},
             "protocol": dict(protocol),
             "status": {"enabled": False},
+            # Messages stay inside this process, as if encrypted: so a config with
+            # secure_aggregation (which asks for wire.encryption) validates here too.
+            "wire": {"encryption": True},
         }
         for section, values in sections.items():
             raw[section] = dict(values)

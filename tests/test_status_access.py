@@ -1,0 +1,210 @@
+"""Who may read the status endpoint: a DNS-rebinding page (a foreign Host
+header), another site's page (a foreign Origin) and a local process without the
+node's token are refused; loopback names, the bound host and the names an
+operator allows are answered. A real server on 127.0.0.1, in this process."""
+
+from __future__ import annotations
+
+import json
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_status import TOKEN, fetch, populated_telemetry
+from yarl import URL
+
+from node.status import create_status_app, start_status_server
+from node.telemetry import Telemetry
+from p2pfl.config import config_from_dict
+
+REBIND = "rebind.attacker.example"
+DATA_ROUTES = ("/status", "/peers", "/metrics", "/history")
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+Serve = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    """serve(telemetry, token, **app options) -> base URL of a server bound to 127.0.0.1."""
+    runners = []
+
+    async def start(telemetry: Telemetry, token: str | None, **options: Any) -> str:
+        app = create_status_app(
+            telemetry, node_name="a", protocol_name="fedavgp2p", token=token, **options
+        )
+        runner, port = await start_status_server(app, "127.0.0.1", 0)
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+def rejected(telemetry: Telemetry) -> dict[str, int]:
+    return telemetry.status_json("a", "fedavgp2p")["rejected"]
+
+
+# ---- DNS rebinding --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["no_token", "token"])
+async def test_a_rebinding_host_is_refused_on_every_route_but_healthz(
+    serve: Serve, token: str | None
+) -> None:
+    """A page of rebind.attacker.example whose name now resolves to 127.0.0.1
+    sends its own name as Host: 403 bad_host, counted, before any data is read
+    (with the token too: a local page could have learnt it)."""
+    telemetry = populated_telemetry()
+    base = await serve(telemetry, token)
+    port = URL(base).port
+    for route in (*DATA_ROUTES, "/"):
+        for host in (REBIND, f"{REBIND}:{port}"):
+            status, _, body = await fetch(base + route, {**AUTH, "Host": host})
+            assert status == 403, (route, host, status)
+            assert json.loads(body)["reason"] == "bad_host"
+            assert "mallory" not in body and "train_loss" not in body
+    assert rejected(telemetry)["bad_host"] == 10
+    # /healthz answers any Host (k8s probes send the pod's IP): only "ok".
+    status, _, body = await fetch(base + "/healthz", {"Host": REBIND})
+    assert (status, body) == (200, "ok")
+
+
+async def test_loopback_names_the_bound_host_and_allowed_names_are_answered(serve: Serve) -> None:
+    telemetry = populated_telemetry()
+    base = await serve(telemetry, TOKEN, allowed_hosts=["node-a.lan"])
+    port = URL(base).port
+    for host in (
+        "localhost",
+        f"localhost:{port}",
+        f"LocalHost.:{port}",
+        "127.0.0.1",
+        f"127.0.0.1:{port}",
+        "127.0.0.2",
+        "[::1]",
+        f"[::1]:{port}",
+        "node-a.lan",
+        f"node-a.lan:{port}",
+    ):
+        for route in (*DATA_ROUTES, "/"):
+            status, _, _ = await fetch(base + route, {**AUTH, "Host": host})
+            assert status == 200, (route, host)
+    for host in (
+        "node-a.lan.attacker.example",
+        "localhost.attacker.example",
+        "127.0.0.1.nip.io",
+        "10.0.0.5",
+        f"10.0.0.5:{port}",
+        "[fd00::5]",
+        "localhost:notaport",
+        "[::1",
+    ):
+        status, _, _ = await fetch(base + "/status", {**AUTH, "Host": host})
+        assert status == 403, host
+    assert rejected(telemetry)["bad_host"] == 8
+
+
+async def test_bound_to_every_interface_any_ip_address_is_a_host(serve: Serve) -> None:
+    """Bound to 0.0.0.0 (containers, k8s), Prometheus and probes send the pod's
+    IP as Host: any IP literal is answered (a rebinding page cannot send one),
+    names still must be allowed."""
+    base = await serve(populated_telemetry(), TOKEN, host="0.0.0.0")
+    for host in ("10.1.2.3:8000", "10.1.2.3", "[fd00::5]:8000", "localhost:8000"):
+        status, _, _ = await fetch(base + "/metrics", {**AUTH, "Host": host})
+        assert status == 200, host
+    for host in (REBIND, "p2pfl-a.default.svc"):
+        status, _, _ = await fetch(base + "/metrics", {**AUTH, "Host": host})
+        assert status == 403, host
+
+
+# ---- cross-origin requests ------------------------------------------------------
+
+
+async def test_a_request_from_another_origin_is_refused_on_data_routes(serve: Serve) -> None:
+    telemetry = populated_telemetry()
+    base = await serve(telemetry, TOKEN)
+    port = URL(base).port
+    foreign = (
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+        {"Origin": f"http://localhost:{port}"},  # sent to 127.0.0.1: another origin
+        {"Origin": f"http://127.0.0.1:{port + 1}"},
+        {"Origin": f"https://127.0.0.1:{port}"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+    )
+    for route in DATA_ROUTES:
+        for headers in foreign:
+            status, _, body = await fetch(base + route, {**AUTH, **headers})
+            assert (status, json.loads(body)["reason"]) == (403, "bad_origin"), (route, headers)
+    assert rejected(telemetry)["bad_origin"] == len(DATA_ROUTES) * len(foreign)
+    # The dashboard's own requests: same origin, or no Origin at all.
+    for headers in ({"Origin": base}, {"Sec-Fetch-Site": "same-origin"}, {}):
+        status, _, _ = await fetch(base + "/status", {**AUTH, **headers})
+        assert status == 200, headers
+
+
+# ---- a token by default ---------------------------------------------------------
+
+
+def site_config(tmp_path: Path, **status: Any) -> Any:
+    raw = {
+        "node": {"name": "a", "state_dir": "state"},
+        "federation": {"id": "f", "roster": "roster.yaml"},
+        "protocol": {"name": "probe"},
+        "status": status,
+    }
+    return config_from_dict(raw, tmp_path / "site.yaml", check_files=False)
+
+
+async def test_without_a_configured_token_the_node_keeps_a_random_one_in_its_state(
+    tmp_path: Path,
+) -> None:
+    """No status.token and no token_file: the node writes a random token to
+    STATE/status.token (0600) once and reuses it; no token -> 401 on loopback."""
+    from node.status import config_status_app
+
+    app, token = config_status_app(site_config(tmp_path), Telemetry("a"))
+    path = tmp_path / "state" / "status.token"
+    assert path.read_text().strip() == token and len(token) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    runner, port = await start_status_server(app, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for route in DATA_ROUTES:
+            assert (await fetch(base + route))[0] == 401, route
+            ok = await fetch(base + route, {"Authorization": f"Bearer {token}"})
+            assert ok[0] == 200, route
+    finally:
+        await runner.cleanup()
+    # A restart reuses it (bookmarks and scrape configs keep working).
+    assert config_status_app(site_config(tmp_path), Telemetry("a"))[1] == token
+
+
+def test_a_configured_token_wins_and_a_short_or_missing_token_file_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    from node.status import status_token
+    from p2pfl.config import ConfigError
+
+    assert status_token(site_config(tmp_path, token=TOKEN)) == TOKEN
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    assert status_token(site_config(tmp_path, token_file="token")) == TOKEN
+    assert not (tmp_path / "state" / "status.token").exists()
+    token_file.write_text("short\n")
+    with pytest.raises(ConfigError, match="status.token_file: .*fewer than 16"):
+        status_token(site_config(tmp_path, token_file="token"))
+    with pytest.raises(ConfigError, match="status.token_file: cannot read"):
+        status_token(site_config(tmp_path, token_file="absent"))
+
+
+def test_the_dashboard_url_carries_the_token_in_its_fragment() -> None:
+    from node.status import dashboard_url
+
+    assert dashboard_url("0.0.0.0", 8000, "abc") == "http://127.0.0.1:8000/#token=abc"
+    assert dashboard_url("::1", 8001, "abc") == "http://[::1]:8001/#token=abc"
+    assert dashboard_url("127.0.0.1", 8002, None) == "http://127.0.0.1:8002/"

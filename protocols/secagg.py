@@ -1,80 +1,110 @@
-"""Secure aggregation without a server, tolerant of dropouts (Bonawitz et al., CCS 2017, Fig. 4;
-SecAgg+ by Bell et al., CCS 2020, keeps the same rounds over a sparser graph).
+"""Secure aggregation without a server, tolerant of dropouts, against a
+requester that deviates (Bonawitz et al., CCS 2017, Fig. 4 with the active-
+adversary checks of its Sec. 6; SecAgg+ by Bell et al., CCS 2020, keeps the
+same rounds over a sparser graph).
 
 In the paper a server collects masked inputs; here the node that wants the sum
 (the requester R) plays the server for one request, and it is the only party
 that learns the result: the weighted sum sum_u w_u x_u and the total weight
 sum_u w_u of the contributors that stayed to the end, never an individual x_u.
+R is not trusted: it relays every message between contributors and may tell
+each one a different story. Contributors authenticate to each other with
+k_uv^auth, a key only u and v derive from their roster X25519 keys and the
+session context (the paper's signatures, as MACs only the pair can make).
 
-The paper's rounds, as the requester runs them (`secure_sum`) and each
-contributor answers them (`Contributor`), one request per round:
+The rounds, as the requester runs them (`secure_sum`) and each contributor
+answers them (`Contributor`), one request per round:
 
-  Round 0  AdvertiseKeys      R -> U : the session (id, contributors U, model round)
-                              u -> R : an ephemeral X25519 public key pk_u (the paper's
-                                       s_u^PK), with one tag per other contributor v:
-                                       HMAC(k_uv^auth, pk_u), k_uv^auth derived from the
-                                       roster's long-term X25519 keys of u and v. The tags
-                                       replace the paper's signatures: R cannot swap a key.
+  Round 0  AdvertiseKeys      R -> U : the session (id, contributors U, model rounds, purpose)
+                              u -> R : two ephemeral X25519 public keys made for this session
+                                       alone, c_u (sealing) and s_u (masking), and H(b_u), a
+                                       commitment to its self-mask seed; one tag per other v:
+                                       HMAC(k_uv^auth, c_u, s_u, H(b_u)). R cannot swap a key.
            (U1 = who answered)
-  Round 1  ShareKeys          R -> u : every pk_v of U1 with v's tag for u; u checks each tag
-                              u -> R : for each v in U1 \\ {u}, ChaCha20-Poly1305 under
-                                       k_uv^enc (also from the roster keys) of v's Shamir
-                                       shares of sk_u (the mask key) and of b_u (the
-                                       self-mask seed), threshold t
+  Round 1  ShareKeys          R -> u : every key of U1 with its owner's tag for u; u checks each
+                              u -> R : for each v in U1 \\ {u}: v's Shamir shares (index 1..|U1|-1)
+                                       of s_u's private key and of b_u, threshold t, sealed with
+                                       ChaCha20-Poly1305 under HKDF(X25519(c_u, c_v), context,
+                                       u>v) and a random nonce: a key new every session and gone
+                                       with it (forward secrecy), never reused with a nonce
            (U2 = who answered)
   Round 2  MaskedInputCollection
                               R -> u : U2 and the ciphertexts addressed to u
                               u -> R : y_u = fixed(w_u x_u) + PRG(b_u)
                                              + sum_{v in U2, u < v} PRG(s_uv)
                                              - sum_{v in U2, u > v} PRG(s_uv)      (mod 2^64)
-                                       where s_uv = HKDF(X25519(sk_u, pk_v)) = s_vu
-           (U3 = who answered; at least MIN_SUM)
-  Round 3  ConsistencyCheck   R -> u : U3
-                              u -> R : one tag per v in U3 \\ {u}: HMAC(k_uv^auth, U3), its
-                                       word to v that U3 is the set it was told (the paper's
-                                       signature on U3); a contributor gives it once
+                                       with s_uv = HKDF(X25519(s_u, s_v)); and for each v in
+                                       U2 \\ {u} its view tag HMAC(k_uv^auth, "u2", t, U1, U2)
+           (U3 = who answered; at least max(MIN_SUM, t + 1))
+  Round 3  ConsistencyCheck   R -> u : U3 and the view tag every other member of U3 made for u
+                              u -> R : only if each of them saw u's own t, U1 and U2: one tag per
+                                       v in U3 \\ {u}, HMAC(k_uv^auth, "u3", t, U1, U2, U3); given once
            (U4 = who answered; at least t)
   Round 4  Unmasking          R -> u : U4 and the tags of every other member of U4
-                              u -> R : after checking that every member of U4 vouched for
-                                       the same U3: its shares of b_v for every v in U3 \\ {u}
-                                       and of sk_v for every v in U2 \\ U3 — never both for
-                                       one v: it answers Unmasking once per session
-           R reconstructs each b_v (v in U3) and sk_v (v in U2 \\ U3) from t shares and
-           removes PRG(b_v) and the dropped contributors' pair masks:
+                              u -> R : only if every member of U4 vouched for u's own t, U1, U2 and
+                                       U3: its shares of b_v for every v in U3 \\ {u} and of s_v
+                                       for every v in U2 \\ U3; once per session
+           R rebuilds each b_v (v in U3) and s_v (v in U2 \\ U3) from t shares, checks them
+           against H(b_v) and the public s_v, and removes PRG(b_v) and the dropped
+           contributors' pair masks:
              sum_{u in U3} y_u - sum_{u in U3} PRG(b_u) - sum_{d dropped, u in U3} +-PRG(s_ud)
              = sum_{u in U3} fixed(w_u x_u)                                       (mod 2^64)
-  Why both are safe against a requester that lies about who dropped: getting
-  x_v needs b_v's shares from t contributors told "v stayed" and the mask keys
-  of v's partners from t contributors told "they dropped". Honest contributors
-  vouch for one U3 only (Round 3), so the two groups are disjoint, and each
-  needs t + 1 or t members among the n = |U| contributors: with t a majority of
-  the other n - 1 (the least t this code accepts), 2t + 1 > n.
+
+Why R learns no individual input, even telling each contributor another story:
+  To peel one input y_a R needs b_a and, for every partner v in the U2 that a
+  masked with, s_a or s_v. (1) b_a and s_a both: b_a's shares come from
+  holders told "a stayed", s_a's from holders told "a dropped"; an honest
+  holder answers Unmasking once, for one view, so these are disjoint groups of
+  a's |U1_a| - 1 <= n - 1 holders, each of at least t, and t is a majority of
+  n - 1 (every contributor refuses less): impossible. (2) b_a and every s_v:
+  a holder reveals b_a only if a is in its U3 and a's view tag says a masked
+  with the holder's own U2. So all of a's partners v are in that U2, and at
+  least one other member w of U3 is among them (|U3| >= 2); its input is in
+  the sum, so R needs s_w from holders told "w dropped" and b_w's shares, by
+  (1) impossible again. This is the hole the review found in the first version
+  (each contributor checked only its own U2): the victim told "U2 = {a, b}",
+  the others the full set and then "b dropped", gave R b_a and s_b, so a's
+  input, masked with b alone, came out. (3) Two sums over the same model, or a
+  session replayed: a contributor masks a model at most once per requester
+  (the ledger), refuses a session id it has seen (`session_reused`), and every
+  key of a session is new, so nothing of one session decrypts another (the
+  first version derived the sealing keys from the roster keys and the session
+  id R chose, with a zero nonce: a reused id reused the keystream).
+  `bench/secagg_adversary.py` attacks all of this with real Contributors
+  (tests/test_secagg_adversary.py).
 
 Rules every contributor enforces (the requester is not trusted):
   - it is in U and R is not; U is at least MIN_SUM roster members;
-  - a session id is answered once per round of the protocol, in order;
+  - a session id is answered once per round of the protocol, in order, and
+    never opened twice (the last MAX_SEEN_SESSIONS ids per requester);
   - ONE MASKED INPUT PER (requester, model version): once a contributor has
     masked its model of round m for R, it refuses any other session of R over
-    that model, so R can never obtain two sums over different subsets of the
-    same models (the subset-difference attack). A contributor that drops out
-    after masking is handled inside the session; one that drops out before
-    anybody masked can be left out of a fresh session (`SecAggError.unmasked`);
+    that model. A contributor that drops out after masking is handled inside
+    the session; one that drops out before anybody masked can be left out of
+    a fresh session (`SecAggError.unmasked`);
   - t >= a majority of the other contributors of U (and >= its own configured
     `secagg_threshold`), and it deals shares only to at least t holders;
-  - Round 3 needs |U3| >= max(MIN_SUM, t + 1): a "sum" of one contribution is
-    that model, and fewer could not be unmasked;
-  - Unmasking only with every other member of U4 (at least t) vouching for U3.
+  - |U2| and |U3| >= max(MIN_SUM, t + 1): a "sum" of one contribution is that
+    model, and fewer could not be unmasked;
+  - Consistency only with every other member of U3 vouching for its U1, U2, t;
+    Unmasking only with every other member of U4 (at least t) vouching for the
+    same U1, U2, U3 and t.
+Every message is checked against protocols/secagg_messages.py's schemas first.
 
 Arithmetic: fixed point (protocols/masking.py: scale 2^20, uint64 with
 wraparound), so every mask cancels exactly. Masks are ChaCha20 keystreams
 (`masking.mask_stream`); the tags, seeds, Shamir shares, sealing, masked
-input and unmasking are protocols/secagg_primitives.py's.
+input and unmasking are protocols/secagg_primitives.py's. Dealing, masking,
+combining and unmasking run off the event loop.
 
 What this does not give: the requester cannot check any single contribution
 (norm, finiteness) — contributors clip their own model and weight before
 masking (`clip_state`), and the requester checks the mean it obtains. A
 requester that colludes with all but one contributor learns the last one's
-model; choose a minimum of contributors accordingly (docs/threat-model.md).
+model, and t colluding holders rebuild a contributor's secrets; choose a
+minimum of contributors accordingly (docs/threat-model.md). Without
+wire.encryption an observer would see the revealed shares and masked inputs,
+so configuration refuses secure aggregation without it.
 """
 
 from __future__ import annotations
@@ -83,89 +113,67 @@ import asyncio
 import hmac
 import logging
 import secrets as random_source
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
 
-from p2pfl.learning.state import averaged_keys
 from p2pfl.secure import tensors
 from protocols.base import PeerUnavailable, RoundContext
-from protocols.masking import WEIGHT_KEY
+from protocols.secagg_messages import (
+    MAX_CONTRIBUTORS,
+    MIN_SUM,
+    SECAGG_KIND,
+    ConsistencyBody,
+    MaskBody,
+    SealedShare,
+    SessionRequest,
+    ShareBody,
+    UnmaskBody,
+    parse,
+    session_context,
+    threshold_for,
+)
 from protocols.secagg_primitives import (
     SECRET_BYTES,
     SecAggError,
     auth_tag,
     clip_state,
-    combine_shares,
-    consistency_tag,
     mask_seed,
     masked_input,
     seal,
+    seed_commitment,
+    share_key,
     share_secret,
-    unmask_sum,
     unseal,
+    view_tag,
 )
+from protocols.secagg_requester import SecureSum, secure_sum, share_keys_body
 
 log = logging.getLogger(__name__)
 
-SECAGG_KIND = "secagg"
-MIN_SUM = 2  # a sum over fewer contributions is an individual model
-MAX_CONTRIBUTORS = 64
+__all__ = [
+    "MAX_CONTRIBUTORS",
+    "MIN_SUM",
+    "SECAGG_KIND",
+    "Contributor",
+    "SecAggError",
+    "SecureSum",
+    "SessionRequest",
+    "secure_sum",
+    "session_context",
+    "share_keys_body",
+    "threshold_for",
+]
+
 # Refusals an honest requester meets too (I am past its round): not counted against it.
 BENIGN_REFUSALS = frozenset({"too_new"})
 MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
+MAX_SEEN_SESSIONS = 4096  # per requester: session ids remembered so none is opened twice
 PHASES = ("advertise", "share", "mask", "consistency", "unmask")
-
-
-# ---------------------------------------------------------------------- the session
-
-
-class SessionRequest(BaseModel):
-    """What every phase's query carries; validated at the edge."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    session: str = Field(pattern=r"^[0-9a-f]{32}$")
-    phase: str
-    contributors: list[str] = Field(min_length=MIN_SUM, max_length=MAX_CONTRIBUTORS)
-    round: int = Field(ge=0)
-    max_round: int = Field(ge=0)
-    purpose: str = Field(pattern=r"^[a-z_]{1,32}$")
-    body: dict[str, Any] = Field(default_factory=dict)
-
-
-def session_context(requester: str, request: SessionRequest) -> bytes:
-    """What binds every key of one session: the requester, the session id, the
-    contributors U, the model rounds and the purpose. Fresh per session, so no
-    two sessions share a key, a mask or a share."""
-    return "|".join(
-        (
-            "p2pfl-secagg-v1",
-            requester,
-            request.session,
-            ",".join(sorted(request.contributors)),
-            str(request.round),
-            str(request.max_round),
-            request.purpose,
-        )
-    ).encode()
-
-
-def majority(others: int) -> int:
-    """The least threshold t over `others` share holders such that two disjoint
-    groups of t holders cannot exist: floor(others / 2) + 1 (at least 1)."""
-    return max(1, others // 2 + 1)
-
-
-def threshold_for(holders: int, configured: int | None) -> int:
-    """t for `holders` other contributors: a majority, or the configured t if
-    higher, never more than there are holders."""
-    return min(holders, max(majority(holders), configured or 0))
 
 
 # ---------------------------------------------------------------------- contributor side
@@ -184,16 +192,19 @@ class _Session:
     model_round: int
     state: dict[str, Tensor]
     weight: float
-    private: X25519PrivateKey
-    public: bytes
+    c_private: X25519PrivateKey  # seals my shares; this session only
+    s_private: X25519PrivateKey  # agrees my pair masks; this session only
     self_seed: bytes
     phase: str = "advertise"  # the last phase answered
     u1: list[str] = field(default_factory=list)
     u2: list[str] = field(default_factory=list)
     u3: list[str] = field(default_factory=list)
-    public_keys: dict[str, bytes] = field(default_factory=dict)
+    keys: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # v -> (c_pk, s_pk)
     threshold: int = 0
     held: dict[str, tuple[int, bytes, bytes]] = field(default_factory=dict)  # v -> (idx, sk, b)
+
+    def public(self, which: X25519PrivateKey) -> bytes:
+        return which.public_key().public_bytes_raw()
 
 
 class Contributor:
@@ -222,12 +233,12 @@ class Contributor:
         self.keep_rounds = keep_rounds
         self.sessions: dict[tuple[str, str], _Session] = {}
         self.contributed: dict[tuple[str, int], str] = {}  # (requester, model round) -> session
+        self.seen: dict[str, OrderedDict[str, None]] = {}  # requester -> session ids opened
 
     async def serve(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
         """The `secagg` handler: the phase's answer or {"refused": reason}."""
-        try:
-            request = SessionRequest.model_validate(query)
-        except ValidationError:
+        request = parse(SessionRequest, query)
+        if request is None:
             self.ctx.reject(requester, "secagg_bad_request")
             return {"refused": "bad_request"}
         try:
@@ -241,14 +252,12 @@ class Contributor:
             ):
                 return {"refused": "session_mismatch"}
             if request.phase == "share":
-                return self._share(session, request.body)
+                return await self._share(session, request.body)
             if request.phase == "mask":
                 return await self._mask(session, request.body)
             if request.phase == "consistency":
                 return self._consistency(session, request.body)
-            if request.phase == "unmask":
-                return self._unmask(session, request.body)
-            return {"refused": "bad_phase"}
+            return self._unmask(session, request.body)
         except SecAggError as exc:
             log.info(
                 "%s: secagg %s from %s refused: %s", self.ctx.me, request.phase, requester, exc
@@ -269,8 +278,9 @@ class Contributor:
             raise SecAggError("requester_is_contributor")
         if not group <= set(self.ctx.roster()):
             raise SecAggError("unknown_contributor")
-        if (requester, request.session) in self.sessions:
-            raise SecAggError("session_reused")
+        seen = self.seen.setdefault(requester, OrderedDict())
+        if request.session in seen:
+            raise SecAggError("session_reused", "a session id is never opened twice")
         if sum(1 for r, _ in self.sessions if r == requester) >= MAX_OPEN_SESSIONS:
             raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
         if request.max_round < request.round:
@@ -284,10 +294,11 @@ class Contributor:
             # The same model to the same requester twice would let it subtract two sums.
             raise SecAggError("already_contributed", f"model of round {model_round}")
         self._forget_before(model_round - self.keep_rounds)
+        seen[request.session] = None
+        while len(seen) > MAX_SEEN_SESSIONS:
+            seen.popitem(last=False)
         if self.max_weight is not None:
             weight = min(weight, self.max_weight)
-        private = X25519PrivateKey.generate()
-        public = private.public_key().public_bytes_raw()
         context = session_context(requester, request)
         session = _Session(
             requester=requester,
@@ -296,102 +307,105 @@ class Contributor:
             model_round=model_round,
             state=clip_state(state, self.clip_norm),
             weight=float(weight),
-            private=private,
-            public=public,
+            c_private=X25519PrivateKey.generate(),
+            s_private=X25519PrivateKey.generate(),
             self_seed=random_source.token_bytes(SECRET_BYTES),
         )
         self.sessions[(requester, request.session)] = session
+        c_pk, s_pk = session.public(session.c_private), session.public(session.s_private)
+        b_hash = seed_commitment(session.self_seed, context)
         tags = {
-            v: auth_tag(self._pair_key(v, context, b"auth"), me, public)
+            v: auth_tag(self._pair_key(v, context), me, c_pk, s_pk, b_hash)
             for v in request.contributors
             if v != me
         }
-        return {"pk": public, "tags": tags}
+        return {"c_pk": c_pk, "s_pk": s_pk, "b_hash": b_hash, "tags": tags}
 
     # Round 1: ShareKeys
-    def _share(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
+    async def _share(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "advertise", "share")
-        keys = body.get("keys")
-        threshold = body.get("threshold")
-        if (
-            not isinstance(keys, dict)
-            or not isinstance(threshold, int)
-            or not all(isinstance(k, dict) for k in keys.values())
-        ):
+        body = parse(ShareBody, raw)
+        if body is None:
             raise SecAggError("bad_request", "share needs keys and a threshold")
-        u1 = sorted(keys)
-        if me not in keys or not set(u1) <= set(session.request.contributors) or len(u1) < MIN_SUM:
+        u1 = sorted(body.keys)
+        if me not in body.keys or not set(u1) <= set(session.request.contributors):
             raise SecAggError("bad_contributors", f"U1 {u1}")
-        if keys[me].get("pk") != session.public:
+        mine = body.keys[me]
+        if (mine.c_pk, mine.s_pk) != (
+            session.public(session.c_private),
+            session.public(session.s_private),
+        ):
             raise SecAggError("bad_public_key", "my own key was replaced")
-        holders = len(u1) - 1
+        holders = [v for v in u1 if v != me]
         least = threshold_for(len(session.request.contributors) - 1, self.min_threshold)
-        if not least <= threshold <= holders:
+        if not least <= body.threshold <= len(holders):
             raise SecAggError(
-                "bad_threshold", f"t={threshold} with {holders} holders (t must be >= {least})"
+                "bad_threshold",
+                f"t={body.threshold} with {len(holders)} holders (t must be >= {least})",
             )
-        for v in u1:
-            if v == me:
-                continue
-            entry = keys[v]
-            pk, tag = entry.get("pk"), entry.get("tag")
-            if not isinstance(pk, bytes) or len(pk) != 32 or not isinstance(tag, bytes):
-                raise SecAggError("bad_public_key", f"from {v}")
-            expected = auth_tag(self._pair_key(v, session.context, b"auth"), v, pk)
-            if not hmac.compare_digest(tag, expected):
+        for v in holders:
+            entry = body.keys[v]
+            expected = auth_tag(
+                self._pair_key(v, session.context), v, entry.c_pk, entry.s_pk, entry.b_hash
+            )
+            if not hmac.compare_digest(entry.tag, expected):
                 raise SecAggError("bad_key_tag", f"the key of {v} is not {v}'s")
-            session.public_keys[v] = pk
-        session.u1, session.threshold = u1, threshold
-        holders_list = [v for v in u1 if v != me]
-        sk_shares = share_secret(session.private.private_bytes_raw(), threshold, holders)
-        b_shares = share_secret(session.self_seed, threshold, holders)
-        sealed: dict[str, bytes] = {}
-        for v, (idx, sk_share), (_, b_share) in zip(holders_list, sk_shares, b_shares, strict=True):
-            plain = tensors.dumps({"from": me, "to": v, "idx": idx, "sk": sk_share, "b": b_share})
-            key = self._pair_key(v, session.context, b"enc|" + me.encode() + b">" + v.encode())
-            sealed[v] = seal(key, plain, session.context)
+            session.keys[v] = (entry.c_pk, entry.s_pk)
+        session.u1, session.threshold = u1, body.threshold
+        sealed = await asyncio.to_thread(self._deal, session, holders)
         return {"shares": sealed}
 
+    def _deal(self, session: _Session, holders: list[str]) -> dict[str, bytes]:
+        """Shares of s_u and b_u for every holder, each sealed for it alone."""
+        me, t = self.ctx.me, session.threshold
+        sk_shares = share_secret(session.s_private.private_bytes_raw(), t, len(holders))
+        b_shares = share_secret(session.self_seed, t, len(holders))
+        sealed: dict[str, bytes] = {}
+        for v, (idx, sk_share), (_, b_share) in zip(holders, sk_shares, b_shares, strict=True):
+            plain = tensors.dumps({"from": me, "to": v, "idx": idx, "sk": sk_share, "b": b_share})
+            key = share_key(session.c_private, session.keys[v][0], session.context, me, v)
+            sealed[v] = seal(key, plain, session.context)
+        return sealed
+
     # Round 2: MaskedInputCollection
-    async def _mask(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
+    async def _mask(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "share", "mask")
         ledger = (session.requester, session.model_round)
         if ledger in self.contributed:
             raise SecAggError("already_contributed", f"model of round {session.model_round}")
-        u2, sealed = body.get("u2"), body.get("shares")
-        if not isinstance(u2, list) or not isinstance(sealed, dict):
+        body = parse(MaskBody, raw)
+        if body is None:
             raise SecAggError("bad_request", "mask needs U2 and the shares")
-        u2 = sorted(set(u2))
-        if me not in u2 or not set(u2) <= set(session.u1) or len(u2) < MIN_SUM:
+        u2 = sorted(set(body.u2))
+        if (
+            me not in u2
+            or not set(u2) <= set(session.u1)
+            or len(u2) < max(MIN_SUM, session.threshold + 1)
+        ):
             raise SecAggError("bad_contributors", f"U2 {u2}")
+        holders = len(session.u1) - 1
         for v in u2:
             if v == me:
                 continue
-            ciphertext = sealed.get(v)
-            if not isinstance(ciphertext, bytes):
+            ciphertext = body.shares.get(v)
+            if ciphertext is None:
                 raise SecAggError("bad_share", f"no share from {v}")
-            key = self._pair_key(v, session.context, b"enc|" + v.encode() + b">" + me.encode())
+            key = share_key(session.c_private, session.keys[v][0], session.context, v, me)
             try:
-                share = tensors.decode(unseal(key, ciphertext, session.context))
+                decoded = tensors.decode(unseal(key, ciphertext, session.context))
             except tensors.CodecError:
                 raise SecAggError("bad_share", f"share from {v} undecodable") from None
-            if (
-                not isinstance(share, dict)
-                or share.get("from") != v
-                or share.get("to") != me
-                or not isinstance(share.get("idx"), int)
-                or not isinstance(share.get("sk"), bytes)
-                or not isinstance(share.get("b"), bytes)
-            ):
+            share = parse(SealedShare, decoded)
+            if share is None or share.sender != v or share.to != me or share.idx > holders:
                 raise SecAggError("bad_share", f"share from {v} malformed")
-            session.held[v] = (share["idx"], share["sk"], share["b"])
+            session.held[v] = (share.idx, share.sk, share.b)
         session.u2 = u2
         # From here on this model is in one sum of this requester's, and in no other.
         self.contributed[ledger] = session.request.session
         pair_seeds = {
-            v: mask_seed(session.private, session.public_keys[v], session.context, me, v)
+            v: mask_seed(session.s_private, session.keys[v][1], session.context, me, v)
             for v in u2
             if v != me
         }
@@ -404,58 +418,64 @@ class Contributor:
             pair_seeds=pair_seeds,
         )
         session.state = {}  # masked: the plain model is not needed any more
-        return {"masked": masked, "model_round": session.model_round}
+        t = session.threshold
+        views = {
+            v: view_tag(self._pair_key(v, session.context), me, "u2", t, session.u1, u2)
+            for v in u2
+            if v != me
+        }
+        return {"masked": masked, "model_round": session.model_round, "view_tags": views}
 
     # Round 3: ConsistencyCheck
-    def _consistency(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
+    def _consistency(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "mask", "consistency")  # once: I vouch for one U3 only
-        u3 = body.get("u3")
-        if not isinstance(u3, list) or not all(isinstance(v, str) for v in u3):
-            raise SecAggError("bad_request", "consistency needs U3")
-        u3 = sorted(set(u3))
-        if (
-            me not in u3
-            or not set(u3) <= set(session.u2)
-            or len(u3) < max(MIN_SUM, session.threshold + 1)
-        ):
+        body = parse(ConsistencyBody, raw)
+        if body is None:
+            raise SecAggError("bad_request", "consistency needs U3 and its members' views")
+        u3 = sorted(set(body.u3))
+        t, u1, u2 = session.threshold, session.u1, session.u2
+        if me not in u3 or not set(u3) <= set(u2) or len(u3) < max(MIN_SUM, t + 1):
             raise SecAggError("bad_contributors", f"U3 {u3}")
+        for v in u3:
+            if v == me:
+                continue
+            expected = view_tag(self._pair_key(v, session.context), v, "u2", t, u1, u2)
+            if not hmac.compare_digest(body.view_tags.get(v, b""), expected):
+                raise SecAggError("inconsistent", f"{v} did not mask with my U1, U2 and t")
         session.u3 = u3
         return {
             "tags": {
-                v: consistency_tag(self._pair_key(v, session.context, b"auth"), me, u3)
+                v: view_tag(self._pair_key(v, session.context), me, "u3", t, u1, u2, u3)
                 for v in u3
                 if v != me
             }
         }
 
     # Round 4: Unmasking
-    def _unmask(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
+    def _unmask(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "consistency", "unmask")  # once: never both shares for one contributor
-        u4, tags = body.get("u4"), body.get("tags")
-        if not isinstance(u4, list) or not isinstance(tags, dict):
+        body = parse(UnmaskBody, raw)
+        if body is None:
             raise SecAggError("bad_request", "unmask needs U4 and their tags")
-        u4 = sorted(set(u4))
-        u3 = session.u3
-        if me not in u4 or not set(u4) <= set(u3) or len(u4) < session.threshold:
+        u4 = sorted(set(body.u4))
+        t, u1, u2, u3 = session.threshold, session.u1, session.u2, session.u3
+        if me not in u4 or not set(u4) <= set(u3) or len(u4) < t:
             raise SecAggError("bad_contributors", f"U4 {u4}")
         for v in u4:
             if v == me:
                 continue
-            tag = tags.get(v)
-            expected = consistency_tag(self._pair_key(v, session.context, b"auth"), v, u3)
-            if not isinstance(tag, bytes) or not hmac.compare_digest(tag, expected):
-                raise SecAggError("inconsistent", f"{v} did not vouch for U3 {u3}")
+            expected = view_tag(self._pair_key(v, session.context), v, "u3", t, u1, u2, u3)
+            if not hmac.compare_digest(body.tags.get(v, b""), expected):
+                raise SecAggError("inconsistent", f"{v} did not vouch for my U1, U2, U3 and t")
         self_shares = {
             v: {"idx": session.held[v][0], "share": session.held[v][2]} for v in u3 if v != me
         }
         key_shares = {
-            v: {"idx": session.held[v][0], "share": session.held[v][1]}
-            for v in session.u2
-            if v not in u3
+            v: {"idx": session.held[v][0], "share": session.held[v][1]} for v in u2 if v not in u3
         }
-        del self.sessions[(session.requester, session.request.session)]
+        del self.sessions[(session.requester, session.request.session)]  # its keys with it
         return {"self_shares": self_shares, "key_shares": key_shares}
 
     # helpers
@@ -464,204 +484,13 @@ class Contributor:
             raise SecAggError("out_of_order", f"{phase} after {session.phase}")
         session.phase = phase
 
-    def _pair_key(self, peer: str, context: bytes, label: bytes) -> bytes:
+    def _pair_key(self, peer: str, context: bytes) -> bytes:
+        """k_uv^auth: only this node and `peer` can derive it (their roster keys)."""
         try:
-            return self.ctx.pair_secret(peer, context + b"|" + label)
+            return self.ctx.pair_secret(peer, context + b"|auth")
         except PeerUnavailable:
             raise SecAggError("unknown_contributor", peer) from None
 
     def _forget_before(self, round: int) -> None:
         self.contributed = {k: s for k, s in self.contributed.items() if k[1] >= round}
         self.sessions = {k: s for k, s in self.sessions.items() if s.model_round >= round}
-
-
-# ---------------------------------------------------------------------- requester side
-
-
-@dataclass
-class SecureSum:
-    """What a requester obtains: the weighted mean of the contributors in U3,
-    their total weight, who they are and the rounds of their models."""
-
-    mean: dict[str, Tensor]
-    total_weight: float
-    contributors: list[str]
-    rounds: dict[str, int]
-    dropped: list[str]  # masked in Round 2 by U2 but gone before their input arrived
-    nbytes: int = 0
-
-
-async def secure_sum(
-    ctx: RoundContext,
-    contributors: Sequence[str],
-    *,
-    round: int,
-    max_round: int,
-    reference: Mapping[str, Tensor],
-    timeout: float,
-    purpose: str = "model",
-    threshold: int | None = None,
-) -> SecureSum:
-    """Run the four rounds with `contributors` as U and return the sum of
-    U3's weighted models (as a weighted mean and its total weight). Raises
-    SecAggError when too few stay for a sum (reason `too_few`) or a share set
-    is short (`too_few_shares`)."""
-    me = ctx.me
-    u = sorted(set(contributors))
-    if len(u) < MIN_SUM:
-        raise SecAggError("too_few", f"{len(u)} contributors")
-    base = {
-        "session": random_source.token_hex(16),
-        "contributors": u,
-        "round": round,
-        "max_round": max_round,
-        "purpose": purpose,
-    }
-
-    async def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        try:
-            reply = await ctx.request(
-                peer, SECAGG_KIND, {**base, "phase": phase, "body": body}, timeout
-            )
-        except PeerUnavailable as exc:
-            log.info("%s: secagg %s: no answer from %s (%s)", me, phase, peer, exc.reason)
-            return None
-        if not isinstance(reply, dict) or "refused" in reply:
-            reason = reply.get("refused") if isinstance(reply, dict) else "malformed"
-            log.warning("%s: secagg %s refused by %s: %s", me, phase, peer, reason)
-            return None
-        return reply
-
-    async def everyone(
-        peers: list[str], phase: str, body: Callable[[str], dict[str, Any]]
-    ) -> dict[str, dict[str, Any]]:
-        replies = await asyncio.gather(*(ask(p, phase, body(p)) for p in peers))
-        return {p: r for p, r in zip(peers, replies, strict=True) if r is not None}
-
-    # Round 0: AdvertiseKeys
-    advertised = await everyone(u, "advertise", lambda p: {})
-    keys: dict[str, dict[str, Any]] = {}
-    for peer, reply in advertised.items():
-        pk, tags = reply.get("pk"), reply.get("tags")
-        if isinstance(pk, bytes) and len(pk) == 32 and isinstance(tags, dict):
-            keys[peer] = {"pk": pk, "tags": tags}
-        else:
-            ctx.reject(peer, "secagg_malformed")
-    u1 = sorted(keys)
-    t = threshold_for(len(u) - 1, threshold)
-    if len(u1) < max(MIN_SUM, t + 1):
-        raise SecAggError("too_few", f"{len(u1)} of {len(u)} advertised keys (t={t})", unmasked=u1)
-
-    # Round 1: ShareKeys
-    shared = await everyone(u1, "share", lambda peer: share_keys_body(keys, u1, t, peer))
-    ciphertexts = bytes_for_the_others(shared, "shares", u1)
-    for peer in set(shared) - set(ciphertexts):
-        ctx.reject(peer, "secagg_malformed")
-    u2 = sorted(ciphertexts)
-    if len(u2) < max(MIN_SUM, t + 1):
-        raise SecAggError(
-            "too_few", f"{len(u2)} of {len(u1)} shared their keys (t={t})", unmasked=u2
-        )
-
-    # Round 2: MaskedInputCollection
-    masked_replies = await everyone(
-        u2, "mask", lambda p: {"u2": u2, "shares": {v: ciphertexts[v][p] for v in u2 if v != p}}
-    )
-    expected = {k: tuple(reference[k].shape) for k in averaged_keys(reference)}
-    expected[WEIGHT_KEY] = (1,)
-    inputs: dict[str, dict[str, Tensor]] = {}
-    rounds: dict[str, int] = {}
-    for peer, reply in masked_replies.items():
-        masked, model_round = reply.get("masked"), reply.get("model_round")
-        if (
-            isinstance(masked, dict)
-            and set(masked) == set(expected)
-            and all(
-                isinstance(masked[k], Tensor)
-                and masked[k].dtype == torch.int64
-                and tuple(masked[k].shape) == shape
-                for k, shape in expected.items()
-            )
-            and isinstance(model_round, int)
-            and round <= model_round <= max_round
-        ):
-            inputs[peer] = masked
-            rounds[peer] = model_round
-        else:
-            ctx.reject(peer, "secagg_malformed")
-    u3 = sorted(inputs)
-    if len(u3) < max(MIN_SUM, t + 1):
-        raise SecAggError("too_few", f"{len(u3)} of {len(u2)} masked inputs (t={t})")
-    dropped = [v for v in u2 if v not in inputs]
-
-    # Round 3: ConsistencyCheck
-    vouched = await everyone(u3, "consistency", lambda p: {"u3": u3})
-    consistency = bytes_for_the_others(vouched, "tags", u3)
-    u4 = sorted(consistency)
-    if len(u4) < t:
-        raise SecAggError("too_few", f"{len(u4)} of {len(u3)} vouched for U3 (t={t})")
-
-    # Round 4: Unmasking
-    revealed = await everyone(
-        u4, "unmask", lambda p: {"u4": u4, "tags": {v: consistency[v][p] for v in u4 if v != p}}
-    )
-    self_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in u3}
-    key_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in dropped}
-    for peer, reply in revealed.items():
-        for name, bucket, wanted in (
-            ("self_shares", self_shares, [v for v in u3 if v != peer]),
-            ("key_shares", key_shares, dropped),
-        ):
-            given = reply.get(name)
-            if not isinstance(given, dict):
-                continue
-            for v in wanted:
-                item = given.get(v)
-                if (
-                    isinstance(item, dict)
-                    and isinstance(item.get("idx"), int)
-                    and isinstance(item.get("share"), bytes)
-                ):
-                    bucket[v].append((item["idx"], item["share"]))
-    short = [v for bucket in (self_shares, key_shares) for v, s in bucket.items() if len(s) < t]
-    if short:
-        raise SecAggError("too_few_shares", f"fewer than t={t} shares for {short}")
-    mean, total = await ctx.train(
-        unmask_sum,
-        inputs,
-        {v: combine_shares(s[:t]) for v, s in self_shares.items()},
-        {v: combine_shares(s[:t]) for v, s in key_shares.items()},
-        {v: keys[v]["pk"] for v in u1},
-        session_context(me, SessionRequest(**base, phase="unmask")),
-        reference,
-    )
-    return SecureSum(mean, total, u3, rounds, dropped)
-
-
-def bytes_for_the_others(
-    replies: Mapping[str, Mapping[str, Any]], name: str, members: Sequence[str]
-) -> dict[str, dict[str, bytes]]:
-    """The replies whose `name` maps every other member to bytes (the sealed
-    shares of Round 1, the tags of Round 3), by who sent them."""
-    out: dict[str, dict[str, bytes]] = {}
-    for peer, reply in replies.items():
-        given = reply.get(name)
-        if isinstance(given, dict) and all(
-            isinstance(given.get(v), bytes) for v in members if v != peer
-        ):
-            out[peer] = given
-    return out
-
-
-def share_keys_body(
-    keys: Mapping[str, Mapping[str, Any]], u1: Sequence[str], threshold: int, peer: str
-) -> dict[str, Any]:
-    """Round 1's query to `peer`: the threshold and every key of U1 with the
-    tag its owner made for `peer` (from the Round 0 answers `keys`)."""
-    return {
-        "threshold": threshold,
-        "keys": {
-            v: {"pk": keys[v]["pk"], "tag": b"" if v == peer else keys[v]["tags"].get(peer, b"")}
-            for v in u1
-        },
-    }

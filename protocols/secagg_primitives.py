@@ -8,8 +8,10 @@ the keystreams are protocols/masking.py's.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -34,7 +36,8 @@ from protocols.masking import (
 )
 
 SECRET_BYTES = 32
-_NONCE = bytes(12)  # every AEAD key is used for one message
+NONCE_BYTES = 12  # random per sealed message: a key is never used twice with one nonce
+MAX_SHARE_INDEX = 255  # Shamir indices are 1..holders; anything else is refused before combining
 
 
 class SecAggError(Exception):
@@ -54,15 +57,45 @@ def _hkdf(secret: bytes, salt: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=info).derive(secret)
 
 
-def auth_tag(key: bytes, sender: str, public_key: bytes) -> bytes:
-    """Round 0: what proves to v that pk came from `sender` (k_uv^auth)."""
-    return hmac.new(key, b"secagg-pk|" + sender.encode() + b"|" + public_key, "sha256").digest()
+def _framed(*parts: bytes) -> bytes:
+    """Length-prefixed concatenation: no two different part lists frame alike."""
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
-def consistency_tag(key: bytes, sender: str, u3: Sequence[str]) -> bytes:
-    """Round 3: `sender`'s word to the holder of `key` that U3 is `u3`."""
-    message = b"secagg-u3|" + sender.encode() + b"|" + ",".join(sorted(u3)).encode()
-    return hmac.new(key, message, "sha256").digest()
+def auth_tag(key: bytes, sender: str, *public: bytes) -> bytes:
+    """Round 0: what proves to v that these session keys (and the commitment to
+    the self-mask seed) came from `sender`: HMAC under k_uv^auth, a key only u
+    and v derive from their roster keys."""
+    return hmac.new(key, _framed(b"secagg-keys", sender.encode(), *public), "sha256").digest()
+
+
+def view_tag(key: bytes, sender: str, label: str, threshold: int, *sets: Sequence[str]) -> bytes:
+    """`sender`'s word to the holder of `key` about the session as it saw it:
+    the threshold and the sets U1, U2 (label "u2", given with the masked
+    input) and U3 (label "u3", the consistency check)."""
+    parts = [b"secagg-view", label.encode(), sender.encode(), str(threshold).encode()]
+    parts += [",".join(sorted(s)).encode() for s in sets]
+    return hmac.new(key, _framed(*parts), "sha256").digest()
+
+
+def seed_commitment(self_seed: bytes, context: bytes) -> bytes:
+    """Round 0: H(context, b_u), so the requester can tell a rebuilt b_u from a
+    wrong one (a contributor that reveals a bad share) without learning it."""
+    return hashlib.sha256(_framed(b"secagg-b", context, self_seed)).digest()
+
+
+def share_key(
+    private: X25519PrivateKey, peer_public: bytes, context: bytes, dealer: str, holder: str
+) -> bytes:
+    """The key that seals dealer's shares for holder: HKDF over the X25519 of
+    their ephemeral session keys (c_u, c_v), so it is new every session and
+    gone with it (forward secrecy), and one per direction."""
+    try:
+        shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError:
+        raise SecAggError("bad_public_key", "a low-order or malformed X25519 key") from None
+    info = b"p2pfl secagg seal|" + dealer.encode() + b">" + holder.encode()
+    return _hkdf(shared, context, info)
 
 
 def mask_seed(
@@ -85,21 +118,37 @@ def share_secret(secret: bytes, threshold: int, holders: int) -> list[tuple[int,
     return [(i, a + b) for (i, a), (_, b) in zip(first, second, strict=True)]
 
 
-def combine_shares(shares: Sequence[tuple[int, bytes]]) -> bytes:
-    if any(len(s) != SECRET_BYTES for _, s in shares):
+def combine_shares(shares: Sequence[tuple[int, bytes]], holders: int = MAX_SHARE_INDEX) -> bytes:
+    """The secret `shares` rebuild. Indices must be distinct ints in 1..holders
+    and every share 32 bytes: pycryptodome loops forever on a negative index
+    and raises on a duplicate, so nothing else reaches it; whatever it still
+    raises becomes SecAggError("bad_share")."""
+    indices = [i for i, _ in shares]
+    if (
+        not shares
+        or any(type(i) is not int or not 1 <= i <= min(holders, MAX_SHARE_INDEX) for i in indices)
+        or len(set(indices)) != len(indices)
+    ):
+        raise SecAggError("bad_share", f"share indices must be distinct in 1..{holders}")
+    if any(not isinstance(s, bytes) or len(s) != SECRET_BYTES for _, s in shares):
         raise SecAggError("bad_share", "a share is not 32 bytes")
-    first = Shamir.combine([(i, s[:16]) for i, s in shares])
-    second = Shamir.combine([(i, s[16:]) for i, s in shares])
+    try:
+        first = Shamir.combine([(i, s[:16]) for i, s in shares])
+        second = Shamir.combine([(i, s[16:]) for i, s in shares])
+    except (ValueError, TypeError, ZeroDivisionError) as exc:
+        raise SecAggError("bad_share", f"shares do not combine: {exc}") from None
     return first + second
 
 
 def seal(key: bytes, plain: bytes, aad: bytes) -> bytes:
-    return ChaCha20Poly1305(key).encrypt(_NONCE, plain, aad)
+    """nonce || ChaCha20-Poly1305(plain): a fresh random nonce every time."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + ChaCha20Poly1305(key).encrypt(nonce, plain, aad)
 
 
 def unseal(key: bytes, sealed: bytes, aad: bytes) -> bytes:
     try:
-        return ChaCha20Poly1305(key).decrypt(_NONCE, sealed, aad)
+        return ChaCha20Poly1305(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], aad)
     except (InvalidTag, ValueError):
         raise SecAggError("bad_share", "a share does not authenticate") from None
 

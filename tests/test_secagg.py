@@ -100,6 +100,14 @@ class Federation:
         return await self.ctxs[REQUESTER].request(peer, SECAGG_KIND, query, 2.0)
 
 
+def relayed(advert: dict[str, Any], to: str, owner: str = "") -> dict[str, Any]:
+    """A Round 0 answer as the requester relays it to `to`: the keys, and the
+    tag the owner made for `to` (none for the owner itself)."""
+    entry = {k: v for k, v in advert.items() if k != "tags"}
+    entry["tag"] = b"" if owner == to else advert["tags"].get(to, b"")
+    return entry
+
+
 def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     for key, value in want.items():
         assert torch.allclose(got[key].double(), value, atol=1e-5), key
@@ -239,14 +247,8 @@ def test_a_swapped_public_key_is_caught_by_its_tag() -> None:
     session = "f" * 32
     replies = {m: asyncio.run(fed.raw(m, "advertise", session, members, {})) for m in members}
     forged = primitives.X25519PrivateKey.generate().public_key().public_bytes_raw()
-    keys = {
-        v: {
-            "pk": forged if v == "bob" else replies[v]["pk"],
-            "tag": replies[v]["tags"].get("alice", b""),
-        }
-        for v in members
-    }
-    keys["alice"]["tag"] = b""
+    keys = {v: relayed(replies[v], "alice") for v in members}
+    keys["bob"]["s_pk"] = forged
     reply = asyncio.run(fed.raw("alice", "share", session, members, {"keys": keys, "threshold": 2}))
     assert reply == {"refused": "bad_key_tag"}
 
@@ -259,10 +261,7 @@ def test_a_threshold_below_a_majority_is_refused() -> None:
     replies = {
         m: asyncio.run(fed.raw(m, "advertise", session, CONTRIBUTORS, {})) for m in CONTRIBUTORS
     }
-    keys = {
-        v: {"pk": replies[v]["pk"], "tag": b"" if v == "alice" else replies[v]["tags"]["alice"]}
-        for v in CONTRIBUTORS
-    }
+    keys = {v: relayed(replies[v], "alice", owner=v) for v in CONTRIBUTORS}
     reply = asyncio.run(
         fed.raw("alice", "share", session, CONTRIBUTORS, {"keys": keys, "threshold": 1})
     )
@@ -281,24 +280,28 @@ def test_unmasking_needs_every_member_to_vouch_for_the_same_survivors() -> None:
         adv = {m: await fed.raw(m, "advertise", session, members, {}) for m in members}
         shares = {}
         for m in members:
-            keys = {
-                v: {"pk": adv[v]["pk"], "tag": b"" if v == m else adv[v]["tags"][m]}
-                for v in members
-            }
+            keys = {v: relayed(adv[v], m, owner=v) for v in members}
             shares[m] = (
                 await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 2})
             )["shares"]
+        views = {}
         for m in members:
             body = {"u2": members, "shares": {v: shares[v][m] for v in members if v != m}}
-            assert "masked" in await fed.raw(m, "mask", session, members, body)
+            reply = await fed.raw(m, "mask", session, members, body)
+            assert "masked" in reply
+            views[m] = reply["view_tags"]
+
+        def told(m: str, u3: list[str]) -> dict[str, Any]:
+            return {"u3": u3, "view_tags": {v: views[v][m] for v in u3 if v != m}}
+
         # alice and bob are told erin dropped; carol and erin that everyone stayed
         short = ["alice", "bob", "carol"]
         tags = {
-            m: (await fed.raw(m, "consistency", session, members, {"u3": short}))["tags"]
+            m: (await fed.raw(m, "consistency", session, members, told(m, short)))["tags"]
             for m in ("alice", "bob")
         }
         full = {
-            m: (await fed.raw(m, "consistency", session, members, {"u3": members}))["tags"]
+            m: (await fed.raw(m, "consistency", session, members, told(m, members)))["tags"]
             for m in ("carol", "erin")
         }
         # alice would reveal erin's mask key if carol's word matched her U3; it does not
@@ -418,6 +421,6 @@ def test_a_flood_of_sessions_is_bounded() -> None:
     fed = Federation()
     members = ["alice", "bob"]
     for i in range(secagg.MAX_OPEN_SESSIONS):
-        assert "pk" in asyncio.run(fed.raw("alice", "advertise", f"{i:032x}", members, {}))
+        assert "c_pk" in asyncio.run(fed.raw("alice", "advertise", f"{i:032x}", members, {}))
     reply = asyncio.run(fed.raw("alice", "advertise", "f" * 32, members, {}))
     assert reply == {"refused": "too_many_sessions"}

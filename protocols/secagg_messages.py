@@ -1,0 +1,148 @@
+"""The messages of secure aggregation (protocols/secagg.py), as pydantic schemas
+with finite bounds: every field a requester or contributor receives is checked
+here before any of it is used (types strict, sizes and numbers bounded), so a
+malformed message is one refusal with a reason, never an exception deeper in.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SECAGG_KIND = "secagg"
+MIN_SUM = 2  # a sum over fewer contributions is an individual model
+MAX_CONTRIBUTORS = 64
+KEY_BYTES = 32
+TAG_BYTES = 32
+
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+Key = Annotated[bytes, Field(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+Tag = Annotated[bytes, Field(max_length=TAG_BYTES)]  # b"" where a member has none for itself
+Members = Annotated[list[Name], Field(min_length=1, max_length=MAX_CONTRIBUTORS)]
+Sealed = Annotated[bytes, Field(max_length=1024)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class SessionRequest(BaseModel):
+    """What every phase's query carries; validated at the edge."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    session: str = Field(pattern=r"^[0-9a-f]{32}$")
+    phase: str = Field(pattern=r"^(advertise|share|mask|consistency|unmask)$")
+    contributors: list[Name] = Field(min_length=MIN_SUM, max_length=MAX_CONTRIBUTORS)
+    round: int = Field(ge=0, le=2**31)
+    max_round: int = Field(ge=0, le=2**31)
+    purpose: str = Field(pattern=r"^[a-z_.]{1,64}$")
+    body: dict[str, Any] = Field(default_factory=dict)
+
+
+class KeyEntry(_Strict):
+    """One contributor's Round 0 keys as relayed to another: the ephemeral
+    encryption key c_pk, mask key s_pk, the commitment to its self-mask seed,
+    and its tag for the receiver (HMAC under their roster pair key)."""
+
+    c_pk: Key
+    s_pk: Key
+    b_hash: Key
+    tag: Tag
+
+
+class Advertised(_Strict):
+    c_pk: Key
+    s_pk: Key
+    b_hash: Key
+    tags: dict[Name, Tag] = Field(max_length=MAX_CONTRIBUTORS)
+
+
+class ShareBody(_Strict):
+    keys: dict[Name, KeyEntry] = Field(min_length=MIN_SUM, max_length=MAX_CONTRIBUTORS)
+    threshold: int = Field(ge=1, le=MAX_CONTRIBUTORS)
+
+
+class Shared(_Strict):
+    shares: dict[Name, Sealed] = Field(max_length=MAX_CONTRIBUTORS)
+
+
+class MaskBody(_Strict):
+    u2: Members
+    shares: dict[Name, Sealed] = Field(max_length=MAX_CONTRIBUTORS)
+
+
+class ConsistencyBody(_Strict):
+    u3: Members
+    view_tags: dict[Name, Tag] = Field(default_factory=dict, max_length=MAX_CONTRIBUTORS)
+
+
+class Vouched(_Strict):
+    tags: dict[Name, Tag] = Field(max_length=MAX_CONTRIBUTORS)
+
+
+class UnmaskBody(_Strict):
+    u4: Members
+    tags: dict[Name, Tag] = Field(max_length=MAX_CONTRIBUTORS)
+
+
+class Share(_Strict):
+    """A Shamir share as a holder keeps or reveals it: index 1..n, 32 bytes."""
+
+    idx: int = Field(ge=1, le=MAX_CONTRIBUTORS)
+    share: Key
+
+
+class SealedShare(_Strict):
+    """The plaintext of one sealed share, dealer to holder."""
+
+    sender: Name = Field(alias="from")
+    to: Name
+    idx: int = Field(ge=1, le=MAX_CONTRIBUTORS)
+    sk: Key
+    b: Key
+
+
+class Revealed(_Strict):
+    self_shares: dict[Name, Share] = Field(max_length=MAX_CONTRIBUTORS)
+    key_shares: dict[Name, Share] = Field(max_length=MAX_CONTRIBUTORS)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], data: Any) -> M | None:
+    """`data` as `model`, or None if it does not fit the schema."""
+    try:
+        return model.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def session_context(requester: str, request: SessionRequest) -> bytes:
+    """What binds every key of one session: the requester, the session id, the
+    contributors U, the model rounds and the purpose (which names the stage)."""
+    return "|".join(
+        (
+            "p2pfl-secagg-v2",
+            requester,
+            request.session,
+            ",".join(sorted(request.contributors)),
+            str(request.round),
+            str(request.max_round),
+            request.purpose,
+        )
+    ).encode()
+
+
+def majority(others: int) -> int:
+    """The least threshold t over `others` share holders such that two disjoint
+    groups of t holders cannot exist: floor(others / 2) + 1 (at least 1)."""
+    return max(1, others // 2 + 1)
+
+
+def threshold_for(holders: int, configured: int | None) -> int:
+    """t for `holders` other contributors: a majority, or the configured t if
+    higher, never more than there are holders."""
+    return min(holders, max(majority(holders), configured or 0))

@@ -1,0 +1,304 @@
+"""The requester's side of secure aggregation (protocols/secagg.py has the
+protocol, its rounds and why it is safe): `secure_sum` runs the four rounds
+with a set of contributors and returns the weighted mean of those that stayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import secrets as random_source
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from pydantic import BaseModel
+from torch import Tensor
+
+from p2pfl.learning.state import averaged_keys
+from protocols.base import PeerUnavailable, RoundContext
+from protocols.masking import WEIGHT_KEY
+from protocols.secagg_messages import (
+    MIN_SUM,
+    SECAGG_KIND,
+    Advertised,
+    Revealed,
+    SessionRequest,
+    Shared,
+    Vouched,
+    parse,
+    session_context,
+    threshold_for,
+)
+from protocols.secagg_primitives import (
+    SecAggError,
+    combine_shares,
+    seed_commitment,
+    unmask_sum,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SecureSum:
+    """What a requester obtains: the weighted mean of the contributors in U3,
+    their total weight, who they are and the rounds of their models."""
+
+    mean: dict[str, Tensor]
+    total_weight: float
+    contributors: list[str]
+    rounds: dict[str, int]
+    dropped: list[str]  # masked in Round 2 by U2 but gone before their input arrived
+    nbytes: int = 0
+
+
+async def secure_sum(
+    ctx: RoundContext,
+    contributors: Sequence[str],
+    *,
+    round: int,
+    max_round: int,
+    reference: Mapping[str, Tensor],
+    timeout: float,
+    purpose: str = "model",
+    threshold: int | None = None,
+) -> SecureSum:
+    """Run the four rounds with `contributors` as U and return the sum of
+    U3's weighted models (as a weighted mean and its total weight). Raises
+    SecAggError when too few stay for a sum (reason `too_few`) or the shares
+    of a secret do not rebuild it (`too_few_shares`, `bad_share`)."""
+    me = ctx.me
+    u = sorted(set(contributors))
+    if len(u) < MIN_SUM:
+        raise SecAggError("too_few", f"{len(u)} contributors")
+    base = {
+        "session": random_source.token_hex(16),
+        "contributors": u,
+        "round": round,
+        "max_round": max_round,
+        "purpose": purpose,
+    }
+
+    async def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            reply = await ctx.request(
+                peer, SECAGG_KIND, {**base, "phase": phase, "body": body}, timeout
+            )
+        except PeerUnavailable as exc:
+            log.info("%s: secagg %s: no answer from %s (%s)", me, phase, peer, exc.reason)
+            return None
+        if not isinstance(reply, dict) or "refused" in reply:
+            reason = reply.get("refused") if isinstance(reply, dict) else "malformed"
+            log.warning("%s: secagg %s refused by %s: %s", me, phase, peer, reason)
+            return None
+        return reply
+
+    async def everyone(
+        peers: list[str], phase: str, body: Callable[[str], dict[str, Any]]
+    ) -> dict[str, dict[str, Any]]:
+        replies = await asyncio.gather(*(ask(p, phase, body(p)) for p in peers))
+        return {p: r for p, r in zip(peers, replies, strict=True) if r is not None}
+
+    def valid(
+        model: type[BaseModel], replies: dict[str, dict[str, Any]], members: list[str]
+    ) -> dict[str, Any]:
+        out = {}
+        for peer, reply in replies.items():
+            parsed = parse(model, reply)
+            if parsed is None or not covers(parsed, members, peer):
+                ctx.reject(peer, "secagg_malformed")
+            else:
+                out[peer] = parsed
+        return out
+
+    # Round 0: AdvertiseKeys
+    adverts: dict[str, Advertised] = valid(
+        Advertised, await everyone(u, "advertise", lambda p: {}), u
+    )
+    u1 = sorted(adverts)
+    t = threshold_for(len(u) - 1, threshold)
+    if len(u1) < max(MIN_SUM, t + 1):
+        raise SecAggError("too_few", f"{len(u1)} of {len(u)} advertised keys (t={t})", unmasked=u1)
+
+    # Round 1: ShareKeys
+    shared: dict[str, Shared] = valid(
+        Shared, await everyone(u1, "share", lambda p: share_keys_body(adverts, u1, t, p)), u1
+    )
+    u2 = sorted(shared)
+    if len(u2) < max(MIN_SUM, t + 1):
+        raise SecAggError(
+            "too_few", f"{len(u2)} of {len(u1)} shared their keys (t={t})", unmasked=u2
+        )
+
+    # Round 2: MaskedInputCollection
+    masked_replies = await everyone(
+        u2, "mask", lambda p: {"u2": u2, "shares": {v: shared[v].shares[p] for v in u2 if v != p}}
+    )
+    inputs, rounds, views = masked_inputs_of(ctx, masked_replies, reference, u2, round, max_round)
+    u3 = sorted(inputs)
+    if len(u3) < max(MIN_SUM, t + 1):
+        raise SecAggError("too_few", f"{len(u3)} of {len(u2)} masked inputs (t={t})")
+    dropped = [v for v in u2 if v not in inputs]
+
+    # Round 3: ConsistencyCheck
+    vouched: dict[str, Vouched] = valid(
+        Vouched,
+        await everyone(
+            u3,
+            "consistency",
+            lambda p: {"u3": u3, "view_tags": {v: views[v][p] for v in u3 if v != p}},
+        ),
+        u3,
+    )
+    u4 = sorted(vouched)
+    if len(u4) < t:
+        raise SecAggError("too_few", f"{len(u4)} of {len(u3)} vouched for U3 (t={t})")
+
+    # Round 4: Unmasking
+    revealed = await everyone(
+        u4, "unmask", lambda p: {"u4": u4, "tags": {v: vouched[v].tags[p] for v in u4 if v != p}}
+    )
+    self_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in u3}
+    key_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in dropped}
+    for peer, reply in revealed.items():
+        given = parse(Revealed, reply)
+        if given is None:
+            ctx.reject(peer, "secagg_malformed")
+            continue
+        for bucket, items in ((self_shares, given.self_shares), (key_shares, given.key_shares)):
+            for v, item in items.items():
+                if v in bucket and v != peer:
+                    bucket[v].append((item.idx, item.share))
+    short = [v for bucket in (self_shares, key_shares) for v, s in bucket.items() if len(s) < t]
+    if short:
+        raise SecAggError("too_few_shares", f"fewer than t={t} shares for {short}")
+    context = session_context(me, SessionRequest(**base, phase="unmask"))
+
+    def rebuild_and_unmask() -> tuple[dict[str, Tensor], float]:
+        seeds = {
+            v: rebuild(s, t, len(u1) - 1, lambda b, v=v: matches_seed(b, adverts[v], context))
+            for v, s in self_shares.items()
+        }
+        keys = {
+            v: rebuild(s, t, len(u1) - 1, lambda sk, v=v: matches_key(sk, adverts[v].s_pk))
+            for v, s in key_shares.items()
+        }
+        public = {v: adverts[v].s_pk for v in u1}
+        return unmask_sum(inputs, seeds, keys, public, context, reference)
+
+    mean, total = await ctx.train(rebuild_and_unmask)
+    return SecureSum(mean, total, u3, rounds, dropped)
+
+
+MAX_REBUILD_TRIES = 32  # subsets of t shares tried when some share is bad
+
+
+def rebuild(
+    shares: Sequence[tuple[int, bytes]], t: int, holders: int, good: Callable[[bytes], bool]
+) -> bytes:
+    """The secret t of `shares` rebuild and `good` accepts (its commitment or
+    public key): the first t, then other subsets of t, so a contributor that
+    reveals a wrong share cannot spoil the sum alone. Shares with an index out
+    of 1..holders or repeated are dropped first."""
+    unique: dict[int, bytes] = {}
+    for idx, share in shares:
+        if type(idx) is int and 1 <= idx <= holders and idx not in unique:
+            unique[idx] = share
+    items = sorted(unique.items())
+    for combo in itertools.islice(itertools.combinations(items, t), MAX_REBUILD_TRIES):
+        try:
+            secret = combine_shares(list(combo), holders)
+        except SecAggError:
+            continue
+        if good(secret):
+            return secret
+    raise SecAggError("bad_share", f"no {t} of {len(items)} shares rebuild the committed secret")
+
+
+def matches_seed(seed: bytes, advert: Advertised, context: bytes) -> bool:
+    return hmac.compare_digest(seed_commitment(seed, context), advert.b_hash)
+
+
+def matches_key(private: bytes, public: bytes) -> bool:
+    try:
+        key = X25519PrivateKey.from_private_bytes(private)
+    except ValueError:
+        return False
+    return hmac.compare_digest(key.public_key().public_bytes_raw(), public)
+
+
+def covers(parsed: Any, members: Sequence[str], peer: str) -> bool:
+    """A reply that names every other member where it must: tags in Round 0
+    and 3, sealed shares in Round 1."""
+    given = getattr(parsed, "tags", None)
+    if given is None:
+        given = getattr(parsed, "shares", None)
+    return isinstance(given, dict) and all(v in given for v in members if v != peer)
+
+
+def masked_inputs_of(
+    ctx: RoundContext,
+    replies: Mapping[str, Mapping[str, Any]],
+    reference: Mapping[str, Tensor],
+    u2: Sequence[str],
+    round: int,
+    max_round: int,
+) -> tuple[dict[str, dict[str, Tensor]], dict[str, int], dict[str, dict[str, bytes]]]:
+    """Round 2's answers that hold a masked input of the expected entries and
+    shapes (int64), a model round in range and a view tag for every other
+    member of U2: (inputs, model rounds, view tags) by contributor."""
+    expected = {k: tuple(reference[k].shape) for k in averaged_keys(reference)}
+    expected[WEIGHT_KEY] = (1,)
+    inputs: dict[str, dict[str, Tensor]] = {}
+    rounds: dict[str, int] = {}
+    views: dict[str, dict[str, bytes]] = {}
+    for peer, reply in replies.items():
+        masked, model_round, tags = (
+            reply.get("masked"),
+            reply.get("model_round"),
+            reply.get("view_tags"),
+        )
+        if (
+            isinstance(masked, dict)
+            and set(masked) == set(expected)
+            and all(
+                isinstance(masked[k], Tensor)
+                and masked[k].dtype == torch.int64
+                and tuple(masked[k].shape) == shape
+                for k, shape in expected.items()
+            )
+            and type(model_round) is int
+            and round <= model_round <= max_round
+            and isinstance(tags, dict)
+            and all(isinstance(tags.get(v), bytes) and len(tags[v]) <= 32 for v in u2 if v != peer)
+        ):
+            inputs[peer] = masked
+            rounds[peer] = model_round
+            views[peer] = tags
+        else:
+            ctx.reject(peer, "secagg_malformed")
+    return inputs, rounds, views
+
+
+def share_keys_body(
+    adverts: Mapping[str, Advertised], u1: Sequence[str], threshold: int, peer: str
+) -> dict[str, Any]:
+    """Round 1's query to `peer`: the threshold and every key of U1 with the
+    tag its owner made for `peer` (from the Round 0 answers)."""
+    return {
+        "threshold": threshold,
+        "keys": {
+            v: {
+                "c_pk": adverts[v].c_pk,
+                "s_pk": adverts[v].s_pk,
+                "b_hash": adverts[v].b_hash,
+                "tag": b"" if v == peer else adverts[v].tags.get(peer, b""),
+            }
+            for v in u1
+        },
+    }

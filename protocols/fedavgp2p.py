@@ -38,6 +38,7 @@ import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
@@ -119,6 +120,7 @@ class FedAvgP2P(RoundLoop):
             clip_norm=getattr(p, "secagg_clip_norm", None),
             max_weight=own_weight_cap(ctx),  # nobody can cap it after masking: I do
             keep_rounds=p.max_staleness + 2,
+            ledger_path=ledger_file(ctx),
         )
         ctx.serve(SECAGG_KIND, self.contributor.serve)
 
@@ -410,3 +412,12 @@ class FedAvgP2P(RoundLoop):
 
     def record_neighbours(self, ctx: RoundContext, used: list[str]) -> None:
         ctx.record_choice(used)
+
+
+def ledger_file(ctx: RoundContext) -> Path | None:
+    """Where this node's secure-aggregation ledger outlives a restart (its
+    state directory), or None for a simulated node with no storage."""
+    try:
+        return ctx.artifact("secagg_ledger.json")
+    except (RuntimeError, OSError):
+        return None

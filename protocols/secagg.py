@@ -26,7 +26,8 @@ answers them (`Contributor`), one request per round:
                                        of s_u's private key and of b_u, threshold t, sealed with
                                        ChaCha20-Poly1305 under HKDF(X25519(c_u, c_v), context,
                                        u>v) and a random nonce: a key new every session and gone
-                                       with it (forward secrecy), never reused with a nonce
+                                       with it (forward secrecy), never reused with a nonce;
+                                       and, to R, a hash commitment to each share
            (U2 = who answered)
   Round 2  MaskedInputCollection
                               R -> u : U2 and the ciphertexts addressed to u
@@ -44,9 +45,11 @@ answers them (`Contributor`), one request per round:
                               u -> R : only if every member of U4 vouched for u's own t, U1, U2 and
                                        U3: its shares of b_v for every v in U3 \\ {u} and of s_v
                                        for every v in U2 \\ U3; once per session
-           R rebuilds each b_v (v in U3) and s_v (v in U2 \\ U3) from t shares, checks them
-           against H(b_v) and the public s_v, and removes PRG(b_v) and the dropped
-           contributors' pair masks:
+           R keeps the revealed shares that match their dealer's commitments (the index
+           is the holder's place in U1, never the revealer's word), rebuilds each b_v
+           (v in U3) and s_v (v in U2 \\ U3) from t of them, checks them against H(b_v)
+           and the public s_v, and removes PRG(b_v) and the dropped contributors' pair
+           masks:
              sum_{u in U3} y_u - sum_{u in U3} PRG(b_u) - sum_{d dropped, u in U3} +-PRG(s_ud)
              = sum_{u in U3} fixed(w_u x_u)                                       (mod 2^64)
 
@@ -111,16 +114,19 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import secrets as random_source
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from torch import Tensor
 
+from p2pfl.files import atomic_write_text
 from p2pfl.secure import tensors
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.secagg_messages import (
@@ -146,6 +152,7 @@ from protocols.secagg_primitives import (
     masked_input,
     seal,
     seed_commitment,
+    share_commitment,
     share_key,
     share_secret,
     unseal,
@@ -224,6 +231,7 @@ class Contributor:
         clip_norm: float | None = None,
         max_weight: float | None = None,
         keep_rounds: int = 3,
+        ledger_path: Path | None = None,
     ) -> None:
         self.ctx = ctx
         self.source = source
@@ -234,6 +242,11 @@ class Contributor:
         self.sessions: dict[tuple[str, str], _Session] = {}
         self.contributed: dict[tuple[str, int], str] = {}  # (requester, model round) -> session
         self.seen: dict[str, OrderedDict[str, None]] = {}  # requester -> session ids opened
+        # The ledger outlives a restart: a node that retrains or re-serves a round
+        # after a crash must not mask it into a second sum of the same requester.
+        self.ledger_path = ledger_path
+        self.ledger_error: str | None = None  # set: I refuse to contribute at all
+        self._load_ledger()
 
     async def serve(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
         """The `secagg` handler: the phase's answer or {"refused": reason}."""
@@ -278,6 +291,8 @@ class Contributor:
             raise SecAggError("requester_is_contributor")
         if not group <= set(self.ctx.roster()):
             raise SecAggError("unknown_contributor")
+        if self.ledger_error is not None:
+            raise SecAggError("ledger_unreadable", self.ledger_error)
         seen = self.seen.setdefault(requester, OrderedDict())
         if request.session in seen:
             raise SecAggError("session_reused", "a session id is never opened twice")
@@ -353,20 +368,25 @@ class Contributor:
                 raise SecAggError("bad_key_tag", f"the key of {v} is not {v}'s")
             session.keys[v] = (entry.c_pk, entry.s_pk)
         session.u1, session.threshold = u1, body.threshold
-        sealed = await asyncio.to_thread(self._deal, session, holders)
-        return {"shares": sealed}
+        return await asyncio.to_thread(self._deal, session, holders)
 
-    def _deal(self, session: _Session, holders: list[str]) -> dict[str, bytes]:
-        """Shares of s_u and b_u for every holder, each sealed for it alone."""
-        me, t = self.ctx.me, session.threshold
+    def _deal(self, session: _Session, holders: list[str]) -> dict[str, Any]:
+        """Shares of s_u and b_u for every holder, each sealed for it alone,
+        and the commitments to them the requester checks revealed shares by."""
+        me, t, context = self.ctx.me, session.threshold, session.context
         sk_shares = share_secret(session.s_private.private_bytes_raw(), t, len(holders))
         b_shares = share_secret(session.self_seed, t, len(holders))
         sealed: dict[str, bytes] = {}
+        commitments: dict[str, dict[str, bytes]] = {}
         for v, (idx, sk_share), (_, b_share) in zip(holders, sk_shares, b_shares, strict=True):
             plain = tensors.dumps({"from": me, "to": v, "idx": idx, "sk": sk_share, "b": b_share})
-            key = share_key(session.c_private, session.keys[v][0], session.context, me, v)
-            sealed[v] = seal(key, plain, session.context)
-        return sealed
+            key = share_key(session.c_private, session.keys[v][0], context, me, v)
+            sealed[v] = seal(key, plain, context)
+            commitments[v] = {
+                "sk": share_commitment(context, me, v, idx, "sk", sk_share),
+                "b": share_commitment(context, me, v, idx, "b", b_share),
+            }
+        return {"shares": sealed, "commitments": commitments}
 
     # Round 2: MaskedInputCollection
     async def _mask(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +424,7 @@ class Contributor:
         session.u2 = u2
         # From here on this model is in one sum of this requester's, and in no other.
         self.contributed[ledger] = session.request.session
+        self._save_ledger()
         pair_seeds = {
             v: mask_seed(session.s_private, session.keys[v][1], session.context, me, v)
             for v in u2
@@ -490,6 +511,25 @@ class Contributor:
             return self.ctx.pair_secret(peer, context + b"|auth")
         except PeerUnavailable:
             raise SecAggError("unknown_contributor", peer) from None
+
+    def _load_ledger(self) -> None:
+        if self.ledger_path is None or not self.ledger_path.exists():
+            return
+        try:
+            rows = json.loads(self.ledger_path.read_text())
+            self.contributed = {(str(r), int(m)): str(s) for r, m, s in rows}
+        except (OSError, ValueError, TypeError) as exc:
+            # My own file: unreadable means damaged. Refuse to contribute until an
+            # operator looks, rather than risk masking a model twice.
+            self.ledger_error = f"{self.ledger_path}: {exc} — move it away to start afresh"
+            log.error(
+                "%s: secure-aggregation ledger unreadable: %s", self.ctx.me, self.ledger_error
+            )
+
+    def _save_ledger(self) -> None:
+        if self.ledger_path is not None:
+            rows = [[r, m, s] for (r, m), s in sorted(self.contributed.items())]
+            atomic_write_text(self.ledger_path, json.dumps(rows), mode=0o600)
 
     def _forget_before(self, round: int) -> None:
         self.contributed = {k: s for k, s in self.contributed.items() if k[1] >= round}

@@ -64,8 +64,16 @@ class ShareBody(_Strict):
     threshold: int = Field(ge=1, le=MAX_CONTRIBUTORS)
 
 
+class Committed(_Strict):
+    """A dealer's commitments to the two shares it sealed for one holder."""
+
+    sk: Key
+    b: Key
+
+
 class Shared(_Strict):
     shares: dict[Name, Sealed] = Field(max_length=MAX_CONTRIBUTORS)
+    commitments: dict[Name, Committed] = Field(max_length=MAX_CONTRIBUTORS)
 
 
 class MaskBody(_Strict):

@@ -84,6 +84,17 @@ def seed_commitment(self_seed: bytes, context: bytes) -> bytes:
     return hashlib.sha256(_framed(b"secagg-b", context, self_seed)).digest()
 
 
+def share_commitment(
+    context: bytes, dealer: str, holder: str, idx: int, name: str, share: bytes
+) -> bytes:
+    """Round 1: H(context, dealer, holder, idx, which secret, share), given to
+    the requester with the sealed shares, so in Round 4 it keeps only the
+    shares their dealer made (a holder revealing junk or another index is
+    caught) without learning any of them."""
+    parts = (b"secagg-share", context, dealer.encode(), holder.encode(), str(idx).encode())
+    return hashlib.sha256(_framed(*parts, name.encode(), share)).digest()
+
+
 def share_key(
     private: X25519PrivateKey, peer_public: bytes, context: bytes, dealer: str, holder: str
 ) -> bytes:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import secrets as random_source
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +37,7 @@ from protocols.secagg_primitives import (
     SecAggError,
     combine_shares,
     seed_commitment,
+    share_commitment,
     unmask_sum,
 )
 
@@ -163,6 +163,7 @@ async def secure_sum(
     revealed = await everyone(
         u4, "unmask", lambda p: {"u4": u4, "tags": {v: vouched[v].tags[p] for v in u4 if v != p}}
     )
+    context = session_context(me, SessionRequest(**base, phase="unmask"))
     self_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in u3}
     key_shares: dict[str, list[tuple[int, bytes]]] = {v: [] for v in dropped}
     for peer, reply in revealed.items():
@@ -170,22 +171,33 @@ async def secure_sum(
         if given is None:
             ctx.reject(peer, "secagg_malformed")
             continue
-        for bucket, items in ((self_shares, given.self_shares), (key_shares, given.key_shares)):
+        for name, bucket, items in (
+            ("b", self_shares, given.self_shares),
+            ("sk", key_shares, given.key_shares),
+        ):
             for v, item in items.items():
-                if v in bucket and v != peer:
-                    bucket[v].append((item.idx, item.share))
+                if v not in bucket or v == peer:
+                    continue
+                # the index is the holder's place among v's holders, not its claim
+                idx = [h for h in u1 if h != v].index(peer) + 1
+                committed = getattr(shared[v].commitments.get(peer), name, None)
+                made = share_commitment(context, v, peer, idx, name, item.share)
+                if committed is None or not hmac.compare_digest(made, committed):
+                    ctx.reject(peer, "secagg_bad_share")  # not the share v dealt it
+                    continue
+                bucket[v].append((idx, item.share))
     short = [v for bucket in (self_shares, key_shares) for v, s in bucket.items() if len(s) < t]
     if short:
-        raise SecAggError("too_few_shares", f"fewer than t={t} shares for {short}")
-    context = session_context(me, SessionRequest(**base, phase="unmask"))
+        raise SecAggError("too_few_shares", f"fewer than t={t} good shares for {short}")
 
     def rebuild_and_unmask() -> tuple[dict[str, Tensor], float]:
+        holders = len(u1) - 1
         seeds = {
-            v: rebuild(s, t, len(u1) - 1, lambda b, v=v: matches_seed(b, adverts[v], context))
+            v: rebuild(s, t, holders, lambda b, v=v: matches_seed(b, adverts[v], context))
             for v, s in self_shares.items()
         }
         keys = {
-            v: rebuild(s, t, len(u1) - 1, lambda sk, v=v: matches_key(sk, adverts[v].s_pk))
+            v: rebuild(s, t, holders, lambda sk, v=v: matches_key(sk, adverts[v].s_pk))
             for v, s in key_shares.items()
         }
         public = {v: adverts[v].s_pk for v in u1}
@@ -195,29 +207,22 @@ async def secure_sum(
     return SecureSum(mean, total, u3, rounds, dropped)
 
 
-MAX_REBUILD_TRIES = 32  # subsets of t shares tried when some share is bad
-
-
 def rebuild(
     shares: Sequence[tuple[int, bytes]], t: int, holders: int, good: Callable[[bytes], bool]
 ) -> bytes:
-    """The secret t of `shares` rebuild and `good` accepts (its commitment or
-    public key): the first t, then other subsets of t, so a contributor that
-    reveals a wrong share cannot spoil the sum alone. Shares with an index out
-    of 1..holders or repeated are dropped first."""
+    """The secret t of `shares` (already checked against their dealer's
+    commitments) rebuild, if `good` accepts it (the commitment to b_v, or the
+    public s_v); else the dealer dealt inconsistent shares: `bad_share`."""
     unique: dict[int, bytes] = {}
     for idx, share in shares:
         if type(idx) is int and 1 <= idx <= holders and idx not in unique:
             unique[idx] = share
-    items = sorted(unique.items())
-    for combo in itertools.islice(itertools.combinations(items, t), MAX_REBUILD_TRIES):
-        try:
-            secret = combine_shares(list(combo), holders)
-        except SecAggError:
-            continue
+    chosen = sorted(unique.items())[:t]
+    if len(chosen) == t:
+        secret = combine_shares(chosen, holders)
         if good(secret):
             return secret
-    raise SecAggError("bad_share", f"no {t} of {len(items)} shares rebuild the committed secret")
+    raise SecAggError("bad_share", f"{len(chosen)} committed shares do not rebuild the secret")
 
 
 def matches_seed(seed: bytes, advert: Advertised, context: bytes) -> bool:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import signal
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,7 +64,7 @@ class Node:
         self.identity = identity
         self.config_path = config_path
         state = Path(cfg.node.state_dir)
-        state.mkdir(parents=True, exist_ok=True)
+        state.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.state_dir = state
         self.faults = FaultPlan.from_env()
         self.codec = WireCodec(
@@ -199,10 +200,15 @@ class Node:
                 raise UserError(
                     f"status.port {self.cfg.status.port}: cannot bind ({exc.strerror}) — choose another port or set status.enabled: false"
                 ) from None
+            # The token goes to the operator's terminal (stderr) only, never to
+            # node.log, which other local accounts may be able to read.
+            url = dashboard_url(self.cfg.status.host, self.status_port, token)
+            print(f"{self.name}: dashboard {url}", file=sys.stderr, flush=True)
             log.info(
-                "%s: dashboard %s",
+                "%s: dashboard %s (token in %s or the status settings)",
                 self.name,
-                dashboard_url(self.cfg.status.host, self.status_port, token),
+                dashboard_url(self.cfg.status.host, self.status_port, None),
+                self.state_dir / "status.token",
             )
         self._spawn(self.membership.run(), "heartbeat")
         self._spawn(self.outbound.resend_outbox(), "outbox")
@@ -386,7 +392,10 @@ async def serve(node: Node) -> int:
 def run_node(
     cfg: SiteConfig, roster: Roster, identity: LocalIdentity, *, config_path: Path | None = None
 ) -> int:
-    Path(cfg.node.state_dir).mkdir(parents=True, exist_ok=True)
+    state = Path(cfg.node.state_dir)
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):  # keys, spool and logs: this account's only
+        state.chmod(0o700)
     configure_logging(cfg)
     if cfg.training.threads:
         import torch

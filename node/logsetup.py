@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from aiohttp.http_exceptions import HttpProcessingError
@@ -36,9 +37,12 @@ def configure_logging(cfg: SiteConfig) -> None:
     root.setLevel(cfg.logging.level)
     for handler in list(root.handlers):
         root.removeHandler(handler)
+    path = Path(cfg.node.state_dir) / "node.log"
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    path.chmod(0o600)  # peers' names, reasons and settings: this account's only
     for handler in (
         logging.StreamHandler(),
-        logging.FileHandler(Path(cfg.node.state_dir) / "node.log", encoding="utf-8"),
+        logging.FileHandler(path, encoding="utf-8"),
     ):
         handler.setFormatter(fmt)
         root.addHandler(handler)

@@ -72,7 +72,10 @@ def test_status_reports_the_start_up_milestones(tmp_path: Path) -> None:
         log = fed["a"].log_path.read_text(errors="replace")
     token = token_file.read_text().strip()
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and len(token) >= 32
-    assert f"dashboard http://127.0.0.1:{plans[0].status_port}/#token={token}" in log
+    assert f"dashboard http://127.0.0.1:{plans[0].status_port}/#token={token}" in log  # stderr
+    node_log = plans[0].config_path.parent / "state" / "node.log"
+    assert token not in node_log.read_text(errors="replace")  # the red team read it there
+    assert stat.S_IMODE(node_log.stat().st_mode) == 0o600
     startup = st["startup"]
     order = [startup[k] for k in ("node_created", "listening", "peers_ready", "first_round")]
     assert order == sorted(order) and order[0] > 0, startup

@@ -21,7 +21,7 @@ from test_secagg import CONTRIBUTORS, Federation, relayed
 from bench import secagg_adversary as adversary
 from protocols import secagg_primitives as primitives
 from protocols.base import PeerUnavailable
-from protocols.secagg import SecAggError
+from protocols.secagg import SecAggError, secure_sum
 from protocols.secagg_requester import rebuild
 
 
@@ -226,3 +226,35 @@ def test_the_ledger_outlives_a_restart(tmp_path) -> None:
     fed.ctxs["alice"].serve("secagg", broken.serve)
     reply = asyncio.run(fed.raw("alice", "advertise", "e5" * 16, ["alice", "bob"], {}))
     assert reply == {"refused": "ledger_unreadable"}
+
+
+def test_two_colluding_requesters_learn_one_model_a_known_limit() -> None:
+    """The red-team review's finding, kept as a stated limit
+    (docs/threat-model.md): the ledger is per requester, so two requesters
+    that each get one honest sum, over {alice, bob, carol} and {bob, carol},
+    learn alice's weighted model by subtracting. No contributor can see the
+    other requester's sum; differential privacy (training.dp) is the defence."""
+    fed = Federation(names=["alice", "bob", "carol"])
+    second = fed.network.join("eve")
+
+    async def both() -> tuple[Any, Any]:
+        first = await fed.ask(["alice", "bob", "carol"])
+        other = await secure_sum(
+            second,
+            ["bob", "carol"],
+            round=3,
+            max_round=3,
+            reference=fed.reference,
+            timeout=2.0,
+        )
+        return first, other
+
+    first, other = asyncio.run(both())
+    key = next(k for k, v in fed.reference.items() if v.is_floating_point())
+    weight = first.total_weight - other.total_weight
+    recovered = (
+        first.mean[key].double() * first.total_weight
+        - other.mean[key].double() * other.total_weight
+    ) / weight
+    assert weight == pytest.approx(fed.weights["alice"], abs=1e-4)
+    assert torch.allclose(recovered, fed.states["alice"][key].double(), atol=1e-3)

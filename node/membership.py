@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from node.peers import PeerTable
 from node.queues import Inboxes
 from node.telemetry import Telemetry
-from node.transport import MessageClient, TransportError
+from node.transport import ACK_LIMIT, MessageClient, TransportError
 from p2pfl.config import SiteConfig
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import WireCodec, WireError
@@ -88,6 +88,7 @@ class Membership:
                 timeout=max(1.0, self.cfg.transport.heartbeat_s * 2),
                 retries=0,
                 probe=True,
+                answer_limit=ACK_LIMIT,
             )
         except TransportError:
             return

@@ -17,6 +17,14 @@ encoded again with a fresh timestamp and its same id and sent again until its
 deadline, a request is asked again, and an answer to our own request refused
 for that reason after our restart is asked for again.
 
+A 409 `in_progress` is not delivered either: the receiver is still reading or
+handling a copy with that id (our own copy on a connection that broke, or one
+an observer re-sent from the captured header). The push is sent again with
+backoff until its deadline; a copy that never completes is given up by the
+receiver (cut off, or `digest_mismatch`), and then ours is taken. So a push is
+counted delivered only once the receiver acted on its id (issue 28, red-team
+review: an observer could otherwise make a push vanish).
+
 Heartbeats are the membership's (node/membership.py) and not counted here.
 """
 
@@ -25,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +42,7 @@ from typing import Any
 from node.peers import PeerTable
 from node.queues import Outbox, OutboxEntry, ReplayMarks
 from node.telemetry import Telemetry, TrafficCounter
-from node.transport import MessageClient, TransportError, reason_of_response
+from node.transport import ACK_LIMIT, MessageClient, TransportError, reason_of_response
 from p2pfl.config import SiteConfig
 from p2pfl.secure.wire import WireCodec, WireError
 from protocols.base import PeerUnavailable
@@ -43,10 +52,21 @@ log = logging.getLogger(__name__)
 REQUEST_PREFIX = "req:"
 RESPONSE_PREFIX = "resp:"
 # Answers after which a request is asked again (until its timeout) rather than given up.
-ASK_AGAIN = ("not_ready", "no_handler", "rate_limited", "queue_full", "before_restart")
+ASK_AGAIN = (
+    "not_ready",
+    "no_handler",
+    "rate_limited",
+    "queue_full",
+    "before_restart",
+    "in_progress",
+    "too_many_uploads",
+)
 # The peer restarted since this message's timestamp: encode it again, it was not taken.
 SEND_AGAIN = "before_restart"
 SEND_AGAIN_PAUSE_S = 0.25
+# A copy of this id is still arriving or being handled at the peer: not delivered
+# (yet), send it again with backoff.
+IN_PROGRESS = "in_progress"
 
 
 @dataclass(kw_only=True, eq=False)
@@ -82,6 +102,7 @@ class Outbound:
 
     async def _deliver(self, entry: OutboxEntry, *, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or self.cfg.transport.request_timeout_s)
+        busy = 0  # answers `in_progress` so far
         while True:
             # A fresh timestamp on every encoding, the same id: see the module docstring.
             message = self.codec.encode(
@@ -95,7 +116,7 @@ class Outbound:
             remaining = deadline - time.monotonic()
             try:
                 status, body = await self.client.post(
-                    entry.peer, message, timeout=max(0.05, remaining)
+                    entry.peer, message, timeout=max(0.05, remaining), answer_limit=ACK_LIMIT
                 )
             except TransportError as exc:
                 raise PeerUnavailable(entry.peer, exc.reason) from None
@@ -111,16 +132,29 @@ class Outbound:
                     entry.round,
                 )
                 return
-            if reason != SEND_AGAIN or deadline - time.monotonic() <= SEND_AGAIN_PAUSE_S:
+            if reason == IN_PROGRESS:
+                busy += 1
+                t = self.cfg.transport
+                pause = SEND_AGAIN_PAUSE_S + random.uniform(
+                    0, min(t.backoff_max_s, t.backoff_base_s * 2 ** (busy - 1))
+                )
+            elif reason == SEND_AGAIN:
+                pause = SEND_AGAIN_PAUSE_S
+            else:
+                raise PeerUnavailable(entry.peer, reason)
+            if deadline - time.monotonic() <= pause:
                 raise PeerUnavailable(entry.peer, reason)
             log.info(
-                "%s: %s %s refused by %s as stamped before its restart; sending it again",
+                "%s: %s %s refused by %s %s; sending it again",
                 self.name,
                 entry.kind,
                 entry.msg_id.hex(),
                 entry.peer,
+                "as a copy of it is in progress"
+                if reason == IN_PROGRESS
+                else "as stamped before its restart",
             )
-            await asyncio.sleep(SEND_AGAIN_PAUSE_S)
+            await asyncio.sleep(pause)
 
     async def resend_outbox(self) -> None:
         """Pushes interrupted by a crash go out again with their original id, once

@@ -7,6 +7,14 @@ into one buffer while hashing it, and hands the verified frame to the node.
 Anything rejected gets a 4xx (a 503 when this node cannot store what it
 must before accepting) with a JSON body `{"reason": CODE}`.
 
+Uploads in progress reserve their payload bytes: at most 2 x max_message_bytes
+in all and one max_message_bytes per sender (`too_many_uploads`), and a payload
+must arrive within read_idle_timeout_s + its size at min_upload_bytes_per_s
+(`upload_too_slow`), so one stalling peer holds at most half, for a bounded
+time. A copy of an id still arriving or handled is refused `in_progress` (sent
+again later); only an id this node is done with is `replayed` (node/outbound.py
+counts that as delivered).
+
 Client: one pooled session for all peers; per-peer retries with exponential
 backoff and full jitter; a per-peer circuit breaker so a dead peer costs one
 fast failure instead of a timeout per message. With TLS configured the client
@@ -48,7 +56,8 @@ STATUS_FOR_REASON = {
     "wrong_recipient": 421,
     "bad_signature": 401,
     "stale_timestamp": 401,
-    "replayed": 409,
+    "replayed": 409,  # this node finished with that id: the sender may count it delivered
+    "in_progress": 409,  # a copy of that id is still arriving or being handled: ask again later
     "before_restart": 425,  # maybe a replay from before our restart: send again, freshly stamped
     "encryption_required": 403,
     "digest_mismatch": 400,
@@ -64,12 +73,17 @@ STATUS_FOR_REASON = {
     "storage_error": 503,
     "unknown_kind": 404,  # no protocol of this node sends or serves that kind
     "too_many_held": 429,  # the peer already has transport.max_held_per_peer requests held open
+    "too_many_uploads": 429,  # the peer's uploads in progress already reserve its share
+    "upload_too_slow": 408,  # slower than transport.min_upload_bytes_per_s
 }
+# The most an answer to a push or a heartbeat may be: a few bytes of JSON.
+ACK_LIMIT = 64 * 1024
 RETRYABLE = {429, 500, 502, 503, 504}
 # Refusals after which the message had no effect and its honest sender may send
 # the very same frame again: its replay reservation is given back (WireCodec.release).
 RELEASE_REASONS = frozenset(
-    {"truncated", "digest_mismatch", "queue_full", "rate_limited", "storage_error", "too_many_held"}
+    ("truncated", "digest_mismatch", "queue_full", "rate_limited", "storage_error")
+    + ("too_many_held", "too_many_uploads", "upload_too_slow")
 )
 
 
@@ -180,9 +194,15 @@ class MessageServer:
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
         # Payload bytes reserved by uploads in progress: bounded, so peers that
-        # announce big frames and then stall cannot pin unbounded memory.
+        # announce big frames and then stall cannot pin unbounded memory; and
+        # per sender, so one of them cannot take it all.
         self.reserved_bytes = 0
         self.reserve_limit = 2 * codec.max_message_bytes
+        self.sender_reserve_limit = codec.max_message_bytes
+        self._reserved_by: dict[str, int] = {}
+        # Ids whose frame is being received or handled now: a copy of one is
+        # `in_progress`, not `replayed` (which tells the sender it was delivered).
+        self._in_flight: set[bytes] = set()
         self.isolated = False  # fault plan (node/faults.py): a partition, no answers at all
 
     def app(self) -> web.Application:
@@ -226,6 +246,7 @@ class MessageServer:
         stream = request.content
         idle = self.cfg.read_idle_timeout_s
         sender: str | None = None
+        claimed: Header | None = None
         try:
             prefix = await asyncio.wait_for(stream.readexactly(PREFIX_LEN), idle)
             header_len = self.codec.header_length(prefix)
@@ -242,35 +263,69 @@ class MessageServer:
                 header_bytes, signature, total_len=length, header=claimed
             )
         except WireError as exc:
+            if (
+                exc.reason == "replayed"
+                and claimed is not None
+                and claimed.msg_id in self._in_flight
+            ):
+                # signature verified: a copy of a frame still arriving or being handled
+                return self._refuse("in_progress", exc.detail, sender)
             return self._refuse(exc.reason, exc.detail, sender)
         except (asyncio.IncompleteReadError, ConnectionResetError, aiohttp.ClientPayloadError):
             return self._refuse("truncated", "frame ended early", sender)
         except TimeoutError:
             return self._refuse("truncated", f"no bytes for {idle:g} s", sender)
-        bucket = self._buckets.get(header.sender)
+        self._in_flight.add(header.msg_id)
+        try:
+            return await self._admit(stream, prefix, rest, header)
+        except asyncio.CancelledError:
+            # The connection went away before this node acted on the frame (no
+            # await is left once the handler has): its sender may send it again.
+            self.codec.release(header)
+            raise
+        finally:
+            self._in_flight.discard(header.msg_id)
+
+    async def _admit(
+        self, stream: aiohttp.StreamReader, prefix: bytes, rest: bytes, header: Header
+    ) -> web.StreamResponse:
+        """A verified header whose id is reserved: rate, reservation, payload, handler."""
+        sender = header.sender
+        bucket = self._buckets.get(sender)
         if bucket is None:
-            bucket = self._buckets[header.sender] = TokenBucket(
+            bucket = self._buckets[sender] = TokenBucket(
                 self.cfg.rate_limit_per_s, max(10.0, self.cfg.rate_limit_per_s)
             )
         if not bucket.take():
-            return self._refuse("rate_limited", "", header.sender, header)
-        if self.reserved_bytes + header.payload_len > self.reserve_limit:
+            return self._refuse("rate_limited", "", sender, header)
+        size = header.payload_len
+        if self.reserved_bytes + size > self.reserve_limit:
+            return self._refuse("queue_full", "too many large uploads in progress", sender, header)
+        mine = self._reserved_by.get(sender, 0)
+        if mine + size > self.sender_reserve_limit:
             return self._refuse(
-                "queue_full", "too many large uploads in progress", header.sender, header
+                "too_many_uploads",
+                f"{mine} bytes of uploads from {sender} in progress",
+                sender,
+                header,
             )
-        self.reserved_bytes += header.payload_len
+        self.reserved_bytes += size
+        self._reserved_by[sender] = mine + size
         try:
             received = await self._receive(stream, prefix, rest, header)
         finally:
             # Reserved while the payload streams in, not while the node holds the
             # request open: held requests are capped per peer instead (node/inbound.py).
-            self.reserved_bytes -= header.payload_len
+            self.reserved_bytes -= size
+            self._reserved_by[sender] -= size
+            if not self._reserved_by[sender]:
+                del self._reserved_by[sender]
         if isinstance(received, web.Response):
             return received
         try:
             status, body = await self.on_frame(received)
         except (WireError, Rejection) as exc:
-            return self._refuse(exc.reason, exc.detail, header.sender, header)
+            return self._refuse(exc.reason, exc.detail, sender, header)
         if body is None:
             return web.json_response({"ok": True}, status=status)
         if isinstance(body, list):
@@ -278,6 +333,11 @@ class MessageServer:
                 body=ChunksPayload(body), status=status, content_type="application/octet-stream"
             )
         return web.Response(body=body, status=status, content_type="application/octet-stream")
+
+    @staticmethod
+    def _wait(idle: float, deadline: float) -> float:
+        """How long the next read may wait: the idle timeout, or less near the deadline."""
+        return max(0.0, min(idle, deadline - time.monotonic()))
 
     async def _receive(
         self,
@@ -287,8 +347,11 @@ class MessageServer:
         header: Header,
     ) -> IncomingFrame | web.Response:
         """Read the payload of a verified header into one buffer, hashing as it
-        comes: the verified frame, or the refusal to answer."""
+        comes: the verified frame, or the refusal to answer. Each read waits at
+        most read_idle_timeout_s, and the whole payload at most that plus its
+        size at min_upload_bytes_per_s (`upload_too_slow`)."""
         idle = self.cfg.read_idle_timeout_s
+        deadline = time.monotonic() + idle + header.payload_len / self.cfg.min_upload_bytes_per_s
         offset = PREFIX_LEN + len(rest)
         frame = bytearray(offset + header.payload_len)
         view = memoryview(frame)
@@ -298,7 +361,7 @@ class MessageServer:
         pos = offset
         try:
             while pos < len(frame):
-                chunk = await asyncio.wait_for(stream.readany(), idle)
+                chunk = await asyncio.wait_for(stream.readany(), self._wait(idle, deadline))
                 if not chunk:
                     return self._refuse(
                         "truncated",
@@ -317,13 +380,22 @@ class MessageServer:
                 view[pos : pos + n] = chunk
                 digest.update(chunk)
                 pos += n
-            if not stream.at_eof() and await asyncio.wait_for(stream.read(1), idle):
+            if not stream.at_eof() and await asyncio.wait_for(
+                stream.read(1), self._wait(idle, deadline)
+            ):
                 return self._refuse(
                     "digest_mismatch", "payload longer than the header says", header.sender, header
                 )
         except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
             return self._refuse("truncated", "connection closed mid-payload", header.sender, header)
         except TimeoutError:
+            if time.monotonic() >= deadline - 1e-3:
+                return self._refuse(
+                    "upload_too_slow",
+                    f"{pos - offset} of {header.payload_len} bytes by the deadline",
+                    header.sender,
+                    header,
+                )
             return self._refuse(
                 "truncated",
                 f"payload stalled for {idle:g} s at byte {pos - offset}",
@@ -427,11 +499,15 @@ class MessageClient:
         timeout: float | None = None,
         retries: int | None = None,
         probe: bool = False,
+        answer_limit: int | None = None,
     ) -> tuple[int, bytes]:
         """POST a frame; returns (status, body) of the final attempt or raises TransportError.
 
         `probe` (heartbeats): go through even when the breaker is open; a success
-        closes it. So heartbeats are the half-open probe and data waits for them."""
+        closes it. So heartbeats are the half-open probe and data waits for them.
+        `answer_limit`: the most bytes the answer may have (ACK_LIMIT for a push
+        or a heartbeat, whose answers are a few bytes of JSON); max_message_bytes
+        by default (a request's answer carries a payload)."""
         link = self.links.get(peer)
         if link is None:
             raise TransportError(peer, "unknown_peer")
@@ -445,7 +521,9 @@ class MessageClient:
             if not probe and not link.breaker.allow(now):
                 raise TransportError(peer, "circuit_open")
             try:
-                status, body = await self._attempt(link, message, max(0.05, deadline - now))
+                status, body = await self._attempt(
+                    link, message, max(0.05, deadline - now), answer_limit
+                )
             except ResponseRefused as exc:
                 if self.on_reject is not None:
                     self.on_reject(exc.reason, peer)
@@ -474,7 +552,7 @@ class MessageClient:
             )
 
     async def _attempt(
-        self, link: PeerLink, message: OutgoingMessage, timeout: float
+        self, link: PeerLink, message: OutgoingMessage, timeout: float, limit: int | None
     ) -> tuple[int, bytes]:
         if link.blocked:
             await asyncio.sleep(min(timeout, 0.05))
@@ -486,10 +564,10 @@ class MessageClient:
         async with session.post(
             link.url, data=ChunksPayload(message.chunks), timeout=client_timeout
         ) as resp:
-            return resp.status, await self._read_body(resp)
+            return resp.status, await self._read_body(resp, limit)
 
-    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
-        limit = self.max_message_bytes
+    async def _read_body(self, resp: aiohttp.ClientResponse, limit: int | None) -> bytes:
+        limit = self.max_message_bytes if limit is None else min(limit, self.max_message_bytes)
         if resp.content_length is not None and resp.content_length > limit:
             resp.close()
             raise ResponseRefused("oversize")

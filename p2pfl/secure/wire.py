@@ -336,8 +336,10 @@ class WireCodec:
         """Checks 2-11 (everything but the payload). On success the message id is
         reserved in the replay cache at once (check-and-insert, no await in
         between), so a copy arriving while this one's payload still streams in
-        is refused `replayed`; a caller that then refuses the message for a
-        reason the honest sender retries calls `release`.
+        is refused `replayed` (which the transport answers `in_progress` while
+        it still receives or handles the first copy: node/transport.py); a
+        caller that then refuses the message for a reason the honest sender
+        retries, or loses the connection before acting on it, calls `release`.
         `header`: these header_bytes already unpacked (saves decoding them twice)."""
         if header is None:
             header = Header.unpack(header_bytes)
@@ -387,7 +389,8 @@ class WireCodec:
         (`truncated`), arrived other than the signed header says
         (`digest_mismatch`: whoever can see a header must not be able to burn its
         id with junk bytes), or the node could not take it yet (`queue_full`,
-        `rate_limited`, `storage_error`). Never after the message was acted on,
+        `rate_limited`, `storage_error`, ...: node/transport.py RELEASE_REASONS).
+        Never after the message was acted on,
         and never for a frame whose signature failed (it reserved nothing)."""
         self.replay.release(header.msg_id)
 

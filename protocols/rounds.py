@@ -129,6 +129,10 @@ class RoundLoop(Protocol):
             ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
             ctx.checkpoint({**self.checkpoint_state(r, site), "best": self.best.checkpoint()})
             await self.after_round(ctx, site, r)
+            # A round whose peers are all gone may not await anything (a probe
+            # with interval_s 0): give the event loop its turn, or /healthz,
+            # heartbeats and SIGTERM starve behind it.
+            await asyncio.sleep(0)
 
     @property
     def quorum_phase(self) -> str:

@@ -239,3 +239,31 @@ def test_a_kept_model_is_shared_by_its_requesters_and_nobody_modifies_it(
     model_messages = [t["by_kind"]["model"]["messages"] for t in result.traffic.values()]
     assert model_messages == [6] * 4  # 3 requesters x 2 rounds, each counted
     assert len(set(model_bytes)) == 1 and model_bytes[0] > 6 * 1000
+
+
+def test_rounds_with_nothing_to_await_still_let_the_event_loop_run(tmp_path) -> None:
+    """A probe alone (interval_s 0, no alive peer) awaits nothing in a round:
+    without a yield between rounds it froze its node's loop, /healthz and
+    SIGTERM included (found by issue 28's acceptance test)."""
+    import asyncio
+
+    from protocols.memory.simulate import simulate, simulation_configs
+
+    configs = simulation_configs(
+        ["digits"],
+        protocol={"name": "probe", "rounds": 300, "interval_s": 0},
+        names=["lonely"],
+        state_root=tmp_path,
+    )
+    ticks = 0
+
+    async def run() -> None:
+        nonlocal ticks
+        task = asyncio.ensure_future(simulate(configs))
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0)
+        await task
+
+    asyncio.run(run())
+    assert ticks >= 100, f"the loop ran other work only {ticks} times in 300 rounds"

@@ -37,6 +37,19 @@ The scenarios (hole numbers are the issue's):
 | nan_model | earlier | wire federation + a compromised node | NaN and Inf models served |
 | replayed_answer | earlier | the same | an earlier answer replayed byte for byte |
 | huge_norm_model | earlier | the same | a model x 1e6 served (FedAVGP2P's max_norm_ratio) |
+| nan_wait | 28.3 | 1 FedAVGP2P daemon after its round (bench/attacks_review.py) | a signed request with `_wait_s: NaN`; /healthz must answer within 1 s |
+| held_request_flood | 28.held | the same | 300 held requests from one member (100/s); a per-peer cap, /healthz, descriptors |
+| response_bomb | 28.5 | 1 probe daemon, max_message_bytes 4 MiB, + a fake peer at a roster address | 64 MiB answers to its heartbeats; RSS growth < 2 x max_message_bytes |
+| unbounded_kinds | 28.6 | the same, inbox_size 4 | 50 pushes of 50 unregistered kinds; none spooled, none re-queued after a restart |
+| decode_bomb | 28.7 | the same | a 1 MiB heartbeat of ~1M empty arrays; RSS < 2 x max_message_bytes, /healthz p99 < 100 ms |
+| concurrent_replay | 28.8 | the same | 3 copies of one push, every header before any payload; processed once |
+| status_rebinding | 28.9 | the same | /status, /peers, /metrics with `Host: rebind.attacker.example` |
+| huge_round_header | 28.10 | the same | an encrypted push whose header says round 2**63 |
+| stale_feder_relay | 28.feder | 1 FedER daemon + a raw ring member | a relay of round 0 taken in round 1 |
+| secagg_u2_split | 28.1 | real Contributors in one process (bench/attacks_secagg.py) | the victim told U2 = {a, b}, the others the full U2, then that b dropped |
+| secagg_session_reuse | 28.2 | the same | one session id and range twice, the victim said to have dropped the second time |
+| secagg_story_search | 28.1/2 | the same | hypothesis: any U1..U4 per contributor, thresholds, ids, ranges (bench/secagg_adversary.py) |
+| secagg_bad_share_index | 28.4 | 9 Contributors + a requester in memory | one reveals a negative index, then junk under index 1 |
 
 Attackers: a compromised roster member is either a raw client (`RawPeer`: a
 `WireCodec` with that member's own keys from the harness's state dir, plain
@@ -59,12 +72,8 @@ import argparse
 import dataclasses
 import json
 import secrets
-import shutil
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,497 +83,60 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from bench import attacks_review, attacks_secagg
+from bench.attack_kit import (
+    FEDERATION,
+    FIXED_POINT_BITS,
+    GROUPS,
+    MASKED_WEIGHT_KEY,
+    NOT_A_DEFENCE,
+    REPLAY_REASONS,
+    SCENARIOS,
+    TINY_GAN,
+    Counters,
+    Heartbeats,
+    Options,
+    RawPeer,
+    Reply,
+    checkpoints,
+    combine,
+    farewell,
+    fresh,
+    guarded,
+    heartbeat_payload,
+    honest_macro_f1,
+    inconclusive,
+    judge_damage,
+    judge_input,
+    ledger,
+    overrides,
+    poison_events,
+    poisoned_relay,
+    probe_payload,
+    reason_rise,
+    run_federation,
+    say,
+    send_and_watch,
+    site_data,
+    state_dir,
+    verdict,
+    wait_done,
+    wait_up,
+    write_plan,
+)
+from bench.attack_kit import (
+    OUTCOMES as OUTCOMES,  # re-exported: the outcomes a verdict may have
+)
 from bench.federation import read_metrics
 from bench.localfed import LocalFederation, NodeProcess
 from node.faults import ENV
 from node.membership import HEARTBEAT
 from node.outbound import REQUEST_PREFIX
-from node.provision import SitePlan, deep_merge, provision
-from node.transport import MESSAGE_PATH
+from node.provision import SitePlan, provision
 from p2pfl.config import FedPerlParams
-from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.state import averaged_keys
-from p2pfl.secure import tensors
 from p2pfl.secure.identity import Card, LocalIdentity, Roster
-from p2pfl.secure.wire import WireCodec, WireError
 from protocols.checks import float_norm
-
-FEDERATION = "bench-attacks"
-OUTCOMES = ("refused", "neutralised", "succeeded")
-# Answers that say "not now", not "refused": an input answered so passed the
-# wire checks and reached the node's handler.
-NOT_A_DEFENCE = frozenset(
-    {"not_ready", "no_handler", "handler_error", "rate_limited", "queue_full", "truncated"}
-)
-REPLAY_REASONS = ("replayed", "stale_timestamp")
-FIXED_POINT_BITS = 20  # protocols/masking.py: masked entries are round(x * 2^20) mod 2^64
-MASKED_WEIGHT_KEY = "$weight"
-
-# Loopback timings: peers notice each other and failures within seconds.
-TRANSPORT = {
-    "heartbeat_s": 0.5,
-    "suspect_after_s": 3.0,
-    "dead_after_s": 6.0,
-    "retries": 1,
-    "backoff_base_s": 0.05,
-    "breaker_reset_s": 2.0,
-    "request_timeout_s": 30.0,
-}
-# FedER's generator, as small as it trains (tests/test_feder.py uses it too).
-TINY_GAN = {
-    "resolution": 16,
-    "z_dim": 16,
-    "w_dim": 16,
-    "mapping_layers": 2,
-    "channel_base": 128,
-    "channel_max": 16,
-    "batch_size": 8,
-    "lpips_backbone": "random",
-    "device": "cpu",
-    "iterations": 12,
-    "stage1_patience": 12,
-    "stage2_iterations": 6,
-    "quality_every": 6,
-    "quality_samples": 16,
-    "train_reference": False,
-    "checkpoint_every": 6,
-}
-
-_T0 = time.monotonic()
-
-
-def say(message: str) -> None:
-    """Progress, on stderr (stdout's last line is the result)."""
-    print(f"[attacks {time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class Options:
-    out: Path
-    seed: int = 0
-    bound: float = 0.05  # macro-F1 (0-1) a neutralised attack may cost the honest nodes
-    timeout_s: float = 600.0  # per federation
-    inflation_factor: float = 100.0
-    inflation_share: float = 0.006
-    inflation_nodes: int = 5
-    sgd_scale: float = 1000.0
-    feder_scale: float = 1000.0
-
-
-# ---------------------------------------------------------------------- verdicts
-
-
-def verdict(outcome: str, hole: str, why: str, **evidence: Any) -> dict[str, Any]:
-    assert outcome in OUTCOMES, outcome
-    return {"outcome": outcome, "hole": hole, "why": why, **evidence}
-
-
-def inconclusive(hole: str, why: str, **evidence: Any) -> dict[str, Any]:
-    """The attack could not be carried out: no defence shown, so not defended."""
-    return verdict("succeeded", hole, why, inconclusive=True, **evidence)
-
-
-def combine(parts: dict[str, str]) -> str:
-    """One outcome for several inputs: succeeded if any did, refused if all were."""
-    values = set(parts.values())
-    if "succeeded" in values:
-        return "succeeded"
-    return "refused" if values == {"refused"} else "neutralised"
-
-
-# ---------------------------------------------------------------------- the raw attacker
-
-
-@dataclass
-class Reply:
-    status: int  # 0: no HTTP answer at all
-    reason: str | None
-    body: bytes
-
-    @property
-    def accepted(self) -> bool:
-        return self.status == 200
-
-    def brief(self) -> dict[str, Any]:
-        return {"status": self.status, "reason": self.reason}
-
-
-class RawPeer:
-    """A roster member played by the bench: its own keys (or any identity it is
-    handed, for forgeries), a WireCodec, plain HTTP POSTs to the victims' peer ports."""
-
-    def __init__(
-        self,
-        fed_dir: Path,
-        name: str,
-        ports: dict[str, int],
-        *,
-        identity: LocalIdentity | None = None,
-        federation: str = FEDERATION,
-    ) -> None:
-        if identity is None:
-            keys = fed_dir / name / "state" / "keys"
-            identity = LocalIdentity.load(name, keys / f"{name}.sign.pem", keys / f"{name}.kex.pem")
-        self.name = identity.name
-        self.codec = WireCodec(identity, Roster.load(fed_dir / "roster.yaml"), federation)
-        self.ports = ports
-
-    def frame(
-        self, kind: str, to: str, payload: Any, *, round: int = 0, encrypt: bool = False
-    ) -> bytes:
-        """The bytes this member's daemon would send (same codec, same header)."""
-        return self.codec.encode(kind, to, payload, round=round, encrypt=encrypt).to_bytes()
-
-    def post(self, to: str, frame: bytes, timeout: float = 30.0) -> Reply:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.ports[to]}{MESSAGE_PATH}", data=frame, method="POST"
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
-                return Reply(resp.status, None, resp.read())
-        except urllib.error.HTTPError as err:
-            body = err.read()
-            try:
-                reason = json.loads(body).get("reason")
-            except (ValueError, AttributeError):
-                reason = None
-            return Reply(err.code, reason, body)
-        except (OSError, urllib.error.URLError) as exc:
-            return Reply(0, f"unreachable: {exc}", b"")
-
-    def request(
-        self,
-        to: str,
-        kind: str,
-        query: dict[str, Any],
-        *,
-        round: int = 0,
-        encrypt: bool = False,
-        wait_s: float = 5.0,
-    ) -> tuple[Reply, Any]:
-        """A `req:<kind>` as a daemon sends it; the verified, decoded answer or None."""
-        frame = self.frame(
-            REQUEST_PREFIX + kind, to, {**query, "_wait_s": wait_s}, round=round, encrypt=encrypt
-        )
-        reply = self.post(to, frame, timeout=wait_s + 30.0)
-        if not reply.accepted:
-            return reply, None
-        try:
-            delivered = self.codec.decode(bytearray(reply.body))
-        except WireError as exc:
-            return Reply(reply.status, f"unverifiable_answer: {exc.reason}", b""), None
-        return reply, delivered.payload
-
-
-def heartbeat_payload(
-    round: int = 0, phase: str = "done", *, done: bool = True, bye: bool = True
-) -> dict[str, Any]:
-    """A heartbeat as node/membership.py sends it."""
-    return {
-        "round": round,
-        "phase": phase,
-        "done": done,
-        "bye": bye,
-        "meta": {},
-        "edges": [],
-        "choices": [],
-    }
-
-
-def probe_payload(sender: str, round: int) -> dict[str, Any]:
-    """A push as protocols/probe.py makes it (a small tensor)."""
-    return {"round": round, "from": sender, "tensor": torch.randn(256)}
-
-
-# ---------------------------------------------------------------------- what a victim shows
-
-
-@dataclass
-class Counters:
-    """A victim's /status counters at one moment."""
-
-    rejected: dict[str, int] = field(default_factory=dict)
-    by_peer: dict[str, int] = field(default_factory=dict)
-    received: dict[str, int] = field(default_factory=dict)  # verified messages by kind
-
-    @classmethod
-    def of(cls, node: NodeProcess) -> Counters:
-        status = node.status() or {}
-        received = ((status.get("messages") or {}).get("received") or {}).get("by_kind") or {}
-        return cls(
-            dict(status.get("rejected") or {}),
-            dict(status.get("rejected_by_peer") or {}),
-            dict(received),
-        )
-
-    def rise(self, later: Counters) -> dict[str, int]:
-        """Rejection reasons counted between this reading and `later`."""
-        return {
-            k: n - self.rejected.get(k, 0)
-            for k, n in later.rejected.items()
-            if n > self.rejected.get(k, 0)
-        }
-
-
-def refused_and_counted(reply: Reply, before: Counters, after: Counters) -> bool:
-    """The victim refused this input (not merely 'not now') and counted the reason."""
-    return (
-        not reply.accepted
-        and reply.status != 0
-        and reply.reason is not None
-        and reply.reason not in NOT_A_DEFENCE
-        and after.rejected.get(reply.reason, 0) > before.rejected.get(reply.reason, 0)
-    )
-
-
-def send_and_watch(
-    attacker: RawPeer, victim: NodeProcess, frame: bytes
-) -> tuple[Reply, Counters, Counters]:
-    before = Counters.of(victim)
-    reply = attacker.post(victim.name, frame)
-    time.sleep(0.1)  # the counter is bumped before the answer goes out; margin for /status
-    return reply, before, Counters.of(victim)
-
-
-def judge_input(reply: Reply, before: Counters, after: Counters) -> dict[str, Any]:
-    """One input sent to a victim: refused (and counted) or it got through."""
-    row = reply.brief() | {"counted": before.rise(after)}
-    row["outcome"] = "refused" if refused_and_counted(reply, before, after) else "succeeded"
-    return row
-
-
-# ---------------------------------------------------------------------- federations
-
-
-def site_data(
-    folder: Path, sites: int, seed: int, label_fraction: float | None = None
-) -> list[Path]:
-    """digits split iid among `sites`; every site scored on the whole test split."""
-    summary = partition_dataset(
-        "digits", sites, "iid", folder, label_fraction=label_fraction, seed=seed, test="global"
-    )
-    return [folder / row["file"] for row in summary["per_site"]]
-
-
-def overrides(**extra: Any) -> dict[str, Any]:
-    base = {
-        "node": {"startup_wait_s": 30.0, "exit_when_done": False},
-        "transport": TRANSPORT,
-        "training": {"epochs": 1, "batch_size": 32, "lr": 3e-3, "threads": 1},
-        "data": {"image_size": 16, "augment": "none"},
-    }
-    return deep_merge(base, extra)
-
-
-def fresh(folder: Path) -> Path:
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    return folder
-
-
-def write_plan(path: Path, plan: dict[str, Any]) -> Path:
-    path.write_text(json.dumps(plan))
-    return path
-
-
-def poison_events(plan_path: Path | None) -> list[dict[str, Any]]:
-    if plan_path is None:
-        return []
-    p = plan_path.with_name(plan_path.name + ".events.jsonl")
-    if not p.exists():
-        return []
-    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-
-
-def state_dir(plan: SitePlan) -> Path:
-    return plan.config_path.parent / "state"
-
-
-def checkpoints(plan: SitePlan) -> list[dict[str, Any]]:
-    """Every checkpoint the node still keeps (the latest 3), oldest first."""
-    out = []
-    for path in sorted((state_dir(plan) / "checkpoints").glob("ckpt-*.bin")):
-        try:
-            out.append(tensors.decode(bytearray(path.read_bytes()))["state"])
-        except (tensors.CodecError, KeyError, OSError):
-            continue
-    return out
-
-
-def ledger(plan: SitePlan) -> dict[int, set[str]]:
-    """Round -> the peers whose models the node merged in that round."""
-    saved = checkpoints(plan)
-    if not saved:
-        return {}
-    merged = saved[-1].get("protocol", {}).get("merged", [])
-    return {int(r): {str(p) for p, _ in models} for r, models in merged}
-
-
-def wait_done(fed: LocalFederation, rounds: int, timeout: float) -> dict[str, dict[str, Any]]:
-    """Until every daemon's protocol is done with `rounds`; their last statuses."""
-    deadline = time.monotonic() + timeout
-    out = {}
-    for name, node in fed.nodes.items():
-        status = node.wait_for(
-            lambda s: s.get("phase") in ("done", "failed"),
-            max(1.0, deadline - time.monotonic()),
-            f"protocol done ({rounds} rounds)",
-        )
-        if status["phase"] == "failed" or status.get("round", 0) < rounds:
-            raise RuntimeError(f"{name} ended at round {status.get('round')}: {node.log_tail(8)}")
-        out[name] = status
-    return out
-
-
-def wait_up(nodes: Iterable[NodeProcess], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for node in nodes:
-        node.wait_for(lambda s: True, max(1.0, deadline - time.monotonic()), "status endpoint up")
-
-
-def farewell(
-    members: list[RawPeer], fed: LocalFederation, *, encrypt: bool, timeout: float
-) -> None:
-    """Roster members without a daemon say goodbye (phase done), so the daemons
-    start at once instead of waiting startup_wait_s for them."""
-    wait_up(fed.nodes.values(), timeout)
-    for member in members:
-        for name in fed.nodes:
-            frame = member.frame(HEARTBEAT, name, heartbeat_payload(), encrypt=encrypt)
-            reply = member.post(name, frame)
-            if not reply.accepted:
-                say(
-                    f"  {member.name}'s goodbye to {name} refused ({reply.reason}); it waits for it"
-                )
-
-
-class Heartbeats:
-    """A raw member that looks alive: a heartbeat to each daemon every half second
-    (bounded), and a goodbye when stopped."""
-
-    def __init__(self, member: RawPeer, to: list[str], round: int, *, max_s: float) -> None:
-        self.member, self.to, self.round, self.max_s = member, to, round, max_s
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _beat(self, bye: bool) -> None:
-        for name in self.to:
-            payload = heartbeat_payload(self.round, "exchange", done=False, bye=bye)
-            self.member.post(name, self.member.frame(HEARTBEAT, name, payload, round=self.round))
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.max_s
-        while not self.stop_event.is_set() and time.monotonic() < deadline:
-            self._beat(bye=False)
-            self.stop_event.wait(0.5)
-
-    def __enter__(self) -> Heartbeats:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_event.set()
-        self.thread.join(10)
-        self._beat(bye=True)
-
-
-def honest_macro_f1(plans: list[SitePlan], honest: Iterable[str]) -> dict[str, Any]:
-    """Per round, the honest nodes' mean test macro-F1; `final` is the last round's."""
-    by_round: dict[int, list[float]] = {}
-    names = set(honest)
-    for plan in plans:
-        if plan.name not in names:
-            continue
-        for row in read_metrics(state_dir(plan) / "metrics.jsonl"):
-            if isinstance(row.get("macro_f1"), int | float):
-                by_round.setdefault(int(row["round"]), []).append(float(row["macro_f1"]))
-    curve = {r: round(sum(v) / len(v), 4) for r, v in sorted(by_round.items())}
-    return {"per_round": curve, "final": curve[max(curve)] if curve else None}
-
-
-def run_federation(
-    label: str,
-    plans: list[SitePlan],
-    folder: Path,
-    *,
-    rounds: int,
-    timeout: float,
-    env: dict[str, dict[str, str]] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Start every site, wait until all are done, read their statuses, stop them."""
-    fed = LocalFederation(plans, folder / "logs")
-    for name, extra in (env or {}).items():
-        fed[name].env = extra
-    started = time.monotonic()
-    say(f"  {label}: {len(plans)} daemons, {rounds} rounds")
-    with fed:
-        statuses = wait_done(fed, rounds, timeout)
-    say(f"  {label}: done in {time.monotonic() - started:.0f} s")
-    return statuses
-
-
-def judge_damage(
-    hole: str,
-    reference: dict[str, Any],
-    attacked: dict[str, Any],
-    bound: float,
-    rejected_from_attacker: int,
-    reasons: dict[str, int],
-    **evidence: Any,
-) -> dict[str, Any]:
-    """Learning attacks: the honest nodes' final macro-F1 against the same
-    federation without the attack. Beyond `bound`: succeeded. Within it:
-    refused if the victims counted the attacker's inputs as refused (a reason
-    that rose against the reference run, other than a cap); neutralised if
-    they took them, capped (`*_capped`) or not."""
-    clean, hit = reference["final"], attacked["final"]
-    evidence |= {
-        "honest_macro_f1_reference": reference,
-        "honest_macro_f1_attacked": attacked,
-        "bound": bound,
-        "rejected_from_attacker": rejected_from_attacker,
-        "reasons_counted_by_victims": reasons,
-    }
-    if clean is None or hit is None:
-        return inconclusive(hole, "no final macro-F1 to compare", **evidence)
-    drop = round(clean - hit, 4)
-    evidence["macro_f1_drop"] = drop
-    if drop > bound:
-        return verdict(
-            "succeeded", hole, f"honest macro-F1 {drop:+.3f} below the clean run", **evidence
-        )
-    refusals = {r: n for r, n in reasons.items() if not r.endswith("_capped")}
-    if rejected_from_attacker > 0 and refusals:
-        return verdict(
-            "refused",
-            hole,
-            f"the victims refused and counted the attacker's inputs: {refusals}",
-            **evidence,
-        )
-    capped = {r: n for r, n in reasons.items() if r.endswith("_capped")}
-    return verdict(
-        "neutralised",
-        hole,
-        f"honest macro-F1 within {bound} of the clean run"
-        + (f"; counted caps {capped}" if capped else ""),
-        **evidence,
-    )
-
-
-def reason_rise(
-    reference: dict[str, dict[str, Any]], attacked: dict[str, dict[str, Any]], attacker: str
-) -> dict[str, int]:
-    """Rejection reasons the honest nodes counted in the attacked run beyond the reference run."""
-    totals: dict[str, int] = {}
-    for statuses, sign in ((attacked, 1), (reference, -1)):
-        for name, status in statuses.items():
-            if name == attacker:
-                continue
-            for reason, n in (status.get("rejected") or {}).items():
-                totals[reason] = totals.get(reason, 0) + sign * int(n)
-    return {r: n for r, n in sorted(totals.items()) if n > 0}
-
 
 # ---------------------------------------------------------------------- wire group (holes 2, 3, earlier)
 
@@ -933,18 +505,23 @@ def collect_secure_sum(
     shares = {
         p: r["shares"]
         for p in u1
-        if (r := ask(p, "share", secagg.share_keys_body(keys, u1, t, p))) is not None
+        if (r := ask(p, "share", share_keys_body(keys, u1, t, p))) is not None
     }
     u2 = sorted(shares)
-    inputs = {
-        p: r["masked"]
+    masked = {
+        p: r
         for p in u2
         if (r := ask(p, "mask", {"u2": u2, "shares": {v: shares[v][p] for v in u2 if v != p}}))
         is not None
     }
+    inputs = {p: r["masked"] for p, r in masked.items()}
     claimed_dropped = [v for v in u2 if v not in inputs or v in (dropped or [])]
     u3 = sorted(v for v in inputs if v not in claimed_dropped)
-    vouched = {p: r["tags"] for p in u3 if (r := ask(p, "consistency", {"u3": u3})) is not None}
+    vouched = {
+        p: r["tags"]
+        for p in u3
+        if (r := ask(p, "consistency", consistency_body(masked, u3, p))) is not None
+    }
     u4 = sorted(vouched)
     revealed = {
         p: r
@@ -968,7 +545,7 @@ def collect_secure_sum(
     }
     context = secagg.session_context(attacker.name, secagg.SessionRequest(**base, phase="unmask"))
     dropped_keys = {v: secagg_primitives.combine_shares(s[:t]) for v, s in key_shares.items()}
-    public_keys = {v: keys[v]["pk"] for v in u1}
+    public_keys = {v: mask_public(keys[v]) for v in u1}
     mean, total = secagg_primitives.unmask_sum(
         {v: inputs[v] for v in u3},
         {v: secagg_primitives.combine_shares(s[:t]) for v, s in self_shares.items()},
@@ -985,6 +562,44 @@ def collect_secure_sum(
                 inputs[v], v, dropped_keys[v], public_keys, u2, context
             )
     return result, answers
+
+
+def share_keys_body(
+    adverts: dict[str, dict[str, Any]], u1: list[str], threshold: int, peer: str
+) -> dict[str, Any]:
+    """Round 1's query to `peer`, built from the Round 0 answers whatever fields
+    they carry: each advert as its owner gave it, less its `tags`, plus the tag
+    its owner made for `peer` (as protocols/secagg_requester.py share_keys_body)."""
+    return {
+        "threshold": threshold,
+        "keys": {
+            v: {
+                **{f: x for f, x in adverts[v].items() if f != "tags"},
+                **(
+                    {"tag": b"" if v == peer else adverts[v]["tags"].get(peer, b"")}
+                    if isinstance(adverts[v].get("tags"), dict)
+                    else {}
+                ),
+            }
+            for v in u1
+        },
+    }
+
+
+def consistency_body(masked: dict[str, dict[str, Any]], u3: list[str], peer: str) -> dict[str, Any]:
+    """Round 3's query to `peer`: U3, and the view tags the others made for it
+    with their masked inputs (where the protocol has them)."""
+    views = {
+        v: masked[v]["view_tags"].get(peer, b"")
+        for v in u3
+        if v != peer and isinstance(masked[v].get("view_tags"), dict)
+    }
+    return {"u3": u3, "view_tags": views} if views else {"u3": u3}
+
+
+def mask_public(advert: dict[str, Any]) -> bytes:
+    """The public key a contributor's pair masks are agreed with (`s_pk`; `pk` before)."""
+    return advert["s_pk"] if "s_pk" in advert else advert["pk"]
 
 
 def peel_pair_masks(
@@ -1099,7 +714,9 @@ def attack_subset_difference(
 def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     """Four FedPerl daemons (pa, pb, pc, pd); `m`, a roster member without a
     daemon, is the curious requester. With `protocol.secure_aggregation` in the
-    schema (the planned fix) the daemons run with it on."""
+    schema (the planned fix) the daemons run with it on, and so with
+    `wire.encryption` (config refuses the one without the other); m then
+    encrypts what it sends, as a member's daemon would."""
     folder = fresh(opts.out / "fedperl")
     daemons = ["pa", "pb", "pc", "pd"]
     names = [*daemons, "m"]
@@ -1124,12 +741,12 @@ def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         data_sources=[str(s) for s in sources],
         federation=FEDERATION,
         seed=opts.seed,
-        overrides=overrides(training={"epochs": 3}),
+        overrides=overrides(training={"epochs": 3}, wire={"encryption": secure}),
     )
     by_name = {p.name: p for p in plans}
     ports = {p.name: p.port for p in plans}
     fed = LocalFederation([by_name[n] for n in daemons], folder / "logs")
-    m = RawPeer(folder / "fed", "m", ports)
+    m = RawPeer(folder / "fed", "m", ports, encrypt=secure)
     target = daemons[-1]
     results: dict[str, dict[str, Any]] = {}
     say(
@@ -1137,7 +754,7 @@ def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         "raw requester m"
     )
     with fed:
-        farewell([m], fed, encrypt=False, timeout=opts.timeout_s)
+        farewell([m], fed, encrypt=secure, timeout=opts.timeout_s)
         wait_done(fed, rounds, opts.timeout_s)
         say("fedperl: federation done; m asks for models")
         before = Counters.of(fed[target])
@@ -1658,61 +1275,40 @@ def judge_feder(
     )
 
 
-def poisoned_relay(plan: SitePlan, scale: float) -> dict[str, Any]:
-    """A FedER relay (protocols/feder.py send_relay's payload): the common initial
-    model of the federation x `scale` and a small valid synthetic buffer."""
-    from genbuffer.buffer import buffer_content_hash
-    from p2pfl.config import load_config
-    from protocols.site import build_site
-
-    site = build_site(load_config(plan.config_path))
-    model = {k: (v * scale if v.is_floating_point() else v) for k, v in site.state_dict().items()}
-    g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (16, 1, 16, 16), dtype=torch.uint8, generator=g)
-    labels = torch.arange(16, dtype=torch.int64) % 10
-    digest = buffer_content_hash(images, labels)
-    return {
-        "round": 1,
-        "buffer_hash": digest,
-        "buffer": {"images": images, "labels": labels, "content_hash": digest},
-        "model": model,
-        "num_train": site.num_train,
-    }
-
-
 # ---------------------------------------------------------------------- the bench
 
-SCENARIOS: dict[str, tuple[str, str]] = {  # name -> (hole, group)
-    "fedperl_subset_difference": ("1", "fedperl"),
-    "fedperl_model_pull": ("1", "fedperl"),
-    "unencrypted_injection": ("2", "wire"),
-    "replay_after_restart": ("3", "wire"),
-    "poisoned_sgd_gradients": ("5", "sgd"),
-    "poisoned_feder_relay": ("5", "feder"),
-    "inflated_sample_count": ("6", "inflation"),
-    "inflated_sample_count_capped": ("6", "inflation"),
-    "forged_signature": ("earlier", "wire"),
-    "wrong_federation": ("earlier", "wire"),
-    "nan_model": ("earlier", "wire"),
-    "replayed_answer": ("earlier", "wire"),
-    "huge_norm_model": ("earlier", "wire"),
-}
-GROUPS: dict[str, Callable[[Options, set[str]], dict[str, dict[str, Any]]]] = {
-    "wire": run_wire,
-    "fedperl": run_fedperl,
-    "sgd": run_sgd,
-    "inflation": run_inflation,
-    "feder": run_feder,
-}
-
-
-def guarded(name: str, step: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """One scenario's verdict; a failure of the harness is an inconclusive verdict."""
-    try:
-        return step()
-    except Exception as exc:  # noqa: BLE001 - reported as the scenario's result
-        say(f"  {name}: could not be carried out: {exc!r}")
-        return inconclusive(SCENARIOS[name][0], f"harness error: {type(exc).__name__}: {exc}"[:600])
+# The registry (bench/attack_kit.py): these scenarios, then issue #28's
+# (bench/attacks_review.py, bench/attacks_secagg.py). name -> (hole, group); group -> its runner.
+SCENARIOS.update(
+    {
+        "fedperl_subset_difference": ("1", "fedperl"),
+        "fedperl_model_pull": ("1", "fedperl"),
+        "unencrypted_injection": ("2", "wire"),
+        "replay_after_restart": ("3", "wire"),
+        "poisoned_sgd_gradients": ("5", "sgd"),
+        "poisoned_feder_relay": ("5", "feder"),
+        "inflated_sample_count": ("6", "inflation"),
+        "inflated_sample_count_capped": ("6", "inflation"),
+        "forged_signature": ("earlier", "wire"),
+        "wrong_federation": ("earlier", "wire"),
+        "nan_model": ("earlier", "wire"),
+        "replayed_answer": ("earlier", "wire"),
+        "huge_norm_model": ("earlier", "wire"),
+    }
+)
+SCENARIOS.update(attacks_review.SCENARIOS)
+SCENARIOS.update(attacks_secagg.SCENARIOS)
+GROUPS.update(
+    {
+        "wire": run_wire,
+        "fedperl": run_fedperl,
+        "sgd": run_sgd,
+        "inflation": run_inflation,
+        "feder": run_feder,
+    }
+)
+GROUPS.update(attacks_review.GROUPS)
+GROUPS.update(attacks_secagg.GROUPS)
 
 
 def run_bench(opts: Options, names: list[str]) -> dict[str, Any]:

@@ -93,6 +93,9 @@ def base_spec(args: argparse.Namespace, seed: int) -> RunSpec:
         class_weighted=True,
         lr_schedule="constant",  # as the README's figures were measured
         timeout_s=args.timeout,
+        # secure aggregation needs wire.encryption; the plain runs encrypt too, so
+        # the secure_aggregation flag is the only difference between the modes
+        encryption=True,
     )
 
 

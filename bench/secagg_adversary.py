@@ -550,7 +550,7 @@ def plan_strategy() -> Any:
 
     @st.composite
     def build(draw: Any) -> tuple[int, list[SessionPlan]]:
-        n = draw(st.sampled_from([4, 5, 3]))  # 4 is the least with a dropout to claim
+        n = draw(st.sampled_from([4, 5, 4, 3]))  # 4 is the least with a dropout to claim
         names = [chr(ord("a") + i) for i in range(n)]
 
         def minus(of: frozenset[str], least: int, most: int) -> frozenset[str]:
@@ -561,9 +561,21 @@ def plan_strategy() -> Any:
             )
             return of - frozenset(gone)
 
-        def phase(of: frozenset[str]) -> PhasePlan:
-            # a dropout claim in one phase out of four, a split view in one of three
-            common = minus(of, 1, 1) if draw(st.integers(0, 3)) == 3 else of
+        def phase(
+            of: frozenset[str], drop_one_in: int, after: PhasePlan | None = None
+        ) -> PhasePlan:
+            # a dropout claim in one phase out of `drop_one_in` (most often after
+            # masking, where the paper's dropouts matter), a split view in one of
+            # three. A liar keeps its story straight: after a split view, the
+            # member it claims dropped is, half the time, one the split told
+            # someone about (a partner of the members told the other view).
+            common = of
+            if draw(st.integers(1, drop_one_in)) == 1:
+                partners = (after.other - after.split) & of if after and after.split else None
+                if partners and draw(st.booleans()):
+                    common = of - {draw(st.sampled_from(sorted(partners)))}
+                else:
+                    common = minus(of, 1, 1)
             if draw(st.integers(0, 2)) != 2:
                 return PhasePlan(common)
             other = minus(of, 1, n - 2)
@@ -573,9 +585,9 @@ def plan_strategy() -> Any:
         plans = []
         for _ in range(draw(st.integers(1, 2))):
             wanted = draw(st.integers(1, 2))
-            u1 = phase(frozenset(names))
-            u2 = phase(u1.common)
-            u3 = phase(u2.common)
+            u1 = phase(frozenset(names), 8)
+            u2 = phase(u1.common, 4)
+            u3 = phase(u2.common, 2, after=u2)
             plans.append(
                 SessionPlan(
                     session=draw(st.sampled_from(["ab" * 16, "cd" * 16])),
@@ -586,7 +598,7 @@ def plan_strategy() -> Any:
                     u1=u1,
                     u2=u2,
                     u3=u3,
-                    u4=phase(u3.common),
+                    u4=phase(u3.common, 4),
                     advance=draw(st.booleans()),
                 )
             )

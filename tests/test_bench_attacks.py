@@ -165,3 +165,87 @@ def test_two_cheap_scenarios_against_real_daemons_report_verdicts_their_evidence
     expected = "refused" if all(r["outcome"] == "refused" for r in rows.values()) else "succeeded"
     assert inj["outcome"] == expected
     print(json.dumps({n: e["outcome"] for n, e in found.items()}))
+
+
+def test_the_review_scenarios_are_registered_with_issue_28_holes():
+    from bench import attacks_review
+
+    for name, (hole, group) in attacks_review.SCENARIOS.items():
+        assert attacks.SCENARIOS[name] == (hole, group) and hole.startswith("28.")
+        assert attacks.GROUPS[group] is attacks_review.GROUPS[group]
+
+
+def test_the_decode_bomb_and_the_huge_round_pass_the_header_checks(tmp_path):
+    """The bench's hand-made frames are what the victim verifies: correctly
+    signed headers (so the hole is reached), the bomb within max_message_bytes."""
+    from bench import attacks_review
+    from node.provision import provision
+    from p2pfl.secure.identity import LocalIdentity, Roster
+    from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, WireCodec
+
+    fed = tmp_path / "fed"
+    protocol = {"name": "probe", "rounds": 1}
+    provision(fed, ["v", "m"], protocol=protocol, federation=attacks_review.FEDERATION)
+    m = attacks.RawPeer(fed, "m", {}, federation=attacks_review.FEDERATION)
+    keys = fed / "v" / "state" / "keys"
+    v = WireCodec(
+        LocalIdentity.load("v", keys / "v.sign.pem", keys / "v.kex.pem"),
+        Roster.load(fed / "roster.yaml"),
+        attacks_review.FEDERATION,
+        max_message_bytes=attacks_review.MAX_MESSAGE,
+    )
+    frame, msg_id = attacks_review.raw_frame(m, "heartbeat", "v", b"\x90" * 1000)
+    n = v.header_length(frame[:PREFIX_LEN])
+    header = v.verify_header(
+        frame[PREFIX_LEN : PREFIX_LEN + n],
+        frame[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN],
+        total_len=len(frame),
+    )
+    assert header.id_hex == msg_id and header.payload_len == 1000
+    big, _ = attacks_review.raw_frame(m, "probe", "v", b"x", round=2**63, encrypt=True)
+    assert len(big) < attacks_review.MAX_MESSAGE
+
+
+@pytest.mark.slow
+def test_two_cheap_review_scenarios_report_verdicts_their_evidence_supports(tmp_path):
+    """One probe daemon; a rebound status request and a round-2**63 frame.
+    Whatever the code under test does, each verdict follows from its evidence."""
+    out = tmp_path / "attacks"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.attacks",
+            "--scenarios",
+            "status_rebinding,huge_round_header",
+            "--out",
+            str(out),
+            "--timeout",
+            "120",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])["attacks"]
+    assert set(found) == {"status_rebinding", "huge_round_header"}
+    assert all(not e.get("inconclusive") for e in found.values()), found
+
+    rebind = found["status_rebinding"]
+    assert rebind["control_status"] == 200
+    codes = rebind["rebound"].values()
+    refused = all(c in (400, 401, 403, 421) for c in codes)
+    assert rebind["outcome"] == ("refused" if refused else "succeeded"), rebind
+
+    huge = found["huge_round_header"]
+    row = huge["input"]
+    if huge["outcome"] == "refused":
+        assert 400 <= row["status"] < 500 and row["counted"].get(row["reason"], 0) >= 1, huge
+    else:
+        assert huge["outcome"] == "succeeded" and (
+            row["status"] == 200 or row["status"] >= 500 or not row["counted"]
+        ), huge
+    print(json.dumps({n: e["outcome"] for n, e in found.items()}))

@@ -51,6 +51,7 @@ class RunSpec:
     lpips_backbone: str | None = None  # genbuffer.lpips_backbone of every node (FedER)
     lpips_weights: str | None = None  # genbuffer.lpips_weights of every node (FedER)
     genbuffer_options: tuple[tuple[str, Any], ...] = ()  # other genbuffer: fields (FedER)
+    encryption: bool = False  # wire.encryption (always on with secure aggregation)
 
     @property
     def label(self) -> str:
@@ -136,7 +137,7 @@ def node_overrides(spec: RunSpec) -> dict[str, Any]:
     secure = protocol.get("secure_aggregation") or (protocol.get("finetune") or {}).get(
         "secure_aggregation"
     )
-    if secure:  # secure aggregation is refused without payload encryption
+    if secure or spec.encryption:  # secure aggregation is refused without payload encryption
         sections["wire"] = {"encryption": True}
     return {
         **sections,

@@ -1,0 +1,521 @@
+"""Attack bench, issue #28 (a hostile review): one scenario per hole it found.
+
+Listed in the registry (bench/attack_kit.py) by bench/attacks.py, so it runs as
+
+    python -m bench.attacks --scenarios nan_wait,response_bomb,...
+
+and is judged as every other scenario there (refused / neutralised /
+succeeded, `inconclusive` where the attack could not be carried out). Holes
+1, 2 and 4 (secure aggregation) are attacked elsewhere. Three small
+federations, each started only when one of its scenarios is selected:
+
+- `review_wire`: one probe daemon v1 (`wire.max_message_bytes` 4 MiB,
+  `transport.inbox_size` 4); `m` is a roster member played raw (RawPeer),
+  `f` a roster slot whose port the attacker holds (a fake aiohttp peer).
+- `review_held`: one FedAVGP2P daemon h1 after its single round; it holds a
+  request for a model it has not trained (`NotReady`) until the wait asked.
+- `review_feder`: one FedER daemon f0; `m` heartbeats, so it is its ring
+  predecessor, and a sink at m's port acknowledges f0's pushes.
+
+The victims are watched while attacked (`Monitor`): /healthz latency (a
+frozen node does not answer), RSS and open descriptors (psutil). The status
+token, where the node has one (site.yaml `status.token` or `token_file`, or
+STATE/status.token), is sent with every status read; without one the bench
+reads without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, TCPConnector
+
+from bench.attack_harness import (
+    MAX_MESSAGE,
+    RSS_BOUND,
+    FakePeer,
+    Monitor,
+    Victim,
+    raw_frame,
+    simultaneous,
+    status_token,
+    within_bounds,
+)
+from bench.attack_kit import (
+    NOT_A_DEFENCE,
+    TINY_GAN,
+    TRANSPORT,
+    Heartbeats,
+    Options,
+    RawPeer,
+    fresh,
+    guarded,
+    heartbeat_payload,
+    inconclusive,
+    judge_input,
+    ledger,
+    overrides,
+    poisoned_relay,
+    probe_payload,
+    refused_and_counted,
+    say,
+    site_data,
+    state_dir,
+    verdict,
+)
+from bench.localfed import LocalFederation
+from node.membership import HEARTBEAT
+from node.outbound import REQUEST_PREFIX
+from node.provision import SitePlan, provision
+from node.transport import MESSAGE_PATH
+from p2pfl.secure import tensors
+from p2pfl.secure.wire import Header
+
+FEDERATION = "bench-review"
+BOMB_BYTES = 64 << 20  # the fake peer's answer
+REBIND_HOST = "rebind.attacker.example"
+FUTURE_ROUND = 10**9  # a model no victim has: its request is held (NotReady)
+
+
+# ---------------------------------------------------------------------- federations
+
+
+def federation(
+    opts: Options, folder: Path, names: list[str], protocol: dict[str, Any], **extra: Any
+) -> tuple[list[SitePlan], dict[str, int]]:
+    sources = site_data(fresh(folder) / "data", len(names), opts.seed)
+    plans = provision(
+        folder / "fed",
+        names,
+        protocol=protocol,
+        data_sources=[str(s) for s in sources],
+        federation=FEDERATION,
+        seed=opts.seed,
+        overrides=overrides(**extra),
+    )
+    return plans, {p.name: p.port for p in plans}
+
+
+def say_goodbye(member: RawPeer, victim: Victim, timeout: float) -> None:
+    """A roster member without a daemon says it is done, so the victim starts at once."""
+    victim.wait_status(lambda s: True, timeout, "status endpoint up")
+    member.post(victim.name, member.frame(HEARTBEAT, victim.name, heartbeat_payload()))
+
+
+def run_steps(
+    steps: list[tuple[str, Callable[[], dict[str, Any]]]],
+    selected: set[str],
+    victim: Victim,
+    timeout: float,
+) -> dict[str, dict[str, Any]]:
+    """The selected steps in order; a victim left frozen or dead is restarted for the next."""
+    results = {}
+    for name, step in steps:
+        if name not in selected:
+            continue
+        if not victim.healthy():
+            say(f"  {victim.name} not answering: restarting it for {name}")
+            victim.restart(timeout)
+        say(f"review: {name}")
+        results[name] = guarded(name, step)
+    return results
+
+
+def run_review_wire(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
+    folder = opts.out / "review_wire"
+    probe = {"name": "probe", "rounds": 1_000_000, "payload_kb": 1, "round_timeout_s": 2.0,
+             "interval_s": 0.5}  # fmt: skip
+    plans, ports = federation(
+        opts, folder, ["v1", "m", "f"], probe,
+        node={"startup_wait_s": 0.5}, transport={**TRANSPORT, "inbox_size": 4},
+        wire={"max_message_bytes": MAX_MESSAGE},
+    )  # fmt: skip
+    by_name = {p.name: p for p in plans}
+    m = RawPeer(folder / "fed", "m", ports, federation=FEDERATION)
+    fed = LocalFederation([by_name["v1"]], folder / "logs")
+    with fed:
+        v1 = Victim(fed["v1"])
+        v1.wait_status(lambda s: (s.get("round") or 0) >= 1, opts.timeout_s, "v1 running")
+        steps = [
+            ("status_rebinding", lambda: status_rebinding(v1)),
+            ("huge_round_header", lambda: huge_round_header(m, v1)),
+            ("concurrent_replay", lambda: concurrent_replay(m, v1, by_name["v1"])),
+            ("response_bomb", lambda: response_bomb(v1, ports["f"])),
+            ("decode_bomb", lambda: decode_bomb(m, v1)),
+            # last: it restarts v1
+            ("unbounded_kinds", lambda: unbounded_kinds(m, v1, by_name["v1"], opts.timeout_s)),
+        ]
+        return run_steps(steps, selected, v1, opts.timeout_s)
+
+
+def run_review_held(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
+    folder = opts.out / "review_held"
+    protocol = {"name": "fedavgp2p", "rounds": 1, "fraction": 1.0, "round_timeout_s": 5.0}
+    plans, ports = federation(opts, folder, ["h1", "m"], protocol, transport=TRANSPORT)
+    m = RawPeer(folder / "fed", "m", ports, federation=FEDERATION)
+    fed = LocalFederation([plans[0]], folder / "logs")
+    with fed:
+        h1 = Victim(fed["h1"])
+        say_goodbye(m, h1, opts.timeout_s)
+        h1.wait_status(lambda s: s.get("phase") in ("done", "failed"), opts.timeout_s, "h1 done")
+        steps = [
+            ("held_request_flood", lambda: held_request_flood(m, h1)),
+            ("nan_wait", lambda: nan_wait(m, h1)),  # last: it may freeze h1
+        ]
+        return run_steps(steps, selected, h1, opts.timeout_s)
+
+
+def run_review_feder(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
+    folder = opts.out / "review_feder"
+    protocol = {"name": "feder", "rounds": 1, "buffer_size": 32, "initial_epochs": 1,
+                "round_timeout_s": 20.0, "genbuffer": TINY_GAN}  # fmt: skip
+    plans, ports = federation(opts, folder, ["f0", "m"], protocol, transport=TRANSPORT)
+    m = RawPeer(folder / "fed", "m", ports, federation=FEDERATION)
+    fed = LocalFederation([plans[0]], folder / "logs")
+    with fed, FakePeer(ports["m"]):
+        f0 = Victim(fed["f0"])
+        return {
+            "stale_feder_relay": guarded(
+                "stale_feder_relay", lambda: stale_relay(m, f0, plans, opts)
+            )
+        }
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def nan_wait(m: RawPeer, victim: Victim) -> dict[str, Any]:
+    """Hole 3: one signed request whose `_wait_s` is NaN, for a model the victim
+    has not made (so it would hold the request). The victim must answer it and
+    keep answering /healthz within 1 s, during and after."""
+    query = {"round": FUTURE_ROUND, "max_round": FUTURE_ROUND, "_wait_s": float("nan")}
+    frame = m.frame(REQUEST_PREFIX + "model", victim.name, query)
+    before = victim.counters()
+    with Monitor(victim) as mon:
+        t0 = time.monotonic()
+        reply = m.post(victim.name, frame, timeout=5.0)
+        time.sleep(3.0)
+        t1 = time.monotonic()
+    fig = mon.figures(t0, t1)
+    after = victim.counters()
+    row = judge_input(reply, before, after)
+    evidence = {"input": row, "victim": fig, "alive_after": victim.node.running}
+    if fig["healthz_unanswered"] or not victim.healthy():
+        victim.node.kill()  # frozen: it would ignore SIGTERM
+        return verdict("succeeded", "28.3", "the victim stopped answering /healthz", **evidence)
+    if row["outcome"] == "refused":
+        return verdict("refused", "28.3", f"refused {reply.status} {reply.reason}", **evidence)
+    return verdict(
+        "neutralised", "28.3", f"answered {reply.status} {reply.reason}, still live", **evidence
+    )
+
+
+def response_bomb(victim: Victim, port: int) -> dict[str, Any]:
+    """Hole 5: the attacker holds roster member f's address and answers each of
+    the victim's heartbeats with 64 MiB (chunked); the victim reads at most
+    max_message_bytes (4 MiB) of an answer."""
+    before = victim.counters()
+    with Monitor(victim) as mon, FakePeer(port, BOMB_BYTES) as fake:
+        t0 = time.monotonic()
+        time.sleep(4.0)  # several heartbeats
+        t1 = time.monotonic()
+    fig = mon.figures(t0, t1)
+    after = victim.counters()
+    answers = list(fake.answers)
+    evidence = {
+        "answers": len(answers),
+        "bytes_sent": [a["sent"] for a in answers],
+        "cut_off": sum(a["cut_off"] for a in answers),
+        "counted": before.rise(after),
+        "counted_for_f": after.by_peer.get("f", 0) - before.by_peer.get("f", 0),
+        "victim": fig,
+        "rss_bound_mb": RSS_BOUND / 2**20,
+    }
+    if not answers:
+        return inconclusive("28.5", "the victim sent nothing to f's address", **evidence)
+    if not within_bounds(fig):
+        return verdict(
+            "succeeded", "28.5", f"RSS +{fig['rss_growth_mb']} MiB / p99 {fig['healthz_p99_ms']} ms",
+            **evidence,
+        )  # fmt: skip
+    if evidence["cut_off"] == len(answers) and evidence["counted"]:
+        return verdict("refused", "28.5", f"cut off and counted {evidence['counted']}", **evidence)
+    return verdict("neutralised", "28.5", "memory bounded, no refusal counted", **evidence)
+
+
+def unbounded_kinds(m: RawPeer, victim: Victim, plan: SitePlan, timeout: float) -> dict[str, Any]:
+    """Hole 6: 50 signed pushes of 50 kinds nobody registered (inbox_size 4):
+    each must be refused before it is spooled, and a restart re-queue none."""
+    sent = [
+        m.codec.encode(f"junk-{i:03d}", victim.name, {"round": 1, "i": i}, round=1)
+        for i in range(50)
+    ]
+    before = victim.counters()
+    replies = [m.post(victim.name, s.to_bytes()) for s in sent]
+    time.sleep(0.2)
+    after = victim.counters()
+    rise = before.rise(after)
+    spool = state_dir(plan) / "spool"
+    ids = {s.header.id_hex for s in sent}
+    spooled = sorted(p.stem for p in spool.glob("*.frame") if p.stem in ids)
+    victim.restart(timeout)
+    found = re.findall(r"\((\d+) spooled messages re-queued\)", victim.node.log_path.read_text())
+    requeued = int(found[-1]) if found else None
+    refused = [r for r in replies if r.status >= 400 and r.reason and r.reason not in NOT_A_DEFENCE]
+    by_reason: dict[str, int] = {}
+    for r in refused:
+        by_reason[r.reason] = by_reason.get(r.reason, 0) + 1  # type: ignore[index]
+    evidence = {
+        "pushes": len(sent),
+        "answers": {f"{r.status} {r.reason}": sum(1 for x in replies if x.brief() == r.brief())
+                    for r in replies},
+        "counted": rise,
+        "spooled": len(spooled),
+        "requeued_after_restart": requeued,
+    }  # fmt: skip
+    if spooled or requeued:
+        return verdict(
+            "succeeded", "28.6", f"{len(spooled)} spooled, {requeued} re-queued", **evidence
+        )
+    counted = all(rise.get(k, 0) >= n for k, n in by_reason.items())
+    if len(refused) == len(sent) and counted:
+        return verdict("refused", "28.6", f"all refused and counted: {rise}", **evidence)
+    return verdict("neutralised", "28.6", "nothing spooled, not all refused", **evidence)
+
+
+def decode_bomb(m: RawPeer, victim: Victim) -> dict[str, Any]:
+    """Hole 7: a 1 MiB heartbeat whose payload is one
+    array of ~1M empty arrays (one byte each on the wire, ~70 bytes each
+    decoded). Refused with a reason, or decoded within the bounds."""
+    head = heartbeat_payload()
+    small = bytearray(tensors.dumps(head))
+    assert small[0] == 0x80 | len(head)
+    small[0] += 1  # one more key
+    n = (1 << 20) - 1024  # ~1 MiB on the wire, within max_message_bytes
+    payload = bytes(small) + tensors.dumps("pad") + b"\xdd" + struct.pack(">I", n) + b"\x90" * n
+    frame, _ = raw_frame(m, HEARTBEAT, victim.name, payload)
+    # The control: a harmless heartbeat as large (one bin); receiving it warms the
+    # victim's allocator, so the bomb's RSS growth is what decoding it costs.
+    harmless = {**head, "pad": bytes(n)}
+    control = m.post(victim.name, m.frame(HEARTBEAT, victim.name, harmless)).brief()
+    before = victim.counters()
+    with Monitor(victim) as mon:
+        t0 = time.monotonic()
+        reply = m.post(victim.name, frame, timeout=60.0)
+        t1 = time.monotonic() + 0.3
+        time.sleep(0.5)
+    after = victim.counters()
+    fig = mon.figures(t0, t1)
+    row = judge_input(reply, before, after)
+    evidence = {"frame_bytes": len(frame), "elements": n, "input": row, "victim": fig}
+    evidence["same_size_control"] = control
+    if not within_bounds(fig):
+        return verdict(
+            "succeeded", "28.7", f"RSS +{fig['rss_growth_mb']} MiB, /healthz p99 "
+            f"{fig['healthz_p99_ms']} ms (answered {reply.status} {reply.reason})", **evidence,
+        )  # fmt: skip
+    if row["outcome"] == "refused":
+        return verdict("refused", "28.7", f"refused {reply.status} {reply.reason}", **evidence)
+    return verdict("neutralised", "28.7", "decoded within the bounds", **evidence)
+
+
+def concurrent_replay(m: RawPeer, victim: Victim, plan: SitePlan) -> dict[str, Any]:
+    """Hole 8: three copies of one signed push (a network observer's capture),
+    their headers all sent before any payload: one must be processed."""
+    frame = m.frame("probe", victim.name, probe_payload("m", 1), round=1)
+    msg_id = Header.unpack(frame[8 : 8 + struct.unpack(">I", frame[4:8])[0]]).id_hex
+    before = victim.counters()
+    replies = simultaneous(victim.node.plan.port, frame, 3)
+    time.sleep(0.3)
+    after = victim.counters()
+    processed = after.received.get("probe", 0) - before.received.get("probe", 0)
+    time.sleep(3.0)  # a probe round or two: the protocol consumes and journals
+    journal = state_dir(plan) / "journal.jsonl"
+    journaled = journal.read_text().count(msg_id) if journal.exists() else 0
+    evidence = {
+        "answers": [r.brief() for r in replies],
+        "counted": before.rise(after),
+        "opened_by_victim": processed,
+        "journaled": journaled,
+    }
+    processed = max(processed, journaled)
+    if processed == 0:
+        return inconclusive("28.8", "the victim processed no copy", **evidence)
+    if processed > 1:
+        return verdict("succeeded", "28.8", f"processed {processed} times", **evidence)
+    others = [r for r in replies if not r.accepted]
+    if len(others) == len(replies) - 1 and all(
+        refused_and_counted(r, before, after) for r in others
+    ):
+        return verdict("refused", "28.8", "once; the copies refused and counted", **evidence)
+    return verdict("neutralised", "28.8", "processed once", **evidence)
+
+
+def status_rebinding(victim: Victim) -> dict[str, Any]:
+    """Hole 9: /status, /peers and /metrics as a DNS-rebound page asks for them
+    (Host: rebind.attacker.example), without and with the node's token."""
+    port = victim.node.plan.status_port
+    control = victim.get("/status")[0]
+    host = f"{REBIND_HOST}:{port}"
+    rows = {}
+    for path in ("/status", "/peers", "/metrics"):
+        rows[f"{path} no token"] = victim.get(path, host=host, token=False)[0]
+        if status_token(victim.node.plan):
+            rows[f"{path} token"] = victim.get(path, host=host)[0]
+    evidence = {"control_status": control, "rebound": rows}
+    if control != 200:
+        return inconclusive("28.9", f"/status with the node's own host: {control}", **evidence)
+    open_ = [k for k, code in rows.items() if code not in (400, 401, 403, 421)]
+    if open_:
+        return verdict("succeeded", "28.9", f"answered: {', '.join(open_)}", **evidence)
+    return verdict("refused", "28.9", "every rebound request refused", **evidence)
+
+
+def huge_round_header(m: RawPeer, victim: Victim) -> dict[str, Any]:
+    """Hole 10: an encrypted push whose signed header says round 2**63."""
+    payload = tensors.dumps({"round": 1, "from": "m"})
+    frame, _ = raw_frame(m, "probe", victim.name, payload, round=2**63, encrypt=True)
+    before = victim.counters()
+    reply = m.post(victim.name, frame)
+    time.sleep(0.1)
+    row = judge_input(reply, before, victim.counters())
+    outcome = "refused" if row["outcome"] == "refused" and reply.status < 500 else "succeeded"
+    return verdict(outcome, "28.10", f"answered {reply.status} {reply.reason}", input=row)
+
+
+def held_request_flood(m: RawPeer, victim: Victim) -> dict[str, Any]:
+    """Held requests: one member opens 300 requests the victim holds (a model
+    it has not made, 15 s wait), 100 a second (under the rate limit). Beyond a
+    per-peer cap they must be refused and counted; /healthz answers; the
+    victim's descriptors stay bounded."""
+    n, rate, wait_s = 300, 100.0, 15.0
+    ctl_reply, _ = m.request(
+        victim.name, "model", {"round": FUTURE_ROUND, "max_round": FUTURE_ROUND}, wait_s=1.0
+    )
+    query = {"round": FUTURE_ROUND, "max_round": FUTURE_ROUND, "_wait_s": wait_s}
+    frames = [m.frame(REQUEST_PREFIX + "model", victim.name, query) for _ in range(n)]
+    url = f"http://127.0.0.1:{victim.node.plan.port}{MESSAGE_PATH}"
+    rows: list[dict[str, Any]] = []
+
+    async def one(session: ClientSession, i: int, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+        t = time.monotonic()
+        row: dict[str, Any] = {"sent": t, "status": 0, "reason": None, "done": None}
+        rows.append(row)
+        try:
+            async with session.post(url, data=frames[i]) as resp:
+                body = await resp.read()
+                row["status"] = resp.status
+                with contextlib.suppress(ValueError, AttributeError):
+                    row["reason"] = json.loads(body).get("reason")
+        except Exception as exc:  # noqa: BLE001 - counted as no answer
+            row["reason"] = f"error: {type(exc).__name__}"
+        row["done"] = time.monotonic()
+
+    async def flood() -> None:
+        conn = TCPConnector(limit=0, force_close=True)
+        async with ClientSession(connector=conn, timeout=ClientTimeout(total=wait_s + 5)) as s:
+            start = time.monotonic()
+            await asyncio.gather(*(one(s, i, start) for i in range(n)))
+
+    before = victim.counters()
+    with Monitor(victim) as mon:
+        t0 = time.monotonic()
+        asyncio.run(flood())
+        t1 = time.monotonic()
+    after = victim.counters()
+    fig = mon.figures(t0, t1)
+    held_peak = (
+        max(
+            sum(1 for r in rows if r["sent"] <= t and (r["done"] is None or r["done"] > t))
+            for t, *_ in mon.usage
+            if t0 <= t <= t1
+        )
+        if mon.usage
+        else 0
+    )
+    quick = [r for r in rows if r["done"] and r["done"] - r["sent"] < wait_s / 3 and
+             r["status"] >= 400 and r["reason"] not in ("not_ready", "no_handler")]  # fmt: skip
+    reasons: dict[str, int] = {}
+    for r in quick:
+        reasons[str(r["reason"])] = reasons.get(str(r["reason"]), 0) + 1
+    rise = before.rise(after)
+    evidence = {
+        "requests": n,
+        "control": ctl_reply.brief(),
+        "held_at_once": held_peak,
+        "refused_quickly": reasons,
+        "counted": rise,
+        "victim": fig,
+    }
+    if ctl_reply.reason != "not_ready":
+        return inconclusive("28.held", "the victim did not hold the control request", **evidence)
+    if fig["healthz_unanswered"] or not victim.healthy():
+        return verdict("succeeded", "28.held", "/healthz stopped answering", **evidence)
+    if held_peak >= n or (fig["fds_growth"] or 0) >= 0.9 * n:
+        return verdict("succeeded", "28.held", f"{held_peak} held at once: no cap", **evidence)
+    if reasons and all(rise.get(k, 0) >= v for k, v in reasons.items()):
+        return verdict("refused", "28.held", f"{held_peak} held; beyond: {reasons}", **evidence)
+    return verdict("neutralised", "28.held", f"{held_peak} held at once; none counted", **evidence)
+
+
+def stale_relay(m: RawPeer, victim: Victim, plans: list[SitePlan], opts: Options) -> dict[str, Any]:
+    """FedER: ring member m sends f0 a relay of round 0 (an honest-looking model:
+    the federation's initial one) for f0 to take in round 1."""
+    relay = poisoned_relay(plans[1], 1.0)
+    relay["round"] = 0
+    victim.wait_status(lambda s: True, opts.timeout_s, "status endpoint up")
+    with Heartbeats(m, [victim.name], 0, max_s=opts.timeout_s):
+        time.sleep(1.5)  # f0 hears m before it derives round 1's ring
+        reply = m.post(victim.name, m.frame("feder", victim.name, relay, round=0))
+        status = victim.wait_status(
+            lambda s: s.get("phase") in ("done", "failed"), opts.timeout_s, "f0 done"
+        )
+    merged = {r: sorted(p) for r, p in ledger(plans[0]).items()}
+    counted = int((status.get("rejected_by_peer") or {}).get("m", 0))
+    evidence = {
+        "push": reply.brief(),
+        "merged_by_round": merged,
+        "counted_from_m": counted,
+        "rejected": status.get("rejected"),
+    }
+    if not reply.accepted:
+        ok = reply.reason not in NOT_A_DEFENCE and counted
+        return verdict(
+            "refused" if ok else "neutralised", "28.feder", f"{reply.reason}", **evidence
+        )
+    if "m" in merged.get(1, []):
+        return verdict("succeeded", "28.feder", "f0 took round 0's relay in round 1", **evidence)
+    if counted:
+        return verdict("refused", "28.feder", "f0 refused and counted the relay", **evidence)
+    if status.get("phase") != "done":
+        return inconclusive("28.feder", "f0 did not finish round 1", **evidence)
+    return verdict("neutralised", "28.feder", "not merged, not counted", **evidence)
+
+
+# ---------------------------------------------------------------------- registration
+
+SCENARIOS: dict[str, tuple[str, str]] = {  # name -> (hole of issue #28, group)
+    "nan_wait": ("28.3", "review_held"),
+    "response_bomb": ("28.5", "review_wire"),
+    "unbounded_kinds": ("28.6", "review_wire"),
+    "decode_bomb": ("28.7", "review_wire"),
+    "concurrent_replay": ("28.8", "review_wire"),
+    "status_rebinding": ("28.9", "review_wire"),
+    "huge_round_header": ("28.10", "review_wire"),
+    "held_request_flood": ("28.held", "review_held"),
+    "stale_feder_relay": ("28.feder", "review_feder"),
+}
+GROUPS: dict[str, Callable[[Options, set[str]], dict[str, dict[str, Any]]]] = {
+    "review_wire": run_review_wire,
+    "review_held": run_review_held,
+    "review_feder": run_review_feder,
+}

@@ -107,6 +107,7 @@ class Inbound:
     _spool_ts: dict[str, int] = field(default_factory=dict, init=False)
     _kinds: set[str] = field(default_factory=set, init=False)  # accept_kinds
     _held: dict[str, int] = field(default_factory=dict, init=False)  # sender -> requests held
+    _keeping: set[str] = field(default_factory=set, init=False)  # pushes being spooled
 
     def serve(self, kind: str, handler: Handler) -> None:
         self.handlers[kind] = handler
@@ -241,6 +242,8 @@ class Inbound:
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
         msg_id = header.id_hex
+        if msg_id in self._keeping:
+            raise Rejection("in_progress", "a copy of it is being spooled")
         if self.spool.has(msg_id) or msg_id in self.journal:
             return 200, None  # a retry of something we already hold (after a restart)
         queue = self.inboxes.get(header.kind)
@@ -249,12 +252,15 @@ class Inbound:
         queue.reserved += 1
         try:
             payload = await self._open(incoming)
-            await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
+            # Spooled and queued together, even if the sender hangs up meanwhile:
+            # a push on disk but not in its queue would answer the retry 200 and
+            # never reach the protocol (found by the second red-team pass).
+            self._keeping.add(msg_id)
+            keep = asyncio.ensure_future(self._keep(incoming, payload, queue))
+            keep.add_done_callback(lambda _: self._keeping.discard(msg_id))
+            await asyncio.shield(keep)
         finally:
             queue.reserved -= 1
-        self._spool_ts[msg_id] = header.timestamp_ms
-        queue.put_nowait(Received(header.sender, header.kind, header.round, payload, msg_id))
-        self.telemetry.set_queue_depth(header.kind, queue.qsize())
         log.debug(
             "%s: spooled and acknowledged %s %s from %s",
             self.name,
@@ -265,6 +271,14 @@ class Inbound:
         if self.faults.active:
             self.faults.on_progress(header.round, "acked")  # drill: crash right after an ack
         return 200, None
+
+    async def _keep(self, incoming: IncomingFrame, payload: Any, queue: Any) -> None:
+        header = incoming.header
+        msg_id = header.id_hex
+        await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
+        self._spool_ts[msg_id] = header.timestamp_ms
+        queue.put_nowait(Received(header.sender, header.kind, header.round, payload, msg_id))
+        self.telemetry.set_queue_depth(header.kind, queue.qsize())
 
     def recover(self, checkpointed: list[dict[str, Any]]) -> int:
         """At start: the ids the latest checkpoint consumed (`checkpointed`) are

@@ -240,3 +240,56 @@ async def test_a_frame_whose_connection_drops_while_handled_can_be_sent_again(id
         await server.stop()
     assert (retry.status, retry.reason) == (200, None), (retry.status, retry.reason)
     assert len(processed) == 1  # the retry; the dropped copy was never acted on
+
+
+async def test_a_push_whose_sender_hangs_up_during_the_spool_write_is_still_queued(
+    tmp_path: Path,
+) -> None:
+    """The second red-team pass: the spool write ran on in its thread after the
+    connection dropped, so the push sat on disk but not in its queue, and the
+    resend was answered 200 from the spool: gone until a restart. Now it is
+    spooled and queued together; a copy arriving meanwhile is `in_progress`."""
+    from test_hostile_wire import make_inbound
+
+    from p2pfl.secure.identity import LocalIdentity, Roster
+
+    ids = {n: LocalIdentity.generate(n) for n in ("alice", "bob")}
+    roster = Roster([i.card(f"127.0.0.1:{7000 + k}") for k, i in enumerate(ids.values())])
+    alice = WireCodec(ids["alice"], roster, "fed")
+    bob = WireCodec(ids["bob"], roster, "fed")
+    inbound = make_inbound(tmp_path, alice)
+    real = inbound.spool.persist
+
+    def slow_persist(msg_id: str, frame: Any) -> Any:
+        time.sleep(0.5)  # a slow fsync on a loaded disk
+        return real(msg_id, frame)
+
+    inbound.spool.persist = slow_persist  # type: ignore[method-assign]
+    server = MessageServer(alice, TransportSection(), inbound.on_frame, lambda r, s: None)
+    port = await server.start("127.0.0.1", 0, None)
+    msg_id = b"\x07" * 16
+    frame = bob.encode("probe", "alice", {"x": b"hello"}, msg_id=msg_id).to_bytes()
+    head = f"POST {MESSAGE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n\r\n"
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head.encode() + frame)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()  # the sender hangs up while the node writes the spool
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head.encode() + frame)  # its resend, at once
+        await writer.drain()
+        early = await asyncio.wait_for(read_reply(reader), 10)
+        writer.close()
+        assert (early.status, early.reason) == (409, "in_progress")
+        await asyncio.sleep(0.8)  # the write has finished
+        queue = inbound.inboxes.get("probe")
+        assert inbound.spool.has(msg_id.hex()) and queue.qsize() == 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head.encode() + frame)
+        await writer.drain()
+        late = await asyncio.wait_for(read_reply(reader), 10)
+        writer.close()
+        assert late.status in (200, 409) and queue.qsize() == 1  # held once, queued once
+    finally:
+        await server.stop()

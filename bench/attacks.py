@@ -502,18 +502,21 @@ def collect_secure_sum(
     if len(u1) < max(secagg.MIN_SUM, t + 1):
         return None, answers
 
-    shares = {
-        p: r["shares"]
-        for p in u1
-        if (r := ask(p, "share", share_keys_body(keys, u1, t, p))) is not None
+    dealt = {
+        p: r for p in u1 if (r := ask(p, "share", share_keys_body(keys, u1, t, p))) is not None
     }
+    shares = {p: r["shares"] for p, r in dealt.items()}
     u2 = sorted(shares)
-    masked = {
-        p: r
-        for p in u2
-        if (r := ask(p, "mask", {"u2": u2, "shares": {v: shares[v][p] for v in u2 if v != p}}))
-        is not None
-    }
+
+    def mask_body(p: str) -> dict[str, Any]:
+        others = [v for v in u2 if v != p]
+        return {
+            "u2": u2,
+            "shares": {v: shares[v][p] for v in others},
+            "commitments": {v: dealt[v].get("commitments", {}).get(p) for v in others},
+        }
+
+    masked = {p: r for p in u2 if (r := ask(p, "mask", mask_body(p))) is not None}
     inputs = {p: r["masked"] for p, r in masked.items()}
     claimed_dropped = [v for v in u2 if v not in inputs or v in (dropped or [])]
     u3 = sorted(v for v in inputs if v not in claimed_dropped)

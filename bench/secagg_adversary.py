@@ -211,6 +211,7 @@ async def run_session(fed: Honest, plan: SessionPlan) -> Knowledge:
     least = secagg.threshold_for(len(plan.contributors) - 1, None)
     # Round 1: each told its U1, with the keys and tags the others made for it
     shares: dict[str, dict[str, bytes]] = {}
+    commitments: dict[str, dict[str, Any]] = {}
     for m in k.adverts:
         u1 = [v for v in plan.u1.view(m) if v in k.adverts]
         if m not in u1:
@@ -226,6 +227,7 @@ async def run_session(fed: Honest, plan: SessionPlan) -> Knowledge:
         reply = await ask(m, "share", {"keys": keys, "threshold": t})
         if reply is not None and isinstance(reply.get("shares"), dict):
             shares[m] = reply["shares"]
+            commitments[m] = reply.get("commitments") or {}
             k.thresholds[m] = t
             for holder, blob in reply["shares"].items():
                 k.sealed[(m, holder)] = blob
@@ -234,7 +236,13 @@ async def run_session(fed: Honest, plan: SessionPlan) -> Knowledge:
         u2 = [v for v in plan.u2.view(m) if v in shares]
         if m not in u2:
             continue
-        body = {"u2": u2, "shares": {v: shares[v].get(m, b"") for v in u2 if v != m}}
+        body = {
+            "u2": u2,
+            "shares": {v: shares[v].get(m, b"") for v in u2 if v != m},
+            "commitments": {
+                v: commitments[v][m] for v in u2 if v != m and m in commitments.get(v, {})
+            },
+        }
         reply = await ask(m, "mask", body)
         if reply is not None and isinstance(reply.get("masked"), dict):
             k.masked[m] = reply
@@ -540,7 +548,7 @@ def run_scripted(name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------- the search
 
 
-def plan_strategy() -> Any:
+def plan_strategy(split_views: bool = True) -> Any:
     """A hypothesis strategy for (n, plans). Each phase's set is the previous
     phase's minus a few members (a dropout claim); with some chance a second,
     smaller set is told to some contributors (a split view). Thresholds,
@@ -576,7 +584,7 @@ def plan_strategy() -> Any:
                     common = of - {draw(st.sampled_from(sorted(partners)))}
                 else:
                     common = minus(of, 1, 1)
-            if draw(st.integers(0, 2)) != 2:
+            if not split_views or draw(st.integers(0, 2)) != 2:
                 return PhasePlan(common)
             other = minus(of, 1, n - 2)
             told = draw(st.lists(st.sampled_from(names), unique=True, min_size=1, max_size=2))
@@ -607,7 +615,7 @@ def plan_strategy() -> Any:
     return build()
 
 
-def search(examples: int, seed: int = 0) -> dict[str, Any]:
+def search(examples: int, seed: int = 0, split_views: bool = True) -> dict[str, Any]:
     """Run the hypothesis search; stop at the first breach (hypothesis shrinks it)."""
     from hypothesis import HealthCheck, given, settings, target
     from hypothesis import seed as hseed
@@ -623,7 +631,7 @@ def search(examples: int, seed: int = 0) -> dict[str, Any]:
         suppress_health_check=list(HealthCheck),
         derandomize=False,
     )
-    @given(plan_strategy())
+    @given(plan_strategy(split_views))
     def one(case: tuple[int, list[SessionPlan]]) -> None:
         n, plans = case
         ran[0] += 1
@@ -660,6 +668,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--examples", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--one-story",
+        action="store_true",
+        help="tell every contributor the same sets (no split views): the search for reuse",
+    )
     p.add_argument("--attack", choices=sorted(SCRIPTED), action="append", default=[])
     args = p.parse_args(argv)
     started = time.monotonic()
@@ -672,7 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
     else:
-        out.update(search(args.examples, args.seed))
+        out.update(search(args.examples, args.seed, split_views=not args.one_story))
     out["seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(out, default=str))
     return 0

@@ -417,7 +417,8 @@ class FedAvgP2P(RoundLoop):
 def ledger_file(ctx: RoundContext) -> Path | None:
     """Where this node's secure-aggregation ledger outlives a restart (its
     state directory), or None for a simulated node with no storage."""
+    stage = getattr(ctx, "prefix", "")  # a stage's own contributor, its own file
     try:
-        return ctx.artifact("secagg_ledger.json")
+        return ctx.artifact(f"secagg_ledger.{stage}json")
     except (RuntimeError, OSError):
         return None

@@ -113,6 +113,7 @@ so configuration refuses secure aggregation without it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -123,7 +124,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from pydantic import TypeAdapter
 from torch import Tensor
 
 from p2pfl.files import atomic_write_text
@@ -134,6 +137,7 @@ from protocols.secagg_messages import (
     MIN_SUM,
     SECAGG_KIND,
     ConsistencyBody,
+    LedgerRow,
     MaskBody,
     SealedShare,
     SessionRequest,
@@ -185,6 +189,21 @@ PHASES = ("advertise", "share", "mask", "consistency", "unmask")
 
 # ---------------------------------------------------------------------- contributor side
 
+LEDGER = TypeAdapter(list[LedgerRow])
+
+
+def model_digest(state: dict[str, Tensor]) -> str:
+    """What identifies a model for the ledger: SHA-256 over every entry's name,
+    dtype, shape and bytes. A round retrained into another model, or a new job
+    in the same state directory, is another model."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 # (round, state, weight) of the model a contributor gives for rounds [wanted, newest]
 # to a sum of the given purpose; raises NotReady while not trained yet, returns
 # None if it only has newer ones.
@@ -197,6 +216,7 @@ class _Session:
     request: SessionRequest
     context: bytes
     model_round: int
+    digest: str  # of the model, as the ledger knows it
     state: dict[str, Tensor]
     weight: float
     c_private: X25519PrivateKey  # seals my shares; this session only
@@ -240,7 +260,9 @@ class Contributor:
         self.max_weight = max_weight
         self.keep_rounds = keep_rounds
         self.sessions: dict[tuple[str, str], _Session] = {}
-        self.contributed: dict[tuple[str, int], str] = {}  # (requester, model round) -> session
+        # (requester, model round) -> the digest of the model masked for it
+        self.contributed: dict[tuple[str, int], str] = {}
+        self._digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
         self.seen: dict[str, OrderedDict[str, None]] = {}  # requester -> session ids opened
         # The ledger outlives a restart: a node that retrains or re-serves a round
         # after a crash must not mask it into a second sum of the same requester.
@@ -305,7 +327,8 @@ class Contributor:
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model
-        if (requester, model_round) in self.contributed:
+        digest = await self._digest(model_round, state)
+        if self.contributed.get((requester, model_round)) == digest:
             # The same model to the same requester twice would let it subtract two sums.
             raise SecAggError("already_contributed", f"model of round {model_round}")
         self._forget_before(model_round - self.keep_rounds)
@@ -320,6 +343,7 @@ class Contributor:
             request=request,
             context=context,
             model_round=model_round,
+            digest=digest,
             state=clip_state(state, self.clip_norm),
             weight=float(weight),
             c_private=X25519PrivateKey.generate(),
@@ -393,7 +417,7 @@ class Contributor:
         me = self.ctx.me
         self._step(session, "share", "mask")
         ledger = (session.requester, session.model_round)
-        if ledger in self.contributed:
+        if self.contributed.get(ledger) == session.digest:
             raise SecAggError("already_contributed", f"model of round {session.model_round}")
         body = parse(MaskBody, raw)
         if body is None:
@@ -405,7 +429,7 @@ class Contributor:
             or len(u2) < max(MIN_SUM, session.threshold + 1)
         ):
             raise SecAggError("bad_contributors", f"U2 {u2}")
-        holders = len(session.u1) - 1
+        context = session.context
         for v in u2:
             if v == me:
                 continue
@@ -418,12 +442,25 @@ class Contributor:
             except tensors.CodecError:
                 raise SecAggError("bad_share", f"share from {v} undecodable") from None
             share = parse(SealedShare, decoded)
-            if share is None or share.sender != v or share.to != me or share.idx > holders:
+            place = [h for h in session.u1 if h != v].index(me) + 1
+            if share is None or share.sender != v or share.to != me or share.idx != place:
                 raise SecAggError("bad_share", f"share from {v} malformed")
+            # What the requester will check my revealed share against must be what
+            # I hold, or an honest holder would be blamed for a dealer's lie.
+            committed = body.commitments.get(v)
+            if committed is None or not (
+                hmac.compare_digest(
+                    committed.sk, share_commitment(context, v, me, place, "sk", share.sk)
+                )
+                and hmac.compare_digest(
+                    committed.b, share_commitment(context, v, me, place, "b", share.b)
+                )
+            ):
+                raise SecAggError("bad_share", f"{v}'s shares do not match their commitments")
             session.held[v] = (share.idx, share.sk, share.b)
         session.u2 = u2
         # From here on this model is in one sum of this requester's, and in no other.
-        self.contributed[ledger] = session.request.session
+        self.contributed[ledger] = session.digest
         self._save_ledger()
         pair_seeds = {
             v: mask_seed(session.s_private, session.keys[v][1], session.context, me, v)
@@ -512,13 +549,21 @@ class Contributor:
         except PeerUnavailable:
             raise SecAggError("unknown_contributor", peer) from None
 
+    async def _digest(self, model_round: int, state: dict[str, Tensor]) -> str:
+        """SHA-256 of a served model (once per round, off the event loop)."""
+        cached = self._digests.get(model_round)
+        if cached is None or cached[0] is not state:
+            cached = (state, await asyncio.to_thread(model_digest, state))
+            self._digests[model_round] = cached
+        return cached[1]
+
     def _load_ledger(self) -> None:
         if self.ledger_path is None or not self.ledger_path.exists():
             return
         try:
-            rows = json.loads(self.ledger_path.read_text())
-            self.contributed = {(str(r), int(m)): str(s) for r, m, s in rows}
-        except (OSError, ValueError, TypeError) as exc:
+            rows = LEDGER.validate_json(self.ledger_path.read_bytes())
+            self.contributed = {(r.requester, r.round): r.model for r in rows}
+        except Exception as exc:  # noqa: BLE001 - any damage: refuse to contribute, say why
             # My own file: unreadable means damaged. Refuse to contribute until an
             # operator looks, rather than risk masking a model twice.
             self.ledger_error = f"{self.ledger_path}: {exc} — move it away to start afresh"
@@ -528,9 +573,13 @@ class Contributor:
 
     def _save_ledger(self) -> None:
         if self.ledger_path is not None:
-            rows = [[r, m, s] for (r, m), s in sorted(self.contributed.items())]
+            rows = [
+                {"requester": r, "round": m, "model": d}
+                for (r, m), d in sorted(self.contributed.items())
+            ]
             atomic_write_text(self.ledger_path, json.dumps(rows), mode=0o600)
 
     def _forget_before(self, round: int) -> None:
         self.contributed = {k: s for k, s in self.contributed.items() if k[1] >= round}
+        self._digests = {r: d for r, d in self._digests.items() if r >= round}
         self.sessions = {k: s for k, s in self.sessions.items() if s.model_round >= round}

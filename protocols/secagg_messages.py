@@ -71,6 +71,15 @@ class Committed(_Strict):
     b: Key
 
 
+class LedgerRow(_Strict):
+    """One row of a contributor's ledger file: it masked the model of
+    `round` (whose digest is `model`) into a sum for `requester`."""
+
+    requester: Name
+    round: int = Field(ge=0, le=2**31)
+    model: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class Shared(_Strict):
     shares: dict[Name, Sealed] = Field(max_length=MAX_CONTRIBUTORS)
     commitments: dict[Name, Committed] = Field(max_length=MAX_CONTRIBUTORS)
@@ -79,6 +88,8 @@ class Shared(_Strict):
 class MaskBody(_Strict):
     u2: Members
     shares: dict[Name, Sealed] = Field(max_length=MAX_CONTRIBUTORS)
+    # what each dealer committed to for the shares it sealed for me (Round 1)
+    commitments: dict[Name, Committed] = Field(default_factory=dict, max_length=MAX_CONTRIBUTORS)
 
 
 class ConsistencyBody(_Strict):

@@ -137,7 +137,13 @@ async def secure_sum(
 
     # Round 2: MaskedInputCollection
     masked_replies = await everyone(
-        u2, "mask", lambda p: {"u2": u2, "shares": {v: shared[v].shares[p] for v in u2 if v != p}}
+        u2,
+        "mask",
+        lambda p: {
+            "u2": u2,
+            "shares": {v: shared[v].shares[p] for v in u2 if v != p},
+            "commitments": {v: shared[v].commitments[p].model_dump() for v in u2 if v != p},
+        },
     )
     inputs, rounds, views = masked_inputs_of(ctx, masked_replies, reference, u2, round, max_round)
     u3 = sorted(inputs)

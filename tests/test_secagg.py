@@ -281,12 +281,14 @@ def test_unmasking_needs_every_member_to_vouch_for_the_same_survivors() -> None:
         shares = {}
         for m in members:
             keys = {v: relayed(adv[v], m, owner=v) for v in members}
-            shares[m] = (
-                await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 2})
-            )["shares"]
+            shares[m] = await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 2})
         views = {}
         for m in members:
-            body = {"u2": members, "shares": {v: shares[v][m] for v in members if v != m}}
+            body = {
+                "u2": members,
+                "shares": {v: shares[v]["shares"][m] for v in members if v != m},
+                "commitments": {v: shares[v]["commitments"][m] for v in members if v != m},
+            }
             reply = await fed.raw(m, "mask", session, members, body)
             assert "masked" in reply
             views[m] = reply["view_tags"]

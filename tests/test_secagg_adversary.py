@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from test_secagg import CONTRIBUTORS, Federation, relayed
+from test_secagg import CONTRIBUTORS, Federation, relayed, small_cnn_state
 
 from bench import secagg_adversary as adversary
 from protocols import secagg_primitives as primitives
@@ -77,11 +77,15 @@ def test_a_contributor_told_another_u2_than_its_peers_is_caught() -> None:
         for m in members:
             keys = {v: relayed(adv[v], m, owner=v) for v in members}
             reply = await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 3})
-            shares[m] = reply["shares"]
+            shares[m] = reply
         views = {}
         for m in members:
             u2 = [v for v in members if v != "erin"] if m == "alice" else members
-            body = {"u2": u2, "shares": {v: shares[v][m] for v in u2 if v != m}}
+            body = {
+                "u2": u2,
+                "shares": {v: shares[v]["shares"][m] for v in u2 if v != m},
+                "commitments": {v: shares[v]["commitments"][m] for v in u2 if v != m},
+            }
             views[m] = (await fed.raw(m, "mask", session, members, body))["view_tags"]
         u3 = ["alice", "bob", "carol", "frank"]
         body = {"u3": u3, "view_tags": {v: views[v]["bob"] for v in u3 if v != "bob"}}
@@ -221,11 +225,63 @@ def test_the_ledger_outlives_a_restart(tmp_path) -> None:
     fed.ctxs["alice"].serve("secagg", reborn.serve)
     reply = asyncio.run(fed.raw("alice", "advertise", "d4" * 16, ["alice", "bob"], {}))
     assert reply == {"refused": "already_contributed"}
-    path.write_text("{not json")
-    broken = type(alice)(fed.ctxs["alice"], fed.source("alice"), ledger_path=path)
-    fed.ctxs["alice"].serve("secagg", broken.serve)
-    reply = asyncio.run(fed.raw("alice", "advertise", "e5" * 16, ["alice", "bob"], {}))
-    assert reply == {"refused": "ledger_unreadable"}
+    # a new job (another model under the same round number) is another model
+    fed.states["alice"] = small_cnn_state(42)
+    renewed = type(alice)(fed.ctxs["alice"], fed.source("alice"), ledger_path=path)
+    fed.ctxs["alice"].serve("secagg", renewed.serve)
+    reply = asyncio.run(fed.raw("alice", "advertise", "f6" * 16, ["alice", "bob"], {}))
+    assert "c_pk" in reply
+    # damage of any kind: refuse every sum, with the reason, never crash
+    for damage in (
+        "{not json",
+        '[{"requester": "dave", "round": 1e999, "model": "00"}]',
+        "[" * 5000,
+    ):
+        path.write_text(damage)
+        broken = type(alice)(fed.ctxs["alice"], fed.source("alice"), ledger_path=path)
+        fed.ctxs["alice"].serve("secagg", broken.serve)
+        reply = asyncio.run(fed.raw("alice", "advertise", "e5" * 16, ["alice", "bob"], {}))
+        assert reply == {"refused": "ledger_unreadable"}, damage[:30]
+
+
+def test_each_stage_keeps_its_own_ledger(tmp_path) -> None:
+    """Fed-MAE's fine-tuning contributor numbers its rounds from 1 again: one
+    shared file made it refuse models it never masked, and each stage's writes
+    overwrote the other's rows (the second red-team pass)."""
+    from types import SimpleNamespace
+
+    from protocols.fedavgp2p import ledger_file
+
+    def site(prefix: str | None) -> Any:
+        ctx = SimpleNamespace(artifact=lambda name: tmp_path / name)
+        if prefix is not None:
+            ctx.prefix = prefix  # what protocols/fedmae.py's StageContext carries
+        return ctx
+
+    files = {ledger_file(site(p)) for p in (None, "finetune.", "tokenizer.")}
+    assert len(files) == 3 and None not in files
+
+
+def test_a_dealer_lying_in_its_commitments_is_refused_by_the_holders_not_blamed_on_them() -> None:
+    """The second red-team pass: only the requester saw the commitments, so a
+    dealer (or a requester) relaying wrong ones got honest holders' shares
+    refused later and counted against them. Now each holder checks the
+    commitments to its own shares before it masks anything."""
+    fed = Federation()
+    ctx = fed.ctxs["dave"]
+    original = ctx.request
+
+    async def bad_commitments(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        if query["phase"] == "mask" and "erin" in query["body"].get("commitments", {}):
+            query["body"]["commitments"]["erin"] = {"sk": b"\x00" * 32, "b": b"\x00" * 32}
+        return await original(peer, kind, query, timeout)
+
+    ctx.request = bad_commitments  # type: ignore[method-assign]
+    with pytest.raises(SecAggError):
+        asyncio.run(fed.ask(CONTRIBUTORS))
+    refusals = {(r["node"], r["peer"], r["reason"]) for r in fed.network.rejections}
+    assert ("alice", "dave", "secagg_bad_share") in refusals  # the holder refused to mask
+    assert not any(node == "dave" and reason == "secagg_bad_share" for node, _, reason in refusals)
 
 
 def test_two_colluding_requesters_learn_one_model_a_known_limit() -> None:

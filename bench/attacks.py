@@ -299,7 +299,8 @@ def unencrypted_injection(m: RawPeer, victim: NodeProcess, rounds: int) -> dict[
     e.g. `encryption_required`). The same three encrypted are the control: the
     victim must take those, or the refusals say nothing about encryption."""
     inputs = {
-        "push": ("probe", probe_payload("m", rounds)),
+        # a kind the FedAVGP2P victim declares (it refuses others, unknown_kind)
+        "push": ("model", probe_payload("m", rounds)),
         "request": (
             REQUEST_PREFIX + "model",
             {"round": rounds, "max_round": rounds, "_wait_s": 1.0},
@@ -333,8 +334,8 @@ def replay_after_restart(
     its kind's received count does not rise) is neutralised."""
     legit = RawPeer(fed_dir, "v2", ports)
     captured = {
-        "push": legit.frame(
-            "probe", victim.name, probe_payload("v2", rounds), round=rounds, encrypt=True
+        "push": legit.frame(  # a kind the FedAVGP2P victim declares
+            "model", victim.name, probe_payload("v2", rounds), round=rounds, encrypt=True
         ),
         "request": legit.frame(
             REQUEST_PREFIX + "model",
@@ -351,7 +352,7 @@ def replay_after_restart(
             encrypt=True,
         ),
     }
-    kinds = {"push": "probe", "request": REQUEST_PREFIX + "model", "heartbeat": HEARTBEAT}
+    kinds = {"push": "model", "request": REQUEST_PREFIX + "model", "heartbeat": HEARTBEAT}
     first = {k: legit.post(victim.name, f).brief() for k, f in captured.items()}
     resend = {k: legit.post(victim.name, f).brief() for k, f in captured.items()}
     evidence: dict[str, Any] = {"first_delivery": first, "resent_before_restart": resend}

@@ -184,6 +184,12 @@ class RoundContext(ABC):
         """The folder this node keeps its files in: its state directory."""
         return Path(self.config.node.state_dir)
 
+    def durable_file(self, name: str) -> Path | None:
+        """A file that must outlive a restart as the checkpoints do (the
+        secure-aggregation ledger): in the state directory; None where the node
+        keeps nothing across restarts (a simulated node without a checkpoint_dir)."""
+        return self.artifact(name)
+
     def set_phase(self, phase: str) -> None:
         """What the node is doing now (train, exchange, aggregate, evaluate, done)."""
         self.phase = phase

@@ -419,6 +419,6 @@ def ledger_file(ctx: RoundContext) -> Path | None:
     state directory), or None for a simulated node with no storage."""
     stage = getattr(ctx, "prefix", "")  # a stage's own contributor, its own file
     try:
-        return ctx.artifact(f"secagg_ledger.{stage}json")
+        return ctx.durable_file(f"secagg_ledger.{stage}json")
     except (RuntimeError, OSError):
         return None

@@ -318,5 +318,8 @@ class StageContext(RoundContext):
     def storage_dir(self) -> Path:
         return self.outer.storage_dir()
 
+    def durable_file(self, name: str) -> Path | None:
+        return self.outer.durable_file(name)
+
     async def sleep(self, seconds: float) -> None:
         await self.outer.sleep(seconds)

@@ -267,3 +267,14 @@ def test_rounds_with_nothing_to_await_still_let_the_event_loop_run(tmp_path) -> 
 
     asyncio.run(run())
     assert ticks >= 100, f"the loop ran other work only {ticks} times in 300 rounds"
+
+
+def test_a_simulation_keeps_durable_files_only_beside_its_checkpoints(tmp_path) -> None:
+    """Files that outlive a restart (the secure-aggregation ledger) go where a
+    simulated node's checkpoints go, and nowhere when it keeps none: a test or
+    benchmark leaves no state in the working directory for the next run."""
+    from protocols.memory import InMemoryNetwork
+
+    assert InMemoryNetwork().join("a").durable_file("ledger.json") is None
+    kept = InMemoryNetwork(checkpoint_dir=tmp_path).join("a").durable_file("ledger.json")
+    assert kept == tmp_path / "a" / "ledger.json" and kept.parent.is_dir()

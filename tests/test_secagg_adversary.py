@@ -253,7 +253,7 @@ def test_each_stage_keeps_its_own_ledger(tmp_path) -> None:
     from protocols.fedavgp2p import ledger_file
 
     def site(prefix: str | None) -> Any:
-        ctx = SimpleNamespace(artifact=lambda name: tmp_path / name)
+        ctx = SimpleNamespace(durable_file=lambda name: tmp_path / name)
         if prefix is not None:
             ctx.prefix = prefix  # what protocols/fedmae.py's StageContext carries
         return ctx

@@ -509,6 +509,15 @@ class InMemoryContext(RoundContext):
     def restore(self) -> dict[str, Any] | None:
         return None if self._node.checkpoint is None else loads(self._node.checkpoint)
 
+    def durable_file(self, name: str) -> Path | None:
+        """Beside the checkpoints (checkpoint_dir/<name>/), or None when the
+        network keeps none: a simulation leaves no state behind it."""
+        if self.network.checkpoint_dir is None:
+            return None
+        path = self.network.checkpoint_dir / self.me / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
     def storage_dir(self) -> Path:
         """The node's state_dir when it joined with a config (what
         `simulation_configs` gives every site); checkpoint_dir/<name>/ when it

@@ -35,12 +35,8 @@ from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spoo
 from node.resources import CHECK_EVERY_S, HostThreads, available_cores, registry_dir
 from node.status import config_status_app, dashboard_url, start_status_server
 from node.telemetry import Telemetry
-from node.transport import (
-    MessageClient,
-    MessageServer,
-    client_ssl_context,
-    server_ssl_context,
-)
+from node.tls import client_ssl_context, server_ssl_context
+from node.transport import MessageClient, MessageServer
 from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import LocalIdentity, Roster

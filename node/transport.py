@@ -598,19 +598,3 @@ def _reason_of(body: bytes) -> str | None:
 
 def reason_of_response(status: int, body: bytes) -> str:
     return _reason_of(body) or f"http_{status}"
-
-
-def server_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    """Mutual TLS: peers must present a certificate signed by the federation's CA."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
-    ctx.load_cert_chain(cert, key)
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    return ctx
-
-
-def client_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
-    ctx.load_cert_chain(cert, key)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    return ctx

@@ -232,17 +232,26 @@ async def _upload(port: int, frame: bytes, split: int, go: asyncio.Event) -> Htt
         writer.close()
 
 
+def processing(receiver: Any, processed: list[str]) -> Any:
+    """A frame handler as Inbound's: its own awaits (replay marks, spool
+    write), then the payload opened; records each id it processed."""
+
+    async def on_frame(frame: IncomingFrame) -> tuple[int, Any]:
+        await asyncio.sleep(0.05)
+        receiver.open_payload(frame.header, frame.payload, digest=frame.digest)
+        processed.append(frame.header.id_hex)
+        return 200, None
+
+    return on_frame
+
+
 async def test_three_concurrent_copies_of_one_frame_are_processed_once(identities, roster):
     alice = codec(identities, roster, "alice")
     bob = codec(identities, roster, "bob")
     processed: list[str] = []
     rejected: list[str] = []
 
-    async def on_frame(frame: IncomingFrame) -> tuple[int, Any]:
-        await asyncio.sleep(0.05)  # the node's own awaits (replay marks, spool write)
-        alice.open_payload(frame.header, frame.payload, digest=frame.digest)  # as Inbound does
-        processed.append(frame.header.id_hex)
-        return 200, None
+    on_frame = processing(alice, processed)
 
     server = MessageServer(alice, TransportSection(), on_frame, lambda r, _: rejected.append(r))
     port = await server.start("127.0.0.1", 0, None)
@@ -275,11 +284,7 @@ async def test_a_cut_upload_leaves_its_id_free_for_the_honest_retry(identities, 
     bob = codec(identities, roster, "bob")
     processed: list[str] = []
 
-    async def on_frame(frame: IncomingFrame) -> tuple[int, Any]:
-        await asyncio.sleep(0.05)  # the node's own awaits (replay marks, spool write)
-        alice.open_payload(frame.header, frame.payload, digest=frame.digest)  # as Inbound does
-        processed.append(frame.header.id_hex)
-        return 200, None
+    on_frame = processing(alice, processed)
 
     cfg = TransportSection(read_idle_timeout_s=0.3)
     server = MessageServer(alice, cfg, on_frame, lambda r, _: None)

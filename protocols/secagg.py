@@ -281,11 +281,11 @@ class Contributor:
                 return await self._advertise(requester, request)
             session = self.sessions.get((requester, request.session))
             if session is None:
-                return {"refused": "unknown_session"}
+                raise SecAggError("unknown_session")
             if request.model_dump(exclude={"phase", "body"}) != session.request.model_dump(
                 exclude={"phase", "body"}
             ):
-                return {"refused": "session_mismatch"}
+                raise SecAggError("session_mismatch")
             if request.phase == "share":
                 return await self._share(session, request.body)
             if request.phase == "mask":
@@ -318,8 +318,6 @@ class Contributor:
         seen = self.seen.setdefault(requester, OrderedDict())
         if request.session in seen:
             raise SecAggError("session_reused", "a session id is never opened twice")
-        if sum(1 for r, _ in self.sessions if r == requester) >= MAX_OPEN_SESSIONS:
-            raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
         if request.max_round < request.round:
             raise SecAggError("bad_request", "max_round < round")
         # NotReady (the request is held open) until that round is trained
@@ -327,14 +325,18 @@ class Contributor:
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model
+        # Taken before the first await: a concurrent copy of this request is refused.
+        seen[request.session] = None
+        while len(seen) > MAX_SEEN_SESSIONS:
+            seen.popitem(last=False)
         digest = await self._digest(model_round, state)
         if self.contributed.get((requester, model_round)) == digest:
             # The same model to the same requester twice would let it subtract two sums.
             raise SecAggError("already_contributed", f"model of round {model_round}")
         self._forget_before(model_round - self.keep_rounds)
-        seen[request.session] = None
-        while len(seen) > MAX_SEEN_SESSIONS:
-            seen.popitem(last=False)
+        # counted and inserted with no await between: a flood cannot slip past it
+        if sum(1 for r, _ in self.sessions if r == requester) >= MAX_OPEN_SESSIONS:
+            raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
         if self.max_weight is not None:
             weight = min(weight, self.max_weight)
         context = session_context(requester, request)

@@ -27,7 +27,7 @@ from bench.federation import read_metrics
 from bench.localfed import LocalFederation, NodeProcess
 from node.membership import HEARTBEAT
 from node.outbound import REQUEST_PREFIX
-from node.provision import SitePlan, deep_merge
+from node.provision import SitePlan, deep_merge, provision
 from node.transport import MESSAGE_PATH
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.secure import tensors
@@ -302,6 +302,32 @@ def overrides(**extra: Any) -> dict[str, Any]:
         "data": {"image_size": 16, "augment": "none"},
     }
     return deep_merge(base, extra)
+
+
+def provisioned(
+    folder: Path,
+    names: list[str],
+    protocol: dict[str, Any],
+    seed: int,
+    *,
+    federation: str = FEDERATION,
+    label_fraction: float | None = None,
+    **extra: Any,
+) -> tuple[list[SitePlan], dict[str, int]]:
+    """A bench federation in `folder`: digits split among `names` (data/),
+    provisioned (fed/) with `protocol` and the bench's overrides plus `extra`;
+    the plans and every site's peer port."""
+    sources = site_data(folder / "data", len(names), seed, label_fraction=label_fraction)
+    plans = provision(
+        folder / "fed",
+        names,
+        protocol=protocol,
+        data_sources=[str(src) for src in sources],
+        federation=federation,
+        seed=seed,
+        overrides=overrides(**extra),
+    )
+    return plans, {p.name: p.port for p in plans}
 
 
 def fresh(folder: Path) -> Path:

@@ -113,6 +113,7 @@ from bench.attack_kit import (
     poison_events,
     poisoned_relay,
     probe_payload,
+    provisioned,
     reason_rise,
     run_federation,
     say,
@@ -152,7 +153,6 @@ def run_wire(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     rounds = 7 if with_evil else 2
     names = ["v1", "v2", "evil", "m"]
     daemons = ["v1", "v2", "evil"] if with_evil else ["v1", "v2"]
-    sources = site_data(folder / "data", len(names), opts.seed)
     protocol = {
         "name": "fedavgp2p",
         "rounds": rounds,
@@ -160,17 +160,8 @@ def run_wire(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         "round_timeout_s": 10.0,
         "max_staleness": 1,
     }
-    plans = provision(
-        folder / "fed",
-        names,
-        protocol=protocol,
-        data_sources=[str(s) for s in sources],
-        federation=FEDERATION,
-        seed=opts.seed,
-        overrides=overrides(wire={"encryption": True}),
-    )
+    plans, ports = provisioned(folder, names, protocol, opts.seed, wire={"encryption": True})
     by_name = {p.name: p for p in plans}
-    ports = {p.name: p.port for p in plans}
     fed_dir = folder / "fed"
     fed = LocalFederation([by_name[n] for n in daemons], folder / "logs")
     plan_path = None
@@ -725,7 +716,6 @@ def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     daemons = ["pa", "pb", "pc", "pd"]
     names = [*daemons, "m"]
     rounds = 3
-    sources = site_data(folder / "data", len(names), opts.seed, label_fraction=0.5)
     protocol: dict[str, Any] = {
         "name": "fedperl",
         "rounds": rounds,
@@ -738,17 +728,16 @@ def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     secure = "secure_aggregation" in FedPerlParams.model_fields
     if secure:
         protocol["secure_aggregation"] = True
-    plans = provision(
-        folder / "fed",
+    plans, ports = provisioned(
+        folder,
         names,
-        protocol=protocol,
-        data_sources=[str(s) for s in sources],
-        federation=FEDERATION,
-        seed=opts.seed,
-        overrides=overrides(training={"epochs": 3}, wire={"encryption": secure}),
+        protocol,
+        opts.seed,
+        label_fraction=0.5,
+        training={"epochs": 3},
+        wire={"encryption": secure},
     )
     by_name = {p.name: p for p in plans}
-    ports = {p.name: p.port for p in plans}
     fed = LocalFederation([by_name[n] for n in daemons], folder / "logs")
     m = RawPeer(folder / "fed", "m", ports, encrypt=secure)
     target = daemons[-1]
@@ -1163,7 +1152,6 @@ def run_feder(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     folder = fresh(opts.out / "feder")
     names = ["f0", "f1", "f2", "m"]
     daemons = names[:3]
-    sources = site_data(folder / "data", len(names), opts.seed)
     rounds = 2
     protocol = {
         "name": "feder",
@@ -1173,17 +1161,8 @@ def run_feder(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         "round_timeout_s": 30.0,
         "genbuffer": TINY_GAN,
     }
-    plans = provision(
-        folder / "fed",
-        names,
-        protocol=protocol,
-        data_sources=[str(s) for s in sources],
-        federation=FEDERATION,
-        seed=opts.seed,
-        overrides=overrides(),
-    )
+    plans, ports = provisioned(folder, names, protocol, opts.seed)
     by_name = {p.name: p for p in plans}
-    ports = {p.name: p.port for p in plans}
     m = RawPeer(folder / "fed", "m", ports)
     ring = derive_ring(sorted(names), opts.seed, 1)
     victim = ring_successor(ring, "m", set(daemons))[0]

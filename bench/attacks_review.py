@@ -62,19 +62,18 @@ from bench.attack_kit import (
     inconclusive,
     judge_input,
     ledger,
-    overrides,
     poisoned_relay,
     probe_payload,
+    provisioned,
     refused_and_counted,
     say,
-    site_data,
     state_dir,
     verdict,
 )
 from bench.localfed import LocalFederation
 from node.membership import HEARTBEAT
 from node.outbound import REQUEST_PREFIX
-from node.provision import SitePlan, provision
+from node.provision import SitePlan
 from node.transport import MESSAGE_PATH
 from p2pfl.secure import tensors
 from p2pfl.secure.wire import Header
@@ -91,17 +90,7 @@ FUTURE_ROUND = 10**9  # a model no victim has: its request is held (NotReady)
 def federation(
     opts: Options, folder: Path, names: list[str], protocol: dict[str, Any], **extra: Any
 ) -> tuple[list[SitePlan], dict[str, int]]:
-    sources = site_data(fresh(folder) / "data", len(names), opts.seed)
-    plans = provision(
-        folder / "fed",
-        names,
-        protocol=protocol,
-        data_sources=[str(s) for s in sources],
-        federation=FEDERATION,
-        seed=opts.seed,
-        overrides=overrides(**extra),
-    )
-    return plans, {p.name: p.port for p in plans}
+    return provisioned(fresh(folder), names, protocol, opts.seed, federation=FEDERATION, **extra)
 
 
 def say_goodbye(member: RawPeer, victim: Victim, timeout: float) -> None:

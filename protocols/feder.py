@@ -232,6 +232,18 @@ class FedER(RoundLoop):
             return peer, model_bytes, self.own_buffer["images"].numel() if needs_buffer else 0
         return None, 0, 0
 
+    def hold_or_refuse(self, ctx: RoundContext, msg: Received, r: int) -> None:
+        """A relay of another round than `r`: kept for its round if later (a
+        predecessor ahead of us; a few at most), else refused and counted."""
+        if msg.round > r and len(self.early) < EARLY_RELAYS:
+            self.early.append(msg)
+            return
+        log.warning(
+            "%s: relay of round %d from %s refused in round %d", ctx.me, msg.round, msg.sender, r
+        )
+        ctx.reject(msg.sender, "relay_wrong_round")
+        self.refused += 1
+
     async def receive_relay(
         self, ctx: RoundContext, r: int, reference: dict[str, Tensor]
     ) -> Received | None:
@@ -247,29 +259,17 @@ class FedER(RoundLoop):
             remaining = deadline - time.monotonic()
             if not pending and remaining <= 0 and inbox.empty():
                 return None
-            try:
-                msg = (
-                    pending.pop(0)
-                    if pending
-                    else inbox.get_nowait()
-                    if not inbox.empty()
-                    else await asyncio.wait_for(inbox.get(), remaining)
-                )
-            except TimeoutError:
-                return None
+            if pending:
+                msg = pending.pop(0)
+            elif not inbox.empty():
+                msg = inbox.get_nowait()
+            else:
+                try:
+                    msg = await asyncio.wait_for(inbox.get(), remaining)
+                except TimeoutError:
+                    return None
             if msg.round != r:
-                if msg.round > r and len(self.early) < EARLY_RELAYS:
-                    self.early.append(msg)
-                    continue
-                log.warning(
-                    "%s: relay of round %d from %s refused in round %d",
-                    ctx.me,
-                    msg.round,
-                    msg.sender,
-                    r,
-                )
-                ctx.reject(msg.sender, "relay_wrong_round")
-                self.refused += 1
+                self.hold_or_refuse(ctx, msg, r)
                 continue
             if await self.accept(ctx, msg, reference):
                 return msg

@@ -244,6 +244,9 @@ def cmd_roster(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     cfg, roster, identity = load_site(Path(args.config))
     from node.daemon import run_node
+    from p2pfl.learning.site_model import check_dp
+
+    check_dp(cfg, Path(args.config))  # the same refusal as `check`, before anything starts
 
     return run_node(cfg, roster, identity, config_path=Path(args.config))
 

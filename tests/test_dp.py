@@ -104,7 +104,7 @@ def test_batchnorm_is_refused_with_the_fix(digits):
     model = create_model("small_cnn", in_chans=1, num_classes=10, image_size=28)
     section = TrainingSection(dp=DPSection(noise_multiplier=1.0))
     with pytest.raises(TrainingError) as caught:
-        LocalSite(model, digits, section, model_name="small_cnn")
+        LocalSite(model, digits, section, rounds=3, model_name="small_cnn")
     assert caught.value.reason == "dp_unsupported_model"
     assert "BatchNorm" in str(caught.value) and "small_cnn_gn" in str(caught.value)
     assert "\n" not in str(caught.value)
@@ -145,3 +145,49 @@ def test_check_accepts_the_groupnorm_cnn(tmp_path: Path, capsys):
     )
     assert main(["check", "--config", str(tmp_path / "fed" / "a" / "site.yaml")]) == 0
     assert "# ok" in capsys.readouterr().out
+
+
+def test_a_private_site_without_the_runs_rounds_is_refused(digits):
+    """A budget planned for one round would be spent again in every later round:
+    the ε reported as the target would not be the ε spent."""
+    model = create_model("small_cnn_gn", in_chans=1, num_classes=10, image_size=28)
+    section = TrainingSection(dp=DPSection(target_epsilon=3.0))
+    with pytest.raises(TrainingError) as caught:
+        LocalSite(model, digits, section, model_name="small_cnn_gn")
+    assert caught.value.reason == "dp_unplanned"
+
+
+@pytest.mark.parametrize("protocol", ["fedmae", "fedbeit"])
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_self_supervised_protocols_refuse_dp_in_check_and_run(
+    tmp_path: Path, capsys, protocol, command
+):
+    """The one DP guard: `run` refuses what `check` refuses, in one line, before
+    a node starts. Before it, `run` of Fed-BEiT trained its tokenizer under a
+    budget planned for one round (ε 3 spent in the first of 20 rounds) and
+    Fed-MAE stopped on Opacus's traceback."""
+    provision(
+        tmp_path / "fed",
+        ["a"],
+        protocol={"name": protocol, "rounds": 20},
+        overrides={
+            "model": {"name": "vit_tiny_patch16_224"},
+            "training": {"dp": {"target_epsilon": 3}},
+        },
+    )
+    assert main([command, "--config", str(tmp_path / "fed" / "a" / "site.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"differential privacy is supported for fedavgp2p and fedsgdp2p, not {protocol}" in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "fed" / "a" / "state" / "metrics.jsonl").exists()
+
+
+def test_pretraining_sites_refuse_dp_without_a_site_yaml(digits):
+    """The second line of the guard: a pre-training site built directly."""
+    from p2pfl.learning.beit_site import TokenizerSite
+    from p2pfl.learning.tokenizer import VQTokenizer
+
+    tokenizer = VQTokenizer(in_chans=1, patch_size=4, codebook_size=16)
+    with pytest.raises(TrainingError) as caught:
+        TokenizerSite(tokenizer, digits, TrainingSection(dp=DPSection(target_epsilon=3.0)))
+    assert caught.value.reason == "dp_unsupported"

@@ -64,6 +64,20 @@ class SiteConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _dp_only_where_planned(self) -> SiteConfig:
+        """training.dp is the one guard of `check` and `run` alike: a protocol whose
+        local training is DP-SGD planned over the whole run, or a refusal here."""
+        if self.training.dp is not None:
+            problem = dp_unsupported_setting(
+                self.protocol.name,
+                siamese=self.model.siamese.enabled,
+                devices=self.training.devices,
+            )
+            if problem is not None:
+                raise FieldValueError("training.dp", *problem)
+        return self
+
     # Resolved paths (filled by load_config relative to the config file).
     @property
     def state_dir(self) -> Path:
@@ -81,6 +95,27 @@ class SiteConfig(Section):
             self.identity.agreement_key
             or self.node.state_dir / "keys" / f"{self.node.name}.kex.pem"
         )
+
+
+DP_PROTOCOLS = ("fedavgp2p", "fedsgdp2p")  # the protocols whose local training is DP-SGD
+
+
+def dp_unsupported_setting(protocol: str, *, siamese: bool, devices: int) -> tuple[str, str] | None:
+    """(problem, fix) when training.dp cannot run with this protocol, Siamese
+    head or number of training devices; else None. Only FedAVGP2P and
+    FedSGDP2P plan DP-SGD over their rounds: the self-supervised stages, FedER's
+    GAN and FedPerl's pseudo-labels would spend an unaccounted budget."""
+    if protocol not in DP_PROTOCOLS:
+        return (
+            f"differential privacy is supported for {' and '.join(DP_PROTOCOLS)}, not {protocol}",
+            "remove training.dp or change protocol.name",
+        )
+    if siamese or devices > 1:
+        return (
+            "differential privacy needs one training device and no Siamese head",
+            "set training.devices: 1 and model.siamese.enabled: false",
+        )
+    return None
 
 
 def secure_aggregation_field(protocol: ProtocolParams) -> str | None:

@@ -28,7 +28,6 @@ from p2pfl.config.sections import DPSection
 from p2pfl.learning.errors import TrainingError
 
 DEFAULT_DELTA = 1e-5
-DP_PROTOCOLS = ("fedavgp2p", "fedsgdp2p")  # the protocols whose local training is DP-SGD
 
 
 def unsupported_layers(model: nn.Module) -> list[str]:
@@ -37,24 +36,6 @@ def unsupported_layers(model: nn.Module) -> list[str]:
 
     # Opacus explains at length; the first sentence names the layer and the problem
     return [str(e).split(". ")[0].strip() for e in ModuleValidator.validate(model, strict=False)]
-
-
-def unsupported_setting(
-    protocol: str | None, *, siamese: bool, devices: int
-) -> tuple[str, str] | None:
-    """(problem, fix) when training.dp cannot run with this protocol (None: not
-    known here), Siamese head or number of training devices; else None."""
-    if protocol is not None and protocol not in DP_PROTOCOLS:
-        return (
-            f"differential privacy is supported for {' and '.join(DP_PROTOCOLS)}, not {protocol}",
-            "remove training.dp or change protocol.name",
-        )
-    if siamese or devices > 1:
-        return (
-            "differential privacy needs one training device and no Siamese head",
-            "set training.devices: 1 and model.siamese.enabled: false",
-        )
-    return None
 
 
 def refuse_unsupported(model: nn.Module, model_name: str) -> None:

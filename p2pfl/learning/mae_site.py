@@ -44,7 +44,9 @@ def mae_training_data(data: SiteData) -> SiteData:
 class PretrainingSite(LocalSite):
     """A LocalSite for self-supervised training (Fed-MAE, Fed-BEiT and its
     tokenizer): every local image, labelled or not, is training data; it runs
-    in one process. `method` names it in the refusal."""
+    in one process and never privately (no DP-SGD plan covers its stages; the
+    site.yaml's guard refuses training.dp first, this is the second line).
+    `method` names it in the refusals."""
 
     method = "self-supervised pre-training"
 
@@ -61,6 +63,12 @@ class PretrainingSite(LocalSite):
             raise TrainingError(
                 "data_parallel_unsupported",
                 f"{self.method} runs in one process — set training.devices: 1",
+            )
+        if training.dp is not None:
+            raise TrainingError(
+                "dp_unsupported",
+                f"training.dp: differential privacy is not planned for {self.method} "
+                "— remove training.dp",
             )
         super().__init__(model, mae_training_data(data), training, augment=augment, device=device)
 

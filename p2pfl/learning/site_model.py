@@ -73,19 +73,15 @@ def check_model_name(cfg: SiteConfig, path: str | Path) -> None:
 
 
 def check_dp(cfg: SiteConfig, path: str | Path) -> None:
-    """`p2pfl-node check` of training.dp: a protocol whose local training is
-    DP-SGD, and a model Opacus can take per-sample gradients of (builds the
-    model with random weights, nothing else)."""
-    from p2pfl.learning.dp import refuse_unsupported, unsupported_setting
+    """What `p2pfl-node check` and `run` both ask of training.dp beyond the
+    site.yaml's own guard (a protocol whose local training is DP-SGD, checked
+    when the file loads): a model Opacus can take per-sample gradients of
+    (builds the model with random weights, nothing else)."""
+    from p2pfl.learning.dp import refuse_unsupported
     from p2pfl.learning.errors import TrainingError
 
     if cfg.training.dp is None:
         return
-    problem = unsupported_setting(
-        cfg.protocol.name, siamese=cfg.model.siamese.enabled, devices=cfg.training.devices
-    )
-    if problem is not None:
-        raise ConfigError(path, "training.dp", *problem)
     model = create_model(
         cfg.model.name,
         in_chans=cfg.data.channels,

@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from p2pfl.config import SiameseSection, SiteConfig, TrainingSection
+from p2pfl.config.site import dp_unsupported_setting
 from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
 from p2pfl.learning.devices import resolve_device
-from p2pfl.learning.dp import DPTraining, refuse_unsupported, unsupported_setting
+from p2pfl.learning.dp import DPTraining, refuse_unsupported
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import (
     CALIBRATION_IMAGES,
@@ -54,9 +55,11 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def refuse_dp_setting(protocol: str | None, *, siamese: bool, devices: int) -> None:
-    """TrainingError when training.dp cannot run this way (`dp.unsupported_setting`)."""
-    problem = unsupported_setting(protocol, siamese=siamese, devices=devices)
+def refuse_dp_setting(protocol: str, *, siamese: bool, devices: int) -> None:
+    """TrainingError when training.dp cannot run this way (the config's own
+    guard, `p2pfl.config.site.dp_unsupported_setting`, for a site built without
+    a site.yaml)."""
+    problem = dp_unsupported_setting(protocol, siamese=siamese, devices=devices)
     if problem is not None:
         raise TrainingError("dp_unsupported", f"training.dp: {problem[0]} — {problem[1]}")
 
@@ -115,11 +118,15 @@ class LocalSite:
         augment: str = "none",
         siamese: SiameseSection | None = None,
         device: str | torch.device | None = None,
-        rounds: int = 1,
+        rounds: int | None = None,
         model_name: str | None = None,
+        dp_protocol: str = "fedavgp2p",
     ) -> None:
-        """`rounds` (the protocol's) and `model_name` serve training.dp: the steps a
-        target ε is planned over, and the model named in a refusal."""
+        """`rounds` (the protocol's, the whole run), `dp_protocol` (whose local
+        training this is) and `model_name` serve training.dp: the steps a target ε
+        is planned over, the protocol that must plan DP-SGD, and the model named
+        in a refusal. A private site without `rounds` is refused: a plan for fewer
+        rounds than the run would spend more than the ε it reports as its target."""
         if augment not in ("none", "weak", "strong"):
             raise ValueError(f"augment must be 'none', 'weak' or 'strong', got {augment!r}")
         self.training = training
@@ -147,12 +154,20 @@ class LocalSite:
         self._eval_chunk: int | None = None
         self.dp: DPTraining | None = None
         if training.dp is not None:
+            refuse_dp_setting(
+                dp_protocol, siamese=self.siamese is not None, devices=training.devices
+            )
+            if rounds is None:
+                raise TrainingError(
+                    "dp_unplanned",
+                    "training.dp: the site was built without the run's rounds, so no privacy "
+                    "budget can be planned — build it with rounds=protocol.rounds",
+                )
             self._make_private(training, rounds, model_name or type(model).__name__)
 
     def _make_private(self, training: TrainingSection, rounds: int, model_name: str) -> None:
         """training.dp: Opacus's per-sample gradients on this model, its DPOptimizer
         around the optimizer, its accountant (`p2pfl.learning.dp`)."""
-        refuse_dp_setting(None, siamese=self.siamese is not None, devices=training.devices)
         assert training.dp is not None
         refuse_unsupported(self.model, model_name)
         self.dp = DPTraining(
@@ -178,12 +193,6 @@ class LocalSite:
             num_classes=data.num_classes,
             image_size=data.image_size,
         )
-        if cfg.training.dp is not None:
-            refuse_dp_setting(
-                cfg.protocol.name,
-                siamese=cfg.model.siamese.enabled,
-                devices=cfg.training.devices,
-            )
         return cls(
             model,
             data,
@@ -192,6 +201,7 @@ class LocalSite:
             siamese=cfg.model.siamese if cfg.model.siamese.enabled else None,
             rounds=int(getattr(cfg.protocol, "rounds", 1) or 1),
             model_name=cfg.model.name,
+            dp_protocol=cfg.protocol.name,
         )
 
     def reset_optimizer(self) -> None:

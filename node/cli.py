@@ -93,12 +93,16 @@ def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from p2pfl.learning.site_model import check_dp, check_model_name  # torch: this command only
+    from p2pfl.learning.dp_recipe import recipe_settings  # torch: this command only
+    from p2pfl.learning.site_model import check_dp, check_model_name
 
     cfg, roster, _ = load_site(Path(args.config))
     check_model_name(cfg, Path(args.config))
     check_dp(cfg, Path(args.config))
     print(dump_config(cfg), end="")
+    recipe = recipe_settings(cfg.training)
+    if recipe is not None:
+        print("# training recipe in effect: " + "; ".join(f"{k}: {v}" for k, v in recipe.items()))
     print(
         f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"
     )

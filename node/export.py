@@ -28,6 +28,7 @@ from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
 from p2pfl.files import atomic_write_text
 from p2pfl.learning.dp import DEFAULT_DELTA
+from p2pfl.learning.dp_recipe import recipe_settings
 from p2pfl.learning.export import FORMATS, Architecture, ExportError, write_package
 from p2pfl.learning.metrics import classification_report
 from p2pfl.learning.train import LocalSite
@@ -105,7 +106,9 @@ def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
         "noise_multiplier": float(last.get("dp_noise_multiplier", float("nan"))),
         "max_grad_norm": dp.max_grad_norm,
         "target_epsilon": dp.target_epsilon,
-        "accountant": "Opacus RDP, sample rate batch/train images (shuffled batches)",
+        "accountant": "Opacus RDP, Poisson sampling at rate expected batch / train images",
+        "sample_rate": float(last.get("dp_sample_rate", float("nan"))),
+        "recipe": recipe_settings(cfg.training),
     }
 
 
@@ -257,7 +260,9 @@ def card_markdown(card: dict[str, Any]) -> str:
             if dp is None
             else f"DP-SGD (Opacus), ε = {dp['epsilon']:.2f} at δ = {dp['delta']:g} for this "
             f"model, ε = {dp['epsilon_site_total']:.2f} spent by the site in all; noise "
-            f"multiplier {dp['noise_multiplier']:.3f}, clipping norm {dp['max_grad_norm']}"
+            f"multiplier {dp['noise_multiplier']:.3f}, clipping norm {dp['max_grad_norm']}, "
+            f"Poisson sampling at rate {dp['sample_rate']:.4f}; recipe: "
+            + ", ".join(f"{k} {v}" for k, v in (dp["recipe"] or {}).items())
         ),
         "",
         "## Files",

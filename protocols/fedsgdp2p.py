@@ -57,6 +57,8 @@ def steps_per_round(site: LocalSite) -> int:
     """Optimizer steps of one round: training.steps_per_round when set (a site
     with no batch of 2 samples does none), else epochs x batches of at least 2
     samples (what BatchNorm can train on), each epoch capped at max_steps_per_epoch."""
+    if site.recipe is not None:  # training.recipe dp: its Poisson batches
+        return site.steps_per_round()
     t = site.training
     n = site.num_train
     if t.steps_per_round is not None:

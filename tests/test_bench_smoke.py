@@ -107,3 +107,23 @@ def test_failed_site_benchmark_compares_survivors_alone_with_them_beside_a_faile
     assert result["survivors_finished"] and result["round_ratio"] is not None
     # had the failed site been waited for, a round would last its 60 s timeout
     assert result["round_s_with_failed"] < 30
+
+
+@pytest.mark.slow
+def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without_dp(tmp_path):
+    """Every private arm beside the like-for-like non-private recipe and the
+    standard training, each with the recipe it ran, ε as Opacus's accountant."""
+    result = last_json(
+        [
+            "bench.dp_utility", "--data", "digits", "--nodes", "2", "--rounds", "1",
+            "--epsilons", "8", "--seeds", "0", "--out", str(tmp_path),
+        ],  # fmt: skip
+        timeout=400,
+    )
+    assert list(result["table"]) == ["8", "∞ recipe", "∞ standard"]
+    assert result["table"]["8"]["recipe"]["sampling"].startswith("poisson")
+    assert result["table"]["∞ recipe"]["recipe"]["augmult"] == 4
+    assert result["table"]["∞ standard"]["recipe"]["recipe"] == "standard"
+    assert "points_below_non_dp_recipe" in result["table"]["8"]
+    assert result["epsilon_reported_vs_opacus_max_gap"] < 1e-9 and result["within_target"]
+    assert (tmp_path / "dp_utility.png").stat().st_size > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from opacus.accountants.utils import get_noise_multiplier
 
 from node.cli import main
 from node.provision import provision
-from p2pfl.config.sections import DataSection, DPSection, TrainingSection
+from p2pfl.config.sections import DataSection, DPRecipeSection, DPSection, TrainingSection
 from p2pfl.learning.data import load_site_data
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.models import create_model
@@ -26,9 +27,10 @@ def digits():
 def private_site(
     digits, dp: DPSection, *, rounds: int = 3, steps: int = 4, **training
 ) -> LocalSite:
-    section = TrainingSection(dp=dp, max_steps_per_epoch=steps, optimizer="sgd", **training)
-    model = create_model("small_cnn_gn", in_chans=1, num_classes=10, image_size=28)
-    return LocalSite(model, digits, section, rounds=rounds, model_name="small_cnn_gn")
+    section = TrainingSection(dp=dp, max_steps_per_epoch=steps, **training)
+    torch.manual_seed(0)
+    model = create_model("small_cnn_ws", in_chans=1, num_classes=10, image_size=28)
+    return LocalSite(model, digits, section, rounds=rounds, model_name="small_cnn_ws")
 
 
 def opacus_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
@@ -38,19 +40,25 @@ def opacus_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
     return accountant.get_epsilon(delta=delta)
 
 
+def recipe_q(digits) -> float:
+    """The Poisson sampling rate of the recipe's default expected batch."""
+    n_train = len(digits.train)
+    return min(DPRecipeSection().batch_size, n_train) / n_train
+
+
 def test_the_epsilon_a_site_reports_is_opacus_accountants_for_its_steps(digits):
     site = private_site(digits, DPSection(noise_multiplier=1.1, delta=1e-5))
     assert site.dp is not None and site.dp.epsilon == 0.0
     fit = site.train_epochs()
     assert fit["steps"] == 4 == site.dp.steps
-    n_train = len(digits.train)
-    q = 32 / n_train
+    q = recipe_q(digits)
     assert site.dp.sample_rate == pytest.approx(q)
+    assert site.dp.summary()["sampling"] == "poisson"
     assert site.dp.epsilon == pytest.approx(opacus_epsilon(1.1, q, 4, 1e-5), rel=1e-12)
     site.train_epochs()  # a second round: the spending adds up
     assert site.dp.epsilon == pytest.approx(opacus_epsilon(1.1, q, 8, 1e-5), rel=1e-12)
     # FedSGDP2P's per-step gradients are private steps too
-    x, y = next(site.batches("train"))
+    x, y = next(site.training_batches(1))
     site.compute_gradient(x, y)
     assert site.dp.steps == 9
     # a resumed node restores what it spent
@@ -62,9 +70,8 @@ def test_the_epsilon_a_site_reports_is_opacus_accountants_for_its_steps(digits):
 def test_a_target_epsilon_is_met_by_the_end_of_the_planned_rounds(digits):
     rounds, steps = 3, 4
     site = private_site(digits, DPSection(target_epsilon=2.0), rounds=rounds, steps=steps)
-    q = 32 / len(digits.train)
     expected_sigma = get_noise_multiplier(
-        target_epsilon=2.0, target_delta=1e-5, sample_rate=q, steps=rounds * steps
+        target_epsilon=2.0, target_delta=1e-5, sample_rate=recipe_q(digits), steps=rounds * steps
     )
     assert site.dp.noise_multiplier == pytest.approx(expected_sigma)
     for _ in range(rounds):
@@ -73,31 +80,133 @@ def test_a_target_epsilon_is_met_by_the_end_of_the_planned_rounds(digits):
     assert 1.8 < site.dp.epsilon <= 2.0 + 1e-9
 
 
-def test_each_sample_is_clipped_and_noise_is_added(digits):
-    """Without noise an SGD step moves the weights by at most lr x max_grad_norm
-    (the mean of per-sample gradients clipped to that norm), however large the
-    loss; with noise the same batch gives a different step."""
-    torch.manual_seed(0)
-    clip = 1e-3
-    site = private_site(
-        digits, DPSection(noise_multiplier=0.0, max_grad_norm=clip), steps=1, lr=1.0
+def test_batches_are_poisson_samples_of_the_expected_size(digits):
+    """Every image joins a step independently with probability q: batch sizes
+    vary around q x n, each image's frequency is about q, and a run repeats."""
+    site = private_site(digits, DPSection(noise_multiplier=1.0))
+    assert site.recipe is not None
+    sizes, hits = [], torch.zeros(len(digits.train))
+    images = digits.train.tensors[0].flatten(1)
+    index = {bytes(row.numpy().tobytes()): i for i, row in enumerate(images)}
+    for _ in range(200):
+        x, _ = site.recipe.poisson_batch()
+        sizes.append(len(x))
+        for row in x.flatten(1):
+            hits[index[bytes(row.numpy().tobytes())]] += 1
+    q = recipe_q(digits)
+    mean = sum(sizes) / len(sizes)
+    assert abs(mean - q * len(digits.train)) < 6  # sd of the mean of 200 draws is ~1.0
+    assert len(set(sizes)) > 10  # not fixed-size batches
+    assert abs(float(hits.mean()) / 200 - q) < 0.01
+    again = private_site(digits, DPSection(noise_multiplier=1.0))
+    assert torch.equal(
+        again.recipe.poisson_batch()[1],
+        private_site(digits, DPSection(noise_multiplier=1.0)).recipe.poisson_batch()[1],
     )
-    before = torch.cat([p.detach().flatten().clone() for p in site.model.parameters()])
-    site.train_epochs()
-    after = torch.cat([p.detach().flatten() for p in site.model.parameters()])
-    moved = float((after - before).norm())
-    assert 0 < moved <= 1.0 * clip * (1 + 1e-4)
 
-    x, y = next(site.batches("train"))
-    plain = private_site(digits, DPSection(noise_multiplier=0.0), steps=1)
-    noisy = private_site(digits, DPSection(noise_multiplier=2.0), steps=1)
+
+def _step_delta(site: LocalSite, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The change of the weights by one step on batch (x, y)."""
+    before = torch.cat([p.detach().flatten().clone() for p in site.model.parameters()])
+    site.optimizer.zero_grad(set_to_none=True)
+    site.recipe.accumulate(x, y)
+    site.optimizer.step()
+    return torch.cat([p.detach().flatten() for p in site.model.parameters()]) - before
+
+
+def test_one_image_moves_a_step_by_at_most_lr_clip_over_the_batch(digits):
+    """The sensitivity the noise is calibrated to: adding one image, however
+    large its loss and whatever its class weight or its augmented views, changes
+    a noise-free step by at most lr x C / expected batch. Attacked with a
+    mislabelled, saturated image in a small physical batch (virtual steps)."""
+    clip, lr = 0.5, 1.0
+    training = {
+        "augmult": 3,
+        "physical_batch_size": 5,
+        "lr": lr,
+        "ema_decay": 0.0,
+        "batch_size": 64,
+    }
+    x, y = next(digits_batches(digits, 12))
+    odd_x = torch.full_like(x[:1], 40.0)
+    odd_y = (y[:1] + 1) % 10
+    deltas = []
+    for xs, ys in ((x, y), (torch.cat([x, odd_x]), torch.cat([y, odd_y]))):
+        torch.manual_seed(0)
+        site = private_site(
+            digits,
+            DPSection(noise_multiplier=0.0, max_grad_norm=clip),
+            dp_recipe=DPRecipeSection(**training),
+            class_weighted=True,
+        )
+        deltas.append(_step_delta(site, xs, ys))
+    shift = float((deltas[1] - deltas[0]).norm())
+    assert 0 < shift <= lr * clip / 64 * (1 + 1e-4)
+
+
+def test_class_weights_survive_clipping(digits):
+    """With every per-sample gradient clipped, a class-weighted loss would give
+    each image the same norm C; the recipe's weights after clipping keep a
+    minority image worth more than a majority one (and never more than C)."""
+    x, y = next(digits_batches(digits, 400))
+    keep = (y == 0) | (y == 1)
+    x, y = x[keep], y[keep]
+    skewed = [i for i, label in enumerate(y.tolist()) if label == 0][:5] + [
+        i for i, label in enumerate(y.tolist()) if label == 1
+    ][:40]
+    site = private_site(
+        digits,
+        DPSection(noise_multiplier=0.0, max_grad_norm=1e-3),
+        dp_recipe=DPRecipeSection(lr=1.0, ema_decay=0.0, augmult=1, batch_size=64),
+        class_weighted=True,
+    )
+    site.recipe.class_scale = torch.tensor([1.0, 5 / 40] + [1.0] * 8)
+    xs, ys = x[skewed], y[skewed]
+    norms = {}
+    for label in (0, 1):
+        torch.manual_seed(0)
+        state = {k: v.clone() for k, v in site.state_dict().items()}
+        one = xs[ys == label][:1]
+        norms[label] = float(_step_delta(site, one, ys[ys == label][:1]).norm())
+        site.load_state_dict(state)
+    assert norms[0] == pytest.approx(1e-3 / 64, rel=1e-3)  # clipped to C, weight 1
+    assert norms[1] == pytest.approx(1e-3 / 64 * 5 / 40, rel=1e-3)  # then scaled by 5/40
+
+
+def test_noise_is_added_to_the_private_gradient(digits):
+    x, y = next(digits_batches(digits, 64))
+    plain = private_site(digits, DPSection(noise_multiplier=0.0))
+    noisy = private_site(digits, DPSection(noise_multiplier=2.0))
     noisy.load_state_dict(plain.state_dict())
+    torch.manual_seed(0)
     g0 = plain.compute_gradient(x, y)
+    torch.manual_seed(0)
     g1 = noisy.compute_gradient(x, y)
     differences = [float((g0[k] - g1[k]).abs().max()) for k in g0]
-    assert max(differences) > 1e-3  # noise of std 2 x 1.0 / 32 per coordinate
-    per_sample_bound = max(float(v.norm()) for v in g0.values())
-    assert per_sample_bound <= 1.0 + 1e-4  # the mean of clipped gradients
+    assert max(differences) > 1e-3  # noise of std 2 x 1.0 / 256 per coordinate
+    total = float(torch.cat([v.flatten() for v in g0.values()]).norm())
+    assert total <= 1.0 * len(y) / 256 * (1 + 1e-4)  # the sum of clipped gradients / B
+
+
+def test_the_non_private_recipe_trains_the_same_batches_without_noise(digits):
+    """training.recipe: dp alone is the like-for-like baseline of the benchmark:
+    the same Poisson batches and steps, no clipping, no noise, no accountant."""
+    section = TrainingSection(recipe="dp", max_steps_per_epoch=3)
+    model = create_model("small_cnn_ws", in_chans=1, num_classes=10, image_size=28)
+    site = LocalSite(model, digits, section, model_name="small_cnn_ws")
+    assert site.dp is None and site.recipe is not None
+    assert site.optimizer.__class__.__name__ == "SGD"
+    private = private_site(digits, DPSection(noise_multiplier=1.0), steps=3)
+    assert [len(b[1]) for b in site.training_batches(1)] == [
+        len(b[1]) for b in private.training_batches(1)
+    ]
+    fit = site.train_epochs()
+    assert fit["steps"] == 3 and math.isfinite(fit["loss"])
+
+
+def digits_batches(digits, size: int):
+    images, labels = digits.train.tensors
+    yield images[:size], labels[:size]
 
 
 def test_batchnorm_is_refused_with_the_fix(digits):
@@ -106,7 +215,7 @@ def test_batchnorm_is_refused_with_the_fix(digits):
     with pytest.raises(TrainingError) as caught:
         LocalSite(model, digits, section, rounds=3, model_name="small_cnn")
     assert caught.value.reason == "dp_unsupported_model"
-    assert "BatchNorm" in str(caught.value) and "small_cnn_gn" in str(caught.value)
+    assert "BatchNorm" in str(caught.value) and "small_cnn_ws" in str(caught.value)
     assert "\n" not in str(caught.value)
 
 
@@ -144,7 +253,11 @@ def test_check_accepts_the_groupnorm_cnn(tmp_path: Path, capsys):
         overrides={"model": {"name": "small_cnn_gn"}, "training": {"dp": {"target_epsilon": 8}}},
     )
     assert main(["check", "--config", str(tmp_path / "fed" / "a" / "site.yaml")]) == 0
-    assert "# ok" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "# ok" in out
+    # check shows the recipe training.dp trains with
+    assert "# training recipe in effect: recipe: dp (De et al. 2022); sampling: poisson" in out
+    assert "augmult: 4" in out and "class_balance: after_clipping" in out
 
 
 def test_a_private_site_without_the_runs_rounds_is_refused(digits):
@@ -191,3 +304,26 @@ def test_pretraining_sites_refuse_dp_without_a_site_yaml(digits):
     with pytest.raises(TrainingError) as caught:
         TokenizerSite(tokenizer, digits, TrainingSection(dp=DPSection(target_epsilon=3.0)))
     assert caught.value.reason == "dp_unsupported"
+
+
+def test_per_sample_gradients_of_the_weight_standardized_cnn_are_exact():
+    """Opacus has no rule for WSConv2d and takes its per-sample gradients with
+    functorch, through the standardization: they must equal the gradients of
+    each image alone, or clipping would bound the wrong vector."""
+    import warnings
+
+    from opacus import GradSampleModule
+
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    torch.manual_seed(0)
+    model = create_model("small_cnn_ws", in_chans=1, num_classes=2, image_size=28)
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 1, 0])
+    hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+    torch.nn.functional.cross_entropy(hooked(x), y).backward()
+    per_sample = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    hooked._close()
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            assert torch.allclose(p.grad, per_sample[name][i], atol=1e-5), name

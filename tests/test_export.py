@@ -182,6 +182,8 @@ def test_every_format_round_trips_to_the_nodes_own_classes(trained, tmp_path, ca
     model_round = card["model"]["round"]
     assert dp["epsilon"] == pytest.approx(rows[model_round - 1]["dp_epsilon"])
     assert dp["epsilon_site_total"] == pytest.approx(rows[-1]["dp_epsilon"])
+    assert dp["recipe"]["sampling"].startswith("poisson") and dp["recipe"]["augmult"] == 4
+    assert dp["sample_rate"] == pytest.approx(rows[-1]["dp_sample_rate"])
     assert dp["delta"] == 1e-5 and dp["target_epsilon"] == 4.0
     text = (out / "model_card.md").read_text()
     assert f"ε = {dp['epsilon']:.2f} at δ = 1e-05" in text and f"macro-F1 {macro:.3f}" in text

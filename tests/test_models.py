@@ -83,7 +83,7 @@ def test_weights_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_unknown_model_lists_known_names() -> None:
     with pytest.raises(
-        ModelError, match="known models are small_cnn, small_cnn_gn, efficientnet_b0"
+        ModelError, match="known models are small_cnn, small_cnn_gn, small_cnn_ws, efficientnet_b0"
     ) as err:
         create_model("resnet9000", in_chans=1, num_classes=2, image_size=28)
     assert err.value.reason == "unknown_model"

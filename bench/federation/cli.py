@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         """--SECTION-option KEY=VALUE (repeatable): another SECTION: field of every node."""
         parser.add_argument(
             f"--{section}-option",
-            dest=f"{section}_options",
+            dest=f"{section.replace('-', '_')}_options",
             type=_protocol_option,
             action="append",
             default=[],
@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     section_option("protocol", "e.g. aggregation=median")
+    spec_option(
+        "--recipe",
+        choices=("standard", "dp"),
+        help="training.recipe of every node (dp: training.dp's recipe, also without DP)",
+    )
+    section_option("dp-recipe", "e.g. lr=1.0: a training.dp_recipe field")
     spec_option(
         "--lpips-backbone",
         choices=("alex", "vgg", "squeeze", "random"),
@@ -240,6 +246,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         timeout_s=args.timeout,
         protocol_options=tuple(args.protocol_options),
         genbuffer_options=tuple(args.genbuffer_options),
+        dp_recipe_options=tuple(args.dp_recipe_options),
     )
 
 

@@ -43,6 +43,8 @@ class RunSpec:
     min_per_site: int | None = None  # partition_dataset's min_per_site
     dp_target_epsilon: float | None = None  # training.dp.target_epsilon (None: no DP)
     dp_max_grad_norm: float = 1.0  # training.dp.max_grad_norm
+    recipe: str = "standard"  # training.recipe (training.dp sets dp)
+    dp_recipe_options: tuple[tuple[str, Any], ...] = ()  # training.dp_recipe fields
     round_timeout_s: float | None = None
     startup_wait_s: float = 60.0
     timeout_s: float = 1800.0
@@ -108,6 +110,10 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
         training["max_steps_per_epoch"] = spec.max_steps_per_epoch
     if spec.steps_per_round is not None:
         training["steps_per_round"] = spec.steps_per_round
+    if spec.recipe != "standard":
+        training["recipe"] = spec.recipe
+    if spec.dp_recipe_options:
+        training["dp_recipe"] = dict(spec.dp_recipe_options)
     if spec.dp_target_epsilon is not None:
         training["dp"] = {
             "target_epsilon": spec.dp_target_epsilon,

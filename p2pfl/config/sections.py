@@ -150,6 +150,49 @@ class DPSection(Section):
         return self
 
 
+class DPRecipeSection(Section):
+    """How a site trains under training.dp (and, for a like-for-like baseline,
+    with training.recipe: dp alone): De et al. 2022, "Unlocking high-accuracy
+    differentially private image classification through scale" (Sec. 3),
+    scaled to a hospital site of a few hundred to a few thousand images.
+    `p2pfl.learning.dp_recipe` says what each setting does and why."""
+
+    batch_size: int = Field(
+        256,
+        ge=2,
+        description="expected logical batch: each image joins a step's batch with probability "
+        "batch_size / train images (Poisson sampling; capped at the site's images)",
+    )
+    physical_batch_size: int = Field(
+        64, ge=1, description="images per forward/backward pass (virtual steps; memory only)"
+    )
+    augmult: int = Field(
+        4,
+        ge=1,
+        description="augmentation multiplicity: each image's gradient is the mean over this "
+        "many augmented views before clipping (De et al. Sec. 3.3)",
+    )
+    lr: float = Field(
+        1.0,
+        gt=0.0,
+        description="SGD learning rate for the mean clipped gradient (chosen on validation: "
+        "docs, bench.dp_utility)",
+    )
+    ema_decay: float = Field(
+        0.9,
+        ge=0.0,
+        lt=1.0,
+        description="per-step EMA of the parameters over a round's steps, which becomes the "
+        "round's model (0: off); post-processing, so free of privacy cost",
+    )
+    class_balance: Literal["after_clipping", "none"] = Field(
+        "after_clipping",
+        description="the site's class weights, scaled to at most 1, multiply each clipped "
+        "per-sample gradient: minority classes keep their weight and the sensitivity stays "
+        "max_grad_norm",
+    )
+
+
 class TrainingSection(Section):
     epochs: int = Field(1, ge=1, description="local epochs per round (E)")
     batch_size: int = Field(32, ge=1)
@@ -198,8 +241,25 @@ class TrainingSection(Section):
     dp: DPSection | None = Field(
         None,
         description="differentially private local training (Opacus: per-sample clipping, "
-        "noise, RDP accountant); FedAVGP2P and FedSGDP2P only",
+        "noise, RDP accountant); FedAVGP2P and FedSGDP2P only; trains with the dp recipe",
     )
+    recipe: Literal["standard", "dp"] = Field(
+        "standard",
+        description="dp: train with dp_recipe (Poisson batches, augmentation multiplicity, "
+        "class balance after clipping, EMA, SGD); set by training.dp, or alone for a "
+        "non-private baseline of the same recipe",
+    )
+    dp_recipe: DPRecipeSection = DPRecipeSection()
+
+    @model_validator(mode="after")
+    def _dp_trains_with_its_recipe(self) -> TrainingSection:
+        if self.dp is not None:
+            if "recipe" in self.model_fields_set and self.recipe != "dp":
+                raise ValueError(
+                    "training.dp trains with the DP recipe: remove training.recipe: standard"
+                )
+            self.recipe = "dp"
+        return self
 
 
 class SelectionSection(Section):

@@ -9,12 +9,13 @@ sample rate batch_size / train images per optimizer step. With
 `target_epsilon`, the noise multiplier is the one Opacus computes for the
 whole run (the protocol's rounds x the steps of a round) at `delta`.
 
-Batches are shuffled fixed-size batches, as Opacus's `make_private` makes with
-`poisson_sampling=False`; the accountant's bound assumes Poisson subsampling
-(the usual approximation; docs/threat-model.md). Everything a site shares
-afterwards (models, FedSGDP2P's noised gradients) is post-processing, so ε is
-the site's guarantee for its training images against anyone who sees what it
-sent, peers included.
+Batches are Poisson-sampled (each image joins a step with probability q =
+expected batch / train images), the subsampling the RDP accountant's bound is
+proved for, and the site trains with the recipe of `p2pfl.learning.dp_recipe`
+(large batches, augmentation multiplicity, class balance after clipping, EMA).
+Everything a site shares afterwards (models, FedSGDP2P's noised gradients) is
+post-processing, so ε is the site's guarantee for its training images against
+anyone who sees what it sent, peers included.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def refuse_unsupported(model: nn.Module, model_name: str) -> None:
     problems = unsupported_layers(model)
     if problems:
         fix = (
-            "use model.name: small_cnn_gn (the same CNN with GroupNorm)"
+            "use model.name: small_cnn_ws (the same CNN with GroupNorm and weight "
+            "standardization, the DP recipe's model)"
             if model_name == "small_cnn"
-            else "use a model without BatchNorm (GroupNorm), e.g. small_cnn_gn"
+            else "use a model without BatchNorm (GroupNorm), e.g. small_cnn_ws"
         )
         raise TrainingError(
             "dp_unsupported_model",
@@ -63,7 +65,10 @@ class DPTraining:
         n_train: int,
         batch_size: int,
         total_steps: int,
+        sample_rate: float | None = None,
     ) -> None:
+        """`batch_size` is the expected batch of a step and `sample_rate` its
+        Poisson sampling rate (default batch_size / n_train)."""
         from opacus.accountants import RDPAccountant
         from opacus.accountants.utils import get_noise_multiplier
 
@@ -71,7 +76,9 @@ class DPTraining:
             raise TrainingError("dp_no_data", "training.dp: the site has no training images")
         self.section = section
         self.delta = section.delta if section.delta is not None else DEFAULT_DELTA
-        self.sample_rate = min(1.0, batch_size / n_train)
+        self.sample_rate = (
+            min(1.0, batch_size / n_train) if sample_rate is None else float(sample_rate)
+        )
         self.max_grad_norm = section.max_grad_norm
         self.batch_size = batch_size
         self.total_steps = max(1, total_steps)
@@ -148,4 +155,5 @@ class DPTraining:
             "target_epsilon": self.section.target_epsilon,
             "planned_steps": self.total_steps,
             "accountant": "rdp (opacus)",
+            "sampling": "poisson",
         }

@@ -26,6 +26,7 @@ from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
 from p2pfl.learning.devices import resolve_device
 from p2pfl.learning.dp import DPTraining, refuse_unsupported
+from p2pfl.learning.dp_recipe import RecipeTrainer
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import (
     CALIBRATION_IMAGES,
@@ -140,6 +141,9 @@ class LocalSite:
                 enabled=True, margin=model.margin, embedding_dim=model.embedding_dim
             )
         self.use_amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        if training.recipe == "dp":  # the recipe's optimizer: SGD at dp_recipe.lr
+            training = training.model_copy(update={"optimizer": "sgd", "lr": training.dp_recipe.lr})
+            self.training = training
         self.lr_factor = 1.0  # training.lr_schedule's factor of the current round
         self.optimizer = build_optimizer(self.model, self.training)
         self.class_weighting = class_weighting(data.class_counts("train"), training)
@@ -153,6 +157,7 @@ class LocalSite:
         self._prototypes_stale = True
         self._eval_chunk: int | None = None
         self.dp: DPTraining | None = None
+        self.recipe = RecipeTrainer(self) if training.recipe == "dp" else None
         if training.dp is not None:
             refuse_dp_setting(
                 dp_protocol, siamese=self.siamese is not None, devices=training.devices
@@ -168,12 +173,13 @@ class LocalSite:
     def _make_private(self, training: TrainingSection, rounds: int, model_name: str) -> None:
         """training.dp: Opacus's per-sample gradients on this model, its DPOptimizer
         around the optimizer, its accountant (`p2pfl.learning.dp`)."""
-        assert training.dp is not None
+        assert training.dp is not None and self.recipe is not None
         refuse_unsupported(self.model, model_name)
         self.dp = DPTraining(
             training.dp,
             n_train=len(self.data.train),
-            batch_size=training.batch_size,
+            batch_size=self.recipe.batch_size,
+            sample_rate=self.recipe.sample_rate,
             total_steps=max(1, rounds) * self.steps_per_round(),
         )
         self.dp.attach(self.model)
@@ -229,6 +235,10 @@ class LocalSite:
     def num_train(self) -> int:
         """Labelled training samples: the weight of this site in a weighted average."""
         return len(self.data.train)
+
+    def class_weight_vector(self) -> Tensor | None:
+        """The site's class weights (training.class_weighted), or None."""
+        return self.class_weight
 
     @property
     def num_classes(self) -> int:
@@ -314,6 +324,11 @@ class LocalSite:
         at max_steps_per_epoch), or exactly `steps_per_round` steps cycling through
         reshuffled epochs, so every site does the same work whatever its size.
         Batches of one sample are skipped (BatchNorm cannot train on them)."""
+        if self.recipe is not None:  # training.recipe dp: Poisson batches
+            yield from self.recipe.batches(
+                self.recipe.steps_per_round() // self.training.epochs * epochs
+            )
+            return
         steps = self.training.steps_per_round
         if steps is not None:
             done = 0
@@ -341,6 +356,8 @@ class LocalSite:
     def steps_per_round(self) -> int:
         """The optimizer steps `training_batches` takes in a round, at most (a
         last batch of one sample, which it skips, is counted)."""
+        if self.recipe is not None:
+            return self.recipe.steps_per_round()
         training = self.training
         if training.steps_per_round is not None:
             return training.steps_per_round
@@ -358,6 +375,9 @@ class LocalSite:
         epochs = self.training.epochs if epochs is None else epochs
         start = time.perf_counter()
         self.model.train()
+        if self.recipe is not None:  # training.recipe dp (p2pfl.learning.dp_recipe)
+            losses, count = self.recipe.train_round(epochs)
+            return self.record_fit(losses, count, time.perf_counter() - start)
         losses: list[float] = []
         samples = 0
         for x, y in self.training_batches(epochs):
@@ -464,11 +484,14 @@ class LocalSite:
         (float32). The model is in train mode, so BatchNorm statistics move as in an
         ordinary step. The loss is kept in `self.last_loss`."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(x.to(self.device), y.to(self.device))
-        loss.backward()
-        self.last_loss = float(loss.detach())
-        if self.dp is not None:
+        if self.recipe is not None:  # training.recipe dp: its views, weights and clipping
+            self.recipe.gradient(x, y)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.loss(x.to(self.device), y.to(self.device))
+            loss.backward()
+            self.last_loss = float(loss.detach())
+        if self.recipe is None and self.dp is not None:
             # DP-SGD's gradient: per-sample clipped, noised, averaged (no step)
             self.optimizer.pre_step()  # type: ignore[attr-defined]
             self.dp.step_taken()

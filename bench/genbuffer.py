@@ -5,10 +5,22 @@
 2. Sample a synthetic buffer and train the same small classifier on it and, as the
    baseline, on the site's real images; compare macro-F1 on the real test split.
 3. Privacy audit: project M real training images into W of both generators;
-   and the privacy gate (genbuffer/gate.py) on a buffer of each, against all of
-   the site's training images (gate_pp/ and gate_nopp/: JSON, histogram, and a
-   grid of the closest real images next to their nearest synthetic ones).
-4. Seconds per GAN training iteration at 32 px, batch 32, on this CPU.
+   and the privacy gate (genbuffer/gate.py) on a buffer of each, against the
+   site's training images (gate_pp/ and gate_nopp/: JSON, histogram, and a
+   grid of the closest real images next to their nearest synthetic ones), with
+   its membership test (genbuffer/audit.py): the site holds out
+   --holdout-fraction of its images (stratified, seeded) from GAN training, and
+   the test asks whether the members are nearer to the buffer than the holdout.
+   Two more arms stand for a generator that stored its training images (no
+   generator is trained for them): gate_copy/, a "synthetic" buffer made of
+   every member image itself plus uniform noise of +-2 grey levels, and
+   gate_copy_b/, --buffer-size draws with replacement from the same copies
+   (what such a generator's buffer of B images holds). The gate must refuse both.
+4. Seconds per GAN training iteration at 32 px, batch 32, on this CPU
+   (--timing-iterations 0 skips it).
+
+The GAN, classifiers and buffers see the members only; the real-data baseline
+classifier is trained on the members too.
 
 LPIPS needs torchvision's ImageNet AlexNet/VGG weights, which cannot be
 downloaded here: by default the benchmark runs with the random backbone and says
@@ -46,13 +58,15 @@ import torch.nn.functional as F  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from genbuffer.audit import audit_privacy, write_grid  # noqa: E402
-from genbuffer.buffer import buffer_to_bytes, sample_buffer  # noqa: E402
+from genbuffer.audit import holdout_split  # noqa: E402
+from genbuffer.buffer import buffer_content_hash, buffer_to_bytes, sample_buffer  # noqa: E402
 from genbuffer.checkpoint import load_generator  # noqa: E402
 from genbuffer.config import GenbufferSection  # noqa: E402
 from genbuffer.gate import check_buffer  # noqa: E402
 from genbuffer.privacy import build_perceptual_distance  # noqa: E402
-from genbuffer.train import train_generator  # noqa: E402
+from genbuffer.progress import TrainingProgress  # noqa: E402
+from genbuffer.projection import audit_privacy, write_grid  # noqa: E402
+from genbuffer.train import resolve_device, train_generator  # noqa: E402
 from genbuffer.trainer import GanTrainer, prepare_images  # noqa: E402
 from p2pfl.learning.metrics import macro_f1  # noqa: E402
 from p2pfl.learning.models import create_model  # noqa: E402
@@ -70,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--share", type=float, default=0.25, help="share of the training split this site holds"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device", choices=["cpu", "cuda", "auto"], default="cpu", help="GAN, LPIPS and audits"
+    )
+    p.add_argument("--holdout-fraction", type=float, default=0.2)
+    p.add_argument("--holdout-min-images", type=int, default=50)
     p.add_argument("--resolution", type=int, default=32)
     p.add_argument("--channel-base", type=int, default=512)
     p.add_argument("--channel-max", type=int, default=32)
@@ -80,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage2-iterations", type=int, default=600)
     p.add_argument("--quality-every", type=int, default=200)
     p.add_argument("--stage2-quality-every", type=int, default=50)
+    p.add_argument(
+        "--stage2-degrade-factor",
+        type=float,
+        default=2.5,
+        help="stage 2 stops once the quality score exceeds this x stage 1's (FedER: 2.5); a "
+        "large value runs all --stage2-iterations",
+    )
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--pp-normalization", choices=["pairs", "batch"], default="pairs")
     p.add_argument("--ada-speed-images", type=int, default=100_000)
@@ -158,6 +184,26 @@ def seconds_per_iteration(
     return out
 
 
+def copy_buffer(
+    images: torch.Tensor, labels: torch.Tensor, seed: int, size: int | None = None
+) -> dict[str, Any]:
+    """A memoriser's buffer: member images themselves plus uniform noise of +-2 grey levels;
+    every member once, or `size` draws with replacement (the buffer of B images that a
+    generator which stored every member would sample)."""
+    rng = torch.Generator().manual_seed(seed)
+    if size is not None:
+        picks = torch.randint(0, len(images), (size,), generator=rng)
+        images, labels = images[picks], labels[picks]
+    u8 = ((images.clamp(-1, 1) + 1) * 127.5).round()
+    noise = torch.randint(-2, 3, u8.shape, generator=rng).float()
+    copies = (u8 + noise).clamp(0, 255).to(torch.uint8)
+    return {
+        "images": copies,
+        "labels": labels.long(),
+        "content_hash": buffer_content_hash(copies, labels.long()),
+    }
+
+
 def plot_quality(history: list[dict[str, Any]], path: Path) -> None:
     fig = Figure(figsize=(6, 4), dpi=100)
     FigureCanvasAgg(fig)
@@ -207,11 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         quality_samples=500,
         checkpoint_every=args.quality_every,
         out_dir=out / "gan",
-        device="cpu",
     )
+    device = resolve_device(cfg.device)
     metric = build_perceptual_distance(
-        cfg.lpips_backbone, cfg.lpips_weights, min_size=cfg.lpips_min_size
+        cfg.lpips_backbone, cfg.lpips_weights, min_size=cfg.lpips_min_size, device=device
     )
+    site_u8, site_labels = train_u8, train_labels
+    members, holdout = holdout_split(
+        site_labels, cfg.holdout_fraction, cfg.holdout_min_images, cfg.seed
+    )
+    train_u8, train_labels, holdout_u8 = site_u8[members], site_labels[members], site_u8[holdout]
+    log.info("%d members train the GAN, %d held out", len(members), len(holdout))
 
     # 1. GAN, two stages + reference.
     t0 = time.perf_counter()
@@ -223,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg.out_dir,
         resume=not args.restart,
         metric=metric,
+        progress=TrainingProgress(),
     )
     gan_seconds = time.perf_counter() - t0
     plot_quality(result.history, out / "quality.png")
 
     # 2. Buffer and classifiers.
-    generator, info = load_generator(result.generator_path)
+    generator, info = load_generator(result.generator_path, device)
     buffer = sample_buffer(generator, args.buffer_size, per_class="balanced", seed=args.seed)
     (out / "buffer.bin").write_bytes(buffer_to_bytes(buffer))
     synth_x = buffer["images"].float() / 127.5 - 1
@@ -267,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         picks = np.sort(
             rng.choice(len(train_u8), size=min(args.audit_images, len(train_u8)), replace=False)
         )
-        reference, _ = load_generator(result.reference_path)
+        reference, _ = load_generator(result.reference_path, device)
         audit = audit_privacy(
             generator,
             reference,
@@ -283,30 +336,54 @@ def main(argv: list[str] | None = None) -> int:
             "audit_mean_dist_pp": audit.mean_pp,
             "audit_mean_dist_nopp": audit.mean_nopp,
             "audit_increase": audit.increase,
+            "w_projection_ratio": audit.mean_pp / audit.mean_nopp if audit.mean_nopp else None,
         }
 
     # 3b. The privacy gate on what would leave the site: the buffer of each generator,
-    # checked against all of the site's training images.
+    # and the copy arm, checked against the members with the membership test.
     gate_json: dict[str, Any] = {}
-    generators = {"pp": result.generator_path, "nopp": result.reference_path}
-    for name, path in generators.items():
-        if path is None:
-            continue
-        gen, _ = load_generator(path)
-        candidate = sample_buffer(gen, args.buffer_size, per_class="balanced", seed=args.seed)
-        decision = check_buffer(candidate, train_u8, metric, cfg, out / f"gate_{name}")
+    membership: dict[str, Any] = {}
+    candidates = {
+        name: sample_buffer(
+            load_generator(path, device)[0],
+            args.buffer_size,
+            per_class="balanced",
+            seed=args.seed,
+        )
+        for name, path in (("pp", result.generator_path), ("nopp", result.reference_path))
+        if path is not None
+    }
+    candidates["copy"] = copy_buffer(real_x, real_y, args.seed)
+    candidates["copy_b"] = copy_buffer(real_x, real_y, args.seed, size=args.buffer_size)
+    for name, candidate in candidates.items():
+        decision = check_buffer(
+            candidate,
+            train_u8,
+            metric,
+            cfg,
+            out / f"gate_{name}",
+            holdout_uint8=holdout_u8,
+            seed=args.seed,
+        )
         gate_json.update(
             {
                 f"gate_{name}_released": decision.released,
+                f"gate_{name}_refused_by": decision.refused_by,
                 f"gate_{name}_exposed_fraction": decision.exposed_fraction,
                 f"gate_{name}_nearest_median": decision.nearest_synthetic["median"],
             }
         )
-    if gate_json:
-        gate_json["gate_distance"] = decision.distance
+        membership[name] = {
+            k: v for k, v in decision.membership.items() if k not in ("files", "reason")
+        }
+    gate_json["gate_distance"] = decision.distance
 
-    # 4. Timing.
-    timing = seconds_per_iteration(cfg, real_x, real_y, metric, args.timing_iterations)
+    # 4. Timing (on the CPU, whatever --device is).
+    timing = {"plain": None, "pp": None}
+    if args.timing_iterations > 0:
+        timing = seconds_per_iteration(
+            cfg, real_x, real_y, metric.to("cpu"), args.timing_iterations
+        )
 
     synthetic_f1, real_f1 = float(np.mean(f1_synth)), float(np.mean(f1_real))
     summary = {
@@ -315,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": synthetic_f1 / real_f1 if real_f1 > 0 else None,
         **audit_json,
         **gate_json,
+        "membership": membership,
+        "members": len(members),
+        "holdout": len(holdout),
+        "device": str(device),
         "s_per_iter_cpu": timing["plain"],
         "s_per_iter_cpu_with_pp": timing["pp"],
         "torch_threads": torch.get_num_threads(),
@@ -326,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "synthetic_macro_f1_per_seed": f1_synth,
         "real_macro_f1_per_seed": f1_real,
-        "site_images": len(train_u8),
-        "site_class_counts": np.bincount(train_labels, minlength=num_classes).tolist(),
+        "site_images": len(site_u8),
+        "site_class_counts": np.bincount(site_labels, minlength=num_classes).tolist(),
         "stage1_iterations": result.stage1_iterations,
         "stage1_quality": result.stage1_quality,
         "stage2_iterations": result.stage2_iterations,

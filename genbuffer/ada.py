@@ -143,13 +143,64 @@ class AdaptiveAugment(nn.Module):
         if height != width:
             raise ValueError("AdaptiveAugment expects square images")
         matrix = self.geometric_matrix(batch, height, images.device)
-        grid = F.affine_grid(
-            matrix[:, :2, :].to(images.dtype), list(images.shape), align_corners=False
-        )
-        x = F.grid_sample(
+        grid = F.affine_grid(matrix[:, :2, :].float(), list(images.shape), align_corners=False)
+        x = grid_sample_reflect(images, grid)
+        return self.color(x)
+
+
+# Bilinear grid sampling, reflection padding, align_corners=False, that can be differentiated
+# twice in the image: R1 (the gradient of D(augment(x)) in x) is itself differentiated
+# during D's step, and PyTorch's CUDA grid_sampler_2d_backward has no derivative
+# ("derivative for aten::grid_sampler_2d_backward is not implemented"; the CPU happens to
+# take a differentiable fallback). As StyleGAN2-ADA's grid_sample_gradfix: the sampling
+# is linear in the image, so the derivative of its backward in the incoming gradient is
+# the sampling itself; the grid never needs a second derivative (it has no parameters).
+_BILINEAR, _REFLECTION = 0, 2
+
+
+class _GridSample(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, images: Tensor, grid: Tensor) -> Tensor:
+        ctx.save_for_backward(images, grid)
+        return F.grid_sample(
             images, grid, mode="bilinear", padding_mode="reflection", align_corners=False
         )
-        return self.color(x)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        images, grid = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad_images, grad_grid = _GridSampleBackward.apply(grad_out, images, grid)
+        return grad_images, grad_grid
+
+
+class _GridSampleBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor, images: Tensor, grid: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(grid)
+        grad_images, grad_grid = torch.ops.aten.grid_sampler_2d_backward(
+            grad_out, images, grid, _BILINEAR, _REFLECTION, False, [True, True]
+        )
+        return grad_images, grad_grid
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad2_images: Tensor, grad2_grid: Tensor
+    ) -> tuple[Tensor | None, None, None]:
+        (grid,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        grad2_out = None
+        if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
+            grad2_out = _GridSample.apply(grad2_images, grid)
+        return grad2_out, None, None
+
+
+def grid_sample_reflect(images: Tensor, grid: Tensor) -> Tensor:
+    """F.grid_sample(bilinear, reflection, align_corners=False), twice differentiable in images;
+    computed in fp32 (under bf16 autocast too: the hand-written backward needs one dtype)."""
+    return _GridSample.apply(images.float(), grid.float())
 
 
 @dataclass

@@ -1,223 +1,371 @@
-"""Privacy audit by latent projection (FedER Sec. 4.4, Figs. 3-4).
+"""Membership-inference audit of a synthetic buffer: are the GAN's training images
+nearer to the synthetic set than held-out images of the same site are?
 
-For each of M real training images x we search the generator's W space for the
-w whose image G(w) is closest to x in LPIPS (the projection of Karras et al.
-2020a: Adam on a single w shared by all layers, starting from the class's mean
-w, with latent noise that fades out over the first three quarters of the steps
-and a learning rate that ramps up and then down). A generator that has stored
-its training images reaches small distances; the privacy-preserving one should
-not. We run it for the generators trained with and without the privacy loss
-from the same stage-1 start, and write
+Each site keeps a holdout of its own training images out of GAN training
+(`holdout_split`: `genbuffer.holdout_fraction` of every class, seeded by
+`genbuffer.seed`). For every real image x the audit takes
 
-    audit.json            per-image distances, means, relative increase
-    audit_histogram.png   both distance histograms (Fig. 3)
-    audit_grid.png        rows: real | projection without PP | projection with PP (Fig. 4)
+    nearest(x) = min over synthetic s of d_L(x, s)        (LPIPS, FedER Eq. 4)
+
+and compares members (the images the GAN trained on) with non-members (the
+holdout). The attacker's score is -nearest(x): a member should be closer.
+
+    auc             AUC of that score, members vs holdout (0.5: the attack cannot
+                    tell them apart; 1: every member is closer than every holdout
+                    image); a seeded bootstrap (members and holdout resampled
+                    apart) gives its 95 % interval. This is the AUC of the best
+                    threshold attack on the distance: every threshold is one point
+                    of the ROC curve. `best_threshold` is the distance with the
+                    best balanced accuracy (chosen on the same images: optimistic).
+    dcr_ratio       median nearest(x) over the holdout / median over the members
+                    (distance to the closest record). 1: no difference; > 1: the
+                    members sit closer to the synthetic images than unseen images
+                    of the same site do, which is leakage (< 1 is not).
+    synthetic_closer_to_members
+                    as SDMetrics' DCROverfittingProtection: for each synthetic
+                    image, is its closest real image a member or a holdout image
+                    (members subsampled to the holdout's size)? 0.5 without leakage.
+    near copies     share of members and of holdout images with nearest(x) below
+                    the near-copy distance (the gate's distance), and the excess
+                    members - holdout: a site whose images are simply alike has
+                    near copies in both, memorisation only among the members.
+    control         the same AUC between two random halves of the holdout, which
+                    the GAN never saw: it must be about 0.5. One seeded split is
+                    reported, with the spread of 200 such splits (the attack's
+                    null distribution for this holdout size), because such audits
+                    can report a split bias as membership ("Membership Inference
+                    or Data-Split Bias?", 2025).
+
+Files in `out_dir`: membership_audit.json (figures and per-image distances),
+membership_audit_hist.png and membership_audit_grid.png (closest member and
+holdout images beside their nearest synthetic image). The grid holds private
+images: it stays in the state directory and is never served.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from torch import Tensor
 
 from p2pfl.files import atomic_write_json
 
-from .buffer import to_uint8
-from .privacy import PerceptualDistance
-from .stylegan2 import Generator
+if TYPE_CHECKING:
+    from .config import GenbufferSection
+    from .privacy import PerceptualDistance
 
 log = logging.getLogger(__name__)
 
-AUDIT_JSON = "audit.json"
-AUDIT_HISTOGRAM = "audit_histogram.png"
-AUDIT_GRID = "audit_grid.png"
+MEMBERSHIP_JSON = "membership_audit.json"
+MEMBERSHIP_HISTOGRAM = "membership_audit_hist.png"
+MEMBERSHIP_GRID = "membership_audit_grid.png"
+_CHUNK = 128
+BOOTSTRAP = 1000
+CONTROL_REPEATS = 200
 
 
-@dataclass
-class Projection:
-    images: Tensor  # (M, C, H, W), roughly [-1, 1]: the closest images found (not clamped)
-    distances: Tensor  # (M,) LPIPS distance of each to its target
-    ws: Tensor  # (M, w_dim)
+# ---------------------------------------------------------------------- the holdout
 
 
-def project_to_w(
-    generator: Generator,
-    targets: Tensor,
-    labels: Tensor,
-    metric: PerceptualDistance,
-    *,
-    steps: int = 300,
-    lr: float = 0.1,
-    seed: int = 0,
-) -> Projection:
-    """Find, for every target image, the w minimising LPIPS(G(w), target); keeps the best w seen."""
-    device = next(generator.parameters()).device
-    generator.eval().requires_grad_(False)
-    targets = targets.to(device)
-    labels = labels.long().to(device)
-    class_means = {
-        int(c): generator.class_mean_w(int(c), seed=seed) for c in labels.unique().tolist()
-    }
-    w_start = torch.stack([class_means[int(c)] for c in labels.tolist()])
-    # Spread of W around the mean: scale of the exploration noise.
-    rng = torch.Generator().manual_seed(seed)
+def holdout_split(
+    labels: np.ndarray, fraction: float, min_images: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(members, holdout) indices into `labels`, both sorted and disjoint.
+
+    Stratified: round(fraction x n_c) images of each class c (at most n_c - 1, so
+    every class keeps a member), chosen by a generator seeded with `seed` alone,
+    so the node and the genbuffer CLI hold out the same images. When the holdout
+    would have fewer than `min_images` images, there is none: the membership test
+    would be too noisy to decide on (see GenbufferSection.holdout_min_images).
+    """
+    labels = np.asarray(labels).reshape(-1)
+    everything = np.arange(len(labels))
+    if fraction <= 0:
+        return everything, everything[:0]
+    rng = np.random.default_rng(seed)
+    held: list[np.ndarray] = []
+    for c in np.unique(labels):
+        of_class = np.flatnonzero(labels == c)
+        take = min(int(round(fraction * len(of_class))), len(of_class) - 1)
+        if take > 0:
+            held.append(rng.permutation(of_class)[:take])
+    holdout = np.sort(np.concatenate(held)) if held else everything[:0]
+    if len(holdout) < min_images:
+        return everything, everything[:0]
+    return np.setdiff1d(everything, holdout), holdout
+
+
+# ---------------------------------------------------------------------- distances
+
+
+def embed(metric: PerceptualDistance, images: Tensor) -> Tensor:
+    """LPIPS embeddings on the CPU: d_L(a, b) = ||embed(a) - embed(b)||^2 (privacy.py)."""
+    device = next(metric.parameters()).device
     with torch.no_grad():
-        z = torch.randn(512, generator.z_dim, generator=rng).to(device)
-        sample_labels = labels[torch.randint(0, len(labels), (512,), generator=rng).to(device)]
-        w_std = float(
-            (generator.mapping(z, sample_labels) - w_start.mean(0)).square().sum(1).mean().sqrt()
+        return torch.cat(
+            [
+                metric.embed(images[i : i + _CHUNK].to(device)).cpu()
+                for i in range(0, len(images), _CHUNK)
+            ]
         )
 
-    w = w_start.clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([w], lr=lr, betas=(0.9, 0.999))
-    best_distance = torch.full((len(targets),), math.inf, device=device)
-    best_images = torch.zeros_like(targets)
-    best_ws = w_start.clone()
-    for step in range(steps + 1):
-        t = step / max(steps, 1)
-        noise_scale = w_std * 0.05 * max(0.0, 1.0 - t / 0.75) ** 2
-        # Learning rate: linear warm-up over 5% of the steps, cosine decay over the last 25%.
-        ramp = 0.5 - 0.5 * math.cos(min(1.0, (1.0 - t) / 0.25) * math.pi)
-        ramp *= min(1.0, t / 0.05)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * ramp
-        # The last pass measures the final w without noise.
-        w_noisy = w + torch.randn_like(w) * noise_scale if step < steps else w
-        images = generator.synthesis(w_noisy, noise_mode="const")
-        distances = metric(images, targets)
-        with torch.no_grad():
-            better = distances.detach() < best_distance
-            best_distance = torch.where(better, distances.detach(), best_distance)
-            best_images[better] = images.detach()[better]
-            best_ws[better] = w_noisy.detach()[better]
-        if step == steps:
-            break
-        optimizer.zero_grad(set_to_none=True)
-        distances.sum().backward()
-        optimizer.step()
-    return Projection(images=best_images, distances=best_distance, ws=best_ws)
+
+def nearest(a: Tensor, b: Tensor, exclude_self: bool = False) -> tuple[Tensor, Tensor]:
+    """For each row of a: the smallest squared distance to a row of b, and its index."""
+    b_sq = b.square().sum(1)
+    dists, index = [], []
+    for start in range(0, len(a), _CHUNK):
+        block = a[start : start + _CHUNK]
+        d = (block.square().sum(1)[:, None] + b_sq[None, :] - 2 * block @ b.t()).clamp(min=0)
+        if exclude_self:
+            rows = torch.arange(len(block))
+            d[rows, rows + start] = float("inf")
+        best = d.min(dim=1)
+        dists.append(best.values)
+        index.append(best.indices)
+    return torch.cat(dists), torch.cat(index)
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def distance_auc(members: np.ndarray, others: np.ndarray) -> float:
+    """P(a member is nearer than a non-member) + half the ties: the AUC of score = -distance."""
+    others = np.sort(np.asarray(others, dtype=np.float64))
+    members = np.asarray(members, dtype=np.float64)
+    farther = len(others) - np.searchsorted(others, members, side="right")
+    ties = np.searchsorted(others, members, side="right") - np.searchsorted(
+        others, members, side="left"
+    )
+    return float((farther + 0.5 * ties).sum() / (len(members) * len(others)))
+
+
+def bootstrap_interval(
+    members: np.ndarray, others: np.ndarray, seed: int, reps: int = BOOTSTRAP
+) -> tuple[float, float]:
+    """95 % percentile interval of distance_auc, members and non-members resampled apart."""
+    rng = np.random.default_rng(seed)
+    values = [
+        distance_auc(
+            members[rng.integers(0, len(members), len(members))],
+            others[rng.integers(0, len(others), len(others))],
+        )
+        for _ in range(reps)
+    ]
+    low, high = np.percentile(values, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def best_threshold(members: np.ndarray, others: np.ndarray) -> tuple[float, float]:
+    """(distance, balanced accuracy) of the best rule "member when nearest < distance"."""
+    candidates = np.unique(np.concatenate([members, others]))
+    thresholds = np.concatenate([candidates, [np.inf]])
+    tpr = np.searchsorted(np.sort(members), thresholds, side="left") / len(members)
+    fpr = np.searchsorted(np.sort(others), thresholds, side="left") / len(others)
+    balanced = 0.5 * (tpr + 1.0 - fpr)
+    best = int(np.argmax(balanced))
+    return float(thresholds[best]), float(balanced[best])
+
+
+# ---------------------------------------------------------------------- the audit
 
 
 @dataclass
-class AuditResult:
-    distances_pp: list[float]
-    distances_nopp: list[float]
-    mean_pp: float
-    mean_nopp: float
-    increase: float  # (mean_pp - mean_nopp) / mean_nopp
-    files: dict[str, str]
+class MembershipAudit:
+    """The membership test's figures (no per-image lists: those stay in the JSON file)."""
+
+    available: bool
+    reason: str
+    members: int = 0
+    holdout: int = 0
+    buffer_images: int = 0
+    auc: float | None = None
+    auc_interval: list[float] = field(default_factory=list)  # 95 % bootstrap
+    best_threshold: float | None = None
+    best_balanced_accuracy: float | None = None
+    dcr_members_median: float | None = None
+    dcr_holdout_median: float | None = None
+    dcr_ratio: float | None = None  # holdout / members; > 1 = leakage
+    synthetic_closer_to_members: float | None = None  # 0.5 = none
+    near_copy_distance: float | None = None
+    near_copy_members: float | None = None
+    near_copy_holdout: float | None = None
+    near_copy_excess: float | None = None  # members - holdout
+    control_auc: float | None = None
+    control_interval: list[float] = field(default_factory=list)
+    control_null_range: list[float] = field(default_factory=list)  # 2.5-97.5 % of 200 splits
+    lpips_backbone: str = ""
+    files: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "mean_dist_pp": self.mean_pp,
-            "mean_dist_nopp": self.mean_nopp,
-            "increase": self.increase,
-            "distances_pp": self.distances_pp,
-            "distances_nopp": self.distances_nopp,
-            "files": self.files,
-        }
+        return asdict(self)
 
 
-def _tile(images_u8: np.ndarray, scale: int) -> np.ndarray:
-    """(C, H, W) uint8 -> (H*scale, W*scale[, 3]) for imsave; shows channel 0 unless it is RGB."""
-    img = images_u8[:3].transpose(1, 2, 0) if images_u8.shape[0] == 3 else images_u8[0]
-    return img.repeat(scale, axis=0).repeat(scale, axis=1)
+def no_holdout(reason: str) -> MembershipAudit:
+    return MembershipAudit(available=False, reason=reason)
 
 
-def write_grid(rows: list[Tensor], path: Path, *, min_tile: int = 64, gap: int = 2) -> None:
-    """Rows of [-1, 1] image batches (same shape) -> one PNG, rows top to bottom."""
-    count, channels, height, _ = rows[0].shape
-    scale = max(1, math.ceil(min_tile / height))
-    tiles = [[_tile(to_uint8(r[i]).cpu().numpy(), scale) for i in range(count)] for r in rows]
-    tile_h = height * scale
-    rgb = channels == 3
-    shape = (len(rows) * (tile_h + gap) - gap, count * (tile_h + gap) - gap) + ((3,) if rgb else ())
-    canvas = np.full(shape, 255, dtype=np.uint8)
-    for r, row in enumerate(tiles):
-        for c, tile in enumerate(row):
-            y, x = r * (tile_h + gap), c * (tile_h + gap)
-            canvas[y : y + tile_h, x : x + tile_h] = tile
-    fig = Figure(figsize=(shape[1] / 100, shape[0] / 100), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_axes((0, 0, 1, 1))
-    ax.imshow(canvas, cmap=None if rgb else "gray", vmin=0, vmax=255, interpolation="nearest")
-    ax.axis("off")
-    fig.savefig(path, dpi=100)
-
-
-def write_histogram(
-    distances_nopp: list[float], distances_pp: list[float], path: Path, backbone: str
-) -> None:
-    fig = Figure(figsize=(6, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    upper = max(distances_nopp + distances_pp + [1e-6])
-    bins = np.linspace(0, upper * 1.05, 25)
-    ax.hist(distances_nopp, bins=bins, color="tab:blue", alpha=0.6, label="without privacy loss")
-    ax.hist(distances_pp, bins=bins, color="tab:red", alpha=0.6, label="with privacy loss")
-    ax.set_xlabel(f"LPIPS distance to the projection ({backbone} backbone)")
-    ax.set_ylabel("real images")
-    ax.set_title("Closest synthetic image found by W-space projection")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def audit_privacy(
-    generator_pp: Generator,
-    generator_nopp: Generator,
-    real_images: Tensor,
-    real_labels: Tensor,
+def membership_audit(
+    synthetic: Tensor,
+    members: Tensor,
+    holdout: Tensor,
     metric: PerceptualDistance,
     out_dir: str | Path,
     *,
-    steps: int = 300,
-    lr: float = 0.1,
+    near_copy_distance: float,
     seed: int = 0,
-    grid_columns: int = 16,
-) -> AuditResult:
-    """Project M real images (float, [-1, 1], at the generators' resolution) into both generators' W."""
+    grid_count: int = 8,
+) -> MembershipAudit:
+    """The test on [-1, 1] images of the same shape; writes its files to `out_dir`."""
+    from .projection import write_grid
+
+    if len(holdout) < 2 or len(members) < 1 or len(synthetic) < 1:
+        raise ValueError(
+            f"the membership audit needs members ({len(members)}), at least 2 holdout images "
+            f"({len(holdout)}) and a synthetic image ({len(synthetic)})"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    nopp = project_to_w(
-        generator_nopp, real_images, real_labels, metric, steps=steps, lr=lr, seed=seed
-    )
-    pp = project_to_w(generator_pp, real_images, real_labels, metric, steps=steps, lr=lr, seed=seed)
-    d_pp = pp.distances.cpu().tolist()
-    d_nopp = nopp.distances.cpu().tolist()
-    mean_pp, mean_nopp = float(np.mean(d_pp)), float(np.mean(d_nopp))
-    increase = (mean_pp - mean_nopp) / mean_nopp if mean_nopp > 0 else math.inf
+    e_syn, e_mem, e_hold = embed(metric, synthetic), embed(metric, members), embed(metric, holdout)
+    d_mem_t, i_mem = nearest(e_mem, e_syn)
+    d_hold_t, i_hold = nearest(e_hold, e_syn)
+    d_mem, d_hold = d_mem_t.double().numpy(), d_hold_t.double().numpy()
+
+    auc = distance_auc(d_mem, d_hold)
+    interval = bootstrap_interval(d_mem, d_hold, seed)
+    threshold, balanced = best_threshold(d_mem, d_hold)
+    med_mem, med_hold = float(np.median(d_mem)), float(np.median(d_hold))
+    rng = np.random.default_rng(seed + 1)
+    # SDMetrics-style: equal-size reference sets, closest record of each synthetic image.
+    sub = rng.choice(len(members), size=min(len(members), len(holdout)), replace=False)
+    to_mem, _ = nearest(e_syn, e_mem[torch.as_tensor(sub)])
+    to_hold, _ = nearest(e_syn, e_hold[: len(sub)])
+    closer = float((to_mem < to_hold).double().mean() + 0.5 * (to_mem == to_hold).double().mean())
+    # Control: two random halves of the holdout, which the GAN never saw.
+    half = len(d_hold) // 2
+    perm = rng.permutation(len(d_hold))
+    a, b = d_hold[perm[:half]], d_hold[perm[half:]]
+    control = distance_auc(a, b)
+    control_interval = bootstrap_interval(a, b, seed + 2)
+    null = []
+    for _ in range(CONTROL_REPEATS):
+        p = rng.permutation(len(d_hold))
+        null.append(distance_auc(d_hold[p[:half]], d_hold[p[half:]]))
+    near_mem = float((d_mem < near_copy_distance).mean())
+    near_hold = float((d_hold < near_copy_distance).mean())
     files = {
-        "json": str(out_dir / AUDIT_JSON),
-        "histogram": str(out_dir / AUDIT_HISTOGRAM),
-        "grid": str(out_dir / AUDIT_GRID),
+        "json": str(out_dir / MEMBERSHIP_JSON),
+        "histogram": str(out_dir / MEMBERSHIP_HISTOGRAM),
+        "grid": str(out_dir / MEMBERSHIP_GRID),
     }
-    result = AuditResult(d_pp, d_nopp, mean_pp, mean_nopp, increase, files)
-    write_histogram(d_nopp, d_pp, out_dir / AUDIT_HISTOGRAM, metric.backbone)
-    k = min(grid_columns, len(real_images))
+    r6 = lambda v: round(float(v), 6)  # noqa: E731
+    result = MembershipAudit(
+        available=True,
+        reason=(
+            f"membership test: AUC {auc:.3f} [{interval[0]:.3f}, {interval[1]:.3f}] members vs "
+            f"holdout, control {control:.3f}, DCR ratio {med_hold / max(med_mem, 1e-12):.3f}"
+        ),
+        members=len(members),
+        holdout=len(holdout),
+        buffer_images=len(synthetic),
+        auc=r6(auc),
+        auc_interval=[r6(v) for v in interval],
+        best_threshold=r6(threshold) if np.isfinite(threshold) else None,
+        best_balanced_accuracy=r6(balanced),
+        dcr_members_median=r6(med_mem),
+        dcr_holdout_median=r6(med_hold),
+        dcr_ratio=r6(med_hold / med_mem) if med_mem > 0 else None,
+        synthetic_closer_to_members=r6(closer),
+        near_copy_distance=r6(near_copy_distance),
+        near_copy_members=r6(near_mem),
+        near_copy_holdout=r6(near_hold),
+        near_copy_excess=r6(near_mem - near_hold),
+        control_auc=r6(control),
+        control_interval=[r6(v) for v in control_interval],
+        control_null_range=[r6(v) for v in np.percentile(null, [2.5, 97.5])],
+        lpips_backbone=metric.backbone,
+        files=files,
+    )
+    _write_histogram(d_mem, d_hold, near_copy_distance, out_dir / MEMBERSHIP_HISTOGRAM, result)
+    k = min(grid_count, len(members), len(holdout))
+    closest_mem = np.argsort(d_mem, kind="stable")[:k]
+    closest_hold = np.argsort(d_hold, kind="stable")[:k]
     write_grid(
-        [real_images[:k].cpu(), nopp.images[:k].cpu(), pp.images[:k].cpu()], out_dir / AUDIT_GRID
+        [
+            members[closest_mem],
+            synthetic[i_mem[closest_mem]],
+            holdout[closest_hold],
+            synthetic[i_hold[closest_hold]],
+        ],
+        out_dir / MEMBERSHIP_GRID,
     )
-    payload = {
-        **result.to_json(),
-        "lpips_backbone": metric.backbone,
-        "images": len(real_images),
-        "steps": steps,
-    }
-    atomic_write_json(out_dir / AUDIT_JSON, payload)
-    log.info(
-        "privacy audit on %d images: mean LPIPS to projection %.4f without / %.4f with the privacy loss (%+.1f%%)",
-        len(real_images),
-        mean_nopp,
-        mean_pp,
-        100 * increase,
+    atomic_write_json(
+        out_dir / MEMBERSHIP_JSON,
+        {
+            **result.to_json(),
+            "member_distances": [r6(v) for v in d_mem],
+            "holdout_distances": [r6(v) for v in d_hold],
+        },
     )
+    log.info("%s", result.reason)
     return result
+
+
+def audit_buffer(
+    buffer: dict[str, Any],
+    members_uint8: np.ndarray,
+    holdout_uint8: np.ndarray,
+    metric: PerceptualDistance,
+    section: GenbufferSection,
+    out_dir: str | Path,
+    *,
+    near_copy_distance: float,
+    seed: int = 0,
+) -> MembershipAudit:
+    """membership_audit on a buffer dict and the site's uint8 images (at most gate_images of each)."""
+    from .trainer import prepare_images
+
+    synthetic = buffer["images"].float() / 127.5 - 1.0
+    rng = np.random.default_rng(seed)
+
+    def pick(images: np.ndarray) -> Tensor:
+        count = min(section.gate_images, len(images))
+        chosen = np.sort(rng.choice(len(images), size=count, replace=False))
+        return prepare_images(images[chosen], synthetic.shape[-1])
+
+    return membership_audit(
+        synthetic,
+        pick(members_uint8),
+        pick(holdout_uint8),
+        metric,
+        out_dir,
+        near_copy_distance=near_copy_distance,
+        seed=seed,
+    )
+
+
+def _write_histogram(
+    d_mem: np.ndarray, d_hold: np.ndarray, near: float, path: Path, result: MembershipAudit
+) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    upper = max(float(d_mem.max()), float(d_hold.max()), near) * 1.05
+    bins = np.linspace(0, upper, 30)
+    ax.hist(d_mem, bins=bins, density=True, color="tab:red", alpha=0.55, label="members")
+    ax.hist(d_hold, bins=bins, density=True, color="tab:blue", alpha=0.55, label="holdout")
+    ax.axvline(near, color="black", linestyle="--", label=f"near-copy distance {near:.4f}")
+    ax.set_xlabel(f"LPIPS distance to the nearest synthetic image ({result.lpips_backbone})")
+    ax.set_ylabel("density")
+    ax.set_title(f"Membership test: AUC {result.auc:.3f}, control {result.control_auc:.3f}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

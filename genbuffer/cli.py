@@ -180,9 +180,12 @@ def _with_overrides(
 
 
 def _progress_bar() -> Any:
-    """A progress callback drawing one tqdm bar per phase, or None when stderr is not a terminal."""
+    """A progress callback drawing one tqdm bar per phase, or logging a line every 15 s
+    (genbuffer.progress) when stderr is not a terminal."""
     if not sys.stderr.isatty():
-        return None
+        from .progress import TrainingProgress
+
+        return TrainingProgress()
     from tqdm import tqdm
 
     bars: dict[str, Any] = {}
@@ -213,6 +216,23 @@ def _site_training_arrays(config: GenbufferConfig) -> tuple[np.ndarray, np.ndarr
     return data.train_uint8, np.asarray(data.train_labels), data.num_classes
 
 
+def _members_and_holdout(
+    section: GenbufferSection, images: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(member images, member labels, holdout images): the node's split (audit.holdout_split)."""
+    from .audit import holdout_split
+
+    members, holdout = holdout_split(
+        labels, section.holdout_fraction, section.holdout_min_images, section.seed
+    )
+    log.info(
+        "%d of the site's %d training images are held out of GAN training for the membership test",
+        len(holdout),
+        len(images),
+    )
+    return images[members], labels[members], images[holdout]
+
+
 def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
     from .train import train_generator
 
@@ -233,6 +253,7 @@ def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
     if args.no_reference:
         section = section.model_copy(update={"train_reference": False})
     images, labels, num_classes = _site_training_arrays(config)
+    images, labels, _ = _members_and_holdout(section, images, labels)
     # Subnormal floats make long CPU runs many times slower; the flag is process-wide,
     # so it is switched off again (the default) when training returns.
     torch.set_flush_denormal(True)
@@ -253,9 +274,9 @@ def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
-    from .audit import write_grid
     from .buffer import buffer_to_bytes, sample_buffer
     from .checkpoint import load_generator
+    from .projection import write_grid
     from .train import GENERATOR_FILE, resolve_device
 
     section = _with_overrides(config, args, {"size": "buffer_size", "per_class": "per_class"})
@@ -312,17 +333,19 @@ def _gate(
     metric = build_perceptual_distance(
         section.lpips_backbone, section.lpips_weights, min_size=section.lpips_min_size
     )
-    images, _, _ = _site_training_arrays(config)
-    decision = check_buffer(buffer, images, metric, section, out_dir, seed=section.seed)
+    members, _, holdout = _members_and_holdout(section, *_site_training_arrays(config)[:2])
+    decision = check_buffer(
+        buffer, members, metric, section, out_dir, holdout_uint8=holdout, seed=section.seed
+    )
     if not decision.released:
         raise PrivacyGateRefused(decision)
     return gate_status(decision)
 
 
 def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
-    from .audit import audit_privacy
     from .checkpoint import load_generator
     from .privacy import build_perceptual_distance
+    from .projection import audit_privacy
     from .train import GENERATOR_FILE, REFERENCE_GENERATOR, resolve_device
     from .trainer import prepare_images
 
@@ -350,7 +373,8 @@ def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
             info_pp.lpips_backbone,
             section.lpips_backbone,
         )
-    images, labels, _ = _site_training_arrays(config)
+    # The projection audit asks whether the GAN stored its training images: the members.
+    images, labels, _ = _members_and_holdout(section, *_site_training_arrays(config)[:2])
     rng = np.random.default_rng(section.seed)
     picks = np.sort(
         rng.choice(len(images), size=min(section.audit_images, len(images)), replace=False)

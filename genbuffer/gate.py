@@ -11,7 +11,16 @@ images in the same LPIPS space the privacy loss uses:
                   gate_distance_factor x median spacing           ("auto")
     exposed     = share of real x with nearest(x) < d
 
-and releases the buffer only when `exposed <= gate_max_fraction`. The automatic
+and releases the buffer only when `exposed <= gate_max_fraction` and the
+membership test (audit.py) passes: the site keeps a holdout of its images out of
+GAN training (`holdout_fraction`), and the buffer is refused when the attack
+"members are nearer to the synthetic images than the holdout" has an AUC above
+`gate_max_auc`, or when the share of members with a near copy (closer than d)
+exceeds the holdout's share by more than `gate_max_near_copy_excess`. The
+distance rule alone cannot tell memorisation from a site whose images are simply
+alike; the membership test can, because alike images are alike in the holdout
+too. A site too small for a holdout (`holdout_min_images`) is checked with the
+distance rule alone, which the decision's `membership` block and the log say. The automatic
 distance is relative to how far apart the site's own patients' images are, so
 one rule holds across data sets and LPIPS backbones: a synthetic image closer to
 a real one than half the typical distance between two real images is treated as
@@ -19,9 +28,10 @@ a copy of it. On PneumoniaMNIST with the AlexNet LPIPS, 0.7 % of real images
 have another real image that close (duplicates in the data set included).
 
 The decision, its figures, a histogram and a grid of the closest pairs go to
-`out_dir` (privacy_gate.json / _hist.png / .png); the node shows the JSON on
-/status and the dashboard. The grid holds private images: it stays in the
-state directory and is never served.
+`out_dir` (privacy_gate.json / _hist.png / .png, and membership_audit.json /
+_hist.png / _grid.png); the node shows the decision, the membership figures
+included, on /status and the dashboard. The grids hold private images: they
+stay in the state directory and are never served.
 """
 
 from __future__ import annotations
@@ -34,8 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from p2pfl.files import atomic_write_json
 
@@ -50,7 +58,6 @@ log = logging.getLogger(__name__)
 GATE_JSON = "privacy_gate.json"
 GATE_GRID = "privacy_gate.png"
 GATE_HISTOGRAM = "privacy_gate_hist.png"
-_CHUNK = 128
 
 
 @dataclass
@@ -72,6 +79,9 @@ class GateDecision:
     seconds: float
     decided_at: float
     files: dict[str, str] = field(default_factory=dict)
+    # the membership test's figures (audit.MembershipAudit), or why there was none
+    membership: dict[str, Any] = field(default_factory=dict)
+    refused_by: list[str] = field(default_factory=list)  # "distance", "auc", "near_copy_excess"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,33 +93,6 @@ class PrivacyGateRefused(GenbufferError):
     def __init__(self, decision: GateDecision) -> None:
         super().__init__("privacy_gate_refused", decision.reason)
         self.decision = decision
-
-
-def _embed(metric: PerceptualDistance, images: Tensor) -> Tensor:
-    device = next(metric.parameters()).device
-    with torch.no_grad():
-        return torch.cat(
-            [
-                metric.embed(images[i : i + _CHUNK].to(device)).cpu()
-                for i in range(0, len(images), _CHUNK)
-            ]
-        )
-
-
-def _nearest(a: Tensor, b: Tensor, exclude_self: bool = False) -> tuple[Tensor, Tensor]:
-    """For each row of a: the smallest squared distance to a row of b, and its index."""
-    b_sq = b.square().sum(1)
-    dists, index = [], []
-    for start in range(0, len(a), _CHUNK):
-        block = a[start : start + _CHUNK]
-        d = (block.square().sum(1)[:, None] + b_sq[None, :] - 2 * block @ b.t()).clamp(min=0)
-        if exclude_self:
-            rows = torch.arange(len(block))
-            d[rows, rows + start] = float("inf")
-        best = d.min(dim=1)
-        dists.append(best.values)
-        index.append(best.indices)
-    return torch.cat(dists), torch.cat(index)
 
 
 def _summary(values: np.ndarray) -> dict[str, float]:
@@ -127,10 +110,16 @@ def check_buffer(
     section: GenbufferSection,
     out_dir: str | Path,
     *,
+    holdout_uint8: np.ndarray | None = None,
     seed: int = 0,
 ) -> GateDecision:
-    """Decide whether `buffer` may leave the site, write the evidence to `out_dir`."""
-    from .audit import write_grid
+    """Decide whether `buffer` may leave the site, write the evidence to `out_dir`.
+
+    real_uint8: the images the generator trained on (the members); holdout_uint8:
+    the site's images kept out of its training (audit.holdout_split), or None/empty
+    when the site has none, and the membership test is skipped."""
+    from .audit import audit_buffer, embed, nearest, no_holdout
+    from .projection import write_grid
     from .trainer import prepare_images
 
     start = time.perf_counter()
@@ -150,22 +139,51 @@ def check_buffer(
             "privacy_gate_channels",
             f"the buffer has {synthetic.shape[1]} channels but the site's images have {real.shape[1]}",
         )
-    e_real, e_syn = _embed(metric, real), _embed(metric, synthetic)
-    nearest, nearest_index = _nearest(e_real, e_syn)
-    spacing, _ = _nearest(e_real, e_real, exclude_self=True)
-    nearest_np, spacing_np = nearest.numpy(), spacing.numpy()
+    e_real, e_syn = embed(metric, real), embed(metric, synthetic)
+    nearest_t, nearest_index = nearest(e_real, e_syn)
+    spacing, _ = nearest(e_real, e_real, exclude_self=True)
+    nearest_np, spacing_np = nearest_t.numpy(), spacing.numpy()
     if section.gate_distance is not None:
         distance, source = float(section.gate_distance), "configured"
     else:
         distance = section.gate_distance_factor * float(np.median(spacing_np))
         source = "auto"
     exposed = float((nearest_np < distance).mean())
-    released = exposed <= section.gate_max_fraction
-    verdict = "released" if released else "REFUSED"
+    refused_by = [] if exposed <= section.gate_max_fraction else ["distance"]
+    if holdout_uint8 is not None and len(holdout_uint8) >= 2:
+        audit = audit_buffer(
+            buffer,
+            real_uint8,
+            holdout_uint8,
+            metric,
+            section,
+            out_dir,
+            near_copy_distance=distance,
+            seed=seed,
+        )
+        assert audit.auc is not None and audit.near_copy_excess is not None
+        if audit.auc > section.gate_max_auc:
+            refused_by.append("auc")
+        if audit.near_copy_excess > section.gate_max_near_copy_excess:
+            refused_by.append("near_copy_excess")
+        membership_text = (
+            f"; membership AUC {audit.auc:.3f} (limit {section.gate_max_auc:.2f}), near-copy "
+            f"excess {100 * audit.near_copy_excess:+.1f} points (limit "
+            f"{100 * section.gate_max_near_copy_excess:.1f}) over {audit.holdout} held-out images"
+        )
+    else:
+        audit = no_holdout(
+            f"no holdout (fewer than genbuffer.holdout_min_images = {section.holdout_min_images} "
+            "images to keep out of GAN training): membership test skipped, distance rule only"
+        )
+        log.warning("privacy gate: %s", audit.reason)
+        membership_text = "; no membership test (no holdout)"
+    released = not refused_by
+    verdict = "released" if released else f"REFUSED ({', '.join(refused_by)})"
     reason = (
         f"privacy gate {verdict}: {100 * exposed:.1f}% of {count} site images have a synthetic "
         f"image closer than LPIPS {distance:.4f} ({source}; the limit is "
-        f"{100 * section.gate_max_fraction:.1f}%)"
+        f"{100 * section.gate_max_fraction:.1f}%){membership_text}"
     )
     if not released:
         reason += (
@@ -193,6 +211,8 @@ def check_buffer(
         seconds=0.0,
         decided_at=time.time(),
         files=files,
+        membership=audit.to_json(),
+        refused_by=refused_by,
     )
     closest = np.argsort(nearest_np, kind="stable")[: min(16, count)]
     write_grid(

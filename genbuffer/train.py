@@ -245,7 +245,9 @@ class _TwoStageRun:
             self.meta["train_steps"] += 1
             done = self.trainer.iteration - start
             if self.progress is not None:
-                self.progress(phase, done, max_iterations, stats)
+                history = self.meta["history"]
+                latest = {"quality": float(history[-1]["quality"])} if history else {}
+                self.progress(phase, done, max_iterations, {**stats, **latest})
             keep_going = True
             if done % eval_every == 0 or done == max_iterations:
                 keep_going = on_eval(self._evaluate(phase, stats))

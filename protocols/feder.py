@@ -39,13 +39,15 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from genbuffer.config import GenbufferSection
 from genbuffer.gate import GateDecision, PrivacyGateRefused, gate_status
+from genbuffer.progress import TrainingProgress
 from p2pfl.config import FedERParams
 from p2pfl.learning.data.loaders import convert_images, to_float_tensor
 from p2pfl.learning.evaluate import evaluate_site
@@ -55,6 +57,9 @@ from protocols.base import NotReady, PeerUnavailable, Received, RoundContext
 from protocols.checks import admit
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
+
+if TYPE_CHECKING:  # genbuffer.train loads lpips: only when a generator is trained
+    from genbuffer.train import ProgressFn
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +103,20 @@ def buffer_training_tensors(
 
 
 def make_buffer(
-    params: FedERParams, site: LocalSite, section: GenbufferSection, out_dir: Path, seed: int
+    params: FedERParams,
+    site: LocalSite,
+    section: GenbufferSection,
+    out_dir: Path,
+    seed: int,
+    progress: ProgressFn | None = None,
 ) -> tuple[dict[str, Any], GateDecision | None]:
     """Load or train this site's privacy-preserving generator (its files in
     `out_dir`), sample B_j and put it through the privacy gate (blocking).
+    `progress` is called at every GAN training iteration (genbuffer.progress).
 
     Returns the buffer and the gate's decision (None when the gate is switched
     off); the caller must not share a buffer the gate refused."""
+    from genbuffer.audit import holdout_split
     from genbuffer.buffer import sample_buffer
     from genbuffer.checkpoint import load_generator
     from genbuffer.gate import check_buffer
@@ -121,12 +133,26 @@ def make_buffer(
             min_size=section.lpips_min_size,
             device=device,
         )
+    data = site.data
+    # The membership test's holdout never reaches the GAN (a generator given by path must
+    # have been trained the same way: `p2pfl-node genbuffer train` holds out the same images).
+    members, holdout = holdout_split(
+        np.asarray(data.train_labels),
+        section.holdout_fraction,
+        section.holdout_min_images,
+        section.seed,
+    )
     if params.generator:
         generator_path = Path(params.generator)
     else:
-        data = site.data
         result = train_generator(
-            data.train_uint8, data.train_labels, data.num_classes, section, out_dir, metric=metric
+            data.train_uint8[members],
+            np.asarray(data.train_labels)[members],
+            data.num_classes,
+            section,
+            out_dir,
+            metric=metric,
+            progress=progress,
         )
         generator_path = result.generator_path
     generator, info = load_generator(generator_path, device)
@@ -150,7 +176,15 @@ def make_buffer(
         )
         return buffer, None
     assert metric is not None
-    decision = check_buffer(buffer, site.data.train_uint8, metric, section, out_dir, seed=seed)
+    decision = check_buffer(
+        buffer,
+        data.train_uint8[members],
+        metric,
+        section,
+        out_dir,
+        holdout_uint8=data.train_uint8[holdout],
+        seed=seed,
+    )
     return buffer, decision
 
 
@@ -392,7 +426,13 @@ class FedER(RoundLoop):
         ctx.set_phase("generator")
         section, out_dir = self.genbuffer_settings(ctx)
         seed = ctx.config.federation.seed + ctx.config.training.seed
-        buffer, decision = await ctx.train(make_buffer, self.params, site, section, out_dir, seed)
+        loop = asyncio.get_running_loop()
+        # The GAN trains on the trainer thread; the phase is set on the event loop's.
+        progress = TrainingProgress(lambda line: loop.call_soon_threadsafe(ctx.set_phase, line))
+        buffer, decision = await ctx.train(
+            make_buffer, self.params, site, section, out_dir, seed, progress
+        )
+        ctx.set_phase("generator: privacy gate decided")
         ctx.set_privacy_gate(gate_status(decision))
         if decision is not None and not decision.released:
             raise PrivacyGateRefused(decision)  # nothing was sent; the node reports why and stops

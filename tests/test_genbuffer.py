@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genbuffer.ada import AdaController, AdaptiveAugment
-from genbuffer.audit import audit_privacy, project_to_w
+from genbuffer.projection import audit_privacy, project_to_w
 from genbuffer.buffer import buffer_from_bytes, buffer_to_bytes, class_counts, sample_buffer
 from genbuffer.checkpoint import load_generator
 from genbuffer.cli import add_genbuffer_parser

@@ -139,6 +139,43 @@ class GenbufferSection(Section):
     gate_images: int = Field(
         1000, ge=2, description="real training images the gate checks (all of them when fewer)"
     )
+    # --- membership test (genbuffer/audit.py): members vs a holdout kept out of GAN training ----
+    # Defaults chosen before any benchmark ran. Under no leakage the AUC of members against
+    # the holdout has standard error sqrt((m + h + 1) / (12 m h)) (Hanley & McNeil 1982): for a
+    # site of ~900 images (the FedER node of issue 33: 908) with 20 % held out, m = 726 and
+    # h = 182 give 0.024, so 0.6 lies 4.2 standard errors above chance and a buffer that
+    # leaks nothing is refused about once in 70,000 (one-sided normal tail); at the smallest
+    # holdout kept (50, with 200 members) it is 0.046: 2.2 standard errors, ~1.4 % false refusals.
+    # The near-copy excess (share of members minus share of holdout images with a synthetic
+    # image closer than the gate distance) has, for a 1 % base rate, standard error 0.008 at
+    # 726/182 and 0.016 at 200/50: 0.03 is 3.6 and 1.9 of them.
+    holdout_fraction: float = Field(
+        0.2,
+        ge=0.0,
+        lt=1.0,
+        description="share of each class of the site's training images kept out of GAN training, "
+        "for the membership test (seeded by genbuffer.seed); 0: no holdout",
+    )
+    holdout_min_images: int = Field(
+        50,
+        ge=2,
+        description="keep no holdout (and train on every image) when it would be smaller than "
+        "this: the gate then uses the distance rule alone and says so",
+    )
+    gate_max_auc: float = Field(
+        0.6,
+        gt=0.5,
+        le=1.0,
+        description="refuse the buffer when the membership attack's AUC (members nearer to the "
+        "synthetic images than the holdout) exceeds this",
+    )
+    gate_max_near_copy_excess: float = Field(
+        0.03,
+        ge=0.0,
+        le=1.0,
+        description="refuse the buffer when the share of members with a near copy (closer than the "
+        "gate distance) exceeds the holdout's share by more than this",
+    )
     # --- where and how ------------------------------------------------------------------------
     out_dir: Path = Field(
         Path("genbuffer"),

@@ -226,6 +226,7 @@ class RoundLoop(Protocol):
                 "lr_schedule": training.lr_schedule,
                 "best": self.best.summary(),
                 "dp": site.dp.summary() if getattr(site, "dp", None) is not None else None,
+                "recipe": site.recipe.summary() if getattr(site, "recipe", None) else None,
             }
         )
 

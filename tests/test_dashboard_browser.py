@@ -199,7 +199,11 @@ async def test_dashboard_shows_the_privacy_a_site_spent() -> None:
         "steps": 40,
         "target_epsilon": 3.0,
     }
-    telemetry.set_training({"class_weighting": None, "lr": 1e-3, "best": None, "dp": dp})
+    recipe = {"sample_rate": 0.2724, "expected_batch_size": 256, "augmult": 4}
+    telemetry.set_training(
+        {"class_weighting": None, "lr": 1e-3, "best": None, "dp": dp, "recipe": recipe}
+    )
     dom = await dashboard_dom(telemetry, "fedavgp2p")
     assert 'id="t-dp">ε 2.50<' in dom
     assert "δ 0.00001, σ 1.19, clip 1, 40 steps (target ε 3)" in dom
+    assert "Poisson q 0.272, batch 256, augmult 4" in dom  # the recipe in effect

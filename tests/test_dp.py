@@ -257,7 +257,7 @@ def test_check_accepts_the_groupnorm_cnn(tmp_path: Path, capsys):
     assert "# ok" in out
     # check shows the recipe training.dp trains with
     assert "# training recipe in effect: recipe: dp (De et al. 2022); sampling: poisson" in out
-    assert "augmult: 4" in out and "class_balance: after_clipping" in out
+    assert "augmult: 2" in out and "class_balance: after_clipping" in out
 
 
 def test_a_private_site_without_the_runs_rounds_is_refused(digits):

@@ -74,6 +74,10 @@ def test_the_privacy_a_site_spent_is_in_metrics_status_and_prometheus(trained):
     assert dp["epsilon"] == pytest.approx(rows[1]["dp_epsilon"])
     assert dp["steps"] == rows[1]["dp_steps"] == 8  # 2 rounds x 4 steps
     assert dp["target_epsilon"] == 4.0 and dp["delta"] == 1e-5
+    recipe = DP_STATUS["status"]["training"]["recipe"]  # the recipe in effect, on /status
+    assert recipe["sampling"] == "poisson" and recipe["sample_rate"] == pytest.approx(
+        rows[1]["dp_sample_rate"]
+    )
     assert (
         f'p2pfl_metric{{name="dp_epsilon",node="a"}} {rows[1]["dp_epsilon"]}'
         in (DP_STATUS["metrics"])
@@ -182,7 +186,7 @@ def test_every_format_round_trips_to_the_nodes_own_classes(trained, tmp_path, ca
     model_round = card["model"]["round"]
     assert dp["epsilon"] == pytest.approx(rows[model_round - 1]["dp_epsilon"])
     assert dp["epsilon_site_total"] == pytest.approx(rows[-1]["dp_epsilon"])
-    assert dp["recipe"]["sampling"].startswith("poisson") and dp["recipe"]["augmult"] == 4
+    assert dp["recipe"]["sampling"].startswith("poisson") and dp["recipe"]["augmult"] == 2
     assert dp["sample_rate"] == pytest.approx(rows[-1]["dp_sample_rate"])
     assert dp["delta"] == 1e-5 and dp["target_epsilon"] == 4.0
     text = (out / "model_card.md").read_text()

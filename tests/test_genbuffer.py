@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from genbuffer.ada import AdaController, AdaptiveAugment
-from genbuffer.projection import audit_privacy, project_to_w
 from genbuffer.buffer import buffer_from_bytes, buffer_to_bytes, class_counts, sample_buffer
 from genbuffer.checkpoint import load_generator
 from genbuffer.cli import add_genbuffer_parser
@@ -29,6 +28,7 @@ from genbuffer.privacy import (
     privacy_loss,
     privacy_preserving_generator_loss,
 )
+from genbuffer.projection import audit_privacy, project_to_w
 from genbuffer.quality import frechet_distance, quality_classifier_features
 from genbuffer.stylegan2 import Generator, GeneratorSpec, ModulatedConv2d
 from genbuffer.train import train_generator

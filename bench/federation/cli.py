@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec_option("--dp-max-grad-norm", type=float, help="DP-SGD's per-sample clipping norm")
     spec_option(
+        "--dp-noise-multiplier",
+        type=float,
+        help="training.dp.noise_multiplier instead of a target ε (0: the recipe's clipping "
+        "without noise, no privacy)",
+    )
+    spec_option(
         "--min-per-site",
         type=int,
         help="the fewest training images a site may get (partition's --min-per-site)",

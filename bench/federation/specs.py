@@ -43,6 +43,7 @@ class RunSpec:
     min_per_site: int | None = None  # partition_dataset's min_per_site
     dp_target_epsilon: float | None = None  # training.dp.target_epsilon (None: no DP)
     dp_max_grad_norm: float = 1.0  # training.dp.max_grad_norm
+    dp_noise_multiplier: float | None = None  # training.dp.noise_multiplier (0: clipping only)
     recipe: str = "standard"  # training.recipe (training.dp sets dp)
     dp_recipe_options: tuple[tuple[str, Any], ...] = ()  # training.dp_recipe fields
     round_timeout_s: float | None = None
@@ -117,6 +118,11 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
     if spec.dp_target_epsilon is not None:
         training["dp"] = {
             "target_epsilon": spec.dp_target_epsilon,
+            "max_grad_norm": spec.dp_max_grad_norm,
+        }
+    elif spec.dp_noise_multiplier is not None:
+        training["dp"] = {
+            "noise_multiplier": spec.dp_noise_multiplier,
             "max_grad_norm": spec.dp_max_grad_norm,
         }
     sections: dict[str, dict[str, Any]] = {

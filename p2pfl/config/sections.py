@@ -166,8 +166,14 @@ class DPRecipeSection(Section):
     physical_batch_size: int = Field(
         64, ge=1, description="images per forward/backward pass (virtual steps; memory only)"
     )
+    epochs: int = Field(
+        2,
+        ge=1,
+        description="expected passes over the site's images per round (large batches take "
+        "few steps per pass: more passes, as De et al.)",
+    )
     augmult: int = Field(
-        4,
+        2,
         ge=1,
         description="augmentation multiplicity: each image's gradient is the mean over this "
         "many augmented views before clipping (De et al. Sec. 3.3)",

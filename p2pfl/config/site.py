@@ -68,14 +68,15 @@ class SiteConfig(Section):
     def _dp_only_where_planned(self) -> SiteConfig:
         """training.dp is the one guard of `check` and `run` alike: a protocol whose
         local training is DP-SGD planned over the whole run, or a refusal here."""
-        if self.training.dp is not None:
+        if self.training.dp is not None or self.training.recipe == "dp":
             problem = dp_unsupported_setting(
                 self.protocol.name,
                 siamese=self.model.siamese.enabled,
                 devices=self.training.devices,
             )
             if problem is not None:
-                raise FieldValueError("training.dp", *problem)
+                field = "training.dp" if self.training.dp is not None else "training.recipe"
+                raise FieldValueError(field, *problem)
         return self
 
     # Resolved paths (filled by load_config relative to the config file).

@@ -325,9 +325,7 @@ class LocalSite:
         reshuffled epochs, so every site does the same work whatever its size.
         Batches of one sample are skipped (BatchNorm cannot train on them)."""
         if self.recipe is not None:  # training.recipe dp: Poisson batches
-            yield from self.recipe.batches(
-                self.recipe.steps_per_round() // self.training.epochs * epochs
-            )
+            yield from self.recipe.batches()  # its own steps per round (dp_recipe.epochs)
             return
         steps = self.training.steps_per_round
         if steps is not None:
@@ -372,12 +370,12 @@ class LocalSite:
         training.devices processes).
 
         Returns {'loss': mean batch loss, 'steps', 'samples', 'seconds'}."""
-        epochs = self.training.epochs if epochs is None else epochs
         start = time.perf_counter()
         self.model.train()
         if self.recipe is not None:  # training.recipe dp (p2pfl.learning.dp_recipe)
-            losses, count = self.recipe.train_round(epochs)
+            losses, count = self.recipe.train_round()
             return self.record_fit(losses, count, time.perf_counter() - start)
+        epochs = self.training.epochs if epochs is None else epochs
         losses: list[float] = []
         samples = 0
         for x, y in self.training_batches(epochs):

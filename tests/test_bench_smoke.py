@@ -133,7 +133,7 @@ def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without
     )
     assert list(result["table"]) == ["8", "∞ recipe", "∞ standard"]
     assert result["table"]["8"]["recipe"]["sampling"].startswith("poisson")
-    assert result["table"]["∞ recipe"]["recipe"]["augmult"] == 2
+    assert result["table"]["∞ recipe"]["recipe"]["epochs_per_round"] == 4
     assert result["table"]["∞ standard"]["recipe"]["recipe"] == "standard"
     assert "points_below_non_dp_recipe" in result["table"]["8"]
     assert result["epsilon_reported_vs_opacus_max_gap"] < 1e-9 and result["within_target"]

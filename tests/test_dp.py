@@ -27,6 +27,8 @@ def digits():
 def private_site(
     digits, dp: DPSection, *, rounds: int = 3, steps: int = 4, **training
 ) -> LocalSite:
+    """A private digits site taking `steps` steps a round (one capped pass)."""
+    training.setdefault("dp_recipe", DPRecipeSection(epochs=1))
     section = TrainingSection(dp=dp, max_steps_per_epoch=steps, **training)
     torch.manual_seed(0)
     model = create_model("small_cnn_ws", in_chans=1, num_classes=10, image_size=28)
@@ -106,12 +108,20 @@ def test_batches_are_poisson_samples_of_the_expected_size(digits):
 
 
 def _step_delta(site: LocalSite, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The change of the weights by one step on batch (x, y)."""
-    before = torch.cat([p.detach().flatten().clone() for p in site.model.parameters()])
+    """The change of the weights by one SGD step on batch (x, y): lr x the
+    gradient the private optimizer hands to SGD (read as the gradient, in
+    float64, because a change of 1e-7 to a weight of 1.0 is below float32's
+    resolution), after checking that the step applies exactly that."""
+    before = torch.cat([p.detach().flatten().double() for p in site.model.parameters()])
     site.optimizer.zero_grad(set_to_none=True)
     site.recipe.accumulate(x, y)
-    site.optimizer.step()
-    return torch.cat([p.detach().flatten() for p in site.model.parameters()]) - before
+    assert site.optimizer.pre_step()  # clip, noise, scale: p.grad is the step's gradient
+    grad = torch.cat([p.grad.flatten().double() for p in site.model.parameters()])
+    site.optimizer.original_optimizer.step()
+    after = torch.cat([p.detach().flatten().double() for p in site.model.parameters()])
+    lr = site.optimizer.param_groups[0]["lr"]
+    assert torch.allclose(after - before, -lr * grad, atol=2e-7)
+    return -lr * grad
 
 
 def test_one_image_moves_a_step_by_at_most_lr_clip_over_the_batch(digits):
@@ -191,7 +201,9 @@ def test_noise_is_added_to_the_private_gradient(digits):
 def test_the_non_private_recipe_trains_the_same_batches_without_noise(digits):
     """training.recipe: dp alone is the like-for-like baseline of the benchmark:
     the same Poisson batches and steps, no clipping, no noise, no accountant."""
-    section = TrainingSection(recipe="dp", max_steps_per_epoch=3)
+    section = TrainingSection(
+        recipe="dp", max_steps_per_epoch=3, dp_recipe=DPRecipeSection(epochs=1)
+    )
     model = create_model("small_cnn_ws", in_chans=1, num_classes=10, image_size=28)
     site = LocalSite(model, digits, section, model_name="small_cnn_ws")
     assert site.dp is None and site.recipe is not None
@@ -257,7 +269,7 @@ def test_check_accepts_the_groupnorm_cnn(tmp_path: Path, capsys):
     assert "# ok" in out
     # check shows the recipe training.dp trains with
     assert "# training recipe in effect: recipe: dp (De et al. 2022); sampling: poisson" in out
-    assert "augmult: 2" in out and "class_balance: after_clipping" in out
+    assert "epochs_per_round: 4" in out and "class_balance: after_clipping" in out
 
 
 def test_a_private_site_without_the_runs_rounds_is_refused(digits):

@@ -52,7 +52,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ["a", "b"],
         protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0},
         overrides={**FAST, "model": {"name": "small_cnn_gn"}},
-        per_site={"a": {"training": {**FAST["training"], "dp": {"target_epsilon": 4.0}}}},
+        per_site={
+            "a": {
+                "training": {
+                    **FAST["training"],
+                    "dp": {"target_epsilon": 4.0},
+                    "dp_recipe": {"epochs": 1},
+                }
+            }
+        },
     )
     with LocalFederation(plans, root / "logs") as fed:
         for name in ("a", "b"):
@@ -186,7 +194,7 @@ def test_every_format_round_trips_to_the_nodes_own_classes(trained, tmp_path, ca
     model_round = card["model"]["round"]
     assert dp["epsilon"] == pytest.approx(rows[model_round - 1]["dp_epsilon"])
     assert dp["epsilon_site_total"] == pytest.approx(rows[-1]["dp_epsilon"])
-    assert dp["recipe"]["sampling"].startswith("poisson") and dp["recipe"]["augmult"] == 2
+    assert dp["recipe"]["sampling"].startswith("poisson") and dp["recipe"]["epochs_per_round"] == 1
     assert dp["sample_rate"] == pytest.approx(rows[-1]["dp_sample_rate"])
     assert dp["delta"] == 1e-5 and dp["target_epsilon"] == 4.0
     text = (out / "model_card.md").read_text()

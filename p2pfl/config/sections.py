@@ -167,13 +167,13 @@ class DPRecipeSection(Section):
         64, ge=1, description="images per forward/backward pass (virtual steps; memory only)"
     )
     epochs: int = Field(
-        2,
+        4,
         ge=1,
         description="expected passes over the site's images per round (large batches take "
         "few steps per pass: more passes, as De et al.)",
     )
     augmult: int = Field(
-        2,
+        1,
         ge=1,
         description="augmentation multiplicity: each image's gradient is the mean over this "
         "many augmented views before clipping (De et al. Sec. 3.3)",
@@ -185,7 +185,7 @@ class DPRecipeSection(Section):
         "docs, bench.dp_utility)",
     )
     ema_decay: float = Field(
-        0.9,
+        0.0,
         ge=0.0,
         lt=1.0,
         description="per-step EMA of the parameters over a round's steps, which becomes the "

@@ -100,11 +100,6 @@ def test_batches_are_poisson_samples_of_the_expected_size(digits):
     assert abs(mean - q * len(digits.train)) < 6  # sd of the mean of 200 draws is ~1.0
     assert len(set(sizes)) > 10  # not fixed-size batches
     assert abs(float(hits.mean()) / 200 - q) < 0.01
-    again = private_site(digits, DPSection(noise_multiplier=1.0))
-    assert torch.equal(
-        again.recipe.poisson_batch()[1],
-        private_site(digits, DPSection(noise_multiplier=1.0)).recipe.poisson_batch()[1],
-    )
 
 
 def _step_delta(site: LocalSite, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -198,9 +193,10 @@ def test_noise_is_added_to_the_private_gradient(digits):
     assert total <= 1.0 * len(y) / 256 * (1 + 1e-4)  # the sum of clipped gradients / B
 
 
-def test_the_non_private_recipe_trains_the_same_batches_without_noise(digits):
-    """training.recipe: dp alone is the like-for-like baseline of the benchmark:
-    the same Poisson batches and steps, no clipping, no noise, no accountant."""
+def test_the_non_private_recipe_trains_the_same_steps_without_noise(digits):
+    """training.recipe: dp alone: the same Poisson sampling and steps as the
+    private recipe (its draws seeded, the private ones secret), no clipping,
+    no noise, no accountant."""
     section = TrainingSection(
         recipe="dp", max_steps_per_epoch=3, dp_recipe=DPRecipeSection(epochs=1)
     )
@@ -209,9 +205,8 @@ def test_the_non_private_recipe_trains_the_same_batches_without_noise(digits):
     assert site.dp is None and site.recipe is not None
     assert site.optimizer.__class__.__name__ == "SGD"
     private = private_site(digits, DPSection(noise_multiplier=1.0), steps=3)
-    assert [len(b[1]) for b in site.training_batches(1)] == [
-        len(b[1]) for b in private.training_batches(1)
-    ]
+    assert site.steps_per_round() == private.steps_per_round() == 3
+    assert site.recipe.sample_rate == private.recipe.sample_rate
     fit = site.train_epochs()
     assert fit["steps"] == 3 and math.isfinite(fit["loss"])
 
@@ -339,3 +334,34 @@ def test_per_sample_gradients_of_the_weight_standardized_cnn_are_exact():
         torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         for name, p in model.named_parameters():
             assert torch.allclose(p.grad, per_sample[name][i], atol=1e-5), name
+
+
+def test_the_noise_and_the_sampling_cannot_be_regenerated_from_the_site_yaml(digits):
+    """An adversary who knows a site's configuration (training.seed included,
+    usually the default) and its code rebuilds the site and replays the same
+    random state: the noise it draws must not be the noise the site added, or
+    it could subtract it from what the site sent. Before issue 33 both came
+    from torch's global generator, which the site seeds with training.seed:
+    the two gradients below were equal."""
+    x, y = next(digits_batches(digits, 64))
+    grads, batches = [], []
+    for _ in range(2):
+        torch.manual_seed(0)  # the state the attacker can reproduce
+        site = private_site(digits, DPSection(noise_multiplier=1.0))
+        torch.manual_seed(0)
+        grads.append(site.compute_gradient(x, y))
+        batches.append(site.recipe.poisson_batch()[1])
+    gap = max(float((grads[0][k] - grads[1][k]).abs().max()) for k in grads[0])
+    assert gap > 1e-3  # noise of std 1 x 1.0 / 256 per coordinate differs
+    assert not torch.equal(batches[0], batches[1])  # nor can it tell which images a step took
+    # the non-private recipe still repeats with its seed
+    plain = [
+        LocalSite(
+            create_model("small_cnn_ws", in_chans=1, num_classes=10, image_size=28),
+            digits,
+            TrainingSection(recipe="dp"),
+            model_name="small_cnn_ws",
+        ).recipe.poisson_batch()[1]
+        for _ in range(2)
+    ]
+    assert torch.equal(plain[0], plain[1])

@@ -13,6 +13,15 @@ Batches are Poisson-sampled (each image joins a step with probability q =
 expected batch / train images), the subsampling the RDP accountant's bound is
 proved for, and the site trains with the recipe of `p2pfl.learning.dp_recipe`
 (large batches, augmentation multiplicity, class balance after clipping, EMA).
+The Gaussian noise and the Poisson draws come from generators seeded from the
+operating system's entropy (`secret_generator`), never from training.seed: an
+adversary who knows a site.yaml (its seed is usually the default 0) must not
+be able to regenerate the noise and subtract it, or know which images a step
+sampled. The noise is drawn as Opacus's `secure_mode` draws it (a sum of four
+Gaussians, against the floating-point attack of Mironov 2012 / Haney et al.),
+from that generator; it is not a cryptographic generator (a stated limit,
+docs/threat-model.md). A private run therefore does not repeat exactly.
+
 Everything a site shares afterwards (models, FedSGDP2P's noised gradients) is
 post-processing, so ε is the site's guarantee for its training images against
 anyone who sees what it sent, peers included.
@@ -20,8 +29,10 @@ anyone who sees what it sent, peers included.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -55,6 +66,14 @@ def refuse_unsupported(model: nn.Module, model_name: str) -> None:
         )
 
 
+def secret_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator on `device` seeded with 64 bits from os.urandom: its
+    draws cannot be reproduced from anything in the site's configuration."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return generator
+
+
 class DPTraining:
     """The privacy side of a LocalSite: noise, clipping, the accountant."""
 
@@ -66,9 +85,11 @@ class DPTraining:
         batch_size: int,
         total_steps: int,
         sample_rate: float | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """`batch_size` is the expected batch of a step and `sample_rate` its
-        Poisson sampling rate (default batch_size / n_train)."""
+        Poisson sampling rate (default batch_size / n_train); `device` is the
+        model's (the noise is drawn there)."""
         from opacus.accountants import RDPAccountant
         from opacus.accountants.utils import get_noise_multiplier
 
@@ -96,6 +117,8 @@ class DPTraining:
                 )
             )
         self.accountant = RDPAccountant()
+        self.noise_generator = secret_generator(device)
+        self.sampling_generator = secret_generator("cpu")
 
     @property
     def steps(self) -> int:
@@ -123,6 +146,8 @@ class DPTraining:
             max_grad_norm=self.max_grad_norm,
             expected_batch_size=self.batch_size,
             loss_reduction="mean",
+            generator=self.noise_generator,
+            secure_mode=True,
         )
 
     def step_taken(self) -> None:

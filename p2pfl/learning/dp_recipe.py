@@ -110,7 +110,7 @@ class RecipeTrainer:
             self.class_scale: Tensor | None = (weight / weight.max()).to(site.device)
         else:
             self.class_scale = None
-        self.draws = 0  # Poisson draws so far: batch t is the same after a resume
+        self.draws = 0  # Poisson draws so far (the non-private recipe's batch t repeats)
 
     # ------------------------------------------------------------------ batches
 
@@ -133,11 +133,16 @@ class RecipeTrainer:
 
     def poisson_batch(self) -> tuple[Tensor, Tensor]:
         """One logical batch: every training image independently with probability
-        q (it may be empty, or larger than batch_size)."""
+        q (it may be empty, or larger than batch_size). Under training.dp the
+        draws are secret (`dp.secret_generator`: which images a step used is
+        part of what the guarantee hides); without it they repeat with the seed."""
         images, labels = self.site.data.train.tensors
-        gen = torch.Generator().manual_seed(
-            self.site.training.seed * 1_000_003 + 500_009 + self.draws
-        )
+        if self.site.dp is not None:
+            gen = self.site.dp.sampling_generator
+        else:
+            gen = torch.Generator().manual_seed(
+                self.site.training.seed * 1_000_003 + 500_009 + self.draws
+            )
         self.draws += 1
         chosen = torch.nonzero(torch.rand(len(labels), generator=gen) < self.sample_rate)[:, 0]
         return images[chosen], labels[chosen]

@@ -181,6 +181,7 @@ class LocalSite:
             batch_size=self.recipe.batch_size,
             sample_rate=self.recipe.sample_rate,
             total_steps=max(1, rounds) * self.steps_per_round(),
+            device=self.device,
         )
         self.dp.attach(self.model)
         self.optimizer = self.dp.wrap(self.optimizer)

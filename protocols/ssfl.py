@@ -21,10 +21,11 @@ from typing import Any
 from torch import Tensor
 
 from p2pfl.config import SSFLParams
+from p2pfl.learning.class_weights import class_weighting
 from p2pfl.learning.evaluate import CALIBRATION_KEYS, evaluate_site
 from p2pfl.learning.semisup import fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.state import feature_vector
-from p2pfl.learning.train import LocalSite, class_weighting
+from p2pfl.learning.train import LocalSite
 from protocols import communities
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P

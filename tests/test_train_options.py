@@ -6,9 +6,10 @@ import numpy as np
 import torch
 
 from p2pfl.config import TrainingSection
+from p2pfl.learning.class_weights import median_frequency_weights
 from p2pfl.learning.data import site_data_from_arrays
 from p2pfl.learning.models import create_model
-from p2pfl.learning.train import LocalSite, median_frequency_weights
+from p2pfl.learning.train import LocalSite
 
 
 def site(n: int, training: TrainingSection, minority_every: int = 0) -> LocalSite:

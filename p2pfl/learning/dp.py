@@ -39,6 +39,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from p2pfl.config.sections import DPSection
+from p2pfl.config.site import dp_unsupported_setting
 from p2pfl.files import atomic_write_json
 from p2pfl.learning.errors import TrainingError
 
@@ -75,6 +76,15 @@ def secret_generator(device: torch.device | str = "cpu") -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
     return generator
+
+
+def refuse_dp_setting(protocol: str, *, siamese: bool, devices: int) -> None:
+    """TrainingError when training.dp cannot run this way (the config's own
+    guard, `p2pfl.config.site.dp_unsupported_setting`, for a site built without
+    a site.yaml)."""
+    problem = dp_unsupported_setting(protocol, siamese=siamese, devices=devices)
+    if problem is not None:
+        raise TrainingError("dp_unsupported", f"training.dp: {problem[0]} — {problem[1]}")
 
 
 class DPTraining:

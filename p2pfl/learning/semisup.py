@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from p2pfl.learning.class_weights import median_frequency_weights
 from p2pfl.learning.data.augment import strong_augment_batch, weak_augment_batch
 from p2pfl.learning.errors import TrainingError
-from p2pfl.learning.train import LocalSite, median_frequency_weights
+from p2pfl.learning.train import LocalSite
 
 
 def pseudo_labels(

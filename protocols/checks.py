@@ -167,3 +167,54 @@ def own_weight_cap(ctx: RoundContext) -> float | None:
     and cap it (secure aggregation)."""
     cap = ctx.sample_caps().get(ctx.me)
     return None if cap is None else float(cap)
+
+
+def cap_sum(
+    ctx: RoundContext,
+    contributors: list[str],
+    total_weight: float,
+    own: float,
+    *,
+    ratio: float | None,
+    where: str = "",
+) -> float:
+    """A secure sum's total weight, at most the sum over its contributors of
+    what each may claim: its roster cap and `ratio` x our own count. Nobody can
+    tell which contributor overclaimed: a cap that bites is counted against
+    each (`sum_weight_capped`)."""
+    caps = ctx.sample_caps()
+    bound = 0.0
+    for peer in contributors:
+        limits = [float(caps[peer])] if peer in caps else []
+        if ratio is not None:
+            limits.append(ratio * own)
+        bound += min(limits) if limits else float("inf")
+    if total_weight <= bound:
+        return total_weight
+    log.warning(
+        "%s%s: the secure sum of %s claims %g samples, capped at %g",
+        ctx.me,
+        where,
+        contributors,
+        total_weight,
+        bound,
+    )
+    for peer in contributors:
+        ctx.reject(peer, "sum_weight_capped")
+    return bound
+
+
+def warn_if_trim_cuts_nothing(
+    ctx: RoundContext, aggregation: str, trim_ratio: float, k_max: int, what: str
+) -> None:
+    """A trimmed mean over k_max neighbours plus this node that trims nothing
+    is a plain mean: say so once, at start."""
+    if aggregation == "trimmed_mean" and int(trim_ratio * (k_max + 1)) == 0:
+        log.warning(
+            "%s: trimmed_mean with trim_ratio %.2f over %d %s cuts nothing (a plain "
+            "mean): raise protocol.trim_ratio or protocol.fraction, or use median",
+            ctx.me,
+            trim_ratio,
+            k_max + 1,
+            what,
+        )

@@ -30,7 +30,7 @@ asked once per model.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -39,7 +39,10 @@ from p2pfl.learning.train import LocalSite
 from protocols import communities, selection
 from protocols.base import RoundContext
 from protocols.checks import incompatibility
+from protocols.exchange import Collected
+from protocols.rounds import Round
 from protocols.secagg import SecureSum
+from protocols.secure_exchange import SecureExchange
 from protocols.ssfl import SSFL
 
 log = logging.getLogger(__name__)
@@ -54,9 +57,16 @@ class FedPerl(SSFL):
     """SSFL-P2P + communities + anonymized peer learning (T >= 1)."""
 
     params: FedPerlParams  # type: ignore[assignment]
+    purpose_weights: ClassVar[dict[str, float]] = {
+        ANON_PURPOSE: 1.0
+    }  # Eq. 4: the plain mean of the T models
 
     def __init__(self, params: FedPerlParams) -> None:
         super().__init__(params)  # type: ignore[arg-type]
+        # The anonymized peers of others are served in either mode.
+        self.anonymizer: SecureExchange = (
+            self.exchanger if isinstance(self.exchanger, SecureExchange) else self.secure_exchange()
+        )
         self.gamma = params.gamma
         self.community_sum: SecureSum | None = None  # secure mode: also a FedAVGP2P term
         self.community_asked: list[str] = []  # who was asked for this round's anonymized peer
@@ -128,7 +138,7 @@ class FedPerl(SSFL):
         # Secure mode: the community's sum doubles as a FedAVGP2P term, so it is
         # weighted by image counts like every other; otherwise Eq. 4's plain mean.
         purpose = "model" if self.secure else ANON_PURPOSE
-        result = await self.secure_sum_of(ctx, round, own, sorted(chosen), purpose=purpose)
+        result = await self.anonymizer.sum_of(ctx, round, own, sorted(chosen), purpose=purpose)
         if result is not None:
             problem = incompatibility(result.mean, own, max_norm_ratio=p.max_norm_ratio)
             if problem is not None:
@@ -148,37 +158,39 @@ class FedPerl(SSFL):
             "community_similarity": float(sum(sims) / len(sims)) if sims else 0.0,
         }
 
-    async def secure_neighbours(
-        self, ctx: RoundContext, round: int, own: dict[str, Tensor], k: int
-    ) -> list[SecureSum]:
+    async def collect(self, ctx: RoundContext, site: Any, rnd: Round, k: int) -> Collected:
         """Secure mode: the community's sum, plus one over the next k - T
         neighbours that are not in the community (two at least, a sum of one
         being a model): disjoint sets, so each model is asked for once."""
+        if not self.secure:
+            return await super().collect(ctx, site, rnd, k)
+        assert rnd.own is not None
         sums = [self.community_sum] if self.community_sum is not None else []
         want = max(0, k - len(self.community_asked))
         if want == 1:
             want = 2
         if want:
-            others = self.rank_neighbours(ctx, round, want, exclude=set(self.community_asked))
-            result = await self.secure_sum_of(ctx, round, own, others[:want], purpose="model")
+            exclude = set(self.community_asked)
+            others = self.rank_neighbours(ctx, rnd.number, want, exclude=exclude)
+            result = await self.anonymizer.sum_of(
+                ctx, rnd.number, rnd.own, others[:want], purpose="model"
+            )
             if result is not None:
                 sums.append(result)
-        return sums
+        own_weight = float(self.sample_weight(site))
+        return self.anonymizer.collected(ctx, rnd.number, sums, rnd.own, own_weight, k)
 
     # ------------------------------------------------------------------ contributor side
 
     def start_exchange(self, ctx: RoundContext) -> None:
         super().start_exchange(ctx)
-        self.serve_secure_sums(ctx)  # the anonymized peers of others, in either mode
+        self.anonymizer.start(ctx)  # the anonymized peers of others, in either mode
 
-    def contribution(
-        self, wanted: int, newest: int, purpose: str
-    ) -> tuple[int, dict[str, Tensor], float] | None:
-        found = super().contribution(wanted, newest, purpose)
-        if found is None or purpose != ANON_PURPOSE:
-            return found
-        model_round, state, _ = found
-        return model_round, state, 1.0  # Eq. 4: the plain mean of the T models
+    def offer(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        super().offer(ctx, site, rnd)
+        if self.anonymizer is not self.exchanger:
+            assert rnd.own is not None
+            self.anonymizer.offer(ctx, rnd.number, rnd.own, self.sample_weight(site))
 
     def record_neighbours(self, ctx: RoundContext, used: list[str]) -> None:
         """FedPerl records its community choices (journal Fig. 3) instead."""

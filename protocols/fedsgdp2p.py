@@ -28,27 +28,22 @@ augmented here: neighbours' gradients are averaged as computed.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from collections import OrderedDict
 from typing import Any
-
-from torch import Tensor
 
 from p2pfl.config import FedSGDP2PParams
 from p2pfl.learning.train import LocalSite
 from protocols import selection
 from protocols.aggregate import aggregate_gradients
-from protocols.base import NotReady, PeerInfo, PeerUnavailable, RoundContext
-from protocols.checks import admit, cap_claims
-from protocols.exchange import pull_concurrently
+from protocols.base import PeerInfo, RoundContext
+from protocols.checks import warn_if_trim_cuts_nothing
+from protocols.exchange import GRAD_KIND, GradientExchange
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 
-GRAD_KIND = "grad"
 STEPS_KEY = "sgd_steps"
 GRADIENTS_KEPT = 8  # latest step gradients kept for slower neighbours
 
@@ -76,75 +71,18 @@ class FedSgdP2P(RoundLoop):
 
     def __init__(self, params: FedSGDP2PParams) -> None:
         super().__init__(params)
-        self.served: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
-        self.latest: tuple[int, int] = (0, 0)
+        self.exchanger = GradientExchange(
+            keep=GRADIENTS_KEPT,
+            timeout=params.step_timeout_s,
+            max_norm_ratio=params.max_norm_ratio,
+            max_weight_ratio=params.max_weight_ratio,
+            on_unavailable=self.failed,
+        )
         # neighbour -> (first step it may be asked again, consecutive failures)
         self.backoff: dict[str, tuple[int, int]] = {}
         self.steps_done = 0  # steps over all rounds: the clock of the backoff
         self.max_skip = 1
         self.timeouts = 0  # failed pulls this round
-
-    # ------------------------------------------------------------------ serving
-
-    def keep_for_peers(
-        self, round: int, step: int, grad: dict[str, Tensor], batch_size: int
-    ) -> None:
-        self.served[(round, step)] = {
-            "round": round,
-            "step": step,
-            "grad": grad,
-            "batch_size": batch_size,
-        }
-        self.latest = (round, step)
-        while len(self.served) > GRADIENTS_KEPT:
-            self.served.popitem(last=False)
-
-    async def serve_gradient(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
-        """'Your gradient of (r, s)'; NotReady until this node has computed it."""
-        key = (int(query.get("round", 0)), int(query.get("step", 0)))
-        if key in self.served:
-            return self.served[key]
-        if key > self.latest:
-            raise NotReady(f"step {key} not computed yet (latest {self.latest})")
-        return {"round": key[0], "step": key[1], "grad": None, "batch_size": 0, "reason": "gone"}
-
-    async def fetch_gradient(
-        self,
-        ctx: RoundContext,
-        round: int,
-        step: int,
-        reference: dict[str, Tensor],
-        peer: str,
-        timeout: float,
-    ) -> tuple[str, dict[str, Tensor], int] | None:
-        try:
-            reply = await ctx.request(peer, GRAD_KIND, {"round": round, "step": step}, timeout)
-        except PeerUnavailable as exc:
-            log.info("%s (%d, %d): no gradient from %s (%s)", ctx.me, round, step, peer, exc.reason)
-            self.failed(peer)
-            return None
-        if not isinstance(reply, dict):
-            log.warning("%s (%d, %d): malformed gradient reply from %s", ctx.me, round, step, peer)
-            ctx.reject(peer, "grad_malformed")
-            return None
-        if reply.get("grad") is None:  # the step is gone from the neighbour's memory
-            return None
-        batch_size = reply.get("batch_size")
-        if reply.get("round") != round or reply.get("step") != step:
-            log.warning("%s (%d, %d): %s sent another step's gradient", ctx.me, round, step, peer)
-            ctx.reject(peer, "grad_wrong_step")
-            return None
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            log.warning("%s (%d, %d): %s sent batch size %r", ctx.me, round, step, peer, batch_size)
-            ctx.reject(peer, "grad_bad_batch_size")
-            return None
-        max_ratio = self.params.max_norm_ratio
-        where = f" ({round}, {step})"
-        if not admit(
-            ctx, peer, "grad", reply["grad"], reference, max_norm_ratio=max_ratio, where=where
-        ):
-            return None
-        return peer, reply["grad"], batch_size
 
     # ------------------------------------------------------------------ the loop
 
@@ -174,17 +112,10 @@ class FedSgdP2P(RoundLoop):
         total_steps = steps_per_round(site)
         self.max_skip = max(1, total_steps)
         ctx.publish(STEPS_KEY, total_steps)
-        ctx.serve(GRAD_KIND, self.serve_gradient)
+        self.exchanger.start(ctx)
         p = self.params
         k_max = selection.neighbour_count(p.fraction, len(ctx.roster()) - 1)
-        if p.aggregation == "trimmed_mean" and int(p.trim_ratio * (k_max + 1)) == 0:
-            log.warning(
-                "%s: trimmed_mean with trim_ratio %.2f over %d gradients cuts nothing (a plain "
-                "mean): raise protocol.trim_ratio or protocol.fraction, or use median",
-                ctx.me,
-                p.trim_ratio,
-                k_max + 1,
-            )
+        warn_if_trim_cuts_nothing(ctx, p.aggregation, p.trim_ratio, k_max, "gradients")
         return site
 
     async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
@@ -211,8 +142,7 @@ class FedSgdP2P(RoundLoop):
             # Under training.dp the realised Poisson batch size is not released (the
             # accountant covers only the noised sum over the expected batch).
             served_size = site.recipe.batch_size if site.dp is not None else len(y)
-            self.keep_for_peers(r, step, grad, served_size)
-            ctx.offered(GRAD_KIND)
+            self.exchanger.offer(ctx, (r, step), grad, served_size)
             train_s += time.perf_counter() - t0
 
             # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
@@ -228,29 +158,24 @@ class FedSgdP2P(RoundLoop):
                 my_meta=self.gossip,
                 history=self.selection_history,
             )
-            fetch = functools.partial(self.fetch_gradient, ctx, r, step, grad)
-            received = await pull_concurrently(ranking, k, p.step_timeout_s, fetch)
-            received.sort(key=lambda item: item[0])
+            # The neighbours' batch sizes are claims: capped (roster, median ratio).
+            got = await self.exchanger.collect(ctx, (r, step), grad, float(len(y)), ranking, k)
+            for peer in got.capped:
+                capped[peer] = capped.get(peer, 0) + 1
             exchange_s += time.perf_counter() - t0
 
-            # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7);
-            # the neighbours' batch sizes are claims: capped (roster, median ratio).
+            # 3. w <- optimizer step with the batch-size-weighted mean gradient (Alg. 4 line 7).
             t0 = time.perf_counter()
-            claims = {ctx.me: float(len(y))}
-            claims.update((peer, float(n)) for peer, _, n in received)
-            weights, bitten = cap_claims(ctx, claims, ratio=p.max_weight_ratio, quiet=True)
-            for peer in bitten:
-                capped[peer] = capped.get(peer, 0) + 1
             mean = aggregate_gradients(
                 p.aggregation,
-                [grad] + [g for _, g, _ in received],
-                [weights[ctx.me]] + [weights[peer] for peer, _, _ in received],
+                [grad] + [t.state for t in got.terms],
+                [float(len(y))] + [t.weight for t in got.terms],
                 trim_ratio=p.trim_ratio,
                 clip_norm=p.clip_norm,
             )
             await ctx.train(site.apply_gradient, mean)
             train_s += time.perf_counter() - t0
-            used = [peer for peer, _, _ in received]
+            used = [peer for t in got.terms for peer, _ in t.merged]
             for peer in used:
                 self.backoff.pop(peer, None)
             neighbours_used += len(used)
@@ -280,4 +205,4 @@ class FedSgdP2P(RoundLoop):
 
     def load_extra(self, saved: dict[str, Any]) -> None:
         # Every step of the saved round is done: serve none of them as "not yet".
-        self.latest = (int(saved["round"]), 1 << 30)
+        self.exchanger.latest = (int(saved["round"]), 1 << 30)

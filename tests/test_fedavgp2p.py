@@ -18,6 +18,7 @@ from protocols.base import NotReady, PeerUnavailable
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.secagg import SECAGG_KIND, Contributor, SecureSum, secure_sum
+from protocols.secure_exchange import SecureExchange
 from protocols.site import build_site
 
 SITES = ["site0", "site1", "site2"]
@@ -259,15 +260,16 @@ async def test_model_requests_wait_for_the_round_or_take_a_newer_one() -> None:
     assert isinstance(proto, FedAvgP2P)
     assert isinstance(proto.params, FedAvgP2PParams)
     for r in (1, 2, 3, 4):
-        proto.keep_for_peers(r, {"w": torch.full((2,), float(r))}, num_train=10)
-    assert sorted(proto.served) == [2, 3, 4]  # max_staleness + 2 kept
-    exact = await proto.serve_model("x", {"round": 3, "max_round": 4})
+        proto.store.put(r, {"w": torch.full((2,), float(r))}, num_train=10)
+    assert sorted(proto.store.models) == [2, 3, 4]  # max_staleness + 2 kept
+    serve = proto.exchanger.serve  # type: ignore[attr-defined]
+    exact = await serve("x", {"round": 3, "max_round": 4})
     assert exact["round"] == 3 and exact["state"]["w"][0] == 3.0
-    newer = await proto.serve_model("x", {"round": 1, "max_round": 2})
+    newer = await serve("x", {"round": 1, "max_round": 2})
     assert newer["round"] == 2  # round 1 is gone; round 2 is within the staleness bound
     with pytest.raises(NotReady):
-        await proto.serve_model("x", {"round": 5, "max_round": 6})
-    too_new = await proto.serve_model("x", {"round": 0, "max_round": 1})
+        await serve("x", {"round": 5, "max_round": 6})
+    too_new = await serve("x", {"round": 0, "max_round": 1})
     assert too_new["state"] is None and too_new["round"] == 4
 
 
@@ -295,7 +297,7 @@ def run_protocols(
 def merged_with(protos: list[FedAvgP2P], weights: list[float]) -> dict[str, torch.Tensor]:
     """Round 1's weighted mean of the three trained models, as site0 takes it
     (its own first, then the neighbours by name)."""
-    return weighted_mean([p.served[1]["state"] for p in protos], weights)
+    return weighted_mean([p.store.models[1]["state"] for p in protos], weights)
 
 
 def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -309,9 +311,10 @@ def test_an_inflated_sample_count_is_capped_at_the_ratio_and_counted(sources: li
     network = InMemoryNetwork(inline_train=True)
     run_protocols(cfgs, protos, network)
 
-    claims = [float(p.served[1]["num_train"]) for p in protos]
+    claims = [float(p.store.models[1]["num_train"]) for p in protos]
     honest = [
-        float(p.served[1]["num_train"]) / (1000 if i == 2 else 1) for i, p in enumerate(protos)
+        float(p.store.models[1]["num_train"]) / (1000 if i == 2 else 1)
+        for i, p in enumerate(protos)
     ]
     assert claims[2] > 100 * max(claims[:2])
     final = network.saved_state("site0")["model"]  # type: ignore[index]
@@ -337,11 +340,11 @@ def test_the_rosters_max_samples_undoes_an_inflated_count(sources: list[str]) ->
     network = InMemoryNetwork(inline_train=True, sample_caps={"site2": true_count})
     run_protocols(cfgs, protos, network)
 
-    honest = [float(p.served[1]["num_train"]) for p in protos[:2]] + [float(true_count)]
+    honest = [float(p.store.models[1]["num_train"]) for p in protos[:2]] + [float(true_count)]
     for node in ("site0", "site1"):
         final = network.saved_state(node)["model"]  # type: ignore[index]
         order = [0, 1, 2] if node == "site0" else [1, 0, 2]
-        states = [protos[i].served[1]["state"] for i in order]
+        states = [protos[i].store.models[1]["state"] for i in order]
         assert close(final, weighted_mean(states, [honest[i] for i in order]))
     assert [r["reason"] for r in network.rejections] == ["weight_capped"] * 2
 
@@ -358,12 +361,15 @@ def test_a_secure_sums_total_weight_is_capped_at_its_contributors_caps() -> None
     or max_weight_ratio x our own count), and every contributor is counted."""
     network = InMemoryNetwork(sample_caps={"p1": 50})
     ctx = network.join("me")
-    protocol = FedAvgP2P(FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True))
+    exchange = FedAvgP2P(FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True)).exchanger
+    assert isinstance(exchange, SecureExchange)
     state = {"w": torch.zeros(2)}
     honest = SecureSum(state, 150.0, ["p1", "p2"], {"p1": 1, "p2": 1}, [])
-    assert protocol.cap_sum(ctx, 1, honest, own=100.0) == 150.0
+    terms = exchange.collected(ctx, 1, [honest], state, 100.0, k=2).terms
+    assert [t.weight for t in terms] == [150.0]
     inflated = SecureSum(state, 1e6, ["p1", "p2"], {"p1": 1, "p2": 1}, [])
-    assert protocol.cap_sum(ctx, 1, inflated, own=100.0) == 50.0 + 16 * 100.0
+    got = exchange.collected(ctx, 1, [inflated], state, 100.0, k=2)
+    assert [t.weight for t in got.terms] == [50.0 + 16 * 100.0] and len(got.capped) == 1
     assert [r["reason"] for r in network.rejections] == ["sum_weight_capped"] * 2
 
 

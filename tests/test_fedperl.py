@@ -262,8 +262,8 @@ def contributor_federation(
         protocol = FedPerl(
             FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5, **params)
         )
-        protocol.keep_for_peers(1, model_state(i), 100)
-        protocol.serve_secure_sums(ctxs[name])
+        protocol.store.put(1, model_state(i), 100)
+        protocol.anonymizer.start(ctxs[name])
         protocols[name] = protocol
     requester = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5, **params))
     return network, ctxs, {"req": requester, **protocols}
@@ -277,7 +277,7 @@ def plain_mean(names: list[str], all_names: list[str]) -> dict[str, torch.Tensor
 async def anonymized_peer(
     protocols: dict[str, FedPerl], ctxs: dict[str, InMemoryContext], names: list[str]
 ) -> secagg.SecureSum | None:
-    return await protocols["req"].secure_sum_of(
+    return await protocols["req"].anonymizer.sum_of(
         ctxs["req"], 1, model_state(42), names, purpose=ANON_PURPOSE
     )
 

@@ -250,7 +250,7 @@ def test_each_stage_keeps_its_own_ledger(tmp_path) -> None:
     overwrote the other's rows (the second red-team pass)."""
     from types import SimpleNamespace
 
-    from protocols.fedavgp2p import ledger_file
+    from protocols.secure_exchange import ledger_file
 
     def site(prefix: str | None) -> Any:
         ctx = SimpleNamespace(durable_file=lambda name: tmp_path / name)

@@ -1,0 +1,212 @@
+"""The exchange through secure aggregation: no single model leaves a node.
+
+`SecureExchange` implements protocols/exchange.py's interface over
+protocols/secagg.py. It serves masked contributions (`Contributor`) of the
+node's kept models instead of the models, and `collect` obtains the secure
+sum of the k neighbours the heuristic ranks first (no replacement: a
+neighbour that fails is a dropout of the sum; nobody is asked twice for one
+model). The requester sees only the sum, so only its mean can be checked
+(keys, shapes, dtypes, finite, norm) and only its total weight capped
+(`checks.cap_sum`), and the merge is the weighted mean.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from protocols.base import RoundContext
+from protocols.checks import cap_sum, incompatibility, own_weight_cap
+from protocols.exchange import Collected, ServedModels, Term
+from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
+
+log = logging.getLogger(__name__)
+
+
+class SecureExchange:
+    """Secure sums of the neighbours' kept models (`kind` "secagg")."""
+
+    kind = SECAGG_KIND
+
+    def __init__(
+        self,
+        store: ServedModels,
+        *,
+        max_staleness: int,
+        timeout: float,
+        max_norm_ratio: float | None,
+        max_weight_ratio: float | None,
+        threshold: int | None = None,
+        clip_norm: float | None = None,
+        purpose_weights: dict[str, float] | None = None,
+    ) -> None:
+        self.store = store
+        self.max_staleness = max_staleness
+        self.timeout = timeout
+        self.max_norm_ratio = max_norm_ratio
+        self.max_weight_ratio = max_weight_ratio
+        self.threshold = threshold
+        self.clip_norm = clip_norm
+        # A sum for another purpose may weigh every model alike (FedPerl's
+        # anonymized peer: Eq. 4's plain mean).
+        self.purpose_weights = dict(purpose_weights or {})
+        self.contributor: Contributor | None = None
+
+    # ------------------------------------------------------------------ contributor side
+
+    def start(self, ctx: RoundContext) -> None:
+        """Answer secure-aggregation requests with this node's kept models."""
+        if self.contributor is not None:
+            return
+        self.contributor = Contributor(
+            ctx,
+            self.contribution,
+            min_threshold=self.threshold,
+            clip_norm=self.clip_norm,
+            max_weight=own_weight_cap(ctx),  # nobody can cap it after masking: I do
+            keep_rounds=self.store.keep,
+            ledger_path=ledger_file(ctx),
+        )
+        ctx.serve(self.kind, self.contributor.serve)
+
+    def offer(self, ctx: RoundContext, key: Any, state: dict[str, Tensor], weight: float) -> None:
+        self.store.put(int(key), state, int(weight))
+        if self.contributor is not None:
+            ctx.offered(self.kind)
+
+    def contribution(
+        self, wanted: int, newest: int, purpose: str
+    ) -> tuple[int, dict[str, Tensor], float] | None:
+        """(round, model, weight) this node masks into a requester's sum: its
+        model of round `wanted` (or the nearest newer one up to `newest`),
+        weighted by its sample count; NotReady while `wanted` is not trained."""
+        found = self.store.model_of(wanted, newest)
+        if found is None:
+            return None
+        weight = self.purpose_weights.get(purpose, float(found["num_train"]))
+        return found["round"], found["state"], weight
+
+    # ------------------------------------------------------------------ requester side
+
+    async def sum_of(
+        self,
+        ctx: RoundContext,
+        rnd_no: int,
+        own: dict[str, Tensor],
+        chosen: list[str],
+        *,
+        purpose: str = "model",
+    ) -> SecureSum | None:
+        """The weighted mean of `chosen`'s round-r models through secure
+        aggregation, or None (fewer than two stayed; logged)."""
+        if len(chosen) < 2:
+            log.info(
+                "%s round %d: %d neighbour(s) for a secure sum, which needs two: own model only",
+                ctx.me,
+                rnd_no,
+                len(chosen),
+            )
+            return None
+        while True:
+            try:
+                return await secure_sum(
+                    ctx,
+                    chosen,
+                    round=rnd_no,
+                    max_round=rnd_no + self.max_staleness,
+                    reference=own,
+                    timeout=self.timeout,
+                    purpose=purpose,
+                    threshold=self.threshold,
+                )
+            except SecAggError as exc:
+                log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, rnd_no, chosen, exc)
+                retry = exc.unmasked
+                if retry is None or len(retry) < 2 or len(retry) >= len(chosen):
+                    return None
+                # Nobody masked yet: a fresh session without those that did not answer.
+                chosen = retry
+
+    def refused(
+        self, ctx: RoundContext, rnd_no: int, item: SecureSum, own: dict[str, Tensor]
+    ) -> bool:
+        """Whether a sum's mean cannot be merged with `own` (logged, and counted
+        against each contributor: nobody can tell which one caused it)."""
+        problem = incompatibility(item.mean, own, max_norm_ratio=self.max_norm_ratio)
+        if problem is None:
+            return False
+        log.warning(
+            "%s round %d: secure sum of %s rejected (%s)",
+            ctx.me,
+            rnd_no,
+            item.contributors,
+            problem,
+        )
+        for peer in item.contributors:
+            ctx.reject(peer, f"sum_{problem}")
+        return True
+
+    def collected(
+        self,
+        ctx: RoundContext,
+        rnd_no: int,
+        sums: list[SecureSum],
+        own: dict[str, Tensor],
+        own_weight: float,
+        k: int,
+    ) -> Collected:
+        """`sums` as merge terms: each checked as a whole, weighted by its total
+        weight capped at what its contributors may claim together."""
+        rounds = [r for x in sums for r in x.rounds.values()]
+        out = Collected(
+            log={
+                "neighbours": len(rounds),
+                "neighbours_wanted": k,
+                "stale_models": sum(1 for r in rounds if r != rnd_no),
+                "secagg_dropped": sum(len(x.dropped) for x in sums),
+            }
+        )
+        for item in sums:
+            if self.refused(ctx, rnd_no, item, own):
+                continue
+            weight = cap_sum(
+                ctx,
+                item.contributors,
+                item.total_weight,
+                own_weight,
+                ratio=self.max_weight_ratio,
+                where=f" round {rnd_no}",
+            )
+            if weight < item.total_weight:
+                out.capped.append(",".join(item.contributors))
+            merged = [(peer, item.rounds[peer]) for peer in item.contributors]
+            out.terms.append(Term(item.mean, weight, merged))
+        return out
+
+    async def collect(
+        self,
+        ctx: RoundContext,
+        key: Any,
+        own: dict[str, Tensor],
+        own_weight: float,
+        ranking: list[str],
+        k: int,
+    ) -> Collected:
+        """The secure sum of the first k of `ranking`, as one term."""
+        rnd_no = int(key)
+        result = await self.sum_of(ctx, rnd_no, own, ranking[:k], purpose="model")
+        sums = [] if result is None else [result]
+        return self.collected(ctx, rnd_no, sums, own, own_weight, k)
+
+
+def ledger_file(ctx: RoundContext) -> Path | None:
+    """Where this node's secure-aggregation ledger outlives a restart (its
+    state directory), or None for a simulated node with no storage."""
+    stage = getattr(ctx, "prefix", "")  # a stage's own contributor, its own file
+    try:
+        return ctx.durable_file(f"secagg_ledger.{stage}json")
+    except (RuntimeError, OSError):
+        return None

@@ -1,32 +1,79 @@
 """NodeContext: the RoundContext a protocol gets on a real node.
 
-Every verb delegates to the part of the `Node` that does it (node/daemon.py
+Every verb delegates to the part of the node that does it (node/daemon.py
 wires them): sends and requests to its Outbound, serving to its Inbound,
 gossip to its Membership; round and phase changes reach the telemetry and the
-fault plan. Artifacts live under `node.state_dir` (RoundContext.artifact).
+fault plan. Artifacts live under the node's state directory
+(RoundContext.artifact).
+
+It is handed those parts, and the few things the node itself keeps for its
+protocol (checkpoints, the restored state, metrics, progress) as callables,
+never the `Node`: so this module does not import node/daemon.py, which imports
+it (issue 29).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
 
+from node.inbound import Inbound
+from node.membership import Membership
+from node.outbound import Outbound
+from node.peers import PeerTable
+from node.queues import Inboxes
+from node.telemetry import Telemetry
+from p2pfl.config import SiteConfig
 from p2pfl.secure import tensors
+from p2pfl.secure.wire import WireCodec
 from protocols.base import Handler, PeerInfo, PeerUnavailable, Received, RoundContext
 from protocols.masking import pair_secret_from_shared
 
-if TYPE_CHECKING:
-    from node.daemon import Node
+
+@dataclass(frozen=True)
+class NodeState:
+    """What the node keeps for its protocol, beyond its parts: a round or phase
+    changed (the fault plan acts), save a round's checkpoint with the pushes
+    it consumed, the state a checkpoint restored, a round's metrics."""
+
+    on_progress: Callable[[], None]
+    save_checkpoint: Callable[[dict[str, Any]], None]
+    restored_state: Callable[[], dict[str, Any] | None]
+    log_metrics: Callable[[int, dict[str, Any]], None]
 
 
 class NodeContext(RoundContext):
     """RoundContext over the real daemon."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.me = node.name
-        self.config = node.cfg
+    def __init__(
+        self,
+        *,
+        name: str,
+        cfg: SiteConfig,
+        telemetry: Telemetry,
+        peers: PeerTable,
+        membership: Membership,
+        outbound: Outbound,
+        inbound: Inbound,
+        inboxes: Inboxes,
+        trainer: Executor,
+        codec: WireCodec,
+        state: NodeState,
+    ) -> None:
+        self.me = name
+        self.config = cfg
+        self._telemetry = telemetry
+        self._peer_table = peers
+        self._membership = membership
+        self._outbound = outbound
+        self._inbound = inbound
+        self._inboxes = inboxes
+        self._trainer = trainer
+        self._codec = codec
+        self._state = state
         self._round = 0
         self.phase = "start"
 
@@ -37,77 +84,75 @@ class NodeContext(RoundContext):
     @round.setter
     def round(self, value: int) -> None:
         self._round = value
-        self.node.telemetry.set_round(value)
-        self.node.on_progress()
+        self._telemetry.set_round(value)
+        self._state.on_progress()
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
-        self.node.telemetry.set_phase(phase)
-        self.node.on_progress()
+        self._telemetry.set_phase(phase)
+        self._state.on_progress()
 
     def peers(self, alive_only: bool = True) -> list[PeerInfo]:
-        return self.node.peers.peers(alive_only)
+        return self._peer_table.peers(alive_only)
 
     def roster(self) -> list[str]:
-        return self.node.membership.roster.names()
+        return self._membership.roster.names()
 
     async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
-        await self.node.outbound.send_push(
-            peer, kind, payload, self._round if round is None else round
-        )
+        await self._outbound.send_push(peer, kind, payload, self._round if round is None else round)
 
     async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
-        return await self.node.outbound.request(peer, kind, query, timeout)
+        return await self._outbound.request(peer, kind, query, timeout)
 
     def serve(self, kind: str, handler: Handler) -> None:
-        self.node.inbound.serve(kind, handler)
+        self._inbound.serve(kind, handler)
 
     def offered(self, kind: str) -> None:
-        self.node.inbound.offers.offered(kind)
+        self._inbound.offers.offered(kind)
 
     def inbox(self, kind: str) -> asyncio.Queue[Received]:
-        return self.node.inboxes.get(kind)
+        return self._inboxes.get(kind)
 
     def publish(self, key: str, value: Any) -> None:
         tensors.encode(value)  # fail here, not in the heartbeat loop, if it cannot travel
-        self.node.membership.published[key] = value
+        self._membership.published[key] = value
 
     async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.node.trainer, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(self._trainer, lambda: fn(*args, **kwargs))
 
     def checkpoint(self, state: dict[str, Any]) -> None:
-        self.node.save_checkpoint(state)
+        self._state.save_checkpoint(state)
 
     def restore(self) -> dict[str, Any] | None:
-        return self.node.restored_state
+        return self._state.restored_state()
 
     def log_metrics(self, round: int, **values: float) -> None:
-        self.node.log_metrics(round, values)
+        self._state.log_metrics(round, values)
 
     def record_choice(self, chosen: list[str]) -> None:
-        self.node.telemetry.record_choice(self.me, list(chosen))
+        self._telemetry.record_choice(self.me, list(chosen))
 
     def reject(self, peer: str, reason: str) -> None:
-        self.node.inbound.on_reject(reason, peer)
+        self._inbound.on_reject(reason, peer)
 
     def sample_caps(self) -> dict[str, int]:
         return {
             card.name: card.max_samples
-            for card in self.node.membership.roster.cards()
+            for card in self._membership.roster.cards()
             if card.max_samples is not None
         }
 
     def set_community(self, community: dict[str, Any]) -> None:
-        self.node.telemetry.set_community(community)
+        self._telemetry.set_community(community)
 
     def set_training(self, training: dict[str, Any]) -> None:
-        self.node.telemetry.set_training(training)
+        self._telemetry.set_training(training)
 
     def set_privacy_gate(self, decision: dict[str, Any]) -> None:
-        self.node.telemetry.set_privacy_gate(decision)
+        self._telemetry.set_privacy_gate(decision)
 
     def pair_secret(self, peer: str, context: bytes) -> bytes:
-        if peer not in self.node.membership.roster:
+        if peer not in self._membership.roster:
             raise PeerUnavailable(peer, "not in roster")
-        return pair_secret_from_shared(self.node.codec.shared_secret(peer), self.me, peer, context)
+        return pair_secret_from_shared(self._codec.shared_secret(peer), self.me, peer, context)

@@ -5,7 +5,8 @@ off `Node` and is closed in `Node.stop()`.
 `Node` builds the parts and wires them here, in one place: Inbound answers
 what arrives (node/inbound.py), Outbound sends pushes and requests
 (node/outbound.py), Membership runs the heartbeats and the roster
-(node/membership.py), NodeContext is what the protocol sees (node/context.py).
+(node/membership.py), NodeContext is what the protocol sees (node/context.py,
+handed those parts, never the Node).
 `Node` itself keeps the lifecycle and the protocol's state: start and resume,
 checkpoints, metrics, stop.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import protocols
-from node.context import NodeContext
+from node.context import NodeContext, NodeState
 from node.faults import FaultPlan
 from node.inbound import Inbound
 from node.logsetup import configure_logging
@@ -36,7 +37,8 @@ from node.resources import CHECK_EVERY_S, HostThreads, available_cores, registry
 from node.status import config_status_app, dashboard_url, start_status_server
 from node.telemetry import Telemetry
 from node.tls import client_ssl_context, server_ssl_context
-from node.transport import MessageClient, MessageServer
+from node.transport import MessageServer
+from node.transport_client import MessageClient
 from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import LocalIdentity, Roster
@@ -95,7 +97,6 @@ class Node:
         )
         self.stopping = asyncio.Event()
         self.protocol = protocols.from_params(cfg.protocol)
-        self.ctx = NodeContext(self)
         self.membership = Membership(
             name=self.name,
             cfg=cfg,
@@ -141,6 +142,26 @@ class Node:
         )
         self.trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-train")
         self.restored_state: dict[str, Any] | None = None
+        # The protocol's context gets the parts it uses, not the Node (issue 29).
+        # Membership and Outbound read its round and phase only once the node runs.
+        self.ctx = NodeContext(
+            name=self.name,
+            cfg=cfg,
+            telemetry=self.telemetry,
+            peers=self.peers,
+            membership=self.membership,
+            outbound=self.outbound,
+            inbound=self.inbound,
+            inboxes=self.inboxes,
+            trainer=self.trainer,
+            codec=self.codec,
+            state=NodeState(
+                on_progress=self.on_progress,
+                save_checkpoint=self.save_checkpoint,
+                restored_state=lambda: self.restored_state,
+                log_metrics=self.log_metrics,
+            ),
+        )
         self.protocol_done = False
         self.protocol_failed: str | None = None
         self.failed_kind = ""  # the class of the error that stopped the protocol

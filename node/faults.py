@@ -67,7 +67,8 @@ from p2pfl.secure.identity import LocalIdentity
 from p2pfl.secure.wire import Header, WireCodec
 
 if TYPE_CHECKING:
-    from node.transport import MessageClient, MessageServer
+    from node.transport import MessageServer
+    from node.transport_client import MessageClient
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from node.peers import PeerTable
 from node.queues import Inboxes
 from node.telemetry import Telemetry
-from node.transport import ACK_LIMIT, MessageClient, TransportError
+from node.transport_client import ACK_LIMIT, MessageClient, TransportError
 from p2pfl.config import SiteConfig
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import WireCodec, WireError

@@ -41,8 +41,9 @@ from typing import Any
 
 from node.peers import PeerTable
 from node.queues import Outbox, OutboxEntry, ReplayMarks
-from node.telemetry import Telemetry, TrafficCounter
-from node.transport import ACK_LIMIT, MessageClient, TransportError, reason_of_response
+from node.telemetry import Telemetry
+from node.telemetry_records import TrafficCounter
+from node.transport_client import ACK_LIMIT, MessageClient, TransportError, reason_of_response
 from p2pfl.config import SiteConfig
 from p2pfl.secure.wire import WireCodec, WireError
 from protocols.base import PeerUnavailable

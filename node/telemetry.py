@@ -5,6 +5,8 @@ is written from the event loop and from training threads, so every mutation and
 every snapshot happens under one lock. Readers get plain dicts (JSON-ready:
 non-finite floats become None) for /status, /peers and /history, and
 Prometheus text (prometheus-client, format 0.0.4: node/prometheus.py) for /metrics.
+The records it keeps, and the schema of what peers gossip about the graph, are
+in node/telemetry_records.py.
 
 Times: `last_seen` given to `set_peer` and every `last` in an edge are wall-clock
 epoch seconds (`time.time()`), so a browser can show "seen 3 s ago".
@@ -13,18 +15,25 @@ epoch seconds (`time.time()`), so a browser can show "seen 3 s ago".
 from __future__ import annotations
 
 import json
-import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from collections.abc import Callable
+from typing import Any
 
 from node.prometheus import Exposition
+from node.telemetry_records import (
+    MAX_NAME_CHARS,
+    EdgeStats,
+    MetricPoint,
+    PeerGauge,
+    RemoteChoice,
+    RemoteEdge,
+    TrafficCounter,
+    edge_dict,
+    valid_entries,
+)
 
 # The phases of a round: the first of them marks the first round's start.
 ROUND_PHASES = ("train", "exchange", "aggregate")
@@ -40,92 +49,12 @@ def process_launch_time(wall_clock: Callable[[], float] = time.time) -> float:
         return wall_clock()
 
 
-logger = logging.getLogger(__name__)
-
 SENT = "sent"
 RECEIVED = "received"
 
-# Peer names and kinds on the wire are short; anything longer is not worth a label.
-_MAX_NAME_CHARS = 128
 # A rejected message's claimed sender is unverified: bound how many we track apart.
 _MAX_REJECTING_PEERS = 256
 _OTHER_PEER = "<other>"
-# Edges a single peer may report in one gossip (a federation is tens of sites).
-_MAX_REMOTE_EDGES_PER_PEER = 4096
-
-
-@dataclass
-class EdgeStats:
-    """Traffic along one directed edge source -> target."""
-
-    messages: int = 0
-    bytes: int = 0
-    last: float = 0.0
-
-
-@dataclass
-class PeerGauge:
-    """A peer as last reported by the heartbeat layer."""
-
-    state: str = "unknown"
-    round: int = -1
-    phase: str = ""
-    last_seen: float = 0.0
-    error: str = ""  # a failed peer's error kind
-
-
-@dataclass
-class TrafficCounter:
-    messages: int = 0
-    bytes: int = 0
-
-    def add(self, nbytes: int) -> None:
-        self.messages += 1
-        self.bytes += nbytes
-
-
-@dataclass
-class MetricPoint:
-    round: int
-    time: float
-    values: dict[str, float]
-
-
-class RemoteEdge(BaseModel):
-    """One edge as a peer gossips it (untrusted input, so validated)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    source: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
-    target: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
-    messages: int = Field(ge=0)
-    bytes: int = Field(ge=0)
-    last: float = Field(0.0, ge=0.0, allow_inf_nan=False)
-
-
-class RemoteChoice(BaseModel):
-    """One who-chose-whom count as a peer gossips it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    chooser: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
-    chosen: str = Field(min_length=1, max_length=_MAX_NAME_CHARS)
-    count: int = Field(ge=0)
-
-
-GossipEntry = TypeVar("GossipEntry", RemoteEdge, RemoteChoice)
-
-
-def _valid_entries(
-    model: type[GossipEntry], entries: list[Any], peer_name: str, what: str
-) -> Iterator[GossipEntry]:
-    """The entries of a peer's gossip that validate as `model` (at most
-    _MAX_REMOTE_EDGES_PER_PEER of them); malformed ones are dropped."""
-    for raw in entries[:_MAX_REMOTE_EDGES_PER_PEER]:
-        try:
-            yield model.model_validate(raw)
-        except ValidationError as error:
-            logger.debug("dropping malformed %s from %s: %s", what, peer_name, error)
 
 
 def _json_copy(value: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +136,7 @@ class Telemetry:
             if peer is None:
                 return
             if peer not in self._rejections_by_peer and (
-                len(self._rejections_by_peer) >= _MAX_REJECTING_PEERS or len(peer) > _MAX_NAME_CHARS
+                len(self._rejections_by_peer) >= _MAX_REJECTING_PEERS or len(peer) > MAX_NAME_CHARS
             ):
                 peer = _OTHER_PEER
             self._rejections_by_peer[peer] = self._rejections_by_peer.get(peer, 0) + 1
@@ -224,7 +153,7 @@ class Telemetry:
     def local_edges(self) -> list[dict[str, Any]]:
         """Edges this node took part in, in the shape `merge_remote_edges` accepts."""
         with self._lock:
-            return [_edge_dict(key, stats) for key, stats in sorted(self._edges.items())]
+            return [edge_dict(key, stats) for key, stats in sorted(self._edges.items())]
 
     def local_choices(self) -> list[dict[str, Any]]:
         """This node's own choices, in the shape `merge_remote_choices` accepts."""
@@ -243,7 +172,7 @@ class Telemetry:
         dropped. Returns how many edges were kept.
         """
         kept: dict[tuple[str, str], EdgeStats] = {}
-        for edge in _valid_entries(RemoteEdge, edges, peer_name, "edge"):
+        for edge in valid_entries(RemoteEdge, edges, peer_name, "edge"):
             if peer_name not in (edge.source, edge.target) or edge.source == edge.target:
                 continue
             kept[(edge.source, edge.target)] = EdgeStats(edge.messages, edge.bytes, edge.last)
@@ -254,7 +183,7 @@ class Telemetry:
     def merge_remote_choices(self, peer_name: str, choices: list[dict[str, Any]]) -> int:
         """Replace `peer_name`'s reported choices (only those it made itself)."""
         kept: dict[tuple[str, str], int] = {}
-        for choice in _valid_entries(RemoteChoice, choices, peer_name, "choice"):
+        for choice in valid_entries(RemoteChoice, choices, peer_name, "choice"):
             if choice.chooser == peer_name:
                 kept[(choice.chooser, choice.chosen)] = choice.count
         with self._lock:
@@ -447,7 +376,7 @@ class Telemetry:
             return {
                 "me": self.me,
                 "nodes": [nodes[name] for name in sorted(nodes)],
-                "edges": [_edge_dict(key, stats) for key, stats in sorted(edges.items())],
+                "edges": [edge_dict(key, stats) for key, stats in sorted(edges.items())],
                 "choices": [
                     {"chooser": chooser, "chosen": chosen, "count": count}
                     for (chooser, chosen), count in sorted(choices.items())
@@ -521,14 +450,3 @@ class Telemetry:
                 [({"name": name}, v) for name, v in sorted(self._latest_metrics.items())],
             )
         return out.render()
-
-
-def _edge_dict(key: tuple[str, str], stats: EdgeStats) -> dict[str, Any]:
-    source, target = key
-    return {
-        "source": source,
-        "target": target,
-        "messages": stats.messages,
-        "bytes": stats.bytes,
-        "last": stats.last,
-    }

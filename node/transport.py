@@ -1,4 +1,4 @@
-"""Peer transport over aiohttp: one message endpoint (server) and a resilient client.
+"""Peer transport over aiohttp: the message endpoint (server) and what both sides share.
 
 Server: `POST /p2pfl/v1/message` streams the body. It reads the frame prefix,
 header and signature first and verifies them (size limit, sender, signature,
@@ -15,31 +15,27 @@ time. A copy of an id still arriving or handled is refused `in_progress` (sent
 again later); only an id this node is done with is `replayed` (node/outbound.py
 counts that as delivered).
 
-Client: one pooled session for all peers; per-peer retries with exponential
-backoff and full jitter; a per-peer circuit breaker so a dead peer costs one
-fast failure instead of a timeout per message. With TLS configured the client
-only speaks https and the server only listens with TLS: no plaintext fallback.
+The client, which sends to this endpoint, is node/transport_client.py. With
+TLS configured the server only listens with TLS: no plaintext fallback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.payload import Payload
 
-from p2pfl.config import TransportSection, parse_hostport
-from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, OutgoingMessage, WireCodec, WireError
+from p2pfl.config import TransportSection
+from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +72,6 @@ STATUS_FOR_REASON = {
     "too_many_uploads": 429,  # the peer's uploads in progress already reserve its share
     "upload_too_slow": 408,  # slower than transport.min_upload_bytes_per_s
 }
-# The most an answer to a push or a heartbeat may be: a few bytes of JSON.
-ACK_LIMIT = 64 * 1024
-RETRYABLE = {429, 500, 502, 503, 504}
 # Refusals after which the message had no effect and its honest sender may send
 # the very same frame again: its replay reservation is given back (WireCodec.release).
 RELEASE_REASONS = frozenset(
@@ -94,22 +87,6 @@ class Rejection(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
-
-
-class ResponseRefused(Exception):
-    """A peer's answer this node would not read to the end (`oversize`, `truncated`)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class TransportError(Exception):
-    def __init__(self, peer: str, reason: str, status: int | None = None) -> None:
-        super().__init__(f"{peer}: {reason}")
-        self.peer = peer
-        self.reason = reason
-        self.status = status
 
 
 @dataclass
@@ -406,195 +383,3 @@ class MessageServer:
         if incoming.digest != header.payload_sha256:
             return self._refuse("digest_mismatch", "", header.sender, header)
         return incoming
-
-
-@dataclass
-class Breaker:
-    failures: int = 0
-    open_until: float = 0.0
-
-    def allow(self, now: float) -> bool:
-        return now >= self.open_until
-
-    def success(self) -> None:
-        self.failures = 0
-        self.open_until = 0.0
-
-    def failure(self, now: float, threshold: int, reset_s: float) -> None:
-        self.failures += 1
-        if self.failures >= threshold:
-            self.open_until = now + reset_s
-
-
-@dataclass
-class PeerLink:
-    name: str
-    url: str
-    breaker: Breaker = field(default_factory=Breaker)
-    blocked: bool = False  # fault injection: drop everything to this peer
-
-
-class MessageClient:
-    """The sending side: one pooled session, retries, backoff with jitter, breakers.
-
-    Answers are read with the limits requests are read with: at most
-    `max_message_bytes` (refused up front from Content-Length, else as soon as
-    the streamed body crosses it) and cut off after `read_idle_timeout_s`
-    without a byte; such an answer is counted (`on_reject`) and not retried."""
-
-    def __init__(
-        self,
-        cfg: TransportSection,
-        ssl_context: ssl.SSLContext | None,
-        *,
-        max_message_bytes: int = 512 * 1024 * 1024,
-        on_reject: RejectHook | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.max_message_bytes = max_message_bytes
-        self.on_reject = on_reject
-        self.ssl_context = ssl_context
-        self.links: dict[str, PeerLink] = {}
-        self._session: aiohttp.ClientSession | None = None
-        self._rng = random.Random()
-
-    def set_peer(self, name: str, address: str) -> None:
-        host, port = parse_hostport(address)
-        host = f"[{host}]" if ":" in host else host
-        scheme = "https" if self.ssl_context is not None else "http"
-        url = f"{scheme}://{host}:{port}{MESSAGE_PATH}"
-        link = self.links.get(name)
-        if link is None:
-            self.links[name] = PeerLink(name, url)
-        else:
-            link.url = url
-
-    def remove_peer(self, name: str) -> None:
-        self.links.pop(name, None)
-
-    async def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
-                limit=64,
-                limit_per_host=8,
-                ssl=self.ssl_context if self.ssl_context is not None else False,
-                keepalive_timeout=30,
-            )
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-    def breaker_open(self, peer: str) -> bool:
-        link = self.links.get(peer)
-        return link is not None and not link.breaker.allow(time.monotonic())
-
-    async def post(
-        self,
-        peer: str,
-        message: OutgoingMessage,
-        *,
-        timeout: float | None = None,
-        retries: int | None = None,
-        probe: bool = False,
-        answer_limit: int | None = None,
-    ) -> tuple[int, bytes]:
-        """POST a frame; returns (status, body) of the final attempt or raises TransportError.
-
-        `probe` (heartbeats): go through even when the breaker is open; a success
-        closes it. So heartbeats are the half-open probe and data waits for them.
-        `answer_limit`: the most bytes the answer may have (ACK_LIMIT for a push
-        or a heartbeat, whose answers are a few bytes of JSON); max_message_bytes
-        by default (a request's answer carries a payload)."""
-        link = self.links.get(peer)
-        if link is None:
-            raise TransportError(peer, "unknown_peer")
-        retries = self.cfg.retries if retries is None else retries
-        total = timeout or self.cfg.request_timeout_s
-        deadline = time.monotonic() + total
-        attempt = 0
-        last_reason = "unreachable"
-        while True:
-            now = time.monotonic()
-            if not probe and not link.breaker.allow(now):
-                raise TransportError(peer, "circuit_open")
-            try:
-                status, body = await self._attempt(
-                    link, message, max(0.05, deadline - now), answer_limit
-                )
-            except ResponseRefused as exc:
-                if self.on_reject is not None:
-                    self.on_reject(exc.reason, peer)
-                link.breaker.failure(
-                    time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
-                )
-                raise TransportError(peer, exc.reason) from None
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                status, body = 0, b""
-                last_reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
-            if status and status not in RETRYABLE:
-                link.breaker.success()
-                return status, body
-            if status:
-                last_reason = _reason_of(body) or f"http_{status}"
-            link.breaker.failure(
-                time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
-            )
-            attempt += 1
-            if attempt > retries or time.monotonic() >= deadline:
-                raise TransportError(peer, last_reason, status or None)
-            # Exponential backoff with full jitter, bounded by the deadline.
-            cap = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * (2 ** (attempt - 1)))
-            await asyncio.sleep(
-                min(self._rng.uniform(0, cap), max(0.0, deadline - time.monotonic()))
-            )
-
-    async def _attempt(
-        self, link: PeerLink, message: OutgoingMessage, timeout: float, limit: int | None
-    ) -> tuple[int, bytes]:
-        if link.blocked:
-            await asyncio.sleep(min(timeout, 0.05))
-            raise aiohttp.ClientConnectionError("blocked by fault injection")
-        session = await self.session()
-        client_timeout = aiohttp.ClientTimeout(
-            total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
-        )
-        async with session.post(
-            link.url, data=ChunksPayload(message.chunks), timeout=client_timeout
-        ) as resp:
-            return resp.status, await self._read_body(resp, limit)
-
-    async def _read_body(self, resp: aiohttp.ClientResponse, limit: int | None) -> bytes:
-        limit = self.max_message_bytes if limit is None else min(limit, self.max_message_bytes)
-        if resp.content_length is not None and resp.content_length > limit:
-            resp.close()
-            raise ResponseRefused("oversize")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                chunk = await asyncio.wait_for(resp.content.readany(), self.cfg.read_idle_timeout_s)
-            except TimeoutError:
-                resp.close()
-                raise ResponseRefused("truncated") from None
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > limit:
-                resp.close()  # drop the connection: not a byte more is read
-                raise ResponseRefused("oversize")
-            chunks.append(chunk)
-
-
-def _reason_of(body: bytes) -> str | None:
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return obj.get("reason") if isinstance(obj, dict) else None
-
-
-def reason_of_response(status: int, body: bytes) -> str:
-    return _reason_of(body) or f"http_{status}"

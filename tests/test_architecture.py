@@ -1,10 +1,17 @@
 """The layers of docs/architecture.md, checked from the code's own imports:
 imports point down only, the foundation's two halves do not import each other,
-and no import circle runs through any package."""
+and no import circle runs through any package. Imports under `if
+TYPE_CHECKING:` count too: they never run, but a circle through type hints is
+still two modules that cannot be read or moved apart (issue 29 found
+node/context.py <-> node/daemon.py hidden that way). And the protocol registry
+is checked against what each protocol class itself declares it runs on."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,30 +42,15 @@ def layer_of(module: str) -> tuple[str, int] | None:
     return None
 
 
-def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of `tree` except those under `if TYPE_CHECKING:` (imports
-    for type hints only, which never run)."""
-    out: list[ast.AST] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and ast.unparse(child.test).endswith("TYPE_CHECKING"):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
-    return out
-
-
 def project_imports() -> dict[str, set[str]]:
-    """module -> the project modules it imports (anywhere in the file)."""
+    """module -> the project modules it imports (anywhere in the file, type
+    hints under `if TYPE_CHECKING:` included)."""
     modules = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets: set[str] = set()
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -124,15 +116,53 @@ def test_no_import_circles() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module)
-    assert circles == []
+    assert circles == [], "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
-def test_every_protocol_name_runs_a_class_that_carries_that_name() -> None:
-    """A protocol's name is written once (its params class); the registry maps
-    every params class to the class that runs it."""
+def declared_params(cls: type) -> type | None:
+    """The params class a protocol class says it runs on, read from the class
+    itself (not from the registry): the argument of a generic base
+    (`RoundLoop[FedAvgP2PParams]`), else its own `params:` annotation, else its
+    `__init__`'s `params` annotation; the first class in the MRO that says one."""
+    from p2pfl.config.protocols import BaseParams
+
+    def params_type(hint: object) -> type | None:
+        return hint if isinstance(hint, type) and issubclass(hint, BaseParams) else None
+
+    for klass in cls.__mro__:
+        for base in klass.__dict__.get("__orig_bases__", ()):
+            for arg in typing.get_args(base):
+                if found := params_type(arg):
+                    return found
+        if found := params_type(inspect.get_annotations(klass, eval_str=True).get("params")):
+            return found
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            hint = inspect.get_annotations(init, eval_str=True).get("params")
+            if found := params_type(hint):
+                return found
+    return None
+
+
+def test_the_registry_runs_each_params_class_with_the_class_declared_for_it() -> None:
+    """`protocols.IMPLEMENTATIONS` maps every params class of `ProtocolParams`
+    to a class that declares those params, and every protocol name (the
+    params' `name` literal, written once) runs that class. A swapped or wrong
+    entry fails here: the class's declaration is read from the class, not from
+    what the registry handed it."""
     import protocols
-    from p2pfl.config import protocol_names
+    from p2pfl.config import ProtocolParams, params_class, protocol_names
 
+    assert set(protocols.IMPLEMENTATIONS) == set(typing.get_args(ProtocolParams))
+    wrong = []
+    for params, target in protocols.IMPLEMENTATIONS.items():
+        module_name, _, cls_name = target.partition(":")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        if declared_params(cls) is not params:
+            wrong.append(f"{params.__name__} -> {target}, which declares {declared_params(cls)}")
+    assert wrong == []
     for name in protocol_names():
         protocol = protocols.create(name)
+        assert type(protocol.params) is params_class(name)
+        assert declared_params(type(protocol)) is params_class(name)
         assert protocol.name == name

@@ -24,14 +24,8 @@ from node.faults import FaultPlan
 from node.inbound import Inbound
 from node.queues import Inboxes, Journal, ReplayMarks, Spool
 from node.telemetry import Telemetry
-from node.transport import (
-    MESSAGE_PATH,
-    IncomingFrame,
-    MessageClient,
-    MessageServer,
-    Rejection,
-    TransportError,
-)
+from node.transport import MESSAGE_PATH, IncomingFrame, MessageServer, Rejection
+from node.transport_client import MessageClient, TransportError
 from p2pfl.config import TransportSection
 from p2pfl.secure import tensors
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError

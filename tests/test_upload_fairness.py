@@ -24,7 +24,8 @@ from fault_util import HttpReply, read_reply
 from node.outbound import Outbound
 from node.queues import Outbox, OutboxEntry
 from node.telemetry import Telemetry
-from node.transport import MESSAGE_PATH, IncomingFrame, MessageClient, MessageServer, Rejection
+from node.transport import MESSAGE_PATH, IncomingFrame, MessageServer, Rejection
+from node.transport_client import MessageClient
 from p2pfl.config import TransportSection
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, WireCodec
 

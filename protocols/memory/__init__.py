@@ -2,6 +2,7 @@
 
 network.py  the hub (`InMemoryNetwork`) and one node's `RoundContext` over it
             (`InMemoryContext`), with fault injection and traffic counting
+nodes.py    what the hub keeps of each node (`MemoryNode`) and its `Traffic`
 simulate.py `simulate(configs)` runs every site's protocol concurrently;
             `simulation_configs` builds their configs
 results.py  `SimulationResult`: per node per round records (macro_f1, accuracy,
@@ -9,7 +10,8 @@ results.py  `SimulationResult`: per node per round records (macro_f1, accuracy,
             choices and traffic
 """
 
-from .network import InMemoryContext, InMemoryNetwork, KindTraffic, Traffic
+from .network import InMemoryContext, InMemoryNetwork
+from .nodes import KindTraffic, Traffic
 from .results import SimulationResult
 from .simulate import simulate, simulation_configs
 

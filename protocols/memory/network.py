@@ -7,7 +7,8 @@ exercise what the daemon does: a pull waits while the peer's handler says
 `NotReady`, a dead or partitioned peer raises `PeerUnavailable`, a silent one
 costs the full timeout. Every payload goes through `p2pfl.secure.tensors.dumps` and
 `loads` (what would not survive the wire fails here too) and its bytes are
-counted against the node that sent it (`Traffic`).
+counted against the node that sent it (`Traffic`). What the hub keeps of each
+node (`MemoryNode`, `Traffic`) is in nodes.py.
 
 Faults tests can inject:
   network.kill(name)                 the node stops: its task is cancelled, every
@@ -28,11 +29,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from p2pfl.config import SiteConfig
 from p2pfl.files import atomic_write_bytes
@@ -42,104 +40,17 @@ from protocols.base import (
     Handler,
     Kept,
     NotReady,
-    Offers,
     PeerInfo,
     PeerUnavailable,
     Received,
     RoundContext,
 )
 from protocols.masking import pair_secret_from_shared
+from protocols.memory.nodes import MemoryNode, Traffic, new_inbox
 
 log = logging.getLogger(__name__)
 
 REQUEST_SUFFIX = ".request"
-
-
-@dataclass
-class KindTraffic:
-    messages: int = 0
-    bytes: int = 0
-
-
-@dataclass
-class Traffic:
-    """What one node sent: requests, responses and pushes (heartbeat gossip is not counted)."""
-
-    messages_sent: int = 0
-    bytes_sent: int = 0
-    by_kind: dict[str, KindTraffic] = field(default_factory=dict)
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.messages_sent += 1
-        self.bytes_sent += nbytes
-        entry = self.by_kind.setdefault(kind, KindTraffic())
-        entry.messages += 1
-        entry.bytes += nbytes
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "messages_sent": self.messages_sent,
-            "bytes_sent": self.bytes_sent,
-            "by_kind": {
-                k: {"messages": v.messages, "bytes": v.bytes}
-                for k, v in sorted(self.by_kind.items())
-            },
-        }
-
-
-@dataclass
-class _Node:
-    name: str
-    config: SiteConfig | None
-    alive: bool = True
-    partitioned: bool = False
-    silent: bool = False
-    latency_s: float = 0.0
-    failed: str = ""  # the kind of error that stopped its protocol ("" while it runs)
-    handlers: dict[str, Handler] = field(default_factory=dict)
-    offers: Offers = field(default_factory=Offers)
-    inboxes: dict[str, asyncio.Queue[Received]] = field(default_factory=dict)
-    traffic: Traffic = field(default_factory=Traffic)
-    checkpoint: bytes | None = None
-    # the last Kept payload a handler returned and its encoded size
-    kept_reply: tuple[Kept, int] | None = None
-    task: asyncio.Task[None] | None = None
-    round_events: dict[int, asyncio.Event] = field(default_factory=dict)
-    agreement: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate)
-    # What peers() shows of it, and the one record of its round, phase, published
-    # metadata and last-seen time (the properties below): updated in place.
-    info: PeerInfo = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.info = PeerInfo(name=self.name, state="alive", round=0)
-
-    @property
-    def round(self) -> int:
-        return self.info.round
-
-    @round.setter
-    def round(self, value: int) -> None:
-        self.info.round = value
-
-    @property
-    def phase(self) -> str:
-        return self.info.phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self.info.phase = value
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        return self.info.meta
-
-    @property
-    def last_seen(self) -> float:
-        return self.info.last_seen
-
-    @last_seen.setter
-    def last_seen(self, value: float) -> None:
-        self.info.last_seen = value
 
 
 class InMemoryNetwork:
@@ -178,7 +89,7 @@ class InMemoryNetwork:
         self.poll_interval_s = poll_interval_s
         self.send_timeout_s = send_timeout_s
         self.sample_caps: dict[str, int] = dict(sample_caps or {})
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, MemoryNode] = {}
         self._reachable: list[PeerInfo] | None = None  # alive, not partitioned; by name
         self._alive: list[PeerInfo] = []  # of those, the ones whose protocol runs
         self._alive_names: list[str] = []
@@ -197,7 +108,7 @@ class InMemoryNetwork:
         its handlers and inboxes start empty. A killed node needs `revive`."""
         node = self._nodes.get(name)
         if node is None:
-            node = _Node(name=name, config=config)
+            node = MemoryNode(name=name, config=config)
             self._nodes[name] = node
         else:
             node.handlers.clear()
@@ -219,7 +130,7 @@ class InMemoryNetwork:
             self._names = sorted(self._nodes)
         return list(self._names)
 
-    def _node(self, name: str) -> _Node:
+    def _node(self, name: str) -> MemoryNode:
         node = self._nodes.get(name)
         if node is None:
             raise PeerUnavailable(name, "unknown_peer")
@@ -319,7 +230,7 @@ class InMemoryNetwork:
 
     # ------------------------------------------------------------------ transport
 
-    def _check_path(self, src: _Node, dst: _Node) -> None:
+    def _check_path(self, src: MemoryNode, dst: MemoryNode) -> None:
         if not src.alive:
             raise PeerUnavailable(dst.name, "sender_dead")
         if not dst.alive:
@@ -327,7 +238,7 @@ class InMemoryNetwork:
         if src.partitioned or dst.partitioned:
             raise PeerUnavailable(dst.name, "unreachable")
 
-    async def _hop(self, src: _Node, dst: _Node) -> None:
+    async def _hop(self, src: MemoryNode, dst: MemoryNode) -> None:
         delay = src.latency_s + dst.latency_s
         if delay > 0:
             await asyncio.sleep(delay)
@@ -344,7 +255,9 @@ class InMemoryNetwork:
         except TimeoutError:
             raise PeerUnavailable(peer, "timeout") from None
 
-    async def _exchange(self, src: _Node, dst: _Node, kind: str, query_bytes: bytes) -> Any:
+    async def _exchange(
+        self, src: MemoryNode, dst: MemoryNode, kind: str, query_bytes: bytes
+    ) -> Any:
         # One request message; while the handler says NotReady the peer holds it
         # open and re-asks (the requester's timeout bounds the wait).
         await self._hop(src, dst)
@@ -371,7 +284,7 @@ class InMemoryNetwork:
             await dst.offers.wait(changed, self.poll_interval_s)
 
     @staticmethod
-    def _reply(dst: _Node, payload: Any) -> tuple[int, Any]:
+    def _reply(dst: MemoryNode, payload: Any) -> tuple[int, Any]:
         """(encoded size, what the requester gets): the payload through the
         codec. A Kept payload (a model kept for slower peers) is encoded once,
         which checks it can travel and counts its bytes, and every requester
@@ -394,22 +307,17 @@ class InMemoryNetwork:
         if dst.silent:
             await asyncio.sleep(self.send_timeout_s)
             raise PeerUnavailable(peer, "timeout")
-        queue = dst.inboxes.setdefault(kind, _new_inbox(dst))
+        queue = dst.inboxes.setdefault(kind, new_inbox(dst))
         try:
             queue.put_nowait(Received(src.name, kind, round, loads(body), uuid.uuid4().hex))
         except asyncio.QueueFull:
             raise PeerUnavailable(peer, "inbox_full") from None
 
 
-def _new_inbox(node: _Node) -> asyncio.Queue[Received]:
-    size = node.config.transport.inbox_size if node.config is not None else 0
-    return asyncio.Queue(maxsize=size)
-
-
 class InMemoryContext(RoundContext):
     """One node's view of an InMemoryNetwork."""
 
-    def __init__(self, network: InMemoryNetwork, node: _Node) -> None:
+    def __init__(self, network: InMemoryNetwork, node: MemoryNode) -> None:
         self.network = network
         self._node = node
         self.me = node.name
@@ -482,7 +390,7 @@ class InMemoryContext(RoundContext):
         self._node.offers.offered(kind)
 
     def inbox(self, kind: str) -> asyncio.Queue[Received]:
-        return self._node.inboxes.setdefault(kind, _new_inbox(self._node))
+        return self._node.inboxes.setdefault(kind, new_inbox(self._node))
 
     def publish(self, key: str, value: Any) -> None:
         self._node.meta[key] = loads(dumps(value))

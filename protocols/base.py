@@ -229,7 +229,7 @@ class RoundContext(ABC):
 class Protocol(ABC):
     name: str  # set from the params' `name`, the one place a protocol's name is written
     # The message kinds the protocol pushes, serves or requests (exact names), and
-    # the stage prefixes it puts before them (protocols/fedmae.py StageContext).
+    # the stage prefixes it puts before them (protocols/stages.py StageContext).
     # A node accepts only these (and heartbeats): node/inbound.py.
     kinds: ClassVar[tuple[str, ...]] = ()
     kind_prefixes: ClassVar[tuple[str, ...]] = ()

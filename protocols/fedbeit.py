@@ -47,20 +47,18 @@ from p2pfl.learning.tokenizer import VQTokenizer, load_tokenizer, save_tokenizer
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.fedmae import (
-    FINETUNE_STAGE,
     PRETRAIN_STAGE,
-    FedMAE,
     FedMAEError,
-    StageContext,
+    finetune_stage,
     pretraining_data,
     split_metrics,
 )
 from protocols.site import common_initial_model
+from protocols.stages import Stage, Staged
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_STAGE = "tokenizer"
-STAGES = (TOKENIZER_STAGE, PRETRAIN_STAGE, FINETUNE_STAGE)
 TOKENIZER_KIND_PREFIX = "tokenizer."
 TOKEN_MAPS_PNG = "beit_tokens.png"
 GRID_IMAGES = 8
@@ -208,57 +206,14 @@ class TokenizerStage(FedAvgP2P):
 # ---------------------------------------------------------------------- the protocol
 
 
-class FedBEiT(FedMAE):
-    """Tokenizer stage, then FedAVGP2P's rounds over BEiT's masked-token
-    objective (serving, pulling, averaging, resume and gossip are FedAVGP2P's),
-    then the chained fine-tuning protocol (Fed-MAE's)."""
+class BEiTPretraining(FedAvgP2P):
+    """Stage 2: FedAVGP2P's rounds over BEiT's masked-token objective (serving,
+    pulling, averaging, resume and gossip are FedAVGP2P's)."""
 
     params: FedBEiTParams  # type: ignore[assignment]
-    kind_prefixes = (TOKENIZER_KIND_PREFIX,)  # the tokenizer stage's FedAVGP2P kinds
-
-    def __init__(self, params: FedBEiTParams) -> None:
-        super().__init__(params)  # type: ignore[arg-type]
-
-    def tokenizer_rounds(self, config: SiteConfig) -> int:
-        """Rounds of the tokenizer stage: none with a supplied tokenizer."""
-        return 0 if config.model.tokenizer_from is not None else self.params.tokenizer_rounds
-
-    def pretraining_rounds(self, config: SiteConfig) -> int:
-        return self.tokenizer_rounds(config) + int(self.params.rounds)
-
-    def tokenizer_path(self, ctx: RoundContext) -> Path:
-        supplied = ctx.config.model.tokenizer_from
-        return Path(supplied) if supplied is not None else ctx.artifact(self.params.tokenizer_out)
-
-    def stage(self, ctx: RoundContext, stage: str, prefix: str, round_offset: int) -> StageContext:
-        return StageContext(
-            ctx,
-            ctx.config,
-            protocol=self.name,
-            round_offset=round_offset,
-            stage=stage,
-            prefix=prefix,
-        )
-
-    async def run(self, ctx: RoundContext) -> None:
-        """1. the tokenizer (unless supplied), 2. masked-token pre-training,
-        3. fine-tuning; a restarted node resumes in the stage it was in."""
-        saved = ctx.restore() or {}
-        stage = saved.get("stage") if saved.get("protocol") == self.name else None
-        reached = STAGES.index(stage) if stage in STAGES else 0
-        tokenizer_rounds = self.tokenizer_rounds(ctx.config)
-        if reached == 0 and tokenizer_rounds:
-            await TokenizerStage(self.params).run_stage(
-                self.stage(ctx, TOKENIZER_STAGE, TOKENIZER_KIND_PREFIX, 0)
-            )
-        if reached <= STAGES.index(PRETRAIN_STAGE):
-            await self.run_stage(self.stage(ctx, PRETRAIN_STAGE, "", tokenizer_rounds))
-        if self.params.finetune is not None:
-            await self.finetune(ctx)
-        ctx.set_phase("done")
 
     async def setup(self, ctx: RoundContext) -> Any:
-        tokenizer = self.tokenizer_path(ctx)
+        tokenizer = tokenizer_path(ctx, self.params)
         if not tokenizer.is_file():
             raise FedMAEError(
                 "missing_tokenizer",
@@ -278,3 +233,26 @@ class FedBEiT(FedMAE):
         ctx.set_phase("export")
         path = await ctx.train(save_encoder, site.beit, ctx.artifact(self.params.encoder_out))
         log.info("%s: Fed-BEiT encoder -> %s", ctx.me, path)
+
+
+def tokenizer_path(ctx: RoundContext, params: FedBEiTParams) -> Path:
+    supplied = ctx.config.model.tokenizer_from
+    return Path(supplied) if supplied is not None else ctx.artifact(params.tokenizer_out)
+
+
+class FedBEiT(Staged):
+    """1. the tokenizer (unless supplied), 2. masked-token pre-training, 3. the
+    chained fine-tuning protocol (as Fed-MAE's); a restarted node resumes in
+    the stage it was in."""
+
+    params: FedBEiTParams
+
+    def stages(self, config: SiteConfig | None) -> list[Stage]:
+        p = self.params
+        supplied = config is not None and config.model.tokenizer_from is not None
+        tokenizer = Stage(
+            TOKENIZER_STAGE, TokenizerStage(p), p.tokenizer_rounds, prefix=TOKENIZER_KIND_PREFIX
+        )
+        pretrain = Stage(PRETRAIN_STAGE, BEiTPretraining(p), int(p.rounds))
+        first = [] if supplied or not p.tokenizer_rounds else [tokenizer]
+        return [*first, pretrain, *finetune_stage(p.finetune, p.encoder_out)]

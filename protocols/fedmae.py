@@ -30,9 +30,7 @@ own neighbour-averaged autoencoder and fine-tunes from its own encoder.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 import protocols
@@ -41,17 +39,15 @@ from p2pfl.learning.data import SiteData, load_site_data
 from p2pfl.learning.mae import MaskedAutoencoder, create_mae, save_encoder
 from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
 from p2pfl.learning.train import LocalSite, seed_everything
-from protocols.base import Handler, PeerInfo, Received, RoundContext
-from protocols.fedavgp2p import (
-    FedAvgP2P,
-)
+from protocols.base import RoundContext
+from protocols.fedavgp2p import FedAvgP2P
+from protocols.rounds import RoundLoop
 from protocols.site import common_initial_model
+from protocols.stages import FINETUNE_KIND_PREFIX, FINETUNE_STAGE, Stage, Staged
 
 log = logging.getLogger(__name__)
 
 PRETRAIN_STAGE = "pretrain"
-FINETUNE_STAGE = "finetune"
-FINETUNE_KIND_PREFIX = "finetune."
 RECONSTRUCTION_PNG = "mae_reconstruction.png"
 GRID_IMAGES = 8
 
@@ -125,33 +121,11 @@ def evaluate_reconstruction(site: MAESite) -> dict[str, float]:
 # ---------------------------------------------------------------------- the protocol
 
 
-class FedMAE(FedAvgP2P):
-    """FedAVGP2P's round over the MAE objective (serving, pulling, averaging,
-    resume and gossip are FedAVGP2P's), then the chained fine-tuning protocol."""
+class MAEPretraining(FedAvgP2P):
+    """Stage 1: FedAVGP2P's rounds over the MAE objective (serving, pulling,
+    averaging, resume and gossip are FedAVGP2P's)."""
 
     params: FedMAEParams  # type: ignore[assignment]
-
-    def __init__(self, params: FedMAEParams) -> None:
-        super().__init__(params)  # type: ignore[arg-type]  # the exchange reads fraction and max_staleness
-
-    def message_kinds(self) -> frozenset[str]:
-        """Pre-training's kinds, and the fine-tuning protocol's under `finetune.`."""
-        kinds = super().message_kinds()
-        if self.params.finetune is None:
-            return kinds
-        inner = protocols.from_params(self.params.finetune).message_kinds()
-        return kinds | {FINETUNE_KIND_PREFIX + k for k in inner}
-
-    async def run(self, ctx: RoundContext) -> None:
-        saved = ctx.restore() or {}
-        finetuning = saved.get("protocol") == self.name and saved.get("stage") == FINETUNE_STAGE
-        if not finetuning:  # a node restarted while fine-tuning does not pre-train again
-            await self.run_stage(ctx)
-        if self.params.finetune is not None:
-            await self.finetune(ctx)
-        ctx.set_phase("done")
-
-    # ------------------------------------------------------------------ stage 1
 
     async def setup(self, ctx: RoundContext) -> Any:
         """FedAVGP2P's rounds over the MAE loss: E local epochs over every local
@@ -182,144 +156,49 @@ class FedMAE(FedAvgP2P):
         )
         log.info("%s: pre-trained encoder -> %s, reconstructions -> %s", ctx.me, path, grid)
 
-    # ------------------------------------------------------------------ stage 2
 
-    async def finetune(self, ctx: RoundContext) -> None:
+class FedMAE(Staged):
+    """Pre-training (the node's own checkpoints, unprefixed kinds), then the
+    chained fine-tuning protocol."""
+
+    params: FedMAEParams
+
+    def stages(self, config: SiteConfig | None) -> list[Stage]:
         p = self.params
-        assert p.finetune is not None
-        encoder = ctx.artifact(p.encoder_out)
+        pretrain = Stage(PRETRAIN_STAGE, MAEPretraining(p), int(p.rounds), wrap=False)
+        return [pretrain, *finetune_stage(p.finetune, p.encoder_out)]
+
+
+def finetune_stage(finetune: Any, encoder_out: str) -> list[Stage]:
+    """Stage 2 (none without `protocol.finetune`): that protocol, run from the
+    encoder the pre-training stage wrote (`model.pretrained_from`)."""
+    if finetune is None:
+        return []
+
+    def config(ctx: RoundContext) -> SiteConfig:
+        encoder = ctx.artifact(encoder_out)
         if not encoder.is_file():
             raise FedMAEError(
                 "missing_encoder",
                 f"{encoder}: the pre-trained encoder is gone — restore it or delete the "
                 "checkpoints to pre-train again",
             )
-        config = ctx.config.model_copy(
+        log.info("%s: fine-tuning with %s from %s", ctx.me, finetune.name, encoder)
+        return ctx.config.model_copy(
             update={
                 "model": ctx.config.model.model_copy(update={"pretrained_from": encoder}),
-                "protocol": p.finetune,
+                "protocol": finetune,
             }
         )
-        log.info("%s: fine-tuning with %s from %s", ctx.me, p.finetune.name, encoder)
-        await protocols.from_params(p.finetune).run(
-            StageContext(
-                ctx, config, protocol=self.name, round_offset=self.pretraining_rounds(ctx.config)
-            )
+
+    loop = protocols.from_params(finetune)
+    assert isinstance(loop, RoundLoop)
+    return [
+        Stage(
+            FINETUNE_STAGE,
+            loop,
+            int(finetune.rounds),
+            prefix=FINETUNE_KIND_PREFIX,
+            config=config,
         )
-
-    def pretraining_rounds(self, config: SiteConfig) -> int:
-        """Rounds logged before fine-tuning's (Fed-BEiT adds its tokenizer's)."""
-        return int(self.params.rounds)
-
-
-class StageContext(RoundContext):
-    """The node's context as one stage of a chained run sees it (by default the
-    fine-tuning protocol after pre-training): its own config (for fine-tuning,
-    `model.pretrained_from` set), message kinds prefixed with `prefix`, rounds
-    shown and logged after the earlier stages' (`round_offset`), checkpoints
-    wrapped as `{protocol, stage, <stage>: ...}` so a restarted node resumes in
-    the stage it was in."""
-
-    def __init__(
-        self,
-        outer: RoundContext,
-        config: SiteConfig,
-        *,
-        protocol: str,
-        round_offset: int,
-        stage: str = FINETUNE_STAGE,
-        prefix: str = FINETUNE_KIND_PREFIX,
-    ) -> None:
-        self.outer = outer
-        self.me = outer.me
-        self.config = config
-        self.protocol = protocol
-        self.round_offset = round_offset
-        self.stage = stage
-        self.prefix = prefix
-
-    @property  # type: ignore[override]
-    def round(self) -> int:
-        return self.outer.round - self.round_offset
-
-    @round.setter
-    def round(self, value: int) -> None:
-        self.outer.round = value + self.round_offset
-
-    def kind(self, kind: str) -> str:
-        return self.prefix + kind
-
-    def set_phase(self, phase: str) -> None:
-        self.phase = phase
-        self.outer.set_phase(phase)
-
-    def peers(self, alive_only: bool = True) -> list[PeerInfo]:
-        return self.outer.peers(alive_only)
-
-    def roster(self) -> list[str]:
-        return self.outer.roster()
-
-    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
-        await self.outer.send(
-            peer, self.kind(kind), payload, self.round if round is None else round
-        )
-
-    async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
-        return await self.outer.request(peer, self.kind(kind), query, timeout)
-
-    def serve(self, kind: str, handler: Handler) -> None:
-        self.outer.serve(self.kind(kind), handler)
-
-    def inbox(self, kind: str) -> asyncio.Queue[Received]:
-        return self.outer.inbox(self.kind(kind))  # pushes were sent with this stage's rounds
-
-    def publish(self, key: str, value: Any) -> None:
-        self.outer.publish(key, value)
-
-    async def train(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self.outer.train(fn, *args, **kwargs)
-
-    def checkpoint(self, state: dict[str, Any]) -> None:
-        self.outer.checkpoint({"protocol": self.protocol, "stage": self.stage, self.stage: state})
-
-    def restore(self) -> dict[str, Any] | None:
-        saved = self.outer.restore()
-        if saved and saved.get("protocol") == self.protocol and saved.get("stage") == self.stage:
-            return saved[self.stage]
-        return None
-
-    def log_metrics(self, round: int, **values: float) -> None:
-        self.outer.log_metrics(round + self.round_offset, **values)
-
-    def record_choice(self, chosen: list[str]) -> None:
-        self.outer.record_choice(chosen)
-
-    def offered(self, kind: str) -> None:
-        self.outer.offered(self.kind(kind))
-
-    def reject(self, peer: str, reason: str) -> None:
-        self.outer.reject(peer, reason)
-
-    def sample_caps(self) -> dict[str, int]:
-        return self.outer.sample_caps()
-
-    def set_community(self, community: dict[str, Any]) -> None:
-        self.outer.set_community(community)
-
-    def set_training(self, training: dict[str, Any]) -> None:
-        self.outer.set_training(training)
-
-    def set_privacy_gate(self, decision: dict[str, Any]) -> None:
-        self.outer.set_privacy_gate(decision)
-
-    def pair_secret(self, peer: str, context: bytes) -> bytes:
-        return self.outer.pair_secret(peer, context)
-
-    def storage_dir(self) -> Path:
-        return self.outer.storage_dir()
-
-    def durable_file(self, name: str) -> Path | None:
-        return self.outer.durable_file(name)
-
-    async def sleep(self, seconds: float) -> None:
-        await self.outer.sleep(seconds)
+    ]

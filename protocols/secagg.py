@@ -113,31 +113,23 @@ so configuration refuses secure aggregation without it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
-import json
 import logging
 import secrets as random_source
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from pydantic import TypeAdapter
-from torch import Tensor
 
-from p2pfl.files import atomic_write_text
 from p2pfl.secure import tensors
 from protocols.base import PeerUnavailable, RoundContext
+from protocols.secagg_ledger import ContributionLedger
 from protocols.secagg_messages import (
     MAX_CONTRIBUTORS,
     MIN_SUM,
     SECAGG_KIND,
     ConsistencyBody,
-    LedgerRow,
     MaskBody,
     SealedShare,
     SessionRequest,
@@ -163,11 +155,13 @@ from protocols.secagg_primitives import (
     view_tag,
 )
 from protocols.secagg_requester import SecureSum, secure_sum, share_keys_body
+from protocols.secagg_session import ModelSource, Session
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_CONTRIBUTORS",
+    "ModelSource",
     "MIN_SUM",
     "SECAGG_KIND",
     "Contributor",
@@ -188,50 +182,6 @@ PHASES = ("advertise", "share", "mask", "consistency", "unmask")
 
 
 # ---------------------------------------------------------------------- contributor side
-
-LEDGER = TypeAdapter(list[LedgerRow])
-
-
-def model_digest(state: dict[str, Tensor]) -> str:
-    """What identifies a model for the ledger: SHA-256 over every entry's name,
-    dtype, shape and bytes. A round retrained into another model, or a new job
-    in the same state directory, is another model."""
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().to("cpu").contiguous().reshape(-1)
-        digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-# (round, state, weight) of the model a contributor gives for rounds [wanted, newest]
-# to a sum of the given purpose; raises NotReady while not trained yet, returns
-# None if it only has newer ones.
-ModelSource = Callable[[int, int, str], tuple[int, dict[str, Tensor], float] | None]
-
-
-@dataclass
-class _Session:
-    requester: str
-    request: SessionRequest
-    context: bytes
-    model_round: int
-    digest: str  # of the model, as the ledger knows it
-    state: dict[str, Tensor]
-    weight: float
-    c_private: X25519PrivateKey  # seals my shares; this session only
-    s_private: X25519PrivateKey  # agrees my pair masks; this session only
-    self_seed: bytes
-    phase: str = "advertise"  # the last phase answered
-    u1: list[str] = field(default_factory=list)
-    u2: list[str] = field(default_factory=list)
-    u3: list[str] = field(default_factory=list)
-    keys: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)  # v -> (c_pk, s_pk)
-    threshold: int = 0
-    held: dict[str, tuple[int, bytes, bytes]] = field(default_factory=dict)  # v -> (idx, sk, b)
-
-    def public(self, which: X25519PrivateKey) -> bytes:
-        return which.public_key().public_bytes_raw()
 
 
 class Contributor:
@@ -259,16 +209,10 @@ class Contributor:
         self.clip_norm = clip_norm
         self.max_weight = max_weight
         self.keep_rounds = keep_rounds
-        self.sessions: dict[tuple[str, str], _Session] = {}
-        # (requester, model round) -> the digest of the model masked for it
-        self.contributed: dict[tuple[str, int], str] = {}
-        self._digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
+        self.sessions: dict[tuple[str, str], Session] = {}
         self.seen: dict[str, OrderedDict[str, None]] = {}  # requester -> session ids opened
-        # The ledger outlives a restart: a node that retrains or re-serves a round
-        # after a crash must not mask it into a second sum of the same requester.
-        self.ledger_path = ledger_path
-        self.ledger_error: str | None = None  # set: I refuse to contribute at all
-        self._load_ledger()
+        # (requester, model round) -> the model masked for it; outlives a restart
+        self.ledger = ContributionLedger(ledger_path, ctx.me)
 
     async def serve(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
         """The `secagg` handler: the phase's answer or {"refused": reason}."""
@@ -313,8 +257,8 @@ class Contributor:
             raise SecAggError("requester_is_contributor")
         if not group <= set(self.ctx.roster()):
             raise SecAggError("unknown_contributor")
-        if self.ledger_error is not None:
-            raise SecAggError("ledger_unreadable", self.ledger_error)
+        if self.ledger.error is not None:
+            raise SecAggError("ledger_unreadable", self.ledger.error)
         seen = self.seen.setdefault(requester, OrderedDict())
         if request.session in seen:
             raise SecAggError("session_reused", "a session id is never opened twice")
@@ -329,8 +273,8 @@ class Contributor:
         seen[request.session] = None
         while len(seen) > MAX_SEEN_SESSIONS:
             seen.popitem(last=False)
-        digest = await self._digest(model_round, state)
-        if self.contributed.get((requester, model_round)) == digest:
+        digest = await self.ledger.digest(model_round, state)
+        if self.ledger.masked(requester, model_round) == digest:
             # The same model to the same requester twice would let it subtract two sums.
             raise SecAggError("already_contributed", f"model of round {model_round}")
         self._forget_before(model_round - self.keep_rounds)
@@ -340,7 +284,7 @@ class Contributor:
         if self.max_weight is not None:
             weight = min(weight, self.max_weight)
         context = session_context(requester, request)
-        session = _Session(
+        session = Session(
             requester=requester,
             request=request,
             context=context,
@@ -363,7 +307,7 @@ class Contributor:
         return {"c_pk": c_pk, "s_pk": s_pk, "b_hash": b_hash, "tags": tags}
 
     # Round 1: ShareKeys
-    async def _share(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
+    async def _share(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "advertise", "share")
         body = parse(ShareBody, raw)
@@ -396,7 +340,7 @@ class Contributor:
         session.u1, session.threshold = u1, body.threshold
         return await asyncio.to_thread(self._deal, session, holders)
 
-    def _deal(self, session: _Session, holders: list[str]) -> dict[str, Any]:
+    def _deal(self, session: Session, holders: list[str]) -> dict[str, Any]:
         """Shares of s_u and b_u for every holder, each sealed for it alone,
         and the commitments to them the requester checks revealed shares by."""
         me, t, context = self.ctx.me, session.threshold, session.context
@@ -415,11 +359,10 @@ class Contributor:
         return {"shares": sealed, "commitments": commitments}
 
     # Round 2: MaskedInputCollection
-    async def _mask(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
+    async def _mask(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "share", "mask")
-        ledger = (session.requester, session.model_round)
-        if self.contributed.get(ledger) == session.digest:
+        if self.ledger.masked(session.requester, session.model_round) == session.digest:
             raise SecAggError("already_contributed", f"model of round {session.model_round}")
         body = parse(MaskBody, raw)
         if body is None:
@@ -462,8 +405,7 @@ class Contributor:
             session.held[v] = (share.idx, share.sk, share.b)
         session.u2 = u2
         # From here on this model is in one sum of this requester's, and in no other.
-        self.contributed[ledger] = session.digest
-        self._save_ledger()
+        self.ledger.record(session.requester, session.model_round, session.digest)
         pair_seeds = {
             v: mask_seed(session.s_private, session.keys[v][1], session.context, me, v)
             for v in u2
@@ -487,7 +429,7 @@ class Contributor:
         return {"masked": masked, "model_round": session.model_round, "view_tags": views}
 
     # Round 3: ConsistencyCheck
-    def _consistency(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
+    def _consistency(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "mask", "consistency")  # once: I vouch for one U3 only
         body = parse(ConsistencyBody, raw)
@@ -513,7 +455,7 @@ class Contributor:
         }
 
     # Round 4: Unmasking
-    def _unmask(self, session: _Session, raw: dict[str, Any]) -> dict[str, Any]:
+    def _unmask(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "consistency", "unmask")  # once: never both shares for one contributor
         body = parse(UnmaskBody, raw)
@@ -539,7 +481,7 @@ class Contributor:
         return {"self_shares": self_shares, "key_shares": key_shares}
 
     # helpers
-    def _step(self, session: _Session, expected: str, phase: str) -> None:
+    def _step(self, session: Session, expected: str, phase: str) -> None:
         if session.phase != expected:
             raise SecAggError("out_of_order", f"{phase} after {session.phase}")
         session.phase = phase
@@ -551,37 +493,6 @@ class Contributor:
         except PeerUnavailable:
             raise SecAggError("unknown_contributor", peer) from None
 
-    async def _digest(self, model_round: int, state: dict[str, Tensor]) -> str:
-        """SHA-256 of a served model (once per round, off the event loop)."""
-        cached = self._digests.get(model_round)
-        if cached is None or cached[0] is not state:
-            cached = (state, await asyncio.to_thread(model_digest, state))
-            self._digests[model_round] = cached
-        return cached[1]
-
-    def _load_ledger(self) -> None:
-        if self.ledger_path is None or not self.ledger_path.exists():
-            return
-        try:
-            rows = LEDGER.validate_json(self.ledger_path.read_bytes())
-            self.contributed = {(r.requester, r.round): r.model for r in rows}
-        except Exception as exc:  # noqa: BLE001 - any damage: refuse to contribute, say why
-            # My own file: unreadable means damaged. Refuse to contribute until an
-            # operator looks, rather than risk masking a model twice.
-            self.ledger_error = f"{self.ledger_path}: {exc} — move it away to start afresh"
-            log.error(
-                "%s: secure-aggregation ledger unreadable: %s", self.ctx.me, self.ledger_error
-            )
-
-    def _save_ledger(self) -> None:
-        if self.ledger_path is not None:
-            rows = [
-                {"requester": r, "round": m, "model": d}
-                for (r, m), d in sorted(self.contributed.items())
-            ]
-            atomic_write_text(self.ledger_path, json.dumps(rows), mode=0o600)
-
     def _forget_before(self, round: int) -> None:
-        self.contributed = {k: s for k, s in self.contributed.items() if k[1] >= round}
-        self._digests = {r: d for r, d in self._digests.items() if r >= round}
+        self.ledger.forget_before(round)
         self.sessions = {k: s for k, s in self.sessions.items() if s.model_round >= round}

@@ -18,7 +18,7 @@ from p2pfl.secure.identity import Card, IdentityError, LocalIdentity, Roster
 from protocols import create
 from protocols.base import NotReady
 from protocols.checks import admit, cap_claims, cap_weights, lower_median, own_weight_cap
-from protocols.fedmae import StageContext
+from protocols.stages import StageContext
 from protocols.memory import InMemoryNetwork, simulation_configs
 
 # ---------------------------------------------------------------------- cap_weights

@@ -1,0 +1,91 @@
+"""A contributor's ledger: which model it masked for which requester.
+
+One masked input per (requester, model version): a requester that obtained
+two sums over the same model could subtract them (protocols/secagg.py's
+rules). The ledger outlives a restart, so a node that retrains or re-serves
+a round after a crash does not mask it into a second sum of the same
+requester; an unreadable ledger makes the node refuse to contribute at all
+until an operator looks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from pydantic import TypeAdapter
+from torch import Tensor
+
+from p2pfl.files import atomic_write_text
+from protocols.secagg_messages import LedgerRow
+
+log = logging.getLogger(__name__)
+
+LEDGER = TypeAdapter(list[LedgerRow])
+
+
+def model_digest(state: dict[str, Tensor]) -> str:
+    """What identifies a model for the ledger: SHA-256 over every entry's name,
+    dtype, shape and bytes. A round retrained into another model, or a new job
+    in the same state directory, is another model."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class ContributionLedger:
+    """(requester, model round) -> the digest of the model masked for it,
+    written to `path` (crash-safe) whenever it grows; None: kept in memory."""
+
+    def __init__(self, path: Path | None, me: str) -> None:
+        self.path = path
+        self.me = me
+        self.contributed: dict[tuple[str, int], str] = {}
+        self.error: str | None = None  # set: this node refuses to contribute at all
+        self.digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
+        self.load()
+
+    def load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            rows = LEDGER.validate_json(self.path.read_bytes())
+            self.contributed = {(r.requester, r.round): r.model for r in rows}
+        except Exception as exc:  # noqa: BLE001 - any damage: refuse to contribute, say why
+            # My own file: unreadable means damaged. Refuse to contribute until an
+            # operator looks, rather than risk masking a model twice.
+            self.error = f"{self.path}: {exc} — move it away to start afresh"
+            log.error("%s: secure-aggregation ledger unreadable: %s", self.me, self.error)
+
+    def masked(self, requester: str, model_round: int) -> str | None:
+        """The digest of the model of `model_round` masked for `requester`, if any."""
+        return self.contributed.get((requester, model_round))
+
+    def record(self, requester: str, model_round: int, digest: str) -> None:
+        """From now on this model is in one sum of this requester's, and in no other."""
+        self.contributed[(requester, model_round)] = digest
+        if self.path is not None:
+            rows = [
+                {"requester": r, "round": m, "model": d}
+                for (r, m), d in sorted(self.contributed.items())
+            ]
+            atomic_write_text(self.path, json.dumps(rows), mode=0o600)
+
+    async def digest(self, model_round: int, state: dict[str, Tensor]) -> str:
+        """SHA-256 of a served model (once per round, off the event loop)."""
+        cached = self.digests.get(model_round)
+        if cached is None or cached[0] is not state:
+            cached = (state, await asyncio.to_thread(model_digest, state))
+            self.digests[model_round] = cached
+        return cached[1]
+
+    def forget_before(self, model_round: int) -> None:
+        self.contributed = {k: d for k, d in self.contributed.items() if k[1] >= model_round}
+        self.digests = {r: d for r, d in self.digests.items() if r >= model_round}

@@ -9,21 +9,17 @@ model masked into two of its sums is one too.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from torch import Tensor
 
+from bench.secagg_sessions import REQUESTER, Honest, Knowledge
 from p2pfl.secure import tensors
 from protocols import secagg
 from protocols import secagg_primitives as primitives
 from protocols.masking import from_fixed, mask_stream
-
-if TYPE_CHECKING:
-    from bench.secagg_adversary import Honest, Knowledge
-
-REQUESTER = "mallory"
 
 
 def mask_public(advert: dict[str, Any]) -> bytes | None:

@@ -1,6 +1,6 @@
-"""The attack bench (bench/attacks.py): its attacker's arithmetic against the real
-masking, the `inflated_count` fault, and one cheap run against real daemons
-whose verdicts must agree with the evidence they report."""
+"""The attack bench (bench/attacks/): the `inflated_count` fault, its registry,
+its hand-made frames, and cheap runs against real daemons whose verdicts must
+agree with the evidence they report."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from bench import attacks
 from node.faults import CYCLE_MODES, FaultPlan
-from protocols import masking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,56 +47,40 @@ def test_cycle_never_serves_inflated_count(tmp_path):
     assert set(modes) == set(CYCLE_MODES) and "inflated_count" not in modes
 
 
-def _masked(
-    models: dict[str, dict[str, torch.Tensor]], secrets: dict[frozenset[str], bytes]
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Pairwise additive masking as the old anonymized peer did it, with
-    protocols/masking.py's keystreams: x_i in fixed point (2^20, mod 2^64),
-    plus m_ij for j > i, minus m_ij for j < i; the weight (1) travels masked too."""
-    names = sorted(models)
-    out = {}
-    for me in names:
-        entries = {**models[me], attacks.MASKED_WEIGHT_KEY: torch.ones(1, dtype=torch.float64)}
-        masked = {}
-        for key, value in entries.items():
-            fixed = (
-                np.rint(value.double().numpy().reshape(-1) * 2.0**attacks.FIXED_POINT_BITS)
-                .astype(np.int64)
-                .view(np.uint64)
-            )
-            for peer in names:
-                if peer != me:
-                    mask = masking.mask_stream(secrets[frozenset((me, peer))], key, fixed.size)
-                    fixed = fixed + mask if me < peer else fixed - mask
-            masked[key] = torch.from_numpy(fixed.view(np.int64)).reshape(value.shape)
-        out[me] = masked
-    return out
+def test_a_claimed_dropout_peels_the_pair_masks_and_leaves_the_self_mask():
+    """What fedperl_subset_difference's `claimed_dropout` does with the mask key
+    the others reveal, against secure aggregation's own masking: a masked
+    input built by protocols/secagg_primitives.py (pair seeds derived from the
+    partners' side), peeled of its pair masks, is the weighted model plus the
+    self mask; only the self-mask seed (which the lie does not get) removes
+    the rest, to the fixed-point step."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+    from bench.attacks.requester import peel_pair_masks
+    from protocols.masking import FIXED_POINT_BITS, WEIGHT_KEY, from_fixed, mask_stream
+    from protocols.secagg_primitives import mask_seed, masked_input
 
-def test_the_attackers_subset_difference_recovers_a_model_from_masked_sums():
-    """What fedperl_subset_difference does with the old protocol's answers:
-    the sum over {a, b, c} less the sum over {a, b} (fresh masks) is c's model,
-    to the fixed-point step; a single masked contribution is nowhere near it."""
     torch.manual_seed(0)
-    models = {n: {"w": torch.randn(5, 3), "b": torch.randn(3)} for n in ("a", "b", "c")}
-    pairs = [frozenset(p) for p in (("a", "b"), ("a", "c"), ("b", "c"))]
-    full = _masked(models, {p: os.urandom(32) for p in pairs})
-    rest = _masked({n: models[n] for n in ("a", "b")}, {p: os.urandom(32) for p in pairs})
-    total_full: dict = {}
-    total_rest: dict = {}
-    for masked in full.values():
-        attacks.add_masked(total_full, masked)
-    for masked in rest.values():
-        attacks.add_masked(total_rest, masked)
-    s_full, s_rest = attacks.masked_total(total_full), attacks.masked_total(total_rest)
-    assert (s_full.weight, s_rest.weight) == (3.0, 2.0)
-    recovered = attacks.combination([(1, s_full), (-1, s_rest)])
-    assert set(recovered) == {"w", "b"}
-    for key, value in models["c"].items():
-        gap = abs(recovered[key] - value.double().numpy().reshape(-1)).max()
-        assert gap <= 2.0 ** -(attacks.FIXED_POINT_BITS - 1), (key, gap)
-    alone = attacks.fixed_to_float(full["c"]["w"].numpy().reshape(-1).view(np.uint64))
-    assert abs(alone - models["c"]["w"].double().numpy().reshape(-1)).max() > 1e3
+    names = ["a", "b", "d", "e"]
+    keys = {n: X25519PrivateKey.generate() for n in names}
+    public = {n: k.public_key().public_bytes_raw() for n, k in keys.items()}
+    context, self_seed, weight = b"session", os.urandom(32), 3.0
+    state = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    pair_seeds = {u: mask_seed(keys[u], public["d"], context, u, "d") for u in names if u != "d"}
+    masked = masked_input(state, weight, me="d", self_seed=self_seed, pair_seeds=pair_seeds)
+    private_d = keys["d"].private_bytes_raw()
+    peeled = peel_pair_masks(masked, "d", private_d, public, names, context)
+    assert set(peeled) == {"w", "b"} and WEIGHT_KEY in masked
+    for key, value in state.items():
+        truth = (value.double() * weight).numpy().reshape(-1)
+        assert abs(peeled[key] - truth).max() > 1e3  # the self mask is still on
+        fixed = masked[key].numpy().reshape(-1).view("uint64").copy()
+        for u, seed in pair_seeds.items():
+            mask = mask_stream(seed, key, fixed.size)
+            fixed = fixed - mask if u > "d" else fixed + mask
+        assert (peeled[key] == from_fixed(fixed)).all()  # exactly the pair masks removed
+        unmasked = from_fixed(fixed - mask_stream(self_seed, key, fixed.size))
+        assert abs(unmasked - truth).max() <= 2.0 ** -(FIXED_POINT_BITS - 1), key
 
 
 def test_list_names_every_scenario(capsys):
@@ -168,33 +150,35 @@ def test_two_cheap_scenarios_against_real_daemons_report_verdicts_their_evidence
 
 
 def test_the_review_scenarios_are_registered_with_issue_28_holes():
-    from bench import attacks_review
+    from bench.attacks import review, secagg
 
-    for name, (hole, group) in attacks_review.SCENARIOS.items():
-        assert attacks.SCENARIOS[name] == (hole, group) and hole.startswith("28.")
-        assert attacks.GROUPS[group] is attacks_review.GROUPS[group]
+    for module in (review, secagg):
+        for name, (hole, group) in module.SCENARIOS.items():
+            assert attacks.SCENARIOS[name] == (hole, group) and hole.startswith("28.")
+            assert attacks.GROUPS[group] is module.GROUPS[group]
 
 
 def test_the_decode_bomb_and_the_huge_round_pass_the_header_checks(tmp_path):
     """The bench's hand-made frames are what the victim verifies: correctly
     signed headers (so the hole is reached), the bomb within max_message_bytes."""
-    from bench import attacks_review
+    from bench.attacks import review
+    from bench.attacks.victim import MAX_MESSAGE, raw_frame
     from node.provision import provision
     from p2pfl.secure.identity import LocalIdentity, Roster
     from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, WireCodec
 
     fed = tmp_path / "fed"
     protocol = {"name": "probe", "rounds": 1}
-    provision(fed, ["v", "m"], protocol=protocol, federation=attacks_review.FEDERATION)
-    m = attacks.RawPeer(fed, "m", {}, federation=attacks_review.FEDERATION)
+    provision(fed, ["v", "m"], protocol=protocol, federation=review.FEDERATION)
+    m = attacks.RawPeer(fed, "m", {}, federation=review.FEDERATION)
     keys = fed / "v" / "state" / "keys"
     v = WireCodec(
         LocalIdentity.load("v", keys / "v.sign.pem", keys / "v.kex.pem"),
         Roster.load(fed / "roster.yaml"),
-        attacks_review.FEDERATION,
-        max_message_bytes=attacks_review.MAX_MESSAGE,
+        review.FEDERATION,
+        max_message_bytes=MAX_MESSAGE,
     )
-    frame, msg_id = attacks_review.raw_frame(m, "heartbeat", "v", b"\x90" * 1000)
+    frame, msg_id = raw_frame(m, "heartbeat", "v", b"\x90" * 1000)
     n = v.header_length(frame[:PREFIX_LEN])
     header = v.verify_header(
         frame[PREFIX_LEN : PREFIX_LEN + n],
@@ -202,8 +186,8 @@ def test_the_decode_bomb_and_the_huge_round_pass_the_header_checks(tmp_path):
         total_len=len(frame),
     )
     assert header.id_hex == msg_id and header.payload_len == 1000
-    big, _ = attacks_review.raw_frame(m, "probe", "v", b"x", round=2**63, encrypt=True)
-    assert len(big) < attacks_review.MAX_MESSAGE
+    big, _ = raw_frame(m, "probe", "v", b"x", round=2**63, encrypt=True)
+    assert len(big) < MAX_MESSAGE
 
 
 @pytest.mark.slow

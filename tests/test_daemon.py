@@ -6,23 +6,19 @@ keys and speaks the real wire format to the node under test.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import re
-import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 
 from bench.localfed import LocalFederation
+from bench.peer import Heartbeats, RawPeer
 from node.daemon import uncapped_peers
 from node.provision import provision
-from node.transport import MESSAGE_PATH
 from p2pfl.config.site import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
@@ -40,62 +36,11 @@ FAST = {
 }
 
 
-def post(port: int, frame: bytes, timeout: float = 10.0) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
-
-
-def peer_codec(fed_dir: Path, name: str) -> WireCodec:
-    """The wire codec of a site whose daemon is not running (the test plays it)."""
-    keys = fed_dir / name / "state" / "keys"
-    ident = LocalIdentity.load(name, keys / f"{name}.sign.pem", keys / f"{name}.kex.pem")
-    return WireCodec(ident, Roster.load(fed_dir / "roster.yaml"), "local")
-
-
 def metric_value(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
-
-
-class Heartbeats:
-    """A background thread sending signed heartbeats as a test-played site."""
-
-    def __init__(self, codec: WireCodec, port: int, to: str, round: int = 0) -> None:
-        self.codec, self.port, self.to, self.round = codec, port, to, round
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 120  # bounded even if a test forgets to stop it
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            beat = {
-                "round": self.round,
-                "phase": "test",
-                "done": False,
-                "bye": False,
-                "meta": {},
-                "edges": [],
-                "choices": [],
-            }
-            with contextlib.suppress(OSError):
-                post(self.port, self.codec.encode("heartbeat", self.to, beat).to_bytes(), timeout=2)
-            self.stop.wait(0.3)
-
-    def __enter__(self) -> Heartbeats:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(5)
 
 
 def test_three_nodes_exchange_and_reject_bad_messages(tmp_path):
@@ -136,19 +81,22 @@ def test_three_nodes_exchange_and_reject_bad_messages(tmp_path):
         }
 
         # Now misbehave against node a, playing b (whose real key we hold) and mallory.
-        b = peer_codec(tmp_path / "fed", "b")
-        port = plans[0].port
-        good = b.encode("probe", "a", {"round": 99, "tensor": torch.zeros(4)}, round=99).to_bytes()
-        assert post(port, good)[0] == 200
-        status, body = post(port, good)
-        assert (status, body["reason"]) == (409, "replayed")
-        tampered = bytearray(b.encode("probe", "a", {"x": 1}).to_bytes())
+        b = RawPeer(tmp_path / "fed", "b", {p.name: p.port for p in plans})
+        good = b.frame("probe", "a", {"round": 99, "tensor": torch.zeros(4)}, round=99)
+        assert b.post("a", good).status == 200
+        again = b.post("a", good)
+        assert (again.status, again.reason) == (409, "replayed")
+        tampered = bytearray(b.frame("probe", "a", {"x": 1}))
         tampered[20] ^= 0xFF  # inside the signed header
-        status, body = post(port, bytes(tampered))
-        assert status == 401 or body["reason"] in ("bad_signature", "undecodable_header")
-        forged = bytearray(b.encode("probe", "a", {"x": 1}).to_bytes())
+        reply = b.post("a", bytes(tampered))
+        assert reply.status == 401 or reply.reason in ("bad_signature", "undecodable_header")
+        forged = bytearray(b.frame("probe", "a", {"x": 1}))
         forged[8 + int.from_bytes(forged[4:8], "big") + 10] ^= 0x01  # inside the signature
-        assert post(port, bytes(forged)) == (401, {"reason": "bad_signature", "detail": "from 'b'"})
+        reply = b.post("a", bytes(forged))
+        assert (reply.status, reply.json()) == (
+            401,
+            {"reason": "bad_signature", "detail": "from 'b'"},
+        )
         outsider = WireCodec(
             mallory,
             Roster(
@@ -159,13 +107,12 @@ def test_three_nodes_exchange_and_reject_bad_messages(tmp_path):
             ),
             "local",
         )
-        status, body = post(port, outsider.encode("probe", "a", {"x": 1}).to_bytes())
-        assert (status, body["reason"]) == (403, "unknown_sender")
-        huge = b.encode("probe", "a", {"tensor": torch.zeros(40_000)}).to_bytes()
-        status, body = post(port, huge)
-        assert (status, body["reason"]) == (413, "oversize")
-        status, body = post(port, b"\x00" * 64)
-        assert (status, body["reason"]) == (400, "undecodable_header")
+        reply = b.post("a", outsider.encode("probe", "a", {"x": 1}).to_bytes())
+        assert (reply.status, reply.reason) == (403, "unknown_sender")
+        reply = b.post("a", b.frame("probe", "a", {"tensor": torch.zeros(40_000)}))
+        assert (reply.status, reply.reason) == (413, "oversize")
+        reply = b.post("a", b"\x00" * 64)
+        assert (reply.status, reply.reason) == (400, "undecodable_header")
 
         st = fed["a"].status()
         for reason in (
@@ -189,29 +136,34 @@ def test_crash_after_ack_processes_the_message_exactly_once(tmp_path):
     probe = {"name": "probe", "rounds": 2, "payload_kb": 4, "round_timeout_s": 8}
     plans = provision(tmp_path / "fed", ["a", "b"], protocol=probe, overrides=FAST)
     plan_b = plans[1]
-    a = peer_codec(tmp_path / "fed", "a")
+    a = RawPeer(tmp_path / "fed", "a", {p.name: p.port for p in plans})
     fed = LocalFederation([plan_b], tmp_path / "logs")
     node_b = fed["b"]
     spool = tmp_path / "fed" / "b" / "state" / "spool"
     journal = tmp_path / "fed" / "b" / "state" / "journal.jsonl"
-    with fed, Heartbeats(a, plan_b.port, "b"):
+    beats = Heartbeats(
+        a, ["b"], 0, max_s=120, interval_s=0.3, phase="test", goodbye=False, post_timeout_s=2
+    )
+    with fed, beats:
         node_b.wait_for(lambda s: s["round"] == 1, 60, "round 1 started")
         # A probe for round 2 arrives while b still waits for round 1: b takes it
         # but only checkpoints it at the end of round 1. Kill b right after the ack.
-        early = a.encode("probe", "b", {"round": 2, "from": "a", "tensor": torch.ones(8)}, round=2)
-        assert post(plan_b.port, early.to_bytes())[0] == 200
+        early = a.codec.encode(
+            "probe", "b", {"round": 2, "from": "a", "tensor": torch.ones(8)}, round=2
+        )
+        assert a.post("b", early.to_bytes()).status == 200
         node_b.kill()
         early_id = early.header.id_hex
         assert (spool / f"{early_id}.frame").exists(), "acknowledged message must be on disk"
         node_b.start()
         node_b.wait_for(lambda s: s["round"] >= 1, 60, "restarted")
         # The sender did not trust the lost connection and retries the same message.
-        status, body = post(plan_b.port, early.to_bytes())
-        assert status in (200, 409), body
-        on_time = a.encode(
+        retried = a.post("b", early.to_bytes())
+        assert retried.status in (200, 409), retried.json()
+        on_time = a.codec.encode(
             "probe", "b", {"round": 1, "from": "a", "tensor": torch.ones(8)}, round=1
         )
-        assert post(plan_b.port, on_time.to_bytes())[0] == 200
+        assert a.post("b", on_time.to_bytes()).status == 200
         node_b.wait_for(lambda s: s["phase"] == "done", 60, "b done")
     ids = [json.loads(x)["id"] for x in journal.read_text().splitlines()]
     assert ids.count(early_id) == 1 and ids.count(on_time.header.id_hex) == 1, ids

@@ -15,9 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from test_daemon import FAST, metric_value, peer_codec, post
+from test_daemon import FAST, metric_value
 
 from bench.localfed import LocalFederation
+from bench.peer import RawPeer
 from node.provision import provision
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import WireCodec
@@ -65,8 +66,9 @@ def test_encryption_on_refuses_plaintext_and_encrypts_heartbeats(tmp_path):
     probe = {"name": "probe", "rounds": 3, "payload_kb": 4, "round_timeout_s": 10}
     overrides = {**FAST, "wire": {"encryption": True}, "node": {"startup_wait_s": 5}}
     plans = provision(fed_dir, ["a", "b", "c"], protocol=probe, overrides=overrides)
-    c = peer_codec(fed_dir, "c")
     port_a = plans[0].port
+    peer_c = RawPeer(fed_dir, "c", {"a": port_a})
+    c = peer_c.codec
     with Capture(plans[2].port) as capture, LocalFederation(plans[:2], tmp_path / "logs") as fed:
         # a and b hear each other (encrypted heartbeats) and exchange encrypted probes.
         for name in "ab":
@@ -84,14 +86,15 @@ def test_encryption_on_refuses_plaintext_and_encrypts_heartbeats(tmp_path):
             ("heartbeat", {"round": 0, "phase": "x", "done": False, "bye": False, "meta": {}}),
             ("req:probe", {"_wait_s": 0.0}),
         ):
-            status, reply = post(port_a, c.encode(kind, "a", body).to_bytes())
+            answer = peer_c.post("a", c.encode(kind, "a", body).to_bytes())
+            status, reply = answer.status, answer.json()
             assert (status, reply.get("reason")) == (403, "encryption_required"), (kind, reply)
         st = fed["a"].status()
         assert st["rejected"]["encryption_required"] == 3, st["rejected"]
         prom = fed["a"].get("/metrics")
         assert metric_value(prom, "p2pfl_rejected_total", reason="encryption_required") == 3
         # The same push encrypted to a is taken.
-        assert post(port_a, c.encode("probe", "a", payload, encrypt=True).to_bytes())[0] == 200
+        assert peer_c.post("a", c.encode("probe", "a", payload, encrypt=True).to_bytes()).accepted
         assert fed["a"].get("/healthz").strip() == "ok"
 
     # What a and b sent c (heartbeats, every heartbeat_s): each sealed to c.

@@ -14,11 +14,12 @@ import json
 
 import pytest
 import torch
-from test_daemon import FAST, Heartbeats, peer_codec, post
+from test_daemon import FAST
 from test_faults import events, write_plan
 from test_replay_restart import send_until_taken
 
 from bench.localfed import LocalFederation
+from bench.peer import Heartbeats, RawPeer
 from node.provision import provision
 from node.queues import Checkpoints
 
@@ -35,14 +36,18 @@ def test_a_kill_between_checkpoint_and_journal_processes_nothing_twice(tmp_path)
         tmp_path / "faults" / "b.json",
         {"kill": [{"id": "between", "round": 1, "phase": "checkpointed"}]},
     )
-    a = peer_codec(fed_dir, "a")
+    peer_a = RawPeer(fed_dir, "a", {"b": plan_b.port})
+    a = peer_a.codec
     fed = LocalFederation([plan_b], tmp_path / "logs")
     node_b = fed["b"]
     node_b.env = {"P2PFL_FAULTS": str(faults)}
-    with fed, Heartbeats(a, plan_b.port, "b"):
+    beats = Heartbeats(
+        peer_a, ["b"], 0, max_s=120, interval_s=0.3, phase="test", goodbye=False, post_timeout_s=2
+    )
+    with fed, beats:
         node_b.wait_for(lambda s: s["round"] == 1, 60, "round 1 started")
         first = a.encode("probe", "b", {"round": 1, "from": "a", "tensor": torch.ones(8)}, round=1)
-        assert post(plan_b.port, first.to_bytes())[0] == 200
+        assert peer_a.post("b", first.to_bytes()).accepted
         # b takes the probe, ends round 1, writes its checkpoint and dies there.
         assert node_b.wait(60) == -9, node_b.log_tail()
         assert [e["id"] for e in events(faults) if e["event"] == "kill"] == ["between"]

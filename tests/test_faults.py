@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_daemon import peer_codec, post
 
 from bench.localfed import LocalFederation
+from bench.peer import RawPeer
 from node.provision import provision
 from node.queues import Checkpoints
 
@@ -325,15 +325,15 @@ def test_poisoned_forged_and_replayed_models_are_refused_and_training_goes_on(tm
     fed["evil"].env = {"P2PFL_FAULTS": str(attack)}
     with fed:
         # A stranger (key not in the roster) pushes a model too.
-        stranger = peer_codec(fed_dir, "h2")
+        stranger = RawPeer(fed_dir, "h2", {"h1": plans[0].port})
         from p2pfl.secure.identity import LocalIdentity
         from p2pfl.secure.wire import WireCodec
 
-        mallory = WireCodec(LocalIdentity.generate("mallory"), stranger.roster, "local")
+        mallory = WireCodec(LocalIdentity.generate("mallory"), stranger.codec.roster, "local")
         fed["h1"].wait_for(lambda s: s["round"] >= 1, 60, "h1 started")
         frame = mallory.encode("model", "h1", {"state": {"w": torch.ones(3)}}, round=1)
-        status, body = post(plans[0].port, frame.to_bytes())
-        assert (status, body.get("reason")) == (403, "unknown_sender")
+        answer = stranger.post("h1", frame.to_bytes())
+        assert (answer.status, answer.json().get("reason")) == (403, "unknown_sender")
         supervise(fed, rounds, timeout=240, restart=False)
         rejected = {n: fed[n].status()["rejected"] for n in ("h1", "h2")}
     modes = [e["mode"] for e in events(attack) if e["event"] == "poison"]

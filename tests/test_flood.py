@@ -35,9 +35,10 @@ from fault_util import (
     http_post,
     rss_kb,
 )
-from test_daemon import metric_value, peer_codec
+from test_daemon import metric_value
 
 from bench.localfed import LocalFederation
+from bench.peer import RawPeer
 from node.provision import free_ports, provision
 from node.transport import MESSAGE_PATH, STATUS_FOR_REASON
 from p2pfl.secure.identity import LocalIdentity, Roster
@@ -239,10 +240,14 @@ def flood_run(tmp_path_factory: pytest.TempPathFactory) -> FloodRun:
     with fed:
         # Signing is the client's bottleneck: sign everything while the node starts.
         flood = flood_requests(
-            peer_codec(tmp_path / "fed", "b"), plan.port, int(FLOOD_RATE * FLOOD_S)
+            RawPeer(tmp_path / "fed", "b", {}).codec, plan.port, int(FLOOD_RATE * FLOOD_S)
         )
         garbage, garbage_kinds = garbage_requests(
-            rng, peer_codec(tmp_path / "fed", "c"), outsider, plan.port, int(GARBAGE_RATE * FLOOD_S)
+            rng,
+            RawPeer(tmp_path / "fed", "c", {}).codec,
+            outsider,
+            plan.port,
+            int(GARBAGE_RATE * FLOOD_S),
         )
         node.wait_for(lambda s: s["round"] >= 1, 60, "node a running its protocol")
         assert node.proc is not None

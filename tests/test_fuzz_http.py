@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 from fault_util import HttpReply, error_records, http_post, one_shot
-from test_daemon import peer_codec
 
 from bench.localfed import LocalFederation, NodeProcess
+from bench.peer import RawPeer
 from node.provision import provision
 from node.transport import MESSAGE_PATH, STATUS_FOR_REASON
 from p2pfl.secure.wire import WireCodec
@@ -409,7 +409,7 @@ def fuzz_run(tmp_path_factory: pytest.TempPathFactory) -> FuzzRun:
     port = plans[0].port
     fed = LocalFederation([plans[0]], tmp_path / "logs")
     node = fed["a"]
-    codec = peer_codec(tmp_path / "fed", "b")
+    codec = RawPeer(tmp_path / "fed", "b", {}).codec
     with fed:
         node.wait_for(lambda s: s["round"] >= 1, 60, "node a running its protocol")
         seeds = [

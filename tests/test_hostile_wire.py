@@ -518,9 +518,9 @@ def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(
     heartbeat acceptably, so with no pause the rounds would run back to back
     with nothing to await and starve the event loop by themselves."""
     from fault_util import Monitor, http_post, one_shot, rss_kb
-    from test_daemon import peer_codec
 
     from bench.localfed import LocalFederation
+    from bench.peer import RawPeer
     from node.provision import free_ports, provision
 
     max_bytes = 32 << 20
@@ -543,7 +543,7 @@ def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(
     a, b = plans
     stop = threading.Event()
     _fake_peer(b.port, 256, stop)
-    bob = peer_codec(tmp_path / "fed", "b")
+    bob = RawPeer(tmp_path / "fed", "b", {}).codec
     fed = LocalFederation([a], tmp_path / "logs")
     node = fed["a"]
     with fed:

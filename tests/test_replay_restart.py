@@ -16,9 +16,10 @@ import time
 
 import pytest
 import torch
-from test_daemon import FAST, peer_codec, post
+from test_daemon import FAST
 
 from bench.localfed import LocalFederation
+from bench.peer import RawPeer, post_frame
 from node.provision import provision
 from node.queues import ReplayMarks
 from p2pfl.secure.wire import WireCodec
@@ -119,7 +120,7 @@ def send_until_taken(
     while True:
         tries += 1
         frame = codec.encode(kind, to, payload, round=round, msg_id=msg_id).to_bytes()
-        status, body = post(port, frame)
+        status, body = post_frame(port, frame).answer()
         if body.get("reason") != "before_restart" or time.monotonic() > deadline:
             return status, body, tries
         time.sleep(0.2)
@@ -145,7 +146,7 @@ def test_messages_accepted_before_a_restart_are_refused_after_it(tmp_path):
         protocol=probe,
         overrides={**FAST, "wire": {"replay_margin_s": margin_s}},
     )
-    a = peer_codec(fed_dir, "a")
+    a = RawPeer(fed_dir, "a", {}).codec
     port = plans[1].port
     fed = LocalFederation([plans[1]], tmp_path / "logs")
     with fed:
@@ -153,9 +154,9 @@ def test_messages_accepted_before_a_restart_are_refused_after_it(tmp_path):
         beat = a.encode("heartbeat", "b", BEAT).to_bytes()
         push = a.encode("probe", "b", {"round": 1, "from": "a", "tensor": torch.ones(4)}, round=1)
         ask = a.encode("req:probe", "b", {"_wait_s": 0.0}).to_bytes()
-        assert post(port, beat)[0] == 200
-        assert post(port, push.to_bytes())[0] == 200
-        assert post(port, ask) == (
+        assert post_frame(port, beat).answer()[0] == 200
+        assert post_frame(port, push.to_bytes()).answer()[0] == 200
+        assert post_frame(port, ask).answer() == (
             404,
             {"reason": "no_handler", "detail": "probe"},
         )  # opened, answered
@@ -163,9 +164,9 @@ def test_messages_accepted_before_a_restart_are_refused_after_it(tmp_path):
         fed["b"].start()
         fed["b"].wait_for(lambda s: True, 60, "b restarted")
         for frame in (beat, ask):  # taken (200, 404) before the restart
-            status, body = post(port, frame)
+            status, body = post_frame(port, frame).answer()
             assert (status, body.get("reason")) == (425, "before_restart"), body
-        status, body = post(port, push.to_bytes())
+        status, body = post_frame(port, push.to_bytes()).answer()
         # Journaled (b consumed and checkpointed it) or only spooled: refused either way.
         assert (status, body.get("reason")) in ((409, "replayed"), (425, "before_restart")), body
         rejected = fed["b"].status()["rejected"]

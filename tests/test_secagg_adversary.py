@@ -218,7 +218,7 @@ def test_the_ledger_outlives_a_restart(tmp_path) -> None:
     fed = Federation()
     path = tmp_path / "ledger.json"
     alice = fed.contributors["alice"]
-    alice.ledger_path = path
+    alice.ledger.path = path
     asyncio.run(fed.ask(CONTRIBUTORS))
     assert path.exists() and oct(path.stat().st_mode & 0o777) == "0o600"
     reborn = type(alice)(fed.ctxs["alice"], fed.source("alice"), ledger_path=path)
@@ -255,7 +255,7 @@ def test_each_stage_keeps_its_own_ledger(tmp_path) -> None:
     def site(prefix: str | None) -> Any:
         ctx = SimpleNamespace(durable_file=lambda name: tmp_path / name)
         if prefix is not None:
-            ctx.prefix = prefix  # what protocols/fedmae.py's StageContext carries
+            ctx.prefix = prefix  # what protocols/stages.py's StageContext carries
         return ctx
 
     files = {ledger_file(site(p)) for p in (None, "finetune.", "tokenizer.")}

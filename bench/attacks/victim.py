@@ -1,11 +1,11 @@
-"""What bench/attacks_review.py watches and sends: a victim daemon read with its
-status token, a monitor of its /healthz latency, RSS and descriptors, frames
-with attacker-chosen payload bytes, simultaneous raw deliveries, and a fake
-peer at a roster member's address."""
+"""What the review scenarios (bench/attacks/review.py, review_load.py) watch
+and send: a victim daemon read with its status token, a monitor of its
+/healthz latency, RSS and descriptors, frames with attacker-chosen payload
+bytes, and simultaneous raw deliveries. (The fake peer at a roster member's
+address is bench/peer.py's.)"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 import psutil
 import yaml
-from aiohttp import web
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from bench.attack_kit import Counters, RawPeer, Reply, state_dir
+from bench.attacks.federations import state_dir
+from bench.attacks.kit import Counters
 from bench.localfed import NodeProcess
+from bench.peer import RawPeer, Reply
 from node.provision import SitePlan
 from node.transport import MESSAGE_PATH
 from p2pfl.secure.wire import MAGIC, VERSION, Header, _payload_key
@@ -106,7 +107,7 @@ class Victim:
             return None
 
     def counters(self) -> Counters:
-        """bench/attack_kit.py's Counters, read with the token."""
+        """bench/attacks/kit.py's Counters, read with the token."""
         s = self.status() or {}
         received = ((s.get("messages") or {}).get("received") or {}).get("by_kind") or {}
         return Counters(
@@ -288,57 +289,3 @@ def simultaneous(port: int, frame: bytes, copies: int) -> list[Reply]:
     finally:
         for s in socks:
             s.close()
-
-
-class FakePeer:
-    """An aiohttp server at a roster member's address, in its own thread: it
-    answers every POST with `body_bytes` streamed (0: a plain acknowledgement)."""
-
-    def __init__(self, port: int, body_bytes: int = 0) -> None:
-        self.port, self.body_bytes = port, body_bytes
-        self.answers: list[dict[str, Any]] = []
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.runner: web.AppRunner | None = None
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
-        if not self.body_bytes:
-            return web.json_response({"ok": True})
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        row = {"sent": 0, "cut_off": False}
-        self.answers.append(row)
-        chunk = bytes(1 << 20)
-        try:
-            while row["sent"] < self.body_bytes:
-                await resp.write(chunk)
-                row["sent"] += len(chunk)
-            await resp.write_eof()
-        except (ConnectionError, RuntimeError):
-            row["cut_off"] = True
-        return resp
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_post(MESSAGE_PATH, self._handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(self.runner.cleanup())
-        self.loop.close()
-
-    def __enter__(self) -> FakePeer:
-        self.thread.start()
-        if not self.ready.wait(10):
-            raise RuntimeError(f"fake peer could not listen on {self.port}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bench import secagg_adversary as adversary
-from bench.attack_kit import Options, inconclusive, verdict
+from bench.attacks.kit import Options, inconclusive, verdict
 from protocols.base import NotReady
 from protocols.memory import InMemoryNetwork
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, secure_sum

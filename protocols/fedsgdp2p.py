@@ -49,22 +49,12 @@ GRADIENTS_KEPT = 8  # latest step gradients kept for slower neighbours
 
 
 def steps_per_round(site: LocalSite) -> int:
-    """Optimizer steps of one round: training.steps_per_round when set (a site
-    with no batch of 2 samples does none), else epochs x batches of at least 2
-    samples (what BatchNorm can train on), each epoch capped at max_steps_per_epoch."""
-    if site.recipe is not None:  # training.recipe dp: its Poisson batches
-        return site.steps_per_round()
-    t = site.training
-    n = site.num_train
-    if t.steps_per_round is not None:
-        return t.steps_per_round if n >= 2 else 0
-    per_epoch = n // t.batch_size + (1 if n % t.batch_size >= 2 else 0)
-    if t.max_steps_per_epoch is not None:
-        per_epoch = min(per_epoch, t.max_steps_per_epoch)
-    return t.epochs * per_epoch
+    """Optimizer steps of one round: `LocalSite.steps_per_round` (the DP recipe's
+    under training.recipe dp, else `p2pfl.learning.steps.steps_per_round`)."""
+    return site.steps_per_round()
 
 
-class FedSgdP2P(RoundLoop):
+class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
     # A round is its steps, each with its own exchange: one "train" phase.
     phases = ("train",)
     kinds = (GRAD_KIND,)

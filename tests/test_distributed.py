@@ -26,11 +26,11 @@ from p2pfl.learning.distributed import (
     RESULT_FILE,
     DataParallelSite,
     apply_result,
+    create_site,
     load_result,
     train_data_parallel,
 )
 from p2pfl.learning.errors import TrainingError
-from p2pfl.learning.sites import create_site
 from p2pfl.learning.train import LocalSite
 
 EPOCHS = 3

@@ -111,7 +111,7 @@ def test_sites_of_different_sizes_exchange_every_step_and_improve(sources: list[
 
 
 def test_a_silent_neighbour_is_skipped_and_then_backed_off(sources: list[str]) -> None:
-    timeout = 0.1
+    timeout = 0.5  # long enough that load noise is small beside one timeout per step
     cfgs = configs(sources, {"lr": 3e-3}, rounds=1, step_timeout_s=timeout)
     steps = [steps_per_round(build_site(cfg)) for cfg in cfgs[:2]]
     network = InMemoryNetwork(inline_train=True)
@@ -133,7 +133,7 @@ def test_a_silent_neighbour_is_skipped_and_then_backed_off(sources: list[str]) -
         assert 1 <= record["timeouts"] <= math.log2(record["steps"]) + 1
         # what the silent site costs: its few timeouts, not one per step
         extra = record["exchange_s"] - alone[node]
-        assert extra < record["steps"] * timeout, (extra, record["exchange_s"], alone[node])
+        assert extra < record["steps"] * timeout / 2, (extra, record["exchange_s"], alone[node])
         # the other alive site at nearly every step both take (a cascade may cost one)
         both = min(steps)
         assert record["neighbours"] * record["steps"] >= both - 1

@@ -1,7 +1,7 @@
 """Fed-BEiT's local training: the tokenizer's (`TokenizerSite`, VQ-VAE loss) and
-the masked-token pre-training's (`BEiTSite`), both `LocalSite`s over every
+the masked-token pre-training's (`BEiTSite`), both `Trainer`s over every
 local image, labelled or not (labels are not used). Optimizer, batches,
-augmentation, state and statistics are LocalSite's; only the loss and
+augmentation, state and statistics are Trainer's; only the loss and
 `evaluate` differ. Also the figure of the token maps.
 """
 

@@ -19,8 +19,8 @@ Siamese (pairwise contrastive) models are not sharded: pairs across shards
 would be lost.
 
 Two ways in:
-  * `DataParallelSite`, the LocalSite `p2pfl.learning.sites.create_site` builds
-    when training.devices > 1: its `train_epochs` is `train_epochs_data_parallel`,
+  * `DataParallelSite`, the LocalSite `create_site` (below) builds when
+    training.devices > 1: its `train_epochs` is `train_epochs_data_parallel`,
     which spawns the workers, returns the same summary dict as
     `LocalSite.train_epochs` and leaves the trained weights and optimizer state
     in the site.
@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
-from p2pfl.config import TrainingSection, load_config
+from p2pfl.config import SiteConfig, TrainingSection, load_config
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.models import SiameseNet
@@ -331,6 +331,18 @@ class DataParallelSite(LocalSite):
         if self.training.devices > 1:
             return train_epochs_data_parallel(self, epochs)
         return super().train_epochs(epochs)
+
+
+def create_site(
+    cfg: SiteConfig, data: SiteData | None = None, *, common_initial: bool = False
+) -> LocalSite:
+    """The classifier site a site.yaml asks for: a `DataParallelSite` when
+    training.devices > 1 (local epochs fan out over that many processes), else
+    the single-process `LocalSite`; built by `LocalSite.from_config` (data
+    loaded unless given; `common_initial`: the federation's common initial
+    weights)."""
+    site_class = DataParallelSite if cfg.training.devices > 1 else LocalSite
+    return site_class.from_config(cfg, data, common_initial=common_initial)
 
 
 # ----------------------------------------------------------------------------- torchrun

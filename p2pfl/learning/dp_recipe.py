@@ -62,9 +62,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from p2pfl.learning.dp import DPTraining, refuse_dp_setting, refuse_unsupported
+from p2pfl.learning.errors import TrainingError
+
 if TYPE_CHECKING:
-    from p2pfl.config.sections import TrainingSection
-    from p2pfl.learning.train import LocalSite
+    from p2pfl.config.sections import DPSection, TrainingSection
+    from p2pfl.learning.trainer import Trainer
 
 
 def recipe_settings(training: TrainingSection) -> dict[str, Any] | None:
@@ -96,21 +99,58 @@ def recipe_settings(training: TrainingSection) -> dict[str, Any] | None:
 
 
 class RecipeTrainer:
-    """Training.recipe dp for one `LocalSite`: its batches, steps and gradients."""
+    """Training.recipe dp for one site (`LocalSite`): its batches, steps and
+    gradients, and with training.dp its privacy (`make_private`, then `dp`).
+    `class_weight` is the site's class weights (None: unweighted)."""
 
-    def __init__(self, site: LocalSite) -> None:
+    def __init__(self, site: Trainer, class_weight: Tensor | None) -> None:
         self.site = site
         self.section = site.training.dp_recipe
         n = len(site.data.train)
         self.n_train = n
         self.batch_size = max(1, min(self.section.batch_size, n))
         self.sample_rate = self.batch_size / n if n else 1.0
-        weight = site.class_weight_vector()
-        if self.section.class_balance == "after_clipping" and weight is not None:
-            self.class_scale: Tensor | None = (weight / weight.max()).to(site.device)
+        if self.section.class_balance == "after_clipping" and class_weight is not None:
+            self.class_scale: Tensor | None = (class_weight / class_weight.max()).to(site.device)
         else:
             self.class_scale = None
         self.draws = 0  # Poisson draws so far (the non-private recipe's batch t repeats)
+        self.dp: DPTraining | None = None  # training.dp, once `make_private` ran
+
+    def make_private(
+        self,
+        section: DPSection,
+        *,
+        rounds: int | None,
+        model_name: str,
+        protocol: str,
+        siamese: bool,
+    ) -> DPTraining:
+        """training.dp: refuse a setting no plan covers, plan the noise over the
+        run (`rounds` x steps_per_round), put Opacus's per-sample gradient hooks
+        on the site's model and its DPOptimizer around the site's optimizer. A
+        site without `rounds` is refused: a plan for fewer rounds than the run
+        would spend more than the ε it reports as its target."""
+        site = self.site
+        refuse_dp_setting(protocol, siamese=siamese, devices=site.training.devices)
+        if rounds is None:
+            raise TrainingError(
+                "dp_unplanned",
+                "training.dp: the site was built without the run's rounds, so no privacy "
+                "budget can be planned — build it with rounds=protocol.rounds",
+            )
+        refuse_unsupported(site.model, model_name)
+        self.dp = DPTraining(
+            section,
+            n_train=len(site.data.train),
+            batch_size=self.batch_size,
+            sample_rate=self.sample_rate,
+            total_steps=max(1, rounds) * self.steps_per_round(),
+            device=site.device,
+        )
+        self.dp.attach(site.model)
+        site.optimizer = self.dp.wrap(site.optimizer)
+        return self.dp
 
     # ------------------------------------------------------------------ batches
 
@@ -137,8 +177,8 @@ class RecipeTrainer:
         draws are secret (`dp.secret_generator`: which images a step used is
         part of what the guarantee hides); without it they repeat with the seed."""
         images, labels = self.site.data.train.tensors
-        if self.site.dp is not None:
-            gen = self.site.dp.sampling_generator
+        if self.dp is not None:
+            gen = self.dp.sampling_generator
         else:
             gen = torch.Generator().manual_seed(
                 self.site.training.seed * 1_000_003 + 500_009 + self.draws
@@ -168,7 +208,7 @@ class RecipeTrainer:
         summed, noised and divided by the expected batch size when the optimizer
         steps; without it, the same weighted mean as an ordinary gradient.
         Returns the batch's mean loss (nan for an empty batch)."""
-        site, dp = self.site, self.site.dp
+        site, dp = self.site, self.dp
         views = self.section.augmult
         chunks = list(torch.split(torch.arange(len(y)), self.section.physical_batch_size))
         losses: list[float] = []
@@ -201,7 +241,7 @@ class RecipeTrainer:
         """Each image's gradient (the mean of its views'), clipped to C and times
         its class scale (<= 1): Opacus's own clipping then leaves it unchanged,
         and adds the noise for C."""
-        dp = self.site.dp
+        dp = self.dp
         assert dp is not None
         params = [p for p in self.site.model.parameters() if p.requires_grad]
         views = self.section.augmult
@@ -230,8 +270,8 @@ class RecipeTrainer:
             site.optimizer.zero_grad(set_to_none=True)
             loss = self.accumulate(x, y)
             site.optimizer.step()
-            if site.dp is not None:
-                site.dp.step_taken()
+            if self.dp is not None:
+                self.dp.step_taken()
             ema.update(site.model)
             if not math.isnan(loss):
                 losses.append(loss)
@@ -245,9 +285,9 @@ class RecipeTrainer:
         site = self.site
         site.optimizer.zero_grad(set_to_none=True)
         site.last_loss = self.accumulate(x, y)
-        if site.dp is not None:
+        if self.dp is not None:
             site.optimizer.pre_step()  # type: ignore[attr-defined]
-            site.dp.step_taken()
+            self.dp.step_taken()
 
     def summary(self) -> dict[str, Any]:
         """The recipe in effect, for `check`, metrics and the model card."""

@@ -1,7 +1,7 @@
-"""Fed-MAE's local training: a `LocalSite` whose objective is masked-patch
+"""Fed-MAE's local training: a `Trainer` whose objective is masked-patch
 reconstruction (p2pfl.learning.mae) over every local image, labelled or not;
 everything else (optimizer, batches, augmentation, state, statistics) is
-LocalSite's. Also the figure of what the autoencoder sees and restores.
+Trainer's. Also the figure of what the autoencoder sees and restores.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from p2pfl.learning.data import SiteData
 from p2pfl.learning.data.loaders import MEAN, STD
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.mae import NORM_EPS, MaskedAutoencoder, patchify, unpatchify
-from p2pfl.learning.train import LocalSite
+from p2pfl.learning.trainer import Trainer
 
 EVAL_MASK_SEED = 1234  # evaluation draws the same masks every time, so rounds compare
 
@@ -41,11 +41,12 @@ def mae_training_data(data: SiteData) -> SiteData:
     )
 
 
-class PretrainingSite(LocalSite):
-    """A LocalSite for self-supervised training (Fed-MAE, Fed-BEiT and its
+class PretrainingSite(Trainer):
+    """A Trainer for self-supervised training (Fed-MAE, Fed-BEiT and its
     tokenizer): every local image, labelled or not, is training data; it runs
     in one process and never privately (no DP-SGD plan covers its stages; the
-    site.yaml's guard refuses training.dp first, this is the second line).
+    site.yaml's guard refuses training.dp first, this is the second line), and
+    has none of a classifier's class weighting, replay or gradient exchange.
     `method` names it in the refusals."""
 
     method = "self-supervised pre-training"
@@ -74,7 +75,7 @@ class PretrainingSite(LocalSite):
 
 
 class MAESite(PretrainingSite):
-    """A LocalSite whose local objective is masked-patch reconstruction over every
+    """A Trainer whose local objective is masked-patch reconstruction over every
     local image; `evaluate(split)` reports the reconstruction loss on that split
     with masks drawn from a fixed seed (so successive rounds compare)."""
 
@@ -94,7 +95,7 @@ class MAESite(PretrainingSite):
         self.mae: MaskedAutoencoder = model
         self.mask_generator = torch.Generator().manual_seed(seed)
 
-    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+    def loss(self, x: Tensor, y: Tensor, weight: Tensor | None | str = "site") -> Tensor:
         with self.autocast():
             return self.mae(x, generator=self.mask_generator).loss
 
@@ -117,7 +118,7 @@ class MAESite(PretrainingSite):
         return first_split_images(self, count)
 
 
-def first_split_images(site: LocalSite, count: int) -> Tensor:
+def first_split_images(site: Trainer, count: int) -> Tensor:
     """Up to `count` of a site's images for a figure: val, else test, else train."""
     for split in ("val", "test", "train"):
         try:

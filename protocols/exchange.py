@@ -150,11 +150,11 @@ class ServedModels:
         self.keep = keep
         self.models: OrderedDict[int, Kept] = OrderedDict()  # round -> model payload
 
-    def put(self, rnd_no: int, state: dict[str, Tensor], num_train: int) -> None:
-        kept = self.models.get(rnd_no)
+    def put(self, round_no: int, state: dict[str, Tensor], num_train: int) -> None:
+        kept = self.models.get(round_no)
         if kept is not None and kept["state"] is state and kept["num_train"] == num_train:
             return  # offered by a second exchange over the same store
-        self.models[rnd_no] = Kept(round=rnd_no, state=state, num_train=num_train)
+        self.models[round_no] = Kept(round=round_no, state=state, num_train=num_train)
         while len(self.models) > self.keep:
             self.models.popitem(last=False)
 
@@ -251,39 +251,39 @@ class PlainExchange:
     async def fetch(
         self,
         ctx: RoundContext,
-        rnd_no: int,
+        round_no: int,
         reference: dict[str, Tensor],
         peer: str,
         timeout: float,
     ) -> tuple[str, int, dict[str, Tensor], int] | None:
         """(peer, its model's round, the model, its claimed count), or None:
         unavailable, past the round, or refused (logged and counted)."""
-        newest = rnd_no + self.max_staleness
-        query = {"round": rnd_no, "max_round": newest}
+        newest = round_no + self.max_staleness
+        query = {"round": round_no, "max_round": newest}
         try:
             reply = await ctx.request(peer, self.kind, query, timeout)
         except PeerUnavailable as exc:
-            log.info("%s round %d: no model from %s (%s)", ctx.me, rnd_no, peer, exc.reason)
+            log.info("%s round %d: no model from %s (%s)", ctx.me, round_no, peer, exc.reason)
             return None
         if not isinstance(reply, dict):
-            log.warning("%s round %d: malformed reply from %s", ctx.me, rnd_no, peer)
+            log.warning("%s round %d: malformed reply from %s", ctx.me, round_no, peer)
             ctx.reject(peer, "model_malformed")
             return None
         if reply.get("state") is None:
-            log.info("%s round %d: %s is past round %s", ctx.me, rnd_no, peer, reply.get("round"))
+            log.info("%s round %d: %s is past round %s", ctx.me, round_no, peer, reply.get("round"))
             return None
         parsed, problem = schema_problem(ModelReply, reply)
-        if problem == "round" or not rnd_no <= reply["round"] <= newest:
-            log.warning("%s round %d: %s sent round %r", ctx.me, rnd_no, peer, reply.get("round"))
+        if problem == "round" or not round_no <= reply["round"] <= newest:
+            log.warning("%s round %d: %s sent round %r", ctx.me, round_no, peer, reply.get("round"))
             ctx.reject(peer, "model_wrong_round")
             return None
         if parsed is None:
             log.warning(
-                "%s round %d: %s sent num_train %r", ctx.me, rnd_no, peer, reply.get("num_train")
+                "%s round %d: %s sent num_train %r", ctx.me, round_no, peer, reply.get("num_train")
             )
             ctx.reject(peer, "model_bad_num_train")
             return None
-        where = f" round {rnd_no}"
+        where = f" round {round_no}"
         state = parsed.state
         if not admit(
             ctx, peer, "model", state, reference, max_norm_ratio=self.max_norm_ratio, where=where
@@ -303,14 +303,14 @@ class PlainExchange:
         """The first k of `ranking` that answer (sorted by name), each model
         weighted by its claimed sample count capped (roster, `max_weight_ratio`
         x the median claim)."""
-        rnd_no = int(key)
-        fetch = functools.partial(self.fetch, ctx, rnd_no, own)
+        round_no = int(key)
+        fetch = functools.partial(self.fetch, ctx, round_no, own)
         received = await pull_concurrently(ranking, k, self.timeout, fetch)
         received.sort(key=lambda item: item[0])
         claims = {ctx.me: own_weight}
         claims.update((peer, float(n)) for peer, _, _, n in received)
         weights, capped = cap_claims(
-            ctx, claims, ratio=self.max_weight_ratio, where=f" round {rnd_no}"
+            ctx, claims, ratio=self.max_weight_ratio, where=f" round {round_no}"
         )
         return Collected(
             terms=[Term(state, weights[peer], [(peer, r)]) for peer, r, state, _ in received],
@@ -318,7 +318,7 @@ class PlainExchange:
             log={
                 "neighbours": len(received),
                 "neighbours_wanted": k,
-                "stale_models": sum(1 for _, r, _, _ in received if r != rnd_no),
+                "stale_models": sum(1 for _, r, _, _ in received if r != round_no),
             },
         )
 
@@ -353,14 +353,14 @@ class GradientExchange:
         ctx.serve(self.kind, self.serve)
 
     def offer(self, ctx: RoundContext, key: Any, state: dict[str, Tensor], weight: float) -> None:
-        rnd_no, step = key
-        self.served[(rnd_no, step)] = {
-            "round": rnd_no,
+        round_no, step = key
+        self.served[(round_no, step)] = {
+            "round": round_no,
             "step": step,
             "grad": state,
             "batch_size": int(weight),
         }
-        self.latest = (rnd_no, step)
+        self.latest = (round_no, step)
         while len(self.served) > self.keep:
             self.served.popitem(last=False)
         ctx.offered(self.kind)
@@ -382,9 +382,9 @@ class GradientExchange:
         peer: str,
         timeout: float,
     ) -> tuple[str, dict[str, Tensor], int] | None:
-        rnd_no, step = key
+        round_no, step = key
         try:
-            reply = await ctx.request(peer, self.kind, {"round": rnd_no, "step": step}, timeout)
+            reply = await ctx.request(peer, self.kind, {"round": round_no, "step": step}, timeout)
         except PeerUnavailable as exc:
             log.info("%s %s: no gradient from %s (%s)", ctx.me, key, peer, exc.reason)
             self.on_unavailable(peer)
@@ -404,7 +404,7 @@ class GradientExchange:
             log.warning("%s %s: %s sent batch size %r", ctx.me, key, peer, reply.get("batch_size"))
             ctx.reject(peer, "grad_bad_batch_size")
             return None
-        where = f" ({rnd_no}, {step})"
+        where = f" ({round_no}, {step})"
         grad = parsed.grad
         if not admit(
             ctx, peer, "grad", grad, reference, max_norm_ratio=self.max_norm_ratio, where=where
@@ -424,14 +424,14 @@ class GradientExchange:
         """The first k of `ranking` that answer (sorted by name), each gradient
         weighted by its claimed batch size capped like a sample count; the
         caller logs one summary of the caps per round (`quiet`)."""
-        rnd_no, step = key
-        fetch = functools.partial(self.fetch, ctx, (rnd_no, step), own)
+        round_no, step = key
+        fetch = functools.partial(self.fetch, ctx, (round_no, step), own)
         received = await pull_concurrently(ranking, k, self.timeout, fetch)
         received.sort(key=lambda item: item[0])
         claims = {ctx.me: own_weight}
         claims.update((peer, float(n)) for peer, _, n in received)
         weights, capped = cap_claims(ctx, claims, ratio=self.max_weight_ratio, quiet=True)
         return Collected(
-            terms=[Term(grad, weights[peer], [(peer, rnd_no)]) for peer, grad, _ in received],
+            terms=[Term(grad, weights[peer], [(peer, round_no)]) for peer, grad, _ in received],
             capped=capped,
         )

@@ -54,7 +54,7 @@ from protocols.site import build_site
 log = logging.getLogger(__name__)
 
 
-class FedAvgP2P(RoundLoop):
+class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
     kinds = (MODEL_KIND, SECAGG_KIND)
 
     def __init__(self, params: FedAvgP2PParams) -> None:
@@ -65,7 +65,7 @@ class FedAvgP2P(RoundLoop):
     @property
     def secure(self) -> bool:
         """Models travel only inside secure sums (`protocol.secure_aggregation`)."""
-        return bool(getattr(self.params, "secure_aggregation", False))
+        return self.params.secure_aggregation
 
     # Weights a contributor masks into a sum of another purpose, by purpose
     # (FedPerl's anonymized peer weighs every model alike).
@@ -82,8 +82,8 @@ class FedAvgP2P(RoundLoop):
         return SecureExchange(
             self.store,
             **self.exchange_options(),
-            threshold=getattr(p, "secagg_threshold", None),
-            clip_norm=getattr(p, "secagg_clip_norm", None),
+            threshold=p.secagg_threshold,
+            clip_norm=p.secagg_clip_norm,
             purpose_weights=self.purpose_weights,
         )
 
@@ -148,15 +148,15 @@ class FedAvgP2P(RoundLoop):
         own_weight = float(self.sample_weight(site))
         return await self.exchanger.collect(ctx, rnd.number, rnd.own, own_weight, ranking, k)
 
-    def neighbours_wanted(self, ctx: RoundContext, rnd_no: int) -> int:
-        """k of round `rnd_no`: the share `protocol.fraction` of the other nodes
+    def neighbours_wanted(self, ctx: RoundContext, round_no: int) -> int:
+        """k of round `round_no`: the share `protocol.fraction` of the other nodes
         (Fed-BEiT's tokenizer stage asks for all of them in its last round)."""
         return selection.neighbour_count(self.params.fraction, len(ctx.roster()) - 1)
 
     def rank_neighbours(
         self,
         ctx: RoundContext,
-        rnd_no: int,
+        round_no: int,
         k: int,
         exclude: set[str] | frozenset[str] = frozenset(),
     ) -> list[str]:
@@ -166,7 +166,7 @@ class FedAvgP2P(RoundLoop):
             ctx.me,
             peers,
             k,
-            round=rnd_no,
+            round=round_no,
             seed=ctx.config.federation.seed,
             my_meta=self.gossip,
             history=self.selection_history,

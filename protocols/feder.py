@@ -191,7 +191,7 @@ def make_buffer(
 # ---------------------------------------------------------------------- the protocol
 
 
-class FedER(RoundLoop):
+class FedER(RoundLoop[FedERParams]):
     # Alg. 1: receive the predecessor's model and buffer, take its model, then train.
     phases = ("exchange", "aggregate", "train")
     kinds = (RELAY_KIND, BUFFER_KIND)

@@ -23,7 +23,7 @@ from protocols.rounds import Round, RoundLoop
 PROBE_KIND = "probe"
 
 
-class Probe(RoundLoop):
+class Probe(RoundLoop[ProbeParams]):
     phases = ("exchange",)  # no model: nothing to train, merge or evaluate
     kinds = (PROBE_KIND,)
 

@@ -29,7 +29,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
+from typing import Protocol as Structural
 
 from p2pfl.config import ConfigError
 from p2pfl.learning.best import BestModel
@@ -60,15 +61,27 @@ class Round:
     log: dict[str, Any] = field(default_factory=dict)  # the protocol's own logged values
 
 
-class RoundLoop(Protocol):
-    """A protocol run as rounds. Hooks, in the order the skeleton calls them:
-    `setup`, `load_extra` (on resume), `before_rounds`, the phase hooks of
-    `phases`, `evaluate_round`, `checkpoint_state`, `finish`."""
+class LoopParams(Structural):
+    """What the skeleton reads of every protocol's params (p2pfl.config's BaseParams)."""
+
+    name: str
+    rounds: int
+    eval_every: int
+    min_peers: int | None
+
+
+P = TypeVar("P", bound=LoopParams)
+
+
+class RoundLoop(Protocol, Generic[P]):
+    """A protocol run as rounds, over its params type `P`. Hooks, in the order
+    the skeleton calls them: `setup`, `load_extra` (on resume), `before_rounds`,
+    the phase hooks of `phases`, `evaluate_round`, `checkpoint_state`, `finish`."""
 
     phases: ClassVar[tuple[str, ...]] = ("train", "exchange", "aggregate")
-    params: Any  # the protocol's params: rounds, eval_every, ...
+    params: P
 
-    def __init__(self, params: Any) -> None:
+    def __init__(self, params: P) -> None:
         self.params = params
         self.name = params.name  # the one place a protocol's name is written is its params
         self.selection_history: list[list[str]] = []  # neighbours used, most recent last
@@ -143,7 +156,7 @@ class RoundLoop(Protocol):
 
     def check_quorum(self, ctx: RoundContext) -> None:
         """A quorum the roster cannot reach is a configuration mistake."""
-        needed = getattr(self.params, "min_peers", None)
+        needed = self.params.min_peers
         others = len([n for n in ctx.roster() if n != ctx.me])
         if needed and needed > others:
             raise ConfigError(
@@ -156,7 +169,7 @@ class RoundLoop(Protocol):
     async def wait_for_quorum(self, ctx: RoundContext) -> None:
         """With protocol.min_peers, wait until that many peers are alive (a failed
         or departed peer does not count); /status shows waiting_for_quorum."""
-        needed = getattr(self.params, "min_peers", None)
+        needed = self.params.min_peers
         if not needed:
             return
         alive = len(ctx.peers())

@@ -94,7 +94,7 @@ class SecureExchange:
     async def sum_of(
         self,
         ctx: RoundContext,
-        rnd_no: int,
+        round_no: int,
         own: dict[str, Tensor],
         chosen: list[str],
         *,
@@ -106,7 +106,7 @@ class SecureExchange:
             log.info(
                 "%s round %d: %d neighbour(s) for a secure sum, which needs two: own model only",
                 ctx.me,
-                rnd_no,
+                round_no,
                 len(chosen),
             )
             return None
@@ -115,15 +115,15 @@ class SecureExchange:
                 return await secure_sum(
                     ctx,
                     chosen,
-                    round=rnd_no,
-                    max_round=rnd_no + self.max_staleness,
+                    round=round_no,
+                    max_round=round_no + self.max_staleness,
                     reference=own,
                     timeout=self.timeout,
                     purpose=purpose,
                     threshold=self.threshold,
                 )
             except SecAggError as exc:
-                log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, rnd_no, chosen, exc)
+                log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
                 retry = exc.unmasked
                 if retry is None or len(retry) < 2 or len(retry) >= len(chosen):
                     return None
@@ -131,7 +131,7 @@ class SecureExchange:
                 chosen = retry
 
     def refused(
-        self, ctx: RoundContext, rnd_no: int, item: SecureSum, own: dict[str, Tensor]
+        self, ctx: RoundContext, round_no: int, item: SecureSum, own: dict[str, Tensor]
     ) -> bool:
         """Whether a sum's mean cannot be merged with `own` (logged, and counted
         against each contributor: nobody can tell which one caused it)."""
@@ -141,7 +141,7 @@ class SecureExchange:
         log.warning(
             "%s round %d: secure sum of %s rejected (%s)",
             ctx.me,
-            rnd_no,
+            round_no,
             item.contributors,
             problem,
         )
@@ -152,7 +152,7 @@ class SecureExchange:
     def collected(
         self,
         ctx: RoundContext,
-        rnd_no: int,
+        round_no: int,
         sums: list[SecureSum],
         own: dict[str, Tensor],
         own_weight: float,
@@ -165,12 +165,12 @@ class SecureExchange:
             log={
                 "neighbours": len(rounds),
                 "neighbours_wanted": k,
-                "stale_models": sum(1 for r in rounds if r != rnd_no),
+                "stale_models": sum(1 for r in rounds if r != round_no),
                 "secagg_dropped": sum(len(x.dropped) for x in sums),
             }
         )
         for item in sums:
-            if self.refused(ctx, rnd_no, item, own):
+            if self.refused(ctx, round_no, item, own):
                 continue
             weight = cap_sum(
                 ctx,
@@ -178,7 +178,7 @@ class SecureExchange:
                 item.total_weight,
                 own_weight,
                 ratio=self.max_weight_ratio,
-                where=f" round {rnd_no}",
+                where=f" round {round_no}",
             )
             if weight < item.total_weight:
                 out.capped.append(",".join(item.contributors))
@@ -196,10 +196,10 @@ class SecureExchange:
         k: int,
     ) -> Collected:
         """The secure sum of the first k of `ranking`, as one term."""
-        rnd_no = int(key)
-        result = await self.sum_of(ctx, rnd_no, own, ranking[:k], purpose="model")
+        round_no = int(key)
+        result = await self.sum_of(ctx, round_no, own, ranking[:k], purpose="model")
         sums = [] if result is None else [result]
-        return self.collected(ctx, rnd_no, sums, own, own_weight, k)
+        return self.collected(ctx, round_no, sums, own, own_weight, k)
 
 
 def ledger_file(ctx: RoundContext) -> Path | None:

@@ -76,20 +76,20 @@ class BaselineResult:
         return {"name": self.name, "records": self.records, "wall_s": self.wall_s}
 
 
-def _scores(site: LocalSite, best: BestModel | None = None, round: int = 0) -> dict[str, Any]:
+def _scores(site: LocalSite, best: BestModel | None = None, round_no: int = 0) -> dict[str, Any]:
     """evaluate_site without the gossiped per-class F1 (baselines gossip nothing),
     with the site's best model so far (`best`, updated) as the nodes report it."""
     metrics = evaluate_site(site)
     metrics.pop("per_class_f1", None)
     if best is not None:
-        metrics.update(best.observe(round, metrics))
+        metrics.update(best.observe(round_no, metrics))
     return metrics
 
 
-def _schedule(sites: Sequence[LocalSite], round: int, rounds: int) -> None:
+def _schedule(sites: Sequence[LocalSite], round_no: int, rounds: int) -> None:
     """The round's learning rate on every site, as a node sets it."""
     for site in sites:
-        site.set_lr_factor(lr_factor(site.training, round, rounds))
+        site.set_lr_factor(lr_factor(site.training, round_no, rounds))
 
 
 def _rounds(configs: Sequence[SiteConfig], rounds: int | None) -> int:

@@ -97,11 +97,11 @@ class RawPeer:
         self.encrypt = encrypt  # as the daemons' `wire.encryption`, unless a call says otherwise
 
     def frame(
-        self, kind: str, to: str, payload: Any, *, round: int = 0, encrypt: bool | None = None
+        self, kind: str, to: str, payload: Any, *, round_no: int = 0, encrypt: bool | None = None
     ) -> bytes:
         """The bytes this member's daemon would send (same codec, same header)."""
         encrypt = self.encrypt if encrypt is None else encrypt
-        return self.codec.encode(kind, to, payload, round=round, encrypt=encrypt).to_bytes()
+        return self.codec.encode(kind, to, payload, round=round_no, encrypt=encrypt).to_bytes()
 
     def post(self, to: str, frame: bytes, timeout: float = 30.0) -> Reply:
         """`frame` (any bytes) to `to`'s peer port; its answer, status 0 if none."""
@@ -113,13 +113,17 @@ class RawPeer:
         kind: str,
         query: dict[str, Any],
         *,
-        round: int = 0,
+        round_no: int = 0,
         encrypt: bool | None = None,
         wait_s: float = 5.0,
     ) -> tuple[Reply, Any]:
         """A `req:<kind>` as a daemon sends it; the verified, decoded answer or None."""
         frame = self.frame(
-            REQUEST_PREFIX + kind, to, {**query, "_wait_s": wait_s}, round=round, encrypt=encrypt
+            REQUEST_PREFIX + kind,
+            to,
+            {**query, "_wait_s": wait_s},
+            round_no=round_no,
+            encrypt=encrypt,
         )
         reply = self.post(to, frame, timeout=wait_s + 30.0)
         if not reply.accepted:
@@ -137,11 +141,11 @@ class RawPeer:
 
 
 def heartbeat_payload(
-    round: int = 0, phase: str = "done", *, done: bool = True, bye: bool = True
+    round_no: int = 0, phase: str = "done", *, done: bool = True, bye: bool = True
 ) -> dict[str, Any]:
     """A heartbeat as node/membership.py sends it."""
     return {
-        "round": round,
+        "round": round_no,
         "phase": phase,
         "done": done,
         "bye": bye,
@@ -160,7 +164,7 @@ class Heartbeats:
         self,
         member: RawPeer,
         to: list[str],
-        round: int,
+        round_no: int,
         *,
         max_s: float,
         interval_s: float = 0.5,
@@ -168,7 +172,7 @@ class Heartbeats:
         goodbye: bool = True,
         post_timeout_s: float = 30.0,
     ) -> None:
-        self.member, self.to, self.round, self.max_s = member, to, round, max_s
+        self.member, self.to, self.round, self.max_s = member, to, round_no, max_s
         self.interval_s, self.phase, self.goodbye = interval_s, phase, goodbye
         self.post_timeout_s = post_timeout_s
         self.stop_event = threading.Event()
@@ -177,7 +181,7 @@ class Heartbeats:
     def _beat(self, bye: bool) -> None:
         for name in self.to:
             payload = heartbeat_payload(self.round, self.phase, done=False, bye=bye)
-            frame = self.member.frame(HEARTBEAT, name, payload, round=self.round)
+            frame = self.member.frame(HEARTBEAT, name, payload, round_no=self.round)
             self.member.post(name, frame, timeout=self.post_timeout_s)
 
     def _run(self) -> None:

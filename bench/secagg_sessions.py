@@ -45,7 +45,7 @@ class Site:
         shared = self._keys[self.me].exchange(self._keys[peer].public_key())
         return pair_secret_from_shared(shared, self.me, peer, context)
 
-    async def train(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def run_blocking(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
 

@@ -98,8 +98,10 @@ class NodeContext(RoundContext):
     def roster(self) -> list[str]:
         return self._membership.roster.names()
 
-    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
-        await self._outbound.send_push(peer, kind, payload, self._round if round is None else round)
+    async def send(self, peer: str, kind: str, payload: Any, round_no: int | None = None) -> None:
+        await self._outbound.send_push(
+            peer, kind, payload, self._round if round_no is None else round_no
+        )
 
     async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
         return await self._outbound.request(peer, kind, query, timeout)
@@ -117,7 +119,7 @@ class NodeContext(RoundContext):
         tensors.encode(value)  # fail here, not in the heartbeat loop, if it cannot travel
         self._membership.published[key] = value
 
-    async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._trainer, lambda: fn(*args, **kwargs))
 
@@ -127,8 +129,8 @@ class NodeContext(RoundContext):
     def restore(self) -> dict[str, Any] | None:
         return self._state.restored_state()
 
-    def log_metrics(self, round: int, **values: float) -> None:
-        self._state.log_metrics(round, values)
+    def log_metrics(self, round_no: int, **values: float) -> None:
+        self._state.log_metrics(round_no, values)
 
     def record_choice(self, chosen: list[str]) -> None:
         self._telemetry.record_choice(self.me, list(chosen))

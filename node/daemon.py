@@ -350,7 +350,7 @@ class Node:
             self.faults.on_progress(self.ctx.round, "checkpointed")  # drill: before the journal
         self.inbound.settle(consumed)
 
-    def log_metrics(self, round: int, values: dict[str, Any]) -> None:
+    def log_metrics(self, round_no: int, values: dict[str, Any]) -> None:
         clean = {
             k: v
             for k, v in values.items()
@@ -360,10 +360,10 @@ class Node:
         clean.setdefault("messages_sent", self.outbound.sent.messages)
         clean.setdefault("bytes_sent", self.outbound.sent.bytes)
         self._metrics_file.write(
-            json.dumps({"t": _now(), "node": self.name, "round": round, **clean}) + "\n"
+            json.dumps({"t": _now(), "node": self.name, "round": round_no, **clean}) + "\n"
         )
         self._metrics_file.flush()
-        self.telemetry.log_metrics(round, **clean)
+        self.telemetry.log_metrics(round_no, **clean)
 
 
 def uncapped_peers(cfg: SiteConfig, roster: Roster) -> list[str]:

@@ -154,17 +154,19 @@ class FaultPlan:
         append_lines(self._sidecar(".events.jsonl"), [line])
 
     # ------------------------------------------------------------------ hooks
-    def on_progress(self, round: int, phase: str) -> None:
+    def on_progress(self, round_no: int, phase: str) -> None:
         """Called by the node at every round and phase change."""
         if self.path is None:
             return
         self.reload()
-        isolated = any(a <= round < b for a, b in self.partitions)
+        isolated = any(a <= round_no < b for a, b in self.partitions)
         if isolated != self.isolated:
             self.isolated = isolated
-            self.event("partition_start" if isolated else "partition_end", round=round)
+            self.event("partition_start" if isolated else "partition_end", round=round_no)
             log.warning(
-                "FAULT INJECTION: partition %s at round %d", "on" if isolated else "healed", round
+                "FAULT INJECTION: partition %s at round %d",
+                "on" if isolated else "healed",
+                round_no,
             )
         for kill in self.kills:
             kid = str(kill.get("id", f"{kill.get('round')}-{kill.get('phase')}"))
@@ -173,22 +175,22 @@ class FaultPlan:
             at = int(kill.get("round", -1))
             # A push's round is the sender's: after a restart this node may only
             # ever see later rounds, so an `acked` kill takes the first at or after.
-            if round != at and not (phase == "acked" and round > at):
+            if round_no != at and not (phase == "acked" and round_no > at):
                 continue
             self.fired.add(kid)
             append_lines(self._sidecar(".fired"), [kid])
             delay = float(kill.get("delay_s", 0.0))
-            self.event("kill", id=kid, round=round, phase=phase, delay_s=delay)
-            log.warning("FAULT INJECTION: SIGKILL in %.2f s (round %d, %s)", delay, round, phase)
+            self.event("kill", id=kid, round=round_no, phase=phase, delay_s=delay)
+            log.warning("FAULT INJECTION: SIGKILL in %.2f s (round %d, %s)", delay, round_no, phase)
             if delay <= 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
                 asyncio.get_running_loop().call_later(delay, os.kill, os.getpid(), signal.SIGKILL)
 
-    def poison_mode(self, kind: str, round: int) -> str | None:
+    def poison_mode(self, kind: str, round_no: int) -> str | None:
         """The attack to apply to this answer of `kind`, or None."""
         p = self.poison
-        if p is None or p.get("kind", "model") != kind or round < int(p.get("from_round", 0)):
+        if p is None or p.get("kind", "model") != kind or round_no < int(p.get("from_round", 0)):
             return None
         mode = str(p["mode"])
         if mode == "cycle":

@@ -91,10 +91,10 @@ class Outbound:
         self.sent.add(nbytes)
 
     # ------------------------------------------------------------------ pushes
-    async def send_push(self, peer: str, kind: str, payload: Any, round: int) -> None:
+    async def send_push(self, peer: str, kind: str, payload: Any, round_no: int) -> None:
         if peer not in self.client.links:
             raise PeerUnavailable(peer, "not in roster")
-        entry = OutboxEntry(os.urandom(16), peer, kind, round, payload, time.time())
+        entry = OutboxEntry(os.urandom(16), peer, kind, round_no, payload, time.time())
         await asyncio.to_thread(self.outbox.add, entry)
         try:
             await self._deliver(entry)

@@ -196,9 +196,9 @@ class Telemetry:
         with self._lock:
             self._queue_depths[kind] = n
 
-    def set_round(self, round: int) -> None:
+    def set_round(self, round_no: int) -> None:
         with self._lock:
-            self._round = round
+            self._round = round_no
 
     def set_phase(self, phase: str) -> None:
         with self._lock:
@@ -230,7 +230,7 @@ class Telemetry:
         self,
         name: str,
         state: str,
-        round: int = -1,
+        round_no: int = -1,
         phase: str = "",
         last_seen: float = 0.0,
         error: str = "",
@@ -239,7 +239,7 @@ class Telemetry:
         `error`: the kind of error that stopped a failed peer's protocol."""
         with self._lock:
             self._peers[name] = PeerGauge(
-                state=state, round=round, phase=phase, last_seen=last_seen, error=error
+                state=state, round=round_no, phase=phase, last_seen=last_seen, error=error
             )
 
     def set_community(self, community: dict[str, Any]) -> None:
@@ -267,18 +267,18 @@ class Telemetry:
 
     # ---- metrics -------------------------------------------------------------
 
-    def log_metrics(self, round: int, **values: float) -> None:
+    def log_metrics(self, round_no: int, **values: float) -> None:
         """Train/eval metrics of a round; history is bounded, the latest kept apart."""
         numbers: dict[str, float] = {}
         for name, value in values.items():
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}")
             numbers[name] = float(value)
-        point = MetricPoint(round=round, time=self._wall_clock(), values=numbers)
+        point = MetricPoint(round=round_no, time=self._wall_clock(), values=numbers)
         with self._lock:
             self._history.append(point)
             self._latest_metrics.update(numbers)
-            self._latest_metrics_round = round
+            self._latest_metrics_round = round_no
 
     # ---- readers -------------------------------------------------------------
 

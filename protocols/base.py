@@ -128,7 +128,7 @@ class RoundContext(ABC):
         """Every site of the federation, me included, sorted."""
 
     @abstractmethod
-    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
+    async def send(self, peer: str, kind: str, payload: Any, round_no: int | None = None) -> None:
         """Push; returns once the peer acknowledged it. Raises PeerUnavailable."""
 
     @abstractmethod
@@ -153,7 +153,7 @@ class RoundContext(ABC):
         """Small metadata gossiped to every peer in heartbeats."""
 
     @abstractmethod
-    async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run blocking torch work off the event loop."""
 
     @abstractmethod
@@ -165,7 +165,7 @@ class RoundContext(ABC):
         """The last checkpoint, or None on a fresh start."""
 
     @abstractmethod
-    def log_metrics(self, round: int, **values: float) -> None:
+    def log_metrics(self, round_no: int, **values: float) -> None:
         """To metrics.jsonl, /status and /metrics."""
 
     def artifact(self, name: str) -> Path:

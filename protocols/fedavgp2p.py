@@ -99,7 +99,7 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
     # ------------------------------------------------------------------ the round
 
     async def setup(self, ctx: RoundContext) -> Any:
-        site = await ctx.train(build_site, ctx.config)
+        site = await ctx.run_blocking(build_site, ctx.config)
         self.start_exchange(ctx)
         return site
 
@@ -123,7 +123,7 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
     async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
         # 1. E local epochs (DFU Alg. 3 line 3: w = fit(w, data, epochs)), then
         # 2. offer the round's model to the neighbours.
-        fit = await ctx.train(site.train_epochs)
+        fit = await ctx.run_blocking(site.train_epochs)
         rnd.log["train_loss"] = fit["loss"]
         self.offer(ctx, site, rnd)
 
@@ -166,7 +166,7 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
             ctx.me,
             peers,
             k,
-            round=round_no,
+            round_no=round_no,
             seed=ctx.config.federation.seed,
             my_meta=self.gossip,
             history=self.selection_history,
@@ -177,12 +177,12 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
         terms = rnd.received
         if terms:
             options = self.aggregation_options()
-            averaged = await ctx.train(
+            averaged = await ctx.run_blocking(
                 functools.partial(aggregate_models, options.pop("method"), own=0, **options),
                 [rnd.own] + [t.state for t in terms],
                 [float(self.sample_weight(site))] + [t.weight for t in terms],
             )
-            await ctx.train(site.load_state_dict, averaged)
+            await ctx.run_blocking(site.load_state_dict, averaged)
         rnd.merged = [pair for t in terms for pair in t.merged]
         used = [peer for peer, _ in rnd.merged]
         self.remember_neighbours(used)

@@ -163,30 +163,30 @@ class TokenizerStage(FedAvgP2P):
         super().__init__(params.model_copy(update={"rounds": params.tokenizer_rounds}))  # type: ignore[arg-type]
         self.beit = params
 
-    def neighbours_wanted(self, ctx: RoundContext, round: int) -> int:
-        if round == self.params.rounds:
+    def neighbours_wanted(self, ctx: RoundContext, round_no: int) -> int:
+        if round_no == self.params.rounds:
             return len(ctx.roster()) - 1
-        return super().neighbours_wanted(ctx, round)
+        return super().neighbours_wanted(ctx, round_no)
 
     async def setup(self, ctx: RoundContext) -> Any:
-        site = await ctx.train(build_tokenizer_site, ctx.config, self.beit)
+        site = await ctx.run_blocking(build_tokenizer_site, ctx.config, self.beit)
         self.start_exchange(ctx)
         return site
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
-        metrics = await ctx.train(evaluate_tokenizer, site)
-        self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+        metrics = await ctx.run_blocking(evaluate_tokenizer, site)
+        self.update_gossip(ctx, None, await ctx.run_blocking(site.model_stats_vector))
         return metrics
 
-    def evaluates(self, round: int) -> bool:
+    def evaluates(self, round_no: int) -> bool:
         return True  # every round: the tokenizer stage is short and its last round matters
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
         ctx.set_phase("export")
-        path = await ctx.train(
+        path = await ctx.run_blocking(
             save_tokenizer, site.tokenizer, ctx.artifact(self.beit.tokenizer_out)
         )
-        grid = await ctx.train(
+        grid = await ctx.run_blocking(
             save_token_maps,
             site.tokenizer,
             first_split_images(site, GRID_IMAGES),
@@ -220,18 +220,20 @@ class BEiTPretraining(FedAvgP2P):
                 f"{tokenizer}: the tokenizer is gone — restore it, set model.tokenizer_from, "
                 "or delete the checkpoints to train it again",
             )
-        site = await ctx.train(build_beit_site, ctx.config, self.params, tokenizer)
+        site = await ctx.run_blocking(build_beit_site, ctx.config, self.params, tokenizer)
         self.start_exchange(ctx)
         return site
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
-        metrics = await ctx.train(evaluate_tokens, site)
-        self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+        metrics = await ctx.run_blocking(evaluate_tokens, site)
+        self.update_gossip(ctx, None, await ctx.run_blocking(site.model_stats_vector))
         return metrics
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
         ctx.set_phase("export")
-        path = await ctx.train(save_encoder, site.beit, ctx.artifact(self.params.encoder_out))
+        path = await ctx.run_blocking(
+            save_encoder, site.beit, ctx.artifact(self.params.encoder_out)
+        )
         log.info("%s: Fed-BEiT encoder -> %s", ctx.me, path)
 
 

@@ -71,10 +71,10 @@ EARLY_RELAYS = 4  # relays of later rounds kept for their round
 # ---------------------------------------------------------------------- successors
 
 
-def derive_ring(names: list[str], seed: int, round: int) -> list[str]:
+def derive_ring(names: list[str], seed: int, round_no: int) -> list[str]:
     """The round's random directed ring; identical on every node (no coordinator)."""
     order = sorted(names)
-    random.Random(f"feder-ring|{seed}|{round}").shuffle(order)
+    random.Random(f"feder-ring|{seed}|{round_no}").shuffle(order)
     return order
 
 
@@ -230,7 +230,7 @@ class FedER(RoundLoop[FedERParams]):
         if self.params.successor == "random":
             random.Random(f"feder-random|{seed}|{ctx.me}|{r}").shuffle(candidates)
             return candidates
-        return self.heuristic.select(ctx.me, ctx.peers(), 1, round=r, seed=seed)
+        return self.heuristic.select(ctx.me, ctx.peers(), 1, round_no=r, seed=seed)
 
     async def send_relay(
         self, ctx: RoundContext, r: int, site: LocalSite
@@ -251,7 +251,7 @@ class FedER(RoundLoop[FedERParams]):
                 payload.update(model=state, num_train=site.num_train)
                 model_bytes = state_dict_nbytes(state)
             try:
-                await ctx.send(peer, RELAY_KIND, payload, round=r)
+                await ctx.send(peer, RELAY_KIND, payload, round_no=r)
             except PeerUnavailable as exc:
                 log.info(
                     "%s round %d: successor %s unavailable (%s), trying the next",
@@ -350,7 +350,7 @@ class FedER(RoundLoop[FedERParams]):
     # ------------------------------------------------------------------ the round
 
     async def setup(self, ctx: RoundContext) -> Any:
-        site = await ctx.train(build_site, ctx.config)
+        site = await ctx.run_blocking(build_site, ctx.config)
         self.num_classes = site.num_classes
         ctx.serve(BUFFER_KIND, self.serve_buffer)
         return site
@@ -375,7 +375,7 @@ class FedER(RoundLoop[FedERParams]):
         for msg in rnd.received:
             self.last_received_hash = msg.payload["buffer_hash"]
             if self.relays_model:
-                await ctx.train(site.load_state_dict, msg.payload["model"])
+                await ctx.run_blocking(site.load_state_dict, msg.payload["model"])
                 rnd.merged = [(msg.sender, msg.round)]
 
     async def fit(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
@@ -387,14 +387,16 @@ class FedER(RoundLoop[FedERParams]):
         rx, ry = buffer_training_tensors(replay, site.data.image_size, site.data.channels)
         if self.variant == "feder_b":  # synthetic-only: own buffer + received
             rx, ry = torch.cat([self.own_x, rx]), torch.cat([self.own_y, ry])
-            fit = await ctx.train(site.train_replay_epochs, rx, ry, lam=p.lambda_, private=False)
+            fit = await ctx.run_blocking(
+                site.train_replay_epochs, rx, ry, lam=p.lambda_, private=False
+            )
         else:
-            fit = await ctx.train(site.train_replay_epochs, rx, ry, lam=p.lambda_)
+            fit = await ctx.run_blocking(site.train_replay_epochs, rx, ry, lam=p.lambda_)
         rnd.log.update(train_loss=fit["loss"], replayed_images=len(ry))
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
         """Test (and val) metrics; FedER gossips nothing for a heuristic."""
-        metrics = await ctx.train(evaluate_site, site)
+        metrics = await ctx.run_blocking(evaluate_site, site)
         metrics.pop("per_class_f1", None)
         return metrics
 
@@ -429,7 +431,7 @@ class FedER(RoundLoop[FedERParams]):
         loop = asyncio.get_running_loop()
         # The GAN trains on the trainer thread; the phase is set on the event loop's.
         progress = TrainingProgress(lambda line: loop.call_soon_threadsafe(ctx.set_phase, line))
-        buffer, decision = await ctx.train(
+        buffer, decision = await ctx.run_blocking(
             make_buffer, self.params, site, section, out_dir, seed, progress
         )
         ctx.set_phase("generator: privacy gate decided")
@@ -443,11 +445,11 @@ class FedER(RoundLoop[FedERParams]):
             x, y = buffer_training_tensors(
                 [self.own_buffer], site.data.image_size, site.data.channels
             )
-            await ctx.train(
+            await ctx.run_blocking(
                 site.train_replay_epochs, x, y, self.params.initial_epochs, private=False
             )
         elif self.params.initial_epochs:
-            await ctx.train(site.train_epochs, self.params.initial_epochs)  # M_j^0 on D_j
+            await ctx.run_blocking(site.train_epochs, self.params.initial_epochs)  # M_j^0 on D_j
         ctx.log_metrics(0, **await self.evaluate_round(ctx, site))
         ctx.checkpoint(self.checkpoint_state(0, site))
 
@@ -461,9 +463,9 @@ class FedER(RoundLoop[FedERParams]):
         out_dir = section.out_dir  # load_config made it absolute (default <state_dir>/genbuffer)
         return section, out_dir if out_dir.is_absolute() else ctx.artifact(str(out_dir))
 
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+    def checkpoint_state(self, round_no: int, site: Any) -> dict[str, Any]:
         return {
-            **super().checkpoint_state(round, site),
+            **super().checkpoint_state(round_no, site),
             "own_buffer": self.own_buffer,
             "buffers": self.buffers,
             "sent_buffers": {peer: sorted(h) for peer, h in self.sent_buffers.items()},

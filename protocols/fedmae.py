@@ -131,23 +131,23 @@ class MAEPretraining(FedAvgP2P):
         """FedAVGP2P's rounds over the MAE loss: E local epochs over every local
         image, k neighbours' autoencoders pulled and averaged (Fed-MAE Alg. 1,
         w_{t+1} = sum_k n_k / n w_{t,k}, over the neighbourhood)."""
-        site = await ctx.train(build_mae_site, ctx.config, self.params)
+        site = await ctx.run_blocking(build_mae_site, ctx.config, self.params)
         self.start_exchange(ctx)
         return site
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
         """Reconstruction loss on val; the gossip carries model statistics only
         (there are no per-class F1 scores before fine-tuning)."""
-        metrics = await ctx.train(evaluate_reconstruction, site)
-        self.update_gossip(ctx, None, await ctx.train(site.model_stats_vector))
+        metrics = await ctx.run_blocking(evaluate_reconstruction, site)
+        self.update_gossip(ctx, None, await ctx.run_blocking(site.model_stats_vector))
         return metrics
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
         """E*_k for fine-tuning, and a look at what the autoencoder learnt."""
         p = self.params
         ctx.set_phase("export")
-        path = await ctx.train(save_encoder, site.mae, ctx.artifact(p.encoder_out))
-        grid = await ctx.train(
+        path = await ctx.run_blocking(save_encoder, site.mae, ctx.artifact(p.encoder_out))
+        grid = await ctx.run_blocking(
             save_reconstruction_grid,
             site.mae,
             site.sample_images(GRID_IMAGES),

@@ -92,7 +92,7 @@ class FedPerl(SSFL):
         return matrix.row(ctx.me)
 
     def choose_peers(
-        self, ctx: RoundContext, round: int, similarities: dict[str, float]
+        self, ctx: RoundContext, round_no: int, similarities: dict[str, float]
     ) -> tuple[list[str], list[str]]:
         """(top-T by similarity, the ones the policy keeps). Too few peers with a
         vector: the rest are drawn at random (the reference's 'no history')."""
@@ -100,7 +100,7 @@ class FedPerl(SSFL):
         ranked = communities.top_t(similarities, p.top_t, exclude=ctx.me)
         if len(ranked) < p.top_t:
             others = sorted(x.name for x in ctx.peers() if x.name not in ranked)
-            rng = selection.seeded_rng(ctx.config.federation.seed, ctx.me, round, step=17)
+            rng = selection.seeded_rng(ctx.config.federation.seed, ctx.me, round_no, step=17)
             rng.shuffle(others)
             ranked += others[: p.top_t - len(ranked)]
         inputs = communities.PolicyInputs(
@@ -115,14 +115,14 @@ class FedPerl(SSFL):
         return ranked, communities.apply_policy(p.policy, ranked, inputs, p.rho)
 
     async def peer_learning(
-        self, ctx: RoundContext, site: LocalSite, round: int, own: dict[str, Tensor]
+        self, ctx: RoundContext, site: LocalSite, round_no: int, own: dict[str, Tensor]
     ) -> dict[str, float]:
         p = self.params
         self.peer_state = None
         similarities = self.similarities(ctx)
-        ranked, chosen = self.choose_peers(ctx, round, similarities)
+        ranked, chosen = self.choose_peers(ctx, round_no, similarities)
         community = {
-            "round": round,
+            "round": round_no,
             "top_t": ranked,
             "chosen": chosen,
             "similarity": {name: round_sim(similarities.get(name)) for name in ranked},
@@ -131,18 +131,18 @@ class FedPerl(SSFL):
         self.publish(ctx, communities.COMMUNITY_KEY, community)
         ctx.set_community(community)
         self.community_sum, self.community_asked = None, []
-        if round < max(p.warmup_rounds, 1) or round >= p.rounds:
+        if round_no < max(p.warmup_rounds, 1) or round_no >= p.rounds:
             return {"anon_contributors": 0.0}  # warm-up (or nothing left to train)
         ctx.record_choice(chosen)
         self.community_asked = list(chosen)
         # Secure mode: the community's sum doubles as a FedAVGP2P term, so it is
         # weighted by image counts like every other; otherwise Eq. 4's plain mean.
         purpose = "model" if self.secure else ANON_PURPOSE
-        result = await self.anonymizer.sum_of(ctx, round, own, sorted(chosen), purpose=purpose)
+        result = await self.anonymizer.sum_of(ctx, round_no, own, sorted(chosen), purpose=purpose)
         if result is not None:
             problem = incompatibility(result.mean, own, max_norm_ratio=p.max_norm_ratio)
             if problem is not None:
-                log.warning("%s round %d: anonymized peer rejected (%s)", ctx.me, round, problem)
+                log.warning("%s round %d: anonymized peer rejected (%s)", ctx.me, round_no, problem)
                 for peer in result.contributors:
                     ctx.reject(peer, f"sum_{problem}")
                 result = None
@@ -197,8 +197,8 @@ class FedPerl(SSFL):
 
     # ------------------------------------------------------------------ checkpoint
 
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
-        return {**super().checkpoint_state(round, site), "peer_state": self.peer_state}
+    def checkpoint_state(self, round_no: int, site: Any) -> dict[str, Any]:
+        return {**super().checkpoint_state(round_no, site), "peer_state": self.peer_state}
 
     def load_extra(self, saved: dict[str, Any]) -> None:
         state = saved.get("peer_state")

@@ -98,7 +98,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
         return out
 
     async def setup(self, ctx: RoundContext) -> Any:
-        site: LocalSite = await ctx.train(build_site, ctx.config)
+        site: LocalSite = await ctx.run_blocking(build_site, ctx.config)
         total_steps = steps_per_round(site)
         self.max_skip = max(1, total_steps)
         ctx.publish(STEPS_KEY, total_steps)
@@ -127,7 +127,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
             self.steps_done += 1
             # 1. g = Gradient(w, data) (DFU Alg. 4 line 5), offered to the neighbours.
             t0 = time.perf_counter()
-            grad = await ctx.train(site.compute_gradient, x, y)
+            grad = await ctx.run_blocking(site.compute_gradient, x, y)
             losses.append(site.last_loss if site.last_loss is not None else float("nan"))
             # Under training.dp the realised Poisson batch size is not released (the
             # accountant covers only the noised sum over the expected batch).
@@ -142,7 +142,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
                 ctx.me,
                 self.candidates(ctx, step),
                 k,
-                round=r,
+                round_no=r,
                 step=step,
                 seed=ctx.config.federation.seed,
                 my_meta=self.gossip,
@@ -163,7 +163,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
                 trim_ratio=p.trim_ratio,
                 clip_norm=p.clip_norm,
             )
-            await ctx.train(site.apply_gradient, mean)
+            await ctx.run_blocking(site.apply_gradient, mean)
             train_s += time.perf_counter() - t0
             used = [peer for t in got.terms for peer, _ in t.merged]
             for peer in used:

@@ -31,18 +31,18 @@ class Probe(RoundLoop[ProbeParams]):
         super().__init__(params)
         self.received: dict[str, int] = {}  # sender -> probes processed
 
-    def payload(self, me: str, round: int) -> dict[str, Any]:
-        g = torch.Generator().manual_seed(zlib.crc32(f"{me}:{round}".encode()))
+    def payload(self, me: str, round_no: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(zlib.crc32(f"{me}:{round_no}".encode()))
         return {
-            "round": round,
+            "round": round_no,
             "from": me,
             "tensor": torch.randn(self.params.payload_kb * 256, generator=g),
         }
 
-    async def push(self, ctx: RoundContext, peer: str, round: int) -> float | None:
+    async def push(self, ctx: RoundContext, peer: str, round_no: int) -> float | None:
         start = time.perf_counter()
         try:
-            await ctx.send(peer, PROBE_KIND, self.payload(ctx.me, round), round=round)
+            await ctx.send(peer, PROBE_KIND, self.payload(ctx.me, round_no), round_no=round_no)
         except PeerUnavailable:
             return None
         return time.perf_counter() - start
@@ -50,9 +50,9 @@ class Probe(RoundLoop[ProbeParams]):
     async def setup(self, ctx: RoundContext) -> Any:
         return None
 
-    def take(self, msg: Received, round: int, got_this_round: set[str]) -> None:
+    def take(self, msg: Received, round_no: int, got_this_round: set[str]) -> None:
         self.received[msg.sender] = self.received.get(msg.sender, 0) + 1
-        if msg.round == round:
+        if msg.round == round_no:
             got_this_round.add(msg.sender)
 
     async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
@@ -87,16 +87,16 @@ class Probe(RoundLoop[ProbeParams]):
             push_mb_s=(mb * len(sent) / sum(sent)) if sent and sum(sent) > 0 else 0.0,
         )
 
-    async def after_round(self, ctx: RoundContext, site: Any, round: int) -> None:
+    async def after_round(self, ctx: RoundContext, site: Any, round_no: int) -> None:
         # Pause after the checkpoint, so what this round consumed is off the spool meanwhile.
         if self.params.interval_s:
             await ctx.sleep(self.params.interval_s)
 
-    def evaluates(self, round: int) -> bool:
+    def evaluates(self, round_no: int) -> bool:
         return False
 
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
-        return {"round": round, "received": self.received}
+    def checkpoint_state(self, round_no: int, site: Any) -> dict[str, Any]:
+        return {"round": round_no, "received": self.received}
 
     def resume(self, ctx: RoundContext, site: Any) -> int:
         state = ctx.restore() or {"round": 0, "received": {}}

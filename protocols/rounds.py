@@ -205,15 +205,15 @@ class RoundLoop(Protocol, Generic[P]):
             time.monotonic() - started,
         )
 
-    def evaluates(self, round: int) -> bool:
-        return round % self.params.eval_every == 0 or round == self.params.rounds
+    def evaluates(self, round_no: int) -> bool:
+        return round_no % self.params.eval_every == 0 or round_no == self.params.rounds
 
-    def schedule_lr(self, ctx: RoundContext, site: Any, round: int) -> float | None:
+    def schedule_lr(self, ctx: RoundContext, site: Any, round_no: int) -> float | None:
         """Set the round's learning rate (training.lr_schedule over this
         protocol's rounds) on a site that trains with one; returns it."""
         if not hasattr(site, "set_lr_factor"):
             return None
-        site.set_lr_factor(lr_factor(ctx.config.training, round, self.params.rounds))
+        site.set_lr_factor(lr_factor(ctx.config.training, round_no, self.params.rounds))
         return float(site.lr)
 
     def show_training(self, ctx: RoundContext, site: Any, *, announce: bool = False) -> None:
@@ -267,12 +267,12 @@ class RoundLoop(Protocol, Generic[P]):
         """The round's logged metrics (test, and val_* where the site has a val
         split); also refreshes the gossip the heuristics read (per-class F1 on
         val, model statistics)."""
-        metrics = await ctx.train(evaluate_site, site)
-        stats = await ctx.train(site.model_stats_vector)
+        metrics = await ctx.run_blocking(evaluate_site, site)
+        stats = await ctx.run_blocking(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
         return metrics
 
-    async def after_round(self, ctx: RoundContext, site: Any, round: int) -> None:
+    async def after_round(self, ctx: RoundContext, site: Any, round_no: int) -> None:
         """After the round's checkpoint (probe: its pause between rounds)."""
 
     async def finish(self, ctx: RoundContext, site: Any) -> None:
@@ -280,11 +280,11 @@ class RoundLoop(Protocol, Generic[P]):
 
     # ------------------------------------------------------------------ checkpoint and resume
 
-    def checkpoint_state(self, round: int, site: Any) -> dict[str, Any]:
+    def checkpoint_state(self, round_no: int, site: Any) -> dict[str, Any]:
         """Everything `resume` needs to carry on after `round`."""
         return {
             "protocol": self.name,
-            "round": round,
+            "round": round_no,
             "model": site.state_dict(),
             "optimizer": site.optimizer_state(),
             "selection_history": self.selection_history,
@@ -336,10 +336,10 @@ class RoundLoop(Protocol, Generic[P]):
 
     # ------------------------------------------------------------------ ledger and gossip
 
-    def note_merged(self, round: int, merged: list[tuple[str, int]]) -> None:
+    def note_merged(self, round_no: int, merged: list[tuple[str, int]]) -> None:
         """The ledger of what round `round` merged (peer, the peer's round), kept
         in the checkpoint for audit."""
-        entry = [round, [[peer, peer_round] for peer, peer_round in merged]]
+        entry = [round_no, [[peer, peer_round] for peer, peer_round in merged]]
         self.merged = (self.merged + [entry])[-HISTORY_KEEP:]
 
     def remember_neighbours(self, used: list[str]) -> None:

@@ -493,6 +493,6 @@ class Contributor:
         except PeerUnavailable:
             raise SecAggError("unknown_contributor", peer) from None
 
-    def _forget_before(self, round: int) -> None:
-        self.ledger.forget_before(round)
-        self.sessions = {k: s for k, s in self.sessions.items() if s.model_round >= round}
+    def _forget_before(self, round_no: int) -> None:
+        self.ledger.forget_before(round_no)
+        self.sessions = {k: s for k, s in self.sessions.items() if s.model_round >= round_no}

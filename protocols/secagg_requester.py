@@ -61,7 +61,7 @@ async def secure_sum(
     ctx: RoundContext,
     contributors: Sequence[str],
     *,
-    round: int,
+    round_no: int,
     max_round: int,
     reference: Mapping[str, Tensor],
     timeout: float,
@@ -79,7 +79,7 @@ async def secure_sum(
     base = {
         "session": random_source.token_hex(16),
         "contributors": u,
-        "round": round,
+        "round": round_no,
         "max_round": max_round,
         "purpose": purpose,
     }
@@ -145,7 +145,9 @@ async def secure_sum(
             "commitments": {v: shared[v].commitments[p].model_dump() for v in u2 if v != p},
         },
     )
-    inputs, rounds, views = masked_inputs_of(ctx, masked_replies, reference, u2, round, max_round)
+    inputs, rounds, views = masked_inputs_of(
+        ctx, masked_replies, reference, u2, round_no, max_round
+    )
     u3 = sorted(inputs)
     if len(u3) < max(MIN_SUM, t + 1):
         raise SecAggError("too_few", f"{len(u3)} of {len(u2)} masked inputs (t={t})")
@@ -209,7 +211,7 @@ async def secure_sum(
         public = {v: adverts[v].s_pk for v in u1}
         return unmask_sum(inputs, seeds, keys, public, context, reference)
 
-    mean, total = await ctx.train(rebuild_and_unmask)
+    mean, total = await ctx.run_blocking(rebuild_and_unmask)
     return SecureSum(mean, total, u3, rounds, dropped)
 
 
@@ -257,7 +259,7 @@ def masked_inputs_of(
     replies: Mapping[str, Mapping[str, Any]],
     reference: Mapping[str, Tensor],
     u2: Sequence[str],
-    round: int,
+    round_no: int,
     max_round: int,
 ) -> tuple[dict[str, dict[str, Tensor]], dict[str, int], dict[str, dict[str, bytes]]]:
     """Round 2's answers that hold a masked input of the expected entries and
@@ -284,7 +286,7 @@ def masked_inputs_of(
                 for k, shape in expected.items()
             )
             and type(model_round) is int
-            and round <= model_round <= max_round
+            and round_no <= model_round <= max_round
             and isinstance(tags, dict)
             and all(isinstance(tags.get(v), bytes) and len(tags[v]) <= 32 for v in u2 if v != peer)
         ):

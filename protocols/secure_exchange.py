@@ -115,7 +115,7 @@ class SecureExchange:
                 return await secure_sum(
                     ctx,
                     chosen,
-                    round=round_no,
+                    round_no=round_no,
                     max_round=round_no + self.max_staleness,
                     reference=own,
                     timeout=self.timeout,

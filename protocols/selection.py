@@ -36,10 +36,10 @@ MODEL_STATS_KEY = "model_stats"
 RECENT_KEY = "recent"
 
 
-def seeded_rng(seed: int, me: str, round: int, step: int = 0) -> random.Random:
+def seeded_rng(seed: int, me: str, round_no: int, step: int = 0) -> random.Random:
     """A generator that depends only on (seed, node, round, step): the same run
     picks the same neighbours on every machine (no dependence on hash seeds)."""
-    digest = hashlib.sha256(f"{seed}|{me}|{round}|{step}".encode()).digest()
+    digest = hashlib.sha256(f"{seed}|{me}|{round_no}|{step}".encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
@@ -78,7 +78,7 @@ class Heuristic(ABC):
         candidates: Sequence[PeerInfo],
         k: int,
         *,
-        round: int,
+        round_no: int,
         seed: int,
         my_meta: Mapping[str, Any] | None = None,
         history: Sequence[Sequence[str]] = (),
@@ -90,10 +90,10 @@ class Heuristic(ABC):
         pool = sorted((c for c in candidates if c.name != me), key=lambda c: c.name)
         if not pool:
             return []
-        rng = seeded_rng(seed, me, round, step)
+        rng = seeded_rng(seed, me, round_no, step)
         ranking = self.rank(me, pool, rng, dict(my_meta or {}), history, k)
         ranking = recent_last(ranking, history, self.n)  # GetNeighbors(.., without=client.last)
-        log.debug("%s round %d: %s ranks %s (k=%d)", me, round, self.name, ranking, k)
+        log.debug("%s round %d: %s ranks %s (k=%d)", me, round_no, self.name, ranking, k)
         return ranking
 
     @abstractmethod

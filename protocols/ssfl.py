@@ -83,7 +83,7 @@ class SSFL(FedAvgP2P):
         # Local FixMatch; with the anonymized peer after warm-up (FedPerl Eq. 4, L_CON).
         site.reset_optimizer()  # Adam rebuilt every round, as in the reference code
         used_peer = self.peer_state is not None
-        fit = await ctx.train(self.local_fixmatch, site, self.peer_state)
+        fit = await ctx.run_blocking(self.local_fixmatch, site, self.peer_state)
         rnd.log.update(
             train_loss=fit["loss"],
             supervised_loss=fit["supervised"],
@@ -110,7 +110,7 @@ class SSFL(FedAvgP2P):
         await super().exchange(ctx, site, rnd)
 
     async def peer_learning(
-        self, ctx: RoundContext, site: LocalSite, round: int, own: dict[str, Tensor]
+        self, ctx: RoundContext, site: LocalSite, round_no: int, own: dict[str, Tensor]
     ) -> dict[str, float]:
         """T = 0: no peers."""
         return {}
@@ -120,8 +120,8 @@ class SSFL(FedAvgP2P):
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
         """Macro-F1 and ECE on test, accuracy on val; gossip F1, model statistics
         and the val accuracy the gated policies read."""
-        metrics = await ctx.train(evaluate_site, site, CALIBRATION_KEYS)
-        stats = await ctx.train(site.model_stats_vector)
+        metrics = await ctx.run_blocking(evaluate_site, site, CALIBRATION_KEYS)
+        stats = await ctx.run_blocking(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
         if metrics.get("val_accuracy") is not None:
             self.publish(ctx, communities.VAL_ACCURACY_KEY, float(metrics["val_accuracy"]))

@@ -143,9 +143,9 @@ class StageContext(RoundContext):
     def roster(self) -> list[str]:
         return self.outer.roster()
 
-    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
+    async def send(self, peer: str, kind: str, payload: Any, round_no: int | None = None) -> None:
         await self.outer.send(
-            peer, self.kind(kind), payload, self.round if round is None else round
+            peer, self.kind(kind), payload, self.round if round_no is None else round_no
         )
 
     async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
@@ -160,8 +160,8 @@ class StageContext(RoundContext):
     def publish(self, key: str, value: Any) -> None:
         self.outer.publish(key, value)
 
-    async def train(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await self.outer.train(fn, *args, **kwargs)
+    async def run_blocking(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self.outer.run_blocking(fn, *args, **kwargs)
 
     def checkpoint(self, state: dict[str, Any]) -> None:
         self.outer.checkpoint({"protocol": self.protocol, "stage": self.stage, self.stage: state})
@@ -172,8 +172,8 @@ class StageContext(RoundContext):
             return saved[self.stage]
         return None
 
-    def log_metrics(self, round: int, **values: float) -> None:
-        self.outer.log_metrics(round + self.round_offset, **values)
+    def log_metrics(self, round_no: int, **values: float) -> None:
+        self.outer.log_metrics(round_no + self.round_offset, **values)
 
     def record_choice(self, chosen: list[str]) -> None:
         self.outer.record_choice(chosen)

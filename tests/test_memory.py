@@ -116,21 +116,21 @@ async def test_publish_is_visible_to_peers_and_must_survive_the_codec() -> None:
 
 async def test_push_lands_in_the_peer_inbox() -> None:
     net, a, b, _ = trio()
-    await a.send("b", "buffer", {"images": torch.zeros(2, 3, dtype=torch.uint8)}, round=2)
+    await a.send("b", "buffer", {"images": torch.zeros(2, 3, dtype=torch.uint8)}, round_no=2)
     got = await asyncio.wait_for(b.inbox("buffer").get(), 1.0)
     assert (got.sender, got.kind, got.round) == ("a", "buffer", 2)
     assert got.payload["images"].shape == (2, 3)
     net.kill("b")
     with pytest.raises(PeerUnavailable):
-        await a.send("b", "buffer", {}, round=2)
+        await a.send("b", "buffer", {}, round_no=2)
 
 
 async def test_train_runs_in_a_worker_thread_or_inline() -> None:
     _, a, _, _ = trio()
     loop_thread = threading.get_ident()
-    assert await a.train(threading.get_ident) != loop_thread
+    assert await a.run_blocking(threading.get_ident) != loop_thread
     _, inline, _, _ = trio(inline_train=True)
-    assert await inline.train(threading.get_ident) == loop_thread
+    assert await inline.run_blocking(threading.get_ident) == loop_thread
 
 
 async def test_checkpoint_survives_a_restart_through_the_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ def peer(name: str, **meta: object) -> PeerInfo:
 def rank(
     heuristic: selection.Heuristic, peers: list[PeerInfo], *, me: str = "me", **kw: object
 ) -> list[str]:
-    kw.setdefault("round", 1)
+    kw.setdefault("round_no", 1)
     kw.setdefault("seed", 0)
     return heuristic.select(me, peers, 1, **kw)  # type: ignore[arg-type]
 
@@ -31,13 +31,13 @@ def test_neighbour_count_follows_fraction_of_the_others() -> None:
 def test_random_is_a_seeded_permutation_of_the_candidates() -> None:
     peers = [peer(n) for n in "abcdefgh"]
     h = selection.create("random")
-    first = rank(h, peers, seed=7, round=3)
+    first = rank(h, peers, seed=7, round_no=3)
     assert sorted(first) == list("abcdefgh")
     assert (
-        rank(h, list(reversed(peers)), seed=7, round=3) == first
+        rank(h, list(reversed(peers)), seed=7, round_no=3) == first
     )  # order of candidates is irrelevant
-    assert rank(h, peers, seed=7, round=3) == first  # same seed, same choice
-    rankings = {tuple(rank(h, peers, seed=s, round=3)) for s in range(10)}
+    assert rank(h, peers, seed=7, round_no=3) == first  # same seed, same choice
+    rankings = {tuple(rank(h, peers, seed=s, round_no=3)) for s in range(10)}
     assert len(rankings) > 5  # different seeds choose differently
     assert "me" not in rank(h, [*peers, peer("me")])
 
@@ -47,11 +47,11 @@ def test_random_among_thousands_draws_k_and_their_fallbacks_uniformly() -> None:
     (not a shuffle of all); every peer is as likely to be chosen first."""
     peers = [peer(f"site_{i:04d}") for i in range(5000)]
     h = selection.create("random")
-    ranking = h.select("me", peers, 4, round=2, seed=1)
+    ranking = h.select("me", peers, 4, round_no=2, seed=1)
     assert len(ranking) == 32 and len(set(ranking)) == 32
-    assert ranking == h.select("me", list(reversed(peers)), 4, round=2, seed=1)
-    assert len(h.select("me", peers, 20, round=2, seed=1)) == 80
-    firsts = [h.select("me", peers[:100], 1, round=r, seed=0)[0] for r in range(3000)]
+    assert ranking == h.select("me", list(reversed(peers)), 4, round_no=2, seed=1)
+    assert len(h.select("me", peers, 20, round_no=2, seed=1)) == 80
+    firsts = [h.select("me", peers[:100], 1, round_no=r, seed=0)[0] for r in range(3000)]
     counts = [firsts.count(p.name) for p in peers[:100]]
     assert sum(counts) == 3000 and max(counts) < 3 * 30  # ~30 each, none favoured
 

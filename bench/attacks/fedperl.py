@@ -133,7 +133,7 @@ def run_fedperl(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         say("fedperl: federation done; m asks for models")
         before = Counters.of(fed[target])
         pull_reply, payload = m.request(
-            target, "model", {"round": rounds, "max_round": rounds}, round=rounds
+            target, "model", {"round": rounds, "max_round": rounds}, round_no=rounds
         )
         pulled = payload.get("state") if isinstance(payload, dict) else None
         pulled = pulled if isinstance(pulled, dict) else None

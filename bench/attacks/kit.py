@@ -102,9 +102,9 @@ def combine(parts: dict[str, str]) -> str:
 # ---------------------------------------------------------------------- what a victim shows
 
 
-def probe_payload(sender: str, round: int) -> dict[str, Any]:
+def probe_payload(sender: str, round_no: int) -> dict[str, Any]:
     """A push as protocols/probe.py makes it (a small tensor)."""
-    return {"round": round, "from": sender, "tensor": torch.randn(256)}
+    return {"round": round_no, "from": sender, "tensor": torch.randn(256)}
 
 
 @dataclass

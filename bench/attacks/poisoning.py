@@ -361,7 +361,7 @@ def run_feder(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
         wait_up(fed.nodes.values(), opts.timeout_s)
         with Heartbeats(m, daemons, 1, max_s=opts.timeout_s):
             time.sleep(1.5)  # the daemons hear m before they derive round 1's ring
-            reply = m.post(victim, m.frame("feder", victim, relay, round=1))
+            reply = m.post(victim, m.frame("feder", victim, relay, round_no=1))
             evidence["push"] = reply.brief()
             fed[victim].wait_for(
                 lambda s: (

@@ -95,7 +95,7 @@ class WireContext:
     def reject(self, peer: str, reason: str) -> None:
         self.rejected.append((peer, reason))
 
-    async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     def mask_key(self, dropped: str) -> bytes:
@@ -129,7 +129,7 @@ def own_reference(plan: SitePlan) -> dict[str, Tensor]:
 def collect_sum(
     attacker: RawPeer,
     contributors: list[str],
-    round: int,
+    round_no: int,
     reference: dict[str, Tensor],
     *,
     dropped: list[str] | None = None,
@@ -148,8 +148,8 @@ def collect_sum(
             secure_sum(
                 ctx,  # type: ignore[arg-type]  # the parts of a RoundContext secure_sum uses
                 contributors,
-                round=round,
-                max_round=round,
+                round_no=round_no,
+                max_round=round_no,
                 reference=reference,
                 timeout=wait_s,
             )

@@ -182,7 +182,7 @@ def status_rebinding(victim: Victim) -> dict[str, Any]:
 def huge_round_header(m: RawPeer, victim: Victim) -> dict[str, Any]:
     """Hole 10: an encrypted push whose signed header says round 2**63."""
     payload = tensors.dumps({"round": 1, "from": "m"})
-    frame, _ = raw_frame(m, "probe", victim.name, payload, round=2**63, encrypt=True)
+    frame, _ = raw_frame(m, "probe", victim.name, payload, round_no=2**63, encrypt=True)
     before = victim.counters()
     reply = m.post(victim.name, frame)
     time.sleep(0.1)
@@ -199,7 +199,7 @@ def stale_relay(m: RawPeer, victim: Victim, plans: list[SitePlan], opts: Options
     victim.wait_status(lambda s: True, opts.timeout_s, "status endpoint up")
     with Heartbeats(m, [victim.name], 0, max_s=opts.timeout_s):
         time.sleep(1.5)  # f0 hears m before it derives round 1's ring
-        reply = m.post(victim.name, m.frame("feder", victim.name, relay, round=0))
+        reply = m.post(victim.name, m.frame("feder", victim.name, relay, round_no=0))
         status = victim.wait_status(
             lambda s: s.get("phase") in ("done", "failed"), opts.timeout_s, "f0 done"
         )

@@ -175,7 +175,7 @@ def decode_bomb(m: RawPeer, victim: Victim) -> dict[str, Any]:
 def concurrent_replay(m: RawPeer, victim: Victim, plan: SitePlan) -> dict[str, Any]:
     """Hole 8: three copies of one signed push (a network observer's capture),
     their headers all sent before any payload: one must be processed."""
-    frame = m.frame("probe", victim.name, probe_payload("m", 1), round=1)
+    frame = m.frame("probe", victim.name, probe_payload("m", 1), round_no=1)
     msg_id = Header.unpack(frame[8 : 8 + struct.unpack(">I", frame[4:8])[0]]).id_hex
     before = victim.counters()
     replies = simultaneous(victim.node.plan.port, frame, 3)

@@ -97,7 +97,7 @@ def bad_share_index(contributors: int = 9) -> dict[str, Any]:
                     secure_sum(
                         requester,
                         names,
-                        round=round_,
+                        round_no=round_,
                         max_round=round_,
                         reference={"w": torch.zeros(8)},
                         timeout=5.0,

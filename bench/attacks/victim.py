@@ -222,18 +222,20 @@ def raw_frame(
     to: str,
     payload: bytes,
     *,
-    round: int = 0,
+    round_no: int = 0,
     encrypt: bool = False,
 ) -> tuple[bytes, str]:
     """A frame with payload bytes chosen by the attacker (WireCodec.encode only
     takes objects it can encode); signed with the member's key. (frame, id hex)"""
     codec = peer.codec
     head = Header(
-        VERSION, codec.federation, kind, codec.identity.name, to, round, os.urandom(16),
+        VERSION, codec.federation, kind, codec.identity.name, to, round_no, os.urandom(16),
         int(time.time() * 1000), 0, bytes(32), encrypt,
     )  # fmt: skip
     if encrypt:  # as wire.py seals it; a round past int64 as the u64 it is on the wire
-        aad = head.msg_id + kind.encode() + struct.pack(">Q" if round >= 2**63 else ">q", round)
+        aad = (
+            head.msg_id + kind.encode() + struct.pack(">Q" if round_no >= 2**63 else ">q", round_no)
+        )
         key = _payload_key(codec.shared_secret(to), head)
         payload = ChaCha20Poly1305(key).encrypt(bytes(12), payload, aad)
     head = dataclasses.replace(

@@ -164,7 +164,7 @@ def forged_signature(
     )
     rows = {}
     for label, attacker in (("impostor_push", impostor), ("stranger_push", stranger)):
-        frame = attacker.frame("probe", victim.name, probe_payload(attacker.name, 1), round=1)
+        frame = attacker.frame("probe", victim.name, probe_payload(attacker.name, 1), round_no=1)
         rows[label] = judge_input(*send_and_watch(attacker, victim, frame))
     parts = {k: v["outcome"] for k, v in rows.items()}
     evidence: dict[str, Any] = {"inputs": rows}
@@ -178,7 +178,7 @@ def forged_signature(
 def wrong_federation(fed_dir: Path, ports: dict[str, int], victim: NodeProcess) -> dict[str, Any]:
     """m's real key, another federation id in the header: expect wrong_federation."""
     other = RawPeer(fed_dir, "m", ports, federation="not-" + FEDERATION)
-    frame = other.frame("probe", victim.name, probe_payload("m", 1), round=1)
+    frame = other.frame("probe", victim.name, probe_payload("m", 1), round_no=1)
     row = judge_input(*send_and_watch(other, victim, frame))
     return verdict(
         row["outcome"], "earlier", f"answered {row['status']} {row['reason']}", input=row
@@ -202,9 +202,9 @@ def unencrypted_injection(m: RawPeer, victim: NodeProcess, rounds: int) -> dict[
     }
     rows, control = {}, {}
     for label, (kind, payload) in inputs.items():
-        frame = m.frame(kind, victim.name, payload, round=rounds, encrypt=False)
+        frame = m.frame(kind, victim.name, payload, round_no=rounds, encrypt=False)
         rows[label] = judge_input(*send_and_watch(m, victim, frame))
-        ok = m.post(victim.name, m.frame(kind, victim.name, payload, round=rounds, encrypt=True))
+        ok = m.post(victim.name, m.frame(kind, victim.name, payload, round_no=rounds, encrypt=True))
         control[label] = ok.brief()
     parts = {k: v["outcome"] for k, v in rows.items()}
     evidence = {"unencrypted": rows, "encrypted_control": control}
@@ -227,20 +227,20 @@ def replay_after_restart(
     legit = RawPeer(fed_dir, "v2", ports, federation=FEDERATION)
     captured = {
         "push": legit.frame(  # a kind the FedAVGP2P victim declares
-            "model", victim.name, probe_payload("v2", rounds), round=rounds, encrypt=True
+            "model", victim.name, probe_payload("v2", rounds), round_no=rounds, encrypt=True
         ),
         "request": legit.frame(
             REQUEST_PREFIX + "model",
             victim.name,
             {"round": rounds, "max_round": rounds, "_wait_s": 1.0},
-            round=rounds,
+            round_no=rounds,
             encrypt=True,
         ),
         "heartbeat": legit.frame(
             HEARTBEAT,
             victim.name,
             heartbeat_payload(rounds, "done", done=True, bye=False),
-            round=rounds,
+            round_no=rounds,
             encrypt=True,
         ),
     }

@@ -39,7 +39,7 @@ class BestModel:
 
     def observe(
         self,
-        round: int,
+        round_no: int,
         metrics: dict[str, Any],
         state: Callable[[], dict[str, Tensor]] | None = None,
     ) -> dict[str, float]:
@@ -51,7 +51,7 @@ class BestModel:
         if value is None:
             return {}
         if self.val_macro_f1 is None or float(value) > self.val_macro_f1:
-            self.round = int(round)
+            self.round = int(round_no)
             self.val_macro_f1 = float(value)
             self.test = {k: float(metrics[k]) for k in REPORTED if metrics.get(k) is not None}
             self.state = state() if state is not None else None

@@ -26,7 +26,7 @@ def build_optimizer(
     return torch.optim.Adam(params, lr=lr, weight_decay=training.weight_decay)
 
 
-def lr_factor(training: TrainingSection, round: int, rounds: int) -> float:
+def lr_factor(training: TrainingSection, round_no: int, rounds: int) -> float:
     """training.lr_schedule's factor of training.lr in `round` (1-based) of `rounds`:
     - constant: 1;
     - cosine: 1 in round 1 down to lr_min_factor in the last round,
@@ -35,17 +35,17 @@ def lr_factor(training: TrainingSection, round: int, rounds: int) -> float:
     The factor holds for a whole round, so every protocol (and every baseline)
     follows the same schedule whatever its steps per round. Rounds past `rounds`
     (a protocol asked to go on) keep the last round's factor."""
-    if rounds < 1 or round < 1:
-        raise ValueError(f"round {round} of {rounds}: both must be at least 1")
-    round = min(round, rounds)
+    if rounds < 1 or round_no < 1:
+        raise ValueError(f"round {round_no} of {rounds}: both must be at least 1")
+    round_no = min(round_no, rounds)
     if training.lr_schedule == "cosine":
         if rounds == 1:
             return 1.0
-        progress = (round - 1) / (rounds - 1)
+        progress = (round_no - 1) / (rounds - 1)
         floor = training.lr_min_factor
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if training.lr_schedule == "step":
-        return training.lr_gamma ** ((round - 1) // training.lr_step_rounds)
+        return training.lr_gamma ** ((round_no - 1) // training.lr_step_rounds)
     return 1.0
 
 

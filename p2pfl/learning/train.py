@@ -8,7 +8,7 @@ nearest-prototype classification: callers do not need to know which). The
 rest is composed in from small helpers: training.recipe dp and training.dp
 (`p2pfl.learning.dp_recipe`, `dp`), experience replay (`replay`) and gradients
 as messages (`gradients`). Every method is plain blocking PyTorch work;
-protocols call them off the event loop with `await ctx.train(site.method, ...)`.
+protocols call them off the event loop with `await ctx.run_blocking(site.method, ...)`.
 """
 
 from __future__ import annotations

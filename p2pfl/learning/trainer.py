@@ -8,7 +8,7 @@ subclass's: `p2pfl.learning.train.LocalSite` (classification, with class
 weighting, DP, replay and gradient exchange composed in) and the
 self-supervised sites of `p2pfl.learning.mae_site` and `beit_site`, which need
 none of those. Every method is plain blocking PyTorch work; protocols call
-them off the event loop with `await ctx.train(site.method, ...)`.
+them off the event loop with `await ctx.run_blocking(site.method, ...)`.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ REQUEST_SUFFIX = ".request"
 class InMemoryNetwork:
     """The hub every InMemoryContext talks through.
 
-    inline_train: run `ctx.train` work on the event loop instead of a worker
+    inline_train: run `ctx.run_blocking` work on the event loop instead of a worker
     thread, so interleaving (and thus every result) repeats exactly.
     checkpoint_dir: also write each node's checkpoint to DIR/<name>.ckpt; a node
         that joined without a config keeps its artifacts under DIR/<name>/.
@@ -220,12 +220,12 @@ class InMemoryNetwork:
         node = self._node(name)
         return None if node.checkpoint is None else loads(node.checkpoint)
 
-    async def wait_for_round(self, name: str, round: int) -> None:
+    async def wait_for_round(self, name: str, round_no: int) -> None:
         """Until the node has entered `round` (tests use it to inject faults mid-run)."""
         node = self._node(name)
-        if node.round >= round:
+        if node.round >= round_no:
             return
-        event = node.round_events.setdefault(round, asyncio.Event())
+        event = node.round_events.setdefault(round_no, asyncio.Event())
         await event.wait()
 
     # ------------------------------------------------------------------ transport
@@ -299,7 +299,7 @@ class InMemoryNetwork:
             return len(reply), payload
         return len(reply), loads(reply)
 
-    async def send(self, sender: str, peer: str, kind: str, payload: Any, round: int) -> None:
+    async def send(self, sender: str, peer: str, kind: str, payload: Any, round_no: int) -> None:
         src, dst = self._node(sender), self._node(peer)
         body = dumps(payload)
         src.traffic.add(kind, len(body))
@@ -309,7 +309,7 @@ class InMemoryNetwork:
             raise PeerUnavailable(peer, "timeout")
         queue = dst.inboxes.setdefault(kind, new_inbox(dst))
         try:
-            queue.put_nowait(Received(src.name, kind, round, loads(body), uuid.uuid4().hex))
+            queue.put_nowait(Received(src.name, kind, round_no, loads(body), uuid.uuid4().hex))
         except asyncio.QueueFull:
             raise PeerUnavailable(peer, "inbox_full") from None
 
@@ -374,9 +374,9 @@ class InMemoryContext(RoundContext):
     def roster(self) -> list[str]:
         return self.network.names()
 
-    async def send(self, peer: str, kind: str, payload: Any, round: int | None = None) -> None:
+    async def send(self, peer: str, kind: str, payload: Any, round_no: int | None = None) -> None:
         await self.network.send(
-            self.me, peer, kind, payload, self.round if round is None else round
+            self.me, peer, kind, payload, self.round if round_no is None else round_no
         )
 
     async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
@@ -396,7 +396,7 @@ class InMemoryContext(RoundContext):
         self._node.meta[key] = loads(dumps(value))
         self._node.last_seen = time.monotonic()
 
-    async def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.network.inline_train:
             return fn(*args, **kwargs)
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -440,9 +440,9 @@ class InMemoryContext(RoundContext):
             )
         return self.network.checkpoint_dir / self.me
 
-    def log_metrics(self, round: int, **values: float) -> None:
+    def log_metrics(self, round_no: int, **values: float) -> None:
         """Records carry this node's cumulative traffic at the time of logging."""
-        record: dict[str, Any] = {"node": self.me, "round": round, **values}
+        record: dict[str, Any] = {"node": self.me, "round": round_no, **values}
         record.setdefault("messages_sent", self._node.traffic.messages_sent)
         record.setdefault("bytes_sent", self._node.traffic.bytes_sent)
         self.network.records.append(record)

@@ -84,10 +84,10 @@ class SimulationResult:
         """First round whose mean over the nodes reaches `threshold` (DFU Table 2)."""
         return first_round_reaching(self.mean_by_round(metric), threshold)
 
-    def messages_until(self, round: int, field: str = "messages_sent") -> int:
+    def messages_until(self, round_no: int, field: str = "messages_sent") -> int:
         """Messages (or bytes, field="bytes_sent") all nodes had sent when each
         logged `round` (DFU Fig. 7 counts them up to the threshold round)."""
-        return sum(int(r[field]) for r in self.records if r["round"] == round and field in r)
+        return sum(int(r[field]) for r in self.records if r["round"] == round_no and field in r)
 
     def choice_counts(self) -> dict[str, dict[str, int]]:
         """chooser -> chosen -> how many rounds (who-chose-whom)."""

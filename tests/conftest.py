@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
+import socket
 from typing import Any
 
 import pytest
@@ -11,15 +14,123 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from browser_util import SKIP_ENV, chromium_binary, missing_browser_message  # noqa: E402
 
+import node.provision  # noqa: E402
 from p2pfl.secure.identity import LocalIdentity, Roster  # noqa: E402
 from p2pfl.secure.wire import WireCodec  # noqa: E402
 
 BROWSER_SKIPPED = pytest.StashKey[int]()
 
+# ------------------------------------------------------------ ports under xdist
+# `free_ports` asks the kernel for ephemeral ports and closes them; the node
+# process binds them a few seconds later. In one process that is safe, but with
+# xdist workers another worker's `free_ports` (or any outgoing connection) can
+# be handed the same just-closed port in that window, and one node then fails
+# to bind. So each worker hands out ports from its own block below Linux's
+# ephemeral range (32768+), which neither the kernel nor another worker uses;
+# the block starts at a random offset so that two test sessions on one machine
+# rarely walk the same ports, and a port is skipped if anything holds it.
+WORKER_BLOCK = 1000
+FIRST_BLOCK_PORT = 20000
+MAX_WORKERS = 12  # 20000 + 12 * 1000 stays below 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _worker_ports() -> itertools.cycle[int] | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    if not worker.startswith("gw"):
+        return None
+    index = int(worker[2:]) % MAX_WORKERS
+    block = list(range(WORKER_BLOCK))
+    offset = random.SystemRandom().randrange(WORKER_BLOCK)
+    first = FIRST_BLOCK_PORT + index * WORKER_BLOCK
+    return itertools.cycle([first + (offset + i) % WORKER_BLOCK for i in block])
+
+
+_PORTS = _worker_ports()
+
+
+def _free_ports_of_this_worker(n: int) -> list[int]:
+    """n distinct loopback ports from this worker's block, each free right now."""
+    assert _PORTS is not None
+    out: list[int] = []
+    for _ in range(WORKER_BLOCK):
+        port = next(_PORTS)
+        if port not in out and _bindable(port):
+            out.append(port)
+            if len(out) == n:
+                return out
+    raise RuntimeError(f"fewer than {n} free ports left in this worker's block")
+
+
+if _PORTS is not None:
+    # provision() looks free_ports up at call time; tests that import the name
+    # are imported after this file, so they get this version too.
+    node.provision.free_ports = _free_ports_of_this_worker  # type: ignore[assignment]
+
+
+# ------------------------------------------------------ timing-sensitive tests
+# Tests that judge wall-clock times, latencies or liveness under load, or drill
+# faults against short heartbeat and round timeouts. Under `--dist loadgroup`
+# they all go to one xdist group, "timing": one worker runs them one after the
+# other, so none of them is loaded by another of them (the other workers' tests
+# still run beside them, as other users' jobs would). They are collected first
+# so that the group, the longest single queue, starts at once. Entries are node
+# ids or their prefixes (a file, or a file::test); docs/testing.md says why each.
+TIMING_GROUP = "timing"
+TIMING_SENSITIVE = (
+    "tests/test_flood.py",  # 1000 msg/s flood: rate, /healthz p99, RSS bounds
+    "tests/test_soak.py::test_four_nodes_keep_descriptors_and_memory_flat",  # RSS/fd slopes
+    "tests/test_faults.py",  # SIGKILL/partition/slow-peer drills, 1.5 s suspect, 3 s rounds
+    "tests/test_exactly_once.py",  # a kill at a chosen instant
+    "tests/test_replay_restart.py::test_messages_accepted_before_a_restart",  # time bound after a kill
+    "tests/test_replay_restart.py::test_a_push_right_after_the_receiver_restarts",
+    "tests/test_failed_peers.py::test_in_memory_a_node_failed_at_start",  # wall < 30 s
+    "tests/test_failed_peers.py::test_real_nodes",  # round_s bound, a kill
+    "tests/test_secagg_nodes.py",  # a contributor killed mid-round
+    "tests/test_offers.py",  # answer latency < 30 ms
+    "tests/test_hostile_wire.py::test_a_running_node_stays_live",  # /healthz p99, RSS
+    "tests/test_hostile_wire.py::test_an_oversized_response",  # cut within 1 s
+    "tests/test_transport_limits.py",  # cut within 5 s
+    "tests/test_upload_fairness.py",  # cut within 5 s, fairness under a stall
+    "tests/test_fuzz_http.py",  # liveness of one node under 10,000 requests
+    "tests/test_fedavgp2p.py::test_a_silent_neighbour",  # replaced after a 0.x s timeout
+    "tests/test_fedsgdp2p.py::test_a_silent_neighbour",  # its cost < steps x 0.1 s
+    "tests/test_bench_federation.py::test_a_failed_node_ends_the_benchmark",  # < 120 s
+    "tests/test_bench_smoke.py::test_failed_site_benchmark",  # round-time ratio
+)
+
+
+def _timing_sensitive(item: pytest.Item) -> bool:
+    """A file entry takes the whole file; a file::name entry every test whose
+    name starts so (its parameters too)."""
+    return any(
+        item.nodeid.startswith(entry if "::" in entry else entry + "::")
+        for entry in TIMING_SENSITIVE
+    )
+
+
+def _group_timing_tests(items: list[pytest.Item]) -> None:
+    timing = [item for item in items if _timing_sensitive(item)]
+    for item in timing:
+        item.add_marker(pytest.mark.xdist_group(TIMING_GROUP))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a serial run keeps the files' order
+        chosen = {id(item) for item in timing}
+        items[:] = timing + [item for item in items if id(item) not in chosen]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without Chromium (or with P2PFL_SKIP_BROWSER=1) the `browser` tests are
+    """Timing-sensitive tests go to one xdist group, collected first (above).
+    Without Chromium (or with P2PFL_SKIP_BROWSER=1) the `browser` tests are
     skipped, and the run ends with one line that says so and how to fix it."""
+    _group_timing_tests(items)
     browser = [item for item in items if item.get_closest_marker("browser")]
     if not browser:
         return
@@ -58,3 +169,37 @@ def roster(identities: dict[str, LocalIdentity]) -> Roster:
 @pytest.fixture
 def codecs(identities: dict[str, LocalIdentity], roster: Roster) -> dict[str, WireCodec]:
     return {name: WireCodec(ident, roster, "fed-test") for name, ident in identities.items()}
+
+
+# ---------------------------------------------------------------------- CPU per test
+# P2PFL_TEST_CPU_LOG=FILE: each test's CPU seconds (this process and the children
+# it reaped, e.g. node processes) appended as JSON lines. Wall time depends on
+# the load; CPU time is what a 2-core run cannot escape (docs/testing.md).
+CPU_LOG = os.environ.get("P2PFL_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if not CPU_LOG:
+        yield
+        return
+    import json
+    import time
+
+    cpu0, wall0 = _cpu_seconds(), time.monotonic()
+    yield
+    record = {
+        "test": item.nodeid,
+        "cpu_s": round(_cpu_seconds() - cpu0, 2),
+        "wall_s": round(time.monotonic() - wall0, 2),
+    }
+    with open(CPU_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -186,7 +186,7 @@ def test_the_decode_bomb_and_the_huge_round_pass_the_header_checks(tmp_path):
         total_len=len(frame),
     )
     assert header.id_hex == msg_id and header.payload_len == 1000
-    big, _ = raw_frame(m, "probe", "v", b"x", round=2**63, encrypt=True)
+    big, _ = raw_frame(m, "probe", "v", b"x", round_no=2**63, encrypt=True)
     assert len(big) < MAX_MESSAGE
 
 

@@ -18,8 +18,8 @@ from p2pfl.secure.identity import Card, IdentityError, LocalIdentity, Roster
 from protocols import create
 from protocols.base import NotReady
 from protocols.checks import admit, cap_claims, cap_weights, lower_median, own_weight_cap
-from protocols.stages import StageContext
 from protocols.memory import InMemoryNetwork, simulation_configs
+from protocols.stages import StageContext
 
 # ---------------------------------------------------------------------- cap_weights
 

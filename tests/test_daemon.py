@@ -82,7 +82,7 @@ def test_three_nodes_exchange_and_reject_bad_messages(tmp_path):
 
         # Now misbehave against node a, playing b (whose real key we hold) and mallory.
         b = RawPeer(tmp_path / "fed", "b", {p.name: p.port for p in plans})
-        good = b.frame("probe", "a", {"round": 99, "tensor": torch.zeros(4)}, round=99)
+        good = b.frame("probe", "a", {"round": 99, "tensor": torch.zeros(4)}, round_no=99)
         assert b.post("a", good).status == 200
         again = b.post("a", good)
         assert (again.status, again.reason) == (409, "replayed")

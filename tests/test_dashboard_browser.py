@@ -68,9 +68,9 @@ def summarize(dom: str) -> DomSummary:
 def four_node_telemetry() -> Telemetry:
     now = time.time()
     telemetry = Telemetry("a")
-    telemetry.set_peer("b", "alive", round=4, phase="train", last_seen=now - 1)
-    telemetry.set_peer("c", "suspect", round=3, phase="exchange", last_seen=now - 8)
-    telemetry.set_peer("d", "dead", round=2, phase="", last_seen=now - 60)
+    telemetry.set_peer("b", "alive", round_no=4, phase="train", last_seen=now - 1)
+    telemetry.set_peer("c", "suspect", round_no=3, phase="exchange", last_seen=now - 8)
+    telemetry.set_peer("d", "dead", round_no=2, phase="", last_seen=now - 60)
     for _ in range(5):
         telemetry.record_sent("b", "model", 250_000)
         telemetry.record_received("b", "model", 250_000)
@@ -179,7 +179,7 @@ async def test_dashboard_shows_why_a_buffer_was_refused() -> None:
 async def test_dashboard_shows_a_failed_peer_and_why() -> None:
     telemetry = four_node_telemetry()
     telemetry.set_peer(
-        "d", "failed", round=0, phase="failed", last_seen=time.time(), error="DataError"
+        "d", "failed", round_no=0, phase="failed", last_seen=time.time(), error="DataError"
     )
     dom = await dashboard_dom(telemetry, "fedavgp2p")
     assert 'class="pill failed">failed<' in dom

@@ -65,7 +65,7 @@ def test_a_kill_between_checkpoint_and_journal_processes_nothing_twice(tmp_path)
         node_b.start()
         node_b.wait_for(lambda s: s["round"] >= 1, 60, "restarted")
         second = {"round": 2, "from": "a", "tensor": torch.ones(8)}
-        status, body, _ = send_until_taken(a, plan_b.port, "probe", "b", second, round=2)
+        status, body, _ = send_until_taken(a, plan_b.port, "probe", "b", second, round_no=2)
         assert status == 200, body
         node_b.wait_for(lambda s: s["phase"] == "done", 60, "b done")
 

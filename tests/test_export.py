@@ -1,7 +1,10 @@
 """export and predict: a trained federation's model, packaged, run on new files.
 
-One federation of two real nodes (digits, FedAVGP2P, 2 rounds) is trained once
-for the module; every test exports or predicts from its state directories.
+One federation of two real daemons (digits, FedAVGP2P, 2 rounds) is trained
+once for the module, in the test process (tests/inproc_util.py: the daemons'
+own Node, transport and status server, without a process each); every test
+exports or predicts from its state directories. Under xdist the module's tests
+share one worker (its xdist_group), so the federation is trained once.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from inproc_util import InProcessFederation
 from PIL import Image
 from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
 from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
 
-from bench.localfed import LocalFederation
 from node.cli import main
 from node.evaluate import latest_model
 from node.provision import provision
@@ -37,6 +40,8 @@ FAST = {
     "data": {"augment": "none"},
 }
 
+
+pytestmark = pytest.mark.xdist_group("export_federation")  # one trained federation
 
 DP_STATUS: dict[str, Any] = {}  # what the nodes showed when they were done (the fixture fills it)
 
@@ -62,7 +67,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
         },
     )
-    with LocalFederation(plans, root / "logs") as fed:
+    with InProcessFederation(plans) as fed:
         for name in ("a", "b"):
             fed[name].wait_for(lambda s: s["phase"] == "done", 120, "two rounds done")
         DP_STATUS["status"] = fed["a"].status()

@@ -189,7 +189,10 @@ def real_node_overrides(startup_wait_s: float) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_real_nodes_skip_a_peer_whose_protocol_failed_and_show_why(tmp_path: Path) -> None:
-    from bench.localfed import LocalFederation
+    """Three real daemons (in the test process: tests/inproc_util.py; no node is
+    killed here): c's heartbeat says it failed, a's /status shows why."""
+    from inproc_util import InProcessFederation
+
     from node.provision import provision
 
     sources = sites(tmp_path, 3)
@@ -201,7 +204,7 @@ def test_real_nodes_skip_a_peer_whose_protocol_failed_and_show_why(tmp_path: Pat
         data_sources=sources,
         overrides=real_node_overrides(startup_wait_s=30),
     )
-    with LocalFederation(plans, tmp_path / "logs") as fed:
+    with InProcessFederation(plans) as fed:
         seen = fed["a"].wait_for(
             lambda s: any(p["name"] == "c" and p["state"] == "failed" for p in s["peers"]),
             60,

@@ -385,7 +385,7 @@ def test_a_contributor_caps_its_own_weight_at_its_roster_card() -> None:
         secure_sum(
             ctxs["req"],
             ["p1", "p2"],
-            round=1,
+            round_no=1,
             max_round=1,
             reference={"w": torch.zeros(2)},
             timeout=2.0,

@@ -24,7 +24,7 @@ def test_ring_is_the_same_permutation_on_every_node_and_changes_per_round():
     names = ["a", "b", "c", "d", "e"]
     for r in range(1, 6):
         views = [
-            derive_ring(list(reversed(names)) if i % 2 else names, seed=7, round=r)
+            derive_ring(list(reversed(names)) if i % 2 else names, seed=7, round_no=r)
             for i in range(5)
         ]
         assert all(v == views[0] for v in views)  # every node derives the same ring
@@ -32,7 +32,7 @@ def test_ring_is_the_same_permutation_on_every_node_and_changes_per_round():
         successors = {n: ring_successor(views[0], n, set(names))[0] for n in names}
         assert sorted(successors.values()) == names  # everyone sends once and receives once
         assert all(successors[n] != n for n in names)
-    rings = {tuple(derive_ring(names, seed=7, round=r)) for r in range(1, 11)}
+    rings = {tuple(derive_ring(names, seed=7, round_no=r)) for r in range(1, 11)}
     assert len(rings) > 1
 
 
@@ -145,7 +145,7 @@ def test_privacy_enhanced_variants_run(tmp_path, variant):
         for node in names:
             senders: set[str] = set()
             for r in (1, 2):
-                ring = derive_ring(names, seed=0, round=r)
+                ring = derive_ring(names, seed=0, round_no=r)
                 senders |= {
                     n
                     for n in names
@@ -182,11 +182,15 @@ def test_a_dead_node_is_skipped_and_the_others_finish(tmp_path):
 
 @pytest.mark.slow
 def test_feder_over_real_daemons_then_cross_site_and_ensemble_evaluation(tmp_path):
+    """Three real daemons (in the test process: tests/inproc_util.py), their
+    relays through the spool and journal, then `node.cli evaluate` in its own
+    process over their state directories."""
     import json
     import subprocess
     import sys
 
-    from bench.localfed import LocalFederation
+    from inproc_util import InProcessFederation
+
     from node.provision import provision
 
     parts = tmp_path / "parts"
@@ -210,9 +214,9 @@ def test_feder_over_real_daemons_then_cross_site_and_ensemble_evaluation(tmp_pat
             "node": {"exit_when_done": True},
         },
     )
-    with LocalFederation(plans, tmp_path / "logs") as fed:
+    with InProcessFederation(plans) as fed:
         codes = fed.wait_all_exit(240)
-    assert codes == {"a": 0, "b": 0, "c": 0}, {n: fed[n].log_tail() for n in "abc"}
+    assert codes == {"a": 0, "b": 0, "c": 0}, codes
     for name in "abc":
         lines = [
             json.loads(x)

@@ -94,9 +94,13 @@ async def test_daemon_request_is_answered_at_the_offer_not_the_poll(tmp_path) ->
             return await a.ctx.request("b", "thing", {}, timeout=10.0)
 
         # The daemon re-asks a NotReady handler every 0.1 s; an offer answers at once.
-        latencies = await _latencies(request, lambda slow: b.ctx.offered("thing"), poll_s=0.1)
-        # By polling alone, 5 answers all within 30 ms of the change: (0.3)^5 = 0.2 %.
-        assert max(latencies) < 0.03, latencies
+        latencies = await _latencies(
+            request, lambda slow: b.ctx.offered("thing"), poll_s=0.1, trials=8
+        )
+        # By polling alone, at least 7 of 8 answers within 30 ms of the change:
+        # 8 x 0.3^7 x 0.7 + 0.3^8 = 0.13 % (all 5 of 5 was 0.24 %); one answer
+        # late by a loaded scheduler (other xdist workers) is allowed.
+        assert sorted(latencies)[-2] < 0.03, latencies
     finally:
         for node in nodes:
             await node.stop()

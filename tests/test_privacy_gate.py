@@ -178,9 +178,11 @@ def test_a_feder_node_does_not_share_a_refused_buffer(tmp_path):
 
 @pytest.mark.slow
 def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
-    """Two real daemons on 127.0.0.1: the memorising site's /status says the buffer
-    was refused and why; the node stays up serving it, then exits non-zero."""
-    from bench.localfed import LocalFederation
+    """Two real daemons on 127.0.0.1 (in the test process: tests/inproc_util.py):
+    the memorising site's /status says the buffer was refused and why; the node
+    stays up serving it, then ends with a failed protocol (exit status 1)."""
+    from inproc_util import InProcessFederation
+
     from node.provision import provision
 
     parts = tmp_path / "parts"
@@ -209,7 +211,7 @@ def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
     save(memoriser, generators["a"])
     torch.manual_seed(1)
     save(Generator(memoriser.spec), generators["b"])
-    with LocalFederation(plans, tmp_path / "logs") as fed:
+    with InProcessFederation(plans) as fed:
         status = fed["a"].wait_for(
             lambda s: bool(s.get("privacy_gate")), 120, "the privacy gate's decision"
         )

@@ -111,7 +111,15 @@ BEAT = {
 
 
 def send_until_taken(
-    codec: WireCodec, port: int, kind: str, to: str, payload, *, msg_id=None, round=0, within=30.0
+    codec: WireCodec,
+    port: int,
+    kind: str,
+    to: str,
+    payload,
+    *,
+    msg_id=None,
+    round_no=0,
+    within=30.0,
 ):
     """What a real sender does with `before_restart`: encode again (fresh
     timestamp, same id) until the node takes it. Returns (status, body, tries)."""
@@ -119,7 +127,7 @@ def send_until_taken(
     tries = 0
     while True:
         tries += 1
-        frame = codec.encode(kind, to, payload, round=round, msg_id=msg_id).to_bytes()
+        frame = codec.encode(kind, to, payload, round=round_no, msg_id=msg_id).to_bytes()
         status, body = post_frame(port, frame).answer()
         if body.get("reason") != "before_restart" or time.monotonic() > deadline:
             return status, body, tries
@@ -186,7 +194,7 @@ def test_messages_accepted_before_a_restart_are_refused_after_it(tmp_path):
             "b",
             {"round": 1, "from": "a", "tensor": torch.ones(4)},
             msg_id=push.header.msg_id,
-            round=1,
+            round_no=1,
         )
         assert status in (200, 409), body
     journal = fed_dir / "b" / "state" / "journal.jsonl"

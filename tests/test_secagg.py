@@ -78,7 +78,7 @@ class Federation:
         return await secure_sum(
             self.ctxs[REQUESTER],
             members,
-            round=ROUND,
+            round_no=ROUND,
             max_round=ROUND,
             reference=self.reference,
             timeout=2.0,

@@ -298,7 +298,7 @@ def test_two_colluding_requesters_learn_one_model_a_known_limit() -> None:
         other = await secure_sum(
             second,
             ["bob", "carol"],
-            round=3,
+            round_no=3,
             max_round=3,
             reference=fed.reference,
             timeout=2.0,

@@ -25,9 +25,9 @@ ServerFactory = Callable[..., Awaitable[str]]
 def populated_telemetry() -> Telemetry:
     """Node "a" after a few rounds with peers b (alive), c (suspect), d (dead)."""
     telemetry = Telemetry("a", wall_clock=lambda: NOW)
-    telemetry.set_peer("b", "alive", round=3, phase="train", last_seen=NOW - 1.5)
-    telemetry.set_peer("c", "suspect", round=2, phase="exchange", last_seen=NOW - 9.0)
-    telemetry.set_peer("d", "dead", round=1, phase="", last_seen=0.0)
+    telemetry.set_peer("b", "alive", round_no=3, phase="train", last_seen=NOW - 1.5)
+    telemetry.set_peer("c", "suspect", round_no=2, phase="exchange", last_seen=NOW - 9.0)
+    telemetry.set_peer("d", "dead", round_no=1, phase="", last_seen=0.0)
     for _ in range(3):
         telemetry.record_sent("b", "model", 1000)
     telemetry.record_sent("c", "heartbeat", 40)

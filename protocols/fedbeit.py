@@ -39,21 +39,16 @@ from typing import Any
 from p2pfl.config import FedBEiTParams, SiteConfig
 from p2pfl.learning.beit import BEiTPretrainer, create_beit
 from p2pfl.learning.beit_site import BEiTSite, TokenizerSite, save_token_maps
+from p2pfl.learning.data import SiteData
 from p2pfl.learning.export import sha256_of
 from p2pfl.learning.mae import checked_patch_size, save_encoder
 from p2pfl.learning.mae_site import first_split_images
 from p2pfl.learning.models import ModelError
+from p2pfl.learning.sites import Architecture, build_site
 from p2pfl.learning.tokenizer import VQTokenizer, load_tokenizer, save_tokenizer
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
-from protocols.fedmae import (
-    PRETRAIN_STAGE,
-    FedMAEError,
-    finetune_stage,
-    pretraining_data,
-    split_metrics,
-)
-from protocols.site import common_initial_model
+from protocols.fedmae import PRETRAIN_STAGE, FedMAEError, finetune_stage, split_metrics
 from protocols.stages import Stage, Staged
 
 log = logging.getLogger(__name__)
@@ -69,29 +64,31 @@ GRID_IMAGES = 8
 
 def build_tokenizer_site(config: SiteConfig, params: FedBEiTParams) -> TokenizerSite:
     """The node's TokenizerSite (every local image), starting from the tokenizer
-    every node draws alike from `federation.seed`."""
-    data = pretraining_data(config)
-    patch = checked_patch_size(data.image_size, data.channels, params.patch_size)
+    every node draws alike from `federation.seed` (p2pfl.learning.sites.build_site)."""
 
-    def build() -> VQTokenizer:
-        return VQTokenizer(
-            in_chans=data.channels,
-            patch_size=patch,
-            codebook_size=params.codebook_size,
-            code_dim=params.code_dim,
-            hidden=params.tokenizer_hidden,
+    def architecture(data: SiteData) -> Architecture:
+        patch = checked_patch_size(data.image_size, data.channels, params.patch_size)
+
+        def build() -> VQTokenizer:
+            return VQTokenizer(
+                in_chans=data.channels,
+                patch_size=patch,
+                codebook_size=params.codebook_size,
+                code_dim=params.code_dim,
+                hidden=params.tokenizer_hidden,
+            )
+
+        key = (
+            f"tokenizer|{data.channels}|{patch}|{params.codebook_size}|{params.code_dim}|"
+            f"{params.tokenizer_hidden}|{config.federation.seed}"
         )
+        return Architecture(build, key=key)
 
-    key = (
-        f"tokenizer|{data.channels}|{patch}|{params.codebook_size}|{params.code_dim}|"
-        f"{params.tokenizer_hidden}|{config.federation.seed}"
-    )
-    model = common_initial_model(key, config.federation.seed, build)
     training = config.training
     if params.tokenizer_lr is not None:
         training = training.model_copy(update={"lr": params.tokenizer_lr})
-    return TokenizerSite(
-        model, data, training, augment=config.data.augment, seed=config.training.seed
+    return build_site(
+        TokenizerSite, config, architecture, training=training, seed=config.training.seed
     )
 
 
@@ -99,40 +96,38 @@ def build_beit_site(config: SiteConfig, params: FedBEiTParams, tokenizer_path: P
     """The node's BEiTSite: the pre-trainer every node draws alike from
     `federation.seed` (its token head as wide as the tokenizer's codebook), and
     the tokenizer at `tokenizer_path`, frozen."""
-    data = pretraining_data(config)
-    tokenizer = load_tokenizer(tokenizer_path, in_chans=data.channels, image_size=data.image_size)
 
-    def build() -> BEiTPretrainer:
-        return create_beit(
-            config.model.name,
-            in_chans=data.channels,
-            image_size=data.image_size,
-            codebook_size=tokenizer.codebook_size,
-            patch_size=tokenizer.patch_size,
-            encoder_depth=params.encoder_depth,
-            mask_ratio=params.mask_ratio,
-            min_block=params.min_block_patches,
+    def architecture(data: SiteData) -> Architecture:
+        tokenizer = load_tokenizer(
+            tokenizer_path, in_chans=data.channels, image_size=data.image_size
         )
+        if params.patch_size is not None and params.patch_size != tokenizer.patch_size:
+            raise ModelError(
+                "tokenizer_mismatch",
+                f"{tokenizer_path}: the tokenizer works on {tokenizer.patch_size}-pixel "
+                f"patches, protocol.patch_size is {params.patch_size} — make them equal or "
+                "unset patch_size",
+            )
 
-    if params.patch_size is not None and params.patch_size != tokenizer.patch_size:
-        raise ModelError(
-            "tokenizer_mismatch",
-            f"{tokenizer_path}: the tokenizer works on {tokenizer.patch_size}-pixel patches, "
-            f"protocol.patch_size is {params.patch_size} — make them equal or unset patch_size",
+        def build() -> BEiTPretrainer:
+            return create_beit(
+                config.model.name,
+                in_chans=data.channels,
+                image_size=data.image_size,
+                codebook_size=tokenizer.codebook_size,
+                patch_size=tokenizer.patch_size,
+                encoder_depth=params.encoder_depth,
+                mask_ratio=params.mask_ratio,
+                min_block=params.min_block_patches,
+            )
+
+        key = (
+            f"beit|{config.model.name}|{tokenizer.codebook_size}|{tokenizer.patch_size}|"
+            f"{params.encoder_depth}|{data.channels}|{data.image_size}|{config.federation.seed}"
         )
-    key = (
-        f"beit|{config.model.name}|{tokenizer.codebook_size}|{tokenizer.patch_size}|"
-        f"{params.encoder_depth}|{data.channels}|{data.image_size}|{config.federation.seed}"
-    )
-    model = common_initial_model(key, config.federation.seed, build)
-    return BEiTSite(
-        model,
-        tokenizer,
-        data,
-        config.training,
-        augment=config.data.augment,
-        seed=config.training.seed,
-    )
+        return Architecture(build, key=key, site_args={"tokenizer": tokenizer})
+
+    return build_site(BEiTSite, config, architecture, seed=config.training.seed)
 
 
 def evaluate_tokenizer(site: TokenizerSite) -> dict[str, float]:

@@ -35,14 +35,14 @@ from typing import Any
 
 import protocols
 from p2pfl.config import FedMAEParams, SiteConfig
-from p2pfl.learning.data import SiteData, load_site_data
+from p2pfl.learning.data import SiteData
 from p2pfl.learning.mae import MaskedAutoencoder, create_mae, save_encoder
 from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
-from p2pfl.learning.train import LocalSite, seed_everything
+from p2pfl.learning.sites import Architecture, build_site
+from p2pfl.learning.train import LocalSite
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.rounds import RoundLoop
-from protocols.site import common_initial_model
 from protocols.stages import FINETUNE_KIND_PREFIX, FINETUNE_STAGE, Stage, Staged
 
 log = logging.getLogger(__name__)
@@ -74,33 +74,26 @@ def _mae_kwargs(params: FedMAEParams) -> dict[str, Any]:
     }
 
 
-def pretraining_data(config: SiteConfig) -> SiteData:
-    """The site's data, torch seeded from training.seed first (as every site build)."""
-    seed_everything(config.training.seed)
-    return load_site_data(config.data, seed=config.federation.seed + config.training.seed)
-
-
 def build_mae_site(config: SiteConfig, params: FedMAEParams) -> MAESite:
     """The node's MAESite (every local image), starting from the autoencoder every
-    node draws alike from `federation.seed`."""
-    data = pretraining_data(config)
+    node draws alike from `federation.seed` (p2pfl.learning.sites.build_site)."""
 
-    def build() -> MaskedAutoencoder:
-        return create_mae(
-            config.model.name,
-            in_chans=data.channels,
-            image_size=data.image_size,
-            **_mae_kwargs(params),
+    def architecture(data: SiteData) -> Architecture:
+        def build() -> MaskedAutoencoder:
+            return create_mae(
+                config.model.name,
+                in_chans=data.channels,
+                image_size=data.image_size,
+                **_mae_kwargs(params),
+            )
+
+        key = (
+            f"mae|{config.model.name}|{sorted(_mae_kwargs(params).items())}|{data.channels}|"
+            f"{data.image_size}|{config.federation.seed}"
         )
+        return Architecture(build, key=key)
 
-    key = (
-        f"mae|{config.model.name}|{sorted(_mae_kwargs(params).items())}|{data.channels}|"
-        f"{data.image_size}|{config.federation.seed}"
-    )
-    model = common_initial_model(key, config.federation.seed, build)
-    return MAESite(
-        model, data, config.training, augment=config.data.augment, seed=config.training.seed
-    )
+    return build_site(MAESite, config, architecture, seed=config.training.seed)
 
 
 def split_metrics(site: LocalSite, names: dict[str, str]) -> dict[str, float]:

@@ -84,7 +84,20 @@ if _PORTS is not None:
 # still run beside them, as other users' jobs would). They are collected first
 # so that the group, the longest single queue, starts at once. Entries are node
 # ids or their prefixes (a file, or a file::test); docs/testing.md says why each.
-TIMING_GROUP = "timing"
+# Timing-sensitive tests run one at a time within their group; three groups,
+# so that their sum (the fault drills alone take minutes) is not one worker's
+# critical path. The fault drills, the load tests and the rest.
+TIMING_GROUPS = {
+    "tests/test_faults.py": "timing_drills",
+    "tests/test_exactly_once.py": "timing_drills",
+    "tests/test_secagg_nodes.py": "timing_drills",
+    "tests/test_flood.py": "timing_load",
+    "tests/test_soak.py": "timing_load",
+    "tests/test_fuzz_http.py": "timing_load",
+    "tests/test_offers.py": "timing_load",
+    "tests/test_transport_limits.py": "timing_load",
+    "tests/test_upload_fairness.py": "timing_load",
+}
 TIMING_SENSITIVE = (
     "tests/test_flood.py",  # 1000 msg/s flood: rate, /healthz p99, RSS bounds
     "tests/test_soak.py::test_four_nodes_keep_descriptors_and_memory_flat",  # RSS/fd slopes
@@ -120,7 +133,8 @@ def _timing_sensitive(item: pytest.Item) -> bool:
 def _group_timing_tests(items: list[pytest.Item]) -> None:
     timing = [item for item in items if _timing_sensitive(item)]
     for item in timing:
-        item.add_marker(pytest.mark.xdist_group(TIMING_GROUP))
+        group = TIMING_GROUPS.get(item.nodeid.split("::")[0], "timing_bounds")
+        item.add_marker(pytest.mark.xdist_group(group))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a serial run keeps the files' order
         chosen = {id(item) for item in timing}
         items[:] = timing + [item for item in items if id(item) not in chosen]

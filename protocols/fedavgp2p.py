@@ -45,10 +45,9 @@ from protocols import selection
 from protocols.aggregate import aggregate as aggregate_models
 from protocols.base import RoundContext
 from protocols.checks import warn_if_trim_cuts_nothing
-from protocols.exchange import MODEL_KIND, Collected, Exchange, PlainExchange, ServedModels
+from protocols.exchange import MODEL_KIND, Collected, Exchange, ServedModels
 from protocols.rounds import Round, RoundLoop
-from protocols.secagg import SECAGG_KIND
-from protocols.secure_exchange import SecureExchange
+from protocols.secure_exchange import SECAGG_KIND, exchange_for
 from protocols.site import build_site
 
 log = logging.getLogger(__name__)
@@ -73,28 +72,7 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
 
     def make_exchange(self) -> Exchange:
         """Plain models, or secure sums only (`protocol.secure_aggregation`)."""
-        if self.secure:
-            return self.secure_exchange()
-        return PlainExchange(self.store, **self.exchange_options())
-
-    def secure_exchange(self) -> SecureExchange:
-        p = self.params
-        return SecureExchange(
-            self.store,
-            **self.exchange_options(),
-            threshold=p.secagg_threshold,
-            clip_norm=p.secagg_clip_norm,
-            purpose_weights=self.purpose_weights,
-        )
-
-    def exchange_options(self) -> dict[str, Any]:
-        p = self.params
-        return {
-            "max_staleness": p.max_staleness,
-            "timeout": p.round_timeout_s,
-            "max_norm_ratio": p.max_norm_ratio,
-            "max_weight_ratio": p.max_weight_ratio,
-        }
+        return exchange_for(self.params, self.store, self.purpose_weights)
 
     # ------------------------------------------------------------------ the round
 

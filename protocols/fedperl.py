@@ -42,7 +42,7 @@ from protocols.checks import incompatibility
 from protocols.exchange import Collected
 from protocols.rounds import Round
 from protocols.secagg import SecureSum
-from protocols.secure_exchange import SecureExchange
+from protocols.secure_exchange import SecureExchange, secure_exchange_for
 from protocols.ssfl import SSFL
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ class FedPerl(SSFL):
         super().__init__(params)  # type: ignore[arg-type]
         # The anonymized peers of others are served in either mode.
         self.anonymizer: SecureExchange = (
-            self.exchanger if isinstance(self.exchanger, SecureExchange) else self.secure_exchange()
+            self.exchanger
+            if isinstance(self.exchanger, SecureExchange)
+            else secure_exchange_for(params, self.store, self.purpose_weights)
         )
         self.gamma = params.gamma
         self.community_sum: SecureSum | None = None  # secure mode: also a FedAVGP2P term

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from protocols.base import RoundContext
 from protocols.checks import cap_sum, incompatibility, own_weight_cap
-from protocols.exchange import Collected, ServedModels, Term
+from protocols.exchange import Collected, Exchange, PlainExchange, ServedModels, Term
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
 
 log = logging.getLogger(__name__)
@@ -210,3 +210,34 @@ def ledger_file(ctx: RoundContext) -> Path | None:
         return ctx.durable_file(f"secagg_ledger.{stage}json")
     except (RuntimeError, OSError):
         return None
+
+
+def exchange_for(
+    params: Any, store: ServedModels, purpose_weights: dict[str, float] | None = None
+) -> Exchange:
+    """The exchange a FedAVGP2P-family protocol's params ask for: secure sums
+    only with `secure_aggregation`, else plain models."""
+    if params.secure_aggregation:
+        return secure_exchange_for(params, store, purpose_weights)
+    return PlainExchange(store, **_options(params))
+
+
+def secure_exchange_for(
+    params: Any, store: ServedModels, purpose_weights: dict[str, float] | None = None
+) -> SecureExchange:
+    return SecureExchange(
+        store,
+        **_options(params),
+        threshold=params.secagg_threshold,
+        clip_norm=params.secagg_clip_norm,
+        purpose_weights=purpose_weights,
+    )
+
+
+def _options(params: Any) -> dict[str, Any]:
+    return {
+        "max_staleness": params.max_staleness,
+        "timeout": params.round_timeout_s,
+        "max_norm_ratio": params.max_norm_ratio,
+        "max_weight_ratio": params.max_weight_ratio,
+    }

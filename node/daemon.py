@@ -403,6 +403,9 @@ async def serve(node: Node) -> int:
     for waiter in waiters:
         waiter.cancel()
     await node.stop()
+    if node.protocol_failed:  # the last line of the node's output says why it exits 1
+        first = (node.protocol_failed.splitlines() or [""])[0]
+        print(f"error: {first}", file=sys.stderr, flush=True)
     return 1 if node.protocol_failed else 0
 
 

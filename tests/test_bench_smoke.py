@@ -110,6 +110,7 @@ def test_failed_site_benchmark_compares_survivors_alone_with_them_beside_a_faile
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~100 CPU-s of Opacus: minutes of wall time beside other workers
 def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without_dp(tmp_path):
     """Every private arm beside the like-for-like non-private recipe and the
     standard training, each with the recipe it ran, ε as Opacus's accountant."""
@@ -129,7 +130,7 @@ def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without
             "--out",
             str(tmp_path),
         ],  # fmt: skip
-        timeout=400,
+        timeout=850,
     )
     assert list(result["table"]) == ["8", "∞ recipe", "∞ standard"]
     assert result["table"]["8"]["recipe"]["sampling"].startswith("poisson")

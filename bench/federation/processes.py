@@ -87,7 +87,9 @@ def poll_node(
         code = node.proc.returncode if node.proc is not None else None
         if code in (0, None):
             return None
-        return f"exited with code {code}: {error_line(node.log_tail(40))}"
+        line = error_line(node.log_tail(40))
+        reason = line.removeprefix("error: ")
+        return f"{reason} (exit code {code})"
     try:
         if handle is not None:
             rss = handle.memory_info().rss / 2**20
@@ -185,6 +187,14 @@ def run_processes(
                 break
             else:
                 time.sleep(POLL_INTERVAL_S)
+        if failure is None:  # nodes that failed and exited between two polls
+            for name, node in fed.nodes.items():
+                if name in drilled or name in expendable or node.running:
+                    continue
+                reason = poll_node(node, None, peak_rss, watcher)
+                if reason is not None:
+                    failure = (name, reason)
+                    break
         if failure is not None:  # one failed node ends the benchmark at once
             report(f"{failure[0]} failed: {failure[1]}")
             report(

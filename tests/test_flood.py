@@ -362,7 +362,11 @@ def test_flood_is_rate_limited_bounded_and_counted(flood_run: FloodRun) -> None:
         "unknown_sender",
     }, figures
     assert all(STATUS_FOR_REASON[reason] == st for st, reason in vandal.replies), figures
-    assert vandal.by_reason().get("unknown_sender") == run.garbage_kinds["unknown_sender"], figures
+    strangers = vandal.by_reason().get("unknown_sender", 0)
+    if vandal.unsent == 0:  # every stranger's message was refused as such
+        assert strangers == run.garbage_kinds["unknown_sender"], figures
+    else:  # a CPU-starved sender sent part of its plan
+        assert 0 < strangers <= run.garbage_kinds["unknown_sender"], figures
     # Inbox and memory bounded.
     assert figures["spool_files_max"] <= INBOX, figures
     peak_kb = max(run.during.rss_kb or [0])

@@ -35,8 +35,10 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         dest="which",
         default="latest",
-        choices=["latest", "best"],
-        help="each node's latest model, or its best on its own validation split",
+        choices=list(WHICH_MODELS),
+        help="each node's latest model; federated: its best federated model on its own "
+        "validation split; personal: its personal model; best: whichever of the two the "
+        "site chose on its validation split (what it reports)",
     )
     parser.add_argument(
         "--ensemble",
@@ -44,6 +46,9 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
         help="also evaluate the softmax ensemble of all node models",
     )
     parser.add_argument("--json", type=Path, help="write the full results here")
+
+
+WHICH_MODELS = ("latest", "best", "federated", "personal")
 
 
 def latest_model(cfg: SiteConfig, path: Path, which: str = "latest") -> dict[str, torch.Tensor]:
@@ -56,7 +61,7 @@ def checkpointed_model(
     cfg: SiteConfig, path: Path, which: str = "latest"
 ) -> tuple[dict[str, torch.Tensor], int | None]:
     """(`latest_model`'s model, the round it is the model of) from one read of
-    the last checkpoint."""
+    the last checkpoint; `which` is one of WHICH_MODELS."""
     state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest()
     if not state or not isinstance(state.get("protocol"), dict) or "model" not in state["protocol"]:
         raise ConfigError(
@@ -65,8 +70,25 @@ def checkpointed_model(
             f"no checkpoint with a model in {cfg.node.state_dir}/checkpoints",
             "run the node first",
         )
-    if which == "best":
-        best = state["protocol"].get("best")
+    saved = state["protocol"]
+    personal = saved.get("personal") if isinstance(saved.get("personal"), dict) else {}
+    choice = personal.get("choice") if isinstance(personal.get("choice"), dict) else {}
+    if which == "best":  # the model the site reports: chosen on its validation split
+        which = "personal" if choice.get("reported") == "personal" else "federated"
+    if which == "personal":
+        entry = personal.get("best")
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), dict):
+            raise ConfigError(
+                path,
+                "node.state_dir",
+                f"the last checkpoint in {cfg.node.state_dir}/checkpoints keeps no personal "
+                "model (training.personalization.method none, no validation split, or the "
+                "run has not reached its last round)",
+                "export --which federated (or best), or run with personalization",
+            )
+        return entry["model"], _round_of(entry)
+    if which == "federated":
+        best = saved.get("best")
         if not isinstance(best, dict) or not isinstance(best.get("model"), dict):
             raise ConfigError(
                 path,
@@ -77,6 +99,16 @@ def checkpointed_model(
             )
         return best["model"], _round_of(best)
     return state["protocol"]["model"], _round_of(state["protocol"])
+
+
+def personalization_choice(cfg: SiteConfig) -> dict[str, Any] | None:
+    """The last checkpoint's personalization choice (method, which model the
+    site reports and why, both models' figures), or None before it is made."""
+    state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest()
+    protocol = state.get("protocol") if isinstance(state, dict) else None
+    personal = protocol.get("personal") if isinstance(protocol, dict) else None
+    choice = personal.get("choice") if isinstance(personal, dict) else None
+    return dict(choice) if isinstance(choice, dict) else None
 
 
 def _round_of(entry: dict[str, Any]) -> int | None:

@@ -1,6 +1,6 @@
 """`p2pfl-node export`: this site's model as a package with its model card.
 
-    p2pfl-node export --config site.yaml [--which best|latest]
+    p2pfl-node export --config site.yaml [--which best|personal|federated|latest]
                       [--format safetensors onnx torchscript] --out DIR
                       [--cross-site evaluate.json]
 
@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from node.evaluate import checkpointed_model
+from node.evaluate import WHICH_MODELS, checkpointed_model, personalization_choice
 from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
 from p2pfl.files import atomic_write_text
@@ -41,8 +41,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--which",
         default="best",
-        choices=["best", "latest"],
-        help="the best model on this site's validation split (default), or the latest",
+        choices=list(WHICH_MODELS),
+        help="best (default): the model this site chose on its validation split, personal "
+        "or federated; personal; federated (the best federated model on validation); latest",
     )
     parser.add_argument(
         "--format",
@@ -179,6 +180,7 @@ def model_card(
         },
         "evaluation_this_site": evaluation,
         "evaluation_cross_site": cross_site,
+        "personalization": personalization_choice(cfg),
         "privacy": privacy_settings(cfg, model_round),
         "limitations": [
             "Evaluated on this site's own test split; other sites' images may differ "
@@ -224,6 +226,15 @@ def card_markdown(card: dict[str, Any]) -> str:
         lines.append(f"| {split} | " + " | ".join(str(counts[c]) for c in m["classes"]) + " |")
     if "unlabeled" in d["images_per_class"]:
         lines.append(f"\nUnlabelled images: {d['images_per_class']['unlabeled']['(no label)']}.")
+    choice = card.get("personalization")
+    if choice:
+        lines += [
+            "",
+            f"Personalization ({choice.get('method')}): this site reports its "
+            f"**{choice.get('reported')}** model ({choice.get('why')}; chosen on its "
+            "validation split, never its test split). Exported: the "
+            f"{m['which']} model.",
+        ]
     lines += ["", "## Evaluation", ""]
     ev = card["evaluation_this_site"]
     if ev:

@@ -37,6 +37,7 @@ from p2pfl.learning.best import BestModel
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.optimizer import lr_factor
+from p2pfl.learning.personal import Personalization
 from protocols import selection
 from protocols.base import Protocol, RoundContext
 
@@ -106,6 +107,7 @@ class RoundLoop(Protocol, Generic[P]):
         """The rounds, resumed from the last checkpoint."""
         self.heuristic = selection.from_config(ctx.config.selection)  # who to exchange with
         self.check_quorum(ctx)
+        self.personal = self.personalization(ctx, site)
         start = self.resume(ctx, site)
         self.show_training(ctx, site, announce=True)
         await self.before_rounds(ctx, site)
@@ -117,13 +119,18 @@ class RoundLoop(Protocol, Generic[P]):
             lr = self.schedule_lr(ctx, site, r)
             if lr is not None:
                 rnd.log["lr"] = lr
+            self.personal.start_round(site)
             for phase in self.phases:
                 if phase == self.quorum_phase:
                     await self.wait_for_quorum(ctx)
                 ctx.set_phase(phase)
                 phase_start = time.perf_counter()
+                kept_norm = self.personal.keep_norm(site) if phase == "aggregate" else None
                 await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
+                self.personal.restore_norm(site, kept_norm)  # FedBN: the site's own BatchNorm
                 timers[f"{phase}_s"] = time.perf_counter() - phase_start
+                if phase == "train":  # Ditto: the personal model's steps of the round
+                    rnd.log.update(await ctx.run_blocking(self.personal.after_fit, site))
             self.note_merged(r, rnd.merged)
             dp = getattr(site, "dp", None)
             if dp is not None:  # training.dp: ε spent so far (Opacus's RDP accountant)
@@ -137,11 +144,21 @@ class RoundLoop(Protocol, Generic[P]):
                 ctx.set_phase("evaluate")
                 metrics = await self.evaluate_round(ctx, site)
                 metrics.update(self.best.observe(r, metrics, site.state_dict))
+                metrics.update(await ctx.run_blocking(self.personal.observe, r, site))
+                if r == self.params.rounds and self.personal.choice is None:
+                    ctx.set_phase("personalize")  # the personal model, and which to report
+                    metrics.update(await ctx.run_blocking(self.personal.choose, site, self.best))
                 self.show_training(ctx, site)
             # A hook's own timers (FedSGDP2P splits its steps) win over the phase's.
             values = {**metrics, **timers, **rnd.log}
             ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
-            ctx.checkpoint({**self.checkpoint_state(r, site), "best": self.best.checkpoint()})
+            ctx.checkpoint(
+                {
+                    **self.checkpoint_state(r, site),
+                    "best": self.best.checkpoint(),
+                    "personal": self.personal.checkpoint(),
+                }
+            )
             await self.after_round(ctx, site, r)
             # A round whose peers are all gone may not await anything (a probe
             # with interval_s 0): give the event loop its turn, or /healthz,
@@ -205,6 +222,20 @@ class RoundLoop(Protocol, Generic[P]):
             time.monotonic() - started,
         )
 
+    def personalization(self, ctx: RoundContext, site: Any) -> Personalization:
+        """The site's personal model (training.personalization); FedBN's
+        local_norm needs a protocol that merges models in its aggregate phase."""
+        personal = Personalization(ctx.config.training, site)
+        if personal.section.local_norm and "aggregate" not in self.phases:
+            raise ConfigError(
+                "site.yaml",
+                "training.personalization.local_norm",
+                f"{self.name} merges no models (it has no aggregate phase), so there are no "
+                "BatchNorm entries to keep local",
+                "leave local_norm out for this protocol",
+            )
+        return personal
+
     def evaluates(self, round_no: int) -> bool:
         return round_no % self.params.eval_every == 0 or round_no == self.params.rounds
 
@@ -241,6 +272,9 @@ class RoundLoop(Protocol, Generic[P]):
                 "best": self.best.summary(),
                 "dp": site.dp.summary() if getattr(site, "dp", None) is not None else None,
                 "recipe": site.recipe.summary() if getattr(site, "recipe", None) else None,
+                "personalization": self.personal.summary()
+                if getattr(self, "personal", None) is not None
+                else None,
             }
         )
 
@@ -324,6 +358,7 @@ class RoundLoop(Protocol, Generic[P]):
         if dp is not None:  # the privacy already spent stays spent, at its own price
             dp.restore(history)
         self.best = BestModel.restore(saved.get("best"))
+        self.personal.restore(saved.get("personal"))
         for key, value in self.gossip.items():
             ctx.publish(key, value)
         self.load_extra(saved)

@@ -207,3 +207,26 @@ async def test_dashboard_shows_the_privacy_a_site_spent() -> None:
     assert 'id="t-dp">ε 2.50<' in dom
     assert "δ 0.00001, σ 1.19, clip 1, 40 steps (target ε 3)" in dom
     assert "Poisson q 0.272, batch 256, augmult 4" in dom  # the recipe in effect
+
+
+async def test_dashboard_shows_which_model_the_site_reports() -> None:
+    telemetry = four_node_telemetry()
+    block = {"method": "finetune", "local_norm": False, "choice": None, "personal_best": None}
+    telemetry.set_training(
+        {"class_weighting": None, "lr": 1e-3, "best": None, "dp": None, "personalization": block}
+    )
+    dom = await dashboard_dom(telemetry, "fedavgp2p")
+    assert 'id="t-personal">–<' in dom and "personalization finetune" in dom
+    block["choice"] = {
+        "method": "finetune",
+        "reported": "personal",
+        "why": "validation macro-F1 personal 0.8123 vs federated 0.7500",
+        "personal_test": {"macro_f1": 0.8012},
+        "federated_test": {"macro_f1": 0.7391},
+    }
+    telemetry.set_training(
+        {"class_weighting": None, "lr": 1e-3, "best": None, "dp": None, "personalization": block}
+    )
+    dom = await dashboard_dom(telemetry, "fedavgp2p")
+    assert 'id="t-personal">personal · F1 0.801<' in dom
+    assert "finetune: validation macro-F1 personal 0.8123 vs federated 0.7500" in dom

@@ -199,6 +199,45 @@ class DPRecipeSection(Section):
     )
 
 
+class PersonalizationSection(Section):
+    """Each site keeps, beside the federated model, a personal one, and reports,
+    exports and predicts with whichever does better on its own validation split
+    (`p2pfl.learning.personal`; docs/protocols.md#personalization)."""
+
+    method: Literal["auto", "none", "finetune", "ditto"] = Field(
+        "auto",
+        description="finetune: after the last round, fine-tune the federated model on the "
+        "site's train split (FedAvg + local fine-tuning; Cheng et al. 2021); ditto: a personal "
+        "model trained every round beside the federated one, pulled towards it (Li et al. "
+        "2021); none; auto: finetune, or none under training.dp (a personal model trained "
+        "without DP would leave the site's guarantee behind)",
+    )
+    finetune_epochs: int = Field(
+        5,
+        ge=1,
+        description="finetune: epochs over the site's train split at most; the epoch with the "
+        "best validation macro-F1 is kept (early stopping on validation, never test)",
+    )
+    finetune_lr_factor: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="finetune: learning rate = training.lr x this (the last rounds' lr of the "
+        "default cosine schedule)",
+    )
+    ditto_lambda: float = Field(
+        0.1,
+        ge=0.0,
+        description="ditto: weight of the proximal term lambda/2 ||v - w||^2 pulling the "
+        "personal model v towards the federated w (Li et al. 2021, Alg. 1)",
+    )
+    local_norm: bool = Field(
+        False,
+        description="FedBN (Li et al. 2021, ICLR): BatchNorm weights and statistics stay the "
+        "site's own; merging leaves them as they were (model-averaging protocols only)",
+    )
+
+
 class TrainingSection(Section):
     epochs: int = Field(1, ge=1, description="local epochs per round (E)")
     batch_size: int = Field(32, ge=1)
@@ -256,6 +295,14 @@ class TrainingSection(Section):
         "non-private baseline of the same recipe",
     )
     dp_recipe: DPRecipeSection = DPRecipeSection()
+    logit_adjustment: bool = Field(
+        False,
+        description="balanced softmax (Ren et al. 2020; as FedLC, Zhang et al. 2022, for label "
+        "skew): train on logits + log(site class prior), predict with the plain logits, so the "
+        "federated model is not pulled towards each site's majority class; replaces "
+        "class_weighted's weights when on",
+    )
+    personalization: PersonalizationSection = PersonalizationSection()
 
     @model_validator(mode="after")
     def _dp_trains_with_its_recipe(self) -> TrainingSection:
@@ -265,6 +312,12 @@ class TrainingSection(Section):
                     "training.dp trains with the DP recipe: remove training.recipe: standard"
                 )
             self.recipe = "dp"
+            if self.personalization.method in ("finetune", "ditto"):
+                raise ValueError(
+                    f"training.personalization.method {self.personalization.method} trains a "
+                    "personal model without DP, which training.dp's guarantee would not cover: "
+                    "use method none (or auto) with training.dp"
+                )
         return self
 
 

@@ -45,3 +45,16 @@ def class_weighting(counts: list[int], training: TrainingSection) -> dict[str, A
         "class_counts": [int(c) for c in counts],
         "weights": None if weights is None else [round(w, 6) for w in weights],
     }
+
+
+def log_class_prior(counts: list[int] | np.ndarray, num_classes: int) -> Tensor:
+    """log p(c) of the site's labelled train split, with add-one smoothing so a
+    class the site has never seen still has a finite prior: the term balanced
+    softmax (Ren et al. 2020, Eq. 4) adds to the logits in training, so the
+    model learns p(x | c) rather than the site's class mix (FedLC, Zhang et al.
+    2022, calibrates the logits against label skew the same way)."""
+    counts_arr = np.zeros(num_classes, dtype=np.float64)
+    given = np.asarray(counts, dtype=np.float64)[:num_classes]
+    counts_arr[: len(given)] = given
+    prior = (counts_arr + 1.0) / (counts_arr.sum() + num_classes)
+    return torch.as_tensor(np.log(prior), dtype=torch.float32)

@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from p2pfl.config import SiameseSection, SiteConfig, TrainingSection
-from p2pfl.learning.class_weights import class_weighting, median_frequency_weights
+from p2pfl.learning.class_weights import (
+    class_weighting,
+    log_class_prior,
+    median_frequency_weights,
+)
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.dp import DPTraining
 from p2pfl.learning.dp_recipe import RecipeTrainer
@@ -82,6 +86,18 @@ class LocalSite(Trainer):
             if self.class_weighting["applied"]
             else None
         )
+        self.log_prior = (
+            log_class_prior(data.class_counts("train"), data.num_classes).to(self.device)
+            if training.logit_adjustment
+            else None
+        )
+        if self.log_prior is not None:  # balanced softmax replaces the class weights
+            self.class_weighting = {
+                **self.class_weighting,
+                "applied": False,
+                "mode": "logit_adjustment",
+            }
+            self.class_weight = None
         self._prototypes_stale = True
         self._eval_chunk: int | None = None
         self.recipe = RecipeTrainer(self, self.class_weight) if training.recipe == "dp" else None
@@ -150,9 +166,11 @@ class LocalSite(Trainer):
             if isinstance(self.model, SiameseNet):
                 embeddings = self.model.embed(x)
                 return contrastive_loss(embeddings.float(), y, margin=self.model.margin)
-            logits = self.model(x)
+            logits = self.model(x).float()
+            if self.log_prior is not None:  # balanced softmax: the site's prior in training only
+                return F.cross_entropy(logits + self.log_prior, y)
             w = self.class_weight if isinstance(weight, str) else weight
-            return F.cross_entropy(logits.float(), y, weight=w)
+            return F.cross_entropy(logits, y, weight=w)
 
     def training_batches(self, epochs: int) -> Iterator[tuple[Tensor, Tensor]]:
         """`Trainer.training_batches`, or under training.recipe dp its Poisson

@@ -1,0 +1,327 @@
+"""A site's personal model beside the federated one, and the choice between them.
+
+A hospital joins a federation for a better model for its own patients. One
+averaged model serves no site of a label-skewed federation best, so every
+classifier site also keeps a personal model and reports, exports and predicts
+with whichever of the two does better on its own validation split. The test
+split never chooses (docs/protocols.md#personalization).
+
+- `finetune`: after the last round, the federated model (the best on
+  validation, `p2pfl.learning.best`) is fine-tuned on the site's train split
+  for up to `finetune_epochs` epochs at training.lr x `finetune_lr_factor`;
+  the epoch with the best validation macro-F1 is the personal model (FedAvg +
+  local fine-tuning: Yu et al. 2020, "Salvaging federated learning by local
+  adaptation"; Cheng et al. 2021, "Fine-tuning is fine in federated learning").
+- `ditto` (Li et al. 2021, "Ditto: fair and robust federated learning through
+  personalization", Alg. 1): every round, after the site's federated update, the
+  personal model v takes as many steps on the site's loss plus
+  lambda/2 ||v - w||^2, w the federated model the round started from. In a
+  federation without a server, w is the node's model after the previous
+  round's merge. Its best round on validation is kept.
+- FedBN (Li et al. 2021, "FedBN: federated learning on non-IID features via
+  local batch normalization"): `local_norm` keeps the BatchNorm weights and
+  statistics the site's own through every merge (`norm_keys`).
+
+Both models live in the checkpoint, so a restarted node resumes with its
+personal model. The personal model shares the site's `nn.Module`: its weights
+are swapped in for its steps and its evaluation, and swapped back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from p2pfl.config import TrainingSection
+from p2pfl.learning.best import CHOOSE_BY, BestModel
+from p2pfl.learning.evaluate import evaluate_site
+from p2pfl.learning.optimizer import (
+    build_optimizer,
+    export_optimizer_state,
+    import_optimizer_state,
+)
+from p2pfl.learning.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+REPORTED_FIGURES = ("macro_f1", "accuracy", "balanced_accuracy", "auc")
+WHICH = ("federated", "personal")
+
+
+def resolve_method(training: TrainingSection) -> str:
+    """training.personalization.method with `auto` resolved: finetune, or none
+    under training.dp."""
+    method = training.personalization.method
+    if method == "auto":
+        return "none" if training.dp is not None else "finetune"
+    return method
+
+
+def norm_keys(model: nn.Module) -> list[str]:
+    """The state-dict keys of the model's BatchNorm layers (weights, biases,
+    running statistics): what FedBN keeps local."""
+    keys: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            prefix = f"{name}." if name else ""
+            keys += [prefix + k for k in module.state_dict()]
+    return keys
+
+
+def personalizable(site: Any) -> bool:
+    """A classifier site this module can personalize (LocalSite, not a
+    pre-training site nor a data-parallel wrapper)."""
+    from p2pfl.learning.train import LocalSite
+
+    return isinstance(site, LocalSite)
+
+
+@contextlib.contextmanager
+def swapped(site: Any, state: dict[str, Tensor]) -> Iterator[None]:
+    """The site's module holds `state` inside the block, its own weights after."""
+    own = site.state_dict()
+    site.load_state_dict(state)
+    try:
+        yield
+    finally:
+        site.load_state_dict(own)
+
+
+class Personalization:
+    """One site's personal model, its best round on validation, and the final
+    choice. `method` is resolved (`resolve_method`)."""
+
+    def __init__(self, training: TrainingSection, site: Any) -> None:
+        self.section = training.personalization
+        self.method = resolve_method(training) if personalizable(site) else "none"
+        self.has_val = site.data.val is not None and len(site.data.val) > 0
+        self.state: dict[str, Tensor] | None = None  # ditto: v, trained every round
+        self.optimizer_saved: dict[str, Any] | None = None
+        self.start_state: dict[str, Tensor] | None = None  # ditto: w of the round
+        self.best = BestModel()  # the personal model's best on validation
+        self.choice: dict[str, Any] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._keys = norm_keys(site.model) if self.section.local_norm else []
+
+    @property
+    def active(self) -> bool:
+        return self.method != "none"
+
+    # ------------------------------------------------------------------ FedBN
+
+    def keep_norm(self, site: Any) -> dict[str, Tensor] | None:
+        """local_norm: the site's BatchNorm entries before a merge."""
+        if not self._keys:
+            return None
+        state = site.model.state_dict()
+        return {k: state[k].detach().clone() for k in self._keys}
+
+    def restore_norm(self, site: Any, kept: dict[str, Tensor] | None) -> None:
+        """local_norm: put the site's own BatchNorm entries back after a merge."""
+        if kept:
+            site.load_state_dict(kept, strict=False)
+
+    # ------------------------------------------------------------------ ditto
+
+    def start_round(self, site: Any) -> None:
+        """ditto: the federated model w the round starts from."""
+        if self.method == "ditto":
+            self.start_state = site.state_dict()
+            if self.state is None:  # v starts where the federation starts
+                self.state = site.state_dict()
+
+    def _personal_optimizer(self, site: Any, lr: float) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            self._optimizer = build_optimizer(site.model, site.training)
+            if self.optimizer_saved is not None:
+                import_optimizer_state(self._optimizer, self.optimizer_saved)
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        return self._optimizer
+
+    def after_fit(self, site: Any) -> dict[str, float]:
+        """ditto: the personal model's steps of this round (as many as the
+        site's federated update took), each on the site's loss plus
+        lambda/2 ||v - w||^2. Returns {'personal_loss', 'personal_s'}."""
+        if self.method != "ditto" or self.state is None or self.start_state is None:
+            return {}
+        start = time.perf_counter()
+        lam = self.section.ditto_lambda
+        with swapped(site, self.state):
+            anchor = {
+                name: self.start_state[name].to(site.device)
+                for name, _ in site.model.named_parameters()
+            }
+            optimizer = self._personal_optimizer(site, site.lr)
+            losses = self._steps(site, optimizer, lambda: _proximal(site.model, anchor, lam))
+            self.state = site.state_dict()
+        return {
+            "personal_loss": float(sum(losses) / len(losses)) if losses else float("nan"),
+            "personal_s": time.perf_counter() - start,
+        }
+
+    # ------------------------------------------------------------------ training
+
+    def _steps(self, site: Any, optimizer: torch.optim.Optimizer, extra: Any = None) -> list[float]:
+        """One round's (or one epoch's) local steps of the module as it is now."""
+        site.model.train()
+        losses: list[float] = []
+        for x, y in Trainer.training_batches(site, site.training.epochs):
+            x = site._augment(x)
+            y = y.to(site.device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = site.loss(x, y)
+            if extra is not None:
+                loss = loss + extra()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        optimizer.zero_grad(set_to_none=True)
+        site.weights_changed()
+        return losses
+
+    def observe(self, round_no: int, site: Any) -> dict[str, float]:
+        """ditto, at an evaluated round: the personal model's figures
+        (personal_<figure>, personal_val_macro_f1), and its best so far."""
+        if self.method != "ditto" or self.state is None:
+            return {}
+        with swapped(site, self.state):
+            metrics = evaluate_site(site, REPORTED_FIGURES)
+        metrics.pop("per_class_f1", None)
+        self.best.observe(round_no, metrics, lambda: dict(self.state or {}))
+        return {f"personal_{k}": float(v) for k, v in metrics.items() if v is not None}
+
+    def finetune(self, site: Any, start: dict[str, Tensor]) -> None:
+        """finetune: from `start`, up to finetune_epochs epochs; after each, the
+        validation figures, and the best epoch is the personal model."""
+        lr = site.training.lr * self.section.finetune_lr_factor
+        with swapped(site, start):
+            optimizer = build_optimizer(site.model, site.training)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for epoch in range(1, self.section.finetune_epochs + 1):
+                self._steps(site, optimizer)
+                metrics = evaluate_site(site, REPORTED_FIGURES)
+                metrics.pop("per_class_f1", None)
+                self.best.observe(epoch, metrics, site.state_dict)
+
+    # ------------------------------------------------------------------ the choice
+
+    def choose(self, site: Any, federated: BestModel) -> dict[str, Any]:
+        """After the last round: the personal model (fine-tuned now, or
+        ditto's best), and which of the two the site reports: the better on
+        validation macro-F1; the federated one on a tie or without a
+        validation split. Returns the figures logged with the last round:
+        reported_personal (1.0 or 0.0), reported_<figure>, personal_<figure>,
+        personal_val_macro_f1."""
+        if not self.active or not self.has_val:
+            self.choice = {"reported": "federated", "why": self._why_federated()}
+        else:
+            if self.method == "finetune":
+                start = federated.state if federated.state is not None else site.state_dict()
+                self.best = BestModel()
+                self.finetune(site, start)
+            personal_val = self.best.val_macro_f1
+            federated_val = federated.val_macro_f1
+            better = personal_val is not None and (
+                federated_val is None or personal_val > federated_val
+            )
+            self.choice = {
+                "reported": "personal" if better else "federated",
+                "why": (
+                    f"validation macro-F1 personal {personal_val:.4f} vs federated "
+                    f"{federated_val if federated_val is not None else float('nan'):.4f}"
+                    if personal_val is not None
+                    else "no personal model"
+                ),
+                "personal_val_macro_f1": personal_val,
+                "federated_val_macro_f1": federated_val,
+                "personal_round": self.best.round,
+                "personal_test": dict(self.best.test),
+            }
+        self.choice["method"] = self.method
+        self.choice["federated_test"] = dict(federated.test)
+        log.info(
+            "personalization (%s): reporting the %s model (%s)",
+            self.method,
+            self.choice["reported"],
+            self.choice["why"],
+        )
+        return self.figures()
+
+    def _why_federated(self) -> str:
+        if not self.active:
+            return "personalization.method none"
+        return "no validation split to choose on"
+
+    def figures(self) -> dict[str, Any]:
+        """The metrics-line figures of the choice ({} before it is made)."""
+        if self.choice is None:
+            return {}
+        # metrics.jsonl holds numbers: 1.0 = the personal model is reported.
+        out: dict[str, Any] = {"reported_personal": float(self.choice["reported"] == "personal")}
+        personal = self.choice.get("personal_test") or {}
+        federated = self.choice.get("federated_test") or {}
+        reported = personal if self.choice["reported"] == "personal" else federated
+        for key in REPORTED_FIGURES:
+            if key in personal:
+                out[f"personal_{key}"] = personal[key]
+            if key in reported:
+                out[f"reported_{key}"] = reported[key]
+        if self.choice.get("personal_val_macro_f1") is not None:
+            out["personal_val_macro_f1"] = self.choice["personal_val_macro_f1"]
+        return out
+
+    def reported_state(self, federated: BestModel) -> dict[str, Tensor] | None:
+        """The weights of the model the site reports (None: the federated best
+        or the latest, as before personalization)."""
+        if self.choice and self.choice["reported"] == "personal":
+            return self.best.state
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """/status's training.personalization block."""
+        return {
+            "method": self.method,
+            "local_norm": bool(self._keys),
+            "choice": self.choice,
+            "personal_best": self.best.summary(),
+        }
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "state": self.state,
+            "optimizer": export_optimizer_state(self._optimizer)
+            if self._optimizer is not None
+            else self.optimizer_saved,
+            "best": self.best.checkpoint(),
+            "choice": self.choice,
+        }
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        if not saved or saved.get("method") != self.method:
+            return
+        self.state = saved.get("state")
+        self.optimizer_saved = saved.get("optimizer")
+        self.best = BestModel.restore(saved.get("best"))
+        self.choice = saved.get("choice")
+
+
+def _proximal(model: nn.Module, anchor: dict[str, Tensor], lam: float) -> Tensor:
+    """lambda/2 ||v - w||^2 over the model's parameters (Ditto's term)."""
+    total = torch.zeros((), device=next(model.parameters()).device)
+    for name, param in model.named_parameters():
+        total = total + (param - anchor[name]).pow(2).sum()
+    return 0.5 * lam * total
+
+
+__all__ = ["CHOOSE_BY", "Personalization", "norm_keys", "resolve_method", "swapped"]

@@ -1,0 +1,302 @@
+"""Each site's personal model beside the federated one (issue #30):
+p2pfl.learning.personal, its place in the round skeleton, the checkpoint, and
+`export --which`.
+
+- The choice between the two models is made on the site's validation split:
+  two sites that differ only in their test labels make the same choice.
+- Ditto's personal model and its optimizer survive a checkpoint: a site
+  restored after round 2 trains round 3 to the same weights as one that ran
+  straight through.
+- FedBN's local_norm keeps the site's BatchNorm entries through a merge.
+- Balanced softmax adds the site's log prior in training only.
+- Real daemons log the choice in metrics.jsonl and show it on /status; `export
+  --which personal|federated|best` exports the model the checkpoint names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from inproc_util import InProcessFederation
+from safetensors.torch import load_file
+
+from node.cli import main
+from node.evaluate import checkpointed_model
+from node.provision import provision
+from node.queues import Checkpoints
+from p2pfl.config import ConfigError, TrainingSection, load_config
+from p2pfl.config.site import SiteConfig
+from p2pfl.learning.best import BestModel
+from p2pfl.learning.class_weights import log_class_prior
+from p2pfl.learning.data import SiteData
+from p2pfl.learning.personal import Personalization, norm_keys, resolve_method
+from p2pfl.learning.train import LocalSite
+
+FAST = {
+    "transport": {
+        "heartbeat_s": 0.3,
+        "suspect_after_s": 1.5,
+        "dead_after_s": 3.0,
+        "retries": 0,
+        "backoff_base_s": 0.05,
+    },
+    "training": {"max_steps_per_epoch": 4, "threads": 1},
+    "data": {"augment": "none"},
+}
+
+
+def digits_config(tmp_path: Path, **training: Any) -> SiteConfig:
+    """A single digits site (train, val and test splits) with a small CNN."""
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "fedavgp2p", "rounds": 2},
+        overrides={**FAST, "training": {**FAST["training"], **training}},
+    )
+    return load_config(plans[0].config_path)
+
+
+def site_of(cfg: SiteConfig) -> LocalSite:
+    torch.manual_seed(0)
+    return LocalSite.from_config(cfg)
+
+
+# ---------------------------------------------------------------- the choice
+
+
+def test_the_choice_is_made_on_validation_and_never_sees_the_test_split(tmp_path):
+    cfg = digits_config(tmp_path)
+    site = site_of(cfg)
+    x_test, y_test = site.data.test.tensors
+    federated = BestModel()
+    federated.observe(1, {"val_macro_f1": 0.5, "macro_f1": 0.5}, site.state_dict)
+    start = federated.state
+
+    def choose(test_labels: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
+        other = site_of(cfg)
+        other.data = SiteData(
+            **{
+                **other.data.__dict__,
+                "test": torch.utils.data.TensorDataset(x_test, test_labels),
+            }
+        )
+        personal = Personalization(cfg.training, other)
+        figures = personal.choose(other, BestModel(**{**federated.__dict__, "state": start}))
+        assert personal.choice is not None
+        return figures, personal.choice
+
+    figures, choice = choose(y_test)
+    scrambled, choice2 = choose((y_test + 1) % 10)
+    assert choice["reported"] == choice2["reported"]
+    assert choice["personal_val_macro_f1"] == choice2["personal_val_macro_f1"]
+    assert choice["personal_round"] == choice2["personal_round"]
+    # The test figures are reported, and they did change with the test labels.
+    assert figures["personal_macro_f1"] != scrambled["personal_macro_f1"]
+    assert set(figures) >= {"reported_personal", "reported_macro_f1", "personal_val_macro_f1"}
+    # The rule: personal when its validation macro-F1 beats the federated one's.
+    expected = "personal" if choice["personal_val_macro_f1"] > 0.5 else "federated"
+    assert choice["reported"] == expected
+
+
+def test_without_personalization_or_validation_the_federated_model_is_reported(tmp_path):
+    cfg = digits_config(tmp_path, personalization={"method": "none"})
+    site = site_of(cfg)
+    personal = Personalization(cfg.training, site)
+    figures = personal.choose(site, BestModel())
+    assert figures == {"reported_personal": 0.0}
+    assert personal.choice is not None and personal.choice["why"] == "personalization.method none"
+
+
+def test_dp_turns_auto_personalization_off_and_refuses_an_explicit_one():
+    assert resolve_method(TrainingSection(dp={"target_epsilon": 4.0})) == "none"
+    assert resolve_method(TrainingSection()) == "finetune"
+    with pytest.raises(ValueError, match="personal model without DP"):
+        TrainingSection(dp={"target_epsilon": 4.0}, personalization={"method": "ditto"})
+
+
+# ---------------------------------------------------------------- ditto and its checkpoint
+
+
+def _ditto_round(personal: Personalization, site: LocalSite, round_no: int) -> None:
+    torch.manual_seed(round_no)
+    personal.start_round(site)
+    site.train_epochs()
+    personal.after_fit(site)
+
+
+def test_dittos_personal_model_and_optimizer_resume_from_a_checkpoint(tmp_path):
+    cfg = digits_config(tmp_path, personalization={"method": "ditto", "ditto_lambda": 0.5})
+    straight_site, resumed_site = site_of(cfg), site_of(cfg)
+    straight = Personalization(cfg.training, straight_site)
+    first = Personalization(cfg.training, resumed_site)
+    for r in (1, 2):
+        _ditto_round(straight, straight_site, r)
+        _ditto_round(first, resumed_site, r)
+    # Through the node's own checkpoint files, then into a fresh object.
+    store = Checkpoints(tmp_path / "ckpt")
+    store.save({"personal": first.checkpoint()})
+    saved = store.latest()
+    assert saved is not None
+    resumed = Personalization(cfg.training, resumed_site)
+    resumed.restore(saved["personal"])
+    _ditto_round(straight, straight_site, 3)
+    _ditto_round(resumed, resumed_site, 3)
+    assert straight.state is not None and resumed.state is not None
+    for key, value in straight.state.items():
+        assert torch.equal(value, resumed.state[key]), key
+    # The personal model is not the federated one: lambda pulls, it does not pin.
+    assert any(
+        not torch.equal(straight.state[k], straight_site.state_dict()[k]) for k in straight.state
+    )
+
+
+def test_a_restored_optimizer_matters(tmp_path):
+    """The test above would pass without the optimizer state if Adam's moments
+    did not matter: without them, round 3 ends elsewhere."""
+    cfg = digits_config(tmp_path, personalization={"method": "ditto", "ditto_lambda": 0.5})
+    a_site, b_site = site_of(cfg), site_of(cfg)
+    a, b = Personalization(cfg.training, a_site), Personalization(cfg.training, b_site)
+    for r in (1, 2):
+        _ditto_round(a, a_site, r)
+        _ditto_round(b, b_site, r)
+    saved = b.checkpoint()
+    saved["optimizer"] = None
+    fresh = Personalization(cfg.training, b_site)
+    fresh.restore(saved)
+    _ditto_round(a, a_site, 3)
+    _ditto_round(fresh, b_site, 3)
+    assert a.state is not None and fresh.state is not None
+    assert any(not torch.equal(a.state[k], fresh.state[k]) for k in a.state)
+
+
+# ---------------------------------------------------------------- FedBN and balanced softmax
+
+
+def test_local_norm_keeps_the_sites_batchnorm_through_a_merge(tmp_path):
+    cfg = digits_config(tmp_path, personalization={"local_norm": True})
+    site = site_of(cfg)
+    keys = norm_keys(site.model)
+    assert keys and any(k.endswith("running_mean") for k in keys)
+    site.train_epochs()
+    personal = Personalization(cfg.training, site)
+    own = site.state_dict()
+    kept = personal.keep_norm(site)
+    merged = {k: v + 1.0 if v.is_floating_point() else v for k, v in own.items()}
+    site.load_state_dict(merged)  # what an aggregate phase does
+    personal.restore_norm(site, kept)
+    after = site.state_dict()
+    for key in own:
+        if key in keys:
+            assert torch.equal(after[key], own[key]), key
+        elif own[key].is_floating_point():
+            assert torch.equal(after[key], merged[key]), key
+
+
+def test_local_norm_is_refused_for_a_protocol_that_merges_no_models(tmp_path):
+    from protocols.fedsgdp2p import FedSgdP2P
+
+    cfg = digits_config(tmp_path, personalization={"local_norm": True})
+    site = site_of(cfg)
+
+    class Ctx:
+        config = cfg
+
+    loop = FedSgdP2P(load_config_protocol(tmp_path, "fedsgdp2p"))
+    with pytest.raises(ConfigError, match="no aggregate phase"):
+        loop.personalization(Ctx(), site)  # type: ignore[arg-type]
+
+
+def load_config_protocol(tmp_path: Path, name: str) -> Any:
+    plans = provision(tmp_path / f"fed_{name}", ["a", "b"], protocol={"name": name, "rounds": 1})
+    return load_config(plans[0].config_path).protocol
+
+
+def test_balanced_softmax_adds_the_log_prior_in_training_only(tmp_path):
+    cfg = digits_config(tmp_path, logit_adjustment=True)
+    site = site_of(cfg)
+    assert site.class_weight is None and site.class_weighting["mode"] == "logit_adjustment"
+    x, y = next(site.batches("train"))
+    prior = log_class_prior(site.data.class_counts("train"), site.num_classes)
+    site.model.eval()
+    with torch.no_grad():
+        logits = site.model(x)
+        expected = F.cross_entropy(logits + prior, y)
+        assert torch.allclose(site.loss(x, y), expected)
+        proba = site.predict_proba(x)
+    assert torch.allclose(proba, torch.softmax(logits, dim=1), atol=1e-6)
+    counts = [0, 3, 1]
+    assert torch.allclose(log_class_prior(counts, 3).exp(), torch.tensor([1 / 7, 4 / 7, 2 / 7]))
+
+
+# ---------------------------------------------------------------- real daemons, export
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two real daemons (in one process), two rounds: a with Ditto, b with the
+    default (fine-tuning after the last round)."""
+    root = tmp_path_factory.mktemp("personal")
+    plans = provision(
+        root / "fed",
+        ["a", "b"],
+        protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0},
+        overrides=FAST,
+        per_site={"a": {"training": {**FAST["training"], "personalization": {"method": "ditto"}}}},
+    )
+    status: dict[str, Any] = {}
+    with InProcessFederation(plans) as fed:
+        for name in ("a", "b"):
+            fed[name].wait_for(lambda s: s["phase"] == "done", 120, "two rounds done")
+            status[name] = fed[name].status()
+    return {"configs": {p.name: p.config_path for p in plans}, "status": status}
+
+
+pytestmark_group = pytest.mark.xdist_group("personal_federation")
+
+
+@pytestmark_group
+@pytest.mark.parametrize("name, method", [("a", "ditto"), ("b", "finetune")])
+def test_real_nodes_log_and_show_the_choice(federation, name, method):
+    block = federation["status"][name]["training"]["personalization"]
+    assert block["method"] == method
+    choice = block["choice"]
+    assert choice["reported"] in ("personal", "federated")
+    assert choice["personal_val_macro_f1"] is not None
+    cfg = load_config(federation["configs"][name])
+    rows = [
+        json.loads(line)
+        for line in (Path(cfg.node.state_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    last = [r for r in rows if r.get("round") == 2][-1]
+    assert last["reported_personal"] == float(choice["reported"] == "personal")
+    assert {"personal_macro_f1", "reported_macro_f1", "personal_val_macro_f1"} <= set(last)
+    if method == "ditto":  # its personal model trained every round
+        assert all(r.get("personal_s", 0) > 0 for r in rows if "train_s" in r)
+
+
+@pytestmark_group
+def test_export_which_personal_federated_and_best(federation, tmp_path, capsys):
+    config = federation["configs"]["b"]
+    cfg = load_config(config)
+    personal, _ = checkpointed_model(cfg, config, "personal")
+    federated, _ = checkpointed_model(cfg, config, "federated")
+    best, _ = checkpointed_model(cfg, config, "best")
+    assert any(not torch.equal(personal[k], federated[k]) for k in personal)
+    reported = federation["status"]["b"]["training"]["personalization"]["choice"]["reported"]
+    chosen = personal if reported == "personal" else federated
+    assert all(torch.equal(best[k], chosen[k]) for k in best)
+    for which, state in (("personal", personal), ("federated", federated)):
+        out = tmp_path / which
+        assert main(["export", "--config", str(config), "--which", which, "--out", str(out)]) == 0
+        exported = load_file(str(out / "model.safetensors"))
+        common = [k for k in state if k in exported]
+        assert common and all(torch.equal(exported[k], state[k].float()) for k in common), which
+        card = json.loads((out / "model_card.json").read_text())
+        assert card["model"]["which"] == which
+        assert card["personalization"]["reported"] == reported
+    capsys.readouterr()

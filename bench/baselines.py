@@ -48,6 +48,9 @@ from protocols.site import build_site
 
 log = logging.getLogger(__name__)
 
+# The test figures of pooled training's best model kept per site (as BestModel keeps them)
+BEST_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "auc")
+
 
 @dataclass
 class BaselineResult:
@@ -57,6 +60,9 @@ class BaselineResult:
     final_states: dict[str, dict[str, Any]] = field(
         default_factory=dict
     )  # node -> model (cross-site evaluation)
+    best_states: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # node (pooled: "pooled") -> its best model on validation (the global test set)
 
     def mean_by_round(self, metric: str = "macro_f1") -> dict[int, float]:
         return mean_by_round(self.records, metric)
@@ -76,13 +82,16 @@ class BaselineResult:
         return {"name": self.name, "records": self.records, "wall_s": self.wall_s}
 
 
-def _scores(site: LocalSite, best: BestModel | None = None, round_no: int = 0) -> dict[str, Any]:
+def _scores(
+    site: LocalSite, best: BestModel | None = None, round_no: int = 0, *, keep: bool = False
+) -> dict[str, Any]:
     """evaluate_site without the gossiped per-class F1 (baselines gossip nothing),
-    with the site's best model so far (`best`, updated) as the nodes report it."""
+    with the site's best model so far (`best`, updated) as the nodes report it;
+    `keep`: `best` keeps that model's weights too."""
     metrics = evaluate_site(site)
     metrics.pop("per_class_f1", None)
     if best is not None:
-        metrics.update(best.observe(round_no, metrics))
+        metrics.update(best.observe(round_no, metrics, site.state_dict if keep else None))
     return metrics
 
 
@@ -104,6 +113,7 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
     total = _rounds(configs, rounds)
     records: list[dict[str, Any]] = []
     final_states: dict[str, dict[str, Any]] = {}
+    best_states: dict[str, dict[str, Any]] = {}
     for cfg in configs:
         site = build_site(cfg)
         best = BestModel()
@@ -112,7 +122,7 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
             t0 = time.perf_counter()
             fit = site.train_epochs()
             train_s = time.perf_counter() - t0
-            metrics = _scores(site, best, r)
+            metrics = _scores(site, best, r, keep=True)
             records.append(
                 {
                     "node": cfg.node.name,
@@ -124,7 +134,11 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
             )
         log.info("standalone %s: %s", cfg.node.name, records[-1])
         final_states[cfg.node.name] = site.state_dict()
-    return BaselineResult("standalone", records, time.perf_counter() - start, final_states)
+        if best.state is not None:
+            best_states[cfg.node.name] = best.state
+    return BaselineResult(
+        "standalone", records, time.perf_counter() - start, final_states, best_states
+    )
 
 
 def centralized_fedavg(
@@ -210,10 +224,11 @@ def pooled(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> Basel
             if best.state is not None:
                 site.load_state_dict(best.state)
                 of_best = _scores(site)
-                metrics.update({f"best_{k}": of_best[k] for k in ("macro_f1", "accuracy")})
+                metrics.update({f"best_{k}": of_best[k] for k in BEST_KEYS})
                 metrics["best_round"] = float(best.round or 0)
             records.append({"node": cfg.node.name, "round": r, **metrics, "train_s": train_s})
-    return BaselineResult("pooled", records, time.perf_counter() - start)
+    kept = {"pooled": best.state} if best.state is not None else {}
+    return BaselineResult("pooled", records, time.perf_counter() - start, best_states=kept)
 
 
 def centralized_fedsgd(

@@ -10,6 +10,8 @@
 - `rounds_to_threshold`: rounds until the mean macro-F1 over the nodes first
   reaches the threshold, one bar per run (DFU Table 2); runs that never reach
   it get a hatched bar labelled "not reached".
+- `site_gain`: each site's gain over the same site alone against its train
+  size and its skew (majority-class share), one labelled point per site.
 - `final_per_seed`: one figure per method and seed (dots, one colour per seed,
   so a hard seed shows up across every method) and the mean over the seeds.
 """
@@ -229,6 +231,58 @@ def label_efficiency(
         ax.set_xlabel("round (Fed-BEiT: after the tokenizer's)")
         ax.set_ylabel(label)
         ax.set_title(f"P2P {arms[arm][0]} pre-training")
+    return _save(fig, path)
+
+
+@dataclass(frozen=True)
+class SitePoint:
+    """One site of the gain plot: its name, train size, majority-class share,
+    gain in macro-F1 over the same site alone, and whether its test split is
+    under the per-class minimum (drawn hollow: its gain is noisy)."""
+
+    name: str
+    train_size: int
+    majority_share: float
+    gain: float
+    apart: bool = False
+
+
+def site_gain(points: Sequence[SitePoint], path: Path, *, title: str) -> Path:
+    """Per-site gain (reported model minus standalone, macro-F1) against the
+    site's train size (left) and its skew, the majority class's share of its
+    train split (right); one labelled point per site."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.0), sharey=True)
+    for ax, attr, label in (
+        (axes[0], "train_size", "train images at the site"),
+        (axes[1], "majority_share", "majority class's share of the site's train split"),
+    ):
+        for p in points:
+            x = getattr(p, attr)
+            colour = "C2" if p.gain > 0 else "C3"
+            ax.scatter(
+                [x],
+                [p.gain],
+                s=36,
+                color=colour,
+                facecolor="white" if p.apart else colour,
+                zorder=3,
+            )
+            ax.annotate(p.name, (x, p.gain), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(0.0, color="black", linewidth=0.8)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    if points and max(p.train_size for p in points) > 20 * max(
+        1, min(p.train_size for p in points)
+    ):
+        axes[0].set_xscale("log")
+    axes[1].set_xlim(0.0, 1.02)
+    axes[0].set_ylabel("macro-F1 gain over the site alone")
+    axes[1].scatter(
+        [], [], s=36, color="0.3", facecolor="white", label="test split under the minimum"
+    )
+    if any(p.apart for p in points):
+        axes[1].legend(fontsize="small", loc="best")
+    fig.suptitle(title)
     return _save(fig, path)
 
 

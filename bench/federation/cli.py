@@ -23,8 +23,11 @@ What it does:
    partition files with the same model, epochs, batch size, lr, seed and
    number of rounds: standalone (every site alone) and centralized FedAvg,
    plus centralized FedSGD (every site's gradient every step) for fedsgdp2p;
-4. writes DIR/results.json and the plots, and prints the `summary` object of
-   results.json as the last stdout line (one JSON object).
+4. writes DIR/results.json and the plots, prints the per-site gain table (each
+   site's reported model against the same site alone; sites whose test split
+   is under --min-test-per-class images of a class are reported apart), and
+   prints the `summary` object of results.json as the last stdout line (one
+   JSON object).
 
 What each figure of the summary means: bench/federation/stats.py.
 """
@@ -121,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-per-site",
         type=int,
         help="the fewest training images a site may get (partition's --min-per-site)",
+    )
+    spec_option(
+        "--min-test-per-class",
+        type=int,
+        help="a site whose test split holds fewer images of a class it trains on is "
+        "reported apart in the per-site gain table (partition's --min-test-per-class)",
     )
     parser.add_argument("--out", type=Path, required=True)
     spec_option("--epochs", type=int)

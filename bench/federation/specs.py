@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pfl.config import ProtocolParams, SiteConfig, protocol_names
-from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.data.partition import MIN_TEST_PER_CLASS, partition_dataset
 from protocols.memory import simulation_configs
 
 
@@ -41,6 +41,9 @@ class RunSpec:
     lr_schedule: str = "cosine"
     label_fraction: float | None = None
     min_per_site: int | None = None  # partition_dataset's min_per_site
+    min_test_per_class: int = (
+        MIN_TEST_PER_CLASS  # partition_dataset's: sites under it reported apart
+    )
     dp_target_epsilon: float | None = None  # training.dp.target_epsilon (None: no DP)
     dp_max_grad_norm: float = 1.0  # training.dp.max_grad_norm
     dp_noise_multiplier: float | None = None  # training.dp.noise_multiplier (0: clipping only)
@@ -169,6 +172,7 @@ def partition(spec: RunSpec, data_dir: Path) -> tuple[list[Path], dict[str, Any]
         seed=spec.seed,
         test=spec.test_split,
         min_per_site=spec.min_per_site,
+        min_test_per_class=spec.min_test_per_class,
     )
     return [data_dir / row["file"] for row in summary["per_site"]], summary
 

@@ -6,9 +6,16 @@ Figures (keys of `summary`):
   `global`), mean over the nodes, at the first round and at each node's last
   logged round; macro_f1_mean_last3: the mean of the last three rounds' means
   (one round can swing by several points);
-- best_macro_f1_mean_final: the same for the model each node reports, its
+- best_macro_f1_mean_final: the same for the node's federated model that is
   best so far on its own validation split (p2pfl.learning.best), at each
   node's last logged round; best_macro_f1_min_final its lowest node;
+- reported_macro_f1_mean_final / _min_final: the model each node reports,
+  its personal or its federated model as its validation split chose (None
+  without personalization); personal_macro_f1_mean_final / _min_final: the
+  personal model's; gain_over_standalone_reported: reported (else best) minus
+  standalone's best;
+- site_gain: the per-site gain table's figures (site_gain_table below; the
+  rows are in results.json's `site_gains`);
 - standalone_macro_f1_mean, centralized_macro_f1, pooled_macro_f1: the same
   figure for the baselines at their last round (centralized: the global model
   evaluated on each site's test split, mean over sites; with `--test-split
@@ -153,6 +160,8 @@ def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[
         "macro_f1_max_final": _round(max(final.values(), default=None)),
         "best_macro_f1_mean_final": _round(_mean(list(best.values()))),
         "best_macro_f1_min_final": _round(min(best.values(), default=None)),
+        **final_figures(rows, "reported_macro_f1"),
+        **final_figures(rows, "personal_macro_f1"),
         **time_shares(rows),
         "train_s_mean": _round(_mean(train_s), 3),
         "round_s_mean": _round(_mean(round_s), 3),
@@ -170,6 +179,15 @@ def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[
         "peak_rss_mb_max": max(outcome.peak_rss_mb.values(), default=None),
         "timed_out": outcome.timed_out,
         "errors": outcome.errors,
+    }
+
+
+def final_figures(rows: Sequence[dict[str, Any]], key: str) -> dict[str, float | None]:
+    """<key>_mean_final and <key>_min_final over the nodes' last logged values."""
+    values = list(per_node_final(rows, key).values())
+    return {
+        f"{key}_mean_final": _round(_mean(values)),
+        f"{key}_min_final": _round(min(values, default=None)),
     }
 
 
@@ -203,7 +221,7 @@ def with_baselines(summary: dict[str, Any], baselines: dict[str, Any] | None) ->
         "gap_to_centralized": None
         if central is None or final is None
         else round(central - final, 4),
-        **reported_figures(baselines, final, best),
+        **reported_figures(baselines, final, best, summary.get("reported_macro_f1_mean_final")),
         **fedsgd_figures(baselines, final),
     }
 
@@ -213,10 +231,16 @@ def _difference(a: float | None, b: float | None) -> float | None:
 
 
 def reported_figures(
-    baselines: dict[str, Any] | None, final: float | None, best: float | None
+    baselines: dict[str, Any] | None,
+    final: float | None,
+    best: float | None,
+    summary_reported: float | None = None,
 ) -> dict[str, Any]:
     """The pooled baseline, and every comparison again with the models the nodes
-    and the baselines report (their best on validation)."""
+    and the baselines report (their best on validation); gain_over_standalone_reported
+    compares the model each node reports (personal or federated, chosen on
+    validation: `summary_reported`; else its best federated one) with the
+    sites alone."""
     if not baselines:
         return {}
     alone_best = baselines["standalone"].get("best_macro_f1")
@@ -229,6 +253,9 @@ def reported_figures(
         "centralized_best_macro_f1": _round(central_best),
         "pooled_best_macro_f1": _round(union.get("best_macro_f1")),
         "gain_over_standalone_best": _difference(best, alone_best),
+        "gain_over_standalone_reported": _difference(
+            summary_reported if summary_reported is not None else best, alone_best
+        ),
         "gap_to_centralized_best": _difference(central_best, best),
         "gap_to_pooled_best": _difference(union.get("best_macro_f1"), best),
     }
@@ -304,3 +331,158 @@ def grid_summary(
             }
         )
     return out
+
+
+# ---------------------------------------------------------------- per-site gain
+
+SITE_METRICS = ("macro_f1", "balanced_accuracy", "auc")
+GAIN_TOLERANCE = 0.02  # issue 30: "not worse than standalone by more than 2 points"
+
+
+def last_records(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """node -> its row of the last round it logged."""
+    last: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["round"] >= last.get(r["node"], {"round": -1})["round"]:
+            last[r["node"]] = r
+    return last
+
+
+def reported_model(record: dict[str, Any]) -> tuple[str, dict[str, float | None]]:
+    """(which model, its test figures) a node reports, from its last metrics
+    line: `reported_*` where the node chose between its personal and its
+    federated model on its validation split (`reported_personal` 1 or 0, or
+    `reported`, names the choice),
+    else `best_*` (the best model on validation so far), else the latest
+    model's figures."""
+    chosen = record.get("reported") or "reported"
+    if record.get("reported_personal") is not None:  # a metrics line holds numbers only
+        chosen = "personal" if float(record["reported_personal"]) else "federated"
+    for prefix, name in (("reported_", chosen), ("best_", "best")):
+        if record.get(f"{prefix}macro_f1") is not None:
+            return str(name), {k: _number(record.get(prefix + k)) for k in SITE_METRICS}
+    if record.get("macro_f1") is None:
+        return "none", dict.fromkeys(SITE_METRICS)
+    return "latest", {k: _number(record.get(k)) for k in SITE_METRICS}
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def site_gain_table(
+    names: Sequence[str],
+    federation: dict[str, dict[str, Any]],
+    standalone: dict[str, dict[str, Any]],
+    partition: dict[str, Any],
+) -> dict[str, Any]:
+    """Did each site gain from joining? One row per site: its train size and
+    skew (majority-class share), its test split per class and whether that
+    meets partition.json's minimum, the figures of the model it reports
+    (`reported_model` of `federation[name]`, its last metrics line; and, as
+    personal_* and federated_*, both models of a node that personalizes) and of the
+    same site alone (`standalone[name]`: the standalone baseline's last record,
+    its reported model, the best on validation), and reported minus standalone.
+    The summary figures (`gain_summary`) are computed over every site and again
+    without the sites whose test split is under the minimum."""
+    per_site = {f"site_{row['site']}": row for row in partition["per_site"]}
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        part = per_site.get(name, {})
+        train = [int(n) for n in part.get("train", [])]
+        test = [int(n) for n in part.get("test", [])]
+        record = federation.get(name, {})
+        model, fed = reported_model(record)
+        _, alone = reported_model(standalone.get(name, {}))
+        row: dict[str, Any] = {
+            "node": name,
+            "train_size": int(part.get("labelled", sum(train))),
+            "majority_share": _round(max(train) / sum(train)) if sum(train) else None,
+            "classes": sum(1 for n in train if n),
+            "test_size": sum(test),
+            "test_per_class": test,
+            "below_test_minimum": bool(part.get("test_short_classes")),
+            "test_short_classes": part.get("test_short_classes", {}),
+            "reported_model": model,
+        }
+        for key in SITE_METRICS:
+            row[key] = _round(fed[key])
+            row[f"standalone_{key}"] = _round(alone[key])
+            row[f"gain_{key}"] = _difference(fed[key], alone[key])
+        for key in SITE_METRICS:  # both of a personalizing node's models, when it logs them
+            row[f"personal_{key}"] = _round(_number(record.get(f"personal_{key}")))
+            federated = record.get(f"best_{key}", record.get(key))
+            row[f"federated_{key}"] = _round(_number(federated))
+        rows.append(row)
+    return {
+        "min_test_per_class": partition.get("min_test_per_class"),
+        "sites": rows,
+        **gain_summary(rows),
+    }
+
+
+def gain_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over the sites with both figures: how many gained (reported macro-F1
+    above standalone's), the share that is not worse by more than
+    GAIN_TOLERANCE, and the mean gain per metric; `*_without_apart` the same
+    without the sites under the test minimum (listed in `sites_apart`)."""
+    apart = [r["node"] for r in rows if r["below_test_minimum"]]
+    out: dict[str, Any] = {"sites_apart": apart}
+    kept = [r for r in rows if not r["below_test_minimum"]]
+    for suffix, subset in (("", rows), ("_without_apart", kept)):
+        gains = [r["gain_macro_f1"] for r in subset if r["gain_macro_f1"] is not None]
+        out[f"sites_compared{suffix}"] = len(gains)
+        out[f"sites_gained{suffix}"] = sum(1 for g in gains if g > 0)
+        out[f"share_gained{suffix}"] = _round(_share(sum(1 for g in gains if g > 0), len(gains)))
+        out[f"share_within_tolerance{suffix}"] = _round(
+            _share(sum(1 for g in gains if g >= -GAIN_TOLERANCE), len(gains))
+        )
+        for key in SITE_METRICS:
+            values = [r[f"gain_{key}"] for r in subset if r[f"gain_{key}"] is not None]
+            out[f"mean_gain_{key}{suffix}"] = _round(_mean(values))
+    out["tolerance"] = GAIN_TOLERANCE
+    return out
+
+
+def add_global_test(
+    table: dict[str, Any], nodes: dict[str, Any] | None, reference: dict[str, Any]
+) -> None:
+    """Add the global test set's figures to a gain table (in place): per site
+    `global_<metric>` of the node's model and `standalone_global_<metric>` of
+    the site alone, `gain_global_macro_f1`; in the summary the global test's
+    size, pooled training's macro-F1 there, and the mean gain and sites gained
+    (`global_missing` says why the nodes' figures are absent)."""
+    models = (nodes or {}).get("models") or {}
+    alone = reference.get("standalone") or {}
+    for row in table["sites"]:
+        mine, theirs = models.get(row["node"]) or {}, alone.get(row["node"]) or {}
+        for key in SITE_METRICS:
+            row[f"global_{key}"] = mine.get(key)
+            row[f"standalone_global_{key}"] = theirs.get(key)
+        row["gain_global_macro_f1"] = _difference(
+            row["global_macro_f1"], row["standalone_global_macro_f1"]
+        )
+    gains = [
+        r["gain_global_macro_f1"] for r in table["sites"] if r["gain_global_macro_f1"] is not None
+    ]
+    table["global_test_n"] = reference.get("n")
+    table["global_pooled_macro_f1"] = (reference.get("pooled") or {}).get("macro_f1")
+    table["global_macro_f1_mean"] = _round(
+        _mean([r["global_macro_f1"] for r in table["sites"] if r["global_macro_f1"] is not None])
+    )
+    table["global_standalone_macro_f1_mean"] = reference.get("standalone_macro_f1_mean")
+    table["global_mean_gain_macro_f1"] = _round(_mean(gains))
+    table["global_sites_gained"] = sum(1 for g in gains if g > 0)
+    table["global_sites_compared"] = len(gains)
+    # The federated models (each node's best on validation, before any
+    # personalization) on the global test set, against pooled training.
+    federated = (nodes or {}).get("federated_models") or {}
+    for row in table["sites"]:
+        row["global_federated_macro_f1"] = (federated.get(row["node"]) or {}).get("macro_f1")
+    values = [r["global_federated_macro_f1"] for r in table["sites"]]
+    table["global_federated_macro_f1_mean"] = _round(_mean([v for v in values if v is not None]))
+    table["global_federated_gap_to_pooled"] = _difference(
+        table["global_pooled_macro_f1"], table["global_federated_macro_f1_mean"]
+    )
+    if not models:
+        table["global_missing"] = (nodes or {}).get("missing", "no node model was scored")

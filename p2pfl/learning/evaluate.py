@@ -86,16 +86,19 @@ def fastest_batch_size(
     return fastest
 
 
-HEADLINE_KEYS = ("macro_f1", "accuracy")
+# balanced accuracy and AUROC (one-vs-rest) come from the same classification
+# report as macro-F1: logging them each round costs nothing, and gives the
+# best-on-validation model (best_*) and the per-site gain table all three.
+HEADLINE_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "auc")
 CALIBRATION_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "auc")
 
 
 def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict[str, Any]:
     """A site's round metrics: `test_keys` of its test split (the headline
-    macro-F1 and accuracy; CALIBRATION_KEYS adds ECE, MCE, AUC and balanced
-    accuracy), `val_macro_f1`/`val_accuracy` of its val split, whichever splits
-    exist, and `per_class_f1` of val (else test), which the node gossips for the
-    F1 peer-selection heuristic."""
+    macro-F1, accuracy, balanced accuracy and AUC, None where the split lacks a
+    class; CALIBRATION_KEYS adds ECE and MCE), `val_macro_f1`/`val_accuracy` of
+    its val split, whichever splits exist, and `per_class_f1` of val (else
+    test), which the node gossips for the F1 peer-selection heuristic."""
     out: dict[str, Any] = {}
     reports = site.evaluate_available()
     if "test" in reports:

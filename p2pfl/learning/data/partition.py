@@ -33,6 +33,12 @@ The test option changes nothing else: train, val and unlabeled files are the
 same for a given seed either way. partition.json's `val_test_assignment` says
 which was used.
 
+A test split with two images of a class cannot grade it. Sites whose test
+split holds fewer than `min_test_per_class` (default 20) images of a class they
+train on are listed in partition.json (`sites_below_test_minimum`; per site
+`test_short_classes`) for benchmarks to report apart: flagged, not mended, as
+moving test images would change the other sites' class shares.
+
 Each site gets `site_<i>.npz` (MedMNIST keys, plus `class_names`), and the
 directory gets `partition.json` (per-site class counts) and `partition.png`
 (a stacked bar chart of the classes per site).
@@ -57,6 +63,7 @@ from p2pfl.learning.data.sources import DataError, RawSplits, read_source
 log = logging.getLogger(__name__)
 
 TEST_ASSIGNMENTS = ("local", "global")
+MIN_TEST_PER_CLASS = 20
 
 SCHEME_HELP = "iid, dirichlet:ALPHA (ALPHA > 0), shards:K (K >= 1) or quantity:ALPHA (ALPHA > 0)"
 
@@ -309,13 +316,17 @@ def partition_dataset(
     seed: int = 0,
     test: str = "local",
     min_per_site: int | None = None,
+    min_test_per_class: int = MIN_TEST_PER_CLASS,
 ) -> dict[str, Any]:
     """Write site_<i>.npz, partition.json and partition.png into `out`; return the
     summary that partition.json holds. `test` is "local" (test follows the
     train class shares, like val) or "global" (every site gets the whole test
     split). `min_per_site`: no site gets fewer training samples (default
-    min(10, N / (2 * sites)), at least 1); a split that cannot meet it is refused."""
+    min(10, N / (2 * sites)), at least 1); a split that cannot meet it is refused.
+    `min_test_per_class`: see the module doc."""
     parsed = parse_scheme(scheme)
+    if type(min_test_per_class) is not int or min_test_per_class < 0:
+        raise PartitionError("bad_min_test", "--min-test-per-class must be a whole number >= 0")
     if test not in TEST_ASSIGNMENTS:
         raise PartitionError("bad_test", f"--test must be local or global, got {test!r}")
     if label_fraction is not None and not 0.0 < label_fraction <= 1.0:
@@ -376,6 +387,13 @@ def partition_dataset(
             unlabeled_count += len(pool)
         row["unlabeled"] = unlabeled_count
         row["labelled"] = int(len(labels))
+        if "test" in row:
+            short = {  # the classes it trains on with too few test images (module doc)
+                name: int(t)
+                for name, n, t in zip(raw.class_names, row["train"], row["test"], strict=True)
+                if n and t < min_test_per_class
+            }
+            row.update(test_short_classes=short, test_minimum_met=not short)
         np.savez_compressed(out / f"site_{site}.npz", **arrays)
         site_rows.append(row)
     summary: dict[str, Any] = {
@@ -394,6 +412,8 @@ def partition_dataset(
             if test == "local"
             else "val follows each site's train class shares; test is the whole source test split for every site"
         ),
+        "min_test_per_class": min_test_per_class,
+        "sites_below_test_minimum": [r["site"] for r in site_rows if r.get("test_short_classes")],
         "per_site": site_rows,
         "chart": "partition.png",
     }
@@ -436,6 +456,12 @@ def add_partition_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "at least 1); a dirichlet split that cannot meet it in 100 draws is refused",
     )
     parser.add_argument(
+        "--min-test-per-class",
+        type=int,
+        default=MIN_TEST_PER_CLASS,
+        help=f"flag sites with fewer test images of a class they train on (default {MIN_TEST_PER_CLASS})",
+    )
+    parser.add_argument(
         "--test",
         choices=TEST_ASSIGNMENTS,
         default="local",
@@ -458,6 +484,7 @@ def run_partition(args: argparse.Namespace) -> int:
             seed=args.seed,
             test=args.test,
             min_per_site=args.min_per_site,
+            min_test_per_class=args.min_test_per_class,
         )
     except (DataError, PartitionError) as exc:
         sys.stderr.write(f"p2pfl-node partition: {exc}\n")
@@ -467,4 +494,7 @@ def run_partition(args: argparse.Namespace) -> int:
         f"wrote {summary['sites']} sites ({summary['scheme']}, label skew {summary['label_skew']:.3f}; "
         f"labelled train sizes {sizes}) to {args.out}\n"
     )
+    if below := summary["sites_below_test_minimum"]:
+        n = summary["min_test_per_class"]
+        sys.stdout.write(f"sites {below}: under {n} test images of a class they train on\n")
     return 0

@@ -112,6 +112,16 @@ def test_without_personalization_or_validation_the_federated_model_is_reported(t
     assert personal.choice is not None and personal.choice["why"] == "personalization.method none"
 
 
+def test_a_site_that_is_no_classifier_has_nothing_to_personalize():
+    """The probe protocol has no site, a pre-training stage no classifier."""
+    personal = Personalization(TrainingSection(personalization={"local_norm": True}), None)
+    assert personal.method == "none" and not personal.active
+    personal.start_round(None)
+    assert personal.keep_norm(None) is None and personal.after_fit(None) == {}
+    assert personal.observe(1, None) == {} and personal.choose(None, BestModel()) == {}
+    assert personal.choice is None
+
+
 def test_dp_turns_auto_personalization_off_and_refuses_an_explicit_one():
     assert resolve_method(TrainingSection(dp={"target_epsilon": 4.0})) == "none"
     assert resolve_method(TrainingSection()) == "finetune"

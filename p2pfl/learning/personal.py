@@ -99,15 +99,18 @@ class Personalization:
 
     def __init__(self, training: TrainingSection, site: Any) -> None:
         self.section = training.personalization
-        self.method = resolve_method(training) if personalizable(site) else "none"
-        self.has_val = site.data.val is not None and len(site.data.val) > 0
+        classifier = personalizable(site)  # not the probe's site (None), nor a pre-training one
+        self.classifier = classifier
+        self.method = resolve_method(training) if classifier else "none"
+        val = site.data.val if classifier else None
+        self.has_val = val is not None and len(val) > 0
         self.state: dict[str, Tensor] | None = None  # ditto: v, trained every round
         self.optimizer_saved: dict[str, Any] | None = None
         self.start_state: dict[str, Tensor] | None = None  # ditto: w of the round
         self.best = BestModel()  # the personal model's best on validation
         self.choice: dict[str, Any] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._keys = norm_keys(site.model) if self.section.local_norm else []
+        self._keys = norm_keys(site.model) if self.section.local_norm and classifier else []
 
     @property
     def active(self) -> bool:
@@ -220,6 +223,8 @@ class Personalization:
         validation split. Returns the figures logged with the last round:
         reported_personal (1.0 or 0.0), reported_<figure>, personal_<figure>,
         personal_val_macro_f1."""
+        if not self.classifier:  # nothing to choose between (probe, pre-training)
+            return {}
         if not self.active or not self.has_val:
             self.choice = {"reported": "federated", "why": self._why_federated()}
         else:

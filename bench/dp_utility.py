@@ -108,6 +108,7 @@ def one_run(
     out = args.out / f"eps_{tag}_s{seed}"
     cmd = [
         sys.executable, "-m", "bench.federation", "--in-memory", "--no-baselines",
+        "--no-compute-limit",
         "--data", str(args.data), "--nodes", str(args.nodes), "--rounds", str(args.rounds),
         "--partition", args.partition, "--seed", str(seed), "--model", MODEL,
         "--recipe", recipe, "--out", str(out),

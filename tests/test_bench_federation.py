@@ -165,14 +165,15 @@ def test_real_node_processes_run_to_the_end_and_exit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "procs"
-    argv = ["--nodes", "3", "--rounds", "1", "--partition", "iid", "--no-baselines", *TINY]
+    # two processes: each one's start, run, report and exit is what is checked
+    argv = ["--nodes", "2", "--rounds", "1", "--partition", "iid", "--no-baselines", *TINY]
     code, summary = run_cli([*argv, "--timeout", "120", "--out", str(out)], capsys)
     assert code == 0, summary["errors"]
     assert summary["mode"] == "processes" and not summary["timed_out"]
     results = json.loads((out / "results.json").read_text())
-    assert {r["node"] for r in results["rounds"]} == {"site_0", "site_1", "site_2"}
+    assert {r["node"] for r in results["rounds"]} == {"site_0", "site_1"}
     assert all(r["messages_sent"] is not None for r in results["rounds"])
-    assert results["runs"][0]["exit_codes"] == {"site_0": 0, "site_1": 0, "site_2": 0}
+    assert results["runs"][0]["exit_codes"] == {"site_0": 0, "site_1": 0}
     assert all(rss > 50 for rss in summary["peak_rss_mb"].values())
     assert 0.0 <= summary["non_training_share"] <= 1.0
 

@@ -36,10 +36,18 @@ TRANSPORT = {
 }
 
 
+STATUS_POLL_S = 0.5  # how often supervise() asks every node for its status
+
+
 def base_overrides() -> dict[str, Any]:
+    """Digits at their native 8x8 and without augmentation: a round's training
+    (one epoch, ~20 steps) costs a fifth of the CPU of 28x28, and still lasts
+    longer than a `train` kill's delay; what the drills judge is the protocol,
+    not the pixels."""
     return {
         "node": {"startup_wait_s": 30},
         "transport": TRANSPORT,
+        "data": {"image_size": 8, "augment": "none"},
         "training": {"epochs": 1, "batch_size": 64, "threads": 1},
     }
 
@@ -99,6 +107,8 @@ def supervise(
     Returns (node, time) of each restart."""
     restarts: list[tuple[str, float]] = []
     deadline = time.monotonic() + timeout
+    states: list[dict[str, Any] | None] = []
+    next_poll = 0.0
     while time.monotonic() < deadline:
         for node in fed.nodes.values():
             if not node.running:
@@ -107,9 +117,13 @@ def supervise(
                 assert restart, f"{node.name} died"
                 restarts.append((node.name, time.time()))
                 node.start()
-        states = [n.status() for n in fed.nodes.values()]
-        if all(s and s["phase"] == "done" and s["round"] == rounds for s in states):
-            return restarts
+        # A dead process is seen within 0.1 s (above); the status routes are
+        # asked less often, as each ask costs every node and this process CPU.
+        if time.monotonic() >= next_poll:
+            next_poll = time.monotonic() + STATUS_POLL_S
+            states = [n.status() for n in fed.nodes.values()]
+            if all(s and s["phase"] == "done" and s["round"] == rounds for s in states):
+                return restarts
         time.sleep(0.1)
     raise TimeoutError(
         "federation did not finish: "
@@ -121,8 +135,8 @@ def test_fedavgp2p_finishes_every_round_through_three_sigkills(tmp_path):
     seed = int(os.environ.get("FAULT_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
     names = [f"n{i}" for i in range(1, 6)]
-    rounds = 10
-    kill_rounds = sorted(rng.sample(range(2, 9), 3))
+    rounds = 8
+    kill_rounds = sorted(rng.sample(range(2, rounds - 1), 3))  # two rounds to catch up after
     phases = ["train", "exchange", "aggregate"]  # aggregate: right after the models arrived
     rng.shuffle(phases)
     kills = [
@@ -131,7 +145,8 @@ def test_fedavgp2p_finishes_every_round_through_three_sigkills(tmp_path):
             "victim": rng.choice(names),
             "round": r,
             "phase": ph,
-            "delay_s": round(rng.uniform(0.05, 0.3), 2) if ph == "train" else 0.0,
+            # within the round's training (20 steps at 8x8: 0.3-1 s on a loaded machine)
+            "delay_s": round(rng.uniform(0.02, 0.2), 2) if ph == "train" else 0.0,
         }
         for i, (r, ph) in enumerate(zip(kill_rounds, phases, strict=True))
     ]
@@ -251,27 +266,42 @@ def test_acknowledged_pushes_survive_sigkills_exactly_once(tmp_path):
 def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
     names = ["a", "b", "c", "d"]
     rounds = 8
+    cut_rounds = range(2, 6)  # a is cut off in its rounds 2-5, healed from round 6
     timeout_s = 2.5
     fed_dir = tmp_path / "fed"
     proto = fedavg(rounds, fraction=1.0, round_timeout_s=timeout_s)
-    plans = provision(fed_dir, names, protocol=proto, overrides=base_overrides())
+    # a trains three epochs a round: its rounds cut off, which have nothing to
+    # wait for, still last seconds, so whole rounds of the others lie inside them.
+    plans = provision(
+        fed_dir,
+        names,
+        protocol=proto,
+        overrides=base_overrides(),
+        per_site={"a": {"training": {"epochs": 3}}},
+    )
     fed = LocalFederation(plans, tmp_path / "logs")
     cut = write_plan(
-        tmp_path / "faults" / "a.json", {"partition": [{"from_round": 3, "to_round": 6}]}
+        tmp_path / "faults" / "a.json",
+        {"partition": [{"from_round": cut_rounds.start, "to_round": cut_rounds.stop}]},
     )
     slow = write_plan(tmp_path / "faults" / "b.json", {"latency_s": 1.0})
     fed["a"].env = {"P2PFL_FAULTS": str(cut)}
     fed["b"].env = {"P2PFL_FAULTS": str(slow)}
     with fed:
         supervise(fed, rounds, timeout=240, restart=False)
-    window = {e["event"]: e["t"] for e in events(cut)}
-    assert set(window) == {"partition_start", "partition_end"}, window
+    assert {e["event"] for e in events(cut)} == {"partition_start", "partition_end"}
+    # The cut is a's own rounds 2-5, start to end. (The plan also cuts a off
+    # for each request of a peer whose round is 2-5, before and after that:
+    # those events are not its bounds.)
+    a_rows = {m["round"]: m for m in metrics(fed_dir, "a")}
+    first, last = a_rows[cut_rounds.start], a_rows[cut_rounds.stop - 1]
+    window = {"partition_start": first["t"] - first["round_s"], "partition_end": last["t"]}
     a_ledger = dict((r, m) for r, m in ledger(fed_dir, "a"))
-    # Cut off: a's rounds 3-5 ran alone and still finished.
-    assert a_ledger[3] == a_ledger[4] == a_ledger[5] == [], a_ledger
+    # Cut off: a's rounds 2-5 ran alone and still finished.
+    assert all(a_ledger[r] == [] for r in cut_rounds), a_ledger
     # Healed: a averages with the others again, and they with a.
-    assert any(a_ledger[r] for r in range(6, rounds + 1)), a_ledger
-    used_a_after = 0
+    assert any(a_ledger[r] for r in range(cut_rounds.stop, rounds + 1)), a_ledger
+    used_a_after = rounds_inside = 0
     slow_used = slow_stale = 0
     worst_exchange = 0.0
     for name in ("b", "c", "d"):
@@ -280,8 +310,12 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
             end = rows[r]["t"]
             start = end - rows[r]["round_s"]
             peers = {p for p, _ in models}
-            if window["partition_start"] + 0.5 < start and end < window["partition_end"]:
-                assert "a" not in peers, (name, r, models)  # nothing crosses a partition
+            # Nothing crosses a partition: a round of the cut that ran wholly
+            # while a was cut off has no model of a.
+            inside = window["partition_start"] + 0.5 < start and end < window["partition_end"]
+            if r in cut_rounds and inside:
+                assert "a" not in peers, (name, r, models)
+                rounds_inside += 1
             if start > window["partition_end"] and "a" in peers:
                 used_a_after += 1
             for p, pr in models:
@@ -290,14 +324,14 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
                     slow_stale += pr != r
                     assert r <= pr <= r + 1
         worst_exchange = max(worst_exchange, max(m["exchange_s"] for m in rows.values()))
-    a_rows = metrics(fed_dir, "a")
-    worst_exchange = max(worst_exchange, max(m["exchange_s"] for m in a_rows))
+    worst_exchange = max(worst_exchange, max(m["exchange_s"] for m in a_rows.values()))
     print(
         json.dumps(
             {
                 "scenario": "partition_and_slow_peer",
                 "rounds_completed": {n: max(r for r, _ in ledger(fed_dir, n)) for n in names},
                 "partition_s": round(window["partition_end"] - window["partition_start"], 1),
+                "rounds_of_others_inside_partition": rounds_inside,
                 "rounds_using_a_after_heal": used_a_after,
                 "slow_peer_models_used": slow_used,
                 "slow_peer_models_stale": slow_stale,
@@ -306,6 +340,7 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
             }
         )
     )
+    assert rounds_inside > 0  # the others ran whole rounds while a was cut off
     assert used_a_after > 0
     assert slow_used > 0  # 1 s late is within the timeout: used, not dropped
     assert worst_exchange <= 2 * timeout_s + 1.0  # never blocked past the bounded exchange

@@ -6,6 +6,9 @@ state directory and shown on /status, and nothing is sent. A generator trained
 with the privacy loss passes. The LPIPS backbone is the explicitly configured
 random one (the ImageNet weights are not shipped with the tests); a copy is at
 distance ~0 in any feature space, which is what the gate has to catch.
+
+Memorising takes ~18 CPU-s a generator, so each memoriser is trained once per
+module (fixtures below) and the module's tests share one xdist worker.
 """
 
 from __future__ import annotations
@@ -74,17 +77,63 @@ def save(generator: Generator, path: Path) -> Path:
     return path
 
 
+pytestmark = pytest.mark.xdist_group("privacy_gate_memorisers")  # each memoriser trained once
+
+
 @pytest.fixture(scope="module")
 def metric():
     return build_perceptual_distance("random")
 
 
-def test_a_memorising_generator_is_refused_and_a_privacy_trained_one_passes(tmp_path, metric):
+@pytest.fixture(scope="module")
+def digits_memoriser() -> Generator:
+    """Memorised: trained far past convergence on six of the first 48 digits."""
+    images, labels = digits16(48)
+    return memorising_generator(images[:6], labels[:6], num_classes=10, steps=600)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 iid digit sites: small sites of ~40 training images (read-only for the tests)."""
+    out = tmp_path_factory.mktemp("parts")
+    partition_dataset("digits", 30, "iid", out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def site0(parts: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, Path]:
+    """A generator that memorised 8 of site 0's training images at 16 px:
+    (the partition folder, those 8 images, the generator's file)."""
+    from p2pfl.learning.data import load_site_data
+
+    root = tmp_path_factory.mktemp("site0")
+    (config,) = simulation_configs(
+        [str(parts / "site_0.npz")],
+        protocol={"name": "feder", "rounds": 1},
+        state_root=root / "state",
+        data={"image_size": 16, "augment": "none"},
+    )
+    data = load_site_data(config.data, seed=0)
+    images, labels = data.train_uint8[:8], np.asarray(data.train_labels)[:8]
+    memoriser = memorising_generator(images, labels, num_classes=10, steps=600)
+    return parts, images.copy(), save(memoriser, root / "memoriser.pt")
+
+
+def memorised_site0(site0: tuple[Path, np.ndarray, Path], train_uint8: np.ndarray) -> Path:
+    """The shared memoriser's file, after checking that this test's site 0 loads
+    the very images it memorised (the same partition, split and resize)."""
+    _, images, path = site0
+    assert np.array_equal(train_uint8[:8], images), "site 0 loaded other images"
+    return path
+
+
+def test_a_memorising_generator_is_refused_and_a_privacy_trained_one_passes(
+    tmp_path, metric, digits_memoriser
+):
     images, labels = digits16(48)
     section = tiny_section()
     # Memorised: trained far past convergence on six of the site's images.
-    memoriser = memorising_generator(images[:6], labels[:6], num_classes=10, steps=600)
-    buffer = sample_buffer(memoriser, 64, seed=1)
+    buffer = sample_buffer(digits_memoriser, 64, seed=1)
     refused = check_buffer(buffer, images, metric, section, tmp_path / "memorised")
     assert not refused.released
     assert refused.exposed_fraction >= 5 / 48 > section.gate_max_fraction, refused
@@ -115,10 +164,9 @@ def test_a_memorising_generator_is_refused_and_a_privacy_trained_one_passes(tmp_
     assert read_decision(tmp_path / "trained")["released"] is True
 
 
-def test_the_gate_distance_and_limit_are_honoured(tmp_path, metric):
-    images, labels = digits16(24)
-    memoriser = memorising_generator(images[:4], labels[:4], num_classes=10, steps=300)
-    buffer = sample_buffer(memoriser, 32, seed=2)
+def test_the_gate_distance_and_limit_are_honoured(tmp_path, metric, digits_memoriser):
+    images, _ = digits16(24)  # the memoriser's six images are among them
+    buffer = sample_buffer(digits_memoriser, 32, seed=2)
     # A configured distance of ~0 exposes nobody; a limit of 100 % releases anything.
     tiny_d = check_buffer(buffer, images, metric, tiny_section(gate_distance=1e-12), tmp_path / "a")
     assert tiny_d.released and tiny_d.exposed_fraction == 0.0
@@ -130,9 +178,8 @@ def test_the_gate_distance_and_limit_are_honoured(tmp_path, metric):
     assert auto.distance == pytest.approx(0.5 * auto.real_spacing["median"], rel=1e-4)
 
 
-def _feder_configs(tmp_path: Path) -> list:
-    parts = tmp_path / "parts"
-    partition_dataset("digits", 30, "iid", parts, seed=0)  # small sites: ~40 training images
+def _feder_configs(tmp_path: Path, parts: Path) -> list:
+    """Two in-memory FedER sites on the first two of the 30 sites in `parts`."""
     configs = simulation_configs(
         [str(parts / f"site_{i}.npz") for i in range(2)],
         protocol={"name": "feder", "rounds": 1, "buffer_size": 64, "round_timeout_s": 5},
@@ -147,19 +194,18 @@ def _feder_configs(tmp_path: Path) -> list:
 
 
 @pytest.mark.slow
-def test_a_feder_node_does_not_share_a_refused_buffer(tmp_path):
+def test_a_feder_node_does_not_share_a_refused_buffer(tmp_path, site0):
     """In memory: the memorising site stops before its first send and says why; its
     peer's gate releases an untrained generator's noise."""
     from p2pfl.learning.data import load_site_data
 
-    configs = _feder_configs(tmp_path)
+    configs = _feder_configs(tmp_path, site0[0])
     data = load_site_data(configs[0].data, seed=0)
-    memoriser = memorising_generator(  # site 0's generator memorised 8 of its images
-        data.train_uint8[:8], np.asarray(data.train_labels)[:8], num_classes=10, steps=600
-    )
-    save(memoriser, Path(configs[0].protocol.generator))
+    # site 0's generator memorised 8 of its images
+    memoriser = memorised_site0(site0, data.train_uint8)
+    configs[0].protocol.generator = str(memoriser)
     torch.manual_seed(1)
-    save(Generator(memoriser.spec), Path(configs[1].protocol.generator))
+    save(Generator(load_generator(memoriser)[0].spec), Path(configs[1].protocol.generator))
 
     network = InMemoryNetwork()
     result = asyncio.run(simulate(configs, network=network))
@@ -177,7 +223,7 @@ def test_a_feder_node_does_not_share_a_refused_buffer(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
+def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path, site0):
     """Two real daemons on 127.0.0.1 (in the test process: tests/inproc_util.py):
     the memorising site's /status says the buffer was refused and why; the node
     stays up serving it, then ends with a failed protocol (exit status 1)."""
@@ -185,9 +231,8 @@ def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
 
     from node.provision import provision
 
-    parts = tmp_path / "parts"
-    partition_dataset("digits", 30, "iid", parts, seed=0)
-    generators = {"a": tmp_path / "ga.pt", "b": tmp_path / "gb.pt"}
+    parts = site0[0]
+    generators = {"a": site0[2], "b": tmp_path / "gb.pt"}
     plans = provision(
         tmp_path / "fed",
         ["a", "b"],
@@ -205,12 +250,9 @@ def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
     from p2pfl.learning.data import load_site_data
 
     data = load_site_data(load_config(plans[0].config_path).data, seed=0)
-    memoriser = memorising_generator(
-        data.train_uint8[:8], np.asarray(data.train_labels)[:8], num_classes=10, steps=600
-    )
-    save(memoriser, generators["a"])
+    memoriser = memorised_site0(site0, data.train_uint8)
     torch.manual_seed(1)
-    save(Generator(memoriser.spec), generators["b"])
+    save(Generator(load_generator(memoriser)[0].spec), generators["b"])
     with InProcessFederation(plans) as fed:
         status = fed["a"].wait_for(
             lambda s: bool(s.get("privacy_gate")), 120, "the privacy gate's decision"
@@ -225,15 +267,14 @@ def test_the_refusal_is_visible_on_status_of_a_real_node(tmp_path):
     assert codes == {"a": 1, "b": 0}, codes
 
 
-def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys):
+def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys, site0):
     """`p2pfl-node genbuffer sample` runs the same gate: a memorising generator's
     buffer is not written, and the reason is one line with exit status 2."""
     import argparse
 
     from genbuffer.cli import add_genbuffer_parser
 
-    parts = tmp_path / "parts"
-    partition_dataset("digits", 30, "iid", parts, seed=0)
+    parts = site0[0]
     config = tmp_path / "site.yaml"
     config.write_text(
         f"seed: 0\ndata: {{source: {parts / 'site_0.npz'}, image_size: 16}}\n"
@@ -244,10 +285,7 @@ def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys):
     from p2pfl.learning.data import load_site_data
 
     data = load_site_data(load_genbuffer_config(config).data, seed=0)
-    memoriser = memorising_generator(
-        data.train_uint8[:8], np.asarray(data.train_labels)[:8], num_classes=10, steps=600
-    )
-    generator = save(memoriser, tmp_path / "memoriser.pt")
+    generator = memorised_site0(site0, data.train_uint8)
     parser = argparse.ArgumentParser(prog="p2pfl-node")
     add_genbuffer_parser(parser.add_subparsers(dest="command"))
     argv = ["genbuffer", "sample", "--config", str(config), "--checkpoint", str(generator)]
@@ -259,14 +297,14 @@ def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys):
     assert read_decision(tmp_path / "gan")["released"] is False
 
 
-def test_switching_the_gate_off_is_explicit_and_loud(tmp_path, caplog):
+def test_switching_the_gate_off_is_explicit_and_loud(tmp_path, caplog, parts):
     import logging
 
     from genbuffer.gate import gate_status
     from protocols.feder import make_buffer
     from protocols.site import build_site
 
-    configs = _feder_configs(tmp_path)
+    configs = _feder_configs(tmp_path, parts)
     config = configs[0]
     torch.manual_seed(0)
     spec = GeneratorSpec(num_classes=10, resolution=16, channels=1, **TINY)

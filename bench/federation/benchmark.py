@@ -44,12 +44,16 @@ def run_benchmark(
     out: Path,
     *,
     baselines: bool = True,
+    compute_limit: bool = True,
     threshold: float = 0.9,
     report: Report = stdout_line,
     on_started: OnStarted | None = None,
 ) -> BenchmarkResult:
     """Partition once, run the federation for every (heuristic, c) in `cells`,
-    the baselines once, and write results.json and the plots under `out`."""
+    the baselines once, and write results.json and the plots under `out`.
+    `compute_limit=False` skips timing one epoch of every site (the compute
+    limit's figures are then absent): a caller that never reads them saves
+    two local rounds per site."""
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     sources, partition_summary = partition(base, out / "data")
@@ -73,8 +77,10 @@ def run_benchmark(
         if outcome.failure is not None:
             return failed_benchmark(out, spec, outcome, time.perf_counter() - started)
         report(f"--- {spec.label}: done in {outcomes[-1].wall_s:.1f} s")
-    report("compute limit: one epoch over every site's data, one thread (in process)")
-    site_epochs = epoch_seconds(base, sources, out / "limit_state")
+    site_epochs: list[float] | None = None  # --no-compute-limit: not measured
+    if compute_limit:
+        report("compute limit: one epoch over every site's data, one thread (in process)")
+        site_epochs = list(epoch_seconds(base, sources, out / "limit_state"))
     reference: dict[str, Any] | None = None
     if baselines:
         report("baselines: standalone and centralized FedAvg (in process, same partition)")
@@ -83,7 +89,8 @@ def run_benchmark(
     global_test = (reference or {}).pop("global_test", None)
     summaries = [summarize_run(s, o, threshold) for s, o in zip(specs, outcomes, strict=True)]
     for m in summaries:
-        m.update(limit_figures(m, site_epochs))
+        if site_epochs is not None:
+            m.update(limit_figures(m, site_epochs))
     plot_paths = write_plots(out, specs, outcomes, summaries, reference, threshold)
     global_nodes = nodes_on_global_test(out, specs, outcomes, sources, global_test)
     gains = site_gains(
@@ -102,7 +109,8 @@ def run_benchmark(
         summary = with_baselines(summaries[0], reference)
     else:
         summary = grid_summary(base, outcomes, summaries, reference)
-        summary.update(limit_figures({}, site_epochs))
+        if site_epochs is not None:
+            summary.update(limit_figures({}, site_epochs))
     summary["benchmark_wall_s"] = round(time.perf_counter() - started, 1)
     summary["results"] = str(out / "results.json")
     config = {

@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
+        "--compute-limit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time one epoch of every site for the compute-limit figures (epoch_s, "
+        "critical_path_ratio); --no-compute-limit skips it",
+    )
+    parser.add_argument(
         "--threshold",
         type=float,
         default=0.9,
@@ -277,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grid_cells(args),
             args.out,
             baselines=args.baselines,
+            compute_limit=args.compute_limit,
             threshold=args.threshold,
         )
     except (PartitionError, DataError) as exc:  # refused up front, before any node starts

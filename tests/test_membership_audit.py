@@ -33,6 +33,7 @@ from genbuffer.privacy import build_perceptual_distance
 from genbuffer.progress import TrainingProgress
 from node.status import create_status_app, start_status_server
 from node.telemetry import Telemetry
+from p2pfl.learning.data.partition import partition_dataset
 from tests.test_genbuffer import tiny_section
 from tests.test_privacy_gate import _feder_configs, digits16
 
@@ -180,7 +181,9 @@ async def test_gan_training_progress_reaches_the_status_phase(tmp_path, monkeypa
     from protocols.feder import make_buffer
     from protocols.site import build_site
 
-    config = _feder_configs(tmp_path)[0]
+    parts = tmp_path / "parts"
+    partition_dataset("digits", 30, "iid", parts, seed=0)  # small sites: ~40 training images
+    config = _feder_configs(tmp_path, parts)[0]
     config.protocol.generator = None  # train it
     section = tiny_section(
         iterations=4,

@@ -154,12 +154,15 @@ class FaultPlan:
         append_lines(self._sidecar(".events.jsonl"), [line])
 
     # ------------------------------------------------------------------ hooks
-    def on_progress(self, round_no: int, phase: str) -> None:
-        """Called by the node at every round and phase change."""
+    def on_progress(self, round_no: int, phase: str, *, own: bool = True) -> None:
+        """Called by the node at every round and phase change (`own`), and for
+        each request it is asked or answers (`own=False`: `round_no` is then
+        the requester's round, which may trigger a kill but never moves this
+        node's partition: that follows its own rounds only)."""
         if self.path is None:
             return
         self.reload()
-        isolated = any(a <= round_no < b for a, b in self.partitions)
+        isolated = any(a <= round_no < b for a, b in self.partitions) if own else self.isolated
         if isolated != self.isolated:
             self.isolated = isolated
             self.event("partition_start" if isolated else "partition_end", round=round_no)

@@ -175,7 +175,7 @@ class Inbound:
         kind = header.kind[len(REQUEST_PREFIX) :]
         if self.faults.active:
             # drill: crash on a request before answering it (e.g. "asked:secagg:mask")
-            self.faults.on_progress(header.round, self._step("asked", kind, query))
+            self.faults.on_progress(header.round, self._step("asked", kind, query), own=False)
         deadline = time.monotonic() + min(control.wait_s, self.cfg.transport.request_timeout_s)
         payload = await self._answer(header.sender, kind, query, deadline)
         encrypt = self.cfg.wire.encryption
@@ -192,7 +192,7 @@ class Inbound:
         if self.faults.active:
             self.faults.remember_reply(header.sender, reply.chunks)
             # drill: crash right after answering (e.g. "answered:secagg:share")
-            self.faults.on_progress(header.round, self._step("answered", kind, query))
+            self.faults.on_progress(header.round, self._step("answered", kind, query), own=False)
         return 200, reply.chunks
 
     async def _answer(self, sender: str, kind: str, query: dict[str, Any], deadline: float) -> Any:
@@ -269,7 +269,7 @@ class Inbound:
             header.sender,
         )
         if self.faults.active:
-            self.faults.on_progress(header.round, "acked")  # drill: crash right after an ack
+            self.faults.on_progress(header.round, "acked", own=False)  # drill: crash after an ack
         return 200, None
 
     async def _keep(self, incoming: IncomingFrame, payload: Any, queue: Any) -> None:

@@ -294,6 +294,10 @@ def run_export(args: argparse.Namespace) -> int:
         )
     cross = _cross_site(args.cross_site)
     state, model_round = checkpointed_model(cfg, args.config, args.which)
+    which = args.which
+    if which == "best":  # say which model that was: the site's choice on validation
+        choice = personalization_choice(cfg)
+        which = f"best ({choice['reported'] if choice else 'federated'})"
     site = LocalSite.from_config(cfg)
     site.load_state_dict(state)
     arch = Architecture(
@@ -322,15 +326,15 @@ def run_export(args: argparse.Namespace) -> int:
             site.data.class_names,
             args.formats,
             check,
-            extra={"site": cfg.node.name, "which": args.which, "round": model_round},
+            extra={"site": cfg.node.name, "which": which, "round": model_round},
         )
-    card = model_card(cfg, site, args.which, model_round, evaluation, cross, description["files"])
+    card = model_card(cfg, site, which, model_round, evaluation, cross, description["files"])
     atomic_write_text(args.out / "model_card.json", json.dumps(card, indent=2) + "\n")
     atomic_write_text(args.out / "model_card.md", card_markdown(card))
     summary = {
         "out": str(args.out),
         "formats": list(description["files"]),
-        "which": args.which,
+        "which": which,
         "round": model_round,
         "max_abs_diff": {f: e["max_abs_diff"] for f, e in description["files"].items()},
         **(

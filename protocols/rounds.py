@@ -119,12 +119,13 @@ class RoundLoop(Protocol, Generic[P]):
             lr = self.schedule_lr(ctx, site, r)
             if lr is not None:
                 rnd.log["lr"] = lr
-            self.personal.start_round(site)
             for phase in self.phases:
                 if phase == self.quorum_phase:
                     await self.wait_for_quorum(ctx)
                 ctx.set_phase(phase)
                 phase_start = time.perf_counter()
+                if phase == "train":  # Ditto: w, the model this round's training starts from
+                    self.personal.start_round(site)
                 kept_norm = self.personal.keep_norm(site) if phase == "aggregate" else None
                 await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
                 self.personal.restore_norm(site, kept_norm)  # FedBN: the site's own BatchNorm
@@ -145,9 +146,10 @@ class RoundLoop(Protocol, Generic[P]):
                 metrics = await self.evaluate_round(ctx, site)
                 metrics.update(self.best.observe(r, metrics, site.state_dict))
                 metrics.update(await ctx.run_blocking(self.personal.observe, r, site))
-                if r == self.params.rounds and self.personal.choice is None:
+                made_after = (self.personal.choice or {}).get("round")
+                if r == self.params.rounds and made_after != r:  # (again, if rounds grew)
                     ctx.set_phase("personalize")  # the personal model, and which to report
-                    metrics.update(await ctx.run_blocking(self.personal.choose, site, self.best))
+                    metrics.update(await ctx.run_blocking(self.personal.choose, site, self.best, r))
                 self.show_training(ctx, site)
             # A hook's own timers (FedSGDP2P splits its steps) win over the phase's.
             values = {**metrics, **timers, **rnd.log}

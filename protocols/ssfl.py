@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from p2pfl.config import SSFLParams
+from p2pfl.config import ConfigError, SSFLParams
 from p2pfl.learning.class_weights import class_weighting
 from p2pfl.learning.evaluate import CALIBRATION_KEYS, evaluate_site
 from p2pfl.learning.semisup import fixmatch_epoch, peer_model_from_state
@@ -52,6 +52,14 @@ class SSFL(FedAvgP2P):
         return num_images(site)
 
     async def setup(self, ctx: RoundContext) -> Any:
+        if ctx.config.training.logit_adjustment:
+            raise ConfigError(
+                "site.yaml",
+                "training.logit_adjustment",
+                f"{self.name}'s FixMatch loss does not apply balanced softmax (it weights its "
+                "supervised term by protocol.class_weighted)",
+                "leave logit_adjustment out for this protocol",
+            )
         site = await super().setup(ctx)
         # FixMatch weights its supervised loss by protocol.class_weighted (the
         # reference code's choice), not training.class_weighted: /status says so.

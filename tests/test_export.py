@@ -177,7 +177,9 @@ def test_every_format_round_trips_to_the_nodes_own_classes(trained, tmp_path, ca
     assert len(labels) == len(images)
 
     card = json.loads((out / "model_card.json").read_text())
-    assert card["site"] == "a" and card["model"]["which"] == "best"
+    # `best` is the model the site chose on validation; a trains under DP, so
+    # it keeps no personal model and reports its federated one
+    assert card["site"] == "a" and card["model"]["which"] == "best (federated)"
     assert card["training"]["protocol"] == "fedavgp2p" and card["training"]["rounds"] == 2
     cfg = load_config(trained, check_files=False)
     site = LocalSite.from_config(cfg)

@@ -306,6 +306,12 @@ class TrainingSection(Section):
 
     @model_validator(mode="after")
     def _dp_trains_with_its_recipe(self) -> TrainingSection:
+        if self.logit_adjustment and (self.recipe == "dp" or self.dp is not None):
+            raise ValueError(
+                "training.logit_adjustment is not applied by the DP recipe's per-sample loss "
+                "(training.dp or recipe: dp), which keeps its class balance after clipping: "
+                "leave logit_adjustment out with the DP recipe"
+            )
         if self.dp is not None:
             if "recipe" in self.model_fields_set and self.recipe != "dp":
                 raise ValueError(

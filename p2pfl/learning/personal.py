@@ -109,6 +109,7 @@ class Personalization:
         self.start_state: dict[str, Tensor] | None = None  # ditto: w of the round
         self.best = BestModel()  # the personal model's best on validation
         self.choice: dict[str, Any] | None = None
+        self.finetune_epoch: int | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._keys = norm_keys(site.model) if self.section.local_norm and classifier else []
 
@@ -133,7 +134,8 @@ class Personalization:
     # ------------------------------------------------------------------ ditto
 
     def start_round(self, site: Any) -> None:
-        """ditto: the federated model w the round starts from."""
+        """ditto: the federated model w the round's training starts from (called
+        right before the train phase: FedER merges the relayed model first)."""
         if self.method == "ditto":
             self.start_state = site.state_dict()
             if self.state is None:  # v starts where the federation starts
@@ -212,11 +214,12 @@ class Personalization:
                 self._steps(site, optimizer)
                 metrics = evaluate_site(site, REPORTED_FIGURES)
                 metrics.pop("per_class_f1", None)
-                self.best.observe(epoch, metrics, site.state_dict)
+                if self.best.observe(epoch, metrics, site.state_dict) and self.best.round == epoch:
+                    self.finetune_epoch = epoch
 
     # ------------------------------------------------------------------ the choice
 
-    def choose(self, site: Any, federated: BestModel) -> dict[str, Any]:
+    def choose(self, site: Any, federated: BestModel, round_no: int = 0) -> dict[str, Any]:
         """After the last round: the personal model (fine-tuned now, or
         ditto's best), and which of the two the site reports: the better on
         validation macro-F1; the federated one on a tie or without a
@@ -231,7 +234,11 @@ class Personalization:
             if self.method == "finetune":
                 start = federated.state if federated.state is not None else site.state_dict()
                 self.best = BestModel()
+                self.finetune_epoch = None
                 self.finetune(site, start)
+                # the personal model is of the federated round it was tuned from
+                # (export, the model card); the epoch is kept beside it
+                self.best.round = federated.round if federated.round is not None else round_no
             personal_val = self.best.val_macro_f1
             federated_val = federated.val_macro_f1
             better = personal_val is not None and (
@@ -248,9 +255,11 @@ class Personalization:
                 "personal_val_macro_f1": personal_val,
                 "federated_val_macro_f1": federated_val,
                 "personal_round": self.best.round,
+                "finetune_epoch": self.finetune_epoch if self.method == "finetune" else None,
                 "personal_test": dict(self.best.test),
             }
         self.choice["method"] = self.method
+        self.choice["round"] = int(round_no)  # the last round it was made after
         self.choice["federated_test"] = dict(federated.test)
         log.info(
             "personalization (%s): reporting the %s model (%s)",
@@ -282,13 +291,6 @@ class Personalization:
         if self.choice.get("personal_val_macro_f1") is not None:
             out["personal_val_macro_f1"] = self.choice["personal_val_macro_f1"]
         return out
-
-    def reported_state(self, federated: BestModel) -> dict[str, Tensor] | None:
-        """The weights of the model the site reports (None: the federated best
-        or the latest, as before personalization)."""
-        if self.choice and self.choice["reported"] == "personal":
-            return self.best.state
-        return None
 
     def summary(self) -> dict[str, Any]:
         """/status's training.personalization block."""

@@ -167,7 +167,9 @@ class LocalSite(Trainer):
                 embeddings = self.model.embed(x)
                 return contrastive_loss(embeddings.float(), y, margin=self.model.margin)
             logits = self.model(x).float()
-            if self.log_prior is not None:  # balanced softmax: the site's prior in training only
+            if self.log_prior is not None and isinstance(weight, str):
+                # balanced softmax: the site's prior, in training only; a caller's own
+                # weights (FedER's replayed images) are another class mix: kept below
                 return F.cross_entropy(logits + self.log_prior, y)
             w = self.class_weight if isinstance(weight, str) else weight
             return F.cross_entropy(logits, y, weight=w)

@@ -35,7 +35,6 @@ lowest site gain), and one JSON object (the summary) as the last stdout line.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -49,23 +48,21 @@ from typing import Any
 
 from bench.baselines import standalone
 from bench.federation.baselines import per_site_last
-from bench.federation.outcome import Report, bench_row, stdout_line
+from bench.federation.inmemory import run_in_memory
+from bench.federation.outcome import Report, stdout_line
 from bench.federation.specs import (
     RunSpec,
     in_process_configs,
     one_torch_thread,
     partition,
-    protocol_section,
-    shared_sections,
     site_names,
     spec_from_options,
 )
 from bench.federation.stats import last_records, site_gain_table
-from p2pfl.config import SiteConfig, protocol_names
+from p2pfl.config import protocol_names
 from p2pfl.files import atomic_write_text
 from p2pfl.learning.data.partition import PartitionError
 from p2pfl.learning.data.sources import DataError
-from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 
 # method -> the training: fields it sets (everything else is the run's own)
 METHODS: dict[str, dict[str, Any]] = {
@@ -77,68 +74,6 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_PROTOCOLS = ("fedavgp2p", "fedsgdp2p")
 PLOT_NAME = "personalization_gain.png"
-
-
-def variant_configs(
-    spec: RunSpec, sources: Sequence[Path], state_root: Path, training: dict[str, Any]
-) -> list[SiteConfig]:
-    """`in_process_configs` with `training` fields added to every site's
-    training: section (validated as a site.yaml is)."""
-    sections = shared_sections(spec)
-    sections["training"] = {**sections["training"], **training}
-    return simulation_configs(
-        [str(s) for s in sources],
-        protocol=protocol_section(spec),
-        names=site_names(spec.nodes),
-        federation_id="bench",
-        seed=spec.seed,
-        state_root=state_root,
-        **sections,
-    )
-
-
-def run_variant(
-    spec: RunSpec, configs: Sequence[SiteConfig], report: Report
-) -> tuple[list[dict[str, Any]], dict[str, str], bool]:
-    """Every node of one variant in this process (bench.federation's in-memory
-    mode, one failed node ends the run): (rows, node errors, timed out)."""
-    network = InMemoryNetwork(keep_checkpoints=False)
-    started = time.perf_counter()
-
-    async def follow() -> SimulationResult:
-        task = asyncio.create_task(simulate(configs, network=network, fail_fast=True))
-        printed = 0
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
-                printed = _rounds_done(network.records, spec, printed, started, report)
-            return task.result()
-        finally:
-            task.cancel()
-
-    try:
-        result = asyncio.run(asyncio.wait_for(follow(), spec.timeout_s))
-    except TimeoutError:
-        return [bench_row(r, spec) for r in network.records], {}, True
-    return [bench_row(r, spec) for r in network.records], dict(result.errors), False
-
-
-def _rounds_done(
-    records: list[dict[str, Any]], spec: RunSpec, printed: int, started: float, report: Report
-) -> int:
-    """One progress line per round that every node has logged."""
-    by_round: dict[int, list[float]] = {}
-    for r in records:
-        by_round.setdefault(r["round"], []).append(float(r.get("macro_f1", math.nan)))
-    while printed + 1 in by_round and len(by_round[printed + 1]) >= spec.nodes:
-        printed += 1
-        values = [v for v in by_round[printed] if not math.isnan(v)]
-        mean = statistics.fmean(values) if values else math.nan
-        report(
-            f"  [{time.perf_counter() - started:6.1f}s] round {printed}/{spec.rounds}: "
-            f"macro-F1 mean {mean:.3f} (latest federated model)"
-        )
-    return printed
 
 
 def refusal(errors: dict[str, str], training: dict[str, Any]) -> str | None:
@@ -213,10 +148,14 @@ def run_personalization(
                 f"--- {protocol} / {method}: {spec.nodes} nodes, {spec.rounds} rounds (in memory)"
             )
             t0 = time.perf_counter()
-            configs = variant_configs(
-                spec, sources, out / "fed" / protocol / method / "state", METHODS[method]
+            outcome = run_in_memory(
+                spec,
+                sources,
+                out / "fed" / protocol / method / "state",
+                report=report,
+                training=METHODS[method],
             )
-            rows, errors, timed_out = run_variant(spec, configs, report)
+            rows, errors, timed_out = outcome.rows, outcome.errors, outcome.timed_out
             cell: dict[str, Any] = {
                 "protocol": protocol,
                 "method": method,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import personalization
-from bench.federation.specs import RunSpec, partition
+from bench.federation.specs import RunSpec, in_process_configs, partition
 
 TINY = [
     "--data",
@@ -106,7 +106,7 @@ def test_each_method_sets_only_its_own_training_fields(tmp_path: Path) -> None:
     sources, _ = partition(spec, tmp_path / "data")
     seen = {}
     for method, fields in personalization.METHODS.items():
-        configs = personalization.variant_configs(spec, sources, tmp_path / method, fields)
+        configs = in_process_configs(spec, sources, tmp_path / method, fields)
         training = configs[0].training
         seen[method] = (
             training.personalization.method,

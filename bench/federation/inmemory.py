@@ -19,12 +19,18 @@ from protocols.memory import InMemoryNetwork, SimulationResult, simulate
 
 
 def run_in_memory(
-    spec: RunSpec, sources: Sequence[Path], state_root: Path, *, report: Report = stdout_line
+    spec: RunSpec,
+    sources: Sequence[Path],
+    state_root: Path,
+    *,
+    report: Report = stdout_line,
+    training: dict[str, Any] | None = None,
 ) -> RunOutcome:
     """All nodes in this process over InMemoryNetwork; one progress line per
-    round once every node has reported it."""
+    round once every node has reported it. `training`: fields added to every
+    site's training: section (`in_process_configs`)."""
     one_torch_thread()  # the nodes' training threads share the cores
-    configs = in_process_configs(spec, sources, state_root)
+    configs = in_process_configs(spec, sources, state_root, training)
     network = InMemoryNetwork(keep_checkpoints=False)  # no node restarts in a benchmark
     started = time.perf_counter()
 

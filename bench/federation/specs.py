@@ -186,9 +186,17 @@ def one_torch_thread() -> None:
 
 
 def in_process_configs(
-    spec: RunSpec, sources: Sequence[Path], state_root: Path
+    spec: RunSpec,
+    sources: Sequence[Path],
+    state_root: Path,
+    training: dict[str, Any] | None = None,
 ) -> list[SiteConfig]:
-    """Site configs of the nodes run in this process (in-memory nodes, baselines)."""
+    """Site configs of the nodes run in this process (in-memory nodes,
+    baselines); `training` adds fields to every site's training: section
+    (bench.personalization's methods), validated as a site.yaml is."""
+    sections = shared_sections(spec)
+    if training:
+        sections["training"] = {**sections["training"], **training}
     return simulation_configs(
         [str(s) for s in sources],
         protocol=protocol_section(spec),
@@ -196,5 +204,5 @@ def in_process_configs(
         federation_id="bench",
         seed=spec.seed,
         state_root=state_root,
-        **shared_sections(spec),
+        **sections,
     )

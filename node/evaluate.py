@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,38 @@ def latest_model(cfg: SiteConfig, path: Path, which: str = "latest") -> dict[str
     return checkpointed_model(cfg, path, which)[0]
 
 
-def checkpointed_model(
-    cfg: SiteConfig, path: Path, which: str = "latest"
-) -> tuple[dict[str, torch.Tensor], int | None]:
-    """(`latest_model`'s model, the round it is the model of) from one read of
-    the last checkpoint; `which` is one of WHICH_MODELS."""
+# which -> (where a checkpoint keeps it, why it may not, what to do instead)
+KEPT_MODELS = {
+    "personal": (
+        ("personal", "best"),
+        "no personal model (training.personalization.method none, no validation split, "
+        "or the run has not reached its last round)",
+        "export --which federated (or best), or run with personalization",
+    ),
+    "federated": (
+        ("best",),
+        "no best model (the site has no validation split, or the node ran before best "
+        "models were kept)",
+        "evaluate --model latest, or give the site a val split (data.val_fraction)",
+    ),
+}
+
+
+@dataclass
+class Checkpointed:
+    """A model read from the node's last checkpoint: its weights, the round it
+    is the model of, which model it is (`best` resolved to personal or
+    federated) and the site's personalization choice (None before it)."""
+
+    state: dict[str, torch.Tensor]
+    round: int | None
+    which: str
+    choice: dict[str, Any] | None
+
+
+def read_checkpointed(cfg: SiteConfig, path: Path, which: str = "latest") -> Checkpointed:
+    """One read of the last checkpoint: the model `which` (one of WHICH_MODELS)
+    names, with the choice that resolves `best`."""
     state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest()
     if not state or not isinstance(state.get("protocol"), dict) or "model" not in state["protocol"]:
         raise ConfigError(
@@ -71,44 +99,38 @@ def checkpointed_model(
             "run the node first",
         )
     saved = state["protocol"]
-    personal = saved.get("personal") if isinstance(saved.get("personal"), dict) else {}
-    choice = personal.get("choice") if isinstance(personal.get("choice"), dict) else {}
+    choice = _dict_at(saved, ("personal", "choice"))
     if which == "best":  # the model the site reports: chosen on its validation split
-        which = "personal" if choice.get("reported") == "personal" else "federated"
-    if which == "personal":
-        entry = personal.get("best")
-        if not isinstance(entry, dict) or not isinstance(entry.get("model"), dict):
-            raise ConfigError(
-                path,
-                "node.state_dir",
-                f"the last checkpoint in {cfg.node.state_dir}/checkpoints keeps no personal "
-                "model (training.personalization.method none, no validation split, or the "
-                "run has not reached its last round)",
-                "export --which federated (or best), or run with personalization",
-            )
-        return entry["model"], _round_of(entry)
-    if which == "federated":
-        best = saved.get("best")
-        if not isinstance(best, dict) or not isinstance(best.get("model"), dict):
-            raise ConfigError(
-                path,
-                "node.state_dir",
-                f"the last checkpoint in {cfg.node.state_dir}/checkpoints keeps no best model "
-                "(the site has no validation split, or the node ran before best models were kept)",
-                "evaluate --model latest, or give the site a val split (data.val_fraction)",
-            )
-        return best["model"], _round_of(best)
-    return state["protocol"]["model"], _round_of(state["protocol"])
+        which = "personal" if (choice or {}).get("reported") == "personal" else "federated"
+    if which not in KEPT_MODELS:
+        return Checkpointed(saved["model"], _round_of(saved), which, choice)
+    keys, missing, hint = KEPT_MODELS[which]
+    entry = _dict_at(saved, keys)
+    if entry is None or not isinstance(entry.get("model"), dict):
+        raise ConfigError(
+            path,
+            "node.state_dir",
+            f"the last checkpoint in {cfg.node.state_dir}/checkpoints keeps {missing}",
+            hint,
+        )
+    return Checkpointed(entry["model"], _round_of(entry), which, choice)
 
 
-def personalization_choice(cfg: SiteConfig) -> dict[str, Any] | None:
-    """The last checkpoint's personalization choice (method, which model the
-    site reports and why, both models' figures), or None before it is made."""
-    state = Checkpoints(Path(cfg.node.state_dir) / "checkpoints").latest()
-    protocol = state.get("protocol") if isinstance(state, dict) else None
-    personal = protocol.get("personal") if isinstance(protocol, dict) else None
-    choice = personal.get("choice") if isinstance(personal, dict) else None
-    return dict(choice) if isinstance(choice, dict) else None
+def checkpointed_model(
+    cfg: SiteConfig, path: Path, which: str = "latest"
+) -> tuple[dict[str, torch.Tensor], int | None]:
+    """(`latest_model`'s model, the round it is the model of) from one read of
+    the last checkpoint; `which` is one of WHICH_MODELS."""
+    found = read_checkpointed(cfg, path, which)
+    return found.state, found.round
+
+
+def _dict_at(saved: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """saved[k1][k2]... when every step is a dict, else None."""
+    value: Any = saved
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
 
 
 def _round_of(entry: dict[str, Any]) -> int | None:

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from node.evaluate import WHICH_MODELS, checkpointed_model, personalization_choice
+from node.evaluate import WHICH_MODELS, read_checkpointed
 from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
 from p2pfl.files import atomic_write_text
@@ -148,6 +148,7 @@ def model_card(
     evaluation: dict[str, Any] | None,
     cross_site: dict[str, Any] | None,
     files: dict[str, Any],
+    choice: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "site": cfg.node.name,
@@ -180,7 +181,7 @@ def model_card(
         },
         "evaluation_this_site": evaluation,
         "evaluation_cross_site": cross_site,
-        "personalization": personalization_choice(cfg),
+        "personalization": choice,
         "privacy": privacy_settings(cfg, model_round),
         "limitations": [
             "Evaluated on this site's own test split; other sites' images may differ "
@@ -293,11 +294,10 @@ def run_export(args: argparse.Namespace) -> int:
             "export a site whose model.name builds the whole network"
         )
     cross = _cross_site(args.cross_site)
-    state, model_round = checkpointed_model(cfg, args.config, args.which)
-    which = args.which
-    if which == "best":  # say which model that was: the site's choice on validation
-        choice = personalization_choice(cfg)
-        which = f"best ({choice['reported'] if choice else 'federated'})"
+    found = read_checkpointed(cfg, args.config, args.which)
+    state, model_round, choice = found.state, found.round, found.choice
+    # `best` is the site's choice on validation: say which model that was
+    which = f"best ({found.which})" if args.which == "best" else args.which
     site = LocalSite.from_config(cfg)
     site.load_state_dict(state)
     arch = Architecture(
@@ -328,7 +328,9 @@ def run_export(args: argparse.Namespace) -> int:
             check,
             extra={"site": cfg.node.name, "which": which, "round": model_round},
         )
-    card = model_card(cfg, site, which, model_round, evaluation, cross, description["files"])
+    card = model_card(
+        cfg, site, which, model_round, evaluation, cross, description["files"], choice
+    )
     atomic_write_text(args.out / "model_card.json", json.dumps(card, indent=2) + "\n")
     atomic_write_text(args.out / "model_card.md", card_markdown(card))
     summary = {

@@ -124,13 +124,9 @@ class RoundLoop(Protocol, Generic[P]):
                     await self.wait_for_quorum(ctx)
                 ctx.set_phase(phase)
                 phase_start = time.perf_counter()
-                if phase == "train":  # Ditto: w, the model this round's training starts from
-                    self.personal.start_round(site)
-                kept_norm = self.personal.keep_norm(site) if phase == "aggregate" else None
-                await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
-                self.personal.restore_norm(site, kept_norm)  # FedBN: the site's own BatchNorm
+                await self.run_phase(ctx, site, rnd, phase)
                 timers[f"{phase}_s"] = time.perf_counter() - phase_start
-                if phase == "train":  # Ditto: the personal model's steps of the round
+                if phase == "train" and self.personal.ditto:  # the personal model's steps
                     rnd.log.update(await ctx.run_blocking(self.personal.after_fit, site))
             self.note_merged(r, rnd.merged)
             dp = getattr(site, "dp", None)
@@ -145,7 +141,8 @@ class RoundLoop(Protocol, Generic[P]):
                 ctx.set_phase("evaluate")
                 metrics = await self.evaluate_round(ctx, site)
                 metrics.update(self.best.observe(r, metrics, site.state_dict))
-                metrics.update(await ctx.run_blocking(self.personal.observe, r, site))
+                if self.personal.ditto:  # the personal model's figures, its best round
+                    metrics.update(await ctx.run_blocking(self.personal.observe, r, site))
                 made_after = (self.personal.choice or {}).get("round")
                 if r == self.params.rounds and made_after != r:  # (again, if rounds grew)
                     ctx.set_phase("personalize")  # the personal model, and which to report
@@ -166,6 +163,20 @@ class RoundLoop(Protocol, Generic[P]):
             # with interval_s 0): give the event loop its turn, or /healthz,
             # heartbeats and SIGTERM starve behind it.
             await asyncio.sleep(0)
+
+    async def run_phase(self, ctx: RoundContext, site: Any, rnd: Round, phase: str) -> None:
+        """The phase's hook, with what personalization needs around it (off the
+        event loop: state copies): Ditto's w, the model the round's training
+        starts from; FedBN's BatchNorm entries, the site's own again after a merge."""
+        personal = self.personal
+        if phase == "train" and personal.ditto:
+            await ctx.run_blocking(personal.start_round, site)
+        kept = None
+        if phase == "aggregate" and personal.local_norm:
+            kept = await ctx.run_blocking(personal.keep_norm, site)
+        await getattr(self, PHASE_HOOKS[phase])(ctx, site, rnd)
+        if kept is not None:
+            await ctx.run_blocking(personal.restore_norm, site, kept)
 
     @property
     def quorum_phase(self) -> str:

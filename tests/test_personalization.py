@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from inproc_util import InProcessFederation
 from safetensors.torch import load_file
+from test_export import FAST as EXPORT_FAST
 
 from node.cli import main
 from node.evaluate import checkpointed_model
@@ -37,17 +38,7 @@ from p2pfl.learning.data import SiteData
 from p2pfl.learning.personal import Personalization, norm_keys, resolve_method
 from p2pfl.learning.train import LocalSite
 
-FAST = {
-    "transport": {
-        "heartbeat_s": 0.3,
-        "suspect_after_s": 1.5,
-        "dead_after_s": 3.0,
-        "retries": 0,
-        "backoff_base_s": 0.05,
-    },
-    "training": {"max_steps_per_epoch": 4, "threads": 1},
-    "data": {"augment": "none"},
-}
+FAST = EXPORT_FAST  # the export tests' quick transport and training
 
 
 def digits_config(tmp_path: Path, **training: Any) -> SiteConfig:

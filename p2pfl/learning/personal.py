@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from p2pfl.config import TrainingSection
-from p2pfl.learning.best import CHOOSE_BY, BestModel
+from p2pfl.learning.best import BestModel
 from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.optimizer import (
     build_optimizer,
@@ -99,8 +99,7 @@ class Personalization:
 
     def __init__(self, training: TrainingSection, site: Any) -> None:
         self.section = training.personalization
-        classifier = personalizable(site)  # not the probe's site (None), nor a pre-training one
-        self.classifier = classifier
+        self.classifier = classifier = personalizable(site)  # not the probe's None, nor MAE
         self.method = resolve_method(training) if classifier else "none"
         val = site.data.val if classifier else None
         self.has_val = val is not None and len(val) > 0
@@ -116,6 +115,16 @@ class Personalization:
     @property
     def active(self) -> bool:
         return self.method != "none"
+
+    @property
+    def ditto(self) -> bool:
+        """A personal model trained every round (its steps follow the train phase)."""
+        return self.method == "ditto"
+
+    @property
+    def local_norm(self) -> bool:
+        """FedBN: BatchNorm entries to keep through every merge."""
+        return bool(self._keys)
 
     # ------------------------------------------------------------------ FedBN
 
@@ -296,7 +305,7 @@ class Personalization:
         """/status's training.personalization block."""
         return {
             "method": self.method,
-            "local_norm": bool(self._keys),
+            "local_norm": self.local_norm,
             "choice": self.choice,
             "personal_best": self.best.summary(),
         }
@@ -329,6 +338,3 @@ def _proximal(model: nn.Module, anchor: dict[str, Tensor], lam: float) -> Tensor
     for name, param in model.named_parameters():
         total = total + (param - anchor[name]).pow(2).sum()
     return 0.5 * lam * total
-
-
-__all__ = ["CHOOSE_BY", "Personalization", "norm_keys", "resolve_method", "swapped"]

@@ -301,3 +301,23 @@ def test_export_which_personal_federated_and_best(federation, tmp_path, capsys):
         assert card["model"]["which"] == which
         assert card["personalization"]["reported"] == reported
     capsys.readouterr()
+
+
+def test_dittos_personal_weights_never_stay_in_the_model_the_node_serves(tmp_path):
+    """What a node offers its peers is its site's module after the train phase
+    (FedAVGP2P's fit copies it). Ditto trains the personal model in that same
+    module, swapped in and out: after its steps, and after its evaluation, the
+    module holds the federated weights again, bit for bit."""
+    cfg = digits_config(tmp_path, personalization={"method": "ditto", "ditto_lambda": 0.1})
+    site = site_of(cfg)
+    personal = Personalization(cfg.training, site)
+    for r in (1, 2):
+        personal.start_round(site)
+        site.train_epochs()
+        federated = site.state_dict()
+        personal.after_fit(site)
+        personal.observe(r, site)
+        served = site.state_dict()
+        assert all(torch.equal(served[k], federated[k]) for k in federated), r
+        assert personal.state is not None
+        assert any(not torch.equal(personal.state[k], served[k]) for k in served), r

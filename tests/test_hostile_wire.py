@@ -509,6 +509,7 @@ def _bomb_frame(sender: WireCodec, to: str, kind: str, n: int) -> bytes:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # an absolute latency bound: run alone, after the parallel phase
 def test_a_running_node_stays_live_and_bounded_under_the_three_hostile_messages(tmp_path):
     """Acceptance (issue 28): one NaN-wait request, one 24 MiB decode bomb (a
     heartbeat and a push) and oversized answers from a fake peer, sent to a

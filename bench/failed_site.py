@@ -121,8 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
-    if not args.seed_list or args.rounds < 1 or args.survivors < 2:
-        parser.error("give at least one seed, one round and two survivors")
+    if not args.seed_list or args.rounds < 1 or args.survivors < 1:
+        parser.error("give at least one seed, one round and one survivor")
     return args
 
 

@@ -19,7 +19,7 @@ from bench.secagg_sessions import REQUESTER, Honest, Knowledge
 from p2pfl.secure import tensors
 from protocols import secagg
 from protocols import secagg_primitives as primitives
-from protocols.masking import from_fixed, mask_stream
+from protocols.masking import from_fixed, mask_stream, ring_of
 
 
 def mask_public(advert: dict[str, Any]) -> bytes | None:
@@ -168,7 +168,7 @@ def try_unmask(fed: Honest, known: list[Knowledge]) -> tuple[list[dict[str, Any]
             if len(pair_seeds) < len(partners):
                 continue
             truth = fed.truth(u, model_round)
-            base = y.numpy().reshape(-1).view(np.uint64).copy()
+            base = ring_of(y)
             for v, seed in pair_seeds.items():
                 stream = mask_stream(seed, "w", base.size)
                 base = base - stream if u < v else base + stream

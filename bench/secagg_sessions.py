@@ -23,6 +23,7 @@ from protocols.masking import pair_secret_from_shared
 
 REQUESTER = "mallory"
 ENTRIES = 6  # floats per model: enough to tell a breach from chance
+WEIGHT_SCALE = 16.0  # the sessions' weight unit W: every weight (3 + i) is below it
 
 
 class Site:
@@ -97,7 +98,9 @@ class Honest:
         return model
 
     def truth(self, name: str, model_round: int) -> np.ndarray:
-        return (self.models[(name, model_round)] * self.weights[name]).numpy()
+        """What `name` masks for a model round: w/W * x, W the sessions' weight unit."""
+        share = min(self.weights[name], WEIGHT_SCALE) / WEIGHT_SCALE
+        return (self.models[(name, model_round)] * share).numpy()
 
 
 # ---------------------------------------------------------------------- the adversary's plan
@@ -153,6 +156,7 @@ def base_query(plan: SessionPlan, phase: str, body: dict[str, Any]) -> dict[str,
         "round": plan.round,
         "max_round": plan.max_round,
         "purpose": "model",
+        "weight_scale": WEIGHT_SCALE,
         "body": body,
     }
 

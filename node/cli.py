@@ -25,6 +25,7 @@ from p2pfl.config import (
     load_config,
     protocol_names,
 )
+from p2pfl.config.protocols import secagg_ring_problem
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
@@ -75,6 +76,10 @@ def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
             f"site {cfg.node.name!r} is not in the roster {cfg.federation.roster}",
             "add its card with `p2pfl-node roster add`",
         )
+    # a secure sum has at most the roster's other sites as contributors
+    ring = secagg_ring_problem(cfg.protocol, len(roster.names()) - 1)
+    if ring is not None:
+        raise ConfigError(path, *ring)
     check_config_files(cfg, path)
     identity = LocalIdentity.load(cfg.node.name, cfg.signing_key_path, cfg.agreement_key_path)
     listed, ours = roster[cfg.node.name].card, identity.card()

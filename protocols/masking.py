@@ -1,24 +1,34 @@
 """The arithmetic of additive masking, for secure aggregation (protocols/secagg.py).
 
-A masked value is fixed(w * x) plus keystreams that cancel in the sum over the
-contributors (pairwise masks, each added by one member of a pair and
+A masked value is fixed(w/W * x) plus keystreams that cancel in the sum over
+the contributors (pairwise masks, each added by one member of a pair and
 subtracted by the other) or that the requester removes once it may (self
-masks). Sums are taken mod 2^64, so every mask cancels bit-exactly, and each
+masks). Sums are taken mod 2^32, so every mask cancels bit-exactly, and each
 masked value on its own is uniformly distributed. This module has the pieces:
 the pair secret two roster members derive from their X25519 keys
 (`pair_secret_from_shared`), the fixed-point encoding, and the keystreams.
 
-Domain: fixed point, scale 2^FIXED_POINT_BITS (2^20, resolution ~9.5e-7), in
-uint64 with wraparound (numpy's unsigned arithmetic wraps by definition).
-Range: every |w_i * value| must stay below 2^MAX_VALUE_BITS (2^35, ~3.4e10),
-which leaves room for 2^8 contributors before the int64 sum could overflow.
-A value out of range or not finite is refused (`MaskingError("out_of_range")`),
-never sent in clear. On the wire the masked entries travel as int64 tensors
-(the same 64 bits, reinterpreted).
+Domain: fixed point, scale 2^FIXED_POINT_BITS (2^20: resolution 2^-20, about
+9.5e-7, of the weighted value w/W * x), in uint32 with wraparound (numpy's
+unsigned arithmetic wraps by definition); on the wire the masked entries
+travel as int32 tensors (the same 32 bits, reinterpreted), the size of a
+float32 model. The weight w of a contribution is masked as one more entry in
+the unit W of the session (the requester's `weight_scale`, the most a
+contributor may claim): w/W <= 1, so with the model clipped to L2 norm C every
+|w/W * x_j| <= C.
+
+Range, exact: a contributor to a sum of n refuses any entry whose fixed-point
+value exceeds (2^31 - 1) // n in magnitude (`MaskingError("out_of_range")`,
+never sent in clear), so the n values it is summed with cannot carry the sum
+past an int32: the decoded sum is exact, never wrapped. With a clip norm C no
+honest entry is refused while n * ceil(C * 2^20) <= 2^31 - 1; `check` refuses
+a clip norm for which that fails with the roster's other sites as n
+(p2pfl/config/protocols.py `secagg_ring_overflow`). Not finite: refused too.
 
 Masks are ChaCha20 keystreams (`cryptography`): key = the 32-byte pair secret,
 nonce = SHA-256 of the state-dict entry name, counter 0, so both ends of a
-pair draw the same stream for the same entry on any machine.
+pair draw the same stream for the same entry on any machine; 4 bytes of it per
+entry.
 
 Only floating-point entries are masked and summed; counters such as
 BatchNorm's `num_batches_tracked` are not sent at all (the requester keeps its
@@ -37,13 +47,24 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 from torch import Tensor
 
-FIXED_POINT_BITS = 20
-MAX_VALUE_BITS = 35
+from p2pfl.config.protocols import (
+    SECAGG_FIXED_POINT_BITS,
+    SECAGG_MAX_CONTRIBUTORS,
+    SECAGG_RING_BITS,
+    SECAGG_RING_MAX,
+    secagg_entry_limit,
+)
+
+RING_BITS = SECAGG_RING_BITS
+FIXED_POINT_BITS = SECAGG_FIXED_POINT_BITS
+RING_MAX = SECAGG_RING_MAX  # 2^31 - 1: the largest |sum| that decodes
+WIRE_DTYPE = torch.int32  # how a masked entry travels
 WEIGHT_KEY = "$weight"  # the masked weight travels as one more entry
 PAIR_SECRET_BYTES = 32
 _PAIR_INFO = b"p2pfl pairwise mask v1"
+_ENTRY_BYTES = RING_BITS // 8
 
-Fixed = NDArray[np.uint64]
+Fixed = NDArray[np.uint32]
 
 
 class MaskingError(Exception):
@@ -52,6 +73,11 @@ class MaskingError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def entry_limit(contributors: int = SECAGG_MAX_CONTRIBUTORS) -> int:
+    """The largest |fixed-point value| one of `contributors` may mask."""
+    return secagg_entry_limit(contributors)
 
 
 # ---------------------------------------------------------------------- pair secrets
@@ -81,15 +107,16 @@ def _zeros(nbytes: int) -> memoryview:
 
 
 def mask_stream(secret: bytes, entry: str, numel: int) -> Fixed:
-    """The pair mask of one state-dict entry: `numel` uniform uint64 values
+    """The pair mask of one state-dict entry: `numel` uniform uint32 values
     (the ChaCha20 keystream, encrypted straight into the returned array)."""
     if len(secret) != PAIR_SECRET_BYTES:
         raise MaskingError("bad_secret", f"pair secret must be {PAIR_SECRET_BYTES} bytes")
     nonce = b"\x00" * 4 + hashlib.sha256(entry.encode()).digest()[:12]  # counter 0 + 96-bit nonce
     encryptor = Cipher(algorithms.ChaCha20(secret, nonce), mode=None).encryptor()
-    out = np.empty(numel + 2, dtype="<u8")  # update_into wants 15 bytes of room beyond the data
-    written = encryptor.update_into(_zeros(8 * numel), memoryview(out).cast("B"))
-    assert written == 8 * numel
+    out = np.empty(numel + 4, dtype="<u4")  # update_into wants 15 bytes of room beyond the data
+    nbytes = _ENTRY_BYTES * numel
+    written = encryptor.update_into(_zeros(nbytes), memoryview(out).cast("B"))
+    assert written == nbytes
     return out[:numel]
 
 
@@ -97,27 +124,44 @@ def mask_stream(secret: bytes, entry: str, numel: int) -> Fixed:
 
 
 def to_fixed(
-    values: Tensor | NDArray[np.floating], bits: int = FIXED_POINT_BITS, *, scale: float = 1.0
+    values: Tensor | NDArray[np.floating],
+    bits: int = FIXED_POINT_BITS,
+    *,
+    scale: float = 1.0,
+    limit: int | None = None,
 ) -> Fixed:
     """Float values (times `scale`) -> round(x * 2^bits) as two's-complement
-    uint64; refuses non-finite values and |x| >= 2^MAX_VALUE_BITS. In torch,
-    in place on one float64 copy (the state dicts of large models)."""
+    uint32; refuses non-finite values and any |round(x * 2^bits)| > `limit`
+    (default 2^31 - 1, one value alone; a contributor passes its sum's
+    `entry_limit`). In torch, in place on one float64 copy (the state dicts of
+    large models)."""
+    bound = RING_MAX if limit is None else limit
     x = (
         values.detach().to("cpu", torch.float64, copy=True)
         if isinstance(values, Tensor)
         else torch.tensor(np.asarray(values, dtype=np.float64))
     ).reshape(-1)
-    if scale != 1.0:
-        x.mul_(scale)
-    if x.numel() and (
-        not bool(torch.isfinite(x).all()) or float(x.abs().max()) >= 2.0**MAX_VALUE_BITS
-    ):
+    x.mul_(scale * 2.0**bits).round_()
+    # one pass for both checks: NaN fails every comparison, +-inf the bound
+    low, high = torch.aminmax(x) if x.numel() else (torch.zeros(()), torch.zeros(()))
+    if not (-bound <= float(low) and float(high) <= bound):
         raise MaskingError(
             "out_of_range",
-            f"values must be finite and below 2^{MAX_VALUE_BITS} in magnitude to be masked",
+            f"values must be finite and at most {bound / 2.0**bits!r} in magnitude to be "
+            "masked into this sum",
         )
-    return x.mul_(2.0**bits).round_().to(torch.int64).numpy().view(np.uint64)
+    return x.to(torch.int32).numpy().view(np.uint32)
 
 
 def from_fixed(values: Fixed, bits: int = FIXED_POINT_BITS) -> NDArray[np.float64]:
-    return values.view(np.int64).astype(np.float64) / 2.0**bits
+    return values.view(np.int32).astype(np.float64) / 2.0**bits
+
+
+def to_wire(values: Fixed) -> Tensor:
+    """A masked entry as it travels: the same 32 bits as an int32 tensor."""
+    return torch.from_numpy(values.view(np.int32))
+
+
+def ring_of(value: Tensor) -> Fixed:
+    """A received int32 tensor as ring elements (a copy, flat)."""
+    return value.detach().cpu().numpy().reshape(-1).view(np.uint32).copy()

@@ -31,9 +31,9 @@ answers them (`Contributor`), one request per round:
            (U2 = who answered)
   Round 2  MaskedInputCollection
                               R -> u : U2 and the ciphertexts addressed to u
-                              u -> R : y_u = fixed(w_u x_u) + PRG(b_u)
+                              u -> R : y_u = fixed(w_u/W x_u) + PRG(b_u)
                                              + sum_{v in U2, u < v} PRG(s_uv)
-                                             - sum_{v in U2, u > v} PRG(s_uv)      (mod 2^64)
+                                             - sum_{v in U2, u > v} PRG(s_uv)      (mod 2^32)
                                        with s_uv = HKDF(X25519(s_u, s_v)); and for each v in
                                        U2 \\ {u} its view tag HMAC(k_uv^auth, "u2", t, U1, U2)
            (U3 = who answered; at least max(MIN_SUM, t + 1))
@@ -51,7 +51,7 @@ answers them (`Contributor`), one request per round:
            and the public s_v, and removes PRG(b_v) and the dropped contributors' pair
            masks:
              sum_{u in U3} y_u - sum_{u in U3} PRG(b_u) - sum_{d dropped, u in U3} +-PRG(s_ud)
-             = sum_{u in U3} fixed(w_u x_u)                                       (mod 2^64)
+             = sum_{u in U3} fixed(w_u/W x_u)                                     (mod 2^32)
 
 Why R learns no individual input, even telling each contributor another story:
   To peel one input y_a R needs b_a and, for every partner v in the U2 that a
@@ -94,11 +94,16 @@ Rules every contributor enforces (the requester is not trusted):
     same U1, U2, U3 and t.
 Every message is checked against protocols/secagg_messages.py's schemas first.
 
-Arithmetic: fixed point (protocols/masking.py: scale 2^20, uint64 with
-wraparound), so every mask cancels exactly. Masks are ChaCha20 keystreams
-(`masking.mask_stream`); the tags, seeds, Shamir shares, sealing, masked
-input and unmasking are protocols/secagg_primitives.py's. Dealing, masking,
-combining and unmasking run off the event loop.
+Arithmetic: fixed point (protocols/masking.py: scale 2^20, uint32 with
+wraparound, int32 on the wire: the bytes of a float32 model), so every mask
+cancels exactly. Weights are in the session's unit W (`weight_scale`, bound
+into the context): a contributor caps its weight at W and masks w/W and
+w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
+(`out_of_range`, before it deals a share), so the sum of U3 never wraps.
+Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
+Shamir shares, sealing, masked input and unmasking are
+protocols/secagg_primitives.py's. Dealing, masking, combining and unmasking
+run off the event loop.
 
 What this does not give: the requester cannot check any single contribution
 (norm, finiteness) — contributors clip their own model and weight before
@@ -144,6 +149,7 @@ from protocols.secagg_primitives import (
     SecAggError,
     auth_tag,
     clip_state,
+    fits_ring,
     mask_seed,
     masked_input,
     seal,
@@ -277,12 +283,20 @@ class Contributor:
         if self.ledger.masked(requester, model_round) == digest:
             # The same model to the same requester twice would let it subtract two sums.
             raise SecAggError("already_contributed", f"model of round {model_round}")
+        if self.max_weight is not None:
+            weight = min(weight, self.max_weight)
+        weight = min(float(weight), request.weight_scale)  # w/W <= 1: the ring's bound
+        clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
+        if not await asyncio.to_thread(
+            fits_ring, clipped, weight / request.weight_scale, len(group)
+        ):
+            raise SecAggError(
+                "out_of_range", f"an entry of my model does not fit a sum of {len(group)}"
+            )
         self._forget_before(model_round - self.keep_rounds)
         # counted and inserted with no await between: a flood cannot slip past it
         if sum(1 for r, _ in self.sessions if r == requester) >= MAX_OPEN_SESSIONS:
             raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
-        if self.max_weight is not None:
-            weight = min(weight, self.max_weight)
         context = session_context(requester, request)
         session = Session(
             requester=requester,
@@ -290,8 +304,8 @@ class Contributor:
             context=context,
             model_round=model_round,
             digest=digest,
-            state=clip_state(state, self.clip_norm),
-            weight=float(weight),
+            state=clipped,
+            weight=weight,
             c_private=X25519PrivateKey.generate(),
             s_private=X25519PrivateKey.generate(),
             self_seed=random_source.token_bytes(SECRET_BYTES),
@@ -418,6 +432,8 @@ class Contributor:
             me=me,
             self_seed=session.self_seed,
             pair_seeds=pair_seeds,
+            weight_scale=session.request.weight_scale,
+            contributors=len(session.request.contributors),
         )
         session.state = {}  # masked: the plain model is not needed any more
         t = session.threshold

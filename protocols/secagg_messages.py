@@ -10,9 +10,12 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from p2pfl.config.protocols import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM
+
 SECAGG_KIND = "secagg"
-MIN_SUM = 2  # a sum over fewer contributions is an individual model
-MAX_CONTRIBUTORS = 64
+MIN_SUM = SECAGG_MIN_SUM  # a sum over fewer contributions is an individual model
+MAX_CONTRIBUTORS = SECAGG_MAX_CONTRIBUTORS  # what check's ring bound counts with too
+MAX_WEIGHT_SCALE = 2.0**40
 KEY_BYTES = 32
 TAG_BYTES = 32
 
@@ -38,6 +41,10 @@ class SessionRequest(BaseModel):
     round: int = Field(ge=0, le=2**31)
     max_round: int = Field(ge=0, le=2**31)
     purpose: str = Field(pattern=r"^[a-z_.]{1,64}$")
+    # W, the session's weight unit: each contributor masks w/W (w capped at W)
+    # as its weight and w/W * x as its model, so every weight is at most 1 in
+    # the ring. One W per session (it is in the context every key is bound to).
+    weight_scale: float = Field(1.0, gt=0, le=MAX_WEIGHT_SCALE, allow_inf_nan=False)
     body: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -141,16 +148,20 @@ def parse(model: type[M], data: Any) -> M | None:
 
 def session_context(requester: str, request: SessionRequest) -> bytes:
     """What binds every key of one session: the requester, the session id, the
-    contributors U, the model rounds and the purpose (which names the stage)."""
+    contributors U, the model rounds, the purpose (which names the stage) and
+    the weight unit W: a contributor told another W than the others derives
+    other pair keys, so their tags fail in Round 1 (a requester cannot shrink
+    everyone's weight but one victim's to peel its model out of the sum)."""
     return "|".join(
         (
-            "p2pfl-secagg-v2",
+            "p2pfl-secagg-v3",
             requester,
             request.session,
             ",".join(sorted(request.contributors)),
             str(request.round),
             str(request.max_round),
             request.purpose,
+            repr(float(request.weight_scale)),
         )
     ).encode()
 

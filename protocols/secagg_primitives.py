@@ -30,10 +30,14 @@ from protocols.masking import (
     WEIGHT_KEY,
     Fixed,
     MaskingError,
+    entry_limit,
     from_fixed,
     mask_stream,
+    ring_of,
     to_fixed,
+    to_wire,
 )
+from protocols.secagg_messages import MAX_CONTRIBUTORS
 
 SECRET_BYTES = 32
 NONCE_BYTES = 12  # random per sealed message: a key is never used twice with one nonce
@@ -173,7 +177,10 @@ def _signed(mask: Fixed, positive: bool, out: Fixed) -> None:
 
 def clip_state(state: Mapping[str, Tensor], max_norm: float | None) -> dict[str, Tensor]:
     """The float entries scaled down together to L2 norm `max_norm` (a
-    contributor's own clipping before masking); unchanged below it."""
+    contributor's own clipping before masking); unchanged below it. Scaled in
+    float64 and rounded toward zero into the entry's dtype, so no entry ends
+    above its float64 value: a clipped entry never exceeds `max_norm`, which
+    is what the ring's bound (`check`) counts on."""
     out = dict(state)
     if max_norm is None:
         return out
@@ -182,8 +189,30 @@ def clip_state(state: Mapping[str, Tensor], max_norm: float | None) -> dict[str,
     if norm > max_norm > 0:
         scale = max_norm / norm
         for k in keys:
-            out[k] = (state[k].detach().double() * scale).to(state[k].dtype)
+            exact = state[k].detach().double() * scale
+            value = exact.to(state[k].dtype)
+            over = value.double().abs() > exact.abs()
+            if bool(over.any()):
+                value[over] = torch.nextafter(value[over], torch.zeros_like(value[over]))
+            out[k] = value
     return out
+
+
+def fits_ring(
+    state: Mapping[str, Tensor], share: float, contributors: int, bits: int = FIXED_POINT_BITS
+) -> bool:
+    """Whether every entry of `share` * state fits a sum of `contributors`
+    (what `masked_input` checks entry by entry): asked before anyone masks, so
+    a model that cannot be summed is refused while it can still be left out."""
+    limit = entry_limit(contributors)
+    for key in averaged_keys(state):
+        value = state[key].detach()
+        if value.numel() == 0:
+            continue
+        largest = float(value.abs().max()) * share * 2.0**bits
+        if not math.isfinite(largest) or round(largest) > limit:
+            return False
+    return True
 
 
 def masked_input(
@@ -194,23 +223,32 @@ def masked_input(
     self_seed: bytes,
     pair_seeds: Mapping[str, bytes],
     bits: int = FIXED_POINT_BITS,
+    weight_scale: float = 1.0,
+    contributors: int = MAX_CONTRIBUTORS,
 ) -> dict[str, Tensor]:
-    """Round 2: y_u for every averaged entry and the weight (int64 tensors)."""
+    """Round 2: y_u for every averaged entry and the weight (int32 tensors):
+    fixed(w/W * x) and fixed(w/W), W = `weight_scale`, each entry within the
+    limit of a sum of `contributors` (else `out_of_range`)."""
     if not weight > 0 or not math.isfinite(weight):
         raise SecAggError("bad_weight", f"{me}: weight must be a positive number, got {weight}")
+    if not weight_scale > 0 or not math.isfinite(weight_scale):
+        raise SecAggError("bad_weight", f"{me}: weight scale must be positive, got {weight_scale}")
+    share = weight / weight_scale
+    limit = entry_limit(contributors)
 
     def masked(entry: str, out: Fixed) -> Tensor:
         out += mask_stream(self_seed, entry, out.size)
         for peer, seed in pair_seeds.items():
             _signed(mask_stream(seed, entry, out.size), me < peer, out)
-        return torch.from_numpy(out.view(np.int64))
+        return to_wire(out)
 
     result: dict[str, Tensor] = {}
     try:
         for entry in averaged_keys(state):
             value = state[entry]
-            result[entry] = masked(entry, to_fixed(value, bits, scale=weight)).reshape(value.shape)
-        result[WEIGHT_KEY] = masked(WEIGHT_KEY, to_fixed(np.array([weight]), bits))
+            fixed = to_fixed(value, bits, scale=share, limit=limit)
+            result[entry] = masked(entry, fixed).reshape(value.shape)
+        result[WEIGHT_KEY] = masked(WEIGHT_KEY, to_fixed(np.array([share]), bits, limit=limit))
     except MaskingError as exc:
         raise SecAggError(exc.reason, str(exc)) from None
     return result
@@ -224,9 +262,11 @@ def unmask_sum(
     context: bytes,
     reference: Mapping[str, Tensor],
     bits: int = FIXED_POINT_BITS,
+    weight_scale: float = 1.0,
 ) -> tuple[dict[str, Tensor], float]:
     """sum_u y_u - PRG(b_u) - the dropped contributors' pair masks, as the
-    weighted mean (entries of `reference`, its dtypes) and the total weight."""
+    weighted mean (entries of `reference`, its dtypes) and the total weight
+    (in the caller's units: the decoded sum of w/W times W)."""
     dropped = {d: X25519PrivateKey.from_private_bytes(sk) for d, sk in dropped_keys.items()}
     seeds = {
         (u, d): mask_seed(private, public_keys[u], context, d, u)
@@ -237,8 +277,8 @@ def unmask_sum(
     for entry in [*averaged_keys(reference), WEIGHT_KEY]:
         total: Fixed | None = None
         for y in inputs.values():
-            flat = y[entry].detach().cpu().numpy().reshape(-1).view(np.uint64)
-            total = flat.copy() if total is None else total + flat
+            flat = ring_of(y[entry])
+            total = flat if total is None else total + flat
         assert total is not None
         for u in inputs:
             total -= mask_stream(self_seeds[u], entry, total.size)
@@ -246,14 +286,14 @@ def unmask_sum(
                 # y_u holds +PRG(s_ud) when u < d, -PRG(s_ud) otherwise: take it out.
                 _signed(mask_stream(seeds[(u, d)], entry, total.size), not u < d, total)
         totals[entry] = total
-    total_weight = float(from_fixed(totals.pop(WEIGHT_KEY), bits)[0])
-    if not total_weight > 0:
-        raise SecAggError("bad_sum", f"the weights sum to {total_weight}")
+    shares = float(from_fixed(totals.pop(WEIGHT_KEY), bits)[0])
+    if not shares > 0:
+        raise SecAggError("bad_sum", f"the weights sum to {shares * weight_scale}")
     mean: dict[str, Tensor] = {}
     for key, ref in reference.items():
         if key in totals:
-            values = from_fixed(totals[key], bits) / total_weight
+            values = from_fixed(totals[key], bits) / shares
             mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
         else:
             mean[key] = ref.detach().clone()
-    return mean, total_weight
+    return mean, shares * weight_scale

@@ -13,15 +13,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from pydantic import BaseModel
 from torch import Tensor
 
 from p2pfl.learning.state import averaged_keys
 from protocols.base import PeerUnavailable, RoundContext
-from protocols.masking import WEIGHT_KEY
+from protocols.masking import WEIGHT_KEY, WIRE_DTYPE
 from protocols.secagg_messages import (
+    MAX_WEIGHT_SCALE,
     MIN_SUM,
     SECAGG_KIND,
     Advertised,
@@ -42,6 +42,12 @@ from protocols.secagg_primitives import (
 )
 
 log = logging.getLogger(__name__)
+
+# With neither a roster cap nor max_weight_ratio, the weight unit W is this many
+# times the requester's own count (max_weight_ratio's default), or, with no own
+# count either (a direct caller), UNBOUNDED_WEIGHT_SCALE.
+DEFAULT_WEIGHT_RATIO = 16.0
+UNBOUNDED_WEIGHT_SCALE = 1024.0
 
 
 @dataclass
@@ -67,21 +73,28 @@ async def secure_sum(
     timeout: float,
     purpose: str = "model",
     threshold: int | None = None,
+    weight_scale: float | None = None,
 ) -> SecureSum:
     """Run the four rounds with `contributors` as U and return the sum of
-    U3's weighted models (as a weighted mean and its total weight). Raises
+    U3's weighted models (as a weighted mean and its total weight).
+    `weight_scale` is the session's weight unit W: every contributor's weight
+    counts at most W, and is masked as w/W <= 1 (default: `weight_scale_for`
+    from the roster caps alone). Raises
     SecAggError when too few stay for a sum (reason `too_few`) or the shares
     of a secret do not rebuild it (`too_few_shares`, `bad_share`)."""
     me = ctx.me
     u = sorted(set(contributors))
     if len(u) < MIN_SUM:
         raise SecAggError("too_few", f"{len(u)} contributors")
+    if weight_scale is None:
+        weight_scale = weight_scale_for(ctx.sample_caps(), u, None, None)
     base = {
         "session": random_source.token_hex(16),
         "contributors": u,
         "round": round_no,
         "max_round": max_round,
         "purpose": purpose,
+        "weight_scale": float(weight_scale),
     }
 
     async def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -209,10 +222,38 @@ async def secure_sum(
             for v, s in key_shares.items()
         }
         public = {v: adverts[v].s_pk for v in u1}
-        return unmask_sum(inputs, seeds, keys, public, context, reference)
+        return unmask_sum(
+            inputs, seeds, keys, public, context, reference, weight_scale=float(weight_scale)
+        )
 
     mean, total = await ctx.run_blocking(rebuild_and_unmask)
     return SecureSum(mean, total, u3, rounds, dropped)
+
+
+def weight_scale_for(
+    caps: Mapping[str, int],
+    contributors: Sequence[str],
+    own_weight: float | None,
+    ratio: float | None,
+) -> float:
+    """W for a sum of `contributors`' sample-count weights: the most any of them
+    may claim, the bound `checks.cap_sum` holds each to (its roster card's
+    max_samples, and `ratio` x the requester's own count), the largest over
+    them; where neither bounds one, DEFAULT_WEIGHT_RATIO x the own count, or
+    UNBOUNDED_WEIGHT_SCALE without one. A contributor past W counts as W. The
+    tighter W, the finer the weighted values in the ring (resolution 2^-20 of
+    w/W * x)."""
+    own = own_weight if own_weight is not None and own_weight > 0 else None
+    bounds: list[float] = []
+    for peer in contributors:
+        limits = [float(caps[peer])] if peer in caps else []
+        if ratio is not None and own is not None:
+            limits.append(ratio * own)
+        if not limits:
+            limits.append(UNBOUNDED_WEIGHT_SCALE if own is None else DEFAULT_WEIGHT_RATIO * own)
+        bounds.append(min(limits))
+    scale = max(bounds, default=1.0)
+    return float(min(max(scale, 1.0), MAX_WEIGHT_SCALE))
 
 
 def rebuild(
@@ -247,11 +288,15 @@ def matches_key(private: bytes, public: bytes) -> bool:
 
 def covers(parsed: Any, members: Sequence[str], peer: str) -> bool:
     """A reply that names every other member where it must: tags in Round 0
-    and 3, sealed shares in Round 1."""
-    given = getattr(parsed, "tags", None)
-    if given is None:
-        given = getattr(parsed, "shares", None)
-    return isinstance(given, dict) and all(v in given for v in members if v != peer)
+    and 3, sealed shares and the commitments to them in Round 1 (a reply
+    without a commitment for some holder crashed Round 2's relay before)."""
+    if isinstance(parsed, Shared):
+        needed = [parsed.shares, parsed.commitments]
+    else:
+        needed = [getattr(parsed, "tags", None)]
+    return all(
+        isinstance(part, dict) and all(v in part for v in members if v != peer) for part in needed
+    )
 
 
 def masked_inputs_of(
@@ -263,7 +308,7 @@ def masked_inputs_of(
     max_round: int,
 ) -> tuple[dict[str, dict[str, Tensor]], dict[str, int], dict[str, dict[str, bytes]]]:
     """Round 2's answers that hold a masked input of the expected entries and
-    shapes (int64), a model round in range and a view tag for every other
+    shapes (int32, the ring's wire form), a model round in range and a view tag for every other
     member of U2: (inputs, model rounds, view tags) by contributor."""
     expected = {k: tuple(reference[k].shape) for k in averaged_keys(reference)}
     expected[WEIGHT_KEY] = (1,)
@@ -281,7 +326,7 @@ def masked_inputs_of(
             and set(masked) == set(expected)
             and all(
                 isinstance(masked[k], Tensor)
-                and masked[k].dtype == torch.int64
+                and masked[k].dtype == WIRE_DTYPE
                 and tuple(masked[k].shape) == shape
                 for k, shape in expected.items()
             )

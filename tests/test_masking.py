@@ -50,15 +50,33 @@ def test_fixed_point_refuses_what_it_cannot_carry_and_round_trips_the_rest() -> 
         with pytest.raises(MaskingError) as err:
             masking.to_fixed(bad)
         assert err.value.reason == "out_of_range"
-    values = torch.tensor([-3.5, 0.0, 1e-3, 12345.678], dtype=torch.float64)
-    back = masking.from_fixed(masking.to_fixed(values))
-    assert np.allclose(back, values.numpy(), rtol=0, atol=2.0**-20)
+    values = torch.tensor([-3.5, 0.0, 1e-3, 1234.567], dtype=torch.float64)
+    fixed = masking.to_fixed(values)
+    assert fixed.dtype == np.uint32  # the 32-bit ring
+    back = masking.from_fixed(fixed)
+    assert np.allclose(back, values.numpy(), rtol=0, atol=2.0**-21)
+    # the largest value one of n contributors may mask, and one step past it
+    limit = masking.entry_limit(5)
+    assert limit == (2**31 - 1) // 5
+    edge = torch.tensor([limit / 2.0**masking.FIXED_POINT_BITS], dtype=torch.float64)
+    assert masking.from_fixed(masking.to_fixed(edge, limit=limit))[0] == edge[0]
+    assert masking.from_fixed(masking.to_fixed(-edge, limit=limit))[0] == -edge[0]
+    with pytest.raises(MaskingError) as err:
+        masking.to_fixed(edge + 2.0**-masking.FIXED_POINT_BITS, limit=limit)
+    assert err.value.reason == "out_of_range"
+    # the wire form is the same 32 bits as int32
+    wire = masking.to_wire(fixed)
+    assert wire.dtype == torch.int32
+    assert np.array_equal(masking.ring_of(wire), fixed)
 
 
 def test_mask_streams_are_the_same_on_both_ends_and_differ_per_entry_and_key() -> None:
     key = b"k" * 32
     first = masking.mask_stream(key, "w", 1000)
+    assert first.dtype == np.uint32 and first.nbytes == 4000  # 4 keystream bytes per entry
     assert np.array_equal(first, masking.mask_stream(key, "w", 1000))
+    # the first 4n bytes of the same ChaCha20 keystream whatever the length
+    assert np.array_equal(masking.mask_stream(key, "w", 10), first[:10])
     assert not np.array_equal(first, masking.mask_stream(key, "b", 1000))
     assert not np.array_equal(first, masking.mask_stream(b"j" * 32, "w", 1000))
     with pytest.raises(MaskingError):

@@ -24,7 +24,7 @@ from bench.peer import RawPeer
 from node.provision import SitePlan
 from p2pfl.learning.state import averaged_keys
 from protocols.base import PeerUnavailable
-from protocols.masking import WEIGHT_KEY, from_fixed, mask_stream
+from protocols.masking import WEIGHT_KEY, from_fixed, mask_stream, ring_of
 from protocols.secagg_messages import Revealed, SessionRequest, parse, session_context
 from protocols.secagg_primitives import SecAggError, mask_seed
 from protocols.secagg_requester import matches_key, rebuild, secure_sum
@@ -185,7 +185,7 @@ def peel_pair_masks(
     for entry, value in masked.items():
         if entry == WEIGHT_KEY:
             continue
-        flat = value.detach().cpu().numpy().reshape(-1).view(np.uint64).copy()
+        flat = ring_of(value)
         for u in u2:
             if u == owner:
                 continue

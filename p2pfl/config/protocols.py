@@ -10,9 +10,28 @@ protocols/.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def compression_setting(value: str) -> str:
+    """`protocol.compression` normalised (none, fp16, int8, topk:F with 0 < F < 1);
+    ValueError in one line otherwise (protocols/compression.py has the formats)."""
+    text = str(value).strip().lower()
+    if text in ("none", "fp16", "int8"):
+        return text
+    fraction = text[5:] if text.startswith("topk:") else ""
+    try:
+        ok = 0.0 < float(fraction) < 1.0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"compression {value!r}: use none, fp16, int8 or topk:FRACTION with 0 < FRACTION < 1"
+        )
+    return f"topk:{float(fraction):g}"
 
 
 class BaseParams(BaseModel):
@@ -64,6 +83,18 @@ class _Aggregation(BaseParams):
         "times the median claim of the merge (own included); null = no cap. The roster card's "
         "max_samples caps a site's claims too",
     )
+    compression: str = Field(
+        "none",
+        description="how models or gradients travel, federation-wide: none (float32), fp16, "
+        "int8 (blockwise, one scale per 256 values) or topk:FRACTION (the largest entries); the "
+        "lossy formats send the difference from a copy both ends hold, with error feedback "
+        "(protocols/compression.py). A peer sending another format is refused",
+    )
+
+    @field_validator("compression")
+    @classmethod
+    def _known_compression(cls, value: str) -> str:
+        return compression_setting(value)
 
 
 class _SecureAggregation(_Aggregation):
@@ -85,8 +116,38 @@ class _SecureAggregation(_Aggregation):
         None,
         gt=0,
         description="secure aggregation: this node scales its contributed model down to this L2 "
-        "norm before masking (the requester cannot check a single contribution)",
+        "norm before masking (the requester cannot check a single contribution). Masked "
+        "entries live in a 32-bit ring: n contributors x clip x 2^20 must stay below 2^31, n "
+        "the roster's other sites (`check` refuses more); null: each entry is checked instead",
     )
+    asynchronous: bool = Field(
+        False,
+        description="never wait for a neighbour's round-r model: merge the freshest model each "
+        "chosen neighbour has, weighted by its sample count x (staleness + 1)^-staleness_exponent "
+        "(FedAsync, Xie et al. 2019); a neighbour with no model yet is skipped",
+    )
+    staleness_exponent: float = Field(
+        0.5,
+        ge=0.0,
+        description="asynchronous: a of FedAsync's polynomial staleness weight (t - tau + 1)^-a, "
+        "staleness t - tau in rounds; 0 weighs every model alike",
+    )
+    staleness_bound: int = Field(
+        10,
+        ge=0,
+        description="asynchronous: a neighbour's model more than this many rounds behind this "
+        "node's round is not merged (the next neighbour in the ranking is asked instead)",
+    )
+
+    @model_validator(mode="after")
+    def _asynchronous_not_with_secure_aggregation(self) -> _SecureAggregation:
+        if self.asynchronous and self.secure_aggregation:
+            raise ValueError(
+                "asynchronous cannot be used with secure_aggregation: a contributor masks each of "
+                "its models at most once per requester, so a slow site's unchanged model cannot "
+                "join a faster requester's next sums; choose one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _secure_aggregation_needs_the_mean(self) -> _SecureAggregation:
@@ -96,6 +157,26 @@ class _SecureAggregation(_Aggregation):
                 f"aggregation {method!r} needs every neighbour's model, but with "
                 "secure_aggregation a node only sees their sum: use aggregation: mean, or "
                 "secure_aggregation: false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _secagg_clip_fits_the_ring(self) -> _SecureAggregation:
+        """A clip norm no secure sum can carry, even of the fewest (two)
+        contributors; `check` and `run` bound it by the roster's size too."""
+        if self.secure_aggregation:
+            problem = secagg_ring_overflow(SECAGG_MIN_SUM, self.secagg_clip_norm)
+            if problem is not None:
+                raise ValueError("; ".join(problem))
+        return self
+
+    @model_validator(mode="after")
+    def _secure_aggregation_sums_dense_models(self) -> _SecureAggregation:
+        if self.secure_aggregation and self.compression != "none":
+            raise ValueError(
+                f"compression {self.compression!r} with secure_aggregation: a secure sum adds "
+                "every contributor's masked entries at the same positions in one dense ring, so "
+                "it cannot carry per-pair compressed differences; use compression: none"
             )
         return self
 
@@ -286,6 +367,17 @@ class FedERParams(BaseParams):
     reset_optimizer: bool = Field(
         True, description="rebuild Adam each round, as the reference code does"
     )
+    compression: str = Field(
+        "none",
+        description="how the relayed model travels, federation-wide: none, fp16, or int8 "
+        "(blockwise); the raw model, with no shared reference and no error feedback (each hop "
+        "rounds afresh); topk:F relays int8 (top-k of raw weights is no model)",
+    )
+
+    @field_validator("compression")
+    @classmethod
+    def _known_compression(cls, value: str) -> str:
+        return compression_setting(value)
 
 
 ProtocolParams = (
@@ -323,3 +415,54 @@ def params_class(name: str) -> type[BaseParams]:
         return _PARAMS_BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown protocol {name!r}; known: {', '.join(protocol_names())}") from None
+
+
+# Secure aggregation's ring (protocols/masking.py does the arithmetic): here so
+# that the params validator and `check` (which knows the roster) share the bound.
+SECAGG_RING_BITS = 32  # masked entries are uint32 with wraparound, int32 on the wire
+SECAGG_FIXED_POINT_BITS = 20  # a masked value is round(w/W * x * 2^20)
+SECAGG_MIN_SUM = 2  # the fewest contributors of a secure sum
+SECAGG_MAX_CONTRIBUTORS = 64  # the most a session names (protocols/secagg_messages.py)
+SECAGG_RING_MAX = 2 ** (SECAGG_RING_BITS - 1) - 1  # the largest |sum| an int32 decodes
+
+
+def secagg_entry_limit(contributors: int) -> int:
+    """The largest |fixed-point value| one of `contributors` may mask: n of them
+    sum to at most 2^31 - 1 in magnitude, so the int32 sum never wraps."""
+    return SECAGG_RING_MAX // max(1, contributors)
+
+
+def secagg_ring_overflow(contributors: int, clip_norm: float | None) -> tuple[str, str] | None:
+    """(problem, fix) when a secure sum of `contributors` models clipped to
+    `clip_norm` could overflow the 32-bit ring, with the bound written out;
+    None if it cannot. Weights are w/W <= 1 (the session's weight unit W), so
+    every masked entry is at most the clip norm C in magnitude, ceil(C * 2^bits)
+    in fixed point. Without a clip norm each contributor refuses its own
+    out-of-range entries instead (`out_of_range`): nothing overflows either."""
+    if clip_norm is None:
+        return None
+    n = min(max(contributors, 1), SECAGG_MAX_CONTRIBUTORS)
+    bits = SECAGG_FIXED_POINT_BITS
+    largest = math.ceil(clip_norm * 2.0**bits)
+    if n * largest <= SECAGG_RING_MAX:
+        return None
+    return (
+        f"secagg_clip_norm {clip_norm!r} could overflow the 32-bit ring of secure aggregation: "
+        f"n={n} contributors x clip {clip_norm!r} x 2^{bits} = {n * largest} >= 2^31",
+        f"set secagg_clip_norm <= {secagg_entry_limit(n) / 2.0**bits!r}, the largest for "
+        f"{n} contributors",
+    )
+
+
+def secagg_ring_problem(protocol: BaseModel, contributors: int) -> tuple[str, str, str] | None:
+    """(field, problem, fix) when `protocol` (or its chained fine-tuning) runs
+    secure aggregation with a clip norm that could overflow a sum of
+    `contributors` (`check` and `run`: the roster's other sites)."""
+    finetune = getattr(protocol, "finetune", None)
+    for field, params in (("protocol", protocol), ("protocol.finetune", finetune)):
+        if params is None or not getattr(params, "secure_aggregation", False):
+            continue
+        found = secagg_ring_overflow(contributors, getattr(params, "secagg_clip_norm", None))
+        if found is not None:
+            return (f"{field}.secagg_clip_norm", *found)
+    return None

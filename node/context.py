@@ -92,6 +92,11 @@ class NodeContext(RoundContext):
         self._telemetry.set_phase(phase)
         self._state.on_progress()
 
+    async def after_training(self, seconds: float) -> None:
+        """A round's local training just ended, after `seconds` (the round
+        skeleton calls it): the fault plan's slow_train drill waits here."""
+        await self._inbound.faults.after_training(self._round, seconds)
+
     def peers(self, alive_only: bool = True) -> list[PeerInfo]:
         return self._peer_table.peers(alive_only)
 

@@ -9,6 +9,7 @@ them by accident, and a node with a fault plan says so loudly in its log.
       "kill":      [{"id": "k1", "round": 3, "phase": "train", "delay_s": 0.2}],
       "partition": [{"from_round": 3, "to_round": 6}],
       "latency_s": 1.5,
+      "slow_train": 4,
       "poison":    {"kind": "model", "mode": "scaled_random", "scale": 5.0, "from_round": 1}
     }
 
@@ -29,6 +30,15 @@ them by accident, and a node with a fault plan says so loudly in its log.
   closed without an answer. It heals by itself.
 - latency_s: every answer to a peer (acknowledgement or request response,
   not heartbeats) is delayed this long: a slow peer.
+- slow_train: a site FACTOR x slower (a number >= 1; 1 = off): after each
+  local training (the round's train phase) the node waits (FACTOR - 1) x
+  that training's duration, off the event loop (it keeps answering peers and
+  heartbeats meanwhile). Its model is offered when the real training ends,
+  so within a round its neighbours may get it before the wait is over; its
+  own rounds (exchange, evaluation, next training) all start later, so its
+  pace is FACTOR x slower in training, and a synchronous federation waits for
+  its next model. Each wait is an event `slow_train`. The round skeleton
+  calls it (protocols/rounds.py, `after_training` of the node's context).
 - poison: replace what this node serves for requests of `kind` (from
   `from_round` on) — the attacks of a compromised peer: `nan`, `inf`,
   `shape`, `dtype`, `huge_norm` (x 1e6), `scaled_random` (random tensors with
@@ -53,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -88,6 +99,7 @@ class FaultPlan:
         self.kills: list[dict[str, Any]] = []
         self.partitions: list[tuple[int, int]] = []
         self.latency_s = 0.0
+        self.slow_train = 1.0
         self.poison: dict[str, Any] | None = None
         self.fired: set[str] = set()
         self.isolated = False
@@ -118,16 +130,20 @@ class FaultPlan:
             return
         self._mtime = mtime
         try:
+            # Everything is read before anything is set: a bad file changes nothing.
             raw = json.loads(self.path.read_text())
-            self.kills = [dict(k) for k in raw.get("kill", [])]
-            self.partitions = [
+            kills = [dict(k) for k in raw.get("kill", [])]
+            partitions = [
                 (int(p["from_round"]), int(p["to_round"])) for p in raw.get("partition", [])
             ]
-            self.latency_s = float(raw.get("latency_s", 0.0))
+            latency_s = float(raw.get("latency_s", 0.0))
+            slow_train = parse_slow_train(raw.get("slow_train", 1.0))
             poison = raw.get("poison")
             if poison is not None and poison.get("mode") not in (*POISON_MODES, "cycle"):
                 raise ValueError(f"poison.mode must be one of {POISON_MODES + ('cycle',)}")
+            self.kills, self.partitions, self.latency_s = kills, partitions, latency_s
             self.poison = dict(poison) if poison else None
+            self.slow_train = slow_train
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             log.error("FAULT INJECTION: cannot read %s (%s); plan unchanged", self.path, exc)
             return
@@ -135,11 +151,13 @@ class FaultPlan:
         if fired_path.exists():
             self.fired = set(fired_path.read_text().split())
         log.warning(
-            "FAULT INJECTION ACTIVE (%s): kill=%s partition=%s latency_s=%s poison=%s",
+            "FAULT INJECTION ACTIVE (%s): kill=%s partition=%s latency_s=%s slow_train=%s "
+            "poison=%s",
             self.path,
             [k for k in self.kills if str(k.get("id")) not in self.fired],
             self.partitions,
             self.latency_s,
+            self.slow_train,
             self.poison,
         )
 
@@ -189,6 +207,26 @@ class FaultPlan:
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
                 asyncio.get_running_loop().call_later(delay, os.kill, os.getpid(), signal.SIGKILL)
+
+    async def after_training(self, round_no: int, train_s: float) -> float:
+        """The slow_train drill: wait (FACTOR - 1) x `train_s`, the duration of
+        the local training that just ended, without blocking the event loop;
+        returns the seconds waited (0 without the drill)."""
+        if self.path is None:
+            return 0.0
+        self.reload()
+        extra = (self.slow_train - 1.0) * max(0.0, train_s)
+        if extra <= 0:
+            return 0.0
+        self.event(
+            "slow_train",
+            round=round_no,
+            factor=self.slow_train,
+            train_s=round(train_s, 4),
+            wait_s=round(extra, 4),
+        )
+        await asyncio.sleep(extra)
+        return extra
 
     def poison_mode(self, kind: str, round_no: int) -> str | None:
         """The attack to apply to this answer of `kind`, or None."""
@@ -268,6 +306,19 @@ class FaultPlan:
         """Keep the first answer each requester got, byte for byte, to replay it later."""
         if requester not in self._first_reply:
             self._first_reply[requester] = [bytes(c) for c in chunks]
+
+
+def parse_slow_train(value: Any) -> float:
+    """The plan's `slow_train` FACTOR: a finite number >= 1; ValueError (the
+    plan is then left unchanged, logged) for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"slow_train must be a number >= 1, got {value!r}")
+    factor = float(value)
+    if not math.isfinite(factor) or factor < 1.0:
+        raise ValueError(
+            f"slow_train must be a finite number >= 1 (a site FACTOR x slower), got {value!r}"
+        )
+    return factor
 
 
 def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:

@@ -3,7 +3,9 @@
 Routes (all read-only, all delegating to `Telemetry`):
 
     /healthz   "ok"; no token, so liveness probes work
-    /status    JSON: round, phase, peers, latest metrics, rejections, traffic
+    /status    JSON: round, phase, peers, latest metrics, rejections, traffic,
+               and how the protocol merges its neighbours' models (`exchange`:
+               asynchronous or not, the staleness bound and weighting)
     /peers     JSON graph: nodes, directed edges, who-chose-whom counts
     /metrics   Prometheus text format 0.0.4
     /history   JSON metric series for the dashboard's curves
@@ -38,6 +40,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from yarl import URL
@@ -54,6 +57,7 @@ NODE_NAME_KEY = web.AppKey("node_name", str)
 PROTOCOL_KEY = web.AppKey("protocol_name", str)
 DASHBOARD_KEY = web.AppKey("dashboard_html", str)
 TOKEN_REQUIRED_KEY = web.AppKey("token_required", bool)
+EXCHANGE_KEY = web.AppKey("exchange_settings", dict)
 
 # The page may talk only to the server it came from; inline script and style only.
 DASHBOARD_CSP = (
@@ -257,9 +261,35 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     app = request.app
-    return _no_store(
-        web.json_response(app[TELEMETRY_KEY].status_json(app[NODE_NAME_KEY], app[PROTOCOL_KEY]))
-    )
+    document = app[TELEMETRY_KEY].status_json(app[NODE_NAME_KEY], app[PROTOCOL_KEY])
+    document["exchange"] = app.get(EXCHANGE_KEY) or None
+    return _no_store(web.json_response(document))
+
+
+def exchange_settings(params: Any) -> dict[str, Any]:
+    """How a protocol merges its neighbours' models, as /status shows it:
+    synchronous pulls (a newer model accepted up to `max_staleness` rounds) or
+    asynchronous ones (protocols/async_exchange.py: the freshest model, not
+    merged past `staleness_bound` rounds behind, weighted by FedAsync's
+    (t - tau + 1)^-a). A chained protocol's fine-tuning stage under `finetune`.
+    Empty for a protocol without a model exchange (FedSGDP2P, FedER, probe)."""
+    if not hasattr(params, "asynchronous"):
+        return {}
+    out: dict[str, Any] = {"asynchronous": bool(params.asynchronous)}
+    if params.asynchronous:
+        a = float(params.staleness_exponent)
+        out.update(
+            staleness_bound=int(params.staleness_bound),
+            staleness_weighting="polynomial",
+            staleness_exponent=a,
+            staleness_function=f"(t - tau + 1)^-{a:g}",
+        )
+    else:
+        out["max_staleness"] = int(params.max_staleness)
+    finetune = exchange_settings(getattr(params, "finetune", None))
+    if finetune:
+        out["finetune"] = finetune
+    return out
 
 
 async def peers(request: web.Request) -> web.Response:
@@ -299,9 +329,11 @@ def create_status_app(
     token: str | None,
     host: str = "127.0.0.1",
     allowed_hosts: Iterable[str] = (),
+    exchange: dict[str, Any] | None = None,
 ) -> web.Application:
     """Assemble the status application; every route is listed here. `host` is the
-    address it will be bound to, `allowed_hosts` further names it may be reached by."""
+    address it will be bound to, `allowed_hosts` further names it may be reached by;
+    `exchange` what /status shows of the protocol's merging (`exchange_settings`)."""
     middlewares = [host_guard_middleware(HostGuard(host, allowed_hosts))]
     if token:
         middlewares.append(bearer_auth_middleware(token))
@@ -311,6 +343,7 @@ def create_status_app(
     app[PROTOCOL_KEY] = protocol_name
     app[DASHBOARD_KEY] = load_dashboard_html()
     app[TOKEN_REQUIRED_KEY] = bool(token)
+    app[EXCHANGE_KEY] = dict(exchange or {})
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/status", status)
     app.router.add_get("/peers", peers)
@@ -332,6 +365,7 @@ def config_status_app(
         token=token,
         host=cfg.status.host,
         allowed_hosts=cfg.status.allowed_hosts,
+        exchange=exchange_settings(cfg.protocol),
     )
     return app, token
 

@@ -225,6 +225,10 @@ class RoundContext(ABC):
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
+    async def after_training(self, seconds: float) -> None:  # noqa: B027 - optional hook
+        """A round's local training just ended, after `seconds`: a node's fault
+        plan (node/faults.py, the slow_train drill) waits here; a no-op elsewhere."""
+
 
 class Protocol(ABC):
     name: str  # set from the params' `name`, the one place a protocol's name is written

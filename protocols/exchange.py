@@ -20,6 +20,10 @@ Implementations:
 - `SecureExchange` (protocols/secure_exchange.py): only secure sums travel
   (protocols/secagg.py); the sum's mean is checked as a whole and its weight
   capped (`checks.cap_sum`).
+- `CompressedExchange`, `CompressedGradientExchange`
+  (protocols/compressed_exchange.py, `protocol.compression`): the same pulls,
+  compressed with error feedback; a reply is decoded to a dense state (the
+  hooks `query`, `decoded`, `adopt` here) before the same checks.
 
 FedAVGP2P, SSFL, FedPerl, Fed-MAE and Fed-BEiT (models) and FedSGDP2P
 (gradients) use it; compression or asynchronous merging are meant to be one
@@ -207,6 +211,18 @@ def schema_problem(schema: type[_Reply], reply: dict[str, Any]) -> tuple[Any, st
         return None, str(first[0]) if first else "reply"
 
 
+def _uncompressed(ctx: RoundContext, peer: str, reply: dict[str, Any], field: str) -> Any:
+    """The reply's `field`, or None (counted as `compression_mismatch`) if the
+    peer sent a compressed format to a node that uses none."""
+    if reply.get("format") not in (None, "none"):
+        log.warning(
+            "%s: %s sent format %s, this node uses none", ctx.me, peer, repr(reply["format"])[:40]
+        )
+        ctx.reject(peer, "compression_mismatch")
+        return None
+    return reply[field]
+
+
 # ---------------------------------------------------------------------- models in the clear
 
 
@@ -259,7 +275,7 @@ class PlainExchange:
         """(peer, its model's round, the model, its claimed count), or None:
         unavailable, past the round, or refused (logged and counted)."""
         newest = round_no + self.max_staleness
-        query = {"round": round_no, "max_round": newest}
+        query = self.query(peer, round_no, newest)
         try:
             reply = await ctx.request(peer, self.kind, query, timeout)
         except PeerUnavailable as exc:
@@ -284,12 +300,30 @@ class PlainExchange:
             ctx.reject(peer, "model_bad_num_train")
             return None
         where = f" round {round_no}"
-        state = parsed.state
-        if not admit(
+        state = await self.decoded(ctx, peer, reply, reference)
+        if state is None or not admit(
             ctx, peer, "model", state, reference, max_norm_ratio=self.max_norm_ratio, where=where
         ):
             return None
+        self.adopt(peer, reply, state)
         return peer, parsed.round, state, parsed.num_train
+
+    def query(self, peer: str, round_no: int, newest: int) -> dict[str, Any]:
+        """What a pull of round `round_no` asks `peer` (CompressedExchange adds
+        the reference it holds)."""
+        return {"round": round_no, "max_round": newest}
+
+    async def decoded(
+        self, ctx: RoundContext, peer: str, reply: dict[str, Any], reference: dict[str, Tensor]
+    ) -> Any:
+        """The dense state a schema-checked reply carries, for `admit` (None:
+        refused and counted here); in the clear, the reply's own, unless the
+        peer compresses (`protocol.compression` is federation-wide)."""
+        return _uncompressed(ctx, peer, reply, "state")
+
+    def adopt(self, peer: str, reply: dict[str, Any], state: dict[str, Tensor]) -> None:
+        """An admitted model arrived (CompressedExchange keeps it as the pair's
+        reference)."""
 
     async def collect(
         self,
@@ -405,12 +439,19 @@ class GradientExchange:
             ctx.reject(peer, "grad_bad_batch_size")
             return None
         where = f" ({round_no}, {step})"
-        grad = parsed.grad
-        if not admit(
+        grad = await self.decoded(ctx, peer, reply, reference)
+        if grad is None or not admit(
             ctx, peer, "grad", grad, reference, max_norm_ratio=self.max_norm_ratio, where=where
         ):
             return None
         return peer, grad, parsed.batch_size
+
+    async def decoded(
+        self, ctx: RoundContext, peer: str, reply: dict[str, Any], reference: dict[str, Tensor]
+    ) -> Any:
+        """The dense gradient a schema-checked reply carries, for `admit` (None:
+        refused and counted here); in the clear, the reply's own."""
+        return _uncompressed(ctx, peer, reply, "grad")
 
     async def collect(
         self,

@@ -31,7 +31,11 @@ serves and pulls models, checks each reply and caps each claim; with
 requester's secure sum and obtains the sample-count-weighted sum of the k
 neighbours chosen (those that stayed to the end, at least two), averaged with
 the node's own model; only the sum's mean can be checked, and the aggregation
-is the weighted mean.
+is the weighted mean. With `protocol.asynchronous: true`, `AsyncExchange`
+(protocols/async_exchange.py) never waits: each chosen neighbour answers at
+once with its freshest model (one without a model yet is skipped), weighted by
+its sample count x FedAsync's staleness function (t - tau + 1)^-a (Xie et al.
+2019), and one more than `staleness_bound` rounds behind is not merged.
 """
 
 from __future__ import annotations

@@ -21,7 +21,11 @@ The relayed model replaces the receiver's own, so it must fit that model: the
 same keys, shapes and dtypes, finite values, and an L2 norm at most
 `max_norm_ratio` times the receiver's current model's. A relay that fails this
 (or is malformed, or carries a bad buffer) is refused and counted
-(`relay_<reason>`), and the node keeps training its own model.
+(`relay_<reason>`), and the node keeps training its own model. With
+`protocol.compression` the relayed model travels as fp16 or blockwise int8
+(topk:F relays int8: top-k of raw weights is no model), with no shared
+reference and no error feedback: each hop rounds the model afresh. It is
+decoded (refusals counted as `compression_<reason>`) before those checks.
 
 Buffers travel once: a buffer is named by its content hash, and a node sends
 only the hash to a peer that already acknowledged that buffer (the peer keeps
@@ -55,6 +59,8 @@ from p2pfl.learning.train import LocalSite
 from p2pfl.secure.tensors import state_dict_nbytes
 from protocols.base import NotReady, PeerUnavailable, Received, RoundContext
 from protocols.checks import admit
+from protocols.compressed_exchange import relayed_model
+from protocols.compression import compress_state, parse, payload_nbytes
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
 
@@ -206,6 +212,7 @@ class FedER(RoundLoop[FedERParams]):
         self.num_classes: int | None = None
         self.refused = 0  # relays refused this round
         self.early: list[Received] = []  # relays of later rounds, from a predecessor ahead of us
+        self.compression = parse(params.compression)  # how the relayed model travels
 
     @property
     def relays_model(self) -> bool:
@@ -248,8 +255,13 @@ class FedER(RoundLoop[FedERParams]):
             model_bytes = 0
             if self.relays_model:
                 state = site.state_dict()
-                payload.update(model=state, num_train=site.num_train)
-                model_bytes = state_dict_nbytes(state)
+                if self.compression.lossy:  # the raw model, rounded afresh at every hop
+                    model = await ctx.run_blocking(compress_state, state, self.compression, True)
+                    payload.update(compression=self.compression.setting)
+                    model_bytes = payload_nbytes(model)
+                else:
+                    model, model_bytes = state, state_dict_nbytes(state)
+                payload.update(model=model, num_train=site.num_train)
             try:
                 await ctx.send(peer, RELAY_KIND, payload, round_no=r)
             except PeerUnavailable as exc:
@@ -318,6 +330,10 @@ class FedER(RoundLoop[FedERParams]):
             log.warning("%s: malformed relay from %s", ctx.me, msg.sender)
             ctx.reject(msg.sender, "relay_malformed")
             return False
+        if self.relays_model and self.compression.lossy:
+            p["model"] = await relayed_model(ctx, msg.sender, p, reference, self.compression)
+            if p["model"] is None:
+                return False
         if self.relays_model and not admit(
             ctx,
             msg.sender,

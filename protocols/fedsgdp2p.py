@@ -38,6 +38,7 @@ from protocols import selection
 from protocols.aggregate import aggregate_gradients
 from protocols.base import PeerInfo, RoundContext
 from protocols.checks import warn_if_trim_cuts_nothing
+from protocols.compressed_exchange import CompressedGradientExchange
 from protocols.exchange import GRAD_KIND, GradientExchange
 from protocols.rounds import Round, RoundLoop
 from protocols.site import build_site
@@ -61,12 +62,19 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
 
     def __init__(self, params: FedSGDP2PParams) -> None:
         super().__init__(params)
-        self.exchanger = GradientExchange(
-            keep=GRADIENTS_KEPT,
-            timeout=params.step_timeout_s,
-            max_norm_ratio=params.max_norm_ratio,
-            max_weight_ratio=params.max_weight_ratio,
-            on_unavailable=self.failed,
+        options: dict[str, Any] = {
+            "keep": GRADIENTS_KEPT,
+            "timeout": params.step_timeout_s,
+            "max_norm_ratio": params.max_norm_ratio,
+            "max_weight_ratio": params.max_weight_ratio,
+            "on_unavailable": self.failed,
+        }
+        # protocol.compression: each step's g + e compressed once, with error
+        # feedback (protocols/compressed_exchange.py); the residual e is checkpointed.
+        self.exchanger: GradientExchange = (
+            CompressedGradientExchange(compression=params.compression, **options)
+            if params.compression != "none"
+            else GradientExchange(**options)
         )
         # neighbour -> (first step it may be asked again, consecutive failures)
         self.backoff: dict[str, tuple[int, int]] = {}
@@ -192,7 +200,17 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
             timeouts=self.timeouts,
             weights_capped=sum(capped.values()),
         )
+        if isinstance(self.exchanger, CompressedGradientExchange):
+            rnd.log.update(self.exchanger.round_log())
+
+    def checkpoint_state(self, round_no: int, site: Any) -> dict[str, Any]:
+        state = super().checkpoint_state(round_no, site)
+        if isinstance(self.exchanger, CompressedGradientExchange):
+            state["compression_residual"] = self.exchanger.residual
+        return state
 
     def load_extra(self, saved: dict[str, Any]) -> None:
         # Every step of the saved round is done: serve none of them as "not yet".
         self.exchanger.latest = (int(saved["round"]), 1 << 30)
+        if isinstance(self.exchanger, CompressedGradientExchange):
+            self.exchanger.restore_residual(saved.get("compression_residual"))

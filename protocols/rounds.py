@@ -125,6 +125,8 @@ class RoundLoop(Protocol, Generic[P]):
                 ctx.set_phase(phase)
                 phase_start = time.perf_counter()
                 await self.run_phase(ctx, site, rnd, phase)
+                if phase == "train":  # a node's slow_train drill (node/faults.py) waits here
+                    await ctx.after_training(time.perf_counter() - phase_start)
                 timers[f"{phase}_s"] = time.perf_counter() - phase_start
                 if phase == "train" and self.personal.ditto:  # the personal model's steps
                     rnd.log.update(await ctx.run_blocking(self.personal.after_fit, site))

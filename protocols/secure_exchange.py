@@ -18,10 +18,13 @@ from typing import Any
 
 from torch import Tensor
 
+from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange
 from protocols.base import RoundContext
 from protocols.checks import cap_sum, incompatibility, own_weight_cap
+from protocols.compressed_exchange import CompressedExchange
 from protocols.exchange import Collected, Exchange, PlainExchange, ServedModels, Term
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
+from protocols.secagg_requester import weight_scale_for
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,7 @@ class SecureExchange:
                     timeout=self.timeout,
                     purpose=purpose,
                     threshold=self.threshold,
+                    weight_scale=self.weight_scale(ctx, chosen, purpose),
                 )
             except SecAggError as exc:
                 log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
@@ -129,6 +133,15 @@ class SecureExchange:
                     return None
                 # Nobody masked yet: a fresh session without those that did not answer.
                 chosen = retry
+
+    def weight_scale(self, ctx: RoundContext, chosen: list[str], purpose: str) -> float:
+        """The sum's weight unit W (the 32-bit ring holds w/W <= 1): a purpose's
+        fixed weight, else the most a chosen contributor may claim."""
+        if purpose in self.purpose_weights:
+            return self.purpose_weights[purpose]
+        own = self.store.models.get(self.store.latest)
+        own_weight = None if own is None else float(own["num_train"])
+        return weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
 
     def refused(
         self, ctx: RoundContext, round_no: int, item: SecureSum, own: dict[str, Tensor]
@@ -216,9 +229,23 @@ def exchange_for(
     params: Any, store: ServedModels, purpose_weights: dict[str, float] | None = None
 ) -> Exchange:
     """The exchange a FedAVGP2P-family protocol's params ask for: secure sums
-    only with `secure_aggregation`, else plain models."""
+    only with `secure_aggregation`, else models, compressed with `compression`,
+    pulled without waiting with `asynchronous`."""
     if params.secure_aggregation:
         return secure_exchange_for(params, store, purpose_weights)
+    compression = getattr(params, "compression", "none")
+    if params.asynchronous:  # the freshest models, weighted by staleness (async_exchange.py)
+        staleness = {
+            "staleness_bound": params.staleness_bound,
+            "staleness_exponent": params.staleness_exponent,
+        }
+        if compression != "none":
+            return AsyncCompressedExchange(
+                store, compression=compression, **staleness, **_options(params)
+            )
+        return AsyncExchange(store, **staleness, **_options(params))
+    if compression != "none":  # differences from per-pair copies (compressed_exchange.py)
+        return CompressedExchange(store, compression=compression, **_options(params))
     return PlainExchange(store, **_options(params))
 
 

@@ -207,3 +207,7 @@ class StageContext(RoundContext):
 
     async def sleep(self, seconds: float) -> None:
         await self.outer.sleep(seconds)
+
+    async def after_training(self, seconds: float) -> None:
+        """The node's own (its fault plan's slow_train drill)."""
+        await self.outer.after_training(seconds)

@@ -1,0 +1,243 @@
+"""The asynchronous exchange: slow sites don't hold the others back.
+
+`AsyncExchange` is `PlainExchange` (protocols/exchange.py) with two changes,
+picked by `protocol.asynchronous: true` (`secure_exchange.exchange_for`):
+
+- A pull never waits. It asks each chosen neighbour for the FRESHEST model it
+  has (`freshest` in the query: its latest finished round), and the neighbour
+  answers at once, with no NotReady hold. A neighbour that has no model yet
+  (its round 1 is not trained) answers "none" and is skipped: the next one in
+  the heuristic's ranking is asked instead, as for a neighbour that fails.
+- Each model is weighted by its claimed sample count (capped as before,
+  `checks.cap_claims`) times FedAsync's polynomial staleness function
+
+      s(t - tau) = (t - tau + 1) ** -a        a = protocol.staleness_exponent
+
+  (Xie, Koyejo and Gupta 2019, "Asynchronous Federated Optimization",
+  arXiv:1903.03934, Sec. 5.2, the polynomial s_a), where t is this node's
+  round and tau the round of the neighbour's model: staleness is counted in
+  rounds. s(0) = 1; with a = 0.5, s(2) = 3 ** -0.5. A model of a later round
+  than t (a faster neighbour) counts as fresh, s = 1: a peer that claims a
+  future round gains no more than an honest, up-to-date one. This node's own
+  model always has s = 1.
+- The staleness bound: a model more than `protocol.staleness_bound` rounds
+  behind t is not merged (logged and counted in the round's
+  `models_too_stale`; the next neighbour in the ranking is asked instead).
+  It is a separate setting from `max_staleness` (how much NEWER a synchronous
+  pull may be, and how many models a node keeps: max_staleness + 2), because
+  a slow site lags by several rounds and keeping that many models for it
+  would cost memory for nothing: asynchronously only the latest is served.
+
+Per-node round counters are the clock, so a site k times slower falls further
+behind as the run goes on; with the default bound 10 and a = 0.5 its model of
+10 rounds ago still weighs 11 ** -0.5 = 0.30 of a fresh one. A stale model is
+merged again while it is the freshest its site has (each time with the
+weight of its growing staleness), like a synchronous pull that takes a
+neighbour's newer model twice.
+
+The weighting applies to `aggregation: mean` (and the mean under
+`norm_clip`); the median and the trimmed mean ignore weights, so there a
+stale model is only bounded by `staleness_bound`.
+
+The round's log (metrics.jsonl, /status) gains `asynchronous` (1),
+`staleness_mean`, `staleness_max` (rounds, of the merged models; 0 when none
+was merged), `staleness_factor_min` and `staleness_factor_mean` (s of the
+merged models), `neighbour_weight_share` (the neighbours' share of the merge's
+total weight after staleness, own model included in the total),
+`models_too_stale` and `neighbours_without_model`. Which of a peer's models
+were merged is the skeleton's ledger (`Round.merged`, checkpointed).
+
+`AsyncCompressedExchange` is the same over `CompressedExchange`
+(protocols/compressed_exchange.py): with `protocol.compression`, the freshest
+model travels as the difference from the pair's copy.
+
+Secure aggregation is refused with `asynchronous` (p2pfl/config): a
+contributor masks each model at most once per requester (protocols/secagg.py),
+so a slow site's unchanged model could not join a fast requester's next sums.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from protocols.base import PeerUnavailable, RoundContext
+from protocols.checks import admit
+from protocols.compressed_exchange import CompressedExchange
+from protocols.exchange import (
+    Collected,
+    ModelReply,
+    PlainExchange,
+    ServedModels,
+    Term,
+    schema_problem,
+)
+
+log = logging.getLogger(__name__)
+
+FRESHEST = "freshest"  # the query key of an asynchronous pull
+
+
+def staleness_factor(staleness: int, exponent: float) -> float:
+    """FedAsync's polynomial staleness function s_a(t - tau) = (t - tau + 1)^-a
+    (Xie, Koyejo, Gupta 2019, Sec. 5.2); a model from the future (negative
+    staleness) counts as fresh: s = 1."""
+    return float((max(0, staleness) + 1) ** -exponent)
+
+
+@dataclass
+class _Skipped:
+    """What one collect left out without counting it against anybody."""
+
+    no_model: int = 0
+    too_stale: int = 0
+
+
+class AsyncExchange(PlainExchange):
+    """Plain models, pulled without waiting: each neighbour's freshest, weighted
+    by staleness (see the module docstring). Written as overrides that call
+    the next class's (serve, query, fetch's `decoded`/`adopt`, collect), so it
+    composes with another PlainExchange subclass: `AsyncCompressedExchange`."""
+
+    def __init__(
+        self,
+        store: ServedModels,
+        *,
+        staleness_bound: int,
+        staleness_exponent: float,
+        **options: Any,
+    ) -> None:
+        super().__init__(store, **options)
+        self.staleness_bound = staleness_bound
+        self.staleness_exponent = staleness_exponent
+        self.skipped = _Skipped()  # of the collect under way (one per round)
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
+        """'Your freshest model': the latest kept, at once; 'none yet' (state
+        None) before the first round is trained. A synchronous pull (no
+        `freshest`) is answered as PlainExchange answers it."""
+        if query.get(FRESHEST) is not True:
+            return await super().serve(requester, query)
+        latest = self.store.latest
+        if latest < 0:
+            return {"round": -1, "state": None, "num_train": 0, "reason": "no_model"}
+        # The latest round, asked as a synchronous pull of exactly that round:
+        # never NotReady, and what the next class does to a served model applies.
+        return await super().serve(requester, {**query, "round": latest, "max_round": latest})
+
+    # ------------------------------------------------------------------ pulling
+
+    def query(self, peer: str, round_no: int, newest: int) -> dict[str, Any]:
+        return {**super().query(peer, round_no, newest), FRESHEST: True}
+
+    async def fetch(
+        self,
+        ctx: RoundContext,
+        round_no: int,
+        reference: dict[str, Tensor],
+        peer: str,
+        timeout: float,
+    ) -> tuple[str, int, dict[str, Tensor], int] | None:
+        """(peer, its model's round, the model, its claimed count), or None:
+        unavailable, no model yet, past the staleness bound, or refused (logged
+        and counted)."""
+        query = self.query(peer, round_no, round_no + self.max_staleness)
+        try:
+            reply = await ctx.request(peer, self.kind, query, timeout)
+        except PeerUnavailable as exc:
+            log.info("%s round %d: no model from %s (%s)", ctx.me, round_no, peer, exc.reason)
+            return None
+        if not isinstance(reply, dict):
+            log.warning("%s round %d: malformed reply from %s", ctx.me, round_no, peer)
+            ctx.reject(peer, "model_malformed")
+            return None
+        if reply.get("state") is None:
+            log.info("%s round %d: %s has no model yet", ctx.me, round_no, peer)
+            self.skipped.no_model += 1
+            return None
+        parsed, problem = schema_problem(ModelReply, reply)
+        if problem == "round" or reply["round"] < 0:
+            log.warning("%s round %d: %s sent round %r", ctx.me, round_no, peer, reply.get("round"))
+            ctx.reject(peer, "model_wrong_round")
+            return None
+        if round_no - reply["round"] > self.staleness_bound:
+            log.info(
+                "%s round %d: %s's freshest model is of round %d, past the staleness bound %d",
+                ctx.me,
+                round_no,
+                peer,
+                reply["round"],
+                self.staleness_bound,
+            )
+            self.skipped.too_stale += 1
+            return None
+        if parsed is None:
+            log.warning(
+                "%s round %d: %s sent num_train %r", ctx.me, round_no, peer, reply.get("num_train")
+            )
+            ctx.reject(peer, "model_bad_num_train")
+            return None
+        state = await self.decoded(ctx, peer, reply, reference)
+        if state is None or not admit(
+            ctx,
+            peer,
+            "model",
+            state,
+            reference,
+            max_norm_ratio=self.max_norm_ratio,
+            where=f" round {round_no}",
+        ):
+            return None
+        self.adopt(peer, reply, state)
+        return peer, parsed.round, state, parsed.num_train
+
+    async def collect(
+        self,
+        ctx: RoundContext,
+        key: Any,
+        own: dict[str, Tensor],
+        own_weight: float,
+        ranking: list[str],
+        k: int,
+    ) -> Collected:
+        """The first k of `ranking` that have a model within the bound (sorted
+        by name), each weighted by its capped sample count x s(staleness)."""
+        round_no = int(key)
+        self.skipped = _Skipped()
+        got = await super().collect(ctx, key, own, own_weight, ranking, k)
+        staleness: list[int] = []
+        factors: list[float] = []
+        terms: list[Term] = []
+        for term in got.terms:
+            (_, peer_round), *_ = term.merged
+            staleness.append(max(0, round_no - peer_round))
+            factors.append(staleness_factor(staleness[-1], self.staleness_exponent))
+            terms.append(Term(term.state, term.weight * factors[-1], term.merged))
+        got.terms = terms
+        neighbours_weight = sum(t.weight for t in terms)
+        total = own_weight + neighbours_weight  # the merge weighs its own model uncapped
+        got.log.update(
+            {
+                "stale_models": sum(1 for s in staleness if s > 0),
+                "asynchronous": 1,
+                "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+                "staleness_max": max(staleness, default=0),
+                "staleness_factor_min": min(factors, default=1.0),
+                "staleness_factor_mean": sum(factors) / len(factors) if factors else 1.0,
+                "neighbour_weight_share": neighbours_weight / total if total > 0 else 0.0,
+                "models_too_stale": self.skipped.too_stale,
+                "neighbours_without_model": self.skipped.no_model,
+            }
+        )
+        return got
+
+
+class AsyncCompressedExchange(AsyncExchange, CompressedExchange):
+    """`asynchronous` with `compression`: the freshest model, served as
+    CompressedExchange serves any model (the difference from the pair's copy),
+    weighted by staleness."""

@@ -16,7 +16,9 @@ again later); only an id this node is done with is `replayed` (node/outbound.py
 counts that as delivered).
 
 The client, which sends to this endpoint, is node/transport_client.py. With
-TLS configured the server only listens with TLS: no plaintext fallback.
+TLS configured the server only listens with TLS: no plaintext fallback. With
+`transport.link_mbit` set, the payload bytes of requests and replies go out
+through the node's one emulated uplink (node/link.py, `ChunksPayload`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.payload import Payload
 
+from node.link import Uplink, uplink_for
 from p2pfl.config import TransportSection
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 
@@ -111,16 +114,24 @@ RejectHook = Callable[[str, str | None], None]
 
 
 class ChunksPayload(Payload):
-    """Sends a frame's chunks without joining them (no extra copy of the tensors)."""
+    """Sends a frame's chunks without joining them (no extra copy of the tensors).
 
-    def __init__(self, chunks: list[bytes | memoryview]) -> None:
+    This is where a node's payload bytes go out, requests and replies alike:
+    with an `uplink` (transport.link_mbit, node/link.py) they go out at its rate."""
+
+    def __init__(self, chunks: list[bytes | memoryview], uplink: Uplink | None = None) -> None:
         super().__init__(b"", content_type="application/octet-stream")
         self._chunks = chunks
         self._size = sum(len(c) for c in chunks)
+        self._uplink = uplink
 
     async def write(self, writer: Any) -> None:
-        for chunk in self._chunks:
-            await writer.write(chunk)
+        if self._uplink is None:
+            for chunk in self._chunks:
+                await writer.write(chunk)
+            return
+        async for piece in self._uplink.slices(self._chunks):
+            await writer.write(piece)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("binary frame")
@@ -161,10 +172,18 @@ class MessageServer:
     """The receiving side of the transport."""
 
     def __init__(
-        self, codec: WireCodec, cfg: TransportSection, on_frame: FrameHandler, on_reject: RejectHook
+        self,
+        codec: WireCodec,
+        cfg: TransportSection,
+        on_frame: FrameHandler,
+        on_reject: RejectHook,
+        *,
+        uplink: Uplink | None = None,
     ) -> None:
         self.codec = codec
         self.cfg = cfg
+        # replies go out through the node's uplink, shared with its client
+        self.uplink = uplink if uplink is not None else uplink_for(cfg)
         self.on_frame = on_frame
         self.on_reject = on_reject
         self._buckets: dict[str, TokenBucket] = {}
@@ -305,9 +324,12 @@ class MessageServer:
             return self._refuse(exc.reason, exc.detail, sender, header)
         if body is None:
             return web.json_response({"ok": True}, status=status)
-        if isinstance(body, list):
+        if isinstance(body, list) or self.uplink is not None:
+            chunks = body if isinstance(body, list) else [body]
             return web.Response(
-                body=ChunksPayload(body), status=status, content_type="application/octet-stream"
+                body=ChunksPayload(chunks, self.uplink),
+                status=status,
+                content_type="application/octet-stream",
             )
         return web.Response(body=body, status=status, content_type="application/octet-stream")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from node.link import Uplink, uplink_for
 from node.transport import MESSAGE_PATH, ChunksPayload, RejectHook
 from p2pfl.config import TransportSection, parse_hostport
 from p2pfl.secure.wire import OutgoingMessage
@@ -87,8 +88,11 @@ class MessageClient:
         *,
         max_message_bytes: int = 512 * 1024 * 1024,
         on_reject: RejectHook | None = None,
+        uplink: Uplink | None = None,
     ) -> None:
         self.cfg = cfg
+        # requests go out through the node's uplink, shared with its server
+        self.uplink = uplink if uplink is not None else uplink_for(cfg)
         self.max_message_bytes = max_message_bytes
         self.on_reject = on_reject
         self.ssl_context = ssl_context
@@ -200,7 +204,7 @@ class MessageClient:
             total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
         )
         async with session.post(
-            link.url, data=ChunksPayload(message.chunks), timeout=client_timeout
+            link.url, data=ChunksPayload(message.chunks, self.uplink), timeout=client_timeout
         ) as resp:
             return resp.status, await self._read_body(resp, limit)
 

@@ -58,6 +58,7 @@ class RunSpec:
     lpips_weights: str | None = None  # genbuffer.lpips_weights of every node (FedER)
     genbuffer_options: tuple[tuple[str, Any], ...] = ()  # other genbuffer: fields (FedER)
     encryption: bool = False  # wire.encryption (always on with secure aggregation)
+    transport_options: tuple[tuple[str, Any], ...] = ()  # other transport: fields
 
     @property
     def label(self) -> str:
@@ -157,7 +158,12 @@ def node_overrides(spec: RunSpec) -> dict[str, Any]:
     return {
         **sections,
         "node": {"exit_when_done": True, "startup_wait_s": spec.startup_wait_s},
-        "transport": {"heartbeat_s": 1.0, "suspect_after_s": 5.0, "dead_after_s": 15.0},
+        "transport": {
+            "heartbeat_s": 1.0,
+            "suspect_after_s": 5.0,
+            "dead_after_s": 15.0,
+            **dict(spec.transport_options),
+        },
     }
 
 

@@ -438,7 +438,27 @@ class TransportSection(Section):
         description="an incoming payload must arrive within read_idle_timeout_s + its size at "
         "this rate, else it is cut off (upload_too_slow)",
     )
+    link_mbit: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="emulated uplink of this site in Mbit/s: a token bucket on the bytes it "
+        "sends, requests and replies (node/link.py); unset: unshaped. An emulation: tc tbf "
+        "on a network namespace is the real thing",
+    )
     tls: TLSSection | None = None
+
+    @model_validator(mode="after")
+    def _link_fast_enough(self) -> TransportSection:
+        # Peers cut off an upload slower than their min_upload_bytes_per_s: a link
+        # slower than that (the federation shares transport settings) could send nothing.
+        if self.link_mbit is not None and self.link_mbit * 1e6 / 8 < self.min_upload_bytes_per_s:
+            raise ValueError(
+                f"link_mbit {self.link_mbit:g} ({self.link_mbit * 1e6 / 8:.0f} bytes/s) is "
+                f"slower than min_upload_bytes_per_s ({self.min_upload_bytes_per_s:.0f}): "
+                "peers would cut off every upload as upload_too_slow"
+            )
+        return self
 
 
 class LoggingSection(Section):

@@ -29,8 +29,8 @@ them by accident, and a node with a fault plan says so loudly in its log.
   off both ways: every outgoing post fails, every incoming connection is
   closed without an answer. It heals by itself.
 - latency_s: every answer to a peer (acknowledgement or request response,
-  not heartbeats) is delayed this long: a slow peer.
-- slow_train: a site FACTOR x slower (a number >= 1; 1 = off): after each
+  not heartbeats) is delayed this long: a slow peer (a finite number >= 0).
+- slow_train: a site FACTOR x slower (a number in [1, 1000]; 1 = off): after each
   local training (the round's train phase) the node waits (FACTOR - 1) x
   that training's duration, off the event loop (it keeps answering peers and
   heartbeats meanwhile). Its model is offered when the real training ends,
@@ -88,6 +88,9 @@ CYCLE_MODES = ("nan", "inf", "shape", "dtype", "huge_norm", "scaled_random", "fo
 POISON_MODES = (*CYCLE_MODES, "inflated_count")
 COUNT_KEYS = ("num_train", "batch_size")  # what `inflated_count` multiplies
 WIRE_MODES = ("forged", "replayed")  # done by the daemon on the encoded answer
+# slow_train's largest FACTOR: beyond it a slip of the operator's keyboard (1e9)
+# would park the node in one training's wait for years, not slow it down.
+MAX_SLOW_TRAIN = 1000.0
 
 
 class FaultPlan:
@@ -137,6 +140,8 @@ class FaultPlan:
                 (int(p["from_round"]), int(p["to_round"])) for p in raw.get("partition", [])
             ]
             latency_s = float(raw.get("latency_s", 0.0))
+            if not 0.0 <= latency_s < math.inf:  # NaN in asyncio's timer heap breaks its order
+                raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
             slow_train = parse_slow_train(raw.get("slow_train", 1.0))
             poison = raw.get("poison")
             if poison is not None and poison.get("mode") not in (*POISON_MODES, "cycle"):
@@ -144,7 +149,8 @@ class FaultPlan:
             self.kills, self.partitions, self.latency_s = kills, partitions, latency_s
             self.poison = dict(poison) if poison else None
             self.slow_train = slow_train
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as exc:
+            # ArithmeticError: float(10**400), int(1e999) (JSON allows both)
             log.error("FAULT INJECTION: cannot read %s (%s); plan unchanged", self.path, exc)
             return
         fired_path = self._sidecar(".fired")
@@ -309,10 +315,13 @@ class FaultPlan:
 
 
 def parse_slow_train(value: Any) -> float:
-    """The plan's `slow_train` FACTOR: a finite number >= 1; ValueError (the
-    plan is then left unchanged, logged) for anything else."""
+    """The plan's `slow_train` FACTOR: a finite number in [1, MAX_SLOW_TRAIN];
+    ValueError (the plan is then left unchanged, logged) for anything else."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"slow_train must be a number >= 1, got {value!r}")
+    # compared before float(): float(10**400) raises OverflowError
+    if value > MAX_SLOW_TRAIN:
+        raise ValueError(f"slow_train must be a number <= {MAX_SLOW_TRAIN:g}, got {value!r}"[:200])
     factor = float(value)
     if not math.isfinite(factor) or factor < 1.0:
         raise ValueError(

@@ -30,7 +30,12 @@ last reply started from, so that one lost reply does not reset the pair, and
 the copy it made), the receiver one per roster member: at most 3 x (N - 1)
 models of float32 beside the node's own. They outlive a restart in
 `compression.<stage>safetensors` (the state directory, written after each
-exchange); a copy lost there only costs a keyframe.
+exchange); a copy lost there only costs a keyframe, and so does one that
+does not fit the model (other entries, shapes or dtypes, or not finite: a
+corrupt file, a model changed between runs; `fits`): the sender starts that
+pair from zeros, the receiver drops it and skips a reply built on it (logged,
+not counted against the peer: the fault is its own). A file that does not
+load is logged and ignored.
 
 Gradients (`CompressedGradientExchange`, FedSGDP2P): one residual per node,
 `compression.ErrorFeedback`: each step's g + e is compressed once and that
@@ -55,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor
@@ -89,6 +94,22 @@ def _copy_id(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << ID_BITS:
         return value
     return None
+
+
+def fits(copy: State, model: State) -> bool:
+    """Whether a copy can be a reference for `model`: the same entries, shapes
+    and dtypes, every float entry finite. A copy from disk (a corrupt file, a
+    model changed between runs) or one made NaN is otherwise a crash in
+    subtract/add, or a pair stuck on replies the checks refuse forever."""
+    if copy.keys() != model.keys():
+        return False
+    for key, value in model.items():
+        held = copy[key]
+        if not isinstance(held, Tensor) or held.shape != value.shape or held.dtype != value.dtype:
+            return False
+        if held.is_floating_point() and held.numel() and not bool(torch.isfinite(held).all()):
+            return False
+    return True
 
 
 class CompressedExchange(PlainExchange):
@@ -125,7 +146,8 @@ class CompressedExchange(PlainExchange):
         new_id = secrets.randbits(ID_BITS) or 1
         # Not on the node's training thread (ctx.run_blocking): a slower peer's
         # pull must not wait for this node's next round of training.
-        payload, x_hat = await asyncio.to_thread(self.encode, found["state"], base)
+        payload, x_hat, used = await asyncio.to_thread(self.encode, found["state"], base)
+        base = base if used else None  # a copy that does not fit the model: a keyframe
         kept = {new_id: x_hat}
         if base is not None:
             kept[ref] = base
@@ -144,12 +166,15 @@ class CompressedExchange(PlainExchange):
             "state": payload,
         }
 
-    def encode(self, model: State, base: State | None) -> tuple[dict[str, Any], State]:
-        """(C(model - base), base + decompress(C(...))): the reply and the new copy."""
+    def encode(self, model: State, base: State | None) -> tuple[dict[str, Any], State, bool]:
+        """(C(model - base), base + decompress(C(...)), whether `base` was used):
+        the reply and the new copy; from zeros if `base` does not fit `model`."""
+        if base is not None and not fits(base, model):
+            base = None
         keyframe = base is None
         start = zeros_like(model) if base is None else base
         payload = compress_state(subtract(model, start), self.fmt, keyframe)
-        return payload, add(start, dense(payload, self.fmt, keyframe))
+        return payload, add(start, dense(payload, self.fmt, keyframe)), not keyframe
 
     # ------------------------------------------------------------------ requester side
 
@@ -170,6 +195,13 @@ class CompressedExchange(PlainExchange):
         if ref and (held is None or held[0] != ref):
             return self.refuse(ctx, peer, "bad_ref", f"copy {ref} is not the one held")
         base = held[1] if ref and held is not None else None
+        if base is not None and not await ctx.run_blocking(fits, base, reference):
+            # This node's own copy is bad (a corrupt file, another model): not the
+            # peer's fault, so not counted against it; the next pull asks for a keyframe.
+            log.warning("%s: my copy %d of %s does not fit the model; dropped", ctx.me, ref, peer)
+            self.held.pop(peer, None)
+            self.dirty = True
+            return None
         try:
             copy, term = await ctx.run_blocking(self.reconstruct, reply["state"], reference, base)
         except CompressionRefused as exc:
@@ -222,6 +254,7 @@ class CompressedExchange(PlainExchange):
         """PlainExchange's collect; then the copies are saved and the round's
         compressed bytes logged."""
         got = await super().collect(ctx, key, own, own_weight, ranking, k)
+        self.pending.clear()  # the copies of replies the checks refused: never adopted
         got.log.update(
             exchange_bytes_sent=float(self.bytes_sent),
             exchange_bytes_received=float(self.bytes_received),
@@ -255,10 +288,16 @@ class CompressedExchange(PlainExchange):
         return tensors, {"format": self.fmt.setting, "index": json.dumps(index)}
 
     def write(self, snapshot: tuple[dict[str, Tensor], dict[str, str]]) -> None:
+        """Best effort: a copy not saved costs a keyframe after a restart, so a
+        full or read-only disk is logged, not the end of the round."""
         tensors, meta = snapshot
         if self.path is not None:
             data = {k: v.contiguous() for k, v in tensors.items()}
-            atomic_write_bytes(self.path, save_safetensors(data, metadata=meta))
+            try:
+                atomic_write_bytes(self.path, save_safetensors(data, metadata=meta))
+            except (OSError, RuntimeError, SafetensorError) as exc:
+                self.dirty = True  # tried again after the next exchange
+                log.warning("compressed exchange: copies not saved to %s (%s)", self.path, exc)
 
     def load(self) -> None:
         """The copies of the last save, if they are of this format; else none
@@ -279,11 +318,24 @@ class CompressedExchange(PlainExchange):
                 target.setdefault(str(peer), {}).setdefault(int(cid), {})[str(name)] = tensors[
                     f"t{i}"
                 ]
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            RuntimeError,
+            ArithmeticError,  # an id of 1e999 in the index
+            SafetensorError,  # not a safetensors file: garbage, empty, truncated
+        ) as exc:
             log.warning("compressed exchange: copies in %s not loaded (%s)", self.path, exc)
             return
-        self.sent = OrderedDict(sent)
+        # As many as a run keeps (two sent, one held per roster member), whatever
+        # the file holds; a copy that does not fit the model is refused at use.
+        self.sent = OrderedDict((p, dict(list(c.items())[-2:])) for p, c in sent.items())
         self.held = OrderedDict((p, next(iter(c.items()))) for p, c in held.items() if c)
+        for copies in (self.sent, self.held):
+            while len(copies) > self.limit:
+                copies.popitem(last=False)
 
 
 def copies_file(ctx: RoundContext) -> Path | None:

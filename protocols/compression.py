@@ -424,13 +424,34 @@ class ErrorFeedback:
             for k, v in update.items()
         }
         floats = {k for k, v in corrected.items() if v.is_floating_point()}
-        if self.residual is not None and set(self.residual) == floats:
-            corrected = {
-                k: v + self.residual[k] if k in floats else v for k, v in corrected.items()
-            }
+        residual = self._usable(corrected, floats)
+        if residual is not None:
+            corrected = {k: v + residual[k] if k in floats else v for k, v in corrected.items()}
         payload = compress_state(corrected, self.fmt)
-        sent = dense(payload, self.fmt)
+        try:
+            sent = dense(payload, self.fmt)
+        except CompressionRefused:
+            # A non-finite update (a diverged step): it goes out as it is, and every
+            # receiver refuses it, as it would a plain NaN gradient; no residual
+            # carries the NaN on into the next steps.
+            self.residual = None
+            return payload
         self.residual = {
             k: corrected[k] - sent[k] for k, v in corrected.items() if v.is_floating_point()
         }
         return payload
+
+    def _usable(self, update: dict[str, Tensor], floats: set[str]) -> dict[str, Tensor] | None:
+        """The residual, if it (perhaps a checkpoint's) belongs to `update`: the
+        same float entries and shapes, all finite. One of another model would
+        crash the sum, or broadcast into it silently (a [1] residual); a NaN one
+        would spoil every later payload. Otherwise it is dropped: None."""
+        r = self.residual
+        if r is not None and not (
+            set(r) == floats
+            and all(
+                r[k].shape == update[k].shape and bool(torch.isfinite(r[k]).all()) for k in floats
+            )
+        ):
+            self.residual = r = None
+        return r

@@ -64,17 +64,9 @@ from typing import Any
 
 from torch import Tensor
 
-from protocols.base import PeerUnavailable, RoundContext
-from protocols.checks import admit
+from protocols.base import RoundContext
 from protocols.compressed_exchange import CompressedExchange
-from protocols.exchange import (
-    Collected,
-    ModelReply,
-    PlainExchange,
-    ServedModels,
-    Term,
-    schema_problem,
-)
+from protocols.exchange import Collected, PlainExchange, ServedModels, Term, wrong_round
 
 log = logging.getLogger(__name__)
 
@@ -135,66 +127,32 @@ class AsyncExchange(PlainExchange):
     def query(self, peer: str, round_no: int, newest: int) -> dict[str, Any]:
         return {**super().query(peer, round_no, newest), FRESHEST: True}
 
-    async def fetch(
-        self,
-        ctx: RoundContext,
-        round_no: int,
-        reference: dict[str, Tensor],
-        peer: str,
-        timeout: float,
-    ) -> tuple[str, int, dict[str, Tensor], int] | None:
-        """(peer, its model's round, the model, its claimed count), or None:
-        unavailable, no model yet, past the staleness bound, or refused (logged
-        and counted)."""
-        query = self.query(peer, round_no, round_no + self.max_staleness)
-        try:
-            reply = await ctx.request(peer, self.kind, query, timeout)
-        except PeerUnavailable as exc:
-            log.info("%s round %d: no model from %s (%s)", ctx.me, round_no, peer, exc.reason)
-            return None
-        if not isinstance(reply, dict):
-            log.warning("%s round %d: malformed reply from %s", ctx.me, round_no, peer)
-            ctx.reject(peer, "model_malformed")
-            return None
-        if reply.get("state") is None:
-            log.info("%s round %d: %s has no model yet", ctx.me, round_no, peer)
-            self.skipped.no_model += 1
-            return None
-        parsed, problem = schema_problem(ModelReply, reply)
-        if problem == "round" or reply["round"] < 0:
-            log.warning("%s round %d: %s sent round %r", ctx.me, round_no, peer, reply.get("round"))
-            ctx.reject(peer, "model_wrong_round")
-            return None
-        if round_no - reply["round"] > self.staleness_bound:
+    def no_model(self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]) -> None:
+        """`peer` has no model yet: skipped (the next in the ranking is asked)."""
+        log.info("%s round %d: %s has no model yet", ctx.me, round_no, peer)
+        self.skipped.no_model += 1
+
+    def round_fits(
+        self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]
+    ) -> bool:
+        """Any round >= 0 within the staleness bound (a later one counts as
+        fresh); a negative round is refused and counted, a too stale one skipped."""
+        theirs = reply["round"]
+        if theirs < 0:
+            wrong_round(ctx, round_no, peer, reply)
+            return False
+        if round_no - theirs > self.staleness_bound:
             log.info(
                 "%s round %d: %s's freshest model is of round %d, past the staleness bound %d",
                 ctx.me,
                 round_no,
                 peer,
-                reply["round"],
+                theirs,
                 self.staleness_bound,
             )
             self.skipped.too_stale += 1
-            return None
-        if parsed is None:
-            log.warning(
-                "%s round %d: %s sent num_train %r", ctx.me, round_no, peer, reply.get("num_train")
-            )
-            ctx.reject(peer, "model_bad_num_train")
-            return None
-        state = await self.decoded(ctx, peer, reply, reference)
-        if state is None or not admit(
-            ctx,
-            peer,
-            "model",
-            state,
-            reference,
-            max_norm_ratio=self.max_norm_ratio,
-            where=f" round {round_no}",
-        ):
-            return None
-        self.adopt(peer, reply, state)
-        return peer, parsed.round, state, parsed.num_train
+            return False
+        return True
 
     async def collect(
         self,

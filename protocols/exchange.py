@@ -202,6 +202,12 @@ class GradientReply(_Reply):
     grad: Any
 
 
+def wrong_round(ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]) -> None:
+    """A model reply whose round cannot be merged in round `round_no`: refused, counted."""
+    log.warning("%s round %d: %s sent round %r", ctx.me, round_no, peer, reply.get("round"))
+    ctx.reject(peer, "model_wrong_round")
+
+
 def schema_problem(schema: type[_Reply], reply: dict[str, Any]) -> tuple[Any, str | None]:
     """(the parsed reply, None), or (None, the first field that failed)."""
     try:
@@ -286,12 +292,13 @@ class PlainExchange:
             ctx.reject(peer, "model_malformed")
             return None
         if reply.get("state") is None:
-            log.info("%s round %d: %s is past round %s", ctx.me, round_no, peer, reply.get("round"))
+            self.no_model(ctx, round_no, peer, reply)
             return None
         parsed, problem = schema_problem(ModelReply, reply)
-        if problem == "round" or not round_no <= reply["round"] <= newest:
-            log.warning("%s round %d: %s sent round %r", ctx.me, round_no, peer, reply.get("round"))
-            ctx.reject(peer, "model_wrong_round")
+        if problem == "round":
+            wrong_round(ctx, round_no, peer, reply)
+            return None
+        if not self.round_fits(ctx, round_no, peer, reply):
             return None
         if parsed is None:
             log.warning(
@@ -307,6 +314,20 @@ class PlainExchange:
             return None
         self.adopt(peer, reply, state)
         return peer, parsed.round, state, parsed.num_train
+
+    def no_model(self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]) -> None:
+        """`peer` answered without a model: it has moved past the rounds asked."""
+        log.info("%s round %d: %s is past round %s", ctx.me, round_no, peer, reply.get("round"))
+
+    def round_fits(
+        self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]
+    ) -> bool:
+        """Whether the reply's (integer) round may be merged in round `round_no`:
+        from round_no to round_no + max_staleness; else refused and counted."""
+        if round_no <= reply["round"] <= round_no + self.max_staleness:
+            return True
+        wrong_round(ctx, round_no, peer, reply)
+        return False
 
     def query(self, peer: str, round_no: int, newest: int) -> dict[str, Any]:
         """What a pull of round `round_no` asks `peer` (CompressedExchange adds

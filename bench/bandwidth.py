@@ -69,7 +69,7 @@ from bench.federation.specs import (
     site_names,
 )
 from bench.federation.stats import per_node_final
-from bench.plots import final_per_seed
+from bench.plots import final_per_seed, save
 from node.provision import provision
 from p2pfl.files import atomic_write_text
 
@@ -439,11 +439,7 @@ def plot(models: dict[str, Any], path: Path, link_mbit: float) -> Path:
         twin.set_ylim(bottom=0)
     link = f"{link_mbit:g} Mbit/s uplinks (emulated)" if link_mbit else "unshaped loopback"
     fig.suptitle(f"FedAVGP2P, {link}: bytes and round time per arm", fontsize="medium")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -204,7 +204,7 @@ def plot(per_seed: list[dict[str, Any]], path: Path, factor: float) -> Path:
     and the mean final macro-F1 per arm."""
     import matplotlib.pyplot as plt
 
-    import bench.plots  # noqa: F401  (chooses the Agg backend)
+    import bench.plots  # chooses the Agg backend
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 4.0))
     for ax, key, label in (
@@ -222,11 +222,7 @@ def plot(per_seed: list[dict[str, Any]], path: Path, factor: float) -> Path:
         f"one site {factor:g}x slower: synchronous, asynchronous, and without it",
         fontsize="medium",
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return bench.plots.save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

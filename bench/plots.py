@@ -82,7 +82,7 @@ def f1_per_round(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="lower right")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def messages_vs_fraction(
@@ -119,7 +119,7 @@ def messages_vs_fraction(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def rounds_to_threshold(
@@ -143,7 +143,7 @@ def rounds_to_threshold(
     ax.set_ylim(0, max_round + 2)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def final_per_seed(values: Mapping[str, Mapping[int, float]], path: Path) -> Path:
@@ -169,7 +169,7 @@ def final_per_seed(values: Mapping[str, Mapping[int, float]], path: Path) -> Pat
     ax.set_title("final macro-F1 per seed (dots) and mean over the seeds (bar)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="lower left", ncols=max(1, min(5, len(all_seeds))))
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def label_efficiency(
@@ -231,7 +231,7 @@ def label_efficiency(
         ax.set_xlabel("round (Fed-BEiT: after the tokenizer's)")
         ax.set_ylabel(label)
         ax.set_title(f"P2P {arms[arm][0]} pre-training")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 @dataclass(frozen=True)
@@ -283,10 +283,11 @@ def site_gain(points: Sequence[SitePoint], path: Path, *, title: str) -> Path:
     if any(p.apart for p in points):
         axes[1].legend(fontsize="small", loc="best")
     fig.suptitle(title)
-    return _save(fig, path)
+    return save(fig, path)
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def save(fig: plt.Figure, path: Path) -> Path:
+    """Lay out, write (100 dpi, folders made) and close `fig`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

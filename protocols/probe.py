@@ -30,6 +30,10 @@ class Probe(RoundLoop[ProbeParams]):
     def __init__(self, params: ProbeParams) -> None:
         super().__init__(params)
         self.received: dict[str, int] = {}  # sender -> probes processed
+        # Probes of a later round than this node's (a peer ahead of it): kept for
+        # that round, so a node one round behind catches up instead of waiting out
+        # round_timeout_s for a probe it already consumed, round after round.
+        self.early: dict[int, set[str]] = {}
 
     def payload(self, me: str, round_no: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(zlib.crc32(f"{me}:{round_no}".encode()))
@@ -54,6 +58,8 @@ class Probe(RoundLoop[ProbeParams]):
         self.received[msg.sender] = self.received.get(msg.sender, 0) + 1
         if msg.round == round_no:
             got_this_round.add(msg.sender)
+        elif isinstance(msg.round, int) and msg.round > round_no:
+            self.early.setdefault(msg.round, set()).add(msg.sender)
 
     async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
         """Push a probe to every alive peer, and wait for one from each of them."""
@@ -62,7 +68,8 @@ class Probe(RoundLoop[ProbeParams]):
         peers = [p.name for p in ctx.peers()]
         timings = await asyncio.gather(*(self.push(ctx, p, r) for p in peers))
         sent = [t for t in timings if t is not None]
-        got_this_round: set[str] = set()
+        got_this_round: set[str] = self.early.pop(r, set())
+        self.early = {k: v for k, v in self.early.items() if k > r}
         deadline = time.monotonic() + self.params.round_timeout_s
         while True:
             # Take everything already delivered, then wait for the missing peers.

@@ -282,7 +282,12 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
     cut_rounds = range(2, 6)  # a is cut off in its rounds 2-5, healed from round 6
     timeout_s = 2.5
     fed_dir = tmp_path / "fed"
-    proto = fedavg(rounds, fraction=1.0, round_timeout_s=timeout_s)
+    # A pull of round r takes a model up to r + 3, and every node keeps its last
+    # five: a that leaves the cut up to three rounds ahead of or behind the others
+    # still merges with them at once (with max_staleness 1 a CI run had a four
+    # rounds off after the heal, and no one could use anyone's model again).
+    staleness = 3
+    proto = fedavg(rounds, fraction=1.0, round_timeout_s=timeout_s, max_staleness=staleness)
     # Every site trains three epochs a round: a's rounds cut off, which have
     # nothing to wait for, still last seconds, so whole rounds of the others lie
     # inside them; and a, no slower than the others, is still in step with them
@@ -333,7 +338,7 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
                 if p == "b":
                     slow_used += 1
                     slow_stale += pr != r
-                    assert r <= pr <= r + 1
+                    assert r <= pr <= r + staleness
         worst_exchange = max(worst_exchange, max(m["exchange_s"] for m in rows.values()))
     worst_exchange = max(worst_exchange, max(m["exchange_s"] for m in a_rows.values()))
     print(

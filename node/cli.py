@@ -225,7 +225,7 @@ def cmd_roster(args: argparse.Namespace) -> int:
         elif previous is not None and previous.max_samples is not None:
             card = dataclasses.replace(card, max_samples=previous.max_samples)
         cards[card.name] = card
-        Roster(list(cards.values()), path).save(path)
+        Roster(list(cards.values()), path, relays=roster.relays).save(path)
         cap = f", max_samples {card.max_samples}" if card.max_samples is not None else ""
         print(
             f"{path}: {card.name} added ({len(cards)} sites{cap}); send SIGHUP to running nodes to reload"
@@ -236,14 +236,15 @@ def cmd_roster(args: argparse.Namespace) -> int:
                 f"{path}: no site named {args.name!r} — known: {', '.join(sorted(cards)) or '(none)'}"
             )
         del cards[args.name]
-        Roster(list(cards.values()), path).save(path)
+        Roster(list(cards.values()), path, relays=roster.relays).save(path)
         print(
             f"{path}: {args.name} removed ({len(cards)} sites); send SIGHUP to running nodes to reload"
         )
     else:
         for card in roster.cards():
             cap = f"\tmax_samples={card.max_samples}" if card.max_samples is not None else ""
-            print(f"{card.name}\t{card.address}{cap}")
+            where = card.address if card.address else "via " + ",".join(card.via)
+            print(f"{card.name}\t{where}{cap}")
     return 0
 
 

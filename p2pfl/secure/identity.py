@@ -57,12 +57,15 @@ class Card:
     """A site's public identity, as exchanged between institutions."""
 
     name: str
-    address: str
+    address: str | None  # None: an outbound-only site, reached through `via`
     signing_key: str  # base64 raw Ed25519 public key
     agreement_key: str  # base64 raw X25519 public key
     previous_signing_key: str | None = None
     previous_valid_until: float | None = None  # unix seconds
     max_samples: int | None = None  # the admin's cap on this site's claimed sample count
+    # Relays (roster `relays:` names) an outbound-only site keeps a connection to;
+    # its messages are sent through one of them (node/relay_wire.py, issue 31).
+    via: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -76,6 +79,8 @@ class Card:
             out["previous_valid_until"] = self.previous_valid_until
         if self.max_samples is not None:
             out["max_samples"] = self.max_samples
+        if self.via:
+            out["via"] = list(self.via)
         return out
 
     @classmethod
@@ -97,23 +102,81 @@ class Card:
             "previous_signing_key",
             "previous_valid_until",
             "max_samples",
+            "via",
         }
         if unknown:
             raise IdentityError(f"{where}: unknown keys {sorted(unknown)} — remove them")
         card = cls(
             name=str(data["name"]),
-            address=str(data["address"]),
+            address=_address(data["address"], f"{where} ({data['name']})"),
             signing_key=str(data["signing_key"]),
             agreement_key=str(data["agreement_key"]),
             previous_signing_key=data.get("previous_signing_key"),
             previous_valid_until=data.get("previous_valid_until"),
             max_samples=_max_samples(data.get("max_samples"), f"{where} ({data['name']})"),
+            via=_via(data.get("via"), f"{where} ({data['name']})"),
         )
+        if card.address is None and not card.via:
+            raise IdentityError(
+                f"{where} ({card.name}): address is null but no relay is named — give the site's "
+                "HOST:PORT, or `via: [RELAY, ...]` for a site that accepts no inbound connection"
+            )
         _unb64(card.signing_key, "signing_key", f"{where} ({card.name})")
         _unb64(card.agreement_key, "agreement_key", f"{where} ({card.name})")
         if card.previous_signing_key:
             _unb64(card.previous_signing_key, "previous_signing_key", f"{where} ({card.name})")
         return card
+
+
+def _address(value: Any, where: str) -> str | None:
+    """A card's `address`: HOST:PORT, or null for an outbound-only site."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise IdentityError(f"{where}: address must be HOST:PORT or null, got {value!r}")
+    return value
+
+
+def _via(value: Any, where: str) -> tuple[str, ...]:
+    """A card's optional `via`: the distinct names of the relays it connects to."""
+    if value is None:
+        return ()
+    if (
+        not isinstance(value, list)
+        or not all(isinstance(v, str) and v for v in value)
+        or len(set(value)) != len(value)
+    ):
+        raise IdentityError(
+            f"{where}: via must be a list of distinct relay names (the roster's `relays:`), "
+            f"got {value!r}"
+        )
+    return tuple(value)
+
+
+def _relays(raw: Any, where: str) -> dict[str, str]:
+    """The roster's optional `relays:` list of {name, address}."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, list):
+        raise IdentityError(f"{where}: relays must be a list of {{name, address}} entries")
+    out: dict[str, str] = {}
+    for i, entry in enumerate(raw):
+        if (
+            not isinstance(entry, dict)
+            or set(entry) != {"name", "address"}
+            or not isinstance(entry["name"], str)
+            or not entry["name"]
+            or not isinstance(entry["address"], str)
+            or not entry["address"]
+        ):
+            raise IdentityError(
+                f"{where}: relays[{i}] must be a mapping with exactly a name and an address "
+                f"(HOST:PORT), got {entry!r}"
+            )
+        if entry["name"] in out:
+            raise IdentityError(f"{where}: relay {entry['name']!r} listed twice — keep one entry")
+        out[entry["name"]] = entry["address"]
+    return out
 
 
 def _max_samples(value: Any, where: str) -> int | None:
@@ -223,7 +286,7 @@ class RosterSite:
         return self.card.name
 
     @property
-    def address(self) -> str:
+    def address(self) -> str | None:
         return self.card.address
 
     def verify(self, signature: bytes, data: bytes, now: float | None = None) -> bool:
@@ -242,8 +305,12 @@ class RosterSite:
 class Roster:
     """The federation's sites by name."""
 
-    def __init__(self, cards: list[Card], path: Path | None = None) -> None:
+    def __init__(
+        self, cards: list[Card], path: Path | None = None, relays: dict[str, str] | None = None
+    ) -> None:
         self.path = path
+        # relay name -> HOST:PORT (issue 31): where outbound-only sites are reached
+        self.relays: dict[str, str] = dict(relays or {})
         self.sites: dict[str, RosterSite] = {}
         for card in cards:
             if card.name in self.sites:
@@ -267,6 +334,17 @@ class Roster:
                 _unb64(card.agreement_key, "agreement_key", card.name)
             )
             self.sites[card.name] = RosterSite(card, keys, agreement)
+        where = path or "roster"
+        clash = sorted(set(self.relays) & set(self.sites))
+        if clash:
+            raise IdentityError(f"{where}: {clash[0]!r} names both a site and a relay — rename one")
+        for card in cards:
+            unknown = [r for r in card.via if r not in self.relays]
+            if unknown:
+                raise IdentityError(
+                    f"{where}: site {card.name!r} names relay {unknown[0]!r}, which the roster's "
+                    "`relays:` does not list — add it with its HOST:PORT"
+                )
 
     def __contains__(self, name: object) -> bool:
         return name in self.sites
@@ -302,11 +380,14 @@ class Roster:
         cards = [
             Card.from_dict(entry, f"{path}: sites[{i}]") for i, entry in enumerate(raw["sites"])
         ]
-        return cls(cards, path)
+        return cls(cards, path, relays=_relays(raw.get("relays"), str(path)))
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path or "roster.yaml")
-        text = yaml.safe_dump({"sites": [c.to_dict() for c in self.cards()]}, sort_keys=False)
+        doc: dict[str, Any] = {"sites": [c.to_dict() for c in self.cards()]}
+        if self.relays:
+            doc["relays"] = [{"name": n, "address": a} for n, a in sorted(self.relays.items())]
+        text = yaml.safe_dump(doc, sort_keys=False)
         return atomic_write_text(path, text)
 
 

@@ -18,6 +18,7 @@ from p2pfl.config.protocols import (
     params_class,
     protocol_names,
 )
+from p2pfl.config.relay import RelayConfig, RelaySettings, load_relay_config
 from p2pfl.config.sections import (
     DataSection,
     FederationSection,
@@ -67,6 +68,8 @@ __all__ = [
     "NodeSection",
     "ProbeParams",
     "ProtocolParams",
+    "RelayConfig",
+    "RelaySettings",
     "SSFLParams",
     "Section",
     "SelectionSection",
@@ -85,6 +88,7 @@ __all__ = [
     "dump_config",
     "is_loopback",
     "load_config",
+    "load_relay_config",
     "params_class",
     "parse_hostport",
     "protocol_names",

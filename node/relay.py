@@ -1,0 +1,534 @@
+"""A relay: forwards frames to sites that accept no inbound connection (issue 31).
+
+A site whose roster card has `address: null` and `via: [relay, ...]` keeps one
+outbound WebSocket to each of its relays (node/relay_tunnel.py). A peer POSTs
+the very frame it would have sent directly to the relay's RELAY_MESSAGE_PATH;
+the relay forwards it down the recipient's WebSocket and answers the POST with
+the recipient's own answer (node/relay_wire.py says what travels).
+
+What a relay can and cannot do: it reads only the clear, signed header of a
+frame, to route it. The payload is encrypted to the recipient and covered by
+the signed digest, so a relay can neither read nor alter it (the receiver's
+WireCodec refuses a changed byte, `digest_mismatch`), nor forge a frame (it
+holds no site's key). It can delay or drop frames, which the senders' retries
+and the receivers' exactly-once handling already absorb. It keeps no replay
+state (the final receiver does), no keys, and writes nothing to disk.
+
+Checks on a POST, in this order, each a refusal `{"reason": CODE}` counted by
+reason: the frame's prefix and header (bounded reads, idle timeout), version,
+federation, sender on the roster, recipient connected here (`not_connected`
+503: try its next relay), the sender's signature, timestamp within the clock
+skew, `encrypted` (a relay never carries plaintext: `encryption_required`),
+size, the sender's rate (token bucket), the recipient's pending frames and
+bytes (`queue_full` 503, and one sender holds at most half of a recipient's
+slots), then the payload itself (exactly its length, its signed SHA-256). Like
+node/transport.py, a sender already over its rate is refused before the
+signature check, so a flood costs the relay little, and only verified frames
+take rate tokens, so a forger cannot drain an honest sender's bucket.
+
+Connections: the site answers a fresh challenge with its Ed25519 signature over
+auth_message(federation, relay, site, nonce) within auth_timeout_s; its card's
+`via` must name this relay. A second connection of a site replaces the first,
+whose pending forwards answer 502 `relay_lost`. Idle connections are cut by the
+WebSocket heartbeat (a ping, then no pong: idle_timeout_s in all).
+
+Besides the routes (`add_routes`, also mounted by a site with relay.serve),
+`run_relay` is the standalone process of `p2pfl-node relay` (node/relay_status.py
+has its /status, /metrics and /healthz).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import secrets
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from node.relay_wire import (
+    AUTH_REASONS,
+    NONCE_BYTES,
+    RELAY_CONNECT_PATH,
+    RELAY_MESSAGE_PATH,
+    RELAY_STATUS_FOR_REASON,
+    RelayWireError,
+    auth_message,
+    unpack_reply,
+)
+from node.transport import STATUS_FOR_REASON, TokenBucket
+from p2pfl.config import RelaySettings
+from p2pfl.secure.identity import Card, Roster
+from p2pfl.secure.wire import MAGIC, MAX_HEADER, PREFIX_LEN, SIG_LEN, VERSION, Header, WireError
+
+log = logging.getLogger(__name__)
+
+# HTTP status of every refusal a relay answers; the transport's where they mean the same.
+REFUSAL_STATUS = {
+    **STATUS_FOR_REASON,
+    **RELAY_STATUS_FOR_REASON,
+    "too_many_handshakes": 429,  # more connections awaiting authentication than max_handshakes
+    "relay_closing": 503,  # the relay is shutting down: try the site's next relay
+}
+STREAM_ID = struct.Struct(">Q")  # the head of a FORWARD (node/relay_wire.py pack_forward)
+REPLY_OVERHEAD = 64 * 1024  # a REPLY's id and status, and a refusal's JSON, beside a frame
+PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
+
+
+def refusal(reason: str, detail: str = "") -> web.Response:
+    """A refusal as node/transport.py answers one: JSON {"reason", "detail"}."""
+    return web.json_response(
+        {"reason": reason, "detail": detail[:200]}, status=REFUSAL_STATUS.get(reason, 400)
+    )
+
+
+@dataclass
+class SiteStats:
+    """Counters of one site, kept across its reconnections. `in`: frames this
+    site sent through the relay; `out`: frames forwarded down to it; `replies`:
+    the answers it sent back."""
+
+    messages_in: int = 0
+    bytes_in: int = 0
+    messages_out: int = 0
+    bytes_out: int = 0
+    replies: int = 0
+    reply_bytes: int = 0
+    connects: int = 0
+
+
+@dataclass
+class SiteLink:
+    """One authenticated site connection and the forwards waiting on it."""
+
+    name: str
+    card: Card
+    ws: web.WebSocketResponse
+    since: float = field(default_factory=time.time)
+    waiting: dict[int, asyncio.Future[tuple[int, bytes] | None]] = field(default_factory=dict)
+    pending: int = 0  # frames forwarded (or being read) and not yet answered
+    pending_bytes: int = 0  # frame bytes held in memory for it
+    by_sender: dict[str, int] = field(default_factory=dict)  # its pending frames per sender
+    closed: bool = False
+
+    def fail(self) -> None:
+        """The connection is gone: every waiting forward answers relay_lost."""
+        self.closed = True
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_result(None)
+
+
+class RelayServer:
+    """The relay's routes and state (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        federation: str,
+        roster: Roster,
+        settings: RelaySettings,
+        *,
+        max_message_bytes: int,
+        clock_skew_s: float,
+    ) -> None:
+        self.name = name
+        self.federation = federation
+        self.roster = roster
+        self.settings = settings
+        self.max_message_bytes = max_message_bytes
+        self.clock_skew_ms = int(clock_skew_s * 1000)
+        self.started = time.time()
+        self.links: dict[str, SiteLink] = {}
+        self.stats: dict[str, SiteStats] = {}
+        self.refusals: dict[str, int] = {}
+        self._buckets: dict[str, TokenBucket] = {}
+        self._ids = itertools.count(1)
+        self._handshakes = 0
+        self._closing = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ routes
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(RELAY_CONNECT_PATH, self.handle_connect)
+        app.router.add_post(RELAY_MESSAGE_PATH, self.handle_message)
+
+    def _count(self, reason: str, who: str | None = None) -> None:
+        """Count a refusal; its first occurrence, and every power of ten, is
+        logged, so a flood of them cannot flood the log."""
+        n = self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+            log.warning("RELAY %s: refused %s (%d so far; last from %r)", self.name, reason, n, who)
+
+    def _refuse(self, reason: str, detail: str = "", who: str | None = None) -> web.Response:
+        self._count(reason, who)
+        return refusal(reason, detail)
+
+    def _stats(self, site: str) -> SiteStats:
+        stats = self.stats.get(site)
+        if stats is None:
+            stats = self.stats[site] = SiteStats()
+        return stats
+
+    # ------------------------------------------------------------------ connect
+    async def handle_connect(self, request: web.Request) -> web.StreamResponse:
+        if self._closing:
+            return self._refuse("relay_closing")
+        if self._handshakes >= self.settings.max_handshakes:
+            return self._refuse("too_many_handshakes", f"{self._handshakes} in progress")
+        self._handshakes += 1
+        # ping after 2/3 of the idle timeout without a byte, close after 1/3 more without a pong
+        ws = web.WebSocketResponse(
+            heartbeat=self.settings.idle_timeout_s * 2 / 3,
+            max_msg_size=self.max_message_bytes + REPLY_OVERHEAD,
+            compress=False,  # ciphertext does not compress
+        )
+        try:
+            await ws.prepare(request)
+            card = await self._authenticate(ws)
+        finally:
+            self._handshakes -= 1
+        if card is None:
+            return ws
+        link = SiteLink(card.name, card, ws)
+        previous = self.links.get(card.name)
+        self.links[card.name] = link
+        self._stats(card.name).connects += 1
+        names = (self.name, card.name)
+        if previous is not None:
+            log.info("RELAY %s: %s connected again; closing its previous connection", *names)
+            self._disconnect(previous, "replaced by a newer connection")
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        log.info("RELAY %s: site %s connected from %s", self.name, card.name, peer)
+        try:
+            async for msg in ws:
+                if msg.type != WSMsgType.BINARY or not self._on_reply(link, msg.data):
+                    if msg.type != WSMsgType.ERROR:
+                        self._count(PROTOCOL_ERROR, card.name)
+                    break
+        finally:
+            self._drop(link, "connection closed")
+        if not ws.closed:
+            await ws.close(code=WSCloseCode.PROTOCOL_ERROR)
+        return ws
+
+    async def _authenticate(self, ws: web.WebSocketResponse) -> Card | None:
+        """The site's card once it proved who it is, else None (refused, closed)."""
+        nonce = secrets.token_hex(NONCE_BYTES)
+        challenge = {"type": "challenge", "relay": self.name, "federation": self.federation}
+        await ws.send_json({**challenge, "nonce": nonce})
+        try:
+            msg = await ws.receive(timeout=self.settings.auth_timeout_s)
+        except TimeoutError:
+            return await self._refuse_auth(ws, "auth_timeout", None)
+        offer: Any = None
+        if msg.type == WSMsgType.TEXT:
+            with contextlib.suppress(ValueError):
+                offer = json.loads(msg.data)
+        if not (
+            isinstance(offer, dict)
+            and offer.get("type") == "auth"
+            and isinstance(offer.get("site"), str)
+            and isinstance(offer.get("signature"), str)
+        ):
+            return await self._refuse_auth(ws, "auth_malformed", None)
+        site = offer["site"]
+        if len(site) > 64:
+            return await self._refuse_auth(ws, "auth_malformed", site[:64])
+        try:
+            signature = base64.b64decode(offer["signature"], validate=True)
+        except (binascii.Error, ValueError):
+            return await self._refuse_auth(ws, "auth_malformed", site)
+        entry = self.roster.sites.get(site)
+        if entry is None:
+            return await self._refuse_auth(ws, "unknown_site", site)
+        if len(signature) != 64 or not entry.verify(
+            signature, auth_message(self.federation, self.name, site, nonce)
+        ):
+            return await self._refuse_auth(ws, "bad_signature", site)
+        if self.name not in entry.card.via:
+            return await self._refuse_auth(ws, "not_via_this_relay", site)
+        if self._closing:
+            return await self._refuse_auth(ws, "relay_closing", site)
+        await ws.send_json({"type": "ok"})
+        return entry.card
+
+    async def _refuse_auth(self, ws: web.WebSocketResponse, reason: str, site: str | None) -> None:
+        assert reason in AUTH_REASONS or reason == "relay_closing", reason
+        self._count(reason, site)
+        with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
+            await ws.send_json({"type": "refused", "reason": reason})
+        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason.encode())
+        return None
+
+    def _on_reply(self, link: SiteLink, data: bytes) -> bool:
+        """Hand a REPLY to the forward waiting for it; False if it does not parse."""
+        try:
+            stream_id, status, body = unpack_reply(data)
+        except RelayWireError:
+            return False
+        future = link.waiting.get(stream_id)
+        if future is not None and not future.done():  # else: its POST gave up already
+            future.set_result((status, body))
+        stats = self._stats(link.name)
+        stats.replies += 1
+        stats.reply_bytes += len(body)
+        return True
+
+    def _drop(self, link: SiteLink, why: str) -> None:
+        """Forget a closed connection (no await: runs in `finally` when cancelled)."""
+        link.fail()
+        if self.links.get(link.name) is link:
+            del self.links[link.name]
+            log.info("RELAY %s: site %s disconnected (%s)", self.name, link.name, why)
+
+    def _disconnect(self, link: SiteLink, why: str) -> None:
+        self._drop(link, why)
+        task = asyncio.get_running_loop().create_task(
+            link.ws.close(code=WSCloseCode.GOING_AWAY, message=why[:100].encode())
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ message
+    def _check(
+        self, header: Header, header_bytes: bytes, signature: bytes, length: int | None
+    ) -> tuple[str, str] | SiteLink:
+        """The header's checks, in the module docstring's order: the
+        recipient's connection, or (reason, detail)."""
+        if header.version != VERSION:
+            return "unsupported_version", f"version {header.version}"
+        if header.federation != self.federation:
+            return "wrong_federation", repr(header.federation[:64])
+        sender = self.roster.sites.get(header.sender)
+        if sender is None:
+            return "unknown_sender", repr(header.sender[:64])
+        link = self.links.get(header.recipient)
+        if link is None or header.recipient not in self.roster:
+            return "not_connected", f"{header.recipient[:64]!r} has no connection to this relay"
+        # A sender over its rate is refused before the costly signature check (a
+        # flood costs the relay little); only verified frames take tokens, so a
+        # forger cannot drain an honest sender's bucket.
+        bucket = self._buckets.get(header.sender)
+        if bucket is not None and not bucket.ready():
+            return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
+        if not sender.verify(signature, header_bytes):
+            return "bad_signature", f"from {header.sender!r}"
+        skew = int(time.time() * 1000) - header.timestamp_ms
+        if abs(skew) > self.clock_skew_ms:
+            return "stale_timestamp", f"{skew / 1000:.0f} s off this relay's clock"
+        if not header.encrypted:
+            return "encryption_required", "a relay forwards encrypted payloads only"
+        frame_len = PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
+        if frame_len > self.max_message_bytes:
+            return "oversize", f"{frame_len} bytes"
+        if length is not None and length != frame_len:
+            return "digest_mismatch", "frame length does not match the header"
+        bucket = self._buckets.get(header.sender)
+        if bucket is None:
+            rate = self.settings.rate_limit_per_s
+            bucket = self._buckets[header.sender] = TokenBucket(rate, max(10.0, rate))
+        if not bucket.take():
+            return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
+        limit = self.settings.max_pending_per_site
+        if (
+            link.pending >= limit
+            or link.by_sender.get(header.sender, 0) >= max(1, limit // 2)
+            or link.pending_bytes + frame_len > self.settings.max_pending_bytes_per_site
+        ):
+            return "queue_full", f"{link.pending} frames to {header.recipient!r} in flight"
+        return link
+
+    async def handle_message(self, request: web.Request) -> web.StreamResponse:
+        if self._closing:
+            return self._refuse("relay_closing")
+        length = request.content_length
+        if length is not None and length > self.max_message_bytes:
+            return self._refuse("oversize", f"{length} bytes")
+        stream = request.content
+        idle = self.settings.read_idle_timeout_s
+        header: Header | None = None
+        try:
+            prefix = await asyncio.wait_for(stream.readexactly(PREFIX_LEN), idle)
+            (header_len,) = struct.unpack(">I", prefix[4:8])
+            if prefix[:4] != MAGIC or not 0 < header_len <= MAX_HEADER:
+                return self._refuse("undecodable_header", "not a P2FL frame")
+            rest = await asyncio.wait_for(stream.readexactly(header_len + SIG_LEN), idle)
+            header = Header.unpack(rest[:header_len])
+        except WireError as exc:
+            return self._refuse(exc.reason, exc.detail)
+        except (asyncio.IncompleteReadError, ConnectionResetError, aiohttp.ClientPayloadError):
+            return self._refuse("truncated", "frame ended early")
+        except TimeoutError:
+            return self._refuse("truncated", f"no bytes for {idle:g} s")
+        checked = self._check(header, rest[:header_len], rest[header_len:], length)
+        if isinstance(checked, tuple):
+            return self._refuse(*checked, who=header.sender[:64])
+        return await self._forward(checked, stream, prefix + rest, header)
+
+    async def _forward(
+        self, link: SiteLink, stream: aiohttp.StreamReader, head: bytes, header: Header
+    ) -> web.StreamResponse:
+        """Read the payload of a checked frame, send it down the recipient's
+        connection and answer with the recipient's answer. The frame's slot and
+        bytes are held from before the first payload byte is read."""
+        sender = header.sender
+        frame_len = len(head) + header.payload_len
+        link.pending += 1
+        link.pending_bytes += frame_len
+        link.by_sender[sender] = link.by_sender.get(sender, 0) + 1
+        held_bytes = frame_len
+        stream_id = next(self._ids)
+        try:
+            # one buffer: FORWARD's stream id, then the frame (no copy to prepend it)
+            buffer = bytearray(STREAM_ID.size + frame_len)
+            STREAM_ID.pack_into(buffer, 0, stream_id)
+            buffer[STREAM_ID.size : STREAM_ID.size + len(head)] = head
+            failure = await self._read_payload(stream, buffer, STREAM_ID.size + len(head), header)
+            if failure is not None:
+                return self._refuse(*failure, who=sender)
+            if link.closed:
+                return self._refuse("relay_lost", "the recipient disconnected", sender)
+            future: asyncio.Future[tuple[int, bytes] | None] = (
+                asyncio.get_running_loop().create_future()
+            )
+            link.waiting[stream_id] = future
+            timeout = self.settings.forward_timeout_s
+            try:  # the frame is written at once; a site that stops reading stalls the drain
+                await asyncio.wait_for(link.ws.send_bytes(buffer), timeout)
+            except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
+                return self._refuse("relay_lost", "the recipient's connection failed", sender)
+            del buffer  # sent: the bytes are the kernel's now
+            link.pending_bytes -= held_bytes
+            held_bytes = 0
+            self._account(sender, link.name, frame_len)
+            try:
+                answer = await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                return self._refuse("relay_lost", "no answer within forward_timeout_s", sender)
+        finally:
+            link.waiting.pop(stream_id, None)
+            link.pending -= 1
+            link.pending_bytes -= held_bytes
+            link.by_sender[sender] -= 1
+            if not link.by_sender[sender]:
+                del link.by_sender[sender]
+        if answer is None:
+            return self._refuse("relay_lost", "the recipient disconnected", sender)
+        status, body = answer
+        if status == 200 and body[:4] == MAGIC and not _encrypted_frame(body):
+            return self._refuse("plaintext_answer", f"from {link.name!r}", sender)
+        kind = "application/json" if body[:1] == b"{" else "application/octet-stream"
+        return web.Response(body=body, status=status, content_type=kind)
+
+    async def _read_payload(
+        self, stream: aiohttp.StreamReader, buffer: bytearray, offset: int, header: Header
+    ) -> tuple[str, str] | None:
+        """Fill buffer[offset:] from the stream, hashing as it comes: None, or
+        the refusal (truncated, digest_mismatch) to answer."""
+        idle = self.settings.read_idle_timeout_s
+        view = memoryview(buffer)
+        digest = hashlib.sha256()
+        pos = offset
+        try:
+            while pos < len(buffer):
+                chunk = await asyncio.wait_for(stream.readany(), idle)
+                if not chunk:
+                    return "truncated", f"payload ended at {pos - offset} bytes"
+                if pos + len(chunk) > len(buffer):
+                    return "digest_mismatch", "payload longer than the header says"
+                view[pos : pos + len(chunk)] = chunk
+                digest.update(chunk)
+                pos += len(chunk)
+            if not stream.at_eof() and await asyncio.wait_for(stream.read(1), idle):
+                return "digest_mismatch", "payload longer than the header says"
+        except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
+            return "truncated", "connection closed mid-payload"
+        except TimeoutError:
+            return "truncated", f"payload stalled for {idle:g} s"
+        finally:
+            view.release()
+        if digest.digest() != header.payload_sha256:
+            return "digest_mismatch", "payload SHA-256 differs from the signed header"
+        return None
+
+    def _account(self, sender: str, recipient: str, nbytes: int) -> None:
+        out = self._stats(recipient)
+        out.messages_out += 1
+        out.bytes_out += nbytes
+        into = self._stats(sender)
+        into.messages_in += 1
+        into.bytes_in += nbytes
+
+    # ------------------------------------------------------------------ operations
+    def set_roster(self, roster: Roster) -> None:
+        """A reloaded roster (SIGHUP): a site no longer listed, or whose card
+        changed (keys, via), is disconnected; it authenticates again if it may."""
+        self.roster = roster
+        for name in [n for n in self._buckets if n not in roster]:
+            del self._buckets[name]
+        for link in list(self.links.values()):
+            entry = roster.sites.get(link.name)
+            if entry is None or entry.card != link.card:
+                self._disconnect(link, "roster changed")
+
+    async def close(self) -> None:
+        """Refuse what comes, close every site connection; waiting forwards
+        answer 502 relay_lost."""
+        self._closing = True
+        for link in list(self.links.values()):
+            self._disconnect(link, "relay shutting down")
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The /status body: sites, counters and refusals by reason."""
+        names = {c.name for c in self.roster.cards() if self.name in c.via}
+        sites = {}
+        for name in sorted(names | set(self.stats) | set(self.links)):
+            link = self.links.get(name)
+            stats = self.stats.get(name, SiteStats())
+            sites[name] = {
+                "connected": link is not None,
+                "since": round(link.since, 3) if link else None,
+                "pending": link.pending if link else 0,
+                "pending_bytes": link.pending_bytes if link else 0,
+                **vars(stats),
+            }
+        return {
+            "relay": self.name,
+            "federation": self.federation,
+            "uptime_s": round(time.time() - self.started, 3),
+            "connected": sorted(self.links),
+            "sites": sites,
+            "forwarded": {
+                "messages": sum(s.messages_out for s in self.stats.values()),
+                "bytes": sum(s.bytes_out for s in self.stats.values()),
+                "reply_bytes": sum(s.reply_bytes for s in self.stats.values()),
+            },
+            "refusals": dict(sorted(self.refusals.items())),
+        }
+
+
+def _encrypted_frame(body: bytes) -> bool:
+    """Is this P2FL frame (a site's answer) marked encrypted? A header that does
+    not parse counts as not: the relay cannot tell, so it does not forward it."""
+    if len(body) < PREFIX_LEN:
+        return False
+    (header_len,) = struct.unpack(">I", body[4:8])
+    if not 0 < header_len <= MAX_HEADER or len(body) < PREFIX_LEN + header_len:
+        return False
+    try:
+        return Header.unpack(body[PREFIX_LEN : PREFIX_LEN + header_len]).encrypted
+    except WireError:
+        return False

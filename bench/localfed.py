@@ -8,9 +8,11 @@ period). Every wait is bounded.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +25,10 @@ from typing import Any
 
 from node.provision import SitePlan
 
+# Opens a TCP connection to (loopback port, timeout) where the process listens:
+# bench/netns.py gives one that connects inside the process's namespace.
+StatusConnect = Callable[[int, float], socket.socket]
+
 
 @dataclass
 class NodeProcess:
@@ -30,10 +36,23 @@ class NodeProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # run the command under this prefix (`ip netns exec NS`: bench/netns.py)
+    prefix: list[str] = field(default_factory=list)
+    status_connect: StatusConnect | None = None  # None: this machine's 127.0.0.1
 
     @property
     def name(self) -> str:
         return self.plan.name
+
+    def command(self) -> list[str]:
+        return [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "node.cli",
+            "--config",
+            str(self.plan.config_path),
+        ]
 
     def start(self) -> NodeProcess:
         env = {
@@ -44,7 +63,7 @@ class NodeProcess:
         }
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "--config", str(self.plan.config_path)],
+            self.command(),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -89,12 +108,33 @@ class NodeProcess:
         url = f"http://127.0.0.1:{self.plan.status_port}{path}"
         token = self.plan.status_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if self.status_connect is not None:
+            return self._get_over(self.status_connect, path, headers, timeout)
         request = urllib.request.Request(url, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - loopback status endpoint
             body = resp.read()
             if resp.headers.get_content_type() == "application/json":
                 return json.loads(body)
             return body.decode()
+
+    def _get_over(
+        self, connect: StatusConnect, path: str, headers: dict[str, str], timeout: float
+    ) -> Any:
+        conn = http.client.HTTPConnection("127.0.0.1", self.plan.status_port, timeout=timeout)
+        conn.sock = connect(self.plan.status_port, timeout)
+        try:
+            conn.request("GET", path, headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise OSError(f"GET {path}: HTTP {resp.status}")
+            if resp.getheader("Content-Type", "").startswith("application/json"):
+                return json.loads(body)
+            return body.decode()
+        except http.client.HTTPException as exc:
+            raise OSError(f"GET {path}: {exc}") from exc
+        finally:
+            conn.close()
 
     def status(self) -> dict[str, Any] | None:
         try:
@@ -125,6 +165,23 @@ class NodeProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+@dataclass
+class RelayProcess(NodeProcess):
+    """A relay (`p2pfl-node relay --config RELAY/relay.yaml`, node/relay.py),
+    started, watched and stopped as a node is; its plan is a RelayPlan."""
+
+    def command(self) -> list[str]:
+        return [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "node.cli",
+            "relay",
+            "--config",
+            str(self.plan.config_path),
+        ]
 
 
 class LocalFederation:

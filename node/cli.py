@@ -47,6 +47,7 @@ SUBCOMMANDS = (
     "genbuffer",
     "evaluate",
     "roster",
+    "relay",
 )
 
 
@@ -172,18 +173,30 @@ def cmd_provision(args: argparse.Namespace) -> int:
         sources = [args.data if args.data == "digits" else str(Path(args.data).resolve())] * len(
             names
         )
+    relays = [s.strip() for s in (args.relay or "").split(",") if s.strip()]
+    behind = [s.strip() for s in (args.behind or "").split(",") if s.strip()]
+    if args.compose and relays:
+        return _user_error("--compose with --relay: the compose file has no relay service yet")
     ports = [args.base_port + i for i in range(len(names))]
     status_ports = [args.status_base_port + i for i in range(len(names))]
-    plans = provision(
-        out,
-        names,
-        protocol={"name": args.protocol, "rounds": args.rounds},
-        data_sources=sources,
-        ports=ports,
-        status_ports=status_ports,
-        federation=args.federation,
-        seed=args.seed,
-    )
+    try:
+        plans = provision(
+            out,
+            names,
+            protocol={"name": args.protocol, "rounds": args.rounds},
+            data_sources=sources,
+            ports=ports,
+            status_ports=status_ports,
+            federation=args.federation,
+            seed=args.seed,
+            relays=relays,
+            behind=behind,
+            # the relays' ports follow the sites'
+            relay_ports=[args.base_port + len(names) + i for i in range(len(relays))],
+            relay_status_ports=[args.status_base_port + len(names) + i for i in range(len(relays))],
+        )
+    except ValueError as exc:
+        return _user_error(f"--relay/--behind: {exc}")
     if args.compose:
         from node.deploy import write_compose
 
@@ -202,6 +215,13 @@ def cmd_provision(args: argparse.Namespace) -> int:
             f"  {plan.name}: p2pfl-node --config {plan.config_path}   (peer port {plan.port}, "
             f"dashboard {plan.dashboard_url()}, token in {plan.token_file})"
         )
+    for relay in plans.relays:
+        print(
+            f"  {relay.name} (relay): p2pfl-node relay --config {relay.config_path}   "
+            f"(port {relay.port}, status port {relay.status_port}, token in {relay.token_file})"
+        )
+    if behind:
+        print(f"  outbound-only (reached through {', '.join(relays)}): {', '.join(behind)}")
     return 0
 
 
@@ -259,6 +279,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_dp(cfg, Path(args.config))  # the same refusal as `check`, before anything starts
 
     return run_node(cfg, roster, identity, config_path=Path(args.config))
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    """A relay for outbound-only sites (issue 31): runs until SIGINT or SIGTERM."""
+    from node.relay_status import serve_relay
+    from p2pfl.config import load_relay_config
+
+    path = Path(args.config)
+    return serve_relay(load_relay_config(path), path, args.log_level)
 
 
 # ----------------------------------------------------------------------------- parser
@@ -323,6 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write DIR/compose.yaml (one container per site)",
     )
+    p.add_argument(
+        "--relay",
+        default=None,
+        help="comma-separated relay names, e.g. r1: DIR/r1/relay.yaml each (wire.encryption on)",
+    )
+    p.add_argument(
+        "--behind",
+        default=None,
+        help="comma-separated outbound-only sites (address null, via every --relay)",
+    )
     p.set_defaults(func=cmd_provision)
 
     p = sub.add_parser("roster", help="edit the roster: add a public card, remove a site, list")
@@ -343,6 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = rsub.add_parser("list")
     q.add_argument("--roster", required=True)
     p.set_defaults(func=cmd_roster)
+
+    p = sub.add_parser(
+        "relay", help="run a relay for sites that accept no inbound connection (relay.yaml)"
+    )
+    p.add_argument("--config", required=True, help="relay.yaml")
+    p.set_defaults(func=cmd_relay)
 
     for name, register in _optional_commands():
         register(sub, name)

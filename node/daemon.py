@@ -5,8 +5,10 @@ off `Node` and is closed in `Node.stop()`.
 `Node` builds the parts and wires them here, in one place: Inbound answers
 what arrives (node/inbound.py), Outbound sends pushes and requests
 (node/outbound.py), Membership runs the heartbeats and the roster
-(node/membership.py), NodeContext is what the protocol sees (node/context.py,
-handed those parts, never the Node).
+(node/membership.py), SiteRelays keeps an outbound-only site reachable
+through its relays or makes this site a relay (node/relay_tunnel.py, issue 31),
+NodeContext is what the protocol sees (node/context.py, handed those parts,
+never the Node).
 `Node` itself keeps the lifecycle and the protocol's state: start and resume,
 checkpoints, metrics, stop.
 """
@@ -33,6 +35,7 @@ from node.membership import Membership, Progress
 from node.outbound import Outbound
 from node.peers import PeerTable
 from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spool
+from node.relay_tunnel import SiteRelays
 from node.resources import CHECK_EVERY_S, HostThreads, available_cores, registry_dir
 from node.status import config_status_app, dashboard_url, start_status_server
 from node.telemetry import Telemetry
@@ -140,6 +143,13 @@ class Node:
         self.server = MessageServer(
             self.codec, cfg.transport, self.inbound.on_frame, self.inbound.on_reject
         )
+        self.relays = SiteRelays(
+            cfg=cfg,
+            roster=roster,
+            identity=identity,
+            client_ssl=client_ssl,
+            publish_to=self.telemetry.set_relays,
+        )
         self.trainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-train")
         self.restored_state: dict[str, Any] | None = None
         # The protocol's context gets the parts it uses, not the Node (issue 29).
@@ -190,6 +200,7 @@ class Node:
             self.ctx.round = int(checkpoint.get("round", 0))
             log.info("%s: resuming from checkpoint (round %d)", self.name, self.ctx.round)
         requeued = self.inbound.recover(list(checkpoint.get("consumed", [])) if checkpoint else [])
+        self.relays.mount(self.server)  # relay.serve: the relay's routes on our peer port
         host, port = parse_hostport(self.cfg.node.listen)
         try:
             self.peer_port = await self.server.start(host, port, self.server_ssl)
@@ -227,10 +238,23 @@ class Node:
                 dashboard_url(self.cfg.status.host, self.status_port, None),
                 self.state_dir / "status.token",
             )
+        if self.relays.start_tunnels(self.peer_port):
+            self._spawn(self._watch_relays(), "relays")
         self._spawn(self.membership.run(), "heartbeat")
         self._spawn(self.outbound.resend_outbox(), "outbox")
         self._spawn(self._watch_threads(), "threads")
         self._spawn(self._run_protocol(), "protocol")
+
+    async def _watch_relays(self) -> None:
+        """/status `relays`: refreshed now and then (connects and losses at once)."""
+        while True:
+            await asyncio.sleep(max(1.0, self.cfg.transport.heartbeat_s))
+            self.relays.publish()
+
+    def reload_roster(self) -> None:
+        """SIGHUP: the roster again, for the relay this site serves too."""
+        self.membership.reload_roster()
+        self.relays.set_roster(self.membership.roster)
 
     async def _watch_threads(self) -> None:
         """Register this node's training threads on the host and check, every few
@@ -265,6 +289,7 @@ class Node:
                 await task
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.membership.broadcast(bye=True), timeout=2.0)
+        await self.relays.stop()
         await self.server.stop()
         if self._status_runner is not None:
             await self._status_runner.cleanup()
@@ -388,10 +413,11 @@ async def serve(node: Node) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, node.membership.reload_roster)
+    loop.add_signal_handler(signal.SIGHUP, node.reload_roster)
     try:
         await node.start()
     except UserError:
+        await node.relays.stop()
         await node.client.close()
         node.trainer.shutdown(wait=False)
         node._metrics_file.close()

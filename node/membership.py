@@ -154,12 +154,18 @@ class Membership:
 
     # ------------------------------------------------------------------ roster
     def _link_roster(self) -> None:
-        """Link every roster site but us; unlink sites the roster no longer lists."""
+        """Link every roster site but us; unlink sites the roster no longer lists.
+        A site with no address is linked through the relays its card names."""
         for name in list(self.client.links):
             if name not in self.roster:
                 self.client.remove_peer(name)
         for card in self.roster.cards():
-            if card.name != self.name:
+            if card.name == self.name:
+                continue
+            if card.address is None:  # outbound-only: through its relays (issue 31)
+                relays = [self.roster.relays[r] for r in card.via]
+                self.client.set_relayed_peer(card.name, relays)
+            else:
                 self.client.set_peer(card.name, card.address)
 
     def reload_roster(self) -> None:

@@ -4,6 +4,15 @@ per site, one roster, one site.yaml per site, and a random status token per site
 machine, each site.yaml gets `training.threads` = cores // sites (at least 1),
 so the nodes together do not oversubscribe the CPU (node/resources.py).
 
+Relays (issue 31): `relays=["r1"]` adds the roster's `relays:` and a
+RELAY/relay.yaml per relay (node/relay.py's format); the sites in `behind` are
+outbound-only: their card has `address: null` and `via:` every relay, and they
+listen on their own 127.0.0.1 only (their relay tunnel reaches them there).
+With any relay, every site gets `wire.encryption: true`: a relay must never
+carry plaintext. `hosts` (name -> IP address) places a reachable site or a
+relay on another address than 127.0.0.1 (bench/netns.py: one network
+namespace each); it listens on that address and the roster names it there.
+
 Used by `p2pfl-node provision`, and by the tests and benchmarks, which then
 start one node process per site with bench/localfed.py.
 """
@@ -11,7 +20,9 @@ start one node process per site with bench/localfed.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import socket
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +35,7 @@ from p2pfl.secure.identity import LocalIdentity, Roster
 
 # Where each provisioned site keeps its status token, relative to its site.yaml.
 STATUS_TOKEN_PATH = f"state/{STATUS_TOKEN_FILE}"
+LOOPBACK = "127.0.0.1"
 
 
 def free_ports(n: int) -> list[int]:
@@ -90,6 +102,45 @@ class SitePlan:
         return dashboard_url("127.0.0.1", self.status_port, self.status_token())
 
 
+@dataclass
+class RelayPlan(SitePlan):
+    """A relay's relay.yaml, peer port and status port (bench/localfed.py
+    RelayProcess runs it); the same fields as a site's, so the same watchers
+    read its /status."""
+
+
+class Plans(list[SitePlan]):
+    """provision's sites (a list, as before relays existed) and its relays."""
+
+    def __init__(self, sites: list[SitePlan], relays: list[RelayPlan]) -> None:
+        super().__init__(sites)
+        self.relays = relays
+
+
+def relay_config(name: str, *, federation: str, listen: str, status_port: int) -> dict[str, Any]:
+    """RELAY/relay.yaml as node/relay.py reads it (docs in the issue 31 design);
+    the limits are its defaults, written out so an operator sees what to tune."""
+    return {
+        "relay": {
+            "name": name,
+            "listen": listen,
+            "max_pending_per_site": 64,
+            "max_pending_bytes_per_site": 1 << 30,
+            "rate_limit_per_s": 200,
+            "idle_timeout_s": 60,
+            "forward_timeout_s": 600,
+        },
+        "federation": {"id": federation, "roster": "../roster.yaml"},
+        "status": {
+            "enabled": True,
+            "host": LOOPBACK,
+            "port": status_port,
+            "token_file": STATUS_TOKEN_PATH,
+        },
+        "logging": {"level": "INFO", "format": "text"},
+    }
+
+
 def provision(
     out: Path,
     names: list[str],
@@ -102,18 +153,37 @@ def provision(
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
     per_site: dict[str, dict[str, Any]] | None = None,
-) -> list[SitePlan]:
-    """Keys, one roster and one site.yaml per site under `out`."""
+    relays: list[str] | None = None,
+    behind: Collection[str] = (),
+    relay_ports: list[int] | None = None,
+    relay_status_ports: list[int] | None = None,
+    hosts: dict[str, str] | None = None,
+    relay_overrides: dict[str, Any] | None = None,
+) -> Plans:
+    """Keys, one roster and one site.yaml per site under `out`; with `relays`,
+    one RELAY/relay.yaml each and the `behind` sites outbound-only (module
+    docstring). Raises ValueError on names that cannot make a valid roster."""
+    relays = list(relays or [])
+    hosts = hosts or {}
+    _check_names(names, relays, behind)
     out.mkdir(parents=True, exist_ok=True)
     ports = ports or free_ports(len(names))
     status_ports = status_ports or free_ports(len(names))
+    relay_ports = relay_ports or (free_ports(len(relays)) if relays else [])
+    relay_status_ports = relay_status_ports or (free_ports(len(relays)) if relays else [])
     sources = [data_sources] * len(names) if isinstance(data_sources, str) else list(data_sources)
+    relay_addresses = {
+        r: f"{hosts.get(r, LOOPBACK)}:{p}" for r, p in zip(relays, relay_ports, strict=True)
+    }
     cards = []
     for name, port in zip(names, ports, strict=True):
         identity = LocalIdentity.generate(name)
         identity.save(out / name / "state" / "keys")
-        cards.append(identity.card(f"127.0.0.1:{port}"))
-    Roster(cards).save(out / "roster.yaml")
+        card = identity.card(f"{hosts.get(name, LOOPBACK)}:{port}")
+        if name in behind:  # outbound-only: reached through any of the relays
+            card = dataclasses.replace(card, address=None, via=tuple(relays))
+        cards.append(card)
+    Roster(cards, relays=relay_addresses).save(out / "roster.yaml")
     plans = []
     for i, name in enumerate(names):
         cfg = site_config(
@@ -126,13 +196,47 @@ def provision(
             seed=seed,
             threads=threads_per_site(len(names)),  # every site runs on this machine
         )
+        # behind a relay: its own loopback only (no inbound connection at all)
+        cfg["node"]["listen"] = (
+            f"{LOOPBACK if name in behind else hosts.get(name, LOOPBACK)}:{ports[i]}"
+        )
+        if relays:  # a relay must never see plaintext (the sites refuse to start otherwise)
+            cfg["wire"] = {"encryption": True}
         cfg = deep_merge(cfg, overrides or {})
         cfg = deep_merge(cfg, (per_site or {}).get(name, {}))
         path = out / name / "site.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         token_file = _status_token_file(path, cfg.get("status") or {})
         plans.append(SitePlan(name, path, ports[i], status_ports[i], token_file))
-    return plans
+    relay_plans = []
+    for relay, port, status_port in zip(relays, relay_ports, relay_status_ports, strict=True):
+        cfg = relay_config(
+            relay,
+            federation=federation,
+            listen=relay_addresses[relay],
+            status_port=status_port,
+        )
+        cfg = deep_merge(cfg, relay_overrides or {})
+        path = out / relay / "relay.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        token_file = _status_token_file(path, cfg.get("status") or {})
+        relay_plans.append(RelayPlan(relay, path, port, status_port, token_file))
+    return Plans(plans, relay_plans)
+
+
+def _check_names(names: list[str], relays: list[str], behind: Collection[str]) -> None:
+    """The roster's own rules, said before any key is written."""
+    clash = sorted(set(names) & set(relays))
+    if clash:
+        raise ValueError(f"{clash[0]!r} names both a site and a relay: rename one")
+    if len(set(relays)) != len(relays):
+        raise ValueError(f"relay names must be distinct, got {relays}")
+    unknown = sorted(set(behind) - set(names))
+    if unknown:
+        raise ValueError(f"behind site {unknown[0]!r} is not one of the sites {names}")
+    if behind and not relays:
+        raise ValueError("sites behind a firewall need at least one relay to be reached through")
 
 
 def _status_token_file(site_yaml: Path, status: dict[str, Any]) -> Path | None:

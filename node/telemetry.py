@@ -101,6 +101,7 @@ class Telemetry:
         self._launched_at = process_launch_time(wall_clock)
         self._startup: dict[str, float] = {}
         self._resources: dict[str, Any] = {}
+        self._relays: dict[str, Any] = {}
         self._history: deque[MetricPoint] = deque(maxlen=max_history)
         self._latest_metrics: dict[str, float] = {}
         self._latest_metrics_round: int | None = None
@@ -216,6 +217,12 @@ class Telemetry:
         with self._lock:
             self._resources = detached
 
+    def set_relays(self, relays: dict[str, Any]) -> None:
+        """The relays this site connects through or serves as (issue 31), on /status."""
+        detached = _json_copy(relays)
+        with self._lock:
+            self._relays = detached
+
     def mark_startup(self, milestone: str) -> None:
         """Seconds from the process's launch to a start-up milestone (the first
         time it is reached): node_created (imports, config, keys), listening
@@ -312,6 +319,7 @@ class Telemetry:
                 "privacy_gate": self._privacy_gate,
                 "startup": {"launched_at": self._launched_at, **self._startup},
                 "resources": self._resources,
+                "relays": self._relays,
             }
 
     def _peer_entry(self, name: str, gauge: PeerGauge, now: float) -> dict[str, Any]:

@@ -200,10 +200,14 @@ class MessageServer:
         # `in_progress`, not `replayed` (which tells the sender it was delivered).
         self._in_flight: set[bytes] = set()
         self.isolated = False  # fault plan (node/faults.py): a partition, no answers at all
+        # More routes on the peer port: a site that also relays (issue 31, node/relay.py).
+        self.extra_routes: list[Callable[[web.Application], None]] = []
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.codec.max_message_bytes)
         app.router.add_post(MESSAGE_PATH, self.handle)
+        for add_routes in self.extra_routes:
+            add_routes(app)
         return app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> int:

@@ -6,6 +6,13 @@ backoff and full jitter; a per-peer circuit breaker so a dead peer costs one
 fast failure instead of a timeout per message. With TLS configured the client
 only speaks https: no plaintext fallback.
 
+A peer that accepts no inbound connection (issue 31: roster `address: null`,
+`via: [relay, ...]`) is reached through its relays: its link holds one URL per
+relay (node/relay_wire.py RELAY_MESSAGE_PATH) and a failed attempt (unreachable,
+timeout, 502/503) moves it to the next before the backoff, so a node fails over
+between relays and then keeps using the one that works. The relay answers with
+the final receiver's own answer, so an acknowledgement stays end to end.
+
 Answers are read with the limits requests are read with (`MessageClient`), and
 a refusal's reason is read from its JSON body (`reason_of_response`).
 """
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from node.link import Uplink, uplink_for
+from node.relay_wire import RELAY_MESSAGE_PATH
 from node.transport import MESSAGE_PATH, ChunksPayload, RejectHook
 from p2pfl.config import TransportSection, parse_hostport
 from p2pfl.secure.wire import OutgoingMessage
@@ -29,6 +37,10 @@ from p2pfl.secure.wire import OutgoingMessage
 # The most an answer to a push or a heartbeat may be: a few bytes of JSON.
 ACK_LIMIT = 64 * 1024
 RETRYABLE = {429, 500, 502, 503, 504}
+# Answers after which a relayed link tries its next relay: the relay is gone or
+# unhealthy (500, 502 relay_lost, 504), or the peer is not connected to it (503
+# not_connected). Not 429: a rate limit is the sender's own to wait out.
+FAILOVER = RETRYABLE - {429}
 
 
 class ResponseRefused(Exception):
@@ -68,9 +80,31 @@ class Breaker:
 @dataclass
 class PeerLink:
     name: str
-    url: str
+    urls: list[str]  # one for a reachable peer; one per relay for an outbound-only one
     breaker: Breaker = field(default_factory=Breaker)
     blocked: bool = False  # fault injection: drop everything to this peer
+    current: int = 0  # the URL in use: the last that worked, or the next to try
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.current % len(self.urls)]
+
+    @property
+    def relayed(self) -> bool:
+        return self.urls[0].endswith(RELAY_MESSAGE_PATH)
+
+    def set_urls(self, urls: list[str]) -> None:
+        """New URLs; the one in use stays in use when it is still listed."""
+        keep = self.url if self.urls else None
+        self.urls = list(urls)
+        self.current = self.urls.index(keep) if keep in self.urls else 0
+
+    def fail_over(self, failed: str) -> None:
+        """`failed` did not work: the next attempt goes to the next URL. Only once
+        per failure of the URL in use: sends failing together on one relay must
+        not step past the next one and back."""
+        if len(self.urls) > 1 and self.url == failed:
+            self.current = (self.current + 1) % len(self.urls)
 
 
 class MessageClient:
@@ -100,16 +134,29 @@ class MessageClient:
         self._session: aiohttp.ClientSession | None = None
         self._rng = random.Random()
 
-    def set_peer(self, name: str, address: str) -> None:
+    def _url(self, address: str, path: str) -> str:
         host, port = parse_hostport(address)
         host = f"[{host}]" if ":" in host else host
         scheme = "https" if self.ssl_context is not None else "http"
-        url = f"{scheme}://{host}:{port}{MESSAGE_PATH}"
+        return f"{scheme}://{host}:{port}{path}"
+
+    def _link(self, name: str, urls: list[str]) -> None:
         link = self.links.get(name)
         if link is None:
-            self.links[name] = PeerLink(name, url)
+            self.links[name] = PeerLink(name, urls)
         else:
-            link.url = url
+            link.set_urls(urls)
+
+    def set_peer(self, name: str, address: str) -> None:
+        """A peer reached directly at its HOST:PORT."""
+        self._link(name, [self._url(address, MESSAGE_PATH)])
+
+    def set_relayed_peer(self, name: str, addresses: list[str]) -> None:
+        """An outbound-only peer, reached through its relays (HOST:PORT each, in
+        the roster's `via` order): a failed attempt moves to the next relay."""
+        if not addresses:
+            raise ValueError(f"{name}: an outbound-only peer needs at least one relay")
+        self._link(name, [self._url(a, RELAY_MESSAGE_PATH) for a in addresses])
 
     def remove_peer(self, name: str) -> None:
         self.links.pop(name, None)
@@ -162,9 +209,10 @@ class MessageClient:
             now = time.monotonic()
             if not probe and not link.breaker.allow(now):
                 raise TransportError(peer, "circuit_open")
+            url = link.url
             try:
                 status, body = await self._attempt(
-                    link, message, max(0.05, deadline - now), answer_limit
+                    link, url, message, max(0.05, deadline - now), answer_limit
                 )
             except ResponseRefused as exc:
                 if self.on_reject is not None:
@@ -181,6 +229,8 @@ class MessageClient:
                 return status, body
             if status:
                 last_reason = _reason_of(body) or f"http_{status}"
+            if not status or status in FAILOVER:
+                link.fail_over(url)
             link.breaker.failure(
                 time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
             )
@@ -194,7 +244,12 @@ class MessageClient:
             )
 
     async def _attempt(
-        self, link: PeerLink, message: OutgoingMessage, timeout: float, limit: int | None
+        self,
+        link: PeerLink,
+        url: str,
+        message: OutgoingMessage,
+        timeout: float,
+        limit: int | None,
     ) -> tuple[int, bytes]:
         if link.blocked:
             await asyncio.sleep(min(timeout, 0.05))
@@ -204,7 +259,7 @@ class MessageClient:
             total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
         )
         async with session.post(
-            link.url, data=ChunksPayload(message.chunks, self.uplink), timeout=client_timeout
+            url, data=ChunksPayload(message.chunks, self.uplink), timeout=client_timeout
         ) as resp:
             return resp.status, await self._read_body(resp, limit)
 

@@ -61,6 +61,8 @@ def _free_ports_of_this_worker(n: int) -> list[int]:
     """n distinct loopback ports from this worker's block, each free right now."""
     assert _PORTS is not None
     out: list[int] = []
+    if n <= 0:
+        return out
     for _ in range(WORKER_BLOCK):
         port = next(_PORTS)
         if port not in out and _bindable(port):

@@ -461,6 +461,16 @@ class TransportSection(Section):
         return self
 
 
+class RelaySiteSection(Section):
+    """This site as a relay for outbound-only sites (issue 31)."""
+
+    serve: bool = Field(
+        False,
+        description="also relay for outbound-only sites (node/relay.py routes on this site's peer "
+        "port): the roster's `relays:` must list this site's address; needs wire.encryption",
+    )
+
+
 class LoggingSection(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     format: Literal["text", "json"] = "text"

@@ -26,6 +26,7 @@ from p2pfl.config.sections import (
     LoggingSection,
     ModelSection,
     NodeSection,
+    RelaySiteSection,
     Section,
     SelectionSection,
     StatusSection,
@@ -49,6 +50,14 @@ class SiteConfig(Section):
     transport: TransportSection = TransportSection()
     logging: LoggingSection = LoggingSection()
     genbuffer: GenbufferSection = GenbufferSection()
+    relay: RelaySiteSection = RelaySiteSection()
+
+    @model_validator(mode="after")
+    def _relay_needs_encryption(self) -> SiteConfig:
+        """A relay forwards only ciphertext (issue 31): it must never see a payload."""
+        if self.relay.serve and not self.wire.encryption:
+            raise FieldValueError("relay.serve", *RELAY_NEEDS_ENCRYPTION)
+        return self
 
     @model_validator(mode="after")
     def _secure_aggregation_needs_encryption(self) -> SiteConfig:
@@ -96,6 +105,24 @@ class SiteConfig(Section):
             self.identity.agreement_key
             or self.node.state_dir / "keys" / f"{self.node.name}.kex.pem"
         )
+
+
+RELAY_NEEDS_ENCRYPTION = (
+    "relays (sites behind one, or this site relaying) need wire.encryption: true (a relay "
+    "must never see a payload in the clear, and refuses one)",
+    "set wire.encryption: true in every site.yaml",
+)
+
+
+def roster_names_relays(roster_path: Path) -> bool:
+    """Does the roster file give any site a `via` (a site reached through relays)?
+    Read as plain YAML: the roster itself is parsed and checked by p2pfl.secure."""
+    try:
+        raw = read_yaml(roster_path)
+    except ConfigError:
+        return False
+    sites = raw.get("sites") if isinstance(raw, dict) else None
+    return isinstance(sites, list) and any(isinstance(s, dict) and s.get("via") for s in sites)
 
 
 DP_PROTOCOLS = ("fedavgp2p", "fedsgdp2p")  # the protocols whose local training is DP-SGD
@@ -278,6 +305,8 @@ def check_config_files(cfg: SiteConfig, path: Path) -> None:
     for field, file, fix in required:
         if file is not None and not Path(file).exists():
             raise ConfigError(path, field, f"file not found: {file}", fix)
+    if not cfg.wire.encryption and roster_names_relays(cfg.federation.roster):
+        raise ConfigError(path, "wire.encryption", *RELAY_NEEDS_ENCRYPTION)
 
 
 def config_schema() -> dict[str, Any]:

@@ -25,12 +25,17 @@ receiver (cut off, or `digest_mismatch`), and then ours is taken. So a push is
 counted delivered only once the receiver acted on its id (issue 28, red-team
 review: an observer could otherwise make a push vanish).
 
+A push counts as delivered only with the receiver's signed acknowledgement of
+its id (p2pfl/secure/wire.py `sign_ack`): an answer 200 without one, from a
+relay or anyone on the path, is refused `ack_unverified` and counted.
+
 Heartbeats are the membership's (node/membership.py) and not counted here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -68,6 +73,15 @@ SEND_AGAIN_PAUSE_S = 0.25
 # A copy of this id is still arriving or being handled at the peer: not delivered
 # (yet), send it again with backoff.
 IN_PROGRESS = "in_progress"
+
+
+def ack_of(body: bytes) -> Any:
+    """The `ack` signature of an acknowledgement's JSON body, or None."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj.get("ack") if isinstance(obj, dict) else None
 
 
 @dataclass(kw_only=True, eq=False)
@@ -123,6 +137,22 @@ class Outbound:
                 raise PeerUnavailable(entry.peer, exc.reason) from None
             reason = reason_of_response(status, body)
             if status == 200 or (status == 409 and reason == "replayed"):
+                outcome = "ok" if status == 200 else "replayed"
+                if not self.codec.verify_ack(entry.peer, entry.msg_id, outcome, ack_of(body)):
+                    # Not the receiver's signed word: whoever answered (a relay, or
+                    # someone on the path) may have dropped the push. Not delivered.
+                    log.warning(
+                        "%s: %s %s to %s: an answer %d without %s's valid signed "
+                        "acknowledgement; not counted as delivered",
+                        self.name,
+                        entry.kind,
+                        entry.msg_id.hex(),
+                        entry.peer,
+                        status,
+                        entry.peer,
+                    )
+                    self.telemetry.record_rejection("ack_unverified", entry.peer)
+                    raise PeerUnavailable(entry.peer, "ack_unverified")
                 self.count_sent(entry.peer, entry.kind, message.nbytes)
                 log.info(
                     "%s: %s %s delivered to %s (round %d)",

@@ -137,10 +137,11 @@ class ChunksPayload(Payload):
         raise TypeError("binary frame")
 
 
-def _reject(reason: str, detail: str = "") -> web.Response:
-    return web.json_response(
-        {"reason": reason, "detail": detail[:200]}, status=STATUS_FOR_REASON.get(reason, 400)
-    )
+def _reject(reason: str, detail: str = "", ack: str | None = None) -> web.Response:
+    body = {"reason": reason, "detail": detail[:200]}
+    if ack is not None:
+        body["ack"] = ack  # `replayed`: the receiver's signed word that it holds the id
+    return web.json_response(body, status=STATUS_FOR_REASON.get(reason, 400))
 
 
 class TokenBucket:
@@ -227,14 +228,19 @@ class MessageServer:
             self.runner = None
 
     def _refuse(
-        self, reason: str, detail: str = "", sender: str | None = None, header: Header | None = None
+        self,
+        reason: str,
+        detail: str = "",
+        sender: str | None = None,
+        header: Header | None = None,
+        ack: str | None = None,
     ) -> web.Response:
         """Count and answer a refusal; `header`: a verified one, whose replay
         reservation is given back when the sender may retry (RELEASE_REASONS)."""
         if header is not None and reason in RELEASE_REASONS:
             self.codec.release(header)
         self.on_reject(reason, sender)
-        return _reject(reason, detail)
+        return _reject(reason, detail, ack)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if self.isolated and request.transport is not None:
@@ -270,6 +276,11 @@ class MessageServer:
             ):
                 # signature verified: a copy of a frame still arriving or being handled
                 return self._refuse("in_progress", exc.detail, sender)
+            if exc.reason == "replayed" and claimed is not None:
+                # raised only after the signature verified: the sender's own
+                # message, done with here; signed, so no relay can say so for us
+                ack = self.codec.sign_ack(claimed, "replayed")
+                return self._refuse(exc.reason, exc.detail, sender, ack=ack)
             return self._refuse(exc.reason, exc.detail, sender)
         except (asyncio.IncompleteReadError, ConnectionResetError, aiohttp.ClientPayloadError):
             return self._refuse("truncated", "frame ended early", sender)
@@ -326,8 +337,10 @@ class MessageServer:
             status, body = await self.on_frame(received)
         except (WireError, Rejection) as exc:
             return self._refuse(exc.reason, exc.detail, sender, header)
-        if body is None:
-            return web.json_response({"ok": True}, status=status)
+        if body is None:  # taken: acknowledged with this node's signature (p2pfl/secure/wire.py)
+            return web.json_response(
+                {"ok": True, "ack": self.codec.sign_ack(header, "ok")}, status=status
+            )
         if isinstance(body, list) or self.uplink is not None:
             chunks = body if isinstance(body, list) else [body]
             return web.Response(

@@ -26,6 +26,13 @@ accepted before the restart and is refused `before_restart`. A sender told
 `before_restart` sends again with a fresh timestamp (node/outbound.py), so a
 fresh message refused only for its stamp is delayed, never lost.
 
+Acknowledgements: a receiver that took a push (or had already taken it:
+`replayed`) answers with its signature over `ack_message` (federation,
+receiver, sender, message id, outcome), and the sender counts the push
+delivered only if that signature verifies with the receiver's roster key. So
+no relay or on-path party can acknowledge a push it dropped (issue 31's
+hostile review: the JSON `{"ok": true}` alone could be forged).
+
 `require_encryption` (wire.encryption: true) refuses a payload sent in the
 clear, `encryption_required`, before a byte of it is read: pushes, requests,
 heartbeats and the answers to this node's own requests alike.
@@ -33,6 +40,8 @@ heartbeats and the answers to this node's own requests alike.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
 import os
@@ -220,6 +229,16 @@ def _aad(header: Header) -> bytes:
 _NONCE = bytes(12)  # every key is used for exactly one message
 
 
+ACK_CONTEXT = b"p2pfl-ack/v1\n"
+ACK_OUTCOMES = ("ok", "replayed")
+
+
+def ack_message(federation: str, receiver: str, sender: str, msg_id: bytes, outcome: str) -> bytes:
+    """What a receiver signs to acknowledge message `msg_id` from `sender`."""
+    fields = (federation, receiver, sender, msg_id.hex(), outcome)
+    return ACK_CONTEXT + "\n".join(fields).encode("utf-8")
+
+
 class WireCodec:
     """Encode/sign/encrypt and verify/decrypt/decode for one node."""
 
@@ -296,6 +315,28 @@ class WireCodec:
         return OutgoingMessage(
             header, [prefix, header_bytes, self.identity.sign(header_bytes), *pieces]
         )
+
+    def sign_ack(self, header: Header, outcome: str) -> str:
+        """This node's signed word (base64) that it took (`ok`) or had already
+        taken (`replayed`) the verified message `header` describes."""
+        assert outcome in ACK_OUTCOMES, outcome
+        data = ack_message(
+            self.federation, self.identity.name, header.sender, header.msg_id, outcome
+        )
+        return base64.b64encode(self.identity.sign(data)).decode("ascii")
+
+    def verify_ack(self, peer: str, msg_id: bytes, outcome: str, signature: Any) -> bool:
+        """Whether `signature` is `peer`'s acknowledgement of our message `msg_id`."""
+        if outcome not in ACK_OUTCOMES or not isinstance(signature, str) or len(signature) > 200:
+            return False
+        if peer not in self.roster:
+            return False
+        try:
+            raw = base64.b64decode(signature, validate=True)
+        except (binascii.Error, ValueError):
+            return False
+        data = ack_message(self.federation, peer, self.identity.name, msg_id, outcome)
+        return self.roster[peer].verify(raw, data)
 
     def set_roster(self, roster: Roster) -> None:
         """A reloaded roster: secrets derived from keys it may have changed are dropped."""

@@ -21,14 +21,22 @@ federation, sender on the roster, recipient connected here (`not_connected`
 skew, `encrypted` (a relay never carries plaintext: `encryption_required`),
 size, the sender's rate (token bucket), the recipient's pending frames and
 bytes (`queue_full` 503, and one sender holds at most half of a recipient's
-slots), then the payload itself (exactly its length, its signed SHA-256). Like
+slots, and of its bytes beyond its first frame), then the payload itself
+(exactly its length, its signed SHA-256, within read_idle_timeout_s + its size
+at min_upload_bytes_per_s: `upload_too_slow`), held in memory only as it
+arrives. The answer goes back under the same deadline, the frame's slot held
+until it is written: a sender that does not read it has its connection aborted
+(`answer_too_slow`), so no unread answer stays in memory. Like
 node/transport.py, a sender already over its rate is refused before the
 signature check, so a flood costs the relay little, and only verified frames
 take rate tokens, so a forger cannot drain an honest sender's bucket.
 
 Connections: the site answers a fresh challenge with its Ed25519 signature over
-auth_message(federation, relay, site, nonce) within auth_timeout_s; its card's
-`via` must name this relay. A second connection of a site replaces the first,
+auth_message(federation, relay, site, nonce) within auth_timeout_s (one deadline:
+pings do not extend it; an offer over MAX_AUTH_CHARS is not parsed); its card's
+`via` must name this relay. Connections awaiting authentication are bounded in
+all (max_handshakes) and per IP address (max_handshakes_per_host), so one host
+cannot keep every site out. A second connection of a site replaces the first,
 whose pending forwards answer 502 `relay_lost`. Idle connections are cut by the
 WebSocket heartbeat (a ping, then no pong: idle_timeout_s in all).
 
@@ -79,10 +87,12 @@ REFUSAL_STATUS = {
     **RELAY_STATUS_FOR_REASON,
     "too_many_handshakes": 429,  # more connections awaiting authentication than max_handshakes
     "relay_closing": 503,  # the relay is shutting down: try the site's next relay
+    "reply_malformed": 502,  # the recipient answered with a status that is not a final one
 }
 STREAM_ID = struct.Struct(">Q")  # the head of a FORWARD (node/relay_wire.py pack_forward)
 REPLY_OVERHEAD = 64 * 1024  # a REPLY's id and status, and a refusal's JSON, beside a frame
 PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
+MAX_AUTH_CHARS = 4096  # the largest auth message parsed (an honest one: about 200)
 
 
 def refusal(reason: str, detail: str = "") -> web.Response:
@@ -119,7 +129,17 @@ class SiteLink:
     pending: int = 0  # frames forwarded (or being read) and not yet answered
     pending_bytes: int = 0  # frame bytes held in memory for it
     by_sender: dict[str, int] = field(default_factory=dict)  # its pending frames per sender
+    bytes_by_sender: dict[str, int] = field(default_factory=dict)  # pending_bytes per sender
     closed: bool = False
+
+    def unhold(self, sender: str, nbytes: int) -> None:
+        """`nbytes` of a frame of `sender` are no longer held for this site."""
+        self.pending_bytes -= nbytes
+        left = self.bytes_by_sender.get(sender, 0) - nbytes
+        if left > 0:
+            self.bytes_by_sender[sender] = left
+        else:
+            self.bytes_by_sender.pop(sender, None)
 
     def fail(self) -> None:
         """The connection is gone: every waiting forward answers relay_lost."""
@@ -155,6 +175,7 @@ class RelayServer:
         self._buckets: dict[str, TokenBucket] = {}
         self._ids = itertools.count(1)
         self._handshakes = 0
+        self._handshakes_by_host: dict[str, int] = {}
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -186,18 +207,33 @@ class RelayServer:
             return self._refuse("relay_closing")
         if self._handshakes >= self.settings.max_handshakes:
             return self._refuse("too_many_handshakes", f"{self._handshakes} in progress")
+        host = request.remote or ""
+        if self._handshakes_by_host.get(host, 0) >= self.settings.max_handshakes_per_host:
+            return self._refuse("too_many_handshakes", "too many in progress from this host")
         self._handshakes += 1
+        self._handshakes_by_host[host] = self._handshakes_by_host.get(host, 0) + 1
         # ping after 2/3 of the idle timeout without a byte, close after 1/3 more without a pong
         ws = web.WebSocketResponse(
             heartbeat=self.settings.idle_timeout_s * 2 / 3,
             max_msg_size=self.max_message_bytes + REPLY_OVERHEAD,
             compress=False,  # ciphertext does not compress
+            # waiting for a refused client's close frame: so a handshake slot is
+            # held at most about twice auth_timeout_s
+            timeout=min(10.0, self.settings.auth_timeout_s),
         )
         try:
             await ws.prepare(request)
             card = await self._authenticate(ws)
+        except ConnectionError:  # it went away mid-handshake: counted, no traceback
+            self._count("handshake_lost", host)
+            return ws
         finally:
             self._handshakes -= 1
+            left = self._handshakes_by_host[host] - 1
+            if left:
+                self._handshakes_by_host[host] = left
+            else:
+                del self._handshakes_by_host[host]
         if card is None:
             return ws
         link = SiteLink(card.name, card, ws)
@@ -227,13 +263,16 @@ class RelayServer:
         nonce = secrets.token_hex(NONCE_BYTES)
         challenge = {"type": "challenge", "relay": self.name, "federation": self.federation}
         await ws.send_json({**challenge, "nonce": nonce})
-        try:
-            msg = await ws.receive(timeout=self.settings.auth_timeout_s)
+        try:  # one deadline for the whole answer: a ping restarts receive(timeout=)
+            async with asyncio.timeout(self.settings.auth_timeout_s):
+                msg = await ws.receive()
         except TimeoutError:
             return await self._refuse_auth(ws, "auth_timeout", None)
         offer: Any = None
-        if msg.type == WSMsgType.TEXT:
-            with contextlib.suppress(ValueError):
+        # An honest offer is a few hundred bytes: nothing bigger (or nested past the
+        # parser's recursion limit) from a stranger is parsed on the event loop.
+        if msg.type == WSMsgType.TEXT and len(msg.data) <= MAX_AUTH_CHARS:
+            with contextlib.suppress(ValueError, RecursionError):
                 offer = json.loads(msg.data)
         if not (
             isinstance(offer, dict)
@@ -341,10 +380,15 @@ class RelayServer:
         if not bucket.take():
             return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
         limit = self.settings.max_pending_per_site
+        max_bytes = self.settings.max_pending_bytes_per_site
+        mine = link.bytes_by_sender.get(header.sender, 0)
         if (
             link.pending >= limit
             or link.by_sender.get(header.sender, 0) >= max(1, limit // 2)
-            or link.pending_bytes + frame_len > self.settings.max_pending_bytes_per_site
+            or link.pending_bytes + frame_len > max_bytes
+            # one sender holds at most half of the bytes too (beyond its first frame):
+            # a sender that stalls its payloads cannot fill a recipient's queue alone
+            or (mine and mine + frame_len > max_bytes // 2)
         ):
             return "queue_full", f"{link.pending} frames to {header.recipient!r} in flight"
         return link
@@ -374,27 +418,30 @@ class RelayServer:
         checked = self._check(header, rest[:header_len], rest[header_len:], length)
         if isinstance(checked, tuple):
             return self._refuse(*checked, who=header.sender[:64])
-        return await self._forward(checked, stream, prefix + rest, header)
+        return await self._forward(checked, request, prefix + rest, header)
 
     async def _forward(
-        self, link: SiteLink, stream: aiohttp.StreamReader, head: bytes, header: Header
+        self, link: SiteLink, request: web.Request, head: bytes, header: Header
     ) -> web.StreamResponse:
         """Read the payload of a checked frame, send it down the recipient's
-        connection and answer with the recipient's answer. The frame's slot and
-        bytes are held from before the first payload byte is read."""
+        connection and answer with the recipient's answer. The frame's slot is
+        held from before the first payload byte is read until the answer is
+        written (a sender that does not read its answers uses up its own slots)."""
+        stream = request.content
         sender = header.sender
         frame_len = len(head) + header.payload_len
         link.pending += 1
         link.pending_bytes += frame_len
         link.by_sender[sender] = link.by_sender.get(sender, 0) + 1
+        link.bytes_by_sender[sender] = link.bytes_by_sender.get(sender, 0) + frame_len
         held_bytes = frame_len
         stream_id = next(self._ids)
         try:
-            # one buffer: FORWARD's stream id, then the frame (no copy to prepend it)
-            buffer = bytearray(STREAM_ID.size + frame_len)
-            STREAM_ID.pack_into(buffer, 0, stream_id)
-            buffer[STREAM_ID.size : STREAM_ID.size + len(head)] = head
-            failure = await self._read_payload(stream, buffer, STREAM_ID.size + len(head), header)
+            # one buffer: FORWARD's stream id, then the frame (no copy to prepend it),
+            # grown as the payload arrives: a header alone buys no memory
+            buffer = bytearray(STREAM_ID.pack(stream_id))
+            buffer += head
+            failure = await self._read_payload(stream, buffer, len(buffer), header)
             if failure is not None:
                 return self._refuse(*failure, who=sender)
             if link.closed:
@@ -409,55 +456,83 @@ class RelayServer:
             except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
                 return self._refuse("relay_lost", "the recipient's connection failed", sender)
             del buffer  # sent: the bytes are the kernel's now
-            link.pending_bytes -= held_bytes
+            link.unhold(sender, held_bytes)
             held_bytes = 0
             self._account(sender, link.name, frame_len)
             try:
                 answer = await asyncio.wait_for(future, timeout)
             except TimeoutError:
                 return self._refuse("relay_lost", "no answer within forward_timeout_s", sender)
+            if answer is None:
+                return self._refuse("relay_lost", "the recipient disconnected", sender)
+            status, body = answer
+            if not 200 <= status <= 599 or status in (204, 205, 304):  # a body must follow
+                return self._refuse(
+                    "reply_malformed", f"status {status} from {link.name!r}", sender
+                )
+            if status == 200 and body[:4] == MAGIC and not _encrypted_frame(body):
+                return self._refuse("plaintext_answer", f"from {link.name!r}", sender)
+            return await self._answer(request, status, body, sender)
         finally:
             link.waiting.pop(stream_id, None)
             link.pending -= 1
-            link.pending_bytes -= held_bytes
+            link.unhold(sender, held_bytes)
             link.by_sender[sender] -= 1
             if not link.by_sender[sender]:
                 del link.by_sender[sender]
-        if answer is None:
-            return self._refuse("relay_lost", "the recipient disconnected", sender)
-        status, body = answer
-        if status == 200 and body[:4] == MAGIC and not _encrypted_frame(body):
-            return self._refuse("plaintext_answer", f"from {link.name!r}", sender)
+
+    async def _answer(
+        self, request: web.Request, status: int, body: bytes, sender: str
+    ) -> web.StreamResponse:
+        """Write the recipient's answer; a sender that does not take it within
+        read_idle_timeout_s + its size at min_upload_bytes_per_s has its connection
+        aborted, so an unread answer is not held in memory for ever."""
         kind = "application/json" if body[:1] == b"{" else "application/octet-stream"
-        return web.Response(body=body, status=status, content_type=kind)
+        response = web.Response(body=body, status=status, content_type=kind)
+        settings = self.settings
+        limit = settings.read_idle_timeout_s + len(body) / settings.min_upload_bytes_per_s
+        try:
+            async with asyncio.timeout(limit):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            self._count("answer_too_slow", sender)
+            if request.transport is not None:
+                request.transport.abort()  # drops the unsent bytes (close() would flush them)
+        return response  # aiohttp finds the connection gone and writes nothing more
 
     async def _read_payload(
         self, stream: aiohttp.StreamReader, buffer: bytearray, offset: int, header: Header
     ) -> tuple[str, str] | None:
-        """Fill buffer[offset:] from the stream, hashing as it comes: None, or
-        the refusal (truncated, digest_mismatch) to answer."""
+        """Append the payload to `buffer` (which holds `offset` bytes: the payload
+        is buffer[offset:] once read) as it comes, hashing it: None, or the
+        refusal (truncated, digest_mismatch, upload_too_slow) to answer."""
         idle = self.settings.read_idle_timeout_s
-        view = memoryview(buffer)
+        deadline = (
+            time.monotonic() + idle + header.payload_len / self.settings.min_upload_bytes_per_s
+        )
         digest = hashlib.sha256()
-        pos = offset
+        start, end = offset, offset + header.payload_len
         try:
-            while pos < len(buffer):
-                chunk = await asyncio.wait_for(stream.readany(), idle)
+            while len(buffer) < end:
+                chunk = await asyncio.wait_for(stream.readany(), _wait(idle, deadline))
                 if not chunk:
-                    return "truncated", f"payload ended at {pos - offset} bytes"
-                if pos + len(chunk) > len(buffer):
+                    return "truncated", f"payload ended at {len(buffer) - start} bytes"
+                if len(buffer) + len(chunk) > end:
                     return "digest_mismatch", "payload longer than the header says"
-                view[pos : pos + len(chunk)] = chunk
+                buffer += chunk
                 digest.update(chunk)
-                pos += len(chunk)
-            if not stream.at_eof() and await asyncio.wait_for(stream.read(1), idle):
+            if not stream.at_eof() and await asyncio.wait_for(
+                stream.read(1), _wait(idle, deadline)
+            ):
                 return "digest_mismatch", "payload longer than the header says"
         except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
             return "truncated", "connection closed mid-payload"
         except TimeoutError:
+            if time.monotonic() >= deadline - 1e-3:
+                got = len(buffer) - start
+                return "upload_too_slow", f"{got} of {header.payload_len} bytes by the deadline"
             return "truncated", f"payload stalled for {idle:g} s"
-        finally:
-            view.release()
         if digest.digest() != header.payload_sha256:
             return "digest_mismatch", "payload SHA-256 differs from the signed header"
         return None
@@ -518,6 +593,11 @@ class RelayServer:
             },
             "refusals": dict(sorted(self.refusals.items())),
         }
+
+
+def _wait(idle: float, deadline: float) -> float:
+    """How long the next read may wait: the idle timeout, or less near the deadline."""
+    return max(0.0, min(idle, deadline - time.monotonic()))
 
 
 def _encrypted_frame(body: bytes) -> bool:

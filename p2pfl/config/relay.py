@@ -81,6 +81,19 @@ class RelaySettings(Section):
         description="connections not yet authenticated at once; more are refused "
         "(429 too_many_handshakes)",
     )
+    max_handshakes_per_host: int = Field(
+        8,
+        ge=1,
+        description="connections not yet authenticated at once from one IP address; more "
+        "are refused (429 too_many_handshakes), so one host cannot take every slot",
+    )
+    min_upload_bytes_per_s: float = Field(
+        65536.0,
+        gt=0.0,
+        description="a frame's payload must arrive, and the answer must be taken by its "
+        "sender, within read_idle_timeout_s + its size at this rate (as a site's "
+        "transport.min_upload_bytes_per_s): else upload_too_slow, or the connection is cut",
+    )
 
 
 class RelaySection(RelaySettings):

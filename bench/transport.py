@@ -3,7 +3,17 @@
 queue) against a raw aiohttp POST of the same bytes between the same two
 processes, in one run; plus the receiver's peak RSS growth.
 
-    python -m bench.transport [--repeats 5] [--mb 46.8]
+    python -m bench.transport [--repeats 5] [--mb 46.8] [--via-relay]
+
+`--via-relay` (issue 31) measures instead the same sender, payload and repeats
+sent, encrypted (a relay carries ciphertext only), to two receivers in one run:
+`b` reachable and `c` outbound-only behind a relay process (`p2pfl-node relay`):
+MB/s direct vs through the relay and their ratio, and the latency of a
+heartbeat (p50, p99) sent as a node sends it, direct vs relayed;
+`relayed_extra_hops_p50` is (relayed p50 - direct p50) / direct p50, the direct
+exchanges' worth of latency the relay adds (<= 1: at most one extra hop).
+`relay_forwarded_bytes` is what the relay's /status counted while the pushes
+ran (the sites' own heartbeats through it included).
 
 The sender is this process, the receiver a child process; both are real `Node`
 objects from node/daemon.py (the receiver's protocol just drains its inbox and
@@ -29,11 +39,16 @@ from typing import Any
 
 import aiohttp
 import psutil
+import torch
 from aiohttp import web
 
+from bench.localfed import RelayProcess
+from bench.peer import heartbeat_payload
 from bench.wire import resnet18_like_state_dict
 from node.daemon import Node
+from node.membership import HEARTBEAT
 from node.provision import free_ports, provision
+from node.transport_client import ACK_LIMIT
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from protocols.base import Protocol, RoundContext
@@ -181,10 +196,153 @@ async def sender_main(args: argparse.Namespace, config_path: Path, raw_port: int
     }
 
 
+# ----------------------------------------------------------------------------- --via-relay
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[max(0, -(-int(q) * len(ordered) // 100) - 1)]
+
+
+async def relay_sender_main(
+    args: argparse.Namespace, config_path: Path, relay_status: Any
+) -> dict[str, Any]:
+    """a sends the same pushes to b (direct) and c (through the relay),
+    alternating, then heartbeats to both; `relay_status()` is the relay's /status."""
+    node = load_node(config_path)
+    node.protocol = Drain()
+    await node.start()
+    sd = resnet18_like_state_dict(args.mb)
+    if sum(t.numel() * t.element_size() for t in sd.values()) > args.mb * 1e6 * 1.01:
+        # below ResNet-18's own size (a smoke test): one tensor of the size asked
+        sd = {"pad": torch.randn(int(args.mb * 1e6) // 4)}
+    payload = {"state": sd}
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    receivers = {"direct": "b", "relayed": "c"}
+    try:
+        deadline = time.monotonic() + 120
+        while {p.name for p in node.peers.peers()} < set(receivers.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("a receiver never came up")
+            await asyncio.sleep(0.2)
+        for peer in receivers.values():  # warm up: connections, page cache, the tunnel
+            await node.outbound.send_push(peer, "model", payload, 0)
+        before = relay_status()["forwarded"]
+        times: dict[str, list[float]] = {k: [] for k in receivers}
+        for i in range(args.repeats):
+            order = list(receivers.items())
+            for label, peer in order if i % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                await node.outbound.send_push(peer, "model", payload, 1 + i)
+                times[label].append(time.perf_counter() - t0)
+                await asyncio.sleep(0.05)  # the receiver drains before the next
+        after = relay_status()["forwarded"]
+        beats: dict[str, list[float]] = {k: [] for k in receivers}
+        beat = heartbeat_payload(1, "exchange", done=False, bye=False)
+        for _ in range(args.heartbeats):
+            for label, peer in receivers.items():  # as node/membership.py sends one
+                message = node.codec.encode(HEARTBEAT, peer, beat, round=1, encrypt=True)
+                t0 = time.perf_counter()
+                status, _ = await node.client.post(
+                    peer, message, timeout=10.0, retries=0, probe=True, answer_limit=ACK_LIMIT
+                )
+                beats[label].append(time.perf_counter() - t0)
+                if status != 200:
+                    raise RuntimeError(f"heartbeat to {peer}: HTTP {status}")
+                await asyncio.sleep(0.01)
+    finally:
+        await node.stop()
+    rate = {k: nbytes / 1e6 / statistics.median(v) for k, v in times.items()}
+    ms = {
+        f"heartbeat_{k}_{q}_ms": round(percentile(v, n) * 1e3, 2)
+        for k, v in beats.items()
+        for q, n in (("p50", 50), ("p99", 99))
+    }
+    direct_p50 = percentile(beats["direct"], 50)
+    return {
+        "payload_mb": round(nbytes / 1e6, 2),
+        "repeats": args.repeats,
+        "encrypted": True,
+        "direct_mb_s": round(rate["direct"], 1),
+        "relayed_mb_s": round(rate["relayed"], 1),
+        "relayed_over_direct": round(rate["relayed"] / rate["direct"], 3),
+        "target_ratio": 0.8,
+        "heartbeats": args.heartbeats,
+        **ms,
+        # how many direct exchanges the relay adds to a small request's median
+        "relayed_extra_hops_p50": round(
+            (percentile(beats["relayed"], 50) - direct_p50) / direct_p50, 2
+        ),
+        "relay_forwarded_bytes": after["bytes"] - before["bytes"],
+        "relay_forwarded_messages": after["messages"] - before["messages"],
+    }
+
+
+def via_relay(args: argparse.Namespace) -> dict[str, Any]:
+    """Provision a, b (reachable) and c (behind relay r1); start r1 and the two
+    receivers as processes; a sends from this process."""
+    with tempfile.TemporaryDirectory(
+        prefix="p2pfl-bench-transport-relay-", dir=os.environ.get("P2PFL_BENCH_TMP")
+    ) as tmp:
+        plans = provision(
+            Path(tmp),
+            ["a", "b", "c"],
+            protocol={"name": "probe", "rounds": 0},
+            overrides={
+                "transport": {"heartbeat_s": 0.3},
+                "wire": {"max_message_bytes": 1 << 30},
+                "status": {"enabled": False},
+                "node": {"startup_wait_s": 0},
+            },
+            relays=["r1"],
+            behind=["c"],
+            relay_overrides={"wire": {"max_message_bytes": 1 << 30}},
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        relay = RelayProcess(plans.relays[0], Path(tmp) / "r1.log").start()
+        receivers = []
+        try:
+            relay.wait_for(lambda s: s.get("relay") == "r1", 60, "relay up")
+            for plan in plans[1:]:
+                (raw_port,) = free_ports(1)
+                command = [sys.executable, "-m", "bench.transport", "--role", "receiver",
+                           "--config", str(plan.config_path), "--raw-port", str(raw_port)]  # fmt: skip
+                log = open(Path(tmp) / f"{plan.name}.log", "wb")  # noqa: SIM115
+                receivers.append(
+                    subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log)
+                )
+                log.close()
+
+            def relay_status() -> dict[str, Any]:
+                status = relay.status()
+                if status is None:
+                    raise RuntimeError(f"the relay does not answer: {relay.log_tail()}")
+                return status
+
+            return asyncio.run(relay_sender_main(args, plans[0].config_path, relay_status))
+        finally:
+            for receiver in receivers:
+                receiver.terminate()
+            for receiver in receivers:
+                try:
+                    receiver.wait(15)
+                except subprocess.TimeoutExpired:
+                    receiver.kill()
+            relay.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mb", type=float, default=46.8)
+    parser.add_argument(
+        "--via-relay",
+        action="store_true",
+        help="direct vs through a relay process to an outbound-only receiver (issue 31)",
+    )
+    parser.add_argument(
+        "--heartbeats", type=int, default=200, help="--via-relay: heartbeats timed per receiver"
+    )
     parser.add_argument(
         "--role", choices=["sender", "receiver"], default="sender", help=argparse.SUPPRESS
     )
@@ -193,6 +351,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.role == "receiver":
         asyncio.run(receiver_main(args.config, args.raw_port))
+        return
+    if args.via_relay:
+        out = via_relay(args)
+        print(
+            f"payload {out['payload_mb']} MB, encrypted: direct {out['direct_mb_s']} MB/s, "
+            f"via relay {out['relayed_mb_s']} MB/s, ratio {out['relayed_over_direct']} "
+            f"(target {out['target_ratio']}); heartbeat p50/p99 direct "
+            f"{out['heartbeat_direct_p50_ms']}/{out['heartbeat_direct_p99_ms']} ms, relayed "
+            f"{out['heartbeat_relayed_p50_ms']}/{out['heartbeat_relayed_p99_ms']} ms"
+        )
+        print(json.dumps(out))
         return
 
     with tempfile.TemporaryDirectory(

@@ -14,6 +14,8 @@ from typing import Any
 from bench.attacks.fedperl import run_fedperl
 from bench.attacks.kit import GROUPS, SCENARIOS, Options, inconclusive, say
 from bench.attacks.poisoning import run_feder, run_inflation, run_sgd
+from bench.attacks.relay import GROUPS as RELAY_GROUPS
+from bench.attacks.relay import SCENARIOS as RELAY_SCENARIOS
 from bench.attacks.review import GROUPS as REVIEW_GROUPS
 from bench.attacks.review import SCENARIOS as REVIEW_SCENARIOS
 from bench.attacks.secagg import GROUPS as SECAGG_GROUPS
@@ -21,7 +23,8 @@ from bench.attacks.secagg import SCENARIOS as SECAGG_SCENARIOS
 from bench.attacks.wire import run_wire
 
 # The registry (bench/attacks/kit.py): issue #16's scenarios, then issue #28's
-# (bench/attacks/review.py, bench/attacks/secagg.py). name -> (hole, group); group -> its runner.
+# (bench/attacks/review.py, bench/attacks/secagg.py), then issue 31's
+# (bench/attacks/relay.py). name -> (hole, group); group -> its runner.
 SCENARIOS.update(
     {
         "fedperl_subset_difference": ("1", "fedperl"),
@@ -41,6 +44,7 @@ SCENARIOS.update(
 )
 SCENARIOS.update(REVIEW_SCENARIOS)
 SCENARIOS.update(SECAGG_SCENARIOS)
+SCENARIOS.update(RELAY_SCENARIOS)
 GROUPS.update(
     {
         "wire": run_wire,
@@ -52,6 +56,7 @@ GROUPS.update(
 )
 GROUPS.update(REVIEW_GROUPS)
 GROUPS.update(SECAGG_GROUPS)
+GROUPS.update(RELAY_GROUPS)
 
 
 def run_bench(opts: Options, names: list[str]) -> dict[str, Any]:

@@ -24,6 +24,14 @@ previous one; round 1 includes building the sites), the mean of rounds 2..R
 the growth of peak RSS from the next smaller N, per node). Writes DIR/scale.json and
 DIR/scale.png (time per round and memory against N); the last stdout line
 is the summary (one JSON object).
+
+    python -m bench.scale --engine ray --shards K [--address auto|HOST:PORT] ...
+
+runs every N over K Ray shard actors (protocols/memory/ray_engine.py; without
+--address, one Ray node per shard started on this machine) and, as the
+baseline, the local engine's scale settings at the same N (`--baseline-nodes`):
+`round_s_ratio_ray_vs_local`, each shard's peak RSS and what the nodes cost
+over the shards' base (`kb_per_node_in_shards`).
 """
 
 from __future__ import annotations
@@ -91,9 +99,19 @@ def rss_mb() -> float:
 
 
 def run_one(
-    nodes: int, rounds: int, data_dir: Path, state_dir: Path, *, scale: bool
+    nodes: int,
+    rounds: int,
+    data_dir: Path,
+    state_dir: Path,
+    *,
+    scale: bool,
+    engine: str = "local",
+    shards: int = 2,
+    address: str | None = None,
 ) -> dict[str, Any]:
-    """One in-memory federation of `nodes`; called in a fresh process."""
+    """One in-memory federation of `nodes`; called in a fresh process. With
+    engine "ray", over `shards` Ray actors of the cluster at `address` (None:
+    one Ray node per shard started on this machine)."""
     import torch
 
     from protocols.memory import InMemoryNetwork, simulate, simulation_configs
@@ -114,36 +132,83 @@ def run_one(
     base_mb = rss_mb()
     done_at: dict[int, float] = {}
 
+    shard_peaks: list[tuple[float, float]] = []  # (peak, base) MB per shard
+    last_say = time.perf_counter()
+
+    def note(counts: dict[int, int]) -> None:
+        nonlocal last_say
+        for r, count in sorted(counts.items()):
+            if count == nodes and r not in done_at:
+                done_at[r] = time.perf_counter() - started
+                _say(f"  {nodes} nodes: round {r}/{rounds} done at {done_at[r]:.1f} s")
+        if time.perf_counter() - last_say > 60:
+            last_say = time.perf_counter()
+            _say(f"  {nodes} nodes: {time.perf_counter() - started:.0f} s, rounds {counts}")
+
     async def follow() -> Any:
         task = asyncio.create_task(simulate(configs, network=network))
         counts: dict[int, int] = {}
         seen = 0
-        last_say = time.perf_counter()
         while not task.done():
             await asyncio.wait({task}, timeout=0.2)
             for record in network.records[seen:]:
-                r = record["round"]
-                counts[r] = counts.get(r, 0) + 1
-                if counts[r] == nodes:
-                    done_at[r] = time.perf_counter() - started
-                    _say(f"  {nodes} nodes: round {r}/{rounds} done at {done_at[r]:.1f} s")
+                counts[record["round"]] = counts.get(record["round"], 0) + 1
             seen = len(network.records)
-            if time.perf_counter() - last_say > 60:
-                last_say = time.perf_counter()
-                _say(f"  {nodes} nodes: {time.perf_counter() - started:.0f} s, rounds {counts}")
+            note(counts)
         return task.result()
 
+    async def follow_ray() -> Any:
+        from protocols.memory.ray_engine import RayRun
+
+        run = RayRun(configs, shards=shards, network=network)
+        try:
+            await run.start()
+            task = asyncio.ensure_future(run.wait(simulate))
+            while not task.done():
+                await asyncio.wait({task}, timeout=1.0)
+                if not task.done():
+                    note(await run.rounds_logged())
+            note(await run.rounds_logged())
+            shard_peaks.extend(await run.peak_rss_mb())
+            return task.result()
+        finally:
+            run.stop()
+
+    shutdown = None
+    if engine == "ray":
+        from protocols.memory.ray_engine import connect, local_cluster
+
+        if address is None:
+            shutdown = local_cluster(shards)
+        else:
+            connect(address)
     started = time.perf_counter()
-    result = asyncio.run(follow())
+    try:
+        result = asyncio.run(follow_ray() if engine == "ray" else follow())
+    finally:
+        if shutdown is not None:
+            shutdown()
     wall = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     per_round = [
         round(done_at[r] - done_at.get(r - 1, 0.0), 4) for r in sorted(done_at) if r in done_at
     ]
     later = per_round[1:]
+    ray_figures: dict[str, Any] = {}
+    if shard_peaks:
+        ray_figures = {
+            "shards": shards,
+            "shard_peak_rss_mb": [round(peak, 1) for peak, _ in shard_peaks],
+            "shard_base_rss_mb": [round(base, 1) for _, base in shard_peaks],
+            # what the nodes cost over the shards' base (torch imported)
+            "kb_per_node_in_shards": round(
+                sum(peak - base for peak, base in shard_peaks) * 1024 / nodes, 1
+            ),
+        }
     return {
         "nodes": nodes,
-        "settings": "scale" if scale else "defaults",
+        "settings": ("scale" if scale else "defaults") if engine == "local" else "ray",
+        **ray_figures,
         "rounds": rounds,
         "rounds_completed_by_all": max(done_at, default=0),
         "errors": len(result.errors),
@@ -169,7 +234,16 @@ def run_one(
     }
 
 
-def child(nodes: int, rounds: int, data_dir: Path, state_dir: Path, scale: bool) -> dict[str, Any]:
+def child(
+    nodes: int,
+    rounds: int,
+    data_dir: Path,
+    state_dir: Path,
+    scale: bool,
+    engine: str = "local",
+    shards: int = 2,
+    address: str | None = None,
+) -> dict[str, Any]:
     """Run one N in a fresh process (its own peak RSS), return its figures."""
     cmd = [
         sys.executable,
@@ -186,6 +260,9 @@ def child(nodes: int, rounds: int, data_dir: Path, state_dir: Path, scale: bool)
     ]
     if not scale:
         cmd.append("--defaults")
+    if engine == "ray":
+        cmd += ["--engine", "ray", "--shards", str(shards)]
+        cmd += ["--address", address] if address else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     last = ""
@@ -197,7 +274,8 @@ def child(nodes: int, rounds: int, data_dir: Path, state_dir: Path, scale: bool)
             _say(line)
     code = proc.wait()
     if code != 0 or not last:
-        return {"nodes": nodes, "settings": "scale" if scale else "defaults", "failed": code}
+        settings = "ray" if engine == "ray" else "scale" if scale else "defaults"
+        return {"nodes": nodes, "settings": settings, "failed": code}
     return json.loads(last)
 
 
@@ -212,11 +290,21 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     ok = [r for r in rows if r.get("round_s") is not None and r["settings"] == "scale"]
     base = [r for r in rows if r.get("round_s") is not None and r["settings"] == "defaults"]
+    ray = [r for r in rows if r.get("round_s") is not None and r["settings"] == "ray"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for series, style, label in ((ok, "o-", "scale settings"), (base, "s", "defaults")):
+    for series, style, label in (
+        (ok, "o-", "scale settings"),
+        (base, "s", "defaults"),
+        (ray, "^-", "ray shards (memory: all shards + driver)"),
+    ):
         xs = [r["nodes"] for r in series]
         left.plot(xs, [r["round_s"] for r in series], style, label=label)
-        right.plot(xs, [r["peak_rss_mb"] for r in series], style, label=label)
+        right.plot(
+            xs,
+            [r["peak_rss_mb"] + sum(r.get("shard_peak_rss_mb", [])) for r in series],
+            style,
+            label=label,
+        )
     left.set(xscale="log", yscale="log", xlabel="nodes", ylabel="seconds per round")
     right.set(xscale="log", xlabel="nodes", ylabel="peak RSS (MB)")
     right.axhline(1500, color="grey", linestyle=":", label="1,500 MB at 1,000 nodes (target)")
@@ -246,6 +334,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1000,
         help="the baseline (in-memory defaults) runs at the largest N up to this; 0: none",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="ray: the simulator sharded over Ray actors (protocols/memory/ray_engine.py); "
+        "the baseline is then the local engine at the same N",
+    )
+    parser.add_argument("--shards", type=int, default=2, help="Ray shard actors (--engine ray)")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="a running Ray cluster (auto, or HOST:PORT); default: one Ray node per shard "
+        "started on this machine",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/scale"))
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -269,9 +371,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
-        figures = run_one(
-            args.child, args.rounds, args.data_dir, args.state_dir, scale=not args.defaults
-        )
+        try:
+            figures = run_one(
+                args.child,
+                args.rounds,
+                args.data_dir,
+                args.state_dir,
+                scale=not args.defaults,
+                engine=args.engine,
+                shards=args.shards,
+                address=args.address,
+            )
+        except RuntimeError as exc:  # a shard died, or ray is missing: one line
+            if type(exc).__name__ not in ("ShardDied", "RayMissing"):
+                raise
+            _say(str(exc))
+            return 1
         _say(json.dumps(figures))
         return 0 if figures["errors"] == 0 else 1
     started = time.perf_counter()
@@ -280,13 +395,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say(f"writing {largest} site files ({args.per_site} training images each) to {data_dir}")
     write_sites(data_dir, largest, args.per_site, args.seed)
     rows: list[dict[str, Any]] = []
+    ray = args.engine == "ray"
     runs = [(n, True) for n in args.sizes]
     baseline = max((n for n in args.sizes if n <= args.baseline_nodes), default=None)
     if baseline is not None:
         runs.append((baseline, False))
-    for nodes, scale in runs:
-        _say(f"--- {nodes} nodes, {'scale settings' if scale else 'in-memory defaults'}")
-        rows.append(child(nodes, args.rounds, data_dir, args.out / "state", scale))
+    for nodes, first in runs:
+        # ray: the sizes over Ray, then the local engine's scale settings as the baseline
+        engine = "ray" if ray and first else "local"
+        scale = first or ray
+        what = f"ray, {args.shards} shards" if engine == "ray" else None
+        what = what or ("scale settings" if scale else "in-memory defaults")
+        _say(f"--- {nodes} nodes, {what}")
+        rows.append(
+            child(
+                nodes,
+                args.rounds,
+                data_dir,
+                args.out / "state",
+                scale,
+                engine,
+                args.shards,
+                args.address,
+            )
+        )
         _say(f"    {json.dumps(rows[-1])}")
         atomic_write_text(args.out / "scale.json", json.dumps({"runs": rows}, indent=2) + "\n")
     scaled = [r for r in rows if r["settings"] == "scale" and r.get("peak_rss_mb")]
@@ -301,13 +433,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(rows, args.out / "scale.png")
     summary: dict[str, Any] = {"bench": "scale", "k": K, "rounds": args.rounds}
     for row in rows:
-        tag = f"{row['nodes']}" + ("" if row["settings"] == "scale" else "_defaults")
+        tag = f"{row['nodes']}" + {"scale": "", "defaults": "_defaults"}.get(
+            row["settings"], "_" + row["settings"]
+        )
         summary[f"round_s_{tag}"] = row.get("round_s")
         summary[f"peak_rss_mb_{tag}"] = row.get("peak_rss_mb")
         summary[f"completed_{tag}"] = row.get("rounds_completed_by_all") == args.rounds
         if "marginal_kb_per_node" in row:
             summary[f"marginal_kb_per_node_{tag}"] = row["marginal_kb_per_node"]
-    if baseline is not None:
+        if "shard_peak_rss_mb" in row:
+            summary[f"shard_peak_rss_mb_{tag}"] = row["shard_peak_rss_mb"]
+            summary[f"kb_per_node_in_shards_{tag}"] = row["kb_per_node_in_shards"]
+    if baseline is not None and ray:
+        new = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "ray")
+        old = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "scale")
+        if new.get("round_s") and old.get("round_s"):
+            summary["baseline_nodes"] = baseline
+            summary["round_s_ratio_ray_vs_local"] = round(new["round_s"] / old["round_s"], 3)
+    elif baseline is not None:
         new = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "scale")
         old = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "defaults")
         if new.get("peak_rss_mb") and old.get("peak_rss_mb"):

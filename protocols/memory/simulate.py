@@ -35,11 +35,30 @@ async def simulate(
     *,
     network: InMemoryNetwork | None = None,
     fail_fast: bool = False,
+    engine: str = "local",
+    shards: int = 2,
+    address: str | None = None,
 ) -> SimulationResult:
     """Run every site's protocol concurrently in this process until all finish
     (or are killed). Nodes the network already marks dead are not started. A
     node that raises is recorded in `errors`; the others go on, or with
-    `fail_fast` are stopped at once (recorded as stopped), as a benchmark wants."""
+    `fail_fast` are stopped at once (recorded as stopped), as a benchmark wants.
+
+    engine="ray": the same over `shards` Ray actors of the cluster at `address`
+    (protocols/memory/ray_engine.py; `network` only lends its settings)."""
+    if engine == "ray":
+        from .ray_engine import simulate_on_ray
+
+        return await simulate_on_ray(
+            configs,
+            local=simulate,
+            shards=shards,
+            address=address,
+            network=network,
+            fail_fast=fail_fast,
+        )
+    if engine != "local":
+        raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
     network = network if network is not None else InMemoryNetwork()
     names = [c.node.name for c in configs]
     if len(set(names)) != len(names):

@@ -1,0 +1,172 @@
+"""The Ray engine (protocols/memory/ray_engine.py): 20 nodes over 2 shard
+actors on a 2-node Ray cluster give every node the same macro-F1 each round,
+the same neighbours and the same traffic as the single-process simulator; a
+missing ray is one line; a shard actor killed mid-run stops the run at once
+with one line naming the shard."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.scale import write_sites
+from p2pfl.config import SiteConfig
+from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+from protocols.memory.ray_engine import RAY_MISSING, RayMissing, RayRun, ShardDied
+
+# one worker starts the one 2-node Ray cluster both cluster tests share
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
+
+NODES, ROUNDS, K = 20, 3, 4
+STORE = 80 * 1024 * 1024  # each Ray node's object store: the models here are ~100 KB
+
+
+def configs(sources: list[str], state: Path, rounds: int = ROUNDS) -> list[SiteConfig]:
+    # augment "none": the weak augmentation draws from torch's global generator,
+    # in whatever order the nodes happen to train (see the module docstring).
+    return simulation_configs(
+        sources,
+        protocol={
+            "name": "fedavgp2p",
+            "rounds": rounds,
+            "fraction": min(1.0, K / (len(sources) - 1)),
+        },
+        state_root=state,
+        seed=7,
+        data={"image_size": 28, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32, "threads": 1},
+        selection={"name": "random"},
+    )
+
+
+def scale_network() -> InMemoryNetwork:
+    return InMemoryNetwork(inline_train=True, keep_checkpoints=False)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    out = tmp_path_factory.mktemp("ray_sites")
+    return [str(p) for p in write_sites(out, NODES, per_site=8, seed=0)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Two Ray nodes of one CPU each on this machine, this process connected."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    small = {"num_cpus": 1, "object_store_memory": STORE}
+    made = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
+    try:
+        made.add_node(**small)
+        ray.init(address=made.address, log_to_driver=False)
+        try:
+            yield made
+        finally:
+            ray.shutdown()
+    finally:
+        made.shutdown()
+
+
+def f1s(result: SimulationResult) -> dict[tuple[str, int], float]:
+    return {(r["node"], r["round"]): r["macro_f1"] for r in result.records}
+
+
+def untimed(result: SimulationResult) -> dict[tuple[str, int], dict[str, Any]]:
+    """Every record's values but its timings (train_s, round_s, ...) and the
+    traffic its node had sent when it logged (what its peers had pulled from it
+    by then depends on timing; the totals do not)."""
+    timed = {"messages_sent", "bytes_sent"}
+    return {
+        (r["node"], r["round"]): {
+            k: v for k, v in r.items() if not k.endswith("_s") and k not in timed
+        }
+        for r in result.records
+    }
+
+
+def test_two_shards_on_two_ray_nodes_equal_one_process(
+    cluster: Any, sources: list[str], tmp_path: Path
+) -> None:
+    import ray
+
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    cfgs = configs(sources, tmp_path)
+    local = asyncio.run(simulate(cfgs, network=scale_network()))
+    sharded = asyncio.run(simulate(cfgs, network=scale_network(), engine="ray", shards=2))
+    assert local.errors == {} and sharded.errors == {}
+    assert sharded.rounds_completed() == dict.fromkeys(local.nodes(), ROUNDS)
+    assert len(f1s(local)) == NODES * ROUNDS
+    assert f1s(sharded) == f1s(local)  # exactly: the same models, every node, every round
+    # and every other value logged (losses, validation F1, neighbours)
+    assert untimed(sharded) == untimed(local)
+    assert sorted(map(str, sharded.choices)) == sorted(map(str, local.choices))
+    assert sharded.traffic == local.traffic  # requests, replies, bytes: counted alike
+    # the nodes trained: their loss fell, so equal values are not equal constants
+    loss = local.mean_by_round("train_loss")
+    assert loss[ROUNDS] < loss[1], loss
+
+
+def test_a_missing_ray_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, sources: list[str], tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(RayMissing) as missing:
+        asyncio.run(simulate(configs(sources[:3], tmp_path), engine="ray"))
+    assert str(missing.value) == RAY_MISSING
+    assert "\n" not in str(missing.value) and "pip install 'p2pfl-node[ray]'" in RAY_MISSING
+
+
+def test_nothing_but_the_ray_engine_imports_ray() -> None:
+    """ray is an optional extra: one module imports it, inside functions."""
+    root = Path(__file__).resolve().parent.parent
+    importers = set()
+    for package in ("p2pfl", "genbuffer", "protocols", "node", "bench"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""]
+                else:
+                    continue
+                if any(n == "ray" or n.startswith("ray.") for n in names):
+                    importers.add(str(path.relative_to(root)))
+    assert importers == {"protocols/memory/ray_engine.py"}
+    engine = ast.parse((root / "protocols/memory/ray_engine.py").read_text(encoding="utf-8"))
+    top = [n for n in engine.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert not [n for n in top if ast.unparse(n).split()[1].split(".")[0] == "ray"]
+
+
+def test_a_killed_shard_stops_the_run_at_once_naming_it(
+    cluster: Any, sources: list[str], tmp_path: Path
+) -> None:
+    import ray
+
+    run = RayRun(configs(sources, tmp_path, rounds=30), shards=2, network=scale_network())
+
+    async def drill() -> None:
+        await run.start()
+        waiting = asyncio.ensure_future(run.wait(simulate))
+        try:
+            # into round 2: every node of shard 0 logged round 1
+            while await run.shards[0].records_logged.remote() < NODES // 2:
+                assert not waiting.done(), waiting
+                await asyncio.sleep(0.2)
+            ray.kill(run.shards[1], no_restart=True)
+            # promptly: long before 30 rounds could finish (the run would take minutes)
+            await asyncio.wait_for(waiting, 60)
+        finally:
+            run.stop()
+
+    with pytest.raises(ShardDied) as died:
+        asyncio.run(drill())
+    line = str(died.value)
+    assert line.startswith("shard 1 (nodes site10..site19) died: "), line
+    assert "\n" not in line

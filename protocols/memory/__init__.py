@@ -8,6 +8,8 @@ simulate.py `simulate(configs)` runs every site's protocol concurrently;
 results.py  `SimulationResult`: per node per round records (macro_f1, accuracy,
             messages_sent, bytes_sent, train_s, round_s, ...), neighbour
             choices and traffic
+ray_engine.py  `simulate(..., engine="ray")`: the same, the nodes sharded over
+            Ray actors (the only module that imports ray, lazily)
 """
 
 from .network import InMemoryContext, InMemoryNetwork

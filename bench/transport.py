@@ -51,7 +51,7 @@ from node.provision import free_ports, provision
 from node.transport_client import ACK_LIMIT
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
-from protocols.base import Protocol, RoundContext
+from protocols.base import PeerUnavailable, Protocol, RoundContext
 
 
 class Drain(Protocol):
@@ -226,7 +226,16 @@ async def relay_sender_main(
                 raise RuntimeError("a receiver never came up")
             await asyncio.sleep(0.2)
         for peer in receivers.values():  # warm up: connections, page cache, the tunnel
-            await node.outbound.send_push(peer, "model", payload, 0)
+            # c is heard (its heartbeats come to a directly) before its tunnel is up:
+            # a's sends to it may fail meanwhile and open its breaker; wait that out.
+            while True:
+                try:
+                    await node.outbound.send_push(peer, "model", payload, 0)
+                    break
+                except PeerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
         before = relay_status()["forwarded"]
         times: dict[str, list[float]] = {k: [] for k in receivers}
         for i in range(args.repeats):

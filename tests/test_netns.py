@@ -13,7 +13,6 @@ Skipped with one loud line where namespaces cannot be made (not root, no `ip`).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 from typing import Any
@@ -95,11 +94,11 @@ def test_behind_sites_complete_every_round_through_the_relay_and_are_unreachable
                         continue
                     assert not net.can_connect(other, net.address(plan.name), plan.port, 1.0)
                     assert not net.can_connect(other, "127.0.0.1", plan.port, 1.0)
-            # a reachable site is reached from a peer namespace, never from the root one
+            # a reachable site is reached from a peer namespace. (Not probed from the
+            # root namespace: it has no leg on the bridge, so such a probe would leave
+            # through its default route, to an address this test did not make.)
             a = next(p for p in plans if p.name == "a")
             assert net.can_connect("c", net.address("a"), a.port)
-            with pytest.raises(OSError):
-                socket.create_connection((net.address("a"), a.port), timeout=1.0).close()
 
             relay = nodes["r1"].get("/status")
             sites = relay["sites"]

@@ -303,7 +303,10 @@ async def test_a_push_and_a_request_reach_a_site_behind_a_relay_and_its_answer_c
         client.set_relayed_peer("carol", [roster.relays["r1"]])
         push = alice.encode("probe", "carol", {"x": torch.arange(4)}, round=1, encrypt=True)
         status, body = await client.post("carol", push)
-        assert status == 200 and json.loads(body) == {"ok": True}, (status, body)
+        ack = json.loads(body)
+        assert status == 200 and ack["ok"] is True, (status, body)
+        # carol's own signed acknowledgement of this push, not the relay's word
+        assert alice.verify_ack("carol", push.header.msg_id, "ok", ack["ack"]), ack
         assert site.frames == [push.to_bytes()], "the relay must hand the frame on unchanged"
         # a request: the answer is the site's own encrypted frame, end to end
         ask = alice.encode("request", "carol", {"q": 1}, round=1, encrypt=True)

@@ -16,9 +16,9 @@ state (the final receiver does), no keys, and writes nothing to disk.
 
 Checks on a POST, in this order, each a refusal `{"reason": CODE}` counted by
 reason: the frame's prefix and header (bounded reads, idle timeout), version,
-federation, sender on the roster, recipient connected here (`not_connected`
-503: try its next relay), the sender's signature, timestamp within the clock
-skew, `encrypted` (a relay never carries plaintext: `encryption_required`),
+federation, sender on the roster, the sender's signature, recipient connected
+here (`not_connected` 503: try its next relay; only after the signature, so a
+stranger cannot learn who is connected), timestamp within the clock skew, `encrypted` (a relay never carries plaintext: `encryption_required`),
 size, the sender's rate (token bucket), the recipient's pending frames and
 bytes (`queue_full` 503, and one sender holds at most half of a recipient's
 slots, and of its bytes beyond its first frame), then the payload itself
@@ -352,9 +352,6 @@ class RelayServer:
         sender = self.roster.sites.get(header.sender)
         if sender is None:
             return "unknown_sender", repr(header.sender[:64])
-        link = self.links.get(header.recipient)
-        if link is None or header.recipient not in self.roster:
-            return "not_connected", f"{header.recipient[:64]!r} has no connection to this relay"
         # A sender over its rate is refused before the costly signature check (a
         # flood costs the relay little); only verified frames take tokens, so a
         # forger cannot drain an honest sender's bucket.
@@ -363,6 +360,10 @@ class RelayServer:
             return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
         if not sender.verify(signature, header_bytes):
             return "bad_signature", f"from {header.sender!r}"
+        # Only after the signature: a stranger must not learn who is connected here.
+        link = self.links.get(header.recipient)
+        if link is None or header.recipient not in self.roster:
+            return "not_connected", f"{header.recipient[:64]!r} has no connection to this relay"
         skew = int(time.time() * 1000) - header.timestamp_ms
         if abs(skew) > self.clock_skew_ms:
             return "stale_timestamp", f"{skew / 1000:.0f} s off this relay's clock"

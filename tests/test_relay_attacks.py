@@ -52,6 +52,7 @@ from node.transport import MESSAGE_PATH
 from node.transport_client import MessageClient, TransportError
 from p2pfl.config import TransportSection
 from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import WireCodec
 
 WsHandler = Callable[[web.WebSocketResponse, int], Awaitable[None]]
 
@@ -705,3 +706,36 @@ def test_a_client_vanishing_mid_handshake_is_counted_not_a_logged_traceback(ids,
         asyncio.run(scenario())
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert not errors, errors[0].getMessage()
+
+
+def test_a_stranger_cannot_learn_which_sites_are_connected(ids, roster):
+    """`not_connected` was answered before the signature check: a frame signed
+    by no roster key told a stranger whether a site was connected. Now a frame
+    whose signature fails is `bad_signature` whether or not its recipient is
+    connected, and only a roster member learns `not_connected`."""
+    a = codec(ids, roster, "a")
+    forger = LocalIdentity.generate("a")  # claims a's name, holds another key
+    mallory = WireCodec(forger, roster, FED, max_message_bytes=8 << 20)
+
+    async def scenario() -> dict[str, tuple[int, str]]:
+        async with relay(roster) as (server, url):
+            b = RelaySite(ids["b"], roster)
+            await b.connect(url)
+            out = {}
+            async with aiohttp.ClientSession() as s:
+                for label, sender, to in [
+                    ("forged, connected", mallory, "b"),
+                    ("forged, not connected", mallory, "c"),
+                    ("signed, not connected", a, "c"),
+                ]:
+                    body = frame(sender, to, {"x": 1})
+                    async with s.post(url + RELAY_MESSAGE_PATH, data=body) as r:
+                        out[label] = (r.status, (await r.json())["reason"])
+            await b.close()
+            return out
+
+    assert asyncio.run(scenario()) == {
+        "forged, connected": (401, "bad_signature"),
+        "forged, not connected": (401, "bad_signature"),
+        "signed, not connected": (503, "not_connected"),
+    }

@@ -240,10 +240,16 @@ class Node:
             )
         if self.relays.start_tunnels(self.peer_port):
             self._spawn(self._watch_relays(), "relays")
-        self._spawn(self.membership.run(), "heartbeat")
+        self._spawn(self._heartbeats(), "heartbeat")
         self._spawn(self.outbound.resend_outbox(), "outbox")
         self._spawn(self._watch_threads(), "threads")
         self._spawn(self._run_protocol(), "protocol")
+
+    async def _heartbeats(self) -> None:
+        """The membership's heartbeats; an outbound-only site's once a relay
+        carries it (node/relay_tunnel.py `wait_reachable`)."""
+        await self.relays.wait_reachable(self.cfg.node.startup_wait_s)
+        await self.membership.run()
 
     async def _watch_relays(self) -> None:
         """/status `relays`: refreshed now and then (connects and losses at once)."""

@@ -434,6 +434,27 @@ class SiteRelays:
         self.publish()
         return bool(self.tunnels) or self.server is not None
 
+    async def wait_reachable(self, timeout: float) -> bool:
+        """Until one of this site's tunnels is connected (at most `timeout` s):
+        an outbound-only site is reachable only through a relay, so it announces
+        itself to its peers (heartbeats) only then; otherwise they would count it
+        alive, fail to reach it and open their breakers. True at once for a site
+        that needs no tunnel."""
+        if not self.tunnels:
+            return True
+        deadline = time.monotonic() + timeout
+        while not any(t.connected for t in self.tunnels):
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "%s: no relay connected after %.0f s (%s); announcing this site anyway",
+                    self.name,
+                    timeout,
+                    ", ".join(t.relay for t in self.tunnels),
+                )
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
     def publish(self) -> None:
         """/status `relays`: each relay this site connects to, or the one it is."""
         relays: dict[str, Any] = {t.relay: t.snapshot() for t in self.tunnels}

@@ -52,12 +52,10 @@ class Reply:
         return self.status, self.json()
 
 
-def post_frame(port: int, frame: bytes, timeout: float = 30.0) -> Reply:
-    """`frame` (any bytes) to the peer port `port` on loopback; its answer,
-    status 0 if none."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame, method="POST"
-    )
+def post_frame(port: int, frame: bytes, timeout: float = 30.0, path: str = MESSAGE_PATH) -> Reply:
+    """`frame` (any bytes) to the peer port `port` on loopback (at `path`: a
+    relay's RELAY_MESSAGE_PATH too); its answer, status 0 if none."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=frame, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
             return Reply(resp.status, None, resp.read())

@@ -39,8 +39,6 @@ import struct
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,7 @@ from bench.attacks.federations import fresh, overrides, site_data
 from bench.attacks.kit import Options, combine, guarded, inconclusive, say, verdict
 from bench.attacks.victim import Victim
 from bench.localfed import LocalFederation, RelayProcess
-from bench.peer import RawPeer, Reply, heartbeat_payload
+from bench.peer import RawPeer, Reply, heartbeat_payload, post_frame
 from node.membership import HEARTBEAT
 from node.provision import provision
 from node.relay import RelayServer
@@ -135,21 +133,7 @@ class RelayThread:
 def post_via(port: int, frame: bytes, timeout: float = 30.0) -> Reply:
     """`frame` POSTed to the relay at `port` (RELAY_MESSAGE_PATH); its answer,
     status 0 if none."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{RELAY_MESSAGE_PATH}", data=frame, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback
-            return Reply(resp.status, None, resp.read())
-    except urllib.error.HTTPError as err:
-        body = err.read()
-        try:
-            reason = json.loads(body).get("reason")
-        except (ValueError, AttributeError):
-            reason = None
-        return Reply(err.code, reason, body)
-    except OSError as exc:
-        return Reply(0, f"unreachable: {exc}", b"")
+    return post_frame(port, frame, timeout, path=RELAY_MESSAGE_PATH)
 
 
 async def _handshake(port: int, identity: LocalIdentity, claim: str) -> dict[str, Any]:

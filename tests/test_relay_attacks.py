@@ -739,3 +739,29 @@ def test_a_stranger_cannot_learn_which_sites_are_connected(ids, roster):
         "forged, not connected": (401, "bad_signature"),
         "signed, not connected": (503, "not_connected"),
     }
+
+
+def test_an_acknowledgement_signature_of_any_shape_but_the_receivers_is_refused(ids, roster):
+    """What an answer's `ack` may hold: only b's signature over this id and this
+    outcome verifies; huge, non-string, non-base64 values, the other outcome,
+    another claimed signer or an unknown outcome are refused without decoding."""
+    a, b = codec(ids, roster, "a"), codec(ids, roster, "b")
+    header = a.encode("probe", "b", {"round": 1}, encrypt=True).header
+    good = b.sign_ack(header, "ok")
+    assert a.verify_ack("b", header.msg_id, "ok", good)
+    for bad in (
+        "A" * 1_000_000,
+        12345,
+        None,
+        ["x"],
+        {"ack": good},
+        "!!not base64!!",
+        "",
+        good[:-4],
+    ):
+        assert not a.verify_ack("b", header.msg_id, "ok", bad), repr(bad)[:40]
+    assert not a.verify_ack("b", header.msg_id, "replayed", good)  # another outcome
+    assert not a.verify_ack("c", header.msg_id, "ok", good)  # another signer
+    assert not a.verify_ack("zz", header.msg_id, "ok", good)  # not on the roster
+    assert not a.verify_ack("b", header.msg_id, "delivered", good)  # no such outcome
+    assert not a.verify_ack("b", bytes(16), "ok", good)  # another id

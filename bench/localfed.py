@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.forkstart import ForkedProcess, fork_requested
 from node.provision import SitePlan
 
 # Opens a TCP connection to (loopback port, timeout) where the process listens:
@@ -35,7 +36,7 @@ class NodeProcess:
     plan: SitePlan
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     # run the command under this prefix (`ip netns exec NS`: bench/netns.py)
     prefix: list[str] = field(default_factory=list)
     status_connect: StatusConnect | None = None  # None: this machine's 127.0.0.1
@@ -61,9 +62,14 @@ class NodeProcess:
             "PYTHONUNBUFFERED": "1",
             **self.env,
         }
+        command = self.command()
+        if fork_requested() and not self.prefix and command[1:3] == ["-m", "node.cli"]:
+            # the same `node.cli` run, forked from a server that imported it once
+            self.proc = ForkedProcess(command[3:], env, self.log_path)
+            return self
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            self.command(),
+            command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

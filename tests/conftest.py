@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# nodes start forked from a server that imported torch once (bench/forkstart.py);
+# P2PFL_NODE_LAUNCH=exec runs the suite with a fresh interpreter per node instead
+os.environ.setdefault("P2PFL_NODE_LAUNCH", "fork")
 
 from browser_util import SKIP_ENV, chromium_binary, missing_browser_message  # noqa: E402
 

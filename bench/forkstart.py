@@ -1,0 +1,174 @@
+"""Start node processes by forking a server that has already imported them.
+
+Every `p2pfl-node` process spends about 3 CPU-seconds importing torch and the
+daemon before it reads its config (`python -X importtime -m node.cli`): most of
+a short test's cost, paid again for every node, restart and benchmark arm. With
+`P2PFL_NODE_LAUNCH=fork` (the test suite sets it), `bench.localfed` starts nodes
+from multiprocessing's fork server instead, which imports those modules once and
+forks a child per node. The child is a real process of its own: its own pid,
+session, log file, environment, sockets and state directory; it runs
+`node.cli.main` exactly as `python -m node.cli` would, answers signals and
+SIGKILL the same way, and exits with the same code.
+
+What stays on `exec`: anything under a prefix (`ip netns exec`), relays, the
+start-up benchmark (which measures the very import this skips), and the tests of
+the command line itself.
+
+The server process must not have run a torch operation (its OpenMP pool would
+not survive the fork); it only imports. libgomp reads `OMP_NUM_THREADS` when it
+loads, in the server, so each child sets torch's thread count from its own
+environment, as its own import would have.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+LAUNCH_ENV = "P2PFL_NODE_LAUNCH"  # "fork": fork from the preloaded server; else exec
+
+# What a node of any protocol imports on its way through its first rounds
+# (found by listing sys.modules in a forked FedAVGP2P node at exit). Heavy
+# imports only some nodes need (opacus, torchvision, the GAN) are left to those
+# nodes: the server would pay them in every process that starts one.
+PRELOAD = [
+    "torch",
+    "numpy",
+    "psutil",
+    "node.cli",
+    "node.daemon",
+    "node.evaluate",
+    "node.export",
+    "genbuffer.cli",
+    "p2pfl.learning.data",
+    "p2pfl.learning.export",
+    "p2pfl.learning.train",
+    "p2pfl.learning.sites",
+    "p2pfl.learning.evaluate",
+    "protocols.probe",
+    "protocols.fedavgp2p",
+    "protocols.fedsgdp2p",
+    "protocols.ssfl",
+    "protocols.fedperl",
+    "protocols.fedmae",
+    "protocols.fedbeit",
+    "protocols.feder",
+]
+
+_context: Any = None
+_started: list[Any] = []  # this process's forked children
+
+
+def _kill_leftovers() -> None:
+    """At exit, SIGKILL children still running: multiprocessing's own exit hook
+    (registered earlier, so run after this one) would otherwise wait for them."""
+    for proc in _started:
+        if proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+def fork_requested() -> bool:
+    return os.environ.get(LAUNCH_ENV, "") == "fork"
+
+
+def _server() -> Any:
+    """multiprocessing's fork-server context, its server started with PRELOAD
+    imported (once per process; a module that fails to import is skipped)."""
+    global _context
+    if _context is None:
+        from multiprocessing import forkserver
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        # one thread in the server (OpenBLAS would start a pool): a fork copies
+        # only the forking thread, so the server must have no other
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        atexit.register(_kill_leftovers)
+        _context = ctx
+    return _context
+
+
+def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
+    """In the forked child: become the node process `python -m node.cli ARGV` would be."""
+    os.setsid()
+    os.chdir(cwd)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stderr
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    sys.argv = ["p2pfl-node", *argv]
+    from node.cli import main
+
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing's child exit skips them; Python's does not
+    sys.exit(code)
+
+
+class ForkedProcess:
+    """The part of `subprocess.Popen` that bench.localfed and its users rely on
+    (pid, poll, wait, returncode, send_signal, kill, terminate), for a child of
+    the fork server."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = ["p2pfl-node", *argv]
+        self._proc = _server().Process(
+            target=_child, args=(list(argv), dict(env), str(log_path), os.getcwd()), daemon=False
+        )
+        self._proc.start()
+        _started.append(self._proc)
+        self.pid: int = int(self._proc.pid or 0)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        code = self._proc.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

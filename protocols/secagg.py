@@ -102,8 +102,9 @@ w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
 (`out_of_range`, before it deals a share), so the sum of U3 never wraps.
 Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
 Shamir shares, sealing, masked input and unmasking are
-protocols/secagg_primitives.py's. Dealing, masking, combining and unmasking
-run off the event loop.
+protocols/secagg_primitives.py's; a contributor's dealing of its shares and its
+checks of the ones it holds are protocols/secagg_shares.py's. Dealing, masking,
+combining and unmasking run off the event loop.
 
 What this does not give: the requester cannot check any single contribution
 (norm, finiteness) — contributors clip their own model and weight before
@@ -127,7 +128,6 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from p2pfl.secure import tensors
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.secagg_ledger import ContributionLedger
 from protocols.secagg_messages import (
@@ -136,7 +136,6 @@ from protocols.secagg_messages import (
     SECAGG_KIND,
     ConsistencyBody,
     MaskBody,
-    SealedShare,
     SessionRequest,
     ShareBody,
     UnmaskBody,
@@ -152,16 +151,12 @@ from protocols.secagg_primitives import (
     fits_ring,
     mask_seed,
     masked_input,
-    seal,
     seed_commitment,
-    share_commitment,
-    share_key,
-    share_secret,
-    unseal,
     view_tag,
 )
 from protocols.secagg_requester import SecureSum, secure_sum, share_keys_body
 from protocols.secagg_session import ModelSource, Session
+from protocols.secagg_shares import deal_shares, open_shares
 
 log = logging.getLogger(__name__)
 
@@ -352,25 +347,7 @@ class Contributor:
                 raise SecAggError("bad_key_tag", f"the key of {v} is not {v}'s")
             session.keys[v] = (entry.c_pk, entry.s_pk)
         session.u1, session.threshold = u1, body.threshold
-        return await asyncio.to_thread(self._deal, session, holders)
-
-    def _deal(self, session: Session, holders: list[str]) -> dict[str, Any]:
-        """Shares of s_u and b_u for every holder, each sealed for it alone,
-        and the commitments to them the requester checks revealed shares by."""
-        me, t, context = self.ctx.me, session.threshold, session.context
-        sk_shares = share_secret(session.s_private.private_bytes_raw(), t, len(holders))
-        b_shares = share_secret(session.self_seed, t, len(holders))
-        sealed: dict[str, bytes] = {}
-        commitments: dict[str, dict[str, bytes]] = {}
-        for v, (idx, sk_share), (_, b_share) in zip(holders, sk_shares, b_shares, strict=True):
-            plain = tensors.dumps({"from": me, "to": v, "idx": idx, "sk": sk_share, "b": b_share})
-            key = share_key(session.c_private, session.keys[v][0], context, me, v)
-            sealed[v] = seal(key, plain, context)
-            commitments[v] = {
-                "sk": share_commitment(context, me, v, idx, "sk", sk_share),
-                "b": share_commitment(context, me, v, idx, "b", b_share),
-            }
-        return {"shares": sealed, "commitments": commitments}
+        return await asyncio.to_thread(deal_shares, session, me, holders)
 
     # Round 2: MaskedInputCollection
     async def _mask(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
@@ -388,35 +365,7 @@ class Contributor:
             or len(u2) < max(MIN_SUM, session.threshold + 1)
         ):
             raise SecAggError("bad_contributors", f"U2 {u2}")
-        context = session.context
-        for v in u2:
-            if v == me:
-                continue
-            ciphertext = body.shares.get(v)
-            if ciphertext is None:
-                raise SecAggError("bad_share", f"no share from {v}")
-            key = share_key(session.c_private, session.keys[v][0], session.context, v, me)
-            try:
-                decoded = tensors.decode(unseal(key, ciphertext, session.context))
-            except tensors.CodecError:
-                raise SecAggError("bad_share", f"share from {v} undecodable") from None
-            share = parse(SealedShare, decoded)
-            place = [h for h in session.u1 if h != v].index(me) + 1
-            if share is None or share.sender != v or share.to != me or share.idx != place:
-                raise SecAggError("bad_share", f"share from {v} malformed")
-            # What the requester will check my revealed share against must be what
-            # I hold, or an honest holder would be blamed for a dealer's lie.
-            committed = body.commitments.get(v)
-            if committed is None or not (
-                hmac.compare_digest(
-                    committed.sk, share_commitment(context, v, me, place, "sk", share.sk)
-                )
-                and hmac.compare_digest(
-                    committed.b, share_commitment(context, v, me, place, "b", share.b)
-                )
-            ):
-                raise SecAggError("bad_share", f"{v}'s shares do not match their commitments")
-            session.held[v] = (share.idx, share.sk, share.b)
+        open_shares(session, me, u2, body)
         session.u2 = u2
         # From here on this model is in one sum of this requester's, and in no other.
         self.ledger.record(session.requester, session.model_round, session.digest)

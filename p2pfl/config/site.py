@@ -2,14 +2,18 @@
 
 `load_config` turns every failure a person can cause (missing file, YAML
 syntax, wrong type, unknown protocol, missing key file) into one `ConfigError`
-whose message names the file, the field path and the fix. `read_yaml` and the
-`resolve_*` helpers are shared with the genbuffer CLI's loader, which also
-reads a standalone `genbuffer:` YAML.
+whose message names the file, the field path and the fix. The steps of
+reading a YAML are public here, for the relay's loader (p2pfl/config/relay.py)
+and the genbuffer CLI's (a standalone `genbuffer:` YAML): `read_yaml` /
+`load_yaml_mapping` (the file, its syntax, a mapping at the top),
+`resolve_path` / `resolve_paths` (paths relative to the YAML's folder) and
+`require_files` (the first missing file, as one error).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +34,7 @@ from p2pfl.config.sections import (
     Section,
     SelectionSection,
     StatusSection,
+    TLSSection,
     TrainingSection,
     TransportSection,
     WireSection,
@@ -157,11 +162,28 @@ def secure_aggregation_field(protocol: ProtocolParams) -> str | None:
     return None
 
 
-def _resolve(path: Path | None, base: Path) -> Path | None:
+def resolve_path(path: Path | None, base: Path) -> Path | None:
+    """`path` with `~` expanded, taken relative to `base` (a YAML file's folder)
+    unless absolute; None stays None."""
     if path is None:
         return None
     path = path.expanduser()
     return path if path.is_absolute() else (base / path)
+
+
+def resolve_paths(base: Path, *fields: tuple[object, str]) -> None:
+    """Resolve each (section, attribute) path field in place against `base`,
+    as `resolve_path` does one."""
+    for section, attr in fields:
+        setattr(section, attr, resolve_path(getattr(section, attr), base))
+
+
+def require_files(path: Path, required: Iterable[tuple[str, Path | str | None, str]]) -> None:
+    """Raise the ConfigError of the first (field, file, fix) whose file does not
+    exist; a field left unset (None) needs no file."""
+    for field, file, fix in required:
+        if file is not None and not Path(file).exists():
+            raise ConfigError(path, field, f"file not found: {file}", fix)
 
 
 def resolve_data_source(data: DataSection, base: Path) -> None:
@@ -181,8 +203,8 @@ def resolve_genbuffer_paths(
     if state_dir is not None and "out_dir" not in section.model_fields_set:
         section.out_dir = state_dir / "genbuffer"
     else:
-        section.out_dir = _resolve(section.out_dir, base)  # type: ignore[assignment]
-    section.lpips_weights = _resolve(section.lpips_weights, base)
+        section.out_dir = resolve_path(section.out_dir, base)  # type: ignore[assignment]
+    section.lpips_weights = resolve_path(section.lpips_weights, base)
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -213,15 +235,21 @@ def read_yaml(path: str | Path) -> Any:
 def load_config(path: str | Path, *, check_files: bool = True) -> SiteConfig:
     """Read, validate and resolve a site.yaml. Raises ConfigError only."""
     path = Path(path)
+    return config_from_dict(load_yaml_mapping(path), path, check_files=check_files)
+
+
+def load_yaml_mapping(
+    path: str | Path,
+    *,
+    problem: str = "top level must be a mapping of sections",
+    fix: str = "start from `p2pfl-node provision` output",
+) -> dict[str, Any]:
+    """`read_yaml`, and a ConfigError (`problem`, `fix`) unless the file's top
+    level is a mapping (a site.yaml's words by default; relay.yaml gives its own)."""
     raw = read_yaml(path)
     if not isinstance(raw, dict):
-        raise ConfigError(
-            path,
-            "",
-            "top level must be a mapping of sections",
-            "start from `p2pfl-node provision` output",
-        )
-    return config_from_dict(raw, path, check_files=check_files)
+        raise ConfigError(Path(path), "", problem, fix)
+    return raw
 
 
 def config_from_dict(
@@ -233,20 +261,19 @@ def config_from_dict(
     except ValidationError as exc:
         raise config_error(path, exc) from None
     base = path.parent if path.name else Path(".")
-    cfg.node.state_dir = _resolve(cfg.node.state_dir, base)  # type: ignore[assignment]
-    cfg.federation.roster = _resolve(cfg.federation.roster, base)  # type: ignore[assignment]
-    for section, attr in (
+    resolve_paths(
+        base,
+        (cfg.node, "state_dir"),
+        (cfg.federation, "roster"),
         (cfg.identity, "signing_key"),
         (cfg.identity, "agreement_key"),
         (cfg.model, "weights"),
         (cfg.model, "pretrained_from"),
         (cfg.model, "tokenizer_from"),
         (cfg.status, "token_file"),
-    ):
-        setattr(section, attr, _resolve(getattr(section, attr), base))
+    )
     if cfg.transport.tls:
-        for attr in ("cert", "key", "ca"):
-            setattr(cfg.transport.tls, attr, _resolve(getattr(cfg.transport.tls, attr), base))
+        resolve_paths(base, *((cfg.transport.tls, attr) for attr in TLS_FILES))
     resolve_data_source(cfg.data, base)
     resolve_genbuffer_paths(cfg.genbuffer, base, cfg.node.state_dir)
     if check_files:
@@ -254,8 +281,18 @@ def config_from_dict(
     return cfg
 
 
+TLS_FILES = ("cert", "key", "ca")  # transport.tls's PEM files, in the order they are checked
+
+
+def tls_files_required(tls: TLSSection) -> list[tuple[str, Path | str | None, str]]:
+    """`require_files` entries for transport.tls's PEM files (site and relay alike)."""
+    return [
+        (f"transport.tls.{attr}", getattr(tls, attr), "provide the PEM file") for attr in TLS_FILES
+    ]
+
+
 def check_config_files(cfg: SiteConfig, path: Path) -> None:
-    required: list[tuple[str, Path | None, str]] = [
+    required: list[tuple[str, Path | str | None, str]] = [
         (
             "federation.roster",
             cfg.federation.roster,
@@ -290,10 +327,7 @@ def check_config_files(cfg: SiteConfig, path: Path) -> None:
         ),
     ]
     if cfg.transport.tls:
-        for attr in ("cert", "key", "ca"):
-            required.append(
-                (f"transport.tls.{attr}", getattr(cfg.transport.tls, attr), "provide the PEM file")
-            )
+        required += tls_files_required(cfg.transport.tls)
     if cfg.data.source != "digits":
         required.append(
             (
@@ -302,9 +336,7 @@ def check_config_files(cfg: SiteConfig, path: Path) -> None:
                 "use 'digits', an .npz file or an ImageFolder directory",
             )
         )
-    for field, file, fix in required:
-        if file is not None and not Path(file).exists():
-            raise ConfigError(path, field, f"file not found: {file}", fix)
+    require_files(path, required)
     if not cfg.wire.encryption and roster_names_relays(cfg.federation.roster):
         raise ConfigError(path, "wire.encryption", *RELAY_NEEDS_ENCRYPTION)
 

@@ -98,6 +98,44 @@ def rss_mb() -> float:
     return float("nan")
 
 
+class LocalRun:
+    """The local engine behind `RayRun`'s face (`start`, `wait`,
+    `rounds_logged`, `peak_rss_mb`, `stop`), so one loop follows either."""
+
+    def __init__(self, configs: Sequence[Any], network: Any) -> None:
+        self.configs = configs
+        self.network = network
+        self._seen = 0
+        self._counts: dict[int, int] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def wait(self, local: Any) -> Any:
+        return await local(self.configs, network=self.network)
+
+    async def rounds_logged(self) -> dict[int, int]:
+        """round -> how many nodes logged it (read on from where it last stopped)."""
+        records = self.network.records
+        for record in records[self._seen :]:
+            self._counts[record["round"]] = self._counts.get(record["round"], 0) + 1
+        self._seen = len(records)
+        return dict(self._counts)
+
+    async def peak_rss_mb(self) -> list[tuple[float, float]]:
+        return []  # no shards: this process's peak is the row's peak_rss_mb
+
+    def stop(self) -> None:
+        return None
+
+
+def settings_name(scale: bool, engine: str) -> str:
+    """A row's `settings`: scale | defaults (local engine) | ray."""
+    if engine == "ray":
+        return "ray"
+    return "scale" if scale else "defaults"
+
+
 def run_one(
     nodes: int,
     rounds: int,
@@ -131,8 +169,6 @@ def run_one(
     )
     base_mb = rss_mb()
     done_at: dict[int, float] = {}
-
-    shard_peaks: list[tuple[float, float]] = []  # (peak, base) MB per shard
     last_say = time.perf_counter()
 
     def note(counts: dict[int, int]) -> None:
@@ -145,54 +181,42 @@ def run_one(
             last_say = time.perf_counter()
             _say(f"  {nodes} nodes: {time.perf_counter() - started:.0f} s, rounds {counts}")
 
-    async def follow() -> Any:
-        task = asyncio.create_task(simulate(configs, network=network))
-        counts: dict[int, int] = {}
-        seen = 0
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.2)
-            for record in network.records[seen:]:
-                counts[record["round"]] = counts.get(record["round"], 0) + 1
-            seen = len(network.records)
-            note(counts)
-        return task.result()
-
-    async def follow_ray() -> Any:
-        from protocols.memory.ray_engine import RayRun
-
-        run = RayRun(configs, shards=shards, network=network)
-        try:
-            await run.start()
-            task = asyncio.ensure_future(run.wait(simulate))
-            while not task.done():
-                await asyncio.wait({task}, timeout=1.0)
-                if not task.done():
-                    note(await run.rounds_logged())
-            note(await run.rounds_logged())
-            shard_peaks.extend(await run.peak_rss_mb())
-            return task.result()
-        finally:
-            run.stop()
-
     shutdown = None
+    run: Any = LocalRun(configs, network)
     if engine == "ray":
-        from protocols.memory.ray_engine import connect, local_cluster
+        from protocols.memory.ray_engine import RayRun, connect, local_cluster
 
         if address is None:
             shutdown = local_cluster(shards)
         else:
             connect(address)
+        run = RayRun(configs, shards=shards, network=network)
+    # a shard is asked over an actor call: less often than this process's list is read
+    poll_s = 1.0 if engine == "ray" else 0.2
+
+    async def follow() -> tuple[Any, list[tuple[float, float]]]:
+        try:
+            await run.start()
+            task = asyncio.ensure_future(run.wait(simulate))
+            while not task.done():
+                await asyncio.wait({task}, timeout=poll_s)
+                if not task.done():
+                    note(await run.rounds_logged())
+            note(await run.rounds_logged())
+            peaks = await run.peak_rss_mb()
+            return task.result(), peaks
+        finally:
+            run.stop()
+
     started = time.perf_counter()
     try:
-        result = asyncio.run(follow_ray() if engine == "ray" else follow())
+        result, shard_peaks = asyncio.run(follow())
     finally:
         if shutdown is not None:
             shutdown()
     wall = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    per_round = [
-        round(done_at[r] - done_at.get(r - 1, 0.0), 4) for r in sorted(done_at) if r in done_at
-    ]
+    per_round = [round(done_at[r] - done_at.get(r - 1, 0.0), 4) for r in sorted(done_at)]
     later = per_round[1:]
     ray_figures: dict[str, Any] = {}
     if shard_peaks:
@@ -205,9 +229,10 @@ def run_one(
                 sum(peak - base for peak, base in shard_peaks) * 1024 / nodes, 1
             ),
         }
+    final = [r["macro_f1"] for r in result.records if r["round"] == rounds and "macro_f1" in r]
     return {
         "nodes": nodes,
-        "settings": ("scale" if scale else "defaults") if engine == "local" else "ray",
+        "settings": settings_name(scale, engine),
         **ray_figures,
         "rounds": rounds,
         "rounds_completed_by_all": max(done_at, default=0),
@@ -218,19 +243,7 @@ def run_one(
         "wall_s": round(wall, 1),
         "base_rss_mb": round(base_mb, 1),
         "peak_rss_mb": round(peak_mb, 1),
-        "macro_f1_final_mean": round(
-            float(
-                np.mean(
-                    [
-                        r["macro_f1"]
-                        for r in result.records
-                        if r["round"] == rounds and "macro_f1" in r
-                    ]
-                    or [float("nan")]
-                )
-            ),
-            4,
-        ),
+        "macro_f1_final_mean": round(float(np.mean(final or [float("nan")])), 4),
     }
 
 
@@ -245,19 +258,8 @@ def child(
     address: str | None = None,
 ) -> dict[str, Any]:
     """Run one N in a fresh process (its own peak RSS), return its figures."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.scale",
-        "--child",
-        str(nodes),
-        "--rounds",
-        str(rounds),
-        "--data-dir",
-        str(data_dir),
-        "--state-dir",
-        str(state_dir),
-    ]
+    cmd = [sys.executable, "-m", "bench.scale", "--child", str(nodes), "--rounds", str(rounds)]
+    cmd += ["--data-dir", str(data_dir), "--state-dir", str(state_dir)]
     if not scale:
         cmd.append("--defaults")
     if engine == "ray":
@@ -274,12 +276,34 @@ def child(
             _say(line)
     code = proc.wait()
     if code != 0 or not last:
-        settings = "ray" if engine == "ray" else "scale" if scale else "defaults"
-        return {"nodes": nodes, "settings": settings, "failed": code}
+        return {"nodes": nodes, "settings": settings_name(scale, engine), "failed": code}
     return json.loads(last)
 
 
 # ---------------------------------------------------------------- report
+
+
+def baseline_ratios(rows: list[dict[str, Any]], baseline: int, *, ray: bool) -> dict[str, Any]:
+    """The run at `baseline` nodes against its baseline in the same run: with
+    ray, its time per round over the local engine's (scale settings); locally,
+    the scale settings' peak RSS and time per round over the defaults'."""
+    new_settings, old_settings = ("ray", "scale") if ray else ("scale", "defaults")
+    new = next(r for r in rows if r["nodes"] == baseline and r["settings"] == new_settings)
+    old = next(r for r in rows if r["nodes"] == baseline and r["settings"] == old_settings)
+    keys = (
+        [("round_s", "round_s_ratio_ray_vs_local")]
+        if ray
+        else [
+            ("peak_rss_mb", "peak_rss_ratio_vs_defaults"),
+            ("round_s", "round_s_ratio_vs_defaults"),
+        ]
+    )
+    out: dict[str, Any] = {}
+    for figure, name in keys:
+        if new.get(figure) and old.get(figure):
+            out["baseline_nodes"] = baseline
+            out[name] = round(new[figure] / old[figure], 3)
+    return out
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -395,29 +419,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     _say(f"writing {largest} site files ({args.per_site} training images each) to {data_dir}")
     write_sites(data_dir, largest, args.per_site, args.seed)
     rows: list[dict[str, Any]] = []
-    ray = args.engine == "ray"
-    runs = [(n, True) for n in args.sizes]
+    # every N on the engine asked for; then the baseline at one N: with ray, the
+    # local engine's scale settings; locally, the in-memory defaults
+    runs = [(n, args.engine, True) for n in args.sizes]
     baseline = max((n for n in args.sizes if n <= args.baseline_nodes), default=None)
     if baseline is not None:
-        runs.append((baseline, False))
-    for nodes, first in runs:
-        # ray: the sizes over Ray, then the local engine's scale settings as the baseline
-        engine = "ray" if ray and first else "local"
-        scale = first or ray
-        what = f"ray, {args.shards} shards" if engine == "ray" else None
-        what = what or ("scale settings" if scale else "in-memory defaults")
-        _say(f"--- {nodes} nodes, {what}")
+        runs.append((baseline, "local", args.engine == "ray"))
+    for nodes, engine, scale in runs:
+        what = {"ray": f"ray, {args.shards} shards", "scale": "scale settings"}
+        what["defaults"] = "in-memory defaults"
+        _say(f"--- {nodes} nodes, {what[settings_name(scale, engine)]}")
+        state = args.out / "state"
         rows.append(
-            child(
-                nodes,
-                args.rounds,
-                data_dir,
-                args.out / "state",
-                scale,
-                engine,
-                args.shards,
-                args.address,
-            )
+            child(nodes, args.rounds, data_dir, state, scale, engine, args.shards, args.address)
         )
         _say(f"    {json.dumps(rows[-1])}")
         atomic_write_text(args.out / "scale.json", json.dumps({"runs": rows}, indent=2) + "\n")
@@ -444,22 +458,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "shard_peak_rss_mb" in row:
             summary[f"shard_peak_rss_mb_{tag}"] = row["shard_peak_rss_mb"]
             summary[f"kb_per_node_in_shards_{tag}"] = row["kb_per_node_in_shards"]
-    if baseline is not None and ray:
-        new = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "ray")
-        old = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "scale")
-        if new.get("round_s") and old.get("round_s"):
-            summary["baseline_nodes"] = baseline
-            summary["round_s_ratio_ray_vs_local"] = round(new["round_s"] / old["round_s"], 3)
-    elif baseline is not None:
-        new = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "scale")
-        old = next(r for r in rows if r["nodes"] == baseline and r["settings"] == "defaults")
-        if new.get("peak_rss_mb") and old.get("peak_rss_mb"):
-            summary["baseline_nodes"] = baseline
-            summary["peak_rss_ratio_vs_defaults"] = round(
-                new["peak_rss_mb"] / old["peak_rss_mb"], 3
-            )
-        if new.get("round_s") and old.get("round_s"):
-            summary["round_s_ratio_vs_defaults"] = round(new["round_s"] / old["round_s"], 3)
+    if baseline is not None:
+        summary.update(baseline_ratios(rows, baseline, ray=args.engine == "ray"))
     summary["ok"] = all(row.get("rounds_completed_by_all") == args.rounds for row in rows)
     summary["wall_s"] = round(time.perf_counter() - started, 1)
     summary["plot"] = str(args.out / "scale.png")

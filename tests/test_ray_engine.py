@@ -1,4 +1,4 @@
-"""The Ray engine (protocols/memory/ray_engine.py): 20 nodes over 2 shard
+"""The Ray engine (protocols/memory/ray_engine.py, ray_shard.py): 20 nodes over 2 shard
 actors on a 2-node Ray cluster give every node the same macro-F1 each round,
 the same neighbours and the same traffic as the single-process simulator; a
 missing ray is one line; a shard actor killed mid-run stops the run at once
@@ -124,7 +124,7 @@ def test_a_missing_ray_is_one_line(
 
 
 def test_nothing_but_the_ray_engine_imports_ray() -> None:
-    """ray is an optional extra: one module imports it, inside functions."""
+    """ray is an optional extra: the engine's two modules import it, inside functions."""
     root = Path(__file__).resolve().parent.parent
     importers = set()
     for package in ("p2pfl", "genbuffer", "protocols", "node", "bench"):
@@ -138,10 +138,12 @@ def test_nothing_but_the_ray_engine_imports_ray() -> None:
                     continue
                 if any(n == "ray" or n.startswith("ray.") for n in names):
                     importers.add(str(path.relative_to(root)))
-    assert importers == {"protocols/memory/ray_engine.py"}
-    engine = ast.parse((root / "protocols/memory/ray_engine.py").read_text(encoding="utf-8"))
-    top = [n for n in engine.body if isinstance(n, ast.Import | ast.ImportFrom)]
-    assert not [n for n in top if ast.unparse(n).split()[1].split(".")[0] == "ray"]
+    engine = {"protocols/memory/ray_engine.py", "protocols/memory/ray_shard.py"}
+    assert importers == engine
+    for path in engine:
+        module = ast.parse((root / path).read_text(encoding="utf-8"))
+        top = [n for n in module.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        assert not [n for n in top if ast.unparse(n).split()[1].split(".")[0] == "ray"], path
 
 
 def test_a_killed_shard_stops_the_run_at_once_naming_it(
@@ -170,3 +172,21 @@ def test_a_killed_shard_stops_the_run_at_once_naming_it(
     line = str(died.value)
     assert line.startswith("shard 1 (nodes site10..site19) died: "), line
     assert "\n" not in line
+
+
+def test_a_failed_node_with_fail_fast_stops_every_shard(
+    cluster: Any, sources: list[str], tmp_path: Path
+) -> None:
+    """A node of shard 1 fails (its data file is missing): with fail_fast, shard
+    0's nodes are stopped too, as one process would stop them, instead of
+    waiting on shard 1's stopped nodes until their round timeouts."""
+    broken = [*sources[:-1], str(tmp_path / "missing.npz")]
+    cfgs = configs(broken, tmp_path, rounds=30)
+    run = simulate(cfgs, network=scale_network(), engine="ray", shards=2, fail_fast=True)
+    result = asyncio.run(asyncio.wait_for(run, 300))
+    assert result.first_failure() is not None
+    assert result.first_failure()[0] == "site19"  # type: ignore[index]
+    assert result.errors["site19"].startswith("DataError: "), result.errors
+    stopped = {name for name, e in result.errors.items() if e == "stopped: another node failed"}
+    assert stopped == {f"site{i}" for i in range(NODES - 1)}  # shard 0's nodes among them
+    assert all(r["round"] < 30 for r in result.records)

@@ -1,6 +1,8 @@
 """N-node federation benchmark: real `p2pfl-node` processes on loopback (or, with
 `--in-memory`, N nodes in this process over the in-memory network; the same
 protocol code either way), compared with baselines measured in the same run.
+With `--engine ray [--shards K] [--address auto|HOST:PORT]` the in-memory
+nodes run sharded over Ray actors (protocols/memory/ray_engine.py).
 
     python -m bench.federation --nodes 5 --protocol fedavgp2p --heuristic random \\
         --fraction 0.5 --rounds 10 --data PATH.npz|digits --partition dirichlet:0.5 \\
@@ -50,6 +52,7 @@ from bench.federation.specs import RunSpec, spec_from_options
 from p2pfl.config import protocol_names
 from p2pfl.learning.data.partition import PartitionError
 from p2pfl.learning.data.sources import DataError
+from protocols.memory.ray_shard import RayMissing, import_ray
 
 HEURISTICS = ("random", "n_latest", "f1", "cosine")
 GRID_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
@@ -179,6 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the nodes in this process over the in-memory network",
     )
+    spec_option(
+        "--inline-train",
+        action="store_true",
+        help="in memory: train on the event loop instead of worker threads, so every "
+        "result repeats exactly (and the ray engine's equal the local one's)",
+    )
+    spec_option(
+        "--engine",
+        choices=("local", "ray"),
+        help="in memory: local (this process) or ray (the nodes sharded over Ray actors, "
+        "protocols/memory/ray_engine.py; implies --in-memory)",
+    )
+    spec_option("--shards", type=int, help="--engine ray: how many shard actors")
+    spec_option(
+        "--address",
+        "ray_address",
+        help="--engine ray: a running Ray cluster (auto, or HOST:PORT); default: a "
+        "Ray started on this machine for the run",
+    )
 
     def section_option(section: str, example: str) -> None:
         """--SECTION-option KEY=VALUE (repeatable): another SECTION: field of every node."""
@@ -262,8 +284,12 @@ def grid_cells(args: argparse.Namespace) -> list[tuple[str, float]]:
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
     if args.nodes < 2:
         raise SystemExit(f"bench.federation: --nodes must be at least 2, got {args.nodes}")
+    if args.engine == "ray" and args.shards < 1:
+        raise SystemExit(f"bench.federation: --shards must be at least 1, got {args.shards}")
     return spec_from_options(
         args,
+        in_memory=args.in_memory or args.engine == "ray",
+        ray_address=args.address,
         round_timeout_s=args.round_timeout,
         timeout_s=args.timeout,
         protocol_options=tuple(args.protocol_options),
@@ -278,17 +304,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    spec = spec_from_args(args)
     try:
+        if spec.engine == "ray":
+            import_ray()  # missing: one line, before the data are partitioned
         bench = run_benchmark(
-            spec_from_args(args),
+            spec,
             grid_cells(args),
             args.out,
             baselines=args.baselines,
             compute_limit=args.compute_limit,
             threshold=args.threshold,
         )
-    except (PartitionError, DataError) as exc:  # refused up front, before any node starts
+    except (PartitionError, DataError, RayMissing) as exc:  # refused before any node starts
         sys.stderr.write(f"bench.federation: {exc}\n")
+        return 2
+    except ConnectionError as exc:
+        if spec.engine != "ray":
+            raise
+        first = next((line for line in str(exc).splitlines() if line.strip()), repr(exc))
+        sys.stderr.write(f"bench.federation: no Ray cluster at {spec.ray_address}: {first}\n")
         return 2
     for name, path in bench.results["plots"].items():
         stdout_line(f"plot {name}: {path}")

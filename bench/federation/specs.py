@@ -53,6 +53,10 @@ class RunSpec:
     startup_wait_s: float = 60.0
     timeout_s: float = 1800.0
     in_memory: bool = False
+    inline_train: bool = False  # in memory: train on the event loop (results repeat exactly)
+    engine: str = "local"  # in memory: local (this process) | ray (protocols/memory/ray_engine.py)
+    shards: int = 2  # engine ray: shard actors
+    ray_address: str | None = None  # engine ray: auto | HOST:PORT; None: a local Ray started
     protocol_options: tuple[tuple[str, Any], ...] = ()
     lpips_backbone: str | None = None  # genbuffer.lpips_backbone of every node (FedER)
     lpips_weights: str | None = None  # genbuffer.lpips_weights of every node (FedER)

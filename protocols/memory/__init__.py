@@ -9,7 +9,9 @@ results.py  `SimulationResult`: per node per round records (macro_f1, accuracy,
             messages_sent, bytes_sent, train_s, round_s, ...), neighbour
             choices and traffic
 ray_engine.py  `simulate(..., engine="ray")`: the same, the nodes sharded over
-            Ray actors (the only module that imports ray, lazily)
+            Ray actors; the driver's side
+ray_shard.py   a shard actor and its part of the network (these two are the
+            only modules that import ray, lazily)
 """
 
 from .network import InMemoryContext, InMemoryNetwork

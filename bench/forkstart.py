@@ -10,9 +10,9 @@ session, log file, environment, sockets and state directory; it runs
 `node.cli.main` exactly as `python -m node.cli` would, answers signals and
 SIGKILL the same way, and exits with the same code.
 
-What stays on `exec`: anything under a prefix (`ip netns exec`), relays, the
-start-up benchmark (which measures the very import this skips), and the tests of
-the command line itself.
+Relays (`node.cli relay`) fork the same way. What stays on `exec`: anything
+under a prefix (`ip netns exec`), the start-up benchmark (which measures the very
+import this skips), and the tests of the command line itself.
 
 The server process must not have run a torch operation (its OpenMP pool would
 not survive the fork); it only imports. libgomp reads `OMP_NUM_THREADS` when it

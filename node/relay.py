@@ -12,16 +12,18 @@ the signed digest, so a relay can neither read nor alter it (the receiver's
 WireCodec refuses a changed byte, `digest_mismatch`), nor forge a frame (it
 holds no site's key). It can delay or drop frames, which the senders' retries
 and the receivers' exactly-once handling already absorb. It keeps no replay
-state (the final receiver does), no keys, and writes nothing to disk.
+state (the final receiver does), no keys, and writes nothing but its status
+token to disk (node/relay_status.py).
 
 Checks on a POST, in this order, each a refusal `{"reason": CODE}` counted by
 reason: the frame's prefix and header (bounded reads, idle timeout), version,
 federation, sender on the roster, the sender's signature, recipient connected
 here (`not_connected` 503: try its next relay; only after the signature, so a
-stranger cannot learn who is connected), timestamp within the clock skew, `encrypted` (a relay never carries plaintext: `encryption_required`),
-size, the sender's rate (token bucket), the recipient's pending frames and
-bytes (`queue_full` 503, and one sender holds at most half of a recipient's
-slots, and of its bytes beyond its first frame), then the payload itself
+stranger cannot learn who is connected), timestamp within the clock skew,
+`encrypted` (a relay never carries plaintext: `encryption_required`), size,
+the sender's rate (token bucket), the recipient's pending frames and bytes
+(`queue_full` 503; one sender holds at most half of a recipient's slots, and
+of its bytes beyond its first frame), then the payload itself
 (exactly its length, its signed SHA-256, within read_idle_timeout_s + its size
 at min_upload_bytes_per_s: `upload_too_slow`), held in memory only as it
 arrives. The answer goes back under the same deadline, the frame's slot held
@@ -31,52 +33,41 @@ node/transport.py, a sender already over its rate is refused before the
 signature check, so a flood costs the relay little, and only verified frames
 take rate tokens, so a forger cannot drain an honest sender's bucket.
 
-Connections: the site answers a fresh challenge with its Ed25519 signature over
-auth_message(federation, relay, site, nonce) within auth_timeout_s (one deadline:
-pings do not extend it; an offer over MAX_AUTH_CHARS is not parsed); its card's
-`via` must name this relay. Connections awaiting authentication are bounded in
-all (max_handshakes) and per IP address (max_handshakes_per_host), so one host
-cannot keep every site out. A second connection of a site replaces the first,
-whose pending forwards answer 502 `relay_lost`. Idle connections are cut by the
-WebSocket heartbeat (a ping, then no pong: idle_timeout_s in all).
-
-Besides the routes (`add_routes`, also mounted by a site with relay.serve),
-`run_relay` is the standalone process of `p2pfl-node relay` (node/relay_status.py
-has its /status, /metrics and /healthz).
+Connections: a site proves who it is on the WebSocket upgrade request itself,
+before any WebSocket exists (node/relay_handshake.py: nonces, handshake slots).
+A second connection of a site replaces the first, whose pending forwards
+answer 502 `relay_lost`. Idle connections are cut by the WebSocket heartbeat
+(a ping, then no pong: idle_timeout_s in all). The routes (`add_routes`) are
+mounted by `p2pfl-node relay` (node/relay_status.py) or a site with relay.serve.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import contextlib
 import hashlib
 import itertools
-import json
 import logging
-import secrets
 import struct
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from node.relay_handshake import Gatekeeper, SiteLink, SiteStats, refused_upgrade
 from node.relay_wire import (
-    AUTH_REASONS,
-    NONCE_BYTES,
+    AUTH_STATUS_FOR_REASON,
+    RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
     RELAY_MESSAGE_PATH,
     RELAY_STATUS_FOR_REASON,
     RelayWireError,
-    auth_message,
+    encrypted_frame,
     unpack_reply,
 )
 from node.transport import STATUS_FOR_REASON, TokenBucket
 from p2pfl.config import RelaySettings
-from p2pfl.secure.identity import Card, Roster
+from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import MAGIC, MAX_HEADER, PREFIX_LEN, SIG_LEN, VERSION, Header, WireError
 
 log = logging.getLogger(__name__)
@@ -85,14 +76,12 @@ log = logging.getLogger(__name__)
 REFUSAL_STATUS = {
     **STATUS_FOR_REASON,
     **RELAY_STATUS_FOR_REASON,
-    "too_many_handshakes": 429,  # more connections awaiting authentication than max_handshakes
+    **AUTH_STATUS_FOR_REASON,
     "relay_closing": 503,  # the relay is shutting down: try the site's next relay
     "reply_malformed": 502,  # the recipient answered with a status that is not a final one
 }
 STREAM_ID = struct.Struct(">Q")  # the head of a FORWARD (node/relay_wire.py pack_forward)
-REPLY_OVERHEAD = 64 * 1024  # a REPLY's id and status, and a refusal's JSON, beside a frame
 PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
-MAX_AUTH_CHARS = 4096  # the largest auth message parsed (an honest one: about 200)
 
 
 def refusal(reason: str, detail: str = "") -> web.Response:
@@ -100,53 +89,6 @@ def refusal(reason: str, detail: str = "") -> web.Response:
     return web.json_response(
         {"reason": reason, "detail": detail[:200]}, status=REFUSAL_STATUS.get(reason, 400)
     )
-
-
-@dataclass
-class SiteStats:
-    """Counters of one site, kept across its reconnections. `in`: frames this
-    site sent through the relay; `out`: frames forwarded down to it; `replies`:
-    the answers it sent back."""
-
-    messages_in: int = 0
-    bytes_in: int = 0
-    messages_out: int = 0
-    bytes_out: int = 0
-    replies: int = 0
-    reply_bytes: int = 0
-    connects: int = 0
-
-
-@dataclass
-class SiteLink:
-    """One authenticated site connection and the forwards waiting on it."""
-
-    name: str
-    card: Card
-    ws: web.WebSocketResponse
-    since: float = field(default_factory=time.time)
-    waiting: dict[int, asyncio.Future[tuple[int, bytes] | None]] = field(default_factory=dict)
-    pending: int = 0  # frames forwarded (or being read) and not yet answered
-    pending_bytes: int = 0  # frame bytes held in memory for it
-    by_sender: dict[str, int] = field(default_factory=dict)  # its pending frames per sender
-    bytes_by_sender: dict[str, int] = field(default_factory=dict)  # pending_bytes per sender
-    closed: bool = False
-
-    def unhold(self, sender: str, nbytes: int) -> None:
-        """`nbytes` of a frame of `sender` are no longer held for this site."""
-        self.pending_bytes -= nbytes
-        left = self.bytes_by_sender.get(sender, 0) - nbytes
-        if left > 0:
-            self.bytes_by_sender[sender] = left
-        else:
-            self.bytes_by_sender.pop(sender, None)
-
-    def fail(self) -> None:
-        """The connection is gone: every waiting forward answers relay_lost."""
-        self.closed = True
-        for future in self.waiting.values():
-            if not future.done():
-                future.set_result(None)
 
 
 class RelayServer:
@@ -174,13 +116,13 @@ class RelayServer:
         self.refusals: dict[str, int] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self._ids = itertools.count(1)
-        self._handshakes = 0
-        self._handshakes_by_host: dict[str, int] = {}
+        self.gate = Gatekeeper(name, federation, settings, self._count)
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ routes
     def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(RELAY_CHALLENGE_PATH, self.handle_challenge)
         app.router.add_get(RELAY_CONNECT_PATH, self.handle_connect)
         app.router.add_post(RELAY_MESSAGE_PATH, self.handle_message)
 
@@ -202,40 +144,37 @@ class RelayServer:
         return stats
 
     # ------------------------------------------------------------------ connect
+    @property
+    def _handshakes(self) -> int:
+        """Handshakes in progress: challenges issued, not yet used or expired."""
+        return self.gate.in_progress()
+
+    def _refuse_upgrade(
+        self, reason: str, detail: str = "", who: str | None = None
+    ) -> web.Response:
+        self._count(reason, who)
+        return refused_upgrade(reason, detail)
+
+    async def handle_challenge(self, request: web.Request) -> web.Response:
+        if self._closing:
+            return self._refuse_upgrade("relay_closing")
+        host = request.remote or ""
+        nonce = self.gate.issue(host)
+        if isinstance(nonce, tuple):
+            return self._refuse_upgrade(*nonce, who=host)
+        loop = asyncio.get_running_loop()  # so an unused one is counted when it expires
+        loop.call_later(self.settings.auth_timeout_s + 0.01, self.gate.in_progress)
+        response = web.json_response(self.gate.challenge(nonce))
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
     async def handle_connect(self, request: web.Request) -> web.StreamResponse:
         if self._closing:
-            return self._refuse("relay_closing")
-        if self._handshakes >= self.settings.max_handshakes:
-            return self._refuse("too_many_handshakes", f"{self._handshakes} in progress")
-        host = request.remote or ""
-        if self._handshakes_by_host.get(host, 0) >= self.settings.max_handshakes_per_host:
-            return self._refuse("too_many_handshakes", "too many in progress from this host")
-        self._handshakes += 1
-        self._handshakes_by_host[host] = self._handshakes_by_host.get(host, 0) + 1
-        # ping after 2/3 of the idle timeout without a byte, close after 1/3 more without a pong
-        ws = web.WebSocketResponse(
-            heartbeat=self.settings.idle_timeout_s * 2 / 3,
-            max_msg_size=self.max_message_bytes + REPLY_OVERHEAD,
-            compress=False,  # ciphertext does not compress
-            # waiting for a refused client's close frame: so a handshake slot is
-            # held at most about twice auth_timeout_s
-            timeout=min(10.0, self.settings.auth_timeout_s),
-        )
-        try:
-            await ws.prepare(request)
-            card = await self._authenticate(ws)
-        except ConnectionError:  # it went away mid-handshake: counted, no traceback
-            self._count("handshake_lost", host)
-            return ws
-        finally:
-            self._handshakes -= 1
-            left = self._handshakes_by_host[host] - 1
-            if left:
-                self._handshakes_by_host[host] = left
-            else:
-                del self._handshakes_by_host[host]
-        if card is None:
-            return ws
+            return self._refuse_upgrade("relay_closing")
+        accepted = await self.gate.upgrade(request, self.roster, self.max_message_bytes)
+        if not isinstance(accepted, tuple):
+            return accepted  # refused, or gone mid-upgrade: counted
+        card, ws = accepted
         link = SiteLink(card.name, card, ws)
         previous = self.links.get(card.name)
         self.links[card.name] = link
@@ -257,58 +196,6 @@ class RelayServer:
         if not ws.closed:
             await ws.close(code=WSCloseCode.PROTOCOL_ERROR)
         return ws
-
-    async def _authenticate(self, ws: web.WebSocketResponse) -> Card | None:
-        """The site's card once it proved who it is, else None (refused, closed)."""
-        nonce = secrets.token_hex(NONCE_BYTES)
-        challenge = {"type": "challenge", "relay": self.name, "federation": self.federation}
-        await ws.send_json({**challenge, "nonce": nonce})
-        try:  # one deadline for the whole answer: a ping restarts receive(timeout=)
-            async with asyncio.timeout(self.settings.auth_timeout_s):
-                msg = await ws.receive()
-        except TimeoutError:
-            return await self._refuse_auth(ws, "auth_timeout", None)
-        offer: Any = None
-        # An honest offer is a few hundred bytes: nothing bigger (or nested past the
-        # parser's recursion limit) from a stranger is parsed on the event loop.
-        if msg.type == WSMsgType.TEXT and len(msg.data) <= MAX_AUTH_CHARS:
-            with contextlib.suppress(ValueError, RecursionError):
-                offer = json.loads(msg.data)
-        if not (
-            isinstance(offer, dict)
-            and offer.get("type") == "auth"
-            and isinstance(offer.get("site"), str)
-            and isinstance(offer.get("signature"), str)
-        ):
-            return await self._refuse_auth(ws, "auth_malformed", None)
-        site = offer["site"]
-        if len(site) > 64:
-            return await self._refuse_auth(ws, "auth_malformed", site[:64])
-        try:
-            signature = base64.b64decode(offer["signature"], validate=True)
-        except (binascii.Error, ValueError):
-            return await self._refuse_auth(ws, "auth_malformed", site)
-        entry = self.roster.sites.get(site)
-        if entry is None:
-            return await self._refuse_auth(ws, "unknown_site", site)
-        if len(signature) != 64 or not entry.verify(
-            signature, auth_message(self.federation, self.name, site, nonce)
-        ):
-            return await self._refuse_auth(ws, "bad_signature", site)
-        if self.name not in entry.card.via:
-            return await self._refuse_auth(ws, "not_via_this_relay", site)
-        if self._closing:
-            return await self._refuse_auth(ws, "relay_closing", site)
-        await ws.send_json({"type": "ok"})
-        return entry.card
-
-    async def _refuse_auth(self, ws: web.WebSocketResponse, reason: str, site: str | None) -> None:
-        assert reason in AUTH_REASONS or reason == "relay_closing", reason
-        self._count(reason, site)
-        with contextlib.suppress(ConnectionError, RuntimeError, aiohttp.ClientError):
-            await ws.send_json({"type": "refused", "reason": reason})
-        await ws.close(code=WSCloseCode.POLICY_VIOLATION, message=reason.encode())
-        return None
 
     def _on_reply(self, link: SiteLink, data: bytes) -> bool:
         """Hand a REPLY to the forward waiting for it; False if it does not parse."""
@@ -471,7 +358,7 @@ class RelayServer:
                 return self._refuse(
                     "reply_malformed", f"status {status} from {link.name!r}", sender
                 )
-            if status == 200 and body[:4] == MAGIC and not _encrypted_frame(body):
+            if status == 200 and body[:4] == MAGIC and not encrypted_frame(body):
                 return self._refuse("plaintext_answer", f"from {link.name!r}", sender)
             return await self._answer(request, status, body, sender)
         finally:
@@ -599,17 +486,3 @@ class RelayServer:
 def _wait(idle: float, deadline: float) -> float:
     """How long the next read may wait: the idle timeout, or less near the deadline."""
     return max(0.0, min(idle, deadline - time.monotonic()))
-
-
-def _encrypted_frame(body: bytes) -> bool:
-    """Is this P2FL frame (a site's answer) marked encrypted? A header that does
-    not parse counts as not: the relay cannot tell, so it does not forward it."""
-    if len(body) < PREFIX_LEN:
-        return False
-    (header_len,) = struct.unpack(">I", body[4:8])
-    if not 0 < header_len <= MAX_HEADER or len(body) < PREFIX_LEN + header_len:
-        return False
-    try:
-        return Header.unpack(body[PREFIX_LEN : PREFIX_LEN + header_len]).encrypted
-    except WireError:
-        return False

@@ -11,10 +11,11 @@ status.host:port:
 
 The data routes need `Authorization: Bearer <token>` and a Host header naming
 this endpoint (node/status.py HostGuard, against DNS rebinding), as a node's
-do. A relay writes nothing to disk, so without status.token or
-status.token_file its token is a random one, made at start and printed to the
-operator's terminal (stderr), never logged. SIGHUP reloads the roster
-(RelayServer.set_roster); SIGINT and SIGTERM stop it cleanly.
+do. The token is status.token, else the one in status.token_file, else the one
+in `status.token` beside relay.yaml, which the relay creates (random, mode
+0600) on its first start and reuses: its path is logged, the token itself is
+never printed nor logged. It is the one file a relay writes. SIGHUP reloads
+the roster (RelayServer.set_roster); SIGINT and SIGTERM stop it cleanly.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import signal
-import sys
 from pathlib import Path
 
 from aiohttp import web
@@ -36,9 +35,11 @@ from node.relay import RelayServer
 from node.status import (
     ANY_HOST_PATHS,
     MIN_TOKEN_CHARS,
+    STATUS_TOKEN_FILE,
     Handler,
     HostGuard,
     bearer_auth_middleware,
+    load_or_create_token,
     start_status_server,
 )
 from node.tls import server_ssl_context
@@ -51,31 +52,34 @@ log = logging.getLogger(__name__)
 RELAY_KEY = web.AppKey("relay", RelayServer)
 
 
-def relay_status_token(cfg: RelayConfig, config_path: Path | str = "<config>") -> tuple[str, bool]:
-    """(token, made here): status.token, else status.token_file, else a random
-    token for this process only (nothing is written to disk)."""
+def relay_status_token(cfg: RelayConfig, config_path: Path | str) -> tuple[str, Path | None]:
+    """(token, the file it is kept in or None): status.token, else the file
+    status.token_file names, else STATUS_TOKEN_FILE beside the relay.yaml at
+    `config_path`, created with a random token (0600) the first time."""
     if cfg.status.token:
-        return cfg.status.token, False
-    if cfg.status.token_file is None:
-        return secrets.token_urlsafe(32), True
-    path = Path(cfg.status.token_file)
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
+        return cfg.status.token, None
+    if cfg.status.token_file is not None:
+        field, path, create = "status.token_file", Path(cfg.status.token_file), False
+        fix = "write the token into it"
+    elif str(config_path).startswith("<"):  # no relay.yaml to keep it beside
         raise ConfigError(
-            config_path,
-            "status.token_file",
-            f"cannot read {path}: {exc}",
-            "write the token into it",
-        ) from None
+            config_path, "status.token", "no status token", "set status.token or token_file"
+        )
+    else:
+        field, path, create = "status", Path(config_path).parent / STATUS_TOKEN_FILE, True
+        fix = "make the relay's folder writable, or set status.token_file"
+    try:
+        token = load_or_create_token(path) if create else path.read_text("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(config_path, field, f"cannot read {path}: {exc}", fix) from None
     if len(token) < MIN_TOKEN_CHARS:
         raise ConfigError(
             config_path,
-            "status.token_file",
+            field,
             f"the token in {path} has fewer than {MIN_TOKEN_CHARS} characters",
             "write a longer random token (e.g. `head -c 32 /dev/urandom | base64`)",
         )
-    return token, False
+    return token, path
 
 
 def _host_guard(guard: HostGuard, server: RelayServer) -> object:
@@ -201,7 +205,9 @@ class RelayProcess:
             max_message_bytes=cfg.wire.max_message_bytes,
             clock_skew_s=cfg.wire.clock_skew_s,
         )
-        self.token, self.token_made = relay_status_token(cfg, config_path)
+        self.token, self.token_file = (
+            relay_status_token(cfg, config_path) if cfg.status.enabled else ("", None)
+        )
         self._runner: web.AppRunner | None = None
         self._status_runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -255,12 +261,8 @@ class RelayProcess:
                     f"{self.config_path}: status.port {cfg.status.port}: cannot bind "
                     f"({exc.strerror}) — choose another port or set status.enabled: false"
                 ) from None
-            if self.token_made:  # the operator's terminal only, never a log
-                print(
-                    f"RELAY {cfg.relay.name}: status token (this run only): {self.token}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if self.token_file is not None:  # where it is, never the token itself
+                log.info("RELAY %s: status token in %s", cfg.relay.name, self.token_file)
 
     def reload_roster(self) -> None:
         try:
@@ -296,7 +298,7 @@ async def run_relay(
 
 
 def configure_relay_logging(cfg: RelayConfig, level: str | None = None) -> None:
-    """Logs go to stderr only: a relay writes nothing to disk."""
+    """Logs go to stderr only: a relay writes no log file (its one file is its status token)."""
     fmt: logging.Formatter = (
         JsonFormatter()
         if cfg.logging.format == "json"

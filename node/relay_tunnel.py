@@ -2,7 +2,7 @@
 
 A site whose roster card has `address: null` accepts no inbound connection. It
 keeps one WebSocket to each relay its card names (`via`), proves who it is
-with a signed challenge (node/relay_wire.py), and then answers every FORWARD
+on the upgrade request (node/relay_handshake.py), and then answers every FORWARD
 the relay sends down that connection: it POSTs the frame, byte for byte, to
 its OWN message endpoint on loopback and sends the relay a REPLY with that
 endpoint's status and body. So the frame meets exactly the checks a direct
@@ -24,7 +24,6 @@ their senders send again, through this relay or another.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -36,14 +35,8 @@ from typing import Any
 
 import aiohttp
 
-from node.relay_wire import (
-    AUTH_TIMEOUT_S,
-    RELAY_CONNECT_PATH,
-    RelayWireError,
-    auth_message,
-    pack_reply,
-    unpack_forward,
-)
+from node.relay_handshake import HandshakeRefused, open_relay_socket
+from node.relay_wire import AUTH_TIMEOUT_S, RelayWireError, pack_reply, unpack_forward
 from node.tls import client_ssl_context
 from node.transport import MESSAGE_PATH, MessageServer
 from p2pfl.config import SiteConfig, TransportSection, parse_hostport
@@ -60,12 +53,6 @@ WS_OVERHEAD = 64 * 1024
 LOCAL_ANSWER_TIMEOUT_S = 600.0
 # A connection that lasted this long resets the backoff (one closed at once does not).
 STEADY_S = 10.0
-# The largest handshake message parsed (an honest challenge is about 200 characters).
-MAX_HANDSHAKE_CHARS = 4096
-
-
-class HandshakeRefused(Exception):
-    """The relay refused us, or spoke something that is not the handshake."""
 
 
 def _url(address: str, path: str, tls: bool, scheme: str = "http") -> str:
@@ -107,7 +94,7 @@ class RelayTunnel:
         self.address = address
         self.federation = federation
         self.identity = identity
-        self.url = _url(address, RELAY_CONNECT_PATH, relay_ssl is not None, "ws")
+        self.url = _url(address, "", relay_ssl is not None)
         self.local_url = local_url
         self.cfg = cfg
         self.max_message_bytes = max_message_bytes
@@ -207,16 +194,21 @@ class RelayTunnel:
         self, relay_session: aiohttp.ClientSession, local_session: aiohttp.ClientSession
     ) -> None:
         heartbeat = max(1.0, self.cfg.suspect_after_s)
-        async with relay_session.ws_connect(
-            self.url,
-            ssl=self.relay_ssl if self.relay_ssl is not None else False,
-            heartbeat=heartbeat,
-            max_msg_size=self.max_message_bytes + WS_OVERHEAD,
-            autoping=True,
-        ) as ws:
-            # one deadline for the whole handshake: a ping restarts receive(timeout=)
-            async with asyncio.timeout(2 * AUTH_TIMEOUT_S):
-                await self._handshake(ws)
+        # one deadline for the whole handshake (the challenge, then the upgrade):
+        # a relay that trickles its answers cannot hold us in it
+        async with asyncio.timeout(2 * AUTH_TIMEOUT_S):
+            ws = await open_relay_socket(
+                relay_session,
+                self.url,
+                identity=self.identity,
+                relay=self.relay,
+                federation=self.federation,
+                ssl_context=self.relay_ssl if self.relay_ssl is not None else False,
+                heartbeat=heartbeat,
+                max_msg_size=self.max_message_bytes + WS_OVERHEAD,
+                autoping=True,
+            )
+        async with ws:
             self.connected = True
             self.since = round(time.time(), 3)
             self.connects += 1
@@ -246,56 +238,6 @@ class RelayTunnel:
     def _release(self, size: int) -> None:
         self._held -= size
         self._freed.set()
-
-    async def _handshake(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        """Answer the relay's challenge with our signature (node/relay_wire.py)."""
-        challenge = await self._receive_json(ws)
-        if (
-            challenge.get("type") != "challenge"
-            or not isinstance(challenge.get("nonce"), str)
-            or not 16 <= len(challenge["nonce"]) <= 256
-        ):
-            raise HandshakeRefused("malformed challenge")
-        # A relay that calls itself by another name or federation is not the one
-        # the roster lists here: our signature is bound to both, so it could not
-        # be used elsewhere anyway, but we say so instead of being refused.
-        if challenge.get("relay") != self.relay or challenge.get("federation") != self.federation:
-            raise HandshakeRefused(
-                f"it calls itself {challenge.get('relay')!r} of federation "
-                f"{challenge.get('federation')!r}, expected {self.relay!r} of {self.federation!r}"
-            )
-        signature = self.identity.sign(
-            auth_message(self.federation, self.relay, self.site, challenge["nonce"])
-        )
-        await ws.send_str(
-            json.dumps(
-                {
-                    "type": "auth",
-                    "site": self.site,
-                    "signature": base64.b64encode(signature).decode("ascii"),
-                }
-            )
-        )
-        answer = await self._receive_json(ws)
-        if answer.get("type") == "refused":
-            raise HandshakeRefused(str(answer.get("reason"))[:64])
-        if answer.get("type") != "ok":
-            raise HandshakeRefused("malformed answer to our signature")
-
-    @staticmethod
-    async def _receive_json(ws: aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
-        msg = await ws.receive(timeout=AUTH_TIMEOUT_S)
-        if msg.type != aiohttp.WSMsgType.TEXT:
-            raise HandshakeRefused(f"expected a text handshake message, got {msg.type.name}")
-        if len(msg.data) > MAX_HANDSHAKE_CHARS:
-            raise HandshakeRefused(f"handshake message of {len(msg.data)} characters")
-        try:
-            obj = json.loads(msg.data)
-        except (ValueError, RecursionError):
-            raise HandshakeRefused("handshake message is not JSON") from None
-        if not isinstance(obj, dict):
-            raise HandshakeRefused("handshake message is not a JSON object")
-        return obj
 
     async def _forward(
         self,

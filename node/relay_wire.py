@@ -14,24 +14,38 @@ WebSocket messages, after the handshake:
   the body its own message endpoint answered (an acknowledgement, a refusal
   with its reason, or the encrypted frame that answers a request).
 
-Handshake (text messages, JSON): the relay sends
-`{"type": "challenge", "relay": R, "federation": F, "nonce": HEX}`; the site
-answers `{"type": "auth", "site": S, "signature": BASE64}`, its Ed25519
-signature (the key of its roster card) over `auth_message(F, R, S, nonce)`;
-the relay answers `{"type": "ok"}` or `{"type": "refused", "reason": CODE}` and
-closes. The nonce is fresh per connection, and the message names the relay and
-the federation, so a signature cannot be replayed to another relay or later.
+Handshake (node/relay_handshake.py), all of it before the relay accepts a
+WebSocket: the site GETs `RELAY_CHALLENGE_PATH` and gets
+`{"type": "challenge", "relay": R, "federation": F, "nonce": HEX, "expires_in_s": T}`;
+it then asks for the WebSocket upgrade at `RELAY_CONNECT_PATH` with three
+headers: `SITE_HEADER: S`, `NONCE_HEADER: HEX` and `SIGNATURE_HEADER: BASE64`,
+its Ed25519 signature (the key of its roster card) over
+`auth_message(F, R, S, nonce)`. The relay checks them before it accepts the
+upgrade (101), so a stranger never gets a WebSocket, nor a reader larger than
+an HTTP request line: a refusal is an HTTP 4xx whose JSON body and
+`REFUSAL_HEADER` name the reason (AUTH_STATUS_FOR_REASON). A nonce is the
+relay's own (an HMAC under a key made at its start), valid for auth_timeout_s
+and for one upgrade only; the message names the relay and the federation, so
+a signature cannot be replayed later, to another relay, or twice.
 """
 
 from __future__ import annotations
 
 import struct
 
+from p2pfl.secure.wire import MAX_HEADER, PREFIX_LEN, Header, WireError
+
+RELAY_CHALLENGE_PATH = "/p2pfl/v1/relay/challenge"
 RELAY_CONNECT_PATH = "/p2pfl/v1/relay/connect"
 RELAY_MESSAGE_PATH = "/p2pfl/v1/relay/message"
-AUTH_CONTEXT = b"p2pfl-relay-auth/v1\n"
-NONCE_BYTES = 32
+AUTH_CONTEXT = b"p2pfl-relay-auth/v2\n"
 AUTH_TIMEOUT_S = 10.0
+# The proof a site sends with its upgrade request, and the reason of a refused one.
+SITE_HEADER = "X-P2PFL-Relay-Site"
+NONCE_HEADER = "X-P2PFL-Relay-Nonce"
+SIGNATURE_HEADER = "X-P2PFL-Relay-Signature"
+REFUSAL_HEADER = "X-P2PFL-Relay-Refusal"
+MAX_CHALLENGE_BYTES = 4096  # the largest challenge a site reads (an honest one: about 250)
 
 _FORWARD = struct.Struct(">Q")
 _REPLY = struct.Struct(">QH")
@@ -43,14 +57,19 @@ RELAY_STATUS_FOR_REASON = {
     "relay_lost": 502,  # the recipient's connection dropped before it answered: send again
     "plaintext_answer": 502,  # the recipient answered a frame in the clear: not forwarded
 }
-# Handshake refusals (the WebSocket is closed after them).
-AUTH_REASONS = (
-    "auth_timeout",
-    "auth_malformed",
-    "unknown_site",
-    "not_via_this_relay",
-    "bad_signature",
-)
+# Handshake refusals: the upgrade is answered with this HTTP status, no WebSocket.
+AUTH_STATUS_FOR_REASON = {
+    "auth_malformed": 400,  # a proof header missing, repeated, too long or not decodable
+    "bad_nonce": 401,  # not a nonce of this relay process (another relay's, a restarted one's)
+    "nonce_expired": 401,  # issued more than auth_timeout_s ago
+    "nonce_replayed": 401,  # this nonce was used for an upgrade already
+    "unknown_site": 403,  # the site is not on the roster
+    "bad_signature": 401,  # not the site's signature over auth_message(...) of this nonce
+    "not_via_this_relay": 403,  # the site's card does not name this relay in `via`
+    "too_many_handshakes": 429,  # max_handshakes(_per_host) challenges outstanding
+}
+# A challenge that no upgrade used within auth_timeout_s: counted, nothing to answer.
+AUTH_TIMEOUT = "auth_timeout"
 
 
 class RelayWireError(ValueError):
@@ -84,3 +103,17 @@ def unpack_reply(data: bytes) -> tuple[int, int, bytes]:
     if not 100 <= status <= 599:
         raise RelayWireError(f"reply status {status} is not an HTTP status")
     return stream_id, status, bytes(data[_REPLY.size :])
+
+
+def encrypted_frame(body: bytes) -> bool:
+    """Is this P2FL frame (a site's answer) marked encrypted? A header that does
+    not parse counts as not: the relay cannot tell, so it does not forward it."""
+    if len(body) < PREFIX_LEN:
+        return False
+    (header_len,) = struct.unpack(">I", body[4:8])
+    if not 0 < header_len <= MAX_HEADER or len(body) < PREFIX_LEN + header_len:
+        return False
+    try:
+        return Header.unpack(body[PREFIX_LEN : PREFIX_LEN + header_len]).encrypted
+    except WireError:
+        return False

@@ -7,7 +7,6 @@ plays a site's end of the connection (the production one is node/relay_tunnel.py
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import json
@@ -29,11 +28,13 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.relay import RelayServer
+from node.relay_handshake import fetch_challenge, open_relay_socket, proof_headers
 from node.relay_status import create_relay_status_app
 from node.relay_wire import (
+    REFUSAL_HEADER,
+    RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
     RELAY_MESSAGE_PATH,
-    auth_message,
     pack_reply,
     unpack_forward,
 )
@@ -128,27 +129,31 @@ class RelaySite:
         claim: str | None = None,
         relay_name: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        **ws_options: Any,
     ) -> dict[str, Any]:
-        """Handshake as `claim` (default: itself), signing with its own key for
-        relay `relay_name` (default: the challenge's); the relay's last word."""
+        """Fetch a challenge and upgrade as `claim` (default: itself), signing
+        with its own key for relay `relay_name` (default: the challenge's):
+        {"type": "ok"}, or {"type": "refused", "reason": the relay's reason}."""
         self._session = aiohttp.ClientSession()
-        self.ws = await self._session.ws_connect(url + RELAY_CONNECT_PATH, ssl=ssl_context or True)
-        challenge = await self.ws.receive_json(timeout=10)
+        tls: ssl.SSLContext | bool = ssl_context or True
+        challenge = await fetch_challenge(self._session, url, tls)
         assert challenge["type"] == "challenge" and challenge["relay"] == "r1"
-        name = claim or self.identity.name
-        signed = auth_message(
-            challenge["federation"], relay_name or challenge["relay"], name, challenge["nonce"]
+        self.last_auth = proof_headers(
+            self.identity,
+            challenge["federation"],
+            relay_name or challenge["relay"],
+            challenge["nonce"],
+            claim,
         )
-        self.last_auth = {
-            "type": "auth",
-            "site": name,
-            "signature": base64.b64encode(self.identity.sign(signed)).decode(),
-        }
-        await self.ws.send_json(self.last_auth)
-        answer = await self.ws.receive_json(timeout=10)
-        if answer["type"] == "ok":
-            self._task = asyncio.create_task(self._serve())
-        return answer
+        try:
+            self.ws = await self._session.ws_connect(
+                url + RELAY_CONNECT_PATH, headers=self.last_auth, ssl=tls, **ws_options
+            )
+        except aiohttp.WSServerHandshakeError as exc:
+            assert exc.headers is not None
+            return {"type": "refused", "reason": exc.headers[REFUSAL_HEADER], "status": exc.status}
+        self._task = asyncio.create_task(self._serve())
+        return {"type": "ok"}
 
     async def _serve(self) -> None:
         assert self.ws is not None
@@ -203,6 +208,25 @@ async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
 # ----------------------------------------------------------------------------- handshake
 
 
+async def challenge_nonce(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + RELAY_CHALLENGE_PATH) as r:
+        assert r.status == 200, await r.text()
+        return str((await r.json())["nonce"])
+
+
+async def upgrade(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+) -> tuple[int, str | None]:
+    """An upgrade request with these headers: (101, None) or (status, reason)."""
+    try:
+        ws = await session.ws_connect(url + RELAY_CONNECT_PATH, headers=headers)
+    except aiohttp.WSServerHandshakeError as exc:
+        assert exc.headers is not None
+        return exc.status, exc.headers.get(REFUSAL_HEADER)
+    await ws.close()
+    return 101, None
+
+
 def test_handshake_admits_roster_sites_via_this_relay_and_refuses_the_rest(ids, roster):
     async def scenario() -> None:
         async with relay(roster) as (server, url):
@@ -217,99 +241,123 @@ def test_handshake_admits_roster_sites_via_this_relay_and_refuses_the_rest(ids, 
                 ("signed for r2", ids["c"], {"relay_name": "r2"}),  # another relay's signature
             ):
                 peer = RelaySite(site, roster)
-                answer = await peer.connect(url, **kw)
-                assert peer.ws is not None
-                msg = await peer.ws.receive(timeout=5)
-                assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), label
-                refused[label] = answer
+                refused[label] = await peer.connect(url, **kw)
+                assert peer.ws is None, label  # no WebSocket: refused on the upgrade request
                 await peer.close()
             assert refused == {
-                "stranger": {"type": "refused", "reason": "unknown_site"},
-                "impostor": {"type": "refused", "reason": "bad_signature"},
-                "other relay's site": {"type": "refused", "reason": "not_via_this_relay"},
-                "signed for r2": {"type": "refused", "reason": "bad_signature"},
-            }
-            # b's valid auth, replayed on a fresh connection (a fresh nonce): refused
-            async with aiohttp.ClientSession() as s, s.ws_connect(url + RELAY_CONNECT_PATH) as ws:
-                await ws.receive_json(timeout=5)
-                await ws.send_json(b.last_auth)
-                assert await ws.receive_json(timeout=5) == {
+                "stranger": {"type": "refused", "reason": "unknown_site", "status": 403},
+                "impostor": {"type": "refused", "reason": "bad_signature", "status": 401},
+                "other relay's site": {
                     "type": "refused",
-                    "reason": "bad_signature",
-                }
-            # not JSON at all
-            async with aiohttp.ClientSession() as s, s.ws_connect(url + RELAY_CONNECT_PATH) as ws:
-                await ws.receive_json(timeout=5)
-                await ws.send_bytes(b"\x00" * 100)
-                assert (await ws.receive_json(timeout=5))["reason"] == "auth_malformed"
+                    "reason": "not_via_this_relay",
+                    "status": 403,
+                },
+                "signed for r2": {"type": "refused", "reason": "bad_signature", "status": 401},
+            }
+            # no proof at all, and a refusal's body: JSON with the reason
+            upgrade_only = {"Upgrade": "websocket", "Connection": "Upgrade"}
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(url + RELAY_CONNECT_PATH, headers=upgrade_only) as r,
+            ):
+                assert (r.status, (await r.json())["reason"]) == (400, "auth_malformed")
             assert set(server.links) == {"b"}  # none of them displaced b
             snap = server.snapshot()
             assert snap["sites"]["b"]["connected"] and not snap["sites"]["c"]["connected"]
             assert snap["refusals"] == {
                 "auth_malformed": 1,
-                "bad_signature": 3,
+                "bad_signature": 2,
                 "not_via_this_relay": 1,
                 "unknown_site": 1,
             }
+            assert server._handshakes == 0  # every challenge was used once
             await b.close()
             await until(lambda: not server.links)
 
     asyncio.run(scenario())
 
 
-def test_a_silent_client_is_closed_after_the_auth_timeout(ids, roster):
-    async def scenario() -> float:
-        async with (
-            relay(roster, auth_timeout_s=0.3) as (server, url),
-            aiohttp.ClientSession() as s,
-            s.ws_connect(url + RELAY_CONNECT_PATH) as ws,
-        ):
-            started = time.monotonic()
-            assert (await ws.receive_json(timeout=5))["type"] == "challenge"
-            assert await ws.receive_json(timeout=5) == {"type": "refused", "reason": "auth_timeout"}
-            msg = await ws.receive(timeout=5)
-            assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
-            assert server.refusals == {"auth_timeout": 1}
-            return time.monotonic() - started
+def test_a_replayed_proof_is_refused_and_the_site_keeps_its_connection(ids, roster):
+    """Headers seen on the wire (b's whole upgrade request) replayed, while b is
+    connected and after it left: the nonce was used, so `nonce_replayed`, and
+    b's connection is not replaced."""
 
-    assert asyncio.run(scenario()) < 5.0
+    async def scenario() -> None:
+        async with relay(roster) as (server, url), aiohttp.ClientSession() as s:
+            b = RelaySite(ids["b"], roster)
+            assert await b.connect(url) == {"type": "ok"}
+            link = server.links["b"]
+            assert await upgrade(s, url, b.last_auth) == (401, "nonce_replayed")
+            assert server.links["b"] is link and not link.closed
+            await b.close()
+            await until(lambda: not server.links)
+            assert await upgrade(s, url, b.last_auth) == (401, "nonce_replayed")
+            assert not server.links
+            assert server.refusals == {"nonce_replayed": 2}
+
+    asyncio.run(scenario())
+
+
+def test_an_unused_challenge_expires_and_frees_its_slot(ids, roster):
+    async def scenario() -> None:
+        async with (
+            relay(roster, auth_timeout_s=2.0, max_handshakes=1) as (server, url),
+            aiohttp.ClientSession() as s,
+        ):
+            nonce = await challenge_nonce(s, url)
+            async with s.get(url + RELAY_CHALLENGE_PATH) as r:  # the one slot is held
+                assert (r.status, (await r.json())["reason"]) == (429, "too_many_handshakes")
+            await until(lambda: server.refusals.get("auth_timeout") == 1, timeout=15)
+            assert server._handshakes == 0
+            late = proof_headers(ids["b"], FED, "r1", nonce)
+            assert await upgrade(s, url, late) == (401, "nonce_expired")
+            assert server.refusals == {
+                "auth_timeout": 1,
+                "nonce_expired": 1,
+                "too_many_handshakes": 1,
+            }
+            b = RelaySite(ids["b"], roster)
+            assert await b.connect(url) == {"type": "ok"}
+            await b.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_site_that_stops_answering_pings_is_disconnected(ids, roster):
     async def scenario() -> float:
-        async with (  # the handshake by hand: a client that never answers a ping
+        async with (  # a client that never answers a ping
             relay(roster, idle_timeout_s=0.6) as (server, url),
             aiohttp.ClientSession() as s,
-            s.ws_connect(url + RELAY_CONNECT_PATH, autoping=False) as ws,
         ):
-            challenge = await ws.receive_json(timeout=5)
-            signed = auth_message(FED, "r1", "b", challenge["nonce"])
-            signature = base64.b64encode(ids["b"].sign(signed)).decode()
-            await ws.send_json({"type": "auth", "site": "b", "signature": signature})
-            assert await ws.receive_json(timeout=5) == {"type": "ok"}
+            ws = await open_relay_socket(
+                s, url, identity=ids["b"], relay="r1", federation=FED, autoping=False
+            )
             started = time.monotonic()
             assert "b" in server.links
             await until(lambda: "b" not in server.links, timeout=10)
+            await ws.close()
             return time.monotonic() - started
 
     assert asyncio.run(scenario()) < 8.0
 
 
-def test_connections_awaiting_authentication_are_bounded(ids, roster):
+def test_handshakes_in_progress_are_bounded(ids, roster):
+    """Challenges outstanding are the handshake slots: max_handshakes of them,
+    then 429; a nonce is used once whatever the outcome, which frees its slot."""
+
     async def scenario() -> None:
         async with (
             relay(roster, max_handshakes=2) as (server, url),
             aiohttp.ClientSession() as s,
         ):
-            silent = [await s.ws_connect(url + RELAY_CONNECT_PATH) for _ in range(2)]
-            with pytest.raises(aiohttp.WSServerHandshakeError) as caught:
-                await s.ws_connect(url + RELAY_CONNECT_PATH)
-            assert caught.value.status == 429
+            nonces = [await challenge_nonce(s, url) for _ in range(2)]
+            async with s.get(url + RELAY_CHALLENGE_PATH) as r:
+                assert r.status == 429
             assert server.refusals == {"too_many_handshakes": 1}
-            for ws in silent:
-                await ws.close()
-            b = RelaySite(ids["b"], roster)  # the slots are free again
-            await until(lambda: server._handshakes == 0)
+            stranger = proof_headers(ids["x"], FED, "r1", nonces[0])
+            assert await upgrade(s, url, stranger) == (403, "unknown_site")
+            assert server._handshakes == 1
+            b = RelaySite(ids["b"], roster)  # the freed slot serves a real site
             assert await b.connect(url) == {"type": "ok"}
             await b.close()
 
@@ -676,6 +724,54 @@ def test_relay_process_listens_with_tls_only_and_reloads_its_roster(ids, tmp_pat
             await process.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_relay_without_a_status_token_keeps_one_in_a_0600_file_and_logs_only_its_path(
+    ids, tmp_path, caplog, capfd
+):
+    """Without status.token or token_file the relay printed a random token to
+    stderr, where log collectors keep it. Now it is kept in status.token beside
+    relay.yaml (created 0600, reused on the next start); only the path is logged."""
+    import stat
+
+    from node.provision import free_ports
+    from node.relay_status import RelayProcess
+
+    make_roster(ids).save(tmp_path / "roster.yaml")
+    (port,) = free_ports(1)
+    path = write_relay_yaml(
+        tmp_path / "r1", {"name": "r1", "listen": f"127.0.0.1:{port}"}, status={"port": 0}
+    )
+    cfg = load_relay_config(path)
+    token_file = tmp_path / "r1" / "status.token"
+
+    async def scenario() -> tuple[str, list[int]]:
+        process = RelayProcess(cfg, Roster.load(tmp_path / "roster.yaml"), path)
+        await process.start()
+        base = f"http://127.0.0.1:{process.status_port}/status"
+        statuses = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for token in (process.token, "not-" + process.token):
+                    async with s.get(base, headers={"Authorization": f"Bearer {token}"}) as r:
+                        statuses.append(r.status)
+        finally:
+            await process.stop()
+        return process.token, statuses
+
+    with caplog.at_level("INFO"):
+        token, statuses = asyncio.run(scenario())
+        again, _ = asyncio.run(scenario())
+    assert statuses == [200, 401]
+    assert token_file.read_text().strip() == token == again and len(token) >= 32
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    printed = capfd.readouterr()
+    assert str(token_file) in logged
+    assert token not in logged + printed.out + printed.err
+    # built from a config with no file to keep it beside: refused, not made up
+    with pytest.raises(ConfigError, match="status.token"):
+        RelayProcess(cfg, Roster.load(tmp_path / "roster.yaml"))
 
 
 # ----------------------------------------------------------------------------- process + flood

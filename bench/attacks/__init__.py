@@ -51,7 +51,7 @@ The scenarios (hole numbers are the issue's):
 | secagg_story_search | 28.1/2 | the same | hypothesis: any U1..U4 per contributor, thresholds, ids, ranges (bench/secagg_adversary.py) |
 | secagg_bad_share_index | 28.4 | 9 Contributors + a requester in memory | one reveals a negative index, then junk under index 1 |
 | relay_unknown_client | 31 | probe daemons a, c (c outbound-only via r1, r2), relay process r1 (bench/attacks/relay.py) | a key pair on no roster opens r1's WebSocket, then POSTs a frame through it |
-| relay_identity_claim | 31 | the same | roster member m answers r1's challenge as c, signed with its own key; c must stay connected |
+| relay_identity_claim | 31 | the same | roster member m fetches r1's challenge and claims to be c on the upgrade, signed with its own key; c must stay connected |
 | relay_altered_message | 31 | the same; r2 a malicious relay in the bench process | r2 flips one payload byte of an encrypted heartbeat to c; c must refuse it (digest_mismatch) |
 | relay_plaintext | 31 | the same | a signed heartbeat in the clear through r1 to c (403 encryption_required; c never sees it) |
 | relay_flood | 31 | the same | m floods r1 (4000 frames, 8 s at most, 16 connections); h's relayed heartbeat p99 within 2x unloaded |
@@ -74,7 +74,7 @@ scenario's evidence; the last stdout line is one JSON object
 The package: `kit` (options, verdicts, counters, the registry), `federations`
 (small daemon federations), `victim` (a watched victim, raw frames), the
 scenarios by federation (`wire`, `fedperl` with `requester`, `poisoning`,
-`review` with `review_load`, `secagg`, `relay`) and `runner` (the registry's
+`review` with `review_load`, `secagg`, `relay` with `relay_flood`) and `runner` (the registry's
 order, `run_bench`, the command line).
 """
 

@@ -22,8 +22,8 @@ the same run (before and after the flood), else `succeeded`, with both figures.
 
 | scenario | attack | defended when |
 |---|---|---|
-| relay_unknown_client | x opens the relay's WebSocket, and POSTs a frame through it | unknown_site, unknown_sender, counted by r1 |
-| relay_identity_claim | m authenticates as c, signing r1's challenge with its own key | bad_signature counted by r1; c stays connected, same connection |
+| relay_unknown_client | x asks for the relay's WebSocket with its own proof, and POSTs a frame through it | unknown_site, unknown_sender, counted by r1 |
+| relay_identity_claim | m asks for r1's WebSocket as c, signing r1's challenge with its own key | bad_signature counted by r1; c stays connected, same connection |
 | relay_altered_message | r2 flips one payload byte of h's encrypted heartbeat to c | c answers digest_mismatch and counts it; the untouched frame is then taken, so the altered one was not processed |
 | relay_plaintext | m sends c a signed heartbeat in the clear through r1 | 403 encryption_required counted by r1; r1 forwarded nothing of m's, c counted nothing from m |
 | relay_flood | m floods r1 with heartbeats to c (bounded count and time, 16 connections, another process) | h's relayed heartbeat p99 under the flood <= 2x unloaded |
@@ -32,11 +32,8 @@ the same run (before and after the flood), else `succeeded`, with both figures.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,13 +45,23 @@ from aiohttp import web
 
 from bench.attacks.federations import fresh, overrides, site_data
 from bench.attacks.kit import Options, combine, guarded, inconclusive, say, verdict
+from bench.attacks.relay_flood import (
+    BASELINE_SAMPLES,
+    FLOOD_FRAMES,
+    FLOOD_S,
+    GAP_S,
+    flood_run,
+    p50,
+    p99,
+)
 from bench.attacks.victim import Victim
 from bench.localfed import LocalFederation, RelayProcess
 from bench.peer import RawPeer, Reply, heartbeat_payload, post_frame
 from node.membership import HEARTBEAT
 from node.provision import provision
 from node.relay import RelayServer
-from node.relay_wire import RELAY_CONNECT_PATH, RELAY_MESSAGE_PATH, auth_message
+from node.relay_handshake import HandshakeRefused, open_relay_socket
+from node.relay_wire import RELAY_MESSAGE_PATH
 from p2pfl.config import load_relay_config
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import Header, WireCodec
@@ -68,11 +75,6 @@ RELAYS = ["r1", "r2"]  # r1: the relay process; r2: TamperingRelay in this proce
 PROBE = {"name": "probe", "rounds": 1_000_000, "payload_kb": 1, "round_timeout_s": 2.0,
          "interval_s": 0.5}  # fmt: skip
 P99_FACTOR = 2.0  # the issue's bound: the relayed heartbeat p99 under a flood
-FLOOD_FRAMES = 4000
-FLOOD_S = 8.0
-FLOOD_CONNECTIONS = 16
-BASELINE_SAMPLES = 60  # before the flood, and as many after it
-GAP_S = 0.025  # between two measured heartbeats
 
 
 # ---------------------------------------------------------------------- relays
@@ -137,19 +139,18 @@ def post_via(port: int, frame: bytes, timeout: float = 30.0) -> Reply:
 
 
 async def _handshake(port: int, identity: LocalIdentity, claim: str) -> dict[str, Any]:
-    """Open the relay's WebSocket and answer its challenge as `claim`, signed
-    with `identity`'s key; the relay's last word ({"type": "ok"} or a refusal)."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.ws_connect(f"http://127.0.0.1:{port}{RELAY_CONNECT_PATH}") as ws,
-    ):
-        challenge = await ws.receive_json(timeout=15)
-        signed = auth_message(
-            challenge["federation"], challenge["relay"], claim, challenge["nonce"]
-        )
-        auth = {"site": claim, "signature": base64.b64encode(identity.sign(signed)).decode()}
-        await ws.send_json({"type": "auth", **auth})
-        return dict(await ws.receive_json(timeout=15))
+    """Fetch r1's challenge and ask for its WebSocket as `claim`, signed with
+    `identity`'s key (node/relay_handshake.py); {"type": "ok"} or the refusal."""
+    async with aiohttp.ClientSession() as session:
+        try:
+            ws = await open_relay_socket(
+                session, f"http://127.0.0.1:{port}", identity=identity, relay="r1",
+                federation=FEDERATION, claim=claim,
+            )  # fmt: skip
+        except HandshakeRefused as exc:
+            return {"type": "refused", "reason": str(exc)}
+        await ws.close()
+        return {"type": "ok"}
 
 
 def handshake(port: int, identity: LocalIdentity, claim: str) -> dict[str, Any]:
@@ -283,69 +284,6 @@ def altered(
                    "after it", **evidence)  # fmt: skip
 
 
-def p99(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[max(0, -(-99 * len(ordered) // 100) - 1)]
-
-
-def p50(samples: list[float]) -> float:
-    return sorted(samples)[len(samples) // 2]
-
-
-async def _beats(
-    session: aiohttp.ClientSession, url: str, frames: list[bytes], until: Callable[[], bool]
-) -> tuple[list[float], list[int]]:
-    """Heartbeats through the relay one after the other (GAP_S apart) until
-    `until()` or the frames run out: (latencies of the 200s, other statuses)."""
-    times: list[float] = []
-    failed: list[int] = []
-    while frames and not until():
-        frame = frames.pop()
-        t0 = time.perf_counter()
-        try:
-            async with session.post(url, data=frame) as resp:
-                await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError):
-            status = 0
-        if status == 200:
-            times.append(time.perf_counter() - t0)
-        else:
-            failed.append(status)
-        await asyncio.sleep(GAP_S)
-    return times, failed
-
-
-async def _flood_run(port: int, flood_path: Path, beats: list[bytes]) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{port}{RELAY_MESSAGE_PATH}"
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        count = [0]
-
-        def enough() -> bool:
-            count[0] += 1
-            return count[0] > BASELINE_SAMPLES
-
-        before, failed_before = await _beats(session, url, beats, enough)
-        flooder = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from bench.attacks.relay import flood_main; flood_main()",
-            str(port), str(flood_path), str(FLOOD_CONNECTIONS), str(FLOOD_S),
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        assert flooder.stdout is not None
-        line = await asyncio.wait_for(flooder.stdout.readline(), 60)
-        if line.strip() != b"flooding":
-            raise RuntimeError(f"the flooder did not start: {line!r}")
-        done = asyncio.create_task(flooder.communicate())
-        loaded, failed_loaded = await _beats(session, url, beats, done.done)
-        out, _ = await asyncio.wait_for(done, 60)
-        count[0] = 0
-        after, failed_after = await _beats(session, url, beats, enough)
-    flood = json.loads(out.decode().strip().splitlines()[-1])
-    return {"unloaded": before + after, "loaded": loaded, "flood": flood,
-            "failed": {"unloaded": failed_before + failed_after, "loaded": failed_loaded}}  # fmt: skip
-
-
 def flood(r1: RelayProcess, port: int, m: RawPeer, h: RawPeer, folder: Path) -> dict[str, Any]:
     """m floods r1 with encrypted heartbeats to c from another process while h's
     relayed heartbeats to c are timed, before, during and after the flood."""
@@ -356,7 +294,7 @@ def flood(r1: RelayProcess, port: int, m: RawPeer, h: RawPeer, folder: Path) -> 
     count = 2 * BASELINE_SAMPLES + int(FLOOD_S / GAP_S) + 200
     beats = [h.frame(HEARTBEAT, "c", beat, encrypt=True) for _ in range(count)]
     before, m_before = refusals(r1), site_row(r1, "m")
-    run = asyncio.run(_flood_run(port, flood_path, beats))
+    run = asyncio.run(flood_run(port, flood_path, beats))
     after, m_after = refusals(r1), site_row(r1, "m")
     base, loaded = run["unloaded"], run["loaded"]
     evidence = {
@@ -386,52 +324,6 @@ def flood(r1: RelayProcess, port: int, m: RawPeer, h: RawPeer, folder: Path) -> 
     why = (f"relayed heartbeat p99 {evidence['flooded_p99_ms']} ms under the flood vs "
            f"{evidence['unloaded_p99_ms']} ms unloaded ({ratio:.2f}x, bound {P99_FACTOR:g}x)")  # fmt: skip
     return verdict(outcome, HOLE, why, **evidence)
-
-
-def flood_main() -> None:
-    """The flooder process: argv PORT FRAMES_FILE CONNECTIONS MAX_S; POSTs the
-    file's length-prefixed frames to the relay over CONNECTIONS keep-alive
-    connections until they run out or MAX_S passed; last line: JSON counts."""
-    port, path, connections, max_s = (
-        sys.argv[1],
-        Path(sys.argv[2]),
-        int(sys.argv[3]),
-        float(sys.argv[4]),
-    )
-    data = path.read_bytes()
-    frames, pos = [], 0
-    while pos < len(data):
-        (n,) = struct.unpack_from(">I", data, pos)
-        frames.append(data[pos + 4 : pos + 4 + n])
-        pos += 4 + n
-    url = f"http://127.0.0.1:{port}{RELAY_MESSAGE_PATH}"
-
-    async def main() -> dict[str, Any]:
-        counts: dict[str, int] = {}
-        deadline = time.monotonic() + max_s
-        started = time.monotonic()
-        connector = aiohttp.TCPConnector(limit=connections)
-        async with aiohttp.ClientSession(connector=connector) as session:
-
-            async def worker() -> None:
-                while frames and time.monotonic() < deadline:
-                    frame = frames.pop()
-                    try:
-                        async with session.post(url, data=frame) as resp:
-                            await resp.read()
-                            key = str(resp.status)
-                    except (aiohttp.ClientError, TimeoutError) as exc:
-                        key = type(exc).__name__
-                    counts[key] = counts.get(key, 0) + 1
-
-            print("flooding", flush=True)
-            await asyncio.gather(*(worker() for _ in range(connections)))
-        elapsed = time.monotonic() - started
-        sent = sum(counts.values())
-        return {"sent": sent, "seconds": round(elapsed, 2),
-                "per_s": round(sent / max(elapsed, 1e-9)), "answers": counts}  # fmt: skip
-
-    print(json.dumps(asyncio.run(main())), flush=True)
 
 
 # ---------------------------------------------------------------------- the federation

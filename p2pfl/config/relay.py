@@ -11,7 +11,8 @@ status: {enabled: true, host: 127.0.0.1, port: 8100, token_file: ...}
 logging: {level: INFO, format: text}
 ```
 
-A relay holds no keys, no state and writes nothing to disk: it authenticates
+A relay holds no keys, no state and writes nothing to disk but its status
+token (status.token beside relay.yaml, when none is configured): it authenticates
 sites against the roster and reads only the clear, signed headers of the
 frames it forwards. Paths are taken relative to the YAML file's folder, as in
 site.yaml. `load_relay_config` turns every mistake into one `ConfigError` line.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator
 
-from p2pfl.config.errors import ConfigError, config_error
+from p2pfl.config.errors import config_error
 from p2pfl.config.sections import (
     FederationSection,
     LoggingSection,
@@ -32,7 +33,13 @@ from p2pfl.config.sections import (
     TLSSection,
     parse_hostport,
 )
-from p2pfl.config.site import read_yaml
+from p2pfl.config.site import (
+    TLS_FILES,
+    load_yaml_mapping,
+    require_files,
+    resolve_paths,
+    tls_files_required,
+)
 
 
 class RelaySettings(Section):
@@ -70,7 +77,8 @@ class RelaySettings(Section):
     auth_timeout_s: float = Field(
         10.0,  # node/relay_wire.py AUTH_TIMEOUT_S (config sits below node: not imported)
         gt=0.0,
-        description="a connecting site must prove its identity within this many seconds",
+        description="a challenge (nonce) a connecting site fetched is valid this many "
+        "seconds, for one upgrade; an unused one then frees its handshake slot",
     )
     read_idle_timeout_s: float = Field(
         30.0, gt=0.0, description="an incoming message that sends no bytes this long is cut off"
@@ -78,14 +86,14 @@ class RelaySettings(Section):
     max_handshakes: int = Field(
         64,
         ge=1,
-        description="connections not yet authenticated at once; more are refused "
-        "(429 too_many_handshakes)",
+        description="challenges outstanding (fetched, not yet used nor expired) at once; "
+        "more are refused (429 too_many_handshakes)",
     )
     max_handshakes_per_host: int = Field(
         8,
         ge=1,
-        description="connections not yet authenticated at once from one IP address; more "
-        "are refused (429 too_many_handshakes), so one host cannot take every slot",
+        description="challenges outstanding at once for one IP address; more are refused "
+        "(429 too_many_handshakes), so one host cannot take every slot",
     )
     min_upload_bytes_per_s: float = Field(
         65536.0,
@@ -131,6 +139,12 @@ class RelayTransportSection(Section):
 
 class RelayStatusSection(StatusSection):
     port: int = Field(8100, ge=0, lt=65536)
+    token_file: Path | None = Field(
+        None,
+        description="file holding the bearer token; default (no token either): status.token "
+        "beside relay.yaml, created with a random token (mode 0600) on the first start; its "
+        "path is logged, never the token",
+    )
 
 
 class RelayConfig(Section):
@@ -142,41 +156,26 @@ class RelayConfig(Section):
     logging: LoggingSection = LoggingSection()
 
 
-def _resolve(path: Path | None, base: Path) -> Path | None:
-    if path is None:
-        return None
-    path = path.expanduser()
-    return path if path.is_absolute() else base / path
-
-
 def load_relay_config(path: str | Path, *, check_files: bool = True) -> RelayConfig:
     """Read, validate and resolve a relay.yaml. Raises ConfigError only."""
     path = Path(path)
-    raw = read_yaml(path)
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            path,
-            "",
-            "top level must be a mapping of sections (relay, federation, ...)",
-            "start from `p2pfl-node provision --relay NAME` output",
-        )
+    raw = load_yaml_mapping(
+        path,
+        problem="top level must be a mapping of sections (relay, federation, ...)",
+        fix="start from `p2pfl-node provision --relay NAME` output",
+    )
     try:
         cfg = RelayConfig.model_validate(raw)
     except ValidationError as exc:
         raise config_error(path, exc) from None
-    base = path.parent
-    cfg.federation.roster = _resolve(cfg.federation.roster, base)  # type: ignore[assignment]
-    cfg.status.token_file = _resolve(cfg.status.token_file, base)
-    required = [("federation.roster", cfg.federation.roster, "point it at the federation roster")]
-    if cfg.status.token_file is not None:
-        required.append(("status.token_file", cfg.status.token_file, "write the token into it"))
+    resolve_paths(path.parent, (cfg.federation, "roster"), (cfg.status, "token_file"))
+    required = [
+        ("federation.roster", cfg.federation.roster, "point it at the federation roster"),
+        ("status.token_file", cfg.status.token_file, "write the token into it"),
+    ]
     if cfg.transport.tls:
-        for attr in ("cert", "key", "ca"):
-            resolved = _resolve(getattr(cfg.transport.tls, attr), base)
-            setattr(cfg.transport.tls, attr, resolved)
-            required.append((f"transport.tls.{attr}", resolved, "provide the PEM file"))
+        resolve_paths(path.parent, *((cfg.transport.tls, attr) for attr in TLS_FILES))
+        required += tls_files_required(cfg.transport.tls)
     if check_files:
-        for field, file, fix in required:
-            if file is not None and not Path(file).exists():
-                raise ConfigError(path, field, f"file not found: {file}", fix)
+        require_files(path, required)
     return cfg

@@ -1,0 +1,135 @@
+"""The relay_flood scenario's machinery (bench/attacks/relay.py judges it): h's
+relayed heartbeats timed one after the other, before, during and after a
+flood that another process (`flood_main`) sends m's frames with, so the
+flooder's CPU is not this process's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from node.relay_wire import RELAY_MESSAGE_PATH
+
+FLOOD_FRAMES = 4000
+FLOOD_S = 8.0
+FLOOD_CONNECTIONS = 16
+BASELINE_SAMPLES = 60  # before the flood, and as many after it
+GAP_S = 0.025  # between two measured heartbeats
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[max(0, -(-99 * len(ordered) // 100) - 1)]
+
+
+def p50(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+async def _beats(
+    session: aiohttp.ClientSession, url: str, frames: list[bytes], until: Callable[[], bool]
+) -> tuple[list[float], list[int]]:
+    """Heartbeats through the relay one after the other (GAP_S apart) until
+    `until()` or the frames run out: (latencies of the 200s, other statuses)."""
+    times: list[float] = []
+    failed: list[int] = []
+    while frames and not until():
+        frame = frames.pop()
+        t0 = time.perf_counter()
+        try:
+            async with session.post(url, data=frame) as resp:
+                await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            status = 0
+        if status == 200:
+            times.append(time.perf_counter() - t0)
+        else:
+            failed.append(status)
+        await asyncio.sleep(GAP_S)
+    return times, failed
+
+
+async def flood_run(port: int, flood_path: Path, beats: list[bytes]) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}{RELAY_MESSAGE_PATH}"
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        count = [0]
+
+        def enough() -> bool:
+            count[0] += 1
+            return count[0] > BASELINE_SAMPLES
+
+        before, failed_before = await _beats(session, url, beats, enough)
+        flooder = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from bench.attacks.relay_flood import flood_main; flood_main()",
+            str(port), str(flood_path), str(FLOOD_CONNECTIONS), str(FLOOD_S),
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert flooder.stdout is not None
+        line = await asyncio.wait_for(flooder.stdout.readline(), 60)
+        if line.strip() != b"flooding":
+            raise RuntimeError(f"the flooder did not start: {line!r}")
+        done = asyncio.create_task(flooder.communicate())
+        loaded, failed_loaded = await _beats(session, url, beats, done.done)
+        out, _ = await asyncio.wait_for(done, 60)
+        count[0] = 0
+        after, failed_after = await _beats(session, url, beats, enough)
+    flood = json.loads(out.decode().strip().splitlines()[-1])
+    return {"unloaded": before + after, "loaded": loaded, "flood": flood,
+            "failed": {"unloaded": failed_before + failed_after, "loaded": failed_loaded}}  # fmt: skip
+
+
+def flood_main() -> None:
+    """The flooder process: argv PORT FRAMES_FILE CONNECTIONS MAX_S; POSTs the
+    file's length-prefixed frames to the relay over CONNECTIONS keep-alive
+    connections until they run out or MAX_S passed; last line: JSON counts."""
+    port, path, connections, max_s = (
+        sys.argv[1],
+        Path(sys.argv[2]),
+        int(sys.argv[3]),
+        float(sys.argv[4]),
+    )
+    data = path.read_bytes()
+    frames, pos = [], 0
+    while pos < len(data):
+        (n,) = struct.unpack_from(">I", data, pos)
+        frames.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    url = f"http://127.0.0.1:{port}{RELAY_MESSAGE_PATH}"
+
+    async def main() -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        deadline = time.monotonic() + max_s
+        started = time.monotonic()
+        connector = aiohttp.TCPConnector(limit=connections)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def worker() -> None:
+                while frames and time.monotonic() < deadline:
+                    frame = frames.pop()
+                    try:
+                        async with session.post(url, data=frame) as resp:
+                            await resp.read()
+                            key = str(resp.status)
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        key = type(exc).__name__
+                    counts[key] = counts.get(key, 0) + 1
+
+            print("flooding", flush=True)
+            await asyncio.gather(*(worker() for _ in range(connections)))
+        elapsed = time.monotonic() - started
+        sent = sum(counts.values())
+        return {"sent": sent, "seconds": round(elapsed, 2),
+                "per_s": round(sent / max(elapsed, 1e-9)), "answers": counts}  # fmt: skip
+
+    print(json.dumps(asyncio.run(main())), flush=True)

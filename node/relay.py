@@ -162,8 +162,7 @@ class RelayServer:
         nonce = self.gate.issue(host)
         if isinstance(nonce, tuple):
             return self._refuse_upgrade(*nonce, who=host)
-        loop = asyncio.get_running_loop()  # so an unused one is counted when it expires
-        loop.call_later(self.settings.auth_timeout_s + 0.01, self.gate.in_progress)
+        self.gate.sweep_later()  # so an unused one is counted when it expires
         response = web.json_response(self.gate.challenge(nonce))
         response.headers["Cache-Control"] = "no-store"
         return response
@@ -449,6 +448,7 @@ class RelayServer:
         """Refuse what comes, close every site connection; waiting forwards
         answer 502 relay_lost."""
         self._closing = True
+        self.gate.close()
         for link in list(self.links.values()):
             self._disconnect(link, "relay shutting down")
         if self._tasks:

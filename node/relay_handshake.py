@@ -14,11 +14,19 @@ proof (node/relay_wire.py describes the exchange):
    (`nonce_expired` past auth_timeout_s) without keeping them. It does keep
    each outstanding nonce with the address that asked for it, until it is used
    or expires (`auth_timeout`, counted): these are the handshake slots, at most
-   max_handshakes in all and max_handshakes_per_host per IP address (429
-   too_many_handshakes), so the record is bounded and one host cannot take
-   every slot. A nonce is removed at its first use, whatever the outcome, so
-   an upgrade request seen on the wire cannot be replayed (`nonce_replayed`)
-   to take over a site's tunnel.
+   max_handshakes_per_host per host (429 too_many_handshakes) and
+   max_handshakes in all, so the record is bounded. A host is an IPv4
+   address, or an IPv6 /64: an IPv6 host is given a /64 and may use any
+   address of it (RFC 4291 2.5.4, RFC 8981), so counted per address one host
+   took every slot. A full pool refuses no one: it gives up the oldest
+   challenge of the host holding most slots (`handshake_evicted`, counted),
+   so strangers on a few addresses renewing their challenges cannot keep
+   every site out (they did, with 429 for all), and a site, which uses its
+   challenge at once, holds one slot, never the most. Behind a proxy every
+   client is one address: max_handshakes_per_host set to max_handshakes turns
+   its 429 off, and the pool's oldest goes. A nonce is removed at its first
+   use, whatever the outcome, so an upgrade request seen on the wire cannot
+   be replayed (`nonce_replayed`) to take over a site's tunnel.
 2. The upgrade request carries the proof in three headers of bounded length
    (`auth_malformed` otherwise): the site's name, the nonce and its Ed25519
    signature over auth_message(federation, relay, site, nonce). `Gatekeeper.admit`
@@ -34,7 +42,11 @@ auth_timeout_s.
 `SiteLink` and `SiteStats` are what an admitted connection then is to the
 relay (node/relay.py). `open_relay_socket` is the site's side
 (node/relay_tunnel.py, the tests and bench.attacks speak it through this one
-function).
+function). A site signs only a nonce shaped as a relay's (lowercase hex), and
+asks nothing but its relay's host and port: no redirect is followed, from the
+challenge or (through `only_to`, as aiohttp's ws_connect always follows them)
+from the upgrade, so neither a relay nor, without TLS, anyone on the path can
+send the site to another address of its own network, nor from HTTPS to HTTP.
 """
 
 from __future__ import annotations
@@ -44,7 +56,9 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import json
+import re
 import secrets
 import ssl
 import struct
@@ -52,13 +66,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.client_middlewares import ClientHandlerType, ClientMiddlewareType
 
 from node.relay_wire import (
     AUTH_STATUS_FOR_REASON,
     AUTH_TIMEOUT,
+    HANDSHAKE_EVICTED,
     MAX_CHALLENGE_BYTES,
     NONCE_HEADER,
     REFUSAL_HEADER,
@@ -78,6 +95,23 @@ _TAG = 16
 NONCE_HEX = 2 * (_ISSUED.size + _RANDOM + _TAG)
 MAX_SITE_CHARS = 64
 SIGNATURE_B64 = 88  # base64 of an Ed25519 signature (64 bytes)
+# What a site signs as a relay's nonce: lowercase hex of 8..128 bytes (ours: NONCE_HEX).
+NONCE_SHAPE = re.compile(r"(?:[0-9a-f]{2}){8,128}")
+
+
+def host_key(host: str) -> str:
+    """Whose handshake slot a client at `host` takes: an IPv4 address (an
+    IPv4-mapped IPv6 one too), or an IPv6 address's /64, the least one host is
+    given; anything else (no address known: "") as it is."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])  # no zone: fe80::1%eth0
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
 
 
 @dataclass
@@ -149,6 +183,7 @@ class Gatekeeper:
         self._key = secrets.token_bytes(32)  # this process only: nonces die with it
         self._outstanding: dict[bytes, tuple[str, int]] = {}  # nonce -> (host, expiry ns)
         self._by_host: dict[str, int] = {}
+        self._sweep: asyncio.TimerHandle | None = None
 
     @property
     def window_ns(self) -> int:
@@ -158,6 +193,27 @@ class Gatekeeper:
         """Outstanding challenges (handshake slots held), expired ones dropped."""
         self._expire()
         return len(self._outstanding)
+
+    def sweep_later(self) -> None:
+        """Count (auth_timeout) and free unused challenges when they expire: one
+        timer, set again for the oldest left, not one per challenge asked for
+        (strangers may ask for thousands a second)."""
+        if self._sweep is not None:
+            return
+        oldest = next(iter(self._outstanding.values()), None)
+        if oldest is not None:
+            delay = max(0.0, (oldest[1] - time.monotonic_ns()) / 1e9) + 0.01
+            self._sweep = asyncio.get_running_loop().call_later(delay, self._swept)
+
+    def _swept(self) -> None:
+        self._sweep = None
+        self._expire()
+        self.sweep_later()
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
 
     def _expire(self) -> None:
         now = time.monotonic_ns()
@@ -176,16 +232,29 @@ class Gatekeeper:
         else:
             del self._by_host[host]
 
+    def _evict(self) -> None:
+        """The pool is full: the oldest challenge of the host(s) holding most goes."""
+        most = max(self._by_host.values())
+        nonce, (host, _) = next(  # in issue order: the oldest first
+            (n, held) for n, held in self._outstanding.items() if self._by_host[held[0]] == most
+        )
+        self._release(nonce, host)
+        self._count(HANDSHAKE_EVICTED, host)
+
     def _tag(self, body: bytes) -> bytes:
         return hmac.new(self._key, body, hashlib.sha256).digest()[:_TAG]
 
     def issue(self, host: str) -> str | tuple[str, str]:
         """A fresh nonce (hex) for a client at `host`, or (reason, detail)."""
+        host = host_key(host)
         self._expire()
-        if len(self._outstanding) >= self.settings.max_handshakes:
-            return "too_many_handshakes", f"{len(self._outstanding)} in progress"
-        if self._by_host.get(host, 0) >= self.settings.max_handshakes_per_host:
+        per_host = self.settings.max_handshakes_per_host
+        # (per_host >= max_handshakes, behind a proxy where every client is one
+        # address: no 429, the pool gives up its oldest below instead)
+        if per_host < self.settings.max_handshakes and self._by_host.get(host, 0) >= per_host:
             return "too_many_handshakes", "too many in progress from this host"
+        if len(self._outstanding) >= self.settings.max_handshakes:
+            self._evict()
         now = time.monotonic_ns()
         body = _ISSUED.pack(now) + secrets.token_bytes(_RANDOM)
         nonce = body + self._tag(body)
@@ -233,7 +302,7 @@ class Gatekeeper:
             return "nonce_expired", f"older than {self.settings.auth_timeout_s:g} s", site
         held = self._outstanding.get(nonce)
         if held is None:
-            return "nonce_replayed", "this nonce was used already", site
+            return "nonce_replayed", "used already (or its slot given up to a newer one)", site
         self._release(nonce, held[0])  # one use, whatever comes of it
         entry = roster.sites.get(site)
         if entry is None:
@@ -300,7 +369,8 @@ async def fetch_challenge(
 ) -> dict[str, Any]:
     """The relay's challenge, read to MAX_CHALLENGE_BYTES at most; HandshakeRefused
     for a refusal or anything that is not a challenge."""
-    async with session.get(base_url + RELAY_CHALLENGE_PATH, ssl=ssl_context) as resp:
+    url = base_url + RELAY_CHALLENGE_PATH
+    async with session.get(url, ssl=ssl_context, allow_redirects=False) as resp:  # a 3xx: refused
         body = b""
         while len(body) <= MAX_CHALLENGE_BYTES and (chunk := await resp.content.readany()):
             body += chunk
@@ -316,11 +386,29 @@ async def fetch_challenge(
         not isinstance(challenge, dict)
         or challenge.get("type") != "challenge"
         or not isinstance(challenge.get("nonce"), str)
-        or not 16 <= len(challenge["nonce"]) <= 256
-        or not challenge["nonce"].isascii()
+        or not NONCE_SHAPE.fullmatch(challenge["nonce"])  # we sign nothing but a nonce
     ):
         raise HandshakeRefused("malformed challenge")
     return challenge
+
+
+def only_to(base_url: str) -> ClientMiddlewareType:
+    """A client middleware (aiohttp runs it for each hop of a redirect) that
+    lets a session ask `base_url`'s host and port, with its TLS or without,
+    and nothing else: ws_connect follows redirects and has no option not to."""
+    target = urlsplit(base_url)
+    tls = target.scheme in ("https", "wss")
+    allowed = (target.hostname, target.port or (443 if tls else 80), tls)
+
+    async def middleware(
+        request: aiohttp.ClientRequest, handler: ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        url = request.url
+        if (url.host, url.port, url.scheme in ("https", "wss")) != allowed:
+            raise HandshakeRefused(f"redirected to {url.scheme}://{url.host}:{url.port}"[:64])
+        return await handler(request)
+
+    return middleware
 
 
 async def open_relay_socket(

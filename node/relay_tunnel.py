@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from node.relay_handshake import HandshakeRefused, open_relay_socket
+from node.relay_handshake import HandshakeRefused, only_to, open_relay_socket
 from node.relay_wire import AUTH_TIMEOUT_S, RelayWireError, pack_reply, unpack_forward
 from node.tls import client_ssl_context
 from node.transport import MESSAGE_PATH, MessageServer
@@ -157,7 +157,13 @@ class RelayTunnel:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
         local = aiohttp.TCPConnector(limit=0, ssl=self.local_ssl or False)
         async with (
-            aiohttp.ClientSession(timeout=timeout) as relay_session,
+            # its relay's host and port only: no redirect elsewhere (relay_handshake.only_to);
+            # and none of its cookies kept, so a relay cannot grow our memory dial after dial
+            aiohttp.ClientSession(
+                timeout=timeout,
+                middlewares=(only_to(self.url),),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            ) as relay_session,
             aiohttp.ClientSession(connector=local, auto_decompress=False) as local_session,
         ):
             failures = 0

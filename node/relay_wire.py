@@ -66,10 +66,12 @@ AUTH_STATUS_FOR_REASON = {
     "unknown_site": 403,  # the site is not on the roster
     "bad_signature": 401,  # not the site's signature over auth_message(...) of this nonce
     "not_via_this_relay": 403,  # the site's card does not name this relay in `via`
-    "too_many_handshakes": 429,  # max_handshakes(_per_host) challenges outstanding
+    "too_many_handshakes": 429,  # max_handshakes_per_host challenges outstanding for this host
 }
 # A challenge that no upgrade used within auth_timeout_s: counted, nothing to answer.
 AUTH_TIMEOUT = "auth_timeout"
+# A challenge given up, unused, to make room (max_handshakes outstanding): counted.
+HANDSHAKE_EVICTED = "handshake_evicted"
 
 
 class RelayWireError(ValueError):

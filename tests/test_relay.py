@@ -301,7 +301,7 @@ def test_a_replayed_proof_is_refused_and_the_site_keeps_its_connection(ids, rost
 def test_an_unused_challenge_expires_and_frees_its_slot(ids, roster):
     async def scenario() -> None:
         async with (
-            relay(roster, auth_timeout_s=2.0, max_handshakes=1) as (server, url),
+            relay(roster, auth_timeout_s=2.0, max_handshakes_per_host=1) as (server, url),
             aiohttp.ClientSession() as s,
         ):
             nonce = await challenge_nonce(s, url)
@@ -342,12 +342,14 @@ def test_a_site_that_stops_answering_pings_is_disconnected(ids, roster):
 
 
 def test_handshakes_in_progress_are_bounded(ids, roster):
-    """Challenges outstanding are the handshake slots: max_handshakes of them,
-    then 429; a nonce is used once whatever the outcome, which frees its slot."""
+    """Challenges outstanding are the handshake slots: max_handshakes_per_host
+    of them for one host, then 429 (a full pool gives up its oldest instead:
+    test_relay_handshake_review.py); a nonce is used once whatever the
+    outcome, which frees its slot."""
 
     async def scenario() -> None:
         async with (
-            relay(roster, max_handshakes=2) as (server, url),
+            relay(roster, max_handshakes_per_host=2) as (server, url),
             aiohttp.ClientSession() as s,
         ):
             nonces = [await challenge_nonce(s, url) for _ in range(2)]

@@ -161,7 +161,7 @@ def test_a_busy_stranger_cannot_hold_a_handshake_slot_past_the_auth_timeout(ids,
 
     async def scenario() -> None:
         async with (
-            relay(roster, auth_timeout_s=1.5, max_handshakes=1) as (server, url),
+            relay(roster, auth_timeout_s=1.5, max_handshakes_per_host=1) as (server, url),
             aiohttp.ClientSession() as s,
         ):
             nonce = await challenge_nonce(s, url)

@@ -87,13 +87,14 @@ class RelaySettings(Section):
         64,
         ge=1,
         description="challenges outstanding (fetched, not yet used nor expired) at once; "
-        "more are refused (429 too_many_handshakes)",
+        "past it, the oldest of the host holding most is given up (handshake_evicted)",
     )
     max_handshakes_per_host: int = Field(
         8,
         ge=1,
-        description="challenges outstanding at once for one IP address; more are refused "
-        "(429 too_many_handshakes), so one host cannot take every slot",
+        description="challenges outstanding at once for one host (an IPv4 address, an IPv6 "
+        "/64); more are refused (429 too_many_handshakes), so one host cannot take every slot. "
+        "Behind a proxy every client is the proxy's address: set it to max_handshakes",
     )
     min_upload_bytes_per_s: float = Field(
         65536.0,

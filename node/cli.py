@@ -293,7 +293,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, optional: bool = True) -> argparse.ArgumentParser:
+    """The CLI; `optional=False` leaves out the sub-commands that live with their
+    feature, whose modules import torch when they register (issue 31: a relay)."""
     parser = argparse.ArgumentParser(
         prog="p2pfl-node", description="Decentralized federated-learning node."
     )
@@ -389,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="relay.yaml")
     p.set_defaults(func=cmd_relay)
 
-    for name, register in _optional_commands():
+    for name, register in _optional_commands() if optional else ():
         register(sub, name)
     return parser
 
@@ -457,11 +459,21 @@ def _tolerant(
     return wrapped
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The sub-command argv names, read without building the whole parser: a
+    relay trains nothing and skips the optional sub-commands, whose modules
+    import torch (~4 s of a relay's start-up, issue 31)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--log-level")
+    pre.add_argument("command", nargs="?")
+    return pre.parse_known_args(argv)[0].command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("--config"):
         argv = ["run", *argv]
-    parser = build_parser()
+    parser = build_parser(optional=_command_of(argv) != "relay")
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)

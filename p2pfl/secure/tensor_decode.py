@@ -1,7 +1,9 @@
 """The decoder of p2pfl.secure.tensors: msgpack bytes to a payload tree, parsed
 here (no msgpack library), bounded by a budget of units spent per decoded
 object (tensors.py's docstring), tensors viewing a writable buffer without a
-copy. Every malformed input raises `CodecError`, nothing else.
+copy. Every malformed input raises `CodecError`, nothing else. torch and
+numpy load on the first tensor (tensor_format.py's docstring): a payload
+without tensors, such as a relay's clear header, decodes without them.
 """
 
 from __future__ import annotations
@@ -9,12 +11,31 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+from p2pfl.secure.tensor_format import (
+    DTYPE_SPECS,
+    MAX_DEPTH,
+    MAX_DIMS,
+    TENSOR_KEY,
+    CodecError,
+    dtypes,
+    libs,
+)
 
-from p2pfl.secure.tensor_format import DTYPES, MAX_DEPTH, MAX_DIMS, TENSOR_KEY, CodecError
+if TYPE_CHECKING:
+    import torch
+
+# (torch, numpy, dtype table): loaded on the first tensor, then one global read per tensor.
+_LOADED: tuple[Any, Any, dict[str, tuple[Any, Any, int]]] | None = None
+
+
+def _load() -> tuple[Any, Any, dict[str, tuple[Any, Any, int]]]:
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = (*libs(), dtypes())
+    return _LOADED
+
 
 # The decoding budget (tensors.py's module docstring): units of about 8 bytes of Python memory.
 ITEM_BYTES = 8
@@ -26,14 +47,15 @@ _TENSOR_UNITS = 32
 
 
 class _Reader:
-    __slots__ = ("buf", "pos", "end", "writable", "budget")
+    __slots__ = ("buf", "pos", "end", "writable", "budget", "tensors")
 
-    def __init__(self, buf: memoryview, writable: bool, budget: int) -> None:
+    def __init__(self, buf: memoryview, writable: bool, budget: int, tensors: bool = True) -> None:
         self.buf = buf
         self.pos = 0
         self.end = len(buf)
         self.writable = writable
         self.budget = budget
+        self.tensors = tensors
 
     def spend(self, units: int) -> None:
         self.budget -= units
@@ -150,6 +172,8 @@ def _decode(r: _Reader, depth: int) -> Any:
 def _decode_map(r: _Reader, n: int, depth: int) -> Any:
     n = r.container_len(n, per_item=3)  # a dict entry: hash, key and value
     if n == 4 and _peek_tensor(r):
+        if not r.tensors:
+            raise CodecError("tensor_not_allowed", "this payload carries no tensors")
         return _decode_tensor(r)
     out: dict[str, Any] = {}
     for _ in range(n):
@@ -178,7 +202,7 @@ def _decode_tensor(r: _Reader) -> torch.Tensor:
     r.spend(_TENSOR_UNITS)
     _expect_key(r, TENSOR_KEY)
     dtype_name = _decode(r, MAX_DEPTH)
-    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPE_SPECS:
         raise CodecError("dtype_not_allowed", repr(dtype_name)[:40])
     _expect_key(r, "shape")
     shape = _decode(r, MAX_DEPTH - 1)
@@ -197,7 +221,8 @@ def _decode_tensor(r: _Reader) -> torch.Tensor:
     n = _read_bin_len(r, r.byte())
     if n is None:
         raise CodecError("bad_tensor", "data must be binary")
-    torch_dtype, np_dtype, itemsize = DTYPES[dtype_name]
+    torch, np, table = _LOADED or _load()
+    torch_dtype, np_dtype, itemsize = table[dtype_name]
     count = math.prod(shape)
     if count * itemsize != n:
         raise CodecError(
@@ -217,15 +242,19 @@ def _decode_tensor(r: _Reader) -> torch.Tensor:
     return flat.view(shape)
 
 
-def decode(buf: bytes | bytearray | memoryview, *, bounded: bool = True) -> Any:
+def decode(
+    buf: bytes | bytearray | memoryview, *, bounded: bool = True, tensors: bool = True
+) -> Any:
     """Bytes -> payload tree. Tensors view `buf` when it is writable. Raises CodecError only.
 
     `bounded` (the default, for anything that came from the network): the
     decoding budget of the module docstring. Only this node's own files
-    (checkpoints, outbox) are read with bounded=False."""
+    (checkpoints, outbox) are read with bounded=False. `tensors=False` refuses
+    a tensor map (`tensor_not_allowed`) before torch is imported: a frame's
+    clear header, which a relay reads from anyone who connects (issue 31)."""
     view = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
     budget = ITEMS_FLOOR + len(view) // ITEM_BYTES if bounded else sys.maxsize
-    r = _Reader(view, writable=not view.readonly, budget=budget)
+    r = _Reader(view, writable=not view.readonly, budget=budget, tensors=tensors)
     try:
         obj = _decode(r, 0)
     except CodecError:

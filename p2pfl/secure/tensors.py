@@ -23,35 +23,51 @@ malformed input raises `CodecError`, nothing else.
 This module encodes and is the codec's one entry point; the format's constants,
 dtypes and `CodecError` are in tensor_format.py, the bounded decoder in
 tensor_decode.py.
+
+torch and numpy are imported on first use, not with this module (issue 31): a
+relay, which encodes and decodes only tensor-free clear headers, starts without
+them. A value can only be a torch tensor or a numpy array if its library was
+imported, so the encoder asks `sys.modules` (once per payload) which types to test.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from p2pfl.secure.tensor_decode import decode
 from p2pfl.secure.tensor_format import (
     ALIGN,
-    DTYPES,
     MAX_DEPTH,
     MAX_DIMS,
     TENSOR_KEY,
     CodecError,
+    dtypes,
+    libs,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 _BIG = 4096  # bins at least this large become their own chunk instead of being copied
 
-_TORCH_NAME = {v[0]: k for k, v in DTYPES.items()}
-_NUMPY_NAME = {
-    np.dtype(v[1]).newbyteorder("=") if k != "bfloat16" else None: k for k, v in DTYPES.items()
-}
-_NUMPY_NAME.pop(None, None)
+# (torch, numpy, torch dtype -> name, native-order numpy dtype -> name): built on the
+# first tensor, then one global read per tensor.
+_ENCODER: tuple[Any, Any, dict[Any, str], dict[Any, str]] | None = None
+
+
+def _encoder() -> tuple[Any, Any, dict[Any, str], dict[Any, str]]:
+    global _ENCODER
+    if _ENCODER is None:
+        torch, np = libs()
+        table = dtypes()
+        numpy_names = {v[1].newbyteorder("="): k for k, v in table.items() if k != "bfloat16"}
+        _ENCODER = (torch, np, {v[0]: k for k, v in table.items()}, numpy_names)
+    return _ENCODER
 
 
 # ----------------------------------------------------------------------------- encode
@@ -73,6 +89,13 @@ class _Writer:
         self.chunks: list[bytes | memoryview] = []
         self.head = bytearray()
         self.offset = 0  # bytes emitted before `head`
+        # The tensor and numpy-scalar types that exist in this process, looked up once per
+        # payload and never imported here: if torch or numpy never was, no value is one.
+        torch = sys.modules.get("torch")
+        np = sys.modules.get("numpy")
+        arrays = (torch.Tensor,) if torch is not None else ()
+        self.arrays: tuple[type, ...] = (*arrays, np.ndarray) if np is not None else arrays
+        self.scalars: tuple[type, ...] = (np.generic,) if np is not None else ()
 
     @property
     def pos(self) -> int:
@@ -161,22 +184,23 @@ class _Writer:
 
 def tensor_bytes(value: torch.Tensor | np.ndarray) -> tuple[str, list[int], memoryview]:
     """(dtype name, shape, little-endian bytes view) without copying contiguous CPU data."""
+    torch, np, torch_names, numpy_names = _ENCODER or _encoder()
     if isinstance(value, torch.Tensor):
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if t.dtype not in _TORCH_NAME:
+        if t.dtype not in torch_names:
             raise CodecError("dtype_not_allowed", str(t.dtype))
-        name = _TORCH_NAME[t.dtype]
+        name = torch_names[t.dtype]
         t = t.contiguous()
         shape = list(t.shape)
         arr = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     else:
         arr = value
         key = arr.dtype.newbyteorder("=") if arr.dtype.byteorder in "<>=|" else arr.dtype
-        if key not in _NUMPY_NAME:
+        if key not in numpy_names:
             raise CodecError("dtype_not_allowed", str(arr.dtype))
-        name = _NUMPY_NAME[key]
+        name = numpy_names[key]
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         arr = np.ascontiguousarray(arr)
@@ -202,9 +226,9 @@ def _encode(w: _Writer, obj: Any, depth: int) -> None:
         w.string(obj)
     elif isinstance(obj, bytes | bytearray | memoryview):
         w.binary(memoryview(obj).cast("B") if isinstance(obj, memoryview) else obj)
-    elif isinstance(obj, torch.Tensor | np.ndarray):
+    elif isinstance(obj, w.arrays):
         _encode_tensor(w, obj)
-    elif isinstance(obj, np.generic):
+    elif isinstance(obj, w.scalars):
         _encode(w, obj.item(), depth)
     elif isinstance(obj, dict):
         w.map_header(len(obj))
@@ -261,14 +285,21 @@ def loads(buf: bytes | bytearray | memoryview) -> Any:
 
 
 def iter_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")
+    if torch is None:  # never imported: nothing here can be a tensor
+        return
+    yield from _iter_tensors(obj, torch.Tensor)
+
+
+def _iter_tensors(obj: Any, tensor_type: type) -> Iterable[torch.Tensor]:
+    if isinstance(obj, tensor_type):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from iter_tensors(v)
+            yield from _iter_tensors(v, tensor_type)
     elif isinstance(obj, list):
         for v in obj:
-            yield from iter_tensors(v)
+            yield from _iter_tensors(v, tensor_type)
 
 
 def check_finite(obj: Any) -> None:
@@ -279,7 +310,7 @@ def check_finite(obj: Any) -> None:
         # NaN and Inf always make the sum non-finite; a finite sum proves the tensor
         # finite in one cheap pass. Only a non-finite sum (or an overflow of huge but
         # finite values) needs the exact element-wise check.
-        if not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
+        if not bool(t.sum().isfinite()) and not bool(t.isfinite().all()):
             raise CodecError("non_finite", "tensor with NaN or Inf values")
 
 

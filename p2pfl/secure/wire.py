@@ -137,7 +137,8 @@ class Header:
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> Header:
         try:
-            obj = tensors.decode(bytes(raw))
+            # no tensor map: a relay reads headers from anyone and never imports torch (issue 31)
+            obj = tensors.decode(bytes(raw), tensors=False)
         except tensors.CodecError as exc:
             raise WireError("undecodable_header", exc.reason) from None
         if not isinstance(obj, dict) or tuple(obj) != HEADER_KEYS:

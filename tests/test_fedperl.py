@@ -363,6 +363,10 @@ def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]
             "top_t": 2,
             "fraction": 1.0,
             "secure_aggregation": True,
+            # the neighbour counts below assume no sum times out: 5 s did once
+            # on a loaded machine (a round-2 sum of 0); rounds end as soon as
+            # every sum is in, so this costs nothing when the machine is idle
+            "round_timeout_s": 30.0,
         },
     )
     result = asyncio.run(simulate(cfgs, network=network))

@@ -18,6 +18,7 @@ import pytest
 from bench.scale import write_sites
 from p2pfl.config import SiteConfig
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
+from protocols.memory.network import REQUEST_SUFFIX
 from protocols.memory.ray_engine import RAY_MISSING, RayMissing, RayRun, ShardDied
 
 # one worker starts the one 2-node Ray cluster both cluster tests share
@@ -78,6 +79,16 @@ def f1s(result: SimulationResult) -> dict[tuple[str, int], float]:
     return {(r["node"], r["round"]): r["macro_f1"] for r in result.records}
 
 
+def requests(result: SimulationResult) -> dict[tuple[str, str], int]:
+    """(node, kind) -> request messages that node sent."""
+    return {
+        (node, kind): counts["messages"]
+        for node, traffic in result.traffic.items()
+        for kind, counts in traffic["by_kind"].items()
+        if kind.endswith(REQUEST_SUFFIX)
+    }
+
+
 def untimed(result: SimulationResult) -> dict[tuple[str, int], dict[str, Any]]:
     """Every record's values but its timings (train_s, round_s, ...) and the
     traffic its node had sent when it logged (what its peers had pulled from it
@@ -107,7 +118,14 @@ def test_two_shards_on_two_ray_nodes_equal_one_process(
     # and every other value logged (losses, validation F1, neighbours)
     assert untimed(sharded) == untimed(local)
     assert sorted(map(str, sharded.choices)) == sorted(map(str, local.choices))
-    assert sharded.traffic == local.traffic  # requests, replies, bytes: counted alike
+    # Requests are counted alike, each node's and each kind's. Replies are not
+    # compared one for one: a pull that has its neighbours cancels the requests
+    # still held open, and whether such a request was answered (and counted)
+    # before its cancel arrived is a race in either engine (under a load
+    # average of 10, one node's count of model replies was 18 in one process
+    # and 16 over the shards, with every F1 and choice equal).
+    assert requests(sharded) == requests(local)
+    assert sharded.traffic.keys() == local.traffic.keys()
     # the nodes trained: their loss fell, so equal values are not equal constants
     loss = local.mean_by_round("train_loss")
     assert loss[ROUNDS] < loss[1], loss

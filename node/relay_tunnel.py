@@ -325,6 +325,9 @@ class SiteRelays:
         self.publish_to = publish_to
         self.tunnels: list[RelayTunnel] = []
         self.server: Any = None  # node/relay.py RelayServer, with relay.serve: true
+        self._local_url: str | None = None  # this site's own message endpoint, once it listens
+        self._local_ssl: ssl.SSLContext | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # tunnels a roster reload closes
 
     def mount(self, peer_server: MessageServer) -> None:
         """relay.serve: this site is the roster's relay whose address is its own."""
@@ -354,33 +357,58 @@ class SiteRelays:
     def start_tunnels(self, peer_port: int | None) -> bool:
         """An outbound-only site: a tunnel per relay, once its own message endpoint
         (where they hand what they receive) listens. True when any started."""
-        via = self.roster[self.name].card.via
-        if via and peer_port is not None:
+        if peer_port is not None:
             tls = self.cfg.transport.tls
-            local_ssl = None
+            self._local_ssl = None
             if tls:  # our own endpoint on loopback: the federation's CA, not the host name
-                local_ssl = client_ssl_context(str(tls.cert), str(tls.key), str(tls.ca))
-                local_ssl.check_hostname = False
+                self._local_ssl = client_ssl_context(str(tls.cert), str(tls.key), str(tls.ca))
+                self._local_ssl.check_hostname = False
             host, _ = parse_hostport(self.cfg.node.listen)
-            local_url = local_endpoint(host, peer_port, tls is not None)
-            for relay in via:
-                tunnel = RelayTunnel(
-                    site=self.name,
-                    relay=relay,
-                    address=self.roster.relays[relay],
-                    federation=self.cfg.federation.id,
-                    identity=self.identity,
-                    local_url=local_url,
-                    cfg=self.cfg.transport,
-                    max_message_bytes=self.cfg.wire.max_message_bytes,
-                    relay_ssl=self.client_ssl,
-                    local_ssl=local_ssl,
-                    on_change=self.publish,
-                )
-                tunnel.start()
-                self.tunnels.append(tunnel)
+            self._local_url = local_endpoint(host, peer_port, tls is not None)
+            for relay in self.roster[self.name].card.via:
+                self._open(relay)
         self.publish()
         return bool(self.tunnels) or self.server is not None
+
+    def _open(self, relay: str) -> None:
+        assert self._local_url is not None
+        tunnel = RelayTunnel(
+            site=self.name,
+            relay=relay,
+            address=self.roster.relays[relay],
+            federation=self.cfg.federation.id,
+            identity=self.identity,
+            local_url=self._local_url,
+            cfg=self.cfg.transport,
+            max_message_bytes=self.cfg.wire.max_message_bytes,
+            relay_ssl=self.client_ssl,
+            local_ssl=self._local_ssl,
+            on_change=self.publish,
+        )
+        tunnel.start()
+        self.tunnels.append(tunnel)
+
+    def _follow_via(self) -> None:
+        """SIGHUP: tunnels follow this site's own card: a relay no longer in its
+        `via`, or whose address changed, is closed; a new one is dialled. Only
+        once the message endpoint listens (`start_tunnels` ran)."""
+        if self._local_url is None or self.name not in self.roster:
+            return
+        want = {r: self.roster.relays[r] for r in self.roster[self.name].card.via}
+        keep: list[RelayTunnel] = []
+        for tunnel in self.tunnels:
+            if want.get(tunnel.relay) == tunnel.address:
+                keep.append(tunnel)
+                continue
+            log.info("%s: roster reload: closing the tunnel to %s", self.name, tunnel.relay)
+            task = asyncio.get_running_loop().create_task(tunnel.stop())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self.tunnels = keep
+        for relay in want.keys() - {t.relay for t in keep}:
+            log.info("%s: roster reload: dialling %s", self.name, relay)
+            self._open(relay)
+        self.publish()
 
     async def wait_reachable(self, timeout: float) -> bool:
         """Until one of this site's tunnels is connected (at most `timeout` s):
@@ -412,13 +440,16 @@ class SiteRelays:
         self.publish_to(relays)
 
     def set_roster(self, roster: Roster) -> None:
-        """SIGHUP: the relay this site serves follows the new roster (tunnels keep
-        the relays they were started with)."""
+        """SIGHUP: the relay this site serves follows the new roster, and so do
+        this site's tunnels (its card's `via` and the relays' addresses)."""
         self.roster = roster
         if self.server is not None:
             self.server.set_roster(roster)
+        self._follow_via()
 
     async def stop(self) -> None:
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
         for tunnel in self.tunnels:
             with contextlib.suppress(Exception):
                 await tunnel.stop()

@@ -692,3 +692,92 @@ def test_a_reachable_site_that_relays_carries_a_site_behind_it(tmp_path):
     assert serving["forwarded"]["messages"] > 0 and tunnel["connected"], (serving, tunnel)
     pairs = {(j["from"], n) for n in ("a", "b", "c") for j in journal(fed_dir, n)}
     assert {("a", "c"), ("b", "c"), ("c", "a"), ("c", "b")} <= pairs, pairs
+
+
+def test_a_roster_reload_moves_a_sites_tunnels_to_the_relays_its_card_now_names(tmp_path):
+    """SIGHUP (`SiteRelays.set_roster`): c, behind r1, is moved to r2 in a new
+    roster; its tunnel to r1 closes and one to r2 connects, without a restart.
+    Moving r2 to another address redials it there."""
+    from node.relay_tunnel import SiteRelays
+    from p2pfl.config import load_config
+    from p2pfl.secure.identity import LocalIdentity
+
+    fed_dir = tmp_path / "fed"
+    plans = provision(
+        fed_dir, ["a", "b", "c"], protocol={"name": "probe"}, relays=["r1", "r2"], behind=["c"]
+    )
+    cfg = load_config(plans[2].config_path)
+    identity = LocalIdentity.load("c", cfg.signing_key_path, cfg.agreement_key_path)
+
+    async def serve(name: str, roster: Roster) -> tuple[RelayServer, web.AppRunner, int]:
+        server = RelayServer(
+            name, cfg.federation.id, roster, RelaySettings(), max_message_bytes=MAX, clock_skew_s=60
+        )
+        app = web.Application()
+        server.add_routes(app)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return server, runner, next(a[1] for a in runner.addresses if isinstance(a, tuple))
+
+    def connected(server: RelayServer) -> list[str]:
+        return list(server.snapshot()["connected"])
+
+    async def until(check: Any, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        provisioned = Roster.load(fed_dir / "roster.yaml")  # c via r1 and r2: start with r1
+        roster = Roster(
+            [
+                dataclasses.replace(c, via=("r1",)) if c.name == "c" else c
+                for c in provisioned.cards()
+            ],
+            relays=provisioned.relays,
+        )
+        servers = {}
+        for name in ("r1", "r2", "r2b"):
+            servers[name] = await serve(name if name != "r2b" else "r2", roster)
+        roster.relays["r1"] = f"127.0.0.1:{servers['r1'][2]}"
+        roster.relays["r2"] = f"127.0.0.1:{servers['r2'][2]}"
+        for server, _, _ in servers.values():
+            server.set_roster(roster)
+        published: list[dict[str, Any]] = []
+        relays = SiteRelays(
+            cfg=cfg, roster=roster, identity=identity, client_ssl=None, publish_to=published.append
+        )
+        try:
+            assert relays.start_tunnels(free_ports(1)[0])
+            await until(lambda: connected(servers["r1"][0]) == ["c"], "c connects to r1")
+            moved = Roster(
+                [
+                    dataclasses.replace(c, via=("r2",)) if c.name == "c" else c
+                    for c in roster.cards()
+                ],
+                relays=roster.relays,
+            )
+            for server, _, _ in servers.values():
+                server.set_roster(moved)
+            relays.set_roster(moved)
+            await until(lambda: connected(servers["r2"][0]) == ["c"], "c connects to r2")
+            await until(lambda: connected(servers["r1"][0]) == [], "c leaves r1")
+            assert [t.relay for t in relays.tunnels] == ["r2"]
+            assert set(published[-1]) == {"r2"}
+            # r2 moves: the tunnel is redialled at its new address
+            again = Roster(
+                moved.cards(), relays={**moved.relays, "r2": f"127.0.0.1:{servers['r2b'][2]}"}
+            )
+            servers["r2b"][0].set_roster(again)
+            relays.set_roster(again)
+            await until(lambda: connected(servers["r2b"][0]) == ["c"], "c connects to r2 anew")
+            await until(lambda: connected(servers["r2"][0]) == [], "c leaves r2's old address")
+        finally:
+            await relays.stop()
+            for server, runner, _ in servers.values():
+                await server.close()
+                await runner.cleanup()
+
+    asyncio.run(scenario())

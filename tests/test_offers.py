@@ -72,6 +72,9 @@ async def test_in_memory_request_is_answered_at_the_offer_not_the_poll() -> None
 
 
 @pytest.mark.slow
+# judges 30 ms latencies: two of eight answers came 34 and 50 ms late beside
+# three busy workers in a full run, so it runs alone in make test's second phase
+@pytest.mark.exclusive
 async def test_daemon_request_is_answered_at_the_offer_not_the_poll(tmp_path) -> None:
     plans = provision(
         tmp_path / "fed",

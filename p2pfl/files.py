@@ -36,16 +36,18 @@ def atomic_write_bytes(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    # O_NOFOLLOW: a link planted at the temporary name (by anyone who can write
+    # the folder) is refused (ELOOP), never written through to its target
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
         with os.fdopen(fd, "wb", closefd=False) as fh:
             for chunk in chunks:
                 fh.write(chunk)
             fh.flush()
+        os.fchmod(fd, mode)  # the umask may have narrowed what os.open created
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.chmod(tmp, mode)  # the umask may have narrowed what os.open created
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path

@@ -132,24 +132,15 @@ def model_summary(per_seed: dict[int, dict[str, Any]], labels: Sequence[str]) ->
         secure = label.endswith("+secagg")
         plain = label.removesuffix("+secagg")
         none = "none+secagg" if secure else "none"
-        if label != none:
-            ratios[f"{label}/{none} bytes"] = seed_ratio(
-                per_seed, label, none, "bytes_per_round_site"
-            )
-            ratios[f"{label}/{none} round_s"] = seed_ratio(per_seed, label, none, "round_s_mean")
-            ratios[f"{label}/{none} round_s_before_last"] = seed_ratio(
-                per_seed, label, none, "round_s_before_last"
-            )
-            ratios[f"{label}-{none} macro_f1 points"] = seed_difference(per_seed, label, none)
-        if secure:
-            ratios[f"{label}/{plain} bytes"] = seed_ratio(
-                per_seed, label, plain, "bytes_per_round_site"
-            )
-            ratios[f"{label}/{plain} round_s"] = seed_ratio(per_seed, label, plain, "round_s_mean")
-            ratios[f"{label}/{plain} round_s_before_last"] = seed_ratio(
-                per_seed, label, plain, "round_s_before_last"
-            )
-            ratios[f"{label}-{plain} macro_f1 points"] = seed_difference(per_seed, label, plain)
+        # each arm against `none` of its own kind, and a secure arm against its plain twin
+        for base in ([none] if label != none else []) + ([plain] if secure else []):
+            for what, field in (
+                ("bytes", "bytes_per_round_site"),
+                ("round_s", "round_s_mean"),
+                ("round_s_before_last", "round_s_before_last"),
+            ):
+                ratios[f"{label}/{base} {what}"] = seed_ratio(per_seed, label, base, field)
+            ratios[f"{label}-{base} macro_f1 points"] = seed_difference(per_seed, label, base)
     return {
         "seeds": sorted(per_seed),
         "arms": arms,

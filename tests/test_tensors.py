@@ -155,6 +155,19 @@ def _tensor_bytes(**override) -> bytes:
         ({"shape": [-1, 4]}, "bad_shape"),
         ({"shape": "2x2"}, "bad_shape"),
         ({"data": "text"}, "bad_tensor"),
+        # a hostile peer's shapes and dtype names (the codec loads torch lazily
+        # since issue 31: an unknown name must still be refused, not looked up)
+        ({"shape": [2**62, 2**62]}, "bad_shape"),
+        ({"shape": [1.5, 2]}, "bad_shape"),
+        ({"shape": [float("nan"), 2]}, "bad_shape"),
+        ({"shape": [float("inf")]}, "bad_shape"),
+        ({"shape": [1] * 65, "data": bytes(4)}, "bad_shape"),
+        ({"shape": []}, "size_mismatch"),
+        ({"data": bytes(17)}, "size_mismatch"),
+        ({"$t": 5}, "dtype_not_allowed"),
+        ({"$t": "__class__"}, "dtype_not_allowed"),
+        ({"$t": ""}, "dtype_not_allowed"),
+        ({"x": 1}, "bad_tensor"),
     ],
 )
 def test_schema_violations_have_reasons(override, reason):

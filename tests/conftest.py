@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,6 +166,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[BROWSER_SKIPPED] = len(browser)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup`, every test with an `xdist_group` mark must carry
+    its group in its node id by now (pytest-xdist sends a group to one worker by
+    that suffix). pytest 9.2's node ids made xdist 3.8 drop it silently
+    (pytest-xdist#1386): timing-sensitive tests then ran side by side and each
+    worker rebuilt the shared fixtures. Stop at once rather than run so."""
+    config = session.config
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False)):
+        return
+    lost = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
+    ]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup is not grouping ({len(lost)} grouped tests without their "
+            f"group, e.g. {lost[0]}): this pytest and pytest-xdist do not work together "
+            "(pytest-xdist#1386); install the versions pyproject.toml's dev extra pins"
+        )
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     skipped = config.stash.get(BROWSER_SKIPPED, 0)
     if skipped:
@@ -191,18 +215,55 @@ def codecs(identities: dict[str, LocalIdentity], roster: Roster) -> dict[str, Wi
 
 
 # ---------------------------------------------------------------------- CPU per test
-# P2PFL_TEST_CPU_LOG=FILE: each test's CPU seconds (this process and the children
-# it reaped, e.g. node processes) appended as JSON lines. Wall time depends on
-# the load; CPU time is what a 2-core run cannot escape (docs/testing.md).
+# P2PFL_TEST_CPU_LOG=FILE: each test's CPU seconds appended as JSON lines. Wall
+# time depends on the load; CPU time is what a 2-core run cannot escape
+# (docs/testing.md). Where a cgroup v1 `cpuacct` hierarchy is writable (root),
+# each pytest process moves itself into a cgroup of its own at start, so the
+# figure counts everything it started since: forked node processes (whose parent
+# is the fork server), subprocesses and Ray's workers. Elsewhere it counts this
+# process and the children it reaped.
 CPU_LOG = os.environ.get("P2PFL_TEST_CPU_LOG")
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+_cgroup: list[Path] = []
+
+
+def _join_cpu_cgroup() -> None:
+    """Move this process into a fresh cpuacct cgroup (best effort)."""
+    group = CPUACCT / f"p2pfl-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        return
+    _cgroup.append(group)
+
+
+def _leave_cpu_cgroup() -> None:
+    for group in _cgroup:
+        with contextlib.suppress(OSError):
+            (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+            group.rmdir()  # refused while a process it started still runs
 
 
 def _cpu_seconds() -> float:
+    if _cgroup:
+        return int((_cgroup[0] / "cpuacct.usage").read_text()) / 1e9
     import resource
 
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if CPU_LOG:
+        _join_cpu_cgroup()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _leave_cpu_cgroup()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -34,11 +34,13 @@ from tests.test_genbuffer import TINY, tiny_section
 
 
 def memorising_generator(
-    images_u8: np.ndarray, labels: np.ndarray, num_classes: int = 2, steps: int = 400
+    images_u8: np.ndarray, labels: np.ndarray, num_classes: int = 2, steps: int = 300
 ) -> Generator:
     """A generator driven until its samples are copies of its training images: each
     output is pulled to its nearest training image of the same class, and each
-    training image pulls its nearest output (so no image is left uncopied)."""
+    training image pulls its nearest output (so no image is left uncopied).
+    300 steps at lr 0.02 reach the loss of 600 at lr 0.01 (0.008) in half the CPU;
+    on the digits memoriser both expose 6 of 48 images (200 steps at lr 0.01: 5)."""
     torch.manual_seed(0)
     spec = GeneratorSpec(
         num_classes=num_classes, resolution=16, channels=images_u8.shape[-1], **TINY
@@ -47,7 +49,7 @@ def memorising_generator(
     real = prepare_images(images_u8, 16)
     y = torch.as_tensor(labels).long()
     present = y.unique()
-    optimizer = torch.optim.Adam(generator.parameters(), lr=0.01)
+    optimizer = torch.optim.Adam(generator.parameters(), lr=0.02)
     for _ in range(steps):
         cls = present.repeat_interleave(max(1, 64 // len(present)))
         out = generator(torch.randn(len(cls), spec.z_dim), cls, noise_mode="const")
@@ -89,7 +91,7 @@ def metric():
 def digits_memoriser() -> Generator:
     """Memorised: trained far past convergence on six of the first 48 digits."""
     images, labels = digits16(48)
-    return memorising_generator(images[:6], labels[:6], num_classes=10, steps=600)
+    return memorising_generator(images[:6], labels[:6], num_classes=10)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,7 @@ def site0(parts: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     )
     data = load_site_data(config.data, seed=0)
     images, labels = data.train_uint8[:8], np.asarray(data.train_labels)[:8]
-    memoriser = memorising_generator(images, labels, num_classes=10, steps=600)
+    memoriser = memorising_generator(images, labels, num_classes=10)
     return parts, images.copy(), save(memoriser, root / "memoriser.pt")
 
 

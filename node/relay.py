@@ -17,21 +17,21 @@ token to disk (node/relay_status.py).
 
 Checks on a POST, in this order, each a refusal `{"reason": CODE}` counted by
 reason: the frame's prefix and header (bounded reads, idle timeout), version,
-federation, sender on the roster, the sender's signature, recipient connected
-here (`not_connected` 503: try its next relay; only after the signature, so a
-stranger cannot learn who is connected), timestamp within the clock skew,
-`encrypted` (a relay never carries plaintext: `encryption_required`), size,
-the sender's rate (token bucket), the recipient's pending frames and bytes
+federation, sender on the roster, its signature; the sender's turn
+(node/relay_admission.py: over its rate or its share, a signed frame waits in
+its sender's own queue, reads paused: `rate_limited`, `too_many_connections`);
+recipient connected here (`not_connected` 503: try its next relay; a stranger
+cannot learn who is connected), timestamp within the clock skew, `encrypted`
+(a relay never carries plaintext: `encryption_required`), size, the sender's
+token (a forger cannot drain a bucket), the recipient's pending frames and bytes
 (`queue_full` 503; one sender holds at most half of a recipient's slots, and
-of its bytes beyond its first frame), then the payload itself
-(exactly its length, its signed SHA-256, within read_idle_timeout_s + its size
-at min_upload_bytes_per_s: `upload_too_slow`), held in memory only as it
-arrives. The answer goes back under the same deadline, the frame's slot held
-until it is written: a sender that does not read it has its connection aborted
-(`answer_too_slow`), so no unread answer stays in memory. Like
-node/transport.py, a sender already over its rate is refused before the
-signature check, so a flood costs the relay little, and only verified frames
-take rate tokens, so a forger cannot drain an honest sender's bucket.
+of its bytes beyond its first frame), then the payload itself (exactly its
+length, its signed SHA-256, within read_idle_timeout_s + its size at
+min_upload_bytes_per_s: `upload_too_slow`), held in memory only as it arrives.
+The answer goes back under the same deadline, the frame's slot held until it
+is written: a sender that does not read it has its connection aborted
+(`answer_too_slow`), so no unread answer stays in memory. Timeouts are
+`asyncio.timeout` scopes (3.11's `wait_for` makes each read a task).
 
 Connections: a site proves who it is on the WebSocket upgrade request itself,
 before any WebSocket exists (node/relay_handshake.py: nonces, handshake slots).
@@ -54,6 +54,7 @@ from typing import Any
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from node.relay_admission import TOO_MANY_CONNECTIONS, Admission
 from node.relay_handshake import Gatekeeper, SiteLink, SiteStats, refused_upgrade
 from node.relay_wire import (
     AUTH_STATUS_FOR_REASON,
@@ -65,7 +66,7 @@ from node.relay_wire import (
     encrypted_frame,
     unpack_reply,
 )
-from node.transport import STATUS_FOR_REASON, TokenBucket
+from node.transport import STATUS_FOR_REASON
 from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import MAGIC, MAX_HEADER, PREFIX_LEN, SIG_LEN, VERSION, Header, WireError
@@ -79,6 +80,7 @@ REFUSAL_STATUS = {
     **AUTH_STATUS_FOR_REASON,
     "relay_closing": 503,  # the relay is shutting down: try the site's next relay
     "reply_malformed": 502,  # the recipient answered with a status that is not a final one
+    TOO_MANY_CONNECTIONS: 429,  # the sender's queue is full (node/relay_admission.py)
 }
 STREAM_ID = struct.Struct(">Q")  # the head of a FORWARD (node/relay_wire.py pack_forward)
 PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
@@ -114,7 +116,7 @@ class RelayServer:
         self.links: dict[str, SiteLink] = {}
         self.stats: dict[str, SiteStats] = {}
         self.refusals: dict[str, int] = {}
-        self._buckets: dict[str, TokenBucket] = {}
+        self.admission = Admission(settings)
         self._ids = itertools.count(1)
         self.gate = Gatekeeper(name, federation, settings, self._count)
         self._closing = False
@@ -138,10 +140,7 @@ class RelayServer:
         return refusal(reason, detail)
 
     def _stats(self, site: str) -> SiteStats:
-        stats = self.stats.get(site)
-        if stats is None:
-            stats = self.stats[site] = SiteStats()
-        return stats
+        return self.stats.get(site) or self.stats.setdefault(site, SiteStats())
 
     # ------------------------------------------------------------------ connect
     @property
@@ -226,11 +225,13 @@ class RelayServer:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ message
-    def _check(
-        self, header: Header, header_bytes: bytes, signature: bytes, length: int | None
-    ) -> tuple[str, str] | SiteLink:
-        """The header's checks, in the module docstring's order: the
-        recipient's connection, or (reason, detail)."""
+    def _precheck(
+        self, header: Header, header_bytes: bytes, signature: bytes
+    ) -> tuple[str, str] | None:
+        """The checks before the sender's turn: version, federation, sender on
+        the roster, its signature. Only a frame its sender signed waits in that
+        sender's queue: a stranger claiming a site's name is refused here and
+        can never take that site's places at the relay."""
         if header.version != VERSION:
             return "unsupported_version", f"version {header.version}"
         if header.federation != self.federation:
@@ -238,15 +239,15 @@ class RelayServer:
         sender = self.roster.sites.get(header.sender)
         if sender is None:
             return "unknown_sender", repr(header.sender[:64])
-        # A sender over its rate is refused before the costly signature check (a
-        # flood costs the relay little); only verified frames take tokens, so a
-        # forger cannot drain an honest sender's bucket.
-        bucket = self._buckets.get(header.sender)
-        if bucket is not None and not bucket.ready():
-            return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
         if not sender.verify(signature, header_bytes):
             return "bad_signature", f"from {header.sender!r}"
-        # Only after the signature: a stranger must not learn who is connected here.
+        return None
+
+    def _check(self, header: Header, head: int, length: int | None) -> tuple[str, str] | SiteLink:
+        """The rest of the header's checks, in the module docstring's order, once
+        the sender's turn came (no await in between: its token is still there):
+        the recipient's connection, or (reason, detail). Only after the
+        signature: a stranger must not learn who is connected here."""
         link = self.links.get(header.recipient)
         if link is None or header.recipient not in self.roster:
             return "not_connected", f"{header.recipient[:64]!r} has no connection to this relay"
@@ -255,16 +256,12 @@ class RelayServer:
             return "stale_timestamp", f"{skew / 1000:.0f} s off this relay's clock"
         if not header.encrypted:
             return "encryption_required", "a relay forwards encrypted payloads only"
-        frame_len = PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
+        frame_len = PREFIX_LEN + head + SIG_LEN + header.payload_len
         if frame_len > self.max_message_bytes:
             return "oversize", f"{frame_len} bytes"
         if length is not None and length != frame_len:
             return "digest_mismatch", "frame length does not match the header"
-        bucket = self._buckets.get(header.sender)
-        if bucket is None:
-            rate = self.settings.rate_limit_per_s
-            bucket = self._buckets[header.sender] = TokenBucket(rate, max(10.0, rate))
-        if not bucket.take():
+        if not self.admission.take(header.sender):
             return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
         limit = self.settings.max_pending_per_site
         max_bytes = self.settings.max_pending_bytes_per_site
@@ -288,13 +285,13 @@ class RelayServer:
             return self._refuse("oversize", f"{length} bytes")
         stream = request.content
         idle = self.settings.read_idle_timeout_s
-        header: Header | None = None
         try:
-            prefix = await asyncio.wait_for(stream.readexactly(PREFIX_LEN), idle)
-            (header_len,) = struct.unpack(">I", prefix[4:8])
-            if prefix[:4] != MAGIC or not 0 < header_len <= MAX_HEADER:
-                return self._refuse("undecodable_header", "not a P2FL frame")
-            rest = await asyncio.wait_for(stream.readexactly(header_len + SIG_LEN), idle)
+            async with asyncio.timeout(idle):  # the prefix, then the header: small
+                prefix = await stream.readexactly(PREFIX_LEN)
+                (header_len,) = struct.unpack(">I", prefix[4:8])
+                if prefix[:4] != MAGIC or not 0 < header_len <= MAX_HEADER:
+                    return self._refuse("undecodable_header", "not a P2FL frame")
+                rest = await stream.readexactly(header_len + SIG_LEN)
             header = Header.unpack(rest[:header_len])
         except WireError as exc:
             return self._refuse(exc.reason, exc.detail)
@@ -302,10 +299,21 @@ class RelayServer:
             return self._refuse("truncated", "frame ended early")
         except TimeoutError:
             return self._refuse("truncated", f"no bytes for {idle:g} s")
-        checked = self._check(header, rest[:header_len], rest[header_len:], length)
-        if isinstance(checked, tuple):
-            return self._refuse(*checked, who=header.sender[:64])
-        return await self._forward(checked, request, prefix + rest, header)
+        who = header.sender[:64]
+        if failed := self._precheck(header, rest[:header_len], rest[header_len:]):
+            return self._refuse(*failed, who=who)
+        if isinstance(turn := await self.admission.enter(header.sender), str):  # waited
+            response = self._refuse(turn, f"over {self.settings.rate_limit_per_s:g} frames/s", who)
+            if turn == TOO_MANY_CONNECTIONS:
+                response.force_close()  # this sender has connections enough
+            return response
+        try:
+            checked = self._check(header, header_len, length)
+            if isinstance(checked, tuple):
+                return self._refuse(*checked, who=who)
+            return await self._forward(checked, request, prefix + rest, header)
+        finally:
+            turn.leave()  # its place at the relay is free
 
     async def _forward(
         self, link: SiteLink, request: web.Request, head: bytes, header: Header
@@ -339,7 +347,8 @@ class RelayServer:
             link.waiting[stream_id] = future
             timeout = self.settings.forward_timeout_s
             try:  # the frame is written at once; a site that stops reading stalls the drain
-                await asyncio.wait_for(link.ws.send_bytes(buffer), timeout)
+                async with asyncio.timeout(timeout):
+                    await link.ws.send_bytes(buffer)
             except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
                 return self._refuse("relay_lost", "the recipient's connection failed", sender)
             del buffer  # sent: the bytes are the kernel's now
@@ -347,7 +356,8 @@ class RelayServer:
             held_bytes = 0
             self._account(sender, link.name, frame_len)
             try:
-                answer = await asyncio.wait_for(future, timeout)
+                async with asyncio.timeout(timeout):
+                    answer = await future
             except TimeoutError:
                 return self._refuse("relay_lost", "no answer within forward_timeout_s", sender)
             if answer is None:
@@ -402,17 +412,19 @@ class RelayServer:
         start, end = offset, offset + header.payload_len
         try:
             while len(buffer) < end:
-                chunk = await asyncio.wait_for(stream.readany(), _wait(idle, deadline))
+                async with asyncio.timeout(_wait(idle, deadline)):
+                    chunk = await stream.readany()
                 if not chunk:
                     return "truncated", f"payload ended at {len(buffer) - start} bytes"
                 if len(buffer) + len(chunk) > end:
                     return "digest_mismatch", "payload longer than the header says"
                 buffer += chunk
                 digest.update(chunk)
-            if not stream.at_eof() and await asyncio.wait_for(
-                stream.read(1), _wait(idle, deadline)
-            ):
-                return "digest_mismatch", "payload longer than the header says"
+            if not stream.at_eof():
+                async with asyncio.timeout(_wait(idle, deadline)):
+                    extra = await stream.read(1)
+                if extra:
+                    return "digest_mismatch", "payload longer than the header says"
         except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
             return "truncated", "connection closed mid-payload"
         except TimeoutError:
@@ -437,8 +449,7 @@ class RelayServer:
         """A reloaded roster (SIGHUP): a site no longer listed, or whose card
         changed (keys, via), is disconnected; it authenticates again if it may."""
         self.roster = roster
-        for name in [n for n in self._buckets if n not in roster]:
-            del self._buckets[name]
+        self.admission.forget(set(roster.sites))
         for link in list(self.links.values()):
             entry = roster.sites.get(link.name)
             if entry is None or entry.card != link.card:
@@ -467,6 +478,7 @@ class RelayServer:
                 "pending": link.pending if link else 0,
                 "pending_bytes": link.pending_bytes if link else 0,
                 **vars(stats),
+                **self.admission.row(name),  # its frames waiting for its rate
             }
         return {
             "relay": self.name,

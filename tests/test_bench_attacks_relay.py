@@ -108,18 +108,20 @@ def test_the_relay_refuses_strangers_impostors_and_plaintext_and_the_receiver_an
 @pytest.mark.exclusive  # compares latencies under a flood with unloaded ones: run alone
 def test_one_site_flooding_the_relay_is_bounded_and_judged_by_its_figures(tmp_path):
     """Every relayed heartbeat of the other sites is answered under the flood,
-    the flood is refused at the sender's rate, and the verdict follows the
-    figures. Whether the p99 stays within 2x is the benchmark's figure, not a
-    test bound: on this 2-core machine, where the flooder, the relay and the
-    sites share the cores, it measured 3-6x in four runs out of five
-    (docs/benchmarks.md), which the verdict reports as `succeeded`."""
+    the flood is held to the sender's rate at the relay's door (its frames wait
+    their turn, node/relay_admission.py), and the verdict follows the figures.
+    Whether the p99 stays within 2x is the benchmark's figure, not a test
+    bound: on this 2-core machine, shared by the flooder, the relay, the sites
+    and other work, it varies from run to run (docs/benchmarks.md)."""
     flood = run_attacks(["relay_flood"], tmp_path / "attacks")["relay_flood"]
     assert not flood.get("inconclusive"), flood
     assert flood["flood"]["sent"] >= 100 and flood["heartbeats"]["flooded"] >= 10
     assert flood["heartbeats_failed"]["loaded"] == []
-    # the flood is bounded: past its rate the flooder is refused, and counted by the relay
-    assert flood["relay_refusals"].get("rate_limited", 0) > 0, flood
-    assert flood["flood"]["answers"].get("429", 0) > 0, flood["flood"]
+    # the flood is bounded: past its burst the flooder's frames waited for its rate
+    # at r1 (200 frames/s, a burst of 200: the provisioned relay.yaml), never beyond it
+    assert flood["relay_delayed_from_m"] > 0, flood
+    assert flood["relay_forwarded_from_m"] <= 200 + 200 * flood["flood"]["seconds"] + 1, flood
+    assert set(flood["relay_refusals"]) <= {"rate_limited", "too_many_connections"}, flood
     # the verdict is the figures': neutralised exactly when the p99 stayed in the bound
     within = flood["flooded_p99_ms"] <= P99_FACTOR * flood["unloaded_p99_ms"] + 0.01
     assert flood["outcome"] == ("neutralised" if within else "succeeded")

@@ -305,11 +305,14 @@ def flood(r1: RelayProcess, port: int, m: RawPeer, h: RawPeer, folder: Path) -> 
         "bound": f"{P99_FACTOR:g}x unloaded p99",
         "heartbeats": {"unloaded": len(base), "flooded": len(loaded)},
         "heartbeats_failed": run["failed"],
+        "flooded_slowest_ms_per_s": run["loaded_slowest_ms_per_s"],  # from the flooder's start
         "flood": run["flood"],
         "relay_refusals": {
             k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)
         },
         "relay_forwarded_from_m": m_after.get("messages_in", 0) - m_before.get("messages_in", 0),
+        # m's frames that waited for its rate at r1's front door (node/relay_admission.py)
+        "relay_delayed_from_m": m_after.get("delayed", 0) - m_before.get("delayed", 0),
         "loadavg_1m": round(os.getloadavg()[0], 2),  # this machine's load (shared CPUs)
     }
     if len(base) < BASELINE_SAMPLES or run["flood"].get("sent", 0) < 100 or len(loaded) < 10:

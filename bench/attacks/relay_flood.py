@@ -36,10 +36,15 @@ def p50(samples: list[float]) -> float:
 
 
 async def _beats(
-    session: aiohttp.ClientSession, url: str, frames: list[bytes], until: Callable[[], bool]
+    session: aiohttp.ClientSession,
+    url: str,
+    frames: list[bytes],
+    until: Callable[[], bool],
+    starts: list[float] | None = None,
 ) -> tuple[list[float], list[int]]:
     """Heartbeats through the relay one after the other (GAP_S apart) until
-    `until()` or the frames run out: (latencies of the 200s, other statuses)."""
+    `until()` or the frames run out: (latencies of the 200s, other statuses);
+    `starts`, if given, gets each 200's start time (perf_counter)."""
     times: list[float] = []
     failed: list[int] = []
     while frames and not until():
@@ -53,6 +58,8 @@ async def _beats(
             status = 0
         if status == 200:
             times.append(time.perf_counter() - t0)
+            if starts is not None:
+                starts.append(t0)
         else:
             failed.append(status)
         await asyncio.sleep(GAP_S)
@@ -80,13 +87,21 @@ async def flood_run(port: int, flood_path: Path, beats: list[bytes]) -> dict[str
         if line.strip() != b"flooding":
             raise RuntimeError(f"the flooder did not start: {line!r}")
         done = asyncio.create_task(flooder.communicate())
-        loaded, failed_loaded = await _beats(session, url, beats, done.done)
+        flood_began, starts = time.perf_counter(), []
+        loaded, failed_loaded = await _beats(session, url, beats, done.done, starts)
         out, _ = await asyncio.wait_for(done, 60)
         count[0] = 0
         after, failed_after = await _beats(session, url, beats, enough)
     flood = json.loads(out.decode().strip().splitlines()[-1])
+    # where in the flood the slow heartbeats were: the slowest of each second
+    by_second: dict[int, float] = {}
+    for t0, latency in zip(starts, loaded, strict=True):
+        second = int(t0 - flood_began)
+        by_second[second] = max(by_second.get(second, 0.0), latency)
+    slowest = [round(by_second.get(i, 0.0) * 1e3, 1) for i in range(max(by_second, default=-1) + 1)]
     return {"unloaded": before + after, "loaded": loaded, "flood": flood,
-            "failed": {"unloaded": failed_before + failed_after, "loaded": failed_loaded}}  # fmt: skip
+            "failed": {"unloaded": failed_before + failed_after, "loaded": failed_loaded},
+            "loaded_slowest_ms_per_s": slowest}  # fmt: skip
 
 
 def flood_main() -> None:

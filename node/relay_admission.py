@@ -1,0 +1,151 @@
+"""A relay's front door, per sender (issue 31): a frame over its sender's rate
+waits its turn, reads paused, instead of being refused at once.
+
+Why (measured with `python -m bench.attacks --scenarios relay_flood`): one
+roster site POSTing as fast as 16 keep-alive connections allow, each refused
+at once with 429 `rate_limited`, sends its next frame at once. Each refusal
+costs the relay an HTTP request parsed, a header read and an answer written,
+about what it costs the flooder to send it, so the two processes turn the
+refusals over as fast as two shared cores let them, and every other site's
+frame waits behind them in the relay's event loop. Holding the request
+instead costs the relay nothing: it reads no further and answers nothing yet,
+so the sender's connection stays busy and its next frame is not sent (the
+backpressure TCP gives a reader that stops reading). However many connections
+it opens, up to its queue, a sender then gets exactly its rate.
+
+Per sender of a verified frame (node/relay.py: the header's cheap checks and
+the sender's signature ran first, so only a frame its sender signed ever waits
+in that sender's queue):
+- nothing of it waits, fewer than `HONEST_CONNECTIONS` of its frames are in
+  the relay's hands (admitted, not yet answered) and its token bucket holds a
+  token: on at once, no await;
+- otherwise the frame joins the sender's FIFO queue; the head of the queue
+  waits for one of its frames to be answered and for a token, then the
+  relay's remaining checks run and the frame takes the token
+  (node/relay.py `_check`);
+- a frame still waiting after `RATE_WAIT_S` is refused 429 `rate_limited`;
+- a sender with `queue_limit` frames waiting already is refused 429
+  `too_many_connections`, and that connection is closed.
+An honest node opens at most 8 connections to one host
+(node/transport_client.py, `limit_per_host`), so it never has more than 8
+frames at a relay at once and never waits for that; a flooder with more
+connections has its surplus held (each costs a socket, no CPU), and the
+queue holds 4 times that many by default.
+
+Each sender waits in its own queue, served as its own tokens come: one site's
+backlog never sits in front of another site's frame. A stranger that claims a
+roster member's name is refused `bad_signature` before the queue, so it can
+neither take that member's places nor its tokens. Verifying a flooder's frames
+costs an Ed25519 check each (tens of microseconds) only for the frames the
+relay reads: with reads paused, at most its active and queued frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from node.transport import TokenBucket
+from p2pfl.config import RelaySettings
+
+# The longest a frame waits for its sender's next token before 429 rate_limited.
+RATE_WAIT_S = 2.0
+# Connections an honest node opens to one relay at most (node/transport_client.py).
+HONEST_CONNECTIONS = 8
+TOO_MANY_CONNECTIONS = "too_many_connections"
+
+
+@dataclass
+class SenderGate:
+    """One sender's token bucket and the queue of its frames waiting for it."""
+
+    bucket: TokenBucket
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # FIFO: the queue
+    freed: asyncio.Event = field(default_factory=asyncio.Event)  # one of its frames left
+    active: int = 0  # frames admitted and not yet answered
+    waiting: int = 0  # frames in the queue now
+    delayed: int = 0  # frames that waited and then went on
+    waited_s: float = 0.0  # their waits, summed
+
+    def leave(self) -> None:
+        """A frame `enter` admitted is answered or refused: its place is free."""
+        self.active -= 1
+        self.freed.set()
+
+
+class Admission:
+    """Every sender's gate (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: RelaySettings,
+        *,
+        wait_s: float = RATE_WAIT_S,
+        max_active: int = HONEST_CONNECTIONS,
+    ) -> None:
+        self.rate = settings.rate_limit_per_s
+        self.burst = max(10.0, self.rate)
+        self.wait_s = wait_s
+        self.max_active = max_active
+        self.queue_limit = max(4 * HONEST_CONNECTIONS, settings.max_pending_per_site // 2)
+        self.gates: dict[str, SenderGate] = {}
+
+    def gate(self, sender: str) -> SenderGate:
+        gate = self.gates.get(sender)
+        if gate is None:
+            gate = self.gates[sender] = SenderGate(TokenBucket(self.rate, self.burst))
+        return gate
+
+    async def enter(self, sender: str) -> SenderGate | str:
+        """Wait for `sender`'s turn: its gate when its frame may go on to the
+        checks (its token is ready and stays so until the caller's next await;
+        the caller then owes the gate a `leave()` once the frame is answered or
+        refused), else the refusal's reason."""
+        gate = self.gate(sender)
+        if not gate.lock.locked() and gate.active < self.max_active and gate.bucket.ready():
+            gate.active += 1
+            return gate  # nothing waits: no await at all
+        if gate.waiting >= self.queue_limit:
+            return TOO_MANY_CONNECTIONS
+        gate.waiting += 1
+        began = time.monotonic()
+        try:
+            async with asyncio.timeout(self.wait_s), gate.lock:
+                bucket = gate.bucket
+                while gate.active >= self.max_active or not bucket.ready():
+                    if gate.active >= self.max_active:
+                        gate.freed.clear()
+                        await gate.freed.wait()
+                    else:
+                        await asyncio.sleep(max(1e-3, (1.0 - bucket.tokens) / bucket.rate))
+                gate.active += 1
+            # The lock is released, and nothing awaits until the caller's checks
+            # take the token: the next frame in the queue runs only after them.
+        except TimeoutError:
+            return "rate_limited"
+        finally:
+            gate.waiting -= 1
+        gate.delayed += 1
+        gate.waited_s += time.monotonic() - began
+        return gate
+
+    def take(self, sender: str) -> bool:
+        """A verified frame takes its sender's token (False: none left)."""
+        return self.gate(sender).bucket.take()
+
+    def forget(self, keep: set[str]) -> None:
+        """A reloaded roster: the gates of senders no longer on it go (frames
+        admitted or waiting keep their gate until they leave it)."""
+        for name in [n for n in self.gates if n not in keep]:
+            del self.gates[name]
+
+    def row(self, sender: str) -> dict[str, float | int]:
+        """/status figures of a sender's gate."""
+        gate = self.gates.get(sender) or SenderGate(TokenBucket(self.rate, self.burst))
+        return {
+            "active": gate.active,
+            "waiting": gate.waiting,
+            "delayed": gate.delayed,
+            "waited_s": round(gate.waited_s, 3),
+        }

@@ -16,7 +16,10 @@ PIP := env -u PIP_FIND_LINKS $(BIN)/pip
 # `make test XDIST_ARGS=` runs serially; `XDIST_ARGS="-n 3 --dist loadgroup"` sets the count.
 XDIST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); w=$$((2 * n)); [ $$w -gt 8 ] && w=8; echo $$w)
 XDIST_ARGS ?= -n $(XDIST_WORKERS) --dist loadgroup
-PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -p no:cacheprovider
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: else every
+# worker, benchmark subprocess and phase 2 compiles the sources and rewrites the
+# tests' asserts again (about 10 CPU-seconds per pytest process).
+PYTEST := PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -p no:cacheprovider
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -228,7 +228,12 @@ _cgroup: list[Path] = []
 
 
 def _join_cpu_cgroup() -> None:
-    """Move this process into a fresh cpuacct cgroup (best effort)."""
+    """Move this process into a fresh cpuacct cgroup (best effort), removing
+    the empty ones that ended runs left (rmdir refuses a group still in use)."""
+    for stale in CPUACCT.glob("p2pfl-test-*"):
+        if not Path(f"/proc/{stale.name.rsplit('-', 1)[-1]}").exists():  # its pytest ended
+            with contextlib.suppress(OSError):
+                stale.rmdir()
     group = CPUACCT / f"p2pfl-test-{os.getpid()}"
     try:
         group.mkdir()

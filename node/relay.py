@@ -303,7 +303,7 @@ class RelayServer:
         if failed := self._precheck(header, rest[:header_len], rest[header_len:]):
             return self._refuse(*failed, who=who)
         if isinstance(turn := await self.admission.enter(header.sender), str):  # waited
-            response = self._refuse(turn, f"over {self.settings.rate_limit_per_s:g} frames/s", who)
+            response = self._refuse(turn, self.admission.why(turn), who)
             if turn == TOO_MANY_CONNECTIONS:
                 response.force_close()  # this sender has connections enough
             return response
@@ -448,8 +448,8 @@ class RelayServer:
     def set_roster(self, roster: Roster) -> None:
         """A reloaded roster (SIGHUP): a site no longer listed, or whose card
         changed (keys, via), is disconnected; it authenticates again if it may."""
+        self.admission.forget(self.roster.sites, roster.sites)  # cards compared: first
         self.roster = roster
-        self.admission.forget(set(roster.sites))
         for link in list(self.links.values()):
             entry = roster.sites.get(link.name)
             if entry is None or entry.card != link.card:

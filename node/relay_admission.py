@@ -8,7 +8,7 @@ costs the relay an HTTP request parsed, a header read and an answer written,
 about what it costs the flooder to send it, so the two processes turn the
 refusals over as fast as two shared cores let them, and every other site's
 frame waits behind them in the relay's event loop. Holding the request
-instead costs the relay nothing: it reads no further and answers nothing yet,
+instead costs the relay no CPU: it reads no further and answers nothing yet,
 so the sender's connection stays busy and its next frame is not sent (the
 backpressure TCP gives a reader that stops reading). However many connections
 it opens, up to its queue, a sender then gets exactly its rate.
@@ -25,35 +25,52 @@ in that sender's queue):
   (node/relay.py `_check`);
 - a frame still waiting after `RATE_WAIT_S` is refused 429 `rate_limited`;
 - a sender with `queue_limit` frames waiting already is refused 429
-  `too_many_connections`, and that connection is closed.
+  `too_many_connections`, and that connection is closed;
+- a roster reload that removes the sender, or drops a signing key of its card
+  (`forget`), revokes its gate: its frames still waiting, verified under the
+  old card, are refused `unknown_sender` (they used to go on, each taking a
+  token from a new gate's fresh burst); a card whose keys all still verify
+  (unchanged, or rotated with the old key as its previous one) keeps its gate.
 An honest node opens at most 8 connections to one host
 (node/transport_client.py, `limit_per_host`), so it never has more than 8
 frames at a relay at once and never waits for that; a flooder with more
-connections has its surplus held (each costs a socket, no CPU), and the
-queue holds 4 times that many by default.
+connections has its surplus held (each costs a socket and no CPU, but what
+aiohttp read of it before pausing stays in memory: up to twice its 256 KiB
+read_bufsize plus one 256 KiB recv; in the issue-31 review, tracemalloc
+measured 0.77 MB per waiting 3 MB frame, 24.5 MB for a full queue of 32), and
+the queue holds 4 times that many by default.
 
 Each sender waits in its own queue, served as its own tokens come: one site's
 backlog never sits in front of another site's frame. A stranger that claims a
 roster member's name is refused `bad_signature` before the queue, so it can
 neither take that member's places nor its tokens. Verifying a flooder's frames
 costs an Ed25519 check each (tens of microseconds) only for the frames the
-relay reads: with reads paused, at most its active and queued frames.
+relay reads: with reads paused, at most its active and queued frames, plus
+one per fresh connection beyond them (refused `too_many_connections` and
+closed). Such a connection churn is no worse than a stranger's: in the review,
+16 connect-send-close loops from another process turned over 3,340
+`too_many_connections` in 5 s against 3,070 `bad_signature` from a forger,
+the relay's process at 2.1 s of CPU either way (one run each, 2 loaded cores).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from node.transport import TokenBucket
 from p2pfl.config import RelaySettings
+from p2pfl.secure.identity import RosterSite
 
 # The longest a frame waits for its sender's next token before 429 rate_limited.
 RATE_WAIT_S = 2.0
 # Connections an honest node opens to one relay at most (node/transport_client.py).
 HONEST_CONNECTIONS = 8
 TOO_MANY_CONNECTIONS = "too_many_connections"
+# A frame whose sender's card a roster reload removed or changed while it waited.
+REVOKED = "unknown_sender"
 
 
 @dataclass
@@ -67,6 +84,7 @@ class SenderGate:
     waiting: int = 0  # frames in the queue now
     delayed: int = 0  # frames that waited and then went on
     waited_s: float = 0.0  # their waits, summed
+    revoked: bool = False  # its sender's card was removed or changed: none goes on
 
     def leave(self) -> None:
         """A frame `enter` admitted is answered or refused: its place is free."""
@@ -103,7 +121,8 @@ class Admission:
         the caller then owes the gate a `leave()` once the frame is answered or
         refused), else the refusal's reason."""
         gate = self.gate(sender)
-        if not gate.lock.locked() and gate.active < self.max_active and gate.bucket.ready():
+        # Nothing waits (not `lock.locked()`: a woken waiter has not taken the lock yet).
+        if not gate.waiting and gate.active < self.max_active and gate.bucket.ready():
             gate.active += 1
             return gate  # nothing waits: no await at all
         if gate.waiting >= self.queue_limit:
@@ -113,12 +132,14 @@ class Admission:
         try:
             async with asyncio.timeout(self.wait_s), gate.lock:
                 bucket = gate.bucket
-                while gate.active >= self.max_active or not bucket.ready():
+                while not gate.revoked and (gate.active >= self.max_active or not bucket.ready()):
                     if gate.active >= self.max_active:
                         gate.freed.clear()
                         await gate.freed.wait()
                     else:
                         await asyncio.sleep(max(1e-3, (1.0 - bucket.tokens) / bucket.rate))
+                if gate.revoked:  # verified against a card that is gone: not forwarded
+                    return REVOKED
                 gate.active += 1
             # The lock is released, and nothing awaits until the caller's checks
             # take the token: the next frame in the queue runs only after them.
@@ -130,15 +151,30 @@ class Admission:
         gate.waited_s += time.monotonic() - began
         return gate
 
+    def why(self, reason: str) -> str:
+        """The detail of a refusal `enter` answered."""
+        if reason == REVOKED:
+            return "its card was removed or changed while the frame waited"
+        return f"over {self.rate:g} frames/s"
+
     def take(self, sender: str) -> bool:
         """A verified frame takes its sender's token (False: none left)."""
         return self.gate(sender).bucket.take()
 
-    def forget(self, keep: set[str]) -> None:
-        """A reloaded roster: the gates of senders no longer on it go (frames
-        admitted or waiting keep their gate until they leave it)."""
-        for name in [n for n in self.gates if n not in keep]:
-            del self.gates[name]
+    def forget(self, old: Mapping[str, RosterSite], new: Mapping[str, RosterSite]) -> None:
+        """A reloaded roster (`old` and `new`: Roster.sites): the gate of a sender
+        no longer listed, or with a signing key the new card no longer accepts (a
+        revoked key), goes and is revoked: its frames waiting, verified under the
+        old card, are refused `REVOKED` instead of going on to a new gate's burst
+        (admitted ones finish, as they did before the reload). A sender whose keys
+        all still verify (unchanged, or rotated with the old key as its previous
+        one) keeps its gate, spent bucket and queue included."""
+        for name, gate in list(self.gates.items()):
+            was, now = old.get(name), new.get(name)
+            if was is None or now is None or not _keys(was) <= _keys(now):
+                del self.gates[name]
+                gate.revoked = True
+                gate.freed.set()  # the head of its queue, waiting for a slot, sees it
 
     def row(self, sender: str) -> dict[str, float | int]:
         """/status figures of a sender's gate."""
@@ -149,3 +185,9 @@ class Admission:
             "delayed": gate.delayed,
             "waited_s": round(gate.waited_s, 3),
         }
+
+
+def _keys(site: RosterSite) -> set[str]:
+    """The signing keys a roster entry accepts (its previous one too, while valid)."""
+    card = site.card
+    return {k for k in (card.signing_key, card.previous_signing_key) if k}

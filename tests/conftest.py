@@ -128,13 +128,16 @@ TIMING_SENSITIVE = (
 )
 
 
-def _timing_sensitive(item: pytest.Item) -> bool:
+def _timing_sensitive_id(nodeid: str) -> bool:
     """A file entry takes the whole file; a file::name entry every test whose
     name starts so (its parameters too)."""
     return any(
-        item.nodeid.startswith(entry if "::" in entry else entry + "::")
-        for entry in TIMING_SENSITIVE
+        nodeid.startswith(entry if "::" in entry else entry + "::") for entry in TIMING_SENSITIVE
     )
+
+
+def _timing_sensitive(item: pytest.Item) -> bool:
+    return _timing_sensitive_id(item.nodeid)
 
 
 def _group_timing_tests(items: list[pytest.Item]) -> None:
@@ -147,6 +150,7 @@ def _group_timing_tests(items: list[pytest.Item]) -> None:
         items[:] = timing + [item for item in items if id(item) not in chosen]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the marks into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Timing-sensitive tests go to one xdist group, collected first (above).
     Without Chromium (or with P2PFL_SKIP_BROWSER=1) the `browser` tests are
@@ -166,25 +170,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[BROWSER_SKIPPED] = len(browser)
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under `--dist loadgroup`, every test with an `xdist_group` mark must carry
-    its group in its node id by now (pytest-xdist sends a group to one worker by
-    that suffix). pytest 9.2's node ids made xdist 3.8 drop it silently
-    (pytest-xdist#1386): timing-sensitive tests then ran side by side and each
-    worker rebuilt the shared fixtures. Stop at once rather than run so."""
-    config = session.config
-    if not (os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "loadgroup", False)):
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """On the xdist controller, as each worker reports its collection: under
+    `--dist loadgroup` every timing-sensitive test must carry its group in its
+    node id (pytest-xdist sends a group to one worker by that suffix). pytest
+    9.2's node ids made xdist 3.8 drop it silently (pytest-xdist#1386), and a
+    group mark added after xdist's own hook is dropped too: timing-sensitive
+    tests then ran side by side and every worker rebuilt the shared fixtures.
+    Stop at once, saying why, rather than run so."""
+    if getattr(node.config.option, "dist", None) != "loadgroup":
         return
-    lost = [
-        item.nodeid
-        for item in session.items
-        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid
-    ]
+    lost = [nodeid for nodeid in ids if "@" not in nodeid and _timing_sensitive_id(nodeid)]
     if lost:
-        raise pytest.UsageError(
-            f"--dist loadgroup is not grouping ({len(lost)} grouped tests without their "
-            f"group, e.g. {lost[0]}): this pytest and pytest-xdist do not work together "
-            "(pytest-xdist#1386); install the versions pyproject.toml's dev extra pins"
+        pytest.exit(
+            f"--dist loadgroup is not grouping ({len(lost)} timing-sensitive tests without "
+            f"their group, e.g. {lost[0]}): either this pytest and pytest-xdist do not work "
+            "together (pytest-xdist#1386: install the versions pyproject.toml's dev extra "
+            "pins) or a group mark was added after xdist's collection hook",
+            returncode=3,
         )
 
 

@@ -1,7 +1,7 @@
-"""The suite's grouping guard: under `--dist loadgroup`, a worker whose grouped
-tests lost their group suffix (pytest 9.2 with pytest-xdist 3.8,
-pytest-xdist#1386) stops the run instead of running timing-sensitive tests side
-by side and rebuilding shared fixtures on every worker."""
+"""The suite's grouping guard: under `--dist loadgroup`, the xdist controller
+stops the run, saying why, when a worker's timing-sensitive tests come without
+their group suffix (pytest 9.2 with pytest-xdist 3.8, pytest-xdist#1386, or a
+group mark added after xdist's hook) instead of running them side by side."""
 
 from __future__ import annotations
 
@@ -11,33 +11,32 @@ import conftest
 import pytest
 
 
-class Item(SimpleNamespace):
-    def get_closest_marker(self, name: str) -> object | None:
-        return self.marks.get(name)
+def worker(dist: str = "loadgroup") -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(option=SimpleNamespace(dist=dist)))
 
 
-def session(*items: Item, loadgroup: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(
-        config=SimpleNamespace(option=SimpleNamespace(loadgroup=loadgroup)), items=list(items)
-    )
+TIMED = "tests/test_faults.py::test_partition_heals_and_a_slow_peer_never_blocks_a_round"
+PLAIN = "tests/test_wire.py::test_roundtrip"
 
 
-GROUPED = {"xdist_group": pytest.mark.xdist_group("g").mark}
+def test_a_timing_test_without_its_group_suffix_stops_the_run_saying_why():
+    with pytest.raises(pytest.exit.Exception, match=r"not grouping \(1 timing-sensitive") as e:
+        conftest.pytest_xdist_node_collection_finished(worker(), [TIMED, PLAIN])
+    assert e.value.returncode == 3 and "pytest-xdist#1386" in e.value.msg
+    # with its suffix, and a plain test without one: the run goes on
+    conftest.pytest_xdist_node_collection_finished(worker(), [TIMED + "@timing_drills", PLAIN])
 
 
-def test_a_grouped_test_without_its_group_suffix_stops_a_loadgroup_worker(monkeypatch):
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
-    lost = Item(nodeid="tests/test_a.py::test_x", marks=GROUPED)
-    kept = Item(nodeid="tests/test_a.py::test_y@g", marks=GROUPED)
-    plain = Item(nodeid="tests/test_b.py::test_z", marks={})
-    with pytest.raises(pytest.UsageError, match=r"not grouping \(1 grouped tests.*test_x"):
-        conftest.pytest_collection_finish(session(lost, kept, plain))
-    conftest.pytest_collection_finish(session(kept, plain))  # suffixes present: runs
+def test_the_guard_is_quiet_outside_loadgroup():
+    conftest.pytest_xdist_node_collection_finished(worker("load"), [TIMED, PLAIN])
 
 
-def test_the_guard_is_quiet_outside_a_loadgroup_worker(monkeypatch):
-    lost = Item(nodeid="tests/test_a.py::test_x", marks=GROUPED)
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    conftest.pytest_collection_finish(session(lost))  # a serial run has no suffixes
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    conftest.pytest_collection_finish(session(lost, loadgroup=False))  # --dist load
+def test_this_runs_timing_tests_are_grouped(request):
+    """Under xdist with loadgroup, the marks the suite adds reach xdist: a
+    timing-sensitive test of this very run carries its group."""
+    items = [i for i in request.session.items if conftest._timing_sensitive(i)]
+    if not items:
+        pytest.skip("no timing-sensitive test in this run")
+    assert all(i.get_closest_marker("xdist_group") for i in items)
+    if getattr(request.config.option, "loadgroup", False):  # a loadgroup worker
+        assert all("@" in i.nodeid for i in items), [i.nodeid for i in items][:3]

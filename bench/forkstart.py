@@ -105,7 +105,24 @@ def _server() -> Any:
 
 
 def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
-    """In the forked child: become the node process `python -m node.cli ARGV` would be."""
+    """In the forked child: become the node process `python -m node.cli ARGV` would be.
+    It ends with the fork server (SIGTERM, Linux's parent-death signal), which
+    ends with the process that started it: a test or benchmark killed mid-run
+    leaves no node running on (they did, heartbeating, for an hour)."""
+    # A forked child holds the server's "alive" pipe (multiprocessing passes it
+    # so the server outlives its children): closed here, the server ends as soon
+    # as the process that started it does, and the signal below ends the node.
+    from multiprocessing import forkserver
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    server = os.getppid()
+    _die_with_parent()
+    if os.getppid() != server:  # the server ended before the signal was armed
+        os._exit(1)
     os.setsid()
     os.chdir(cwd)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -132,6 +149,17 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> Non
     finally:
         atexit._run_exitfuncs()  # multiprocessing's child exit skips them; Python's does not
     sys.exit(code)
+
+
+def _die_with_parent() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGTERM) where Linux offers it; elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
 
 
 class ForkedProcess:

@@ -39,7 +39,9 @@ def ray_here() -> Iterator[Any]:
     """One Ray of two CPUs for the module (one per shard); the benchmark joins
     it and leaves it running for its owner."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of its own, even when a cluster runs on this machine
+    # (else ray.init joins that one, refusing num_cpus)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

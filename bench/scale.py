@@ -1,37 +1,42 @@
-"""Scale: thousands of simulated nodes on one machine.
+"""Scale: thousands of simulated nodes on one machine, or over Ray.
 
-    python -m bench.scale --nodes 100,300,1000,5000 --rounds 3 --out DIR
+    python -m bench.scale --nodes 100,300,1000,5000 --rounds 3 [--model NAME] --out DIR
 
 Every N runs FedAVGP2P in memory (protocols/memory: the same protocol code as
 the daemon) in a fresh process of its own, so each peak RSS is that N's
-alone: digits, the small CNN at 28 x 28, k = 4 neighbours (random
-heuristic), one local epoch per round. Every site holds the same amount of
-data whatever N is (--per-site training images, a quarter of that for
-validation and for test, drawn from the digits splits with replacement, so
-sites overlap when N x per-site exceeds the 1,259 training images): the time
-per round then grows with N alone. The simulation runs as a large one should
-(`InMemoryNetwork(inline_train=True, keep_checkpoints=False)`: training on the
-event loop, no checkpoint kept per node, since no node restarts).
+alone: digits at 28 x 28, the small CNN (or --model: resnet18, ...), k = 4
+neighbours (random heuristic), one local epoch per round. Every site holds
+the same amount of data whatever N is (--per-site training images, a
+quarter of that for validation and for test, drawn from the digits splits
+with replacement, so sites overlap when N x per-site exceeds the 1,259
+training images): the time per round then grows with N alone. The
+simulation runs as a large one should (`InMemoryNetwork(inline_train=True,
+keep_checkpoints=False)`: training on the event loop, no checkpoint kept
+per node, since no node restarts).
 
 The baseline, measured in the same run: the largest N that is at most
 --baseline-nodes with the in-memory network's defaults (training in worker
-threads, every node's last checkpoint kept in memory), what a simulation of
-a handful of nodes uses.
+threads, every node's last checkpoint kept in memory).
 
-Per N: the time of each round (from the moment the last node logged the
-previous one; round 1 includes building the sites), the mean of rounds 2..R
-(`round_s`), peak RSS, and what one more node costs (`marginal_kb_per_node`:
-the growth of peak RSS from the next smaller N, per node). Writes DIR/scale.json and
-DIR/scale.png (time per round and memory against N); the last stdout line
-is the summary (one JSON object).
+Per N: the time of each round, from the wall-clock times at which the nodes
+logged their rounds, as the process (or shard) running them recorded them
+(`InMemoryNetwork.round_ends`; not when this process polled them): round r
+runs from the moment the last node logged r - 1 to the moment the last node
+logged r, round 1 from the start (it includes building the sites); the mean
+of rounds 2..R (`round_s`), peak RSS, and what one more node costs
+(`marginal_kb_per_node`: the growth of peak RSS from the next smaller N, per
+node; `nodes_per_gb` from it). Writes DIR/scale.json and DIR/scale.png; the
+last stdout line is the summary (one JSON object).
 
     python -m bench.scale --engine ray --shards K [--address auto|HOST:PORT] ...
 
 runs every N over K Ray shard actors (protocols/memory/ray_engine.py; without
 --address, one Ray node per shard started on this machine) and, as the
 baseline, the local engine's scale settings at the same N (`--baseline-nodes`):
-`round_s_ratio_ray_vs_local`, each shard's peak RSS and what the nodes cost
-over the shards' base (`kb_per_node_in_shards`).
+`round_s_ratio_ray_vs_local`, each shard's peak RSS, what the nodes cost over
+the shards' base (`kb_per_node_in_shards`), the marginal cost over the
+shards' summed peaks, and the actor calls between shards with the messages
+they carried (`cross_shard_calls`, `cross_shard_messages`).
 """
 
 from __future__ import annotations
@@ -49,10 +54,15 @@ from typing import Any
 
 import numpy as np
 
+from bench.scale_plot import plot
 from p2pfl.files import atomic_write_text
 
 DEFAULT_NODES = (100, 300, 1000, 5000)
 K = 4
+ROUND_TIMES_FROM = (
+    "the wall time (time.time()) at which the last node logged each round, as the process "
+    "or shard running it recorded it; round 1 from the start of the run"
+)
 
 
 def _say(line: str) -> None:
@@ -99,14 +109,12 @@ def rss_mb() -> float:
 
 
 class LocalRun:
-    """The local engine behind `RayRun`'s face (`start`, `wait`,
-    `rounds_logged`, `peak_rss_mb`, `stop`), so one loop follows either."""
+    """The local engine behind `RayRun`'s face (`start`, `wait`, `round_ends`,
+    `mail`, `peak_rss_mb`, `stop`), so one loop follows either."""
 
     def __init__(self, configs: Sequence[Any], network: Any) -> None:
         self.configs = configs
         self.network = network
-        self._seen = 0
-        self._counts: dict[int, int] = {}
 
     async def start(self) -> None:
         return None
@@ -114,19 +122,34 @@ class LocalRun:
     async def wait(self, local: Any) -> Any:
         return await local(self.configs, network=self.network)
 
-    async def rounds_logged(self) -> dict[int, int]:
-        """round -> how many nodes logged it (read on from where it last stopped)."""
-        records = self.network.records
-        for record in records[self._seen :]:
-            self._counts[record["round"]] = self._counts.get(record["round"], 0) + 1
-        self._seen = len(records)
-        return dict(self._counts)
+    async def round_ends(self) -> dict[int, tuple[int, float]]:
+        """round -> (nodes that logged it, wall time of the last)."""
+        return dict(self.network.round_ends)
+
+    async def mail(self) -> dict[str, int]:
+        return {}  # no shards, no calls between them
 
     async def peak_rss_mb(self) -> list[tuple[float, float]]:
         return []  # no shards: this process's peak is the row's peak_rss_mb
 
     def stop(self) -> None:
         return None
+
+
+def round_times(ends: dict[int, tuple[int, float]], nodes: int, started: float) -> list[float]:
+    """Each round's time, from the times the nodes logged their rounds
+    (`round_ends`: wall clock, as the process running the nodes, or each
+    shard, recorded them): round r took from the moment the last node logged
+    r - 1 (for round 1: `started`, so it includes building the sites) to the
+    moment the last node logged r. Up to the first round not every node logged."""
+    out, before = [], started
+    for r in range(1, max(ends, default=0) + 1):
+        count, at = ends.get(r, (0, 0.0))
+        if count < nodes:
+            break
+        out.append(round(at - before, 4))
+        before = at
+    return out
 
 
 def settings_name(scale: bool, engine: str) -> str:
@@ -146,6 +169,7 @@ def run_one(
     engine: str = "local",
     shards: int = 2,
     address: str | None = None,
+    model: str = "small_cnn",
 ) -> dict[str, Any]:
     """One in-memory federation of `nodes`; called in a fresh process. With
     engine "ray", over `shards` Ray actors of the cluster at `address` (None:
@@ -163,23 +187,26 @@ def run_one(
         data={"image_size": 28, "augment": "weak"},
         training={"epochs": 1, "batch_size": 32, "threads": 1},
         selection={"name": "random"},
+        model={"name": model},
     )
     network = (
         InMemoryNetwork(inline_train=True, keep_checkpoints=False) if scale else InMemoryNetwork()
     )
     base_mb = rss_mb()
-    done_at: dict[int, float] = {}
+    said: set[int] = set()
     last_say = time.perf_counter()
 
-    def note(counts: dict[int, int]) -> None:
+    def note(ends: dict[int, tuple[int, float]]) -> None:
+        """Progress lines (the figures come from the round-end times at the end)."""
         nonlocal last_say
-        for r, count in sorted(counts.items()):
-            if count == nodes and r not in done_at:
-                done_at[r] = time.perf_counter() - started
-                _say(f"  {nodes} nodes: round {r}/{rounds} done at {done_at[r]:.1f} s")
+        for r, (count, at) in sorted(ends.items()):
+            if count >= nodes and r not in said:
+                said.add(r)
+                _say(f"  {nodes} nodes: round {r}/{rounds} done at {at - started:.1f} s")
         if time.perf_counter() - last_say > 60:
             last_say = time.perf_counter()
-            _say(f"  {nodes} nodes: {time.perf_counter() - started:.0f} s, rounds {counts}")
+            counts = {r: count for r, (count, _) in sorted(ends.items())}
+            _say(f"  {nodes} nodes: {time.time() - started:.0f} s, rounds {counts}")
 
     shutdown = None
     run: Any = LocalRun(configs, network)
@@ -191,32 +218,32 @@ def run_one(
         else:
             connect(address)
         run = RayRun(configs, shards=shards, network=network)
-    # a shard is asked over an actor call: less often than this process's list is read
+    # a shard is asked over an actor call: less often than this process's dict is read
     poll_s = 1.0 if engine == "ray" else 0.2
 
-    async def follow() -> tuple[Any, list[tuple[float, float]]]:
+    async def follow() -> tuple[Any, dict[int, tuple[int, float]], dict[str, int], list[Any]]:
         try:
             await run.start()
             task = asyncio.ensure_future(run.wait(simulate))
             while not task.done():
                 await asyncio.wait({task}, timeout=poll_s)
                 if not task.done():
-                    note(await run.rounds_logged())
-            note(await run.rounds_logged())
-            peaks = await run.peak_rss_mb()
-            return task.result(), peaks
+                    note(await run.round_ends())
+            ends = await run.round_ends()
+            note(ends)
+            return task.result(), ends, await run.mail(), await run.peak_rss_mb()
         finally:
             run.stop()
 
-    started = time.perf_counter()
+    started = time.time()  # the clock the nodes' round ends are logged with
     try:
-        result, shard_peaks = asyncio.run(follow())
+        result, ends, mail, shard_peaks = asyncio.run(follow())
     finally:
         if shutdown is not None:
             shutdown()
-    wall = time.perf_counter() - started
+    wall = time.time() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    per_round = [round(done_at[r] - done_at.get(r - 1, 0.0), 4) for r in sorted(done_at)]
+    per_round = round_times(ends, nodes, started)
     later = per_round[1:]
     ray_figures: dict[str, Any] = {}
     if shard_peaks:
@@ -228,17 +255,22 @@ def run_one(
             "kb_per_node_in_shards": round(
                 sum(peak - base for peak, base in shard_peaks) * 1024 / nodes, 1
             ),
+            # actor calls between shards, and the messages they carried
+            "cross_shard_calls": mail.get("calls"),
+            "cross_shard_messages": mail.get("items"),
         }
     final = [r["macro_f1"] for r in result.records if r["round"] == rounds and "macro_f1" in r]
     return {
         "nodes": nodes,
         "settings": settings_name(scale, engine),
+        "model": model,
         **ray_figures,
         "rounds": rounds,
-        "rounds_completed_by_all": max(done_at, default=0),
+        "rounds_completed_by_all": len(per_round),
         "errors": len(result.errors),
         "first_error": result.first_error(),
         "round_times_s": per_round,
+        "round_times_from": ROUND_TIMES_FROM,
         "round_s": round(float(np.mean(later)), 4) if later else None,
         "wall_s": round(wall, 1),
         "base_rss_mb": round(base_mb, 1),
@@ -256,10 +288,11 @@ def child(
     engine: str = "local",
     shards: int = 2,
     address: str | None = None,
+    model: str = "small_cnn",
 ) -> dict[str, Any]:
     """Run one N in a fresh process (its own peak RSS), return its figures."""
     cmd = [sys.executable, "-m", "bench.scale", "--child", str(nodes), "--rounds", str(rounds)]
-    cmd += ["--data-dir", str(data_dir), "--state-dir", str(state_dir)]
+    cmd += ["--data-dir", str(data_dir), "--state-dir", str(state_dir), "--model", model]
     if not scale:
         cmd.append("--defaults")
     if engine == "ray":
@@ -306,39 +339,25 @@ def baseline_ratios(rows: list[dict[str, Any]], baseline: int, *, ray: bool) -> 
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+def add_marginals(rows: list[dict[str, Any]]) -> None:
+    """What one more node costs, free of the fixed overhead: the growth of
+    peak memory from the next smaller N of the same settings, per node (for
+    ray, the shards' peaks summed: the nodes live there), and how many such
+    nodes fit in a GB."""
+    for settings in ("scale", "ray"):
+        same = [r for r in rows if r["settings"] == settings and r.get("peak_rss_mb")]
+        for before, after in zip(same, same[1:], strict=False):
+            grown = memory_mb(after) - memory_mb(before)
+            kb = grown * 1024 / (after["nodes"] - before["nodes"])
+            after["marginal_kb_per_node"] = round(kb, 1)
+            if kb > 0:
+                after["nodes_per_gb"] = round(1024 * 1024 / kb, 1)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r.get("round_s") is not None and r["settings"] == "scale"]
-    base = [r for r in rows if r.get("round_s") is not None and r["settings"] == "defaults"]
-    ray = [r for r in rows if r.get("round_s") is not None and r["settings"] == "ray"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for series, style, label in (
-        (ok, "o-", "scale settings"),
-        (base, "s", "defaults"),
-        (ray, "^-", "ray shards (memory: all shards + driver)"),
-    ):
-        xs = [r["nodes"] for r in series]
-        left.plot(xs, [r["round_s"] for r in series], style, label=label)
-        right.plot(
-            xs,
-            [r["peak_rss_mb"] + sum(r.get("shard_peak_rss_mb", [])) for r in series],
-            style,
-            label=label,
-        )
-    left.set(xscale="log", yscale="log", xlabel="nodes", ylabel="seconds per round")
-    right.set(xscale="log", xlabel="nodes", ylabel="peak RSS (MB)")
-    right.axhline(1500, color="grey", linestyle=":", label="1,500 MB at 1,000 nodes (target)")
-    for ax in (left, right):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.suptitle(f"in-memory FedAVGP2P, digits, small CNN, k = {K}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def memory_mb(row: dict[str, Any]) -> float:
+    """Where a run's nodes live: the shards' peaks summed (ray), else the process's."""
+    shards = row.get("shard_peak_rss_mb")
+    return float(sum(shards)) if shards else float(row["peak_rss_mb"])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -371,6 +390,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="a running Ray cluster (auto, or HOST:PORT); default: one Ray node per shard "
         "started on this machine",
+    )
+    parser.add_argument(
+        "--model",
+        default="small_cnn",
+        help="every site's model (model.name: small_cnn, resnet18, ...; default %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/scale"))
@@ -405,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 engine=args.engine,
                 shards=args.shards,
                 address=args.address,
+                model=args.model,
             )
         except RuntimeError as exc:  # a shard died, or ray is missing: one line
             if type(exc).__name__ not in ("ShardDied", "RayMissing"):
@@ -430,22 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         what["defaults"] = "in-memory defaults"
         _say(f"--- {nodes} nodes, {what[settings_name(scale, engine)]}")
         state = args.out / "state"
-        rows.append(
-            child(nodes, args.rounds, data_dir, state, scale, engine, args.shards, args.address)
-        )
+        ray_args = (args.shards, args.address, args.model)
+        rows.append(child(nodes, args.rounds, data_dir, state, scale, engine, *ray_args))
         _say(f"    {json.dumps(rows[-1])}")
         atomic_write_text(args.out / "scale.json", json.dumps({"runs": rows}, indent=2) + "\n")
-    scaled = [r for r in rows if r["settings"] == "scale" and r.get("peak_rss_mb")]
-    for before, after in zip(scaled, scaled[1:], strict=False):
-        # what one more node costs, free of the process's fixed overhead
-        after["marginal_kb_per_node"] = round(
-            (after["peak_rss_mb"] - before["peak_rss_mb"])
-            * 1024
-            / (after["nodes"] - before["nodes"]),
-            1,
-        )
-    plot(rows, args.out / "scale.png")
+    add_marginals(rows)
+    plot(rows, args.out / "scale.png", k=K, model=args.model)
     summary: dict[str, Any] = {"bench": "scale", "k": K, "rounds": args.rounds}
+    summary.update(model=args.model, round_times_from=ROUND_TIMES_FROM)
     for row in rows:
         tag = f"{row['nodes']}" + {"scale": "", "defaults": "_defaults"}.get(
             row["settings"], "_" + row["settings"]
@@ -453,8 +470,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary[f"round_s_{tag}"] = row.get("round_s")
         summary[f"peak_rss_mb_{tag}"] = row.get("peak_rss_mb")
         summary[f"completed_{tag}"] = row.get("rounds_completed_by_all") == args.rounds
-        if "marginal_kb_per_node" in row:
-            summary[f"marginal_kb_per_node_{tag}"] = row["marginal_kb_per_node"]
+        for key in ("marginal_kb_per_node", "nodes_per_gb"):
+            if key in row:
+                summary[f"{key}_{tag}"] = row[key]
         if "shard_peak_rss_mb" in row:
             summary[f"shard_peak_rss_mb_{tag}"] = row["shard_peak_rss_mb"]
             summary[f"kb_per_node_in_shards_{tag}"] = row["kb_per_node_in_shards"]

@@ -10,8 +10,10 @@ results.py  `SimulationResult`: per node per round records (macro_f1, accuracy,
             choices and traffic
 ray_engine.py  `simulate(..., engine="ray")`: the same, the nodes sharded over
             Ray actors; the driver's side
-ray_shard.py   a shard actor and its part of the network (these two are the
+ray_actor.py   the shard actor (`Shard`): its methods, progress reads included
+ray_shard.py   a shard's part of the network (ray_engine.py and this are the
             only modules that import ray, lazily)
+ray_mail.py    what one shard sends another, batched per short window (no ray)
 """
 
 from .network import InMemoryContext, InMemoryNetwork

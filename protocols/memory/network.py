@@ -99,6 +99,9 @@ class InMemoryNetwork:
         self.training: dict[str, dict[str, Any]] = {}  # node -> its /status training block
         self.privacy_gate: dict[str, dict[str, Any]] = {}  # node -> its /status privacy_gate block
         self.rejections: list[dict[str, Any]] = []  # inputs a protocol refused
+        # round -> (records logged for it, wall time of the last): when each
+        # round ended, as logged, whenever a benchmark reads it (`logged`)
+        self.round_ends: dict[int, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -214,6 +217,14 @@ class InMemoryNetwork:
 
     def round_of(self, name: str) -> int:
         return self._node(name).round
+
+    def logged(self, round_no: int) -> None:
+        """A node logged its record of `round_no`: counted, and the time kept
+        (`time.time()`, so the shards of the Ray engine, other processes,
+        merge theirs): a round ended when its last node logged it, whenever
+        a benchmark reads it (bench.scale's time per round)."""
+        count, _ = self.round_ends.get(round_no, (0, 0.0))
+        self.round_ends[round_no] = (count + 1, time.time())
 
     def saved_state(self, name: str) -> dict[str, Any] | None:
         """A node's last checkpoint, decoded (None if it never wrote one)."""
@@ -446,6 +457,7 @@ class InMemoryContext(RoundContext):
         record.setdefault("messages_sent", self._node.traffic.messages_sent)
         record.setdefault("bytes_sent", self._node.traffic.bytes_sent)
         self.network.records.append(record)
+        self.network.logged(round_no)
 
     def pair_secret(self, peer: str, context: bytes) -> bytes:
         """HKDF over a real X25519 agreement between this node's key and the

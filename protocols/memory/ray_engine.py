@@ -4,11 +4,19 @@ machine, with the same per-node, per-round results as one process.
     await simulate(configs, engine="ray", shards=K, address=None | "auto" | "HOST:PORT")
 
 This module is the driver: it places K shard actors (protocols/memory/
-ray_shard.py: async Ray actors, spread over the cluster's machines), each
+ray_actor.py: async Ray actors, spread over the cluster's machines), each
 holding an `InMemoryNetwork` for a contiguous block of the nodes, wires them
 to each other, runs them and merges their results. How the shards talk
-(actor calls for another shard's node, broadcast membership, gossiped
-rounds and metadata, only bytes and JSON between them) is ray_shard.py's.
+(batched actor calls for another shard's node, broadcast membership,
+gossiped rounds and metadata, only bytes and JSON between them) is
+ray_shard.py's and ray_mail.py's.
+
+Progress (`records_since`, `rounds_logged`, `round_ends`, `mail`,
+`peak_rss_mb`) is read in the actors' PROGRESS concurrency group, a thread
+of its own, so a read does not wait for the nodes' event loop (it can still
+wait in Ray's queue of calls to the actor: ray_actor.py). `round_ends`
+gives each round's end as the shards logged it (wall clock: over several
+machines, as close as their clocks are), whenever it is read.
 
 - A shard actor that dies stops the run at once: `ShardDied` says which shard
   (its nodes) and why, in one line. Nodes are not resumed on another actor
@@ -34,11 +42,12 @@ from typing import Any
 
 from p2pfl.config import SiteConfig
 from protocols.memory.network import InMemoryNetwork
+from protocols.memory.ray_actor import PROGRESS, Shard
+from protocols.memory.ray_mail import WINDOW_S
 from protocols.memory.ray_shard import (
     RAY_MISSING,
     LocalSimulate,
     RayMissing,
-    Shard,
     ShardNetwork,
     import_ray,
 )
@@ -94,6 +103,7 @@ class RayRun:
         network: InMemoryNetwork | None = None,
         cpus_per_shard: float = 1.0,
         gossip_s: float = 0.05,
+        window_s: float = WINDOW_S,
     ) -> None:
         names = [c.node.name for c in configs]
         if len(set(names)) != len(names):
@@ -103,6 +113,7 @@ class RayRun:
         self.ranges = blocks(len(self.configs), min(shards, max(1, len(self.configs))))
         self.cpus_per_shard = cpus_per_shard
         self.gossip_s = gossip_s
+        self.window_s = window_s
         self.shards: list[Any] = []
         self._records_read: list[int] = []  # per shard: records `records_since` has read
 
@@ -113,11 +124,16 @@ class RayRun:
 
     async def start(self) -> None:
         ray = import_ray()
-        actor = ray.remote(num_cpus=self.cpus_per_shard, max_restarts=0, max_concurrency=100_000)(
-            Shard
-        )
+        actor = ray.remote(
+            num_cpus=self.cpus_per_shard,
+            max_restarts=0,
+            max_concurrency=100_000,
+            concurrency_groups={PROGRESS: 4},
+        )(Shard)
         self.shards = [
-            actor.options(scheduling_strategy="SPREAD").remote(i, self.settings, self.gossip_s)
+            actor.options(scheduling_strategy="SPREAD").remote(
+                i, self.settings, self.gossip_s, self.window_s
+            )
             for i in range(len(self.ranges))
         ]
         keys = await asyncio.gather(
@@ -177,7 +193,7 @@ class RayRun:
         """A still-running shard's part of a run another shard's failed node
         ended: the records its nodes logged, and each of its nodes that had
         not finished the run recorded as stopped (its actor is killed by `stop`)."""
-        records = json.loads(await self.shards[i].new_records.remote(0))
+        records = json.loads(await progress(self.shards[i], "new_records").remote(0))
         block = [self.configs[j] for j in self.ranges[i]]
         finished = {(r["node"], r["round"]) for r in records}
         errors = {
@@ -193,7 +209,10 @@ class RayRun:
         ray = import_ray()
         starts = self._records_read or [0] * len(self.shards)
         parts = await asyncio.gather(
-            *(s.new_records.remote(start) for s, start in zip(self.shards, starts, strict=True)),
+            *(
+                progress(s, "new_records").remote(start)
+                for s, start in zip(self.shards, starts, strict=True)
+            ),
             return_exceptions=True,
         )
         out: list[dict[str, Any]] = []
@@ -212,14 +231,37 @@ class RayRun:
     async def rounds_logged(self) -> dict[int, int]:
         """round -> how many nodes (of every shard) logged it."""
         counts: dict[int, int] = {}
-        for part in await asyncio.gather(*(s.rounds_logged.remote() for s in self.shards)):
+        for part in await self._ask_all("rounds_logged"):
             for round_no, count in part.items():
                 counts[int(round_no)] = counts.get(int(round_no), 0) + count
         return counts
 
+    async def round_ends(self) -> dict[int, tuple[int, float]]:
+        """round -> (records logged for it over every shard, wall time
+        (`time.time()`) of the last one): the round ended then if every node
+        logged it. The shards' own times, whenever the driver asks."""
+        ends: dict[int, tuple[int, float]] = {}
+        for part in await self._ask_all("round_ends"):
+            for round_no, count, at in part:
+                before = ends.get(int(round_no), (0, 0.0))
+                ends[int(round_no)] = (before[0] + count, max(before[1], at))
+        return ends
+
+    async def mail(self) -> dict[str, int]:
+        """Actor calls the shards made to each other, and the messages
+        (requests, replies, gossip, ...) those calls carried."""
+        total = {"calls": 0, "items": 0}
+        for part in await self._ask_all("mail"):
+            for key in total:
+                total[key] += part[key]
+        return total
+
     async def peak_rss_mb(self) -> list[tuple[float, float]]:
         """Each shard actor's (peak, base) resident memory in MB (before `stop`)."""
-        return list(await asyncio.gather(*(s.peak_rss_mb.remote() for s in self.shards)))
+        return [(peak, base) for peak, base in await self._ask_all("peak_rss_mb")]
+
+    async def _ask_all(self, method: str) -> list[Any]:
+        return list(await asyncio.gather(*(progress(s, method).remote() for s in self.shards)))
 
     def stop(self) -> None:
         """Kill every shard actor (the run's end, or its failure)."""
@@ -229,6 +271,12 @@ class RayRun:
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
         self.shards = []
+
+
+def progress(shard: Any, method: str) -> Any:
+    """A shard's read-only method, called in its PROGRESS concurrency group
+    (its own thread: it does not wait for the nodes' event loop)."""
+    return getattr(shard, method).options(concurrency_group=PROGRESS)
 
 
 def _failed(part: dict[str, Any]) -> bool:
@@ -279,8 +327,8 @@ def connect(address: str | None, *, num_cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-    if address is None:
-        options["num_cpus"] = num_cpus
+    if address is None:  # a Ray of its own, even when a cluster runs on this machine
+        address, options["num_cpus"] = "local", num_cpus
     ray.init(address=address, **options)
     return True
 
@@ -320,6 +368,7 @@ __all__ = [
     "ShardNetwork",
     "connect",
     "import_ray",
+    "progress",
     "local_cluster",
     "simulate_on_ray",
 ]

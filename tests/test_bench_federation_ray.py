@@ -67,7 +67,7 @@ def untimed(results: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray_cluster")
+@pytest.mark.xdist_group("ray_local")  # its own Ray: may run beside test_ray_engine.py's cluster
 # 30 s alone, 131 s beside a 3-worker run, over 300 s in a full run beside
 # other helpers' work (load average 10): Ray's workers and shard actors each
 # start an interpreter and import torch on the shared cores

@@ -126,6 +126,8 @@ class Membership:
         was = before.info.state if before is not None else "unknown"
         was_phase = before.info.phase if before is not None else ""
         self.peers.heard(sender, beat)
+        if not beat.get("bye"):
+            self.client.heard_from(sender)  # up: requests to it may go through again
         if isinstance(beat.get("edges"), list):
             self.telemetry.merge_remote_edges(sender, beat["edges"])
         if isinstance(beat.get("choices"), list):

@@ -180,6 +180,17 @@ class MessageClient:
         link = self.links.get(peer)
         return link is not None and not link.breaker.allow(time.monotonic())
 
+    def heard_from(self, peer: str) -> None:
+        """A verified heartbeat from `peer` came in: it is up, so an open breaker
+        lets the next request through at once (half-open: its failure count is
+        kept, so one more failure opens it again). Before, only this node's own
+        heartbeat to the peer closed it: a peer back from a restart counted
+        toward a quorum while requests to it were still refused `circuit_open`,
+        and a round ran without its model (seen in a CI run)."""
+        link = self.links.get(peer)
+        if link is not None:
+            link.breaker.open_until = 0.0
+
     async def post(
         self,
         peer: str,

@@ -13,23 +13,16 @@ import asyncio
 import time
 
 import aiohttp
-import pytest
-from test_relay import FED, RelaySite, codec, frame, make_roster, reason, relay, until
+import test_relay
+from test_relay import FED, RelaySite, codec, frame, reason, relay, until
 
 from node.relay_admission import RATE_WAIT_S, Admission
 from node.relay_wire import RELAY_MESSAGE_PATH
-from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.identity import LocalIdentity
 from p2pfl.secure.wire import WireCodec
 
-
-@pytest.fixture(scope="module")
-def ids() -> dict[str, LocalIdentity]:
-    return {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "d", "f", "x")}
-
-
-@pytest.fixture(scope="module")
-def roster(ids: dict[str, LocalIdentity]) -> Roster:
-    return make_roster(ids)
+ids = test_relay.ids  # the relay tests' shared fixtures (module scope)
+roster = test_relay.roster
 
 
 async def timed_post(

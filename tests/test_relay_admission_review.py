@@ -9,10 +9,13 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
-from test_relay import FED, RelaySite, codec, frame, make_roster, relay, until
+import test_relay
+from test_relay import FED, RelaySite, codec, frame, relay, until
 from test_relay_admission import timed_post
 
 from node.relay_admission import Admission
@@ -21,15 +24,25 @@ from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 
-
-@pytest.fixture(scope="module")
-def ids() -> dict[str, LocalIdentity]:
-    return {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "d", "f", "x")}
+ids = test_relay.ids  # the relay tests' shared fixtures (module scope)
+roster = test_relay.roster
 
 
-@pytest.fixture(scope="module")
-def roster(ids: dict[str, LocalIdentity]) -> Roster:
-    return make_roster(ids)
+@contextlib.asynccontextmanager
+async def a_burst_spent(
+    ids: dict[str, LocalIdentity], roster: Roster, a: WireCodec
+) -> AsyncIterator[tuple[Any, str, RelaySite, aiohttp.ClientSession]]:
+    """A relay at 2 frames/s whose waits last 60 s, b connected to it, and a's
+    burst of 10 spent: (server, url, b, a session of 16 connections)."""
+    async with relay(roster, rate_limit_per_s=2) as (server, url):
+        server.admission = Admission(server.settings, wait_s=60)
+        b = RelaySite(ids["b"], roster)
+        await b.connect(url)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as s:
+            for _ in range(10):  # a's burst
+                assert (await timed_post(s, url, frame(a, "b")))[0] == 200
+            yield server, url, b, s
+        await b.close()
 
 
 def without(roster: Roster, name: str) -> Roster:
@@ -67,24 +80,17 @@ def test_frames_waiting_when_their_sender_is_revoked_are_not_forwarded(ids, rost
     )
 
     async def scenario() -> None:
-        async with relay(roster, rate_limit_per_s=2) as (server, url):
-            server.admission = Admission(server.settings, wait_s=60)
-            b = RelaySite(ids["b"], roster)
-            await b.connect(url)
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as s:
-                for _ in range(10):  # a's burst
-                    assert (await timed_post(s, url, frame(a, "b")))[0] == 200
-                received = len(b.received)
-                queued = [asyncio.create_task(timed_post(s, url, frame(a, "b"))) for _ in range(4)]
-                await until(lambda: server.admission.gates["a"].waiting == 4, 30)
-                server.set_roster(after)
-                answers = await asyncio.gather(*queued)
+        async with a_burst_spent(ids, roster, a) as (server, url, b, s):
+            received = len(b.received)
+            queued = [asyncio.create_task(timed_post(s, url, frame(a, "b"))) for _ in range(4)]
+            await until(lambda: server.admission.gates["a"].waiting == 4, 30)
+            server.set_roster(after)
+            answers = await asyncio.gather(*queued)
             assert [x[:2] for x in answers] == [(403, "unknown_sender")] * 4, answers
             assert len(b.received) == received  # none reached b
             assert server.snapshot()["refusals"] == {"unknown_sender": 4}
             if change == "removed":
                 assert "a" not in server.admission.gates
-            await b.close()
 
     asyncio.run(scenario())
 
@@ -104,22 +110,15 @@ def test_a_reload_that_keeps_a_sender_keeps_its_gate_and_its_waiting_frames(ids,
     )
 
     async def scenario() -> None:
-        async with relay(roster, rate_limit_per_s=2) as (server, url):
-            server.admission = Admission(server.settings, wait_s=60)
-            b = RelaySite(ids["b"], roster)
-            await b.connect(url)
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as s:
-                for _ in range(10):
-                    assert (await timed_post(s, url, frame(a, "b")))[0] == 200
-                gate = server.admission.gates["a"]
-                queued = [asyncio.create_task(timed_post(s, url, frame(a, "b"))) for _ in range(3)]
-                await until(lambda: gate.waiting == 3, 30)
-                server.set_roster(after)
-                assert server.admission.gates["a"] is gate
-                answers = await asyncio.gather(*queued)
+        async with a_burst_spent(ids, roster, a) as (server, url, _, s):
+            gate = server.admission.gates["a"]
+            queued = [asyncio.create_task(timed_post(s, url, frame(a, "b"))) for _ in range(3)]
+            await until(lambda: gate.waiting == 3, 30)
+            server.set_roster(after)
+            assert server.admission.gates["a"] is gate
+            answers = await asyncio.gather(*queued)
             assert [x[0] for x in answers] == [200] * 3, answers
             assert gate.delayed >= 3 and gate.bucket.tokens < 1.0
-            await b.close()
 
     asyncio.run(scenario())
 

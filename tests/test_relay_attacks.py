@@ -40,10 +40,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import pytest
+import test_relay
 from aiohttp import web
 from multidict import CIMultiDict
-from test_relay import FED, RelaySite, challenge_nonce, codec, frame, relay, until, upgrade
+from test_relay import (
+    FED,
+    RelaySite,
+    challenge_nonce,
+    codec,
+    frame,
+    relay,
+    until,
+    upgrade,
+)
 
 from node.relay_handshake import open_relay_socket, proof_headers
 from node.relay_tunnel import RelayTunnel
@@ -60,22 +69,13 @@ from node.relay_wire import (
 from node.transport import MESSAGE_PATH
 from node.transport_client import MessageClient, TransportError
 from p2pfl.config import TransportSection
-from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.identity import LocalIdentity
 from p2pfl.secure.wire import WireCodec
 
+ids = test_relay.ids  # the relay tests' shared fixtures (module scope)
+roster = test_relay.roster
+
 WsHandler = Callable[[web.WebSocketResponse, int], Awaitable[None]]
-
-
-@pytest.fixture(scope="module")
-def ids() -> dict[str, LocalIdentity]:
-    return {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "d", "f", "x")}
-
-
-@pytest.fixture(scope="module")
-def roster(ids: dict[str, LocalIdentity]) -> Roster:
-    from test_relay import make_roster
-
-    return make_roster(ids)
 
 
 def fast_transport() -> TransportSection:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import test_relay
 from aiohttp import web
 from test_relay import (
     FED,
@@ -52,17 +53,10 @@ from node.relay_handshake import Gatekeeper, HandshakeRefused, open_relay_socket
 from node.relay_wire import RELAY_CHALLENGE_PATH, RELAY_CONNECT_PATH
 from node.transport import MESSAGE_PATH
 from p2pfl.config import ConfigError, RelaySettings, load_relay_config
-from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.identity import LocalIdentity
 
-
-@pytest.fixture(scope="module")
-def ids() -> dict[str, LocalIdentity]:
-    return {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "d", "f", "x")}
-
-
-@pytest.fixture(scope="module")
-def roster(ids: dict[str, LocalIdentity]) -> Roster:
-    return make_roster(ids)
+ids = test_relay.ids  # the relay tests' shared fixtures (module scope)
+roster = test_relay.roster
 
 
 def test_the_addresses_of_one_ipv6_host_share_its_handshake_slots():

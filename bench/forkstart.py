@@ -40,6 +40,10 @@ LAUNCH_ENV = "P2PFL_NODE_LAUNCH"  # "fork": fork from the preloaded server; else
 # nodes: the server would pay them in every process that starts one.
 PRELOAD = [
     "torch",
+    # torch imports its compiler lazily, on the first optimizer built (Optimizer's
+    # __init__ is wrapped by torch._compile._disable_dynamo): 2-3 CPU-seconds in
+    # every node, measured with py-spy over bench.heterogeneous's eight nodes
+    "torch._dynamo",
     "numpy",
     "psutil",
     "node.cli",

@@ -1,6 +1,6 @@
 """`p2pfl-node genbuffer train|sample|audit|lpips --config site.yaml`.
 
-node/cli.py registers this with `add_genbuffer_parser(subparsers)` and runs
+node/cli.py registers this with `add_genbuffer_parser(subparsers, help_line)` and runs
 `run_genbuffer(args)`. The config may be a site.yaml (validated whole, like
 `p2pfl-node check` but without the roster and key files; its `genbuffer:` and
 `data:` sections are used) or a standalone YAML with just those sections and a
@@ -30,11 +30,14 @@ from .errors import GenbufferError
 log = logging.getLogger(__name__)
 
 
-def add_genbuffer_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `genbuffer` with its `train`, `sample` and `audit` sub-commands."""
+def add_genbuffer_parser(
+    subparsers: argparse._SubParsersAction, help_line: str
+) -> argparse.ArgumentParser:
+    """Add `genbuffer` with its `train`, `sample` and `audit` sub-commands
+    (`help_line`: its line in `p2pfl-node --help`, node/cli.py OPTIONAL_HELP)."""
     parser = subparsers.add_parser(
         "genbuffer",
-        help="privacy-preserving GAN: train it, sample synthetic buffers, audit privacy",
+        help=help_line,
         description="Train the site's privacy-preserving conditional StyleGAN2-ADA (FedER), "
         "sample synthetic buffers from it, and audit how well it hides the training images.",
     )

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import yaml
@@ -293,9 +293,13 @@ def cmd_relay(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
-def build_parser(*, optional: bool = True) -> argparse.ArgumentParser:
-    """The CLI; `optional=False` leaves out the sub-commands that live with their
-    feature, whose modules import torch when they register (issue 31: a relay)."""
+def build_parser(*, optional: bool | Collection[str] = True) -> argparse.ArgumentParser:
+    """The CLI. The sub-commands that live with their feature (OPTIONAL_HELP)
+    import torch when they register their arguments, about 3 CPU-seconds:
+    `optional=True` registers them all; a collection of names registers those,
+    and lists the others by name and help only (what `main` does: only the
+    command being run pays its imports); `optional=False` leaves them out (a
+    relay, issue 31)."""
     parser = argparse.ArgumentParser(
         prog="p2pfl-node", description="Decentralized federated-learning node."
     )
@@ -391,9 +395,23 @@ def build_parser(*, optional: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="relay.yaml")
     p.set_defaults(func=cmd_relay)
 
-    for name, register in _optional_commands() if optional else ():
-        register(sub, name)
+    if optional is True:
+        optional = OPTIONAL_HELP
+    for name, register in _optional_commands() if optional is not False else ():
+        if name in optional:
+            register(sub, name)
+        else:  # listed in the help; never run (main registers the command it runs)
+            sub.add_parser(name, help=OPTIONAL_HELP[name])
     return parser
+
+
+OPTIONAL_HELP = {
+    "partition": "split a data set into per-site sets (+ class-distribution PNG)",
+    "genbuffer": "privacy-preserving GAN: train it, sample synthetic buffers, audit privacy",
+    "evaluate": "cross-site / ensemble evaluation of node models",
+    "export": "this site's model as a package + model card",
+    "predict": "run an exported model on images (PNG, DICOM, npz)",
+}
 
 
 def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction, str], None]]]:
@@ -403,36 +421,34 @@ def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction
     def partition(sub: argparse._SubParsersAction, name: str) -> None:
         from p2pfl.learning.data.partition import add_partition_arguments, run_partition
 
-        p = sub.add_parser(
-            name, help="split a data set into per-site sets (+ class-distribution PNG)"
-        )
+        p = sub.add_parser(name, help=OPTIONAL_HELP[name])
         add_partition_arguments(p)
         p.set_defaults(func=run_partition)
 
     def genbuffer(sub: argparse._SubParsersAction, name: str) -> None:
         from genbuffer.cli import add_genbuffer_parser, run_genbuffer
 
-        add_genbuffer_parser(sub)
+        add_genbuffer_parser(sub, OPTIONAL_HELP[name])
         sub.choices[name].set_defaults(func=run_genbuffer)
 
     def evaluate(sub: argparse._SubParsersAction, name: str) -> None:
         from node.evaluate import add_evaluate_arguments, run_evaluate
 
-        p = sub.add_parser(name, help="cross-site / ensemble evaluation of node models")
+        p = sub.add_parser(name, help=OPTIONAL_HELP[name])
         add_evaluate_arguments(p)
         p.set_defaults(func=run_evaluate)
 
     def export(sub: argparse._SubParsersAction, name: str) -> None:
         from node.export import add_export_arguments, run_export
 
-        p = sub.add_parser(name, help="this site's model as a package + model card")
+        p = sub.add_parser(name, help=OPTIONAL_HELP[name])
         add_export_arguments(p)
         p.set_defaults(func=run_export)
 
     def predict(sub: argparse._SubParsersAction, name: str) -> None:
         from node.predict import add_predict_arguments, run_predict
 
-        p = sub.add_parser(name, help="run an exported model on images (PNG, DICOM, npz)")
+        p = sub.add_parser(name, help=OPTIONAL_HELP[name])
         add_predict_arguments(p)
         p.set_defaults(func=run_predict)
 
@@ -460,9 +476,9 @@ def _tolerant(
 
 
 def _command_of(argv: list[str]) -> str | None:
-    """The sub-command argv names, read without building the whole parser: a
-    relay trains nothing and skips the optional sub-commands, whose modules
-    import torch (~4 s of a relay's start-up, issue 31)."""
+    """The sub-command argv names, read without building the whole parser: only
+    that command's module is imported (the optional sub-commands' import torch:
+    ~3 s of `p2pfl-node keygen`, `provision` or a relay's start-up, issue 31)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--log-level")
     pre.add_argument("command", nargs="?")
@@ -473,7 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("--config"):
         argv = ["run", *argv]
-    parser = build_parser(optional=_command_of(argv) != "relay")
+    command = _command_of(argv)
+    parser = build_parser(optional=False if command == "relay" else {command} & set(OPTIONAL_HELP))
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)

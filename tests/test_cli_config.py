@@ -314,3 +314,45 @@ def test_config_error_type(tmp_path):
         load_config(path)
     assert "mapping" in str(err.value)
     os.chmod(path, 0o644)
+
+
+LIGHT_COMMANDS = [
+    ["--help"],
+    ["keygen", "--help"],
+    ["provision", "--help"],
+    ["roster", "--help"],
+    ["relay", "--help"],
+]
+IMPORT_PROBE = """
+import contextlib, io, json, sys
+from node.cli import main
+seen = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        main(argv)
+    seen.append({"argv": argv, "torch": "torch" in sys.modules, "help": out.getvalue()})
+print(json.dumps(seen))
+"""
+
+
+def test_only_the_command_being_run_imports_its_feature():
+    """The optional sub-commands (partition, genbuffer, evaluate, export,
+    predict) import torch when they register their arguments, ~3 CPU-seconds:
+    `p2pfl-node keygen` and the others load none of them, yet `--help` still
+    lists every command, and an optional command gets its full arguments."""
+    argvs = [*LIGHT_COMMANDS, ["partition", "--help"]]
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert [s["torch"] for s in seen] == [False] * len(LIGHT_COMMANDS) + [True]
+    listing = seen[0]["help"]
+    for command in ("run", "keygen", "relay", "partition", "genbuffer", "evaluate", "export"):
+        assert f"    {command} " in listing, command
+    assert "predict" in listing
+    assert "--min-per-site" in seen[-1]["help"]  # partition's own arguments

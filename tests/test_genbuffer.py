@@ -605,7 +605,7 @@ def test_standalone_config_resolves_paths_and_rejects_unknown_keys(tmp_path: Pat
 
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="p2pfl-node")
-    add_genbuffer_parser(parser.add_subparsers(dest="command"))
+    add_genbuffer_parser(parser.add_subparsers(dest="command"), "the GAN")
     args = parser.parse_args(argv)
     return args.func(args)
 

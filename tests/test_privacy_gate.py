@@ -289,7 +289,7 @@ def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys, site0):
     data = load_site_data(load_genbuffer_config(config).data, seed=0)
     generator = memorised_site0(site0, data.train_uint8)
     parser = argparse.ArgumentParser(prog="p2pfl-node")
-    add_genbuffer_parser(parser.add_subparsers(dest="command"))
+    add_genbuffer_parser(parser.add_subparsers(dest="command"), "the GAN")
     argv = ["genbuffer", "sample", "--config", str(config), "--checkpoint", str(generator)]
     args = parser.parse_args([*argv, "--size", "64"])
     assert args.func(args) == 2

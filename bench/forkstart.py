@@ -10,9 +10,11 @@ session, log file, environment, sockets and state directory; it runs
 `node.cli.main` exactly as `python -m node.cli` would, answers signals and
 SIGKILL the same way, and exits with the same code.
 
-Relays (`node.cli relay`) fork the same way. What stays on `exec`: anything
-under a prefix (`ip netns exec`), the start-up benchmark (which measures the very
-import this skips), and the tests of the command line itself.
+Relays (`node.cli relay`) fork the same way, and so do processes in a network
+namespace of bench/netns.py: the child enters the namespace (setns(2)) before
+it opens a socket, where `ip netns exec` would have exec'd a fresh interpreter.
+What stays on `exec`: the start-up benchmark (which measures the very import
+this skips), and the tests of the command line itself.
 
 The server process must not have run a torch operation (its OpenMP pool would
 not survive the fork); it only imports. libgomp reads `OMP_NUM_THREADS` when it
@@ -66,6 +68,8 @@ PRELOAD = [
     "protocols.feder",
 ]
 
+CLONE_NEWNET = 0x40000000
+
 _context: Any = None
 _started: list[Any] = []  # this process's forked children
 
@@ -108,8 +112,23 @@ def _server() -> Any:
     return _context
 
 
-def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
-    """In the forked child: become the node process `python -m node.cli ARGV` would be.
+def enter_net_namespace(fd: int) -> None:
+    """The calling thread into the network namespace `fd` refers to (setns(2));
+    OSError with the reason where that is refused."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _child(
+    argv: list[str], env: dict[str, str], log_path: str, cwd: str, netns: str | None
+) -> None:
+    """In the forked child: become the node process `python -m node.cli ARGV` would be
+    (`ip netns exec NAME python -m node.cli ARGV` where `netns` names /run/netns/NAME:
+    the child, one thread, enters it before anything opens a socket).
     It ends with the fork server (SIGTERM, Linux's parent-death signal), which
     ends with the process that started it: a test or benchmark killed mid-run
     leaves no node running on (they did, heartbeating, for an hour)."""
@@ -135,6 +154,12 @@ def _child(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -> Non
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stderr
+    if netns is not None:  # a failure is written to the node's log, and the child exits 1
+        ns = os.open(netns, os.O_RDONLY)
+        try:
+            enter_net_namespace(ns)
+        finally:
+            os.close(ns)
     os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
@@ -171,10 +196,14 @@ class ForkedProcess:
     (pid, poll, wait, returncode, send_signal, kill, terminate), for a child of
     the fork server."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log_path: Path, netns: str | None = None
+    ) -> None:
         self.args = ["p2pfl-node", *argv]
         self._proc = _server().Process(
-            target=_child, args=(list(argv), dict(env), str(log_path), os.getcwd()), daemon=False
+            target=_child,
+            args=(list(argv), dict(env), str(log_path), os.getcwd(), netns),
+            daemon=False,
         )
         self._proc.start()
         _started.append(self._proc)

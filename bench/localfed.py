@@ -39,6 +39,9 @@ class NodeProcess:
     proc: subprocess.Popen[bytes] | ForkedProcess | None = None
     # run the command under this prefix (`ip netns exec NS`: bench/netns.py)
     prefix: list[str] = field(default_factory=list)
+    # with the fork launch, the namespace that prefix enters (/run/netns/NS):
+    # the forked child enters it itself
+    netns: str | None = None
     status_connect: StatusConnect | None = None  # None: this machine's 127.0.0.1
 
     @property
@@ -63,9 +66,14 @@ class NodeProcess:
             **self.env,
         }
         command = self.command()
-        if fork_requested() and not self.prefix and command[1:3] == ["-m", "node.cli"]:
+        bare = command[len(self.prefix) :]
+        if (
+            fork_requested()
+            and (not self.prefix or self.netns is not None)
+            and bare[1:3] == ["-m", "node.cli"]
+        ):
             # the same `node.cli` run, forked from a server that imported it once
-            self.proc = ForkedProcess(command[3:], env, self.log_path)
+            self.proc = ForkedProcess(bare[3:], env, self.log_path, self.netns)
             return self
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import secrets
 import shutil
@@ -45,14 +44,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from bench.forkstart import enter_net_namespace
 from bench.localfed import NodeProcess, RelayProcess
 from node.provision import RelayPlan, SitePlan
 
-CLONE_NEWNET = 0x40000000
 NS_PREFIX = "p2n-"
 MARKERS = Path("/run/p2pfl-netns")
 SUBNET = "10.231"
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -62,10 +60,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
+_setns = enter_net_namespace
 
 
 _AVAILABLE: tuple[bool, str] | None = None
@@ -250,12 +245,16 @@ class Netns:
     def exec_prefix(self, member: str) -> list[str]:
         return ["ip", "netns", "exec", self.names[member]]
 
+    def path(self, member: str) -> str:
+        """`member`'s namespace as a file (what `ip netns exec` and setns(2) open)."""
+        return f"/run/netns/{self.names[member]}"
+
     @contextlib.contextmanager
     def inside(self, member: str) -> Iterator[None]:
         """This thread in `member`'s namespace for the block (sockets made in it stay there)."""
         own = os.open(self._root_ns, os.O_RDONLY)
         try:
-            target = os.open(f"/run/netns/{self.names[member]}", os.O_RDONLY)
+            target = os.open(self.path(member), os.O_RDONLY)
             try:
                 _setns(target)
                 try:
@@ -302,6 +301,7 @@ def processes(
             log_dir / f"{plan.name}.log",
             {**(env or {}), **(node_env or {}).get(plan.name, {})},
             prefix=net.exec_prefix(plan.name),
+            netns=net.path(plan.name),
             status_connect=net.status_connect(plan.name),
         )
     return out

@@ -13,6 +13,7 @@ Skipped with one loud line where namespaces cannot be made (not root, no `ip`).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from typing import Any
@@ -81,6 +82,12 @@ def test_behind_sites_complete_every_round_through_the_relay_and_are_unreachable
             for node in nodes.values():
                 node.start()
             nodes["r1"].wait_for(lambda s: True, 120, "relay status")
+            # every process lives in its own namespace, started there however it
+            # was launched (exec'd under `ip netns exec`, or forked, entering it)
+            for name, node in nodes.items():
+                assert node.proc is not None
+                ns = os.stat(f"/proc/{node.proc.pid}/ns/net").st_ino
+                assert ns == os.stat(net.path(name)).st_ino, name
             wait_done(nodes, SITES, ROUNDS, timeout=180)  # startup on a loaded machine
 
             # A behind site's peer port: open in its own namespace on 127.0.0.1,

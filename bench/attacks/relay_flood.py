@@ -1,14 +1,13 @@
 """The relay_flood scenario's machinery (bench/attacks/relay.py judges it): h's
 relayed heartbeats timed one after the other, before, during and after a
-flood that another process (`flood_main`) sends m's frames with, so the
-flooder's CPU is not this process's."""
+flood that another process (`bench/relay_flooder.py`) sends m's frames with,
+so the flooder's CPU is not this process's."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import struct
 import sys
 import time
 from collections.abc import Callable
@@ -78,7 +77,7 @@ async def flood_run(port: int, flood_path: Path, beats: list[bytes]) -> dict[str
 
         before, failed_before = await _beats(session, url, beats, enough)
         flooder = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from bench.attacks.relay_flood import flood_main; flood_main()",
+            sys.executable, "-m", "bench.relay_flooder",
             str(port), str(flood_path), str(FLOOD_CONNECTIONS), str(FLOOD_S),
             stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
@@ -102,49 +101,3 @@ async def flood_run(port: int, flood_path: Path, beats: list[bytes]) -> dict[str
     return {"unloaded": before + after, "loaded": loaded, "flood": flood,
             "failed": {"unloaded": failed_before + failed_after, "loaded": failed_loaded},
             "loaded_slowest_ms_per_s": slowest}  # fmt: skip
-
-
-def flood_main() -> None:
-    """The flooder process: argv PORT FRAMES_FILE CONNECTIONS MAX_S; POSTs the
-    file's length-prefixed frames to the relay over CONNECTIONS keep-alive
-    connections until they run out or MAX_S passed; last line: JSON counts."""
-    port, path, connections, max_s = (
-        sys.argv[1],
-        Path(sys.argv[2]),
-        int(sys.argv[3]),
-        float(sys.argv[4]),
-    )
-    data = path.read_bytes()
-    frames, pos = [], 0
-    while pos < len(data):
-        (n,) = struct.unpack_from(">I", data, pos)
-        frames.append(data[pos + 4 : pos + 4 + n])
-        pos += 4 + n
-    url = f"http://127.0.0.1:{port}{RELAY_MESSAGE_PATH}"
-
-    async def main() -> dict[str, Any]:
-        counts: dict[str, int] = {}
-        deadline = time.monotonic() + max_s
-        started = time.monotonic()
-        connector = aiohttp.TCPConnector(limit=connections)
-        async with aiohttp.ClientSession(connector=connector) as session:
-
-            async def worker() -> None:
-                while frames and time.monotonic() < deadline:
-                    frame = frames.pop()
-                    try:
-                        async with session.post(url, data=frame) as resp:
-                            await resp.read()
-                            key = str(resp.status)
-                    except (aiohttp.ClientError, TimeoutError) as exc:
-                        key = type(exc).__name__
-                    counts[key] = counts.get(key, 0) + 1
-
-            print("flooding", flush=True)
-            await asyncio.gather(*(worker() for _ in range(connections)))
-        elapsed = time.monotonic() - started
-        sent = sum(counts.values())
-        return {"sent": sent, "seconds": round(elapsed, 2),
-                "per_s": round(sent / max(elapsed, 1e-9)), "answers": counts}  # fmt: skip
-
-    print(json.dumps(asyncio.run(main())), flush=True)

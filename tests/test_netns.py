@@ -82,13 +82,14 @@ def test_behind_sites_complete_every_round_through_the_relay_and_are_unreachable
             for node in nodes.values():
                 node.start()
             nodes["r1"].wait_for(lambda s: True, 120, "relay status")
-            # every process lives in its own namespace, started there however it
-            # was launched (exec'd under `ip netns exec`, or forked, entering it)
+            wait_done(nodes, SITES, ROUNDS, timeout=180)  # startup on a loaded machine
+            # every process (all still running) lives in its own namespace, however
+            # it was launched: exec'd under `ip netns exec`, or forked and entering
+            # it before its first socket (so checked once it answered, not at start)
             for name, node in nodes.items():
-                assert node.proc is not None
+                assert node.proc is not None and node.running, name
                 ns = os.stat(f"/proc/{node.proc.pid}/ns/net").st_ino
                 assert ns == os.stat(net.path(name)).st_ino, name
-            wait_done(nodes, SITES, ROUNDS, timeout=180)  # startup on a loaded machine
 
             # A behind site's peer port: open in its own namespace on 127.0.0.1,
             # closed to every other namespace (at its address and their own loopback).

@@ -213,7 +213,8 @@ class Personalization:
 
     def finetune(self, site: Any, start: dict[str, Tensor]) -> None:
         """finetune: from `start`, up to finetune_epochs epochs; after each, the
-        validation figures, and the best epoch is the personal model."""
+        validation figures, and the best epoch is the personal model (the test
+        split is evaluated only for an epoch that is kept, to report it)."""
         lr = site.training.lr * self.section.finetune_lr_factor
         with swapped(site, start):
             optimizer = build_optimizer(site.model, site.training)
@@ -221,8 +222,14 @@ class Personalization:
                 group["lr"] = lr
             for epoch in range(1, self.section.finetune_epochs + 1):
                 self._steps(site, optimizer)
-                metrics = evaluate_site(site, REPORTED_FIGURES)
-                metrics.pop("per_class_f1", None)
+                val = site.evaluate("val")
+                best = self.best.val_macro_f1
+                if val["macro_f1"] is None or (best is not None and not val["macro_f1"] > best):
+                    continue  # not kept (BestModel.observe's rule): its test figures are not needed
+                metrics = {"val_macro_f1": val["macro_f1"], "val_accuracy": val["accuracy"]}
+                test = site.evaluate_available(("test",)).get("test")
+                if test is not None:
+                    metrics.update({key: test[key] for key in REPORTED_FIGURES})
                 if self.best.observe(epoch, metrics, site.state_dict) and self.best.round == epoch:
                     self.finetune_epoch = epoch
 

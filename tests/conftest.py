@@ -150,12 +150,33 @@ def _group_timing_tests(items: list[pytest.Item]) -> None:
         items[:] = timing + [item for item in items if id(item) not in chosen]
 
 
+# `make test`'s second phase collects only the files that spell this (Makefile
+# EXCLUSIVE_FILES): an exclusive test marked any other way would run in neither phase.
+EXCLUSIVE_SPELLING = "pytest.mark.exclusive"
+
+
+def _check_exclusive_files(items: list[pytest.Item]) -> None:
+    files = {item.path for item in items if item.get_closest_marker("exclusive")}
+    unseen = sorted(
+        str(path) for path in files if EXCLUSIVE_SPELLING not in path.read_text(errors="replace")
+    )
+    if unseen:
+        pytest.exit(
+            f"{', '.join(unseen)}: marks tests exclusive without spelling "
+            f"`{EXCLUSIVE_SPELLING}`, which make test's second phase selects files by: "
+            "they would run in neither phase",
+            returncode=3,
+        )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which turns the marks into groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Timing-sensitive tests go to one xdist group, collected first (above).
+    """Timing-sensitive tests go to one xdist group, collected first (above);
+    every exclusive test's file spells its mark (`_check_exclusive_files`).
     Without Chromium (or with P2PFL_SKIP_BROWSER=1) the `browser` tests are
     skipped, and the run ends with one line that says so and how to fix it."""
     _group_timing_tests(items)
+    _check_exclusive_files(items)
     browser = [item for item in items if item.get_closest_marker("browser")]
     if not browser:
         return

@@ -40,3 +40,28 @@ def test_this_runs_timing_tests_are_grouped(request):
     assert all(i.get_closest_marker("xdist_group") for i in items)
     if getattr(request.config.option, "loadgroup", False):  # a loadgroup worker
         assert all("@" in i.nodeid for i in items), [i.nodeid for i in items][:3]
+
+
+class Item(SimpleNamespace):
+    def get_closest_marker(self, name: str) -> object:
+        return object() if name in self.marks else None
+
+
+def test_an_exclusive_test_whose_file_does_not_spell_the_mark_stops_the_run(tmp_path):
+    """make test's second phase collects only the files that spell
+    `pytest.mark.exclusive` (Makefile EXCLUSIVE_FILES): a test marked through
+    an alias would run in neither phase, so collection stops, naming its file."""
+    spelled = tmp_path / "test_spelled.py"
+    spelled.write_text("import pytest\n\npytestmark = pytest.mark.exclusive\n")
+    aliased = tmp_path / "test_aliased.py"
+    aliased.write_text("from marks import ALONE\n\npytestmark = ALONE\n")
+    plain = tmp_path / "test_plain.py"
+    plain.write_text("def test_x():\n    pass\n")
+    items = [
+        Item(path=spelled, marks={"exclusive"}),
+        Item(path=plain, marks=set()),
+    ]
+    conftest._check_exclusive_files(items)  # spelled: the run goes on
+    with pytest.raises(pytest.exit.Exception, match="test_aliased.py: marks tests exclusive") as e:
+        conftest._check_exclusive_files([*items, Item(path=aliased, marks={"exclusive"})])
+    assert e.value.returncode == 3 and "neither phase" in e.value.msg

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -90,35 +89,29 @@ def test_list_names_every_scenario(capsys):
     assert set(group for _, group in attacks.SCENARIOS.values()) == set(attacks.GROUPS)
 
 
+def last_line(capsys: pytest.CaptureFixture[str], argv: list[str], timeout_s: float) -> Any:
+    """`python -m bench.attacks ARGV --timeout T`'s last stdout line, parsed: its
+    `main`, run in this process (the daemons it attacks are processes of their
+    own; the bench's import, 4 s in a fresh interpreter, is already paid here)."""
+    capsys.readouterr()
+    assert attacks.main([*argv, "--timeout", str(timeout_s)]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_two_cheap_scenarios_against_real_daemons_report_verdicts_their_evidence_supports(
-    tmp_path,
+    tmp_path, capsys
 ):
     """Two daemons with wire.encryption on; a raw roster member sends a frame of
     another federation and unencrypted inputs. Whatever the code under test
     does, each verdict must follow from the evidence it records, and the last
     stdout line is the result object."""
     out = tmp_path / "attacks"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.attacks",
-            "--scenarios",
-            "wrong_federation,unencrypted_injection",
-            "--out",
-            str(out),
-            "--timeout",
-            "240",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=400,
+    result = last_line(
+        capsys,
+        ["--scenarios", "wrong_federation,unencrypted_injection", "--out", str(out)],
+        timeout_s=240,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"attacks", "all_defended"}
     found = result["attacks"]
     assert set(found) == {"wrong_federation", "unencrypted_injection"}
@@ -191,30 +184,15 @@ def test_the_decode_bomb_and_the_huge_round_pass_the_header_checks(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_cheap_review_scenarios_report_verdicts_their_evidence_supports(tmp_path):
+def test_two_cheap_review_scenarios_report_verdicts_their_evidence_supports(tmp_path, capsys):
     """One probe daemon; a rebound status request and a round-2**63 frame.
     Whatever the code under test does, each verdict follows from its evidence."""
     out = tmp_path / "attacks"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.attacks",
-            "--scenarios",
-            "status_rebinding,huge_round_header",
-            "--out",
-            str(out),
-            "--timeout",
-            "120",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])["attacks"]
+    found = last_line(
+        capsys,
+        ["--scenarios", "status_rebinding,huge_round_header", "--out", str(out)],
+        timeout_s=120,
+    )["attacks"]
     assert set(found) == {"status_rebinding", "huge_round_header"}
     assert all(not e.get("inconclusive") for e in found.values()), found
 

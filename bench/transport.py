@@ -340,7 +340,7 @@ def via_relay(args: argparse.Namespace) -> dict[str, Any]:
             relay.stop()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mb", type=float, default=46.8)
@@ -357,7 +357,7 @@ def main() -> None:
     )
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--raw-port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.role == "receiver":
         asyncio.run(receiver_main(args.config, args.raw_port))
         return

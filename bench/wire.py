@@ -69,11 +69,11 @@ def best_rate(fn, nbytes: int, repeats: int) -> float:
     return nbytes / 1e6 / statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--mb", type=float, default=46.8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     sd = resnet18_like_state_dict(args.mb)

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import subprocess
-import sys
 
 import pytest
 
 
-def last_json(args: list[str], timeout: float = 240, codes: tuple[int, ...] = (0,)) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert out.returncode in codes, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def last_json(
+    capsys: pytest.CaptureFixture[str], args: list[str], codes: tuple[int, ...] = (0,)
+) -> dict:
+    """`python -m MODULE ARGS`'s last stdout line, parsed, where `args` starts
+    with MODULE: its `main`, run in this process. What the bench starts (nodes,
+    its arms' processes) are processes of their own as before; the bench's own
+    import, 3-5 s in a fresh interpreter, is paid once per test process."""
+    main = importlib.import_module(args[0]).main
+    capsys.readouterr()
+    code = main(args[1:]) or 0
+    captured = capsys.readouterr()
+    assert code in codes, captured.err[-2000:]
+    return json.loads(captured.out.strip().splitlines()[-1])
 
 
-def test_wire_benchmark_reports_its_figures():
-    result = last_json(["bench.wire", "--mb", "2", "--repeats", "2"])
+def test_wire_benchmark_reports_its_figures(capsys):
+    result = last_json(capsys, ["bench.wire", "--mb", "2", "--repeats", "2"])
     assert {
         "payload_mb",
         "roundtrip_mb_s",
@@ -30,8 +36,8 @@ def test_wire_benchmark_reports_its_figures():
 
 
 @pytest.mark.slow
-def test_transport_benchmark_reports_its_figures():
-    result = last_json(["bench.transport", "--mb", "4", "--repeats", "1"])
+def test_transport_benchmark_reports_its_figures(capsys):
+    result = last_json(capsys, ["bench.transport", "--mb", "4", "--repeats", "1"])
     assert {
         "payload_mb",
         "node_path_mb_s",
@@ -42,8 +48,8 @@ def test_transport_benchmark_reports_its_figures():
     assert result["node_path_mb_s"] > 0 and result["raw_post_mb_s"] > 0
 
 
-def test_augment_benchmark_reports_the_overhead_of_each_view():
-    result = last_json(["bench.augment", "--steps", "5", "--batch-size", "8"])
+def test_augment_benchmark_reports_the_overhead_of_each_view(capsys):
+    result = last_json(capsys, ["bench.augment", "--steps", "5", "--batch-size", "8"])
     for view in ("weak", "strong", "weak_torchvision", "strong_torchvision"):
         assert result[f"{view}_ms"] > 0
         assert result[f"{view}_overhead"] == pytest.approx(
@@ -53,9 +59,9 @@ def test_augment_benchmark_reports_the_overhead_of_each_view():
 
 
 @pytest.mark.slow
-def test_startup_benchmark_reports_when_every_node_runs_round_one(tmp_path):
+def test_startup_benchmark_reports_when_every_node_runs_round_one(tmp_path, capsys):
     result = last_json(
-        ["bench.startup", "--nodes", "2", "--repeats", "1", "--out", str(tmp_path)], timeout=180
+        capsys, ["bench.startup", "--nodes", "2", "--repeats", "1", "--out", str(tmp_path)]
     )
     assert len(result["first_round_s"]) == 1 and result["first_round_s"][0] > 0
     steps = result["breakdown_median_node"]
@@ -63,8 +69,9 @@ def test_startup_benchmark_reports_when_every_node_runs_round_one(tmp_path):
     assert isinstance(result["pass"], bool)
 
 
-def test_scale_benchmark_runs_each_size_in_its_own_process(tmp_path):
+def test_scale_benchmark_runs_each_size_in_its_own_process(tmp_path, capsys):
     result = last_json(
+        capsys,
         [
             "bench.scale",
             "--nodes",
@@ -77,7 +84,7 @@ def test_scale_benchmark_runs_each_size_in_its_own_process(tmp_path):
             "6",
             "--out",
             str(tmp_path),
-        ]
+        ],
     )
     assert result["ok"] and result["completed_10"] and result["completed_6_defaults"]
     assert result["round_s_10"] > 0 and result["peak_rss_mb_10"] > 100
@@ -88,8 +95,11 @@ def test_scale_benchmark_runs_each_size_in_its_own_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_failed_site_benchmark_compares_survivors_alone_with_them_beside_a_failed_site(tmp_path):
+def test_failed_site_benchmark_compares_survivors_alone_with_them_beside_a_failed_site(
+    tmp_path, capsys
+):
     result = last_json(
+        capsys,
         [
             "bench.failed_site",
             "--seeds",
@@ -101,7 +111,6 @@ def test_failed_site_benchmark_compares_survivors_alone_with_them_beside_a_faile
             "--out",
             str(tmp_path),
         ],
-        timeout=400,
         codes=(0, 1),  # 1: the ratio missed its target, which a loaded machine may cause
     )
     assert result["survivors"] == 1
@@ -117,13 +126,16 @@ def test_failed_site_benchmark_compares_survivors_alone_with_them_beside_a_faile
 # waiting for a core (its threads' run-queue wait adds up to its wall time), not
 # in sleeps or timeouts
 @pytest.mark.timeout(900)
-def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without_dp(tmp_path):
+def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without_dp(
+    tmp_path, capsys
+):
     """Every private arm beside the like-for-like non-private recipe and the
     standard training, each with the recipe it ran, ε as Opacus's accountant.
     One pass per round (--recipe-option epochs=1, the recipe's default is 4)
     over 8x8 digits (--image-size 8): the accounting and the table depend
     neither on how long the arms train nor on how large their images are."""
     result = last_json(
+        capsys,
         [
             "bench.dp_utility",
             "--data",
@@ -143,7 +155,6 @@ def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without
             "--out",
             str(tmp_path),
         ],  # fmt: skip
-        timeout=850,
     )
     assert list(result["table"]) == ["8", "∞ recipe", "∞ standard"]
     for arm in ("eps_8_s0", "eps_inf_recipe_s0", "eps_inf_standard_s0"):  # every arm ran at 8x8

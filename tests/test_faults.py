@@ -278,15 +278,21 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
     # so a leaves the cut ahead of (or, loaded, behind) the others, and the gap
     # must close before they merge again (three rounds were not always enough:
     # a full parallel run ended with a merging nobody after the heal).
-    rounds = 10
-    cut_rounds = range(2, 6)  # a is cut off in its rounds 2-5, healed from round 6
+    # a is cut off in its rounds 2-8, healed from round 9. Alone, a round of a
+    # is its training (0.9 s here), one of the others its training and the
+    # exchange (2.5-3.4 s): with four rounds cut (3.6 s), no whole round of the
+    # others fitted inside the cut in an unloaded full run (2026-11-26 20:10),
+    # and the drill checked nothing. Seven (6.3 s) hold one at any alignment.
+    rounds = 13
+    cut_rounds = range(2, 9)
     timeout_s = 2.5
     fed_dir = tmp_path / "fed"
-    # A pull of round r takes a model up to r + 3, and every node keeps its last
-    # five: a that leaves the cut up to three rounds ahead of or behind the others
-    # still merges with them at once (with max_staleness 1 a CI run had a four
-    # rounds off after the heal, and no one could use anyone's model again).
-    staleness = 3
+    # A pull of round r takes a model up to r + 5, and every node keeps its last
+    # five: a that leaves the cut up to five rounds ahead of the others (seven
+    # rounds at 0.9 s against their 2.5 s: 4.5) still merges with them at once
+    # (with max_staleness 1 a CI run had a four rounds off after the heal, and no
+    # one could use anyone's model again).
+    staleness = 5
     proto = fedavg(rounds, fraction=1.0, round_timeout_s=timeout_s, max_staleness=staleness)
     # Every site trains three epochs a round: a's rounds cut off, which have
     # nothing to wait for, still last seconds, so whole rounds of the others lie
@@ -307,13 +313,13 @@ def test_partition_heals_and_a_slow_peer_never_blocks_a_round(tmp_path):
     with fed:
         supervise(fed, rounds, timeout=240, restart=False)
     assert {e["event"] for e in events(cut)} == {"partition_start", "partition_end"}
-    # The cut is a's own rounds 2-5, start to end (a request from a peer in
+    # The cut is a's own rounds 2-8, start to end (a request from a peer in
     # another round no longer moves a's partition: node/faults.py, own=False).
     a_rows = {m["round"]: m for m in metrics(fed_dir, "a")}
     first, last = a_rows[cut_rounds.start], a_rows[cut_rounds.stop - 1]
     window = {"partition_start": first["t"] - first["round_s"], "partition_end": last["t"]}
     a_ledger = dict((r, m) for r, m in ledger(fed_dir, "a"))
-    # Cut off: a's rounds 2-5 ran alone and still finished.
+    # Cut off: a's rounds 2-8 ran alone and still finished.
     assert all(a_ledger[r] == [] for r in cut_rounds), a_ledger
     # Healed: a averages with the others again, and they with a.
     assert any(a_ledger[r] for r in range(cut_rounds.stop, rounds + 1)), a_ledger

@@ -397,11 +397,14 @@ def build_parser(*, optional: bool | Collection[str] = True) -> argparse.Argumen
 
     if optional is True:
         optional = OPTIONAL_HELP
-    for name, register in _optional_commands() if optional is not False else ():
-        if name in optional:
-            register(sub, name)
-        else:  # listed in the help; never run (main registers the command it runs)
+    for name, register in _optional_commands().items() if optional is not False else ():
+        if name not in optional:  # listed in the help; never run (main registers the one it runs)
             sub.add_parser(name, help=OPTIONAL_HELP[name])
+            continue
+        try:
+            register(sub, name)
+        except ImportError as exc:  # feature not installed in this build
+            log.debug("sub-command %s unavailable: %s", name, exc)
     return parser
 
 
@@ -414,9 +417,8 @@ OPTIONAL_HELP = {
 }
 
 
-def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction, str], None]]]:
-    """Sub-commands that live with their feature."""
-    out = []
+def _optional_commands() -> dict[str, Callable[[argparse._SubParsersAction, str], None]]:
+    """Sub-commands that live with their feature: each registers itself, importing it."""
 
     def partition(sub: argparse._SubParsersAction, name: str) -> None:
         from p2pfl.learning.data.partition import add_partition_arguments, run_partition
@@ -452,27 +454,13 @@ def _optional_commands() -> list[tuple[str, Callable[[argparse._SubParsersAction
         add_predict_arguments(p)
         p.set_defaults(func=run_predict)
 
-    for name, fn in (
-        ("partition", partition),
-        ("genbuffer", genbuffer),
-        ("evaluate", evaluate),
-        ("export", export),
-        ("predict", predict),
-    ):
-        out.append((name, _tolerant(fn)))
-    return out
-
-
-def _tolerant(
-    register: Callable[[argparse._SubParsersAction, str], None],
-) -> Callable[[argparse._SubParsersAction, str], None]:
-    def wrapped(sub: argparse._SubParsersAction, name: str) -> None:
-        try:
-            register(sub, name)
-        except ImportError as exc:  # feature not installed in this build
-            log.debug("sub-command %s unavailable: %s", name, exc)
-
-    return wrapped
+    return {
+        "partition": partition,
+        "genbuffer": genbuffer,
+        "evaluate": evaluate,
+        "export": export,
+        "predict": predict,
+    }
 
 
 def _command_of(argv: list[str]) -> str | None:

@@ -160,6 +160,18 @@ def test_grid_compares_heuristics_and_fractions_in_one_results_file(
     assert (out / "f1_per_round_c0.5.png").exists() and (out / "f1_per_round_c1.png").exists()
 
 
+def test_a_grid_without_the_compute_limit_reports_no_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--no-compute-limit with two heuristics: each cell has no limit ratio
+    (None), where the grid's summary raised KeyError (found 2026-11-26)."""
+    argv = ["--in-memory", "--nodes", "3", "--rounds", "1", "--no-baselines", "--no-compute-limit"]
+    argv += ["--heuristics", "random,f1", *TINY, "--out", str(tmp_path / "grid")]
+    code, summary = run_cli(argv, capsys)
+    assert code == 0
+    assert [c["compute_limit_ratio"] for c in summary["grid"]] == [None, None]
+
+
 @pytest.mark.slow
 def test_real_node_processes_run_to_the_end_and_exit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

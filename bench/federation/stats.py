@@ -319,7 +319,7 @@ def grid_summary(
         "messages_sent_total": sum(messages) if messages else None,
         "bytes_sent_total": sum(nbytes) if nbytes else None,
         "threshold": summaries[0]["threshold"],
-        "grid": [{k: m[k] for k in keep} for m in summaries],
+        "grid": [{k: m.get(k) for k in keep} for m in summaries],  # None: not measured
     }
     out = with_baselines(summary, reference)
     for cell in out["grid"]:

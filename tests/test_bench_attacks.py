@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from bench_main import last_json
 
 from bench import attacks
 from node.faults import CYCLE_MODES, FaultPlan
@@ -89,15 +89,6 @@ def test_list_names_every_scenario(capsys):
     assert set(group for _, group in attacks.SCENARIOS.values()) == set(attacks.GROUPS)
 
 
-def last_line(capsys: pytest.CaptureFixture[str], argv: list[str], timeout_s: float) -> Any:
-    """`python -m bench.attacks ARGV --timeout T`'s last stdout line, parsed: its
-    `main`, run in this process (the daemons it attacks are processes of their
-    own; the bench's import, 4 s in a fresh interpreter, is already paid here)."""
-    capsys.readouterr()
-    assert attacks.main([*argv, "--timeout", str(timeout_s)]) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_two_cheap_scenarios_against_real_daemons_report_verdicts_their_evidence_supports(
     tmp_path, capsys
@@ -107,10 +98,10 @@ def test_two_cheap_scenarios_against_real_daemons_report_verdicts_their_evidence
     does, each verdict must follow from the evidence it records, and the last
     stdout line is the result object."""
     out = tmp_path / "attacks"
-    result = last_line(
+    result = last_json(
         capsys,
-        ["--scenarios", "wrong_federation,unencrypted_injection", "--out", str(out)],
-        timeout_s=240,
+        ["bench.attacks", "--scenarios", "wrong_federation,unencrypted_injection"]
+        + ["--out", str(out), "--timeout", "240"],
     )
     assert set(result) == {"attacks", "all_defended"}
     found = result["attacks"]
@@ -188,10 +179,10 @@ def test_two_cheap_review_scenarios_report_verdicts_their_evidence_supports(tmp_
     """One probe daemon; a rebound status request and a round-2**63 frame.
     Whatever the code under test does, each verdict follows from its evidence."""
     out = tmp_path / "attacks"
-    found = last_line(
+    found = last_json(
         capsys,
-        ["--scenarios", "status_rebinding,huge_round_header", "--out", str(out)],
-        timeout_s=120,
+        ["bench.attacks", "--scenarios", "status_rebinding,huge_round_header"]
+        + ["--out", str(out), "--timeout", "120"],
     )["attacks"]
     assert set(found) == {"status_rebinding", "huge_round_header"}
     assert all(not e.get("inconclusive") for e in found.values()), found

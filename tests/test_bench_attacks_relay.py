@@ -6,26 +6,18 @@ the receiver's own answers and counters that it reports."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_main import last_json
 
 from bench import attacks
 from bench.attacks.relay import P99_FACTOR, p99
 
 ROOT = Path(__file__).resolve().parents[1]
 CHEAP = ["relay_unknown_client", "relay_identity_claim", "relay_plaintext", "relay_altered_message"]
-
-
-def bench(capsys: pytest.CaptureFixture[str], module: str, *args: str) -> dict[str, Any]:
-    """`python -m MODULE ARGS`'s last stdout line, parsed: its `main`, run in this
-    process (the processes it starts are still their own)."""
-    capsys.readouterr()
-    importlib.import_module(module).main(list(args))
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def run_attacks(names: list[str], out: Path) -> dict[str, dict[str, Any]]:
@@ -124,16 +116,9 @@ def test_one_site_flooding_the_relay_is_bounded_and_judged_by_its_figures(tmp_pa
 
 @pytest.mark.slow
 def test_transport_via_relay_reports_direct_and_relayed_throughput_and_latency(capsys):
-    out = bench(
+    out = last_json(
         capsys,
-        "bench.transport",
-        "--via-relay",
-        "--mb",
-        "2",
-        "--repeats",
-        "2",
-        "--heartbeats",
-        "20",
+        ["bench.transport", "--via-relay", "--mb", "2", "--repeats", "2", "--heartbeats", "20"],
     )
     assert out["payload_mb"] == 2.0 and out["repeats"] == 2 and out["encrypted"] is True
     assert out["direct_mb_s"] > 0 and out["relayed_mb_s"] > 0

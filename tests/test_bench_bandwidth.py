@@ -5,28 +5,14 @@ checkpoints. And the real `p2pfl-node check` decides which arms run."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
+from bench_main import last_json
 
 from bench.bandwidth import Arm, arm_spec, check_refusal, parse_args
 from bench.federation.specs import partition
-
-
-def last_json(capsys: pytest.CaptureFixture[str], args: list[str]) -> dict:
-    """`python -m MODULE ARGS`'s last stdout line, parsed, where `args` starts
-    with MODULE: its `main`, run in this process. Its nodes are still processes
-    of their own (forked from this process's server, whose imports are already
-    paid), and so is `p2pfl-node check`; the bench's own import, 4 s in a fresh
-    interpreter, is paid once."""
-    main = importlib.import_module(args[0]).main
-    capsys.readouterr()
-    code = main(args[1:])
-    captured = capsys.readouterr()
-    assert code == 0, (captured.out[-2000:], captured.err[-2000:])
-    return json.loads(captured.out.strip().splitlines()[-1])
 
 
 def test_check_refuses_topk_with_secure_aggregation_and_passes_plain(tmp_path: Path) -> None:

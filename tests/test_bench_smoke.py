@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import pytest
-
-
-def last_json(
-    capsys: pytest.CaptureFixture[str], args: list[str], codes: tuple[int, ...] = (0,)
-) -> dict:
-    """`python -m MODULE ARGS`'s last stdout line, parsed, where `args` starts
-    with MODULE: its `main`, run in this process. What the bench starts (nodes,
-    its arms' processes) are processes of their own as before; the bench's own
-    import, 3-5 s in a fresh interpreter, is paid once per test process."""
-    main = importlib.import_module(args[0]).main
-    capsys.readouterr()
-    code = main(args[1:]) or 0
-    captured = capsys.readouterr()
-    assert code in codes, captured.err[-2000:]
-    return json.loads(captured.out.strip().splitlines()[-1])
+from bench_main import last_json
 
 
 def test_wire_benchmark_reports_its_figures(capsys):

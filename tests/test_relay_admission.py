@@ -10,7 +10,10 @@ machine) or orderings, never a tight upper bound."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import test_relay
@@ -18,7 +21,7 @@ from test_relay import FED, RelaySite, codec, frame, reason, relay, until
 
 from node.relay_admission import RATE_WAIT_S, Admission
 from node.relay_wire import RELAY_MESSAGE_PATH
-from p2pfl.secure.identity import LocalIdentity
+from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 
 ids = test_relay.ids  # the relay tests' shared fixtures (module scope)
@@ -33,6 +36,24 @@ async def timed_post(
     async with session.post(url + RELAY_MESSAGE_PATH, data=body) as r:
         data = await r.read()
         return r.status, reason(data), time.monotonic() - started, r.headers.get("Connection")
+
+
+@contextlib.asynccontextmanager
+async def a_burst_spent(
+    ids: dict[str, LocalIdentity], roster: Roster, a: WireCodec, connections: int = 16
+) -> AsyncIterator[tuple[Any, str, RelaySite, aiohttp.ClientSession]]:
+    """A relay at 2 frames/s whose waits last 60 s, b connected to it, and a's
+    burst of 10 spent: (server, url, b, a session of `connections` connections)."""
+    async with relay(roster, rate_limit_per_s=2) as (server, url):
+        server.admission = Admission(server.settings, wait_s=60)
+        b = RelaySite(ids["b"], roster)
+        await b.connect(url)
+        connector = aiohttp.TCPConnector(limit=connections)
+        async with aiohttp.ClientSession(connector=connector) as s:
+            for _ in range(10):  # a's burst
+                assert (await timed_post(s, url, frame(a, "b")))[0] == 200
+            yield server, url, b, s
+        await b.close()
 
 
 def test_a_sender_over_its_rate_waits_its_turn_and_is_not_refused(ids, roster):
@@ -140,25 +161,16 @@ def test_one_senders_backlog_does_not_hold_up_another_senders_frame(ids, roster)
     a, f = codec(ids, roster, "a"), codec(ids, roster, "f")
 
     async def scenario() -> None:
-        async with relay(roster, rate_limit_per_s=2) as (server, url):
-            server.admission = Admission(server.settings, wait_s=60)
-            b = RelaySite(ids["b"], roster)
-            await b.connect(url)
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=40)) as s:
-                for _ in range(10):  # a's burst
-                    assert (await timed_post(s, url, frame(a, "b")))[0] == 200
-                backlog = [
-                    asyncio.create_task(timed_post(s, url, frame(a, "b"))) for _ in range(20)
-                ]
-                await until(lambda: server.admission.gates["a"].waiting >= 15, 30)
-                mine = await timed_post(s, url, frame(f, "b"))
-                still_waiting = server.admission.gates["a"].waiting
-                assert mine[0] == 200, mine
-                assert still_waiting >= 5, still_waiting  # a's queue was still there
-                for task in backlog:
-                    task.cancel()
-                await asyncio.gather(*backlog, return_exceptions=True)
-            await b.close()
+        async with a_burst_spent(ids, roster, a, connections=40) as (server, url, _, s):
+            backlog = [asyncio.create_task(timed_post(s, url, frame(a, "b"))) for _ in range(20)]
+            await until(lambda: server.admission.gates["a"].waiting >= 15, 30)
+            mine = await timed_post(s, url, frame(f, "b"))
+            still_waiting = server.admission.gates["a"].waiting
+            assert mine[0] == 200, mine
+            assert still_waiting >= 5, still_waiting  # a's queue was still there
+            for task in backlog:
+                task.cancel()
+            await asyncio.gather(*backlog, return_exceptions=True)
 
     asyncio.run(scenario())
 

@@ -9,14 +9,12 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
 import test_relay
 from test_relay import FED, RelaySite, codec, frame, relay, until
-from test_relay_admission import timed_post
+from test_relay_admission import a_burst_spent, timed_post
 
 from node.relay_admission import Admission
 from node.relay_wire import RELAY_MESSAGE_PATH
@@ -26,23 +24,6 @@ from p2pfl.secure.wire import WireCodec
 
 ids = test_relay.ids  # the relay tests' shared fixtures (module scope)
 roster = test_relay.roster
-
-
-@contextlib.asynccontextmanager
-async def a_burst_spent(
-    ids: dict[str, LocalIdentity], roster: Roster, a: WireCodec
-) -> AsyncIterator[tuple[Any, str, RelaySite, aiohttp.ClientSession]]:
-    """A relay at 2 frames/s whose waits last 60 s, b connected to it, and a's
-    burst of 10 spent: (server, url, b, a session of 16 connections)."""
-    async with relay(roster, rate_limit_per_s=2) as (server, url):
-        server.admission = Admission(server.settings, wait_s=60)
-        b = RelaySite(ids["b"], roster)
-        await b.connect(url)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) as s:
-            for _ in range(10):  # a's burst
-                assert (await timed_post(s, url, frame(a, "b")))[0] == 200
-            yield server, url, b, s
-        await b.close()
 
 
 def without(roster: Roster, name: str) -> Roster:

@@ -60,9 +60,6 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-_setns = enter_net_namespace
-
-
 _AVAILABLE: tuple[bool, str] | None = None
 
 
@@ -256,11 +253,11 @@ class Netns:
         try:
             target = os.open(self.path(member), os.O_RDONLY)
             try:
-                _setns(target)
+                enter_net_namespace(target)
                 try:
                     yield
                 finally:
-                    _setns(own)  # raises rather than leave the thread elsewhere
+                    enter_net_namespace(own)  # raises rather than leave the thread elsewhere
             finally:
                 os.close(target)
         finally:

@@ -100,3 +100,22 @@ def test_a_failed_call_hands_its_items_back() -> None:
     run(check)
     assert wire.failed == [("ConnectionError", [("ask", 1), ("push", 2)])]
     assert wire.calls == [[("ask", 3)]]
+
+
+def test_a_withdrawn_items_bytes_leave_the_batchs_count() -> None:
+    """A withdrawn item's bytes no longer fill the batch: 60 + 60 bytes with
+    the first withdrawn stay under a 100-byte batch, sent at drain, as one."""
+    wire = Wire()
+
+    async def check() -> None:
+        box = Outbox(wire.send, wire.on_failed, window_s=60, max_bytes=100)
+        first, second = ("push", 1), ("push", 2)
+        box.put(first, 60)
+        assert box.withdraw(first)
+        box.put(second, 60)
+        await asyncio.sleep(0.01)
+        assert wire.calls == []  # not sent for a size it no longer has
+        await box.drain()
+        assert wire.calls == [[second]]
+
+    run(check)

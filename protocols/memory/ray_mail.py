@@ -70,6 +70,7 @@ class Outbox:
         self.max_items = max_items
         self.max_bytes = max_bytes
         self._items: list[Item] = []
+        self._sizes: list[int] = []  # each item's bytes, beside it
         self._bytes = 0
         self._timer: asyncio.TimerHandle | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -81,6 +82,7 @@ class Outbox:
 
     def put(self, item: Item, nbytes: int = 0) -> None:
         self._items.append(item)
+        self._sizes.append(nbytes)
         self._bytes += nbytes
         if len(self._items) >= self.max_items or self._bytes >= self.max_bytes:
             self.send_now()
@@ -92,6 +94,7 @@ class Outbox:
         for i, queued in enumerate(self._items):
             if queued is item:
                 del self._items[i]
+                self._bytes -= self._sizes.pop(i)  # its bytes leave the batch's count too
                 return True
         return False
 
@@ -100,7 +103,7 @@ class Outbox:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        items, self._items, self._bytes = self._items, [], 0
+        items, self._items, self._sizes, self._bytes = self._items, [], [], 0
         self.memo = {}
         if not items:
             return

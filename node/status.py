@@ -37,6 +37,7 @@ import hmac
 import importlib.resources
 import ipaddress
 import logging
+import os
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -48,7 +49,7 @@ from yarl import URL
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.telemetry import Telemetry
 from p2pfl.config import ConfigError, SiteConfig, is_loopback
-from p2pfl.files import atomic_write_text
+from p2pfl.files import create_exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +208,11 @@ def host_guard_middleware(
 
 
 def load_or_create_token(path: Path) -> str:
-    """The token kept in `path`, created (random, 0600) the first time."""
-    if not path.exists():
-        atomic_write_text(path, secrets.token_urlsafe(32) + "\n", mode=0o600)
+    """The token kept in `path`, created (random, 0600) the first time. Two
+    processes starting at once on one folder get the same token: the file is
+    created only where absent, never replaced (p2pfl/files.py create_exclusive)."""
+    if not os.path.lexists(path):
+        create_exclusive(path, (secrets.token_urlsafe(32) + "\n").encode(), mode=0o600)
     return path.read_text(encoding="utf-8").strip()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,34 @@ def atomic_write_bytes(
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+def create_exclusive(path: Path | str, data: Chunk, *, mode: int = 0o644) -> bool:
+    """Create `path` holding `data`, whole, unless it exists: True when this
+    call created it. Safe against a concurrent creator: the bytes go to a
+    temporary file of this call's own and are linked into place (link(2)
+    fails on an existing name), so two processes starting at once agree on
+    one content instead of the later rename replacing what the earlier one
+    already read."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        try:
+            os.write(fd, bytes(data))
+            os.fchmod(fd, mode)  # the umask may have narrowed what os.open created
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        fsync_dir(path.parent)
+        return True
+    finally:
+        os.unlink(tmp)
 
 
 def append_lines(path: Path | str, lines: Iterable[str]) -> None:

@@ -208,3 +208,48 @@ def test_the_dashboard_url_carries_the_token_in_its_fragment() -> None:
     assert dashboard_url("0.0.0.0", 8000, "abc") == "http://127.0.0.1:8000/#token=abc"
     assert dashboard_url("::1", 8001, "abc") == "http://[::1]:8001/#token=abc"
     assert dashboard_url("127.0.0.1", 8002, None) == "http://127.0.0.1:8002/"
+
+
+def _token_in_child(path: str, barrier: Any, out: Any) -> None:
+    from node.status import load_or_create_token
+
+    barrier.wait()
+    out.put(load_or_create_token(Path(path)))
+
+
+def test_two_processes_creating_the_token_at_once_agree_on_one(tmp_path: Path) -> None:
+    """A node and a relay (or two relays) started at once on one folder: the
+    token file is created once, never replaced, so every process serves the
+    token that is on disk. First the race forced (the file appears between the
+    check and the write), then 8 real processes released together."""
+    import multiprocessing
+
+    import node.status as status_mod
+
+    path = tmp_path / "status.token"
+    theirs = "t" * 43
+    path.write_text(theirs + "\n")
+    path.chmod(0o600)
+    # the other process's file appears after this one looked: it is kept, and read
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(status_mod.os.path, "lexists", lambda p: False)
+        assert status_mod.load_or_create_token(path) == theirs
+    assert path.read_text() == theirs + "\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["status.token"]  # no temporary left
+
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(3):
+        target = tmp_path / f"race{attempt}" / "status.token"
+        barrier, out = ctx.Barrier(8), ctx.Queue()
+        procs = [
+            ctx.Process(target=_token_in_child, args=(str(target), barrier, out)) for _ in range(8)
+        ]
+        for proc in procs:
+            proc.start()
+        tokens = [out.get(timeout=60) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=60)
+            assert proc.exitcode == 0
+        assert len(set(tokens)) == 1 and tokens[0] == target.read_text().strip()
+        assert stat.S_IMODE(target.stat().st_mode) == 0o600
+        assert [p.name for p in target.parent.iterdir()] == ["status.token"]

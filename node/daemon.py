@@ -238,7 +238,7 @@ class Node:
                 dashboard_url(self.cfg.status.host, self.status_port, None),
                 self.state_dir / "status.token",
             )
-        if self.relays.start_tunnels(self.peer_port):
+        if self.relays.start_tunnels(self.server if self.peer_port is not None else None):
             self._spawn(self._watch_relays(), "relays")
         self._spawn(self._heartbeats(), "heartbeat")
         self._spawn(self.outbound.resend_outbox(), "outbox")

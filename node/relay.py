@@ -27,7 +27,11 @@ token (a forger cannot drain a bucket), the recipient's pending frames and bytes
 (`queue_full` 503; one sender holds at most half of a recipient's slots, and
 of its bytes beyond its first frame), then the payload itself (exactly its
 length, its signed SHA-256, within read_idle_timeout_s + its size at
-min_upload_bytes_per_s: `upload_too_slow`), held in memory only as it arrives.
+min_upload_bytes_per_s: `upload_too_slow`). The frame is streamed down to the
+recipient as its bytes arrive (cut-through, node/relay_wire.py): the relay
+holds one piece of it at a time, and sends its last piece (END) only once the
+length and digest hold, else ABORT, so the site never takes a frame the relay
+saw fail (and checks the digest itself besides).
 The answer goes back under the same deadline, the frame's slot held until it
 is written: a sender that does not read it has its connection aborted
 (`answer_too_slow`), so no unread answer stays in memory. Timeouts are
@@ -57,13 +61,17 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from node.relay_admission import TOO_MANY_CONNECTIONS, Admission
 from node.relay_handshake import Gatekeeper, SiteLink, SiteStats, refused_upgrade
 from node.relay_wire import (
+    ABORT,
     AUTH_STATUS_FOR_REASON,
+    DATA,
+    END,
     RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
     RELAY_MESSAGE_PATH,
     RELAY_STATUS_FOR_REASON,
     RelayWireError,
     encrypted_frame,
+    pack_forward,
     unpack_reply,
 )
 from node.transport import STATUS_FOR_REASON
@@ -82,7 +90,6 @@ REFUSAL_STATUS = {
     "reply_malformed": 502,  # the recipient answered with a status that is not a final one
     TOO_MANY_CONNECTIONS: 429,  # the sender's queue is full (node/relay_admission.py)
 }
-STREAM_ID = struct.Struct(">Q")  # the head of a FORWARD (node/relay_wire.py pack_forward)
 PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
 
 
@@ -318,11 +325,13 @@ class RelayServer:
     async def _forward(
         self, link: SiteLink, request: web.Request, head: bytes, header: Header
     ) -> web.StreamResponse:
-        """Read the payload of a checked frame, send it down the recipient's
-        connection and answer with the recipient's answer. The frame's slot is
-        held from before the first payload byte is read until the answer is
-        written (a sender that does not read its answers uses up its own slots)."""
-        stream = request.content
+        """Stream a checked frame down the recipient's connection as its bytes
+        arrive (node/relay_wire.py: DATA pieces, END once the payload's length
+        and signed SHA-256 hold, else ABORT) and answer with the recipient's
+        answer. The frame's slot and bytes are counted from before the first
+        payload byte is read until the answer is written (a sender that does
+        not read its answers uses up its own slots); the relay holds only the
+        piece in hand, never the whole frame."""
         sender = header.sender
         frame_len = len(head) + header.payload_len
         link.pending += 1
@@ -331,32 +340,19 @@ class RelayServer:
         link.bytes_by_sender[sender] = link.bytes_by_sender.get(sender, 0) + frame_len
         held_bytes = frame_len
         stream_id = next(self._ids)
+        future: asyncio.Future[tuple[int, bytes] | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        link.waiting[stream_id] = future
         try:
-            # one buffer: FORWARD's stream id, then the frame (no copy to prepend it),
-            # grown as the payload arrives: a header alone buys no memory
-            buffer = bytearray(STREAM_ID.pack(stream_id))
-            buffer += head
-            failure = await self._read_payload(stream, buffer, len(buffer), header)
+            failure = await self._stream(link, request.content, stream_id, head, header, future)
             if failure is not None:
                 return self._refuse(*failure, who=sender)
-            if link.closed:
-                return self._refuse("relay_lost", "the recipient disconnected", sender)
-            future: asyncio.Future[tuple[int, bytes] | None] = (
-                asyncio.get_running_loop().create_future()
-            )
-            link.waiting[stream_id] = future
-            timeout = self.settings.forward_timeout_s
-            try:  # the frame is written at once; a site that stops reading stalls the drain
-                async with asyncio.timeout(timeout):
-                    await link.ws.send_bytes(buffer)
-            except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
-                return self._refuse("relay_lost", "the recipient's connection failed", sender)
-            del buffer  # sent: the bytes are the kernel's now
             link.unhold(sender, held_bytes)
             held_bytes = 0
             self._account(sender, link.name, frame_len)
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(self.settings.forward_timeout_s):
                     answer = await future
             except TimeoutError:
                 return self._refuse("relay_lost", "no answer within forward_timeout_s", sender)
@@ -378,6 +374,91 @@ class RelayServer:
             if not link.by_sender[sender]:
                 del link.by_sender[sender]
 
+    async def _send_piece(self, link: SiteLink, stream_id: int, kind: int, piece: Any) -> bool:
+        """One FORWARD piece down the recipient's connection: False if it failed.
+        A site that stops reading stalls the drain: forward_timeout_s at most."""
+        if link.closed:
+            return False
+        try:
+            async with asyncio.timeout(self.settings.forward_timeout_s):
+                await link.ws.send_bytes(pack_forward(stream_id, kind, piece))
+        except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
+            return False
+        return True
+
+    async def _stream(
+        self,
+        link: SiteLink,
+        stream: aiohttp.StreamReader,
+        stream_id: int,
+        head: bytes,
+        header: Header,
+        answered: asyncio.Future[tuple[int, bytes] | None],
+    ) -> tuple[str, str] | None:
+        """Send the frame's head, then its payload piece by piece as it comes,
+        hashing it; the last piece goes as END only if the payload is exactly
+        its length and matches the signed SHA-256, else the site gets ABORT.
+        None when the whole frame went (or the site answered early, which ends
+        the stream: it refused the frame on its header), or the refusal
+        (truncated, digest_mismatch, upload_too_slow, relay_lost) to answer."""
+        lost = "relay_lost", "the recipient's connection failed"
+        if not await self._send_piece(link, stream_id, DATA, head):
+            return lost
+        idle = self.settings.read_idle_timeout_s
+        deadline = (
+            time.monotonic() + idle + header.payload_len / self.settings.min_upload_bytes_per_s
+        )
+        digest = hashlib.sha256()
+        got, size = 0, header.payload_len
+        failure: tuple[str, str] | None = None
+        try:
+            while got < size:
+                if answered.done():
+                    return None  # the site answered already: it takes no more of this frame
+                async with asyncio.timeout(_wait(idle, deadline)):
+                    chunk = await stream.readany()
+                if not chunk:
+                    failure = "truncated", f"payload ended at {got} bytes"
+                    break
+                if got + len(chunk) > size:
+                    failure = "digest_mismatch", "payload longer than the header says"
+                    break
+                got += len(chunk)
+                digest.update(chunk)
+                if got < size:
+                    if not await self._send_piece(link, stream_id, DATA, chunk):
+                        return lost
+                    continue
+                if not stream.at_eof():
+                    async with asyncio.timeout(_wait(idle, deadline)):
+                        extra = await stream.read(1)
+                    if extra:
+                        failure = "digest_mismatch", "payload longer than the header says"
+                        break
+                if digest.digest() != header.payload_sha256:
+                    failure = "digest_mismatch", "payload SHA-256 differs from the signed header"
+                    break
+                if not await self._send_piece(link, stream_id, END, chunk):
+                    return lost
+                return None
+            if size == 0 and failure is None:
+                if digest.digest() != header.payload_sha256:
+                    failure = "digest_mismatch", "payload SHA-256 differs from the signed header"
+                elif not await self._send_piece(link, stream_id, END, b""):
+                    return lost
+                else:
+                    return None
+        except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
+            failure = "truncated", "connection closed mid-payload"
+        except TimeoutError:
+            if time.monotonic() >= deadline - 1e-3:
+                failure = "upload_too_slow", f"{got} of {size} bytes by the deadline"
+            else:
+                failure = "truncated", f"payload stalled for {idle:g} s"
+        if not answered.done():
+            await self._send_piece(link, stream_id, ABORT, b"")  # the site drops what it has
+        return failure
+
     async def _answer(
         self, request: web.Request, status: int, body: bytes, sender: str
     ) -> web.StreamResponse:
@@ -397,44 +478,6 @@ class RelayServer:
             if request.transport is not None:
                 request.transport.abort()  # drops the unsent bytes (close() would flush them)
         return response  # aiohttp finds the connection gone and writes nothing more
-
-    async def _read_payload(
-        self, stream: aiohttp.StreamReader, buffer: bytearray, offset: int, header: Header
-    ) -> tuple[str, str] | None:
-        """Append the payload to `buffer` (which holds `offset` bytes: the payload
-        is buffer[offset:] once read) as it comes, hashing it: None, or the
-        refusal (truncated, digest_mismatch, upload_too_slow) to answer."""
-        idle = self.settings.read_idle_timeout_s
-        deadline = (
-            time.monotonic() + idle + header.payload_len / self.settings.min_upload_bytes_per_s
-        )
-        digest = hashlib.sha256()
-        start, end = offset, offset + header.payload_len
-        try:
-            while len(buffer) < end:
-                async with asyncio.timeout(_wait(idle, deadline)):
-                    chunk = await stream.readany()
-                if not chunk:
-                    return "truncated", f"payload ended at {len(buffer) - start} bytes"
-                if len(buffer) + len(chunk) > end:
-                    return "digest_mismatch", "payload longer than the header says"
-                buffer += chunk
-                digest.update(chunk)
-            if not stream.at_eof():
-                async with asyncio.timeout(_wait(idle, deadline)):
-                    extra = await stream.read(1)
-                if extra:
-                    return "digest_mismatch", "payload longer than the header says"
-        except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
-            return "truncated", "connection closed mid-payload"
-        except TimeoutError:
-            if time.monotonic() >= deadline - 1e-3:
-                got = len(buffer) - start
-                return "upload_too_slow", f"{got} of {header.payload_len} bytes by the deadline"
-            return "truncated", f"payload stalled for {idle:g} s"
-        if digest.digest() != header.payload_sha256:
-            return "digest_mismatch", "payload SHA-256 differs from the signed header"
-        return None
 
     def _account(self, sender: str, recipient: str, nbytes: int) -> None:
         out = self._stats(recipient)

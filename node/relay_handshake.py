@@ -81,6 +81,7 @@ from node.relay_wire import (
     REFUSAL_HEADER,
     RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
+    RELAY_PROTOCOL,
     SIGNATURE_HEADER,
     SITE_HEADER,
     auth_message,
@@ -267,6 +268,7 @@ class Gatekeeper:
             "type": "challenge",
             "relay": self.relay,
             "federation": self.federation,
+            "protocol": RELAY_PROTOCOL,
             "nonce": nonce_hex,
             "expires_in_s": self.settings.auth_timeout_s,
         }
@@ -433,6 +435,11 @@ async def open_relay_socket(
         raise HandshakeRefused(
             f"it calls itself {challenge.get('relay')!r} of federation "
             f"{challenge.get('federation')!r}, expected {relay!r} of {federation!r}"
+        )
+    if challenge.get("protocol") != RELAY_PROTOCOL:
+        raise HandshakeRefused(
+            f"it speaks relay protocol {challenge.get('protocol')!r}, this site "
+            f"{RELAY_PROTOCOL}: run the same p2pfl-node version on the relay and its sites"
         )
     headers = proof_headers(identity, federation, sign_for or relay, challenge["nonce"], claim)
     ws_url = "ws" + base_url.removeprefix("http") + RELAY_CONNECT_PATH

@@ -2,23 +2,28 @@
 
 A site whose roster card has `address: null` accepts no inbound connection. It
 keeps one WebSocket to each relay its card names (`via`), proves who it is
-on the upgrade request (node/relay_handshake.py), and then answers every FORWARD
-the relay sends down that connection: it POSTs the frame, byte for byte, to
-its OWN message endpoint on loopback and sends the relay a REPLY with that
-endpoint's status and body. So the frame meets exactly the checks a direct
-POST meets (signature, clock, replay, decryption, queues, spool), and the
-answer the sender gets is the final receiver's own: an acknowledgement means
-this site spooled the message, never just that the relay took it.
+on the upgrade request (node/relay_handshake.py), and then takes the frames the
+relay streams down that connection (node/relay_wire.py: DATA pieces, then END
+or ABORT). Each frame opens a `FrameFeed` that this node's own message
+endpoint reads in process (node/transport.py MessageServer.receive), as it
+reads a direct POST's body: so the frame meets exactly the checks a direct POST
+meets (signature, clock, replay, decryption, queues, spool), verified while it
+streams, and the site sends the relay a REPLY with that endpoint's status and
+body. An acknowledgement means this site spooled the message, never just that
+the relay took it.
 
-Forwards run concurrently (each its own task, at most `max_concurrent` at a
-time, holding at most 2 x max_message_bytes of frames, as the transport
-reserves for uploads: past that the tunnel stops reading, which backs the
-relay's bounded queue up to the senders). Nothing a relay sends ends the
-tunnel: a bad handshake (one deadline, bounded size) or message is one failed
-connection, dialled again. A lost connection is dialled again with exponential
-backoff and full jitter (transport.backoff_base_s .. backoff_max_s) until the
-node stops; the relay's pending forwards fail there (502 relay_lost) and
-their senders send again, through this relay or another.
+Bounds: at most `max_concurrent` frames in progress (a frame past that is
+answered `queue_full` at once: the reader never waits on a handler that may be
+waiting on it), and at most 2 x max_message_bytes of pieces received and not
+yet read by their handlers, as the transport reserves for uploads: past that
+the tunnel stops reading, which backs the relay's sends up to the senders.
+Nothing a relay sends ends the tunnel: a bad handshake (one deadline, bounded
+size) or message is one failed connection, dialled again. A lost connection is
+dialled again with exponential backoff and full jitter
+(transport.backoff_base_s .. backoff_max_s) until the node stops; frames still
+arriving are dropped (their handlers refuse them `truncated`), the relay's
+pending forwards fail there (502 relay_lost), and their senders send again,
+through this relay or another.
 """
 
 from __future__ import annotations
@@ -30,15 +35,22 @@ import logging
 import random
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
 from node.relay_handshake import HandshakeRefused, only_to, open_relay_socket
-from node.relay_wire import AUTH_TIMEOUT_S, RelayWireError, pack_reply, unpack_forward
-from node.tls import client_ssl_context
-from node.transport import MESSAGE_PATH, MessageServer
+from node.relay_wire import (
+    ABORT,
+    AUTH_TIMEOUT_S,
+    END,
+    RelayWireError,
+    pack_reply,
+    unpack_forward,
+)
+from node.transport import MessageServer, answer_bytes
 from p2pfl.config import SiteConfig, TransportSection, parse_hostport
 from p2pfl.config.site import RELAY_NEEDS_ENCRYPTION
 from p2pfl.errors import UserError
@@ -48,9 +60,6 @@ log = logging.getLogger(__name__)
 
 # Room for the stream id and the WebSocket framing above the largest frame.
 WS_OVERHEAD = 64 * 1024
-# The longest a forwarded frame may wait for this node's own answer: a request
-# the node holds open (a pull) is answered within its protocol's round timeout.
-LOCAL_ANSWER_TIMEOUT_S = 600.0
 # A connection that lasted this long resets the backoff (one closed at once does not).
 STEADY_S = 10.0
 
@@ -61,13 +70,90 @@ def _url(address: str, path: str, tls: bool, scheme: str = "http") -> str:
     return f"{scheme}{'s' if tls else ''}://{host}:{port}{path}"
 
 
-def local_endpoint(host: str, port: int, tls: bool) -> str:
-    """This node's own message endpoint as seen from this host (`host`: the one
-    node.listen names): loopback when it listens on every address, else there."""
-    if host in ("0.0.0.0", "", "::", "localhost"):
-        host = "127.0.0.1"
-    host = f"[{host}]" if ":" in host else host
-    return f"http{'s' if tls else ''}://{host}:{port}{MESSAGE_PATH}"
+class FrameFeed:
+    """The bytes of one frame a relay streams down, read by this node's message
+    endpoint as it reads a request body (readexactly, readany, read, at_eof).
+    `release(n)` is told of every byte taken out (or dropped), so the tunnel
+    can bound what it holds."""
+
+    def __init__(self, release: Callable[[int], None]) -> None:
+        self._release = release
+        self._pieces: deque[memoryview] = deque()
+        self._eof = False
+        self._failed = False
+        self._closed = False  # its handler is done: later pieces are dropped
+        self._ready = asyncio.Event()
+
+    # -- the tunnel's side
+    def feed(self, piece: memoryview) -> bool:
+        """Queue a piece (False: dropped, the handler is done or the frame over)."""
+        if self._closed or self._eof or self._failed:
+            return False
+        if len(piece):
+            self._pieces.append(piece)
+        self._ready.set()
+        return True
+
+    def end(self) -> None:
+        self._eof = True
+        self._ready.set()
+
+    def abort(self) -> None:
+        """The frame will not complete: the handler's next read fails (`truncated`)."""
+        self._failed = True
+        self._drop()
+        self._ready.set()
+
+    def close(self) -> None:
+        """The handler is done: whatever it did not read is dropped."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        while self._pieces:
+            self._release(len(self._pieces.popleft()))
+
+    # -- the handler's side
+    async def _wait(self) -> None:
+        while not self._pieces and not self._eof and not self._failed:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._failed:
+            raise ConnectionResetError("the relay aborted the frame")
+
+    async def readany(self) -> memoryview | bytes:
+        await self._wait()
+        if not self._pieces:
+            return b""
+        piece = self._pieces.popleft()
+        self._release(len(piece))
+        return piece
+
+    async def read(self, n: int = -1) -> memoryview | bytes:
+        await self._wait()
+        if not self._pieces:
+            return b""
+        piece = self._pieces[0]
+        if n < 0 or n >= len(piece):
+            return await self.readany()
+        self._pieces[0] = piece[n:]
+        self._release(n)
+        return piece[:n]
+
+    async def readexactly(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            try:
+                await self._wait()
+            except ConnectionResetError:
+                raise asyncio.IncompleteReadError(bytes(out), n) from None
+            if not self._pieces:
+                raise asyncio.IncompleteReadError(bytes(out), n)
+            out += await self.read(n - len(out))
+        return bytes(out)
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._pieces
 
 
 class RelayTunnel:
@@ -81,11 +167,10 @@ class RelayTunnel:
         address: str,
         federation: str,
         identity: LocalIdentity,
-        local_url: str,
+        endpoint: MessageServer,
         cfg: TransportSection,
         max_message_bytes: int,
         relay_ssl: ssl.SSLContext | None = None,
-        local_ssl: ssl.SSLContext | None = None,
         max_concurrent: int = 64,
         on_change: Callable[[], None] | None = None,
     ) -> None:
@@ -95,20 +180,18 @@ class RelayTunnel:
         self.federation = federation
         self.identity = identity
         self.url = _url(address, "", relay_ssl is not None)
-        self.local_url = local_url
+        self.endpoint = endpoint  # this node's own message endpoint, read in process
         self.cfg = cfg
         self.max_message_bytes = max_message_bytes
         self.relay_ssl = relay_ssl
-        self.local_ssl = local_ssl
         self.on_change = on_change
-        self._slots = asyncio.Semaphore(max_concurrent)
-        # Frame bytes held while our own endpoint answers: at most what the
+        self.max_concurrent = max_concurrent
+        # Bytes received and not yet read by their handlers: at most what the
         # transport reserves for uploads (2 x max_message_bytes), whatever a relay
-        # sends; one frame is always taken when nothing is held.
+        # sends; one piece is always taken when nothing is held.
         self._budget = 2 * max_message_bytes
         self._held = 0
         self._freed = asyncio.Event()
-        self._send_lock = asyncio.Lock()
         self._rng = random.Random()
         self._task: asyncio.Task[None] | None = None
         self._forwards: set[asyncio.Task[None]] = set()
@@ -119,6 +202,7 @@ class RelayTunnel:
         self.forwarded = 0  # frames answered
         self.bytes_in = 0
         self.bytes_out = 0
+        self.dropped = 0  # pieces of no open frame (one a handler finished, or unknown)
         self.last_error = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -145,6 +229,7 @@ class RelayTunnel:
             "forwarded": self.forwarded,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "dropped_pieces": self.dropped,
             "last_error": self.last_error or None,
         }
 
@@ -155,22 +240,18 @@ class RelayTunnel:
     async def run(self) -> None:
         """Connect, serve, and dial again with backoff and full jitter, until cancelled."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s)
-        local = aiohttp.TCPConnector(limit=0, ssl=self.local_ssl or False)
-        async with (
-            # its relay's host and port only: no redirect elsewhere (relay_handshake.only_to);
-            # and none of its cookies kept, so a relay cannot grow our memory dial after dial
-            aiohttp.ClientSession(
-                timeout=timeout,
-                middlewares=(only_to(self.url),),
-                cookie_jar=aiohttp.DummyCookieJar(),
-            ) as relay_session,
-            aiohttp.ClientSession(connector=local, auto_decompress=False) as local_session,
-        ):
+        # its relay's host and port only: no redirect elsewhere (relay_handshake.only_to);
+        # and none of its cookies kept, so a relay cannot grow our memory dial after dial
+        async with aiohttp.ClientSession(
+            timeout=timeout,
+            middlewares=(only_to(self.url),),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        ) as relay_session:
             failures = 0
             while True:
                 began = time.monotonic()
                 try:
-                    await self._serve_once(relay_session, local_session)
+                    await self._serve_once(relay_session)
                     self.last_error = "connection closed"
                     if time.monotonic() - began > STEADY_S:
                         failures = 0  # it was up a while: the next dial is quick
@@ -196,9 +277,7 @@ class RelayTunnel:
                 await asyncio.sleep(self._rng.uniform(0, cap))
 
     # ------------------------------------------------------------------ one connection
-    async def _serve_once(
-        self, relay_session: aiohttp.ClientSession, local_session: aiohttp.ClientSession
-    ) -> None:
+    async def _serve_once(self, relay_session: aiohttp.ClientSession) -> None:
         heartbeat = max(1.0, self.cfg.suspect_after_s)
         # one deadline for the whole handshake (the challenge, then the upgrade):
         # a relay that trickles its answers cannot hold us in it
@@ -214,86 +293,91 @@ class RelayTunnel:
                 max_msg_size=self.max_message_bytes + WS_OVERHEAD,
                 autoping=True,
             )
-        async with ws:
-            self.connected = True
-            self.since = round(time.time(), 3)
-            self.connects += 1
-            log.info("%s: connected to relay %s at %s", self.site, self.relay, self.address)
-            self._changed()
-            async for msg in ws:
-                if msg.type != aiohttp.WSMsgType.BINARY:
-                    if msg.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSE):
-                        break
-                    continue  # nothing but FORWARDs is expected now: ignored
-                stream_id, frame = unpack_forward(msg.data)
-                self.bytes_in += len(frame)
-                size = len(msg.data)
-                while self._held and self._held + size > self._budget:
-                    self._freed.clear()  # past the byte budget: stop reading (backpressure)
-                    await self._freed.wait()
-                self._held += size
-                try:
-                    await self._slots.acquire()  # past max_concurrent: stop reading too
-                except BaseException:
-                    self._release(size)
-                    raise
-                task = asyncio.create_task(self._forward(ws, local_session, stream_id, frame, size))
+        feeds: dict[int, FrameFeed] = {}  # frames of this connection still arriving
+        try:
+            async with ws:
+                self.connected = True
+                self.since = round(time.time(), 3)
+                self.connects += 1
+                log.info("%s: connected to relay %s at %s", self.site, self.relay, self.address)
+                self._changed()
+                await self._read(ws, feeds)
+        finally:
+            for feed in feeds.values():
+                feed.abort()  # the connection is gone: they will not complete
+
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse, feeds: dict[int, FrameFeed]) -> None:
+        """Take the relay's FORWARD pieces, each to its frame's feed; a new id
+        opens a frame (ids only grow: a lower one belongs to a frame done with)."""
+        last_id = -1
+        async for msg in ws:
+            if msg.type != aiohttp.WSMsgType.BINARY:
+                if msg.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSE):
+                    break
+                continue  # nothing but FORWARDs is expected now: ignored
+            stream_id, kind, piece = unpack_forward(msg.data)
+            self.bytes_in += len(piece)
+            feed = feeds.get(stream_id)
+            if feed is None:
+                if stream_id <= last_id or kind == ABORT:
+                    self.dropped += 1  # the tail of a frame its handler finished
+                    continue
+                last_id = stream_id
+                if len(self._forwards) >= self.max_concurrent:
+                    self._reply_later(ws, stream_id, _failed("queue_full"))
+                    continue
+                feed = feeds[stream_id] = FrameFeed(self._release)
+                task = asyncio.create_task(self._deliver(ws, stream_id, feed))
                 self._forwards.add(task)
                 task.add_done_callback(self._forwards.discard)
+            if kind == ABORT:
+                del feeds[stream_id]
+                feed.abort()
+                continue
+            size = len(piece)
+            while self._held and self._held + size > self._budget:
+                self._freed.clear()  # past the byte budget: stop reading (backpressure)
+                await self._freed.wait()
+            if feed.feed(piece):
+                self._held += size
+            else:
+                self.dropped += 1
+            if kind == END:
+                del feeds[stream_id]
+                feed.end()
 
     def _release(self, size: int) -> None:
         self._held -= size
         self._freed.set()
 
-    async def _forward(
-        self,
-        ws: aiohttp.ClientWebSocketResponse,
-        session: aiohttp.ClientSession,
-        stream_id: int,
-        frame: memoryview,
-        size: int,
+    def _reply_later(
+        self, ws: aiohttp.ClientWebSocketResponse, stream_id: int, answer: tuple[int, bytes]
     ) -> None:
-        """POST one forwarded frame to our own endpoint; REPLY with its answer."""
-        try:
-            status, body = await self._post_local(session, frame)
-            with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-                async with self._send_lock:
-                    await ws.send_bytes(pack_reply(stream_id, status, body))
-                self.forwarded += 1
-                self.bytes_out += len(body)
-        finally:
-            del frame  # its bytes are free once the budget says so
-            self._release(size)
-            self._slots.release()
+        task = asyncio.create_task(self._reply(ws, stream_id, *answer))
+        self._forwards.add(task)
+        task.add_done_callback(self._forwards.discard)
 
-    async def _post_local(
-        self, session: aiohttp.ClientSession, frame: memoryview
-    ) -> tuple[int, bytes]:
-        timeout = aiohttp.ClientTimeout(
-            total=LOCAL_ANSWER_TIMEOUT_S, sock_connect=self.cfg.connect_timeout_s
-        )
+    async def _reply(
+        self, ws: aiohttp.ClientWebSocketResponse, stream_id: int, status: int, body: bytes
+    ) -> None:
+        with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
+            await ws.send_bytes(pack_reply(stream_id, status, body))
+            self.bytes_out += len(body)
+
+    async def _deliver(
+        self, ws: aiohttp.ClientWebSocketResponse, stream_id: int, feed: FrameFeed
+    ) -> None:
+        """Our own endpoint reads the frame as it arrives; REPLY with its answer."""
         try:
-            async with session.post(
-                self.local_url,
-                data=frame,
-                timeout=timeout,
-                headers={"Content-Type": "application/octet-stream"},
-            ) as resp:
-                if resp.content_length is not None and resp.content_length > self.max_message_bytes:
-                    return _failed("oversize")
-                chunks: list[bytes] = []
-                size = 0
-                while chunk := await resp.content.readany():
-                    size += len(chunk)
-                    if size > self.max_message_bytes:
-                        return _failed("oversize")
-                    chunks.append(chunk)
-                return resp.status, b"".join(chunks)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            # Our own endpoint did not answer (stopping, or overloaded): the
-            # sender may send again, through this relay or another.
-            log.warning("%s: relayed frame not answered locally: %s", self.site, exc)
-            return _failed("relay_lost")
+            if self.endpoint.isolated:  # fault plan: a partition, as a direct POST finds it
+                status, body = _failed("relay_lost")
+            else:
+                response = await self.endpoint.receive(feed, None)
+                status, body = response.status, await answer_bytes(response)
+            await self._reply(ws, stream_id, status, body)
+            self.forwarded += 1
+        finally:
+            feed.close()  # what its handler did not read is dropped
 
 
 def _failed(reason: str) -> tuple[int, bytes]:
@@ -325,8 +409,7 @@ class SiteRelays:
         self.publish_to = publish_to
         self.tunnels: list[RelayTunnel] = []
         self.server: Any = None  # node/relay.py RelayServer, with relay.serve: true
-        self._local_url: str | None = None  # this site's own message endpoint, once it listens
-        self._local_ssl: ssl.SSLContext | None = None
+        self._endpoint: MessageServer | None = None  # this site's message endpoint, once it listens
         self._closing: set[asyncio.Task[None]] = set()  # tunnels a roster reload closes
 
     def mount(self, peer_server: MessageServer) -> None:
@@ -354,35 +437,29 @@ class SiteRelays:
         peer_server.extra_routes.append(self.server.add_routes)
         log.info("%s: relaying for outbound-only sites as %s", self.name, names[0])
 
-    def start_tunnels(self, peer_port: int | None) -> bool:
-        """An outbound-only site: a tunnel per relay, once its own message endpoint
-        (where they hand what they receive) listens. True when any started."""
-        if peer_port is not None:
-            tls = self.cfg.transport.tls
-            self._local_ssl = None
-            if tls:  # our own endpoint on loopback: the federation's CA, not the host name
-                self._local_ssl = client_ssl_context(str(tls.cert), str(tls.key), str(tls.ca))
-                self._local_ssl.check_hostname = False
-            host, _ = parse_hostport(self.cfg.node.listen)
-            self._local_url = local_endpoint(host, peer_port, tls is not None)
+    def start_tunnels(self, endpoint: MessageServer | None) -> bool:
+        """An outbound-only site: a tunnel per relay, once its own message
+        `endpoint` (where they hand what they receive) listens (None: it does
+        not). True when any started, or this site relays."""
+        if endpoint is not None:
+            self._endpoint = endpoint
             for relay in self.roster[self.name].card.via:
                 self._open(relay)
         self.publish()
         return bool(self.tunnels) or self.server is not None
 
     def _open(self, relay: str) -> None:
-        assert self._local_url is not None
+        assert self._endpoint is not None
         tunnel = RelayTunnel(
             site=self.name,
             relay=relay,
             address=self.roster.relays[relay],
             federation=self.cfg.federation.id,
             identity=self.identity,
-            local_url=self._local_url,
+            endpoint=self._endpoint,
             cfg=self.cfg.transport,
             max_message_bytes=self.cfg.wire.max_message_bytes,
             relay_ssl=self.client_ssl,
-            local_ssl=self._local_ssl,
             on_change=self.publish,
         )
         tunnel.start()
@@ -392,7 +469,7 @@ class SiteRelays:
         """SIGHUP: tunnels follow this site's own card: a relay no longer in its
         `via`, or whose address changed, is closed; a new one is dialled. Only
         once the message endpoint listens (`start_tunnels` ran)."""
-        if self._local_url is None or self.name not in self.roster:
+        if self._endpoint is None or self.name not in self.roster:
             return
         want = {r: self.roster.relays[r] for r in self.roster[self.name].card.via}
         keep: list[RelayTunnel] = []

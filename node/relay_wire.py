@@ -8,15 +8,29 @@ site's WebSocket and answers the POST with the site's own answer. The frame is
 signed and encrypted end to end (node/transport.py, p2pfl/secure/wire.py): the
 relay reads only its clear, signed header to route it.
 
-WebSocket messages, after the handshake:
-- the relay sends a binary `FORWARD`: u64 stream id (big-endian) | the frame;
-- the site answers each with a binary `REPLY`: u64 stream id | u16 HTTP status |
-  the body its own message endpoint answered (an acknowledgement, a refusal
-  with its reason, or the encrypted frame that answers a request).
+WebSocket messages, after the handshake (relay protocol `RELAY_PROTOCOL`,
+named in the challenge; a site and a relay of different protocols refuse each
+other at the handshake, in one line):
+- the relay streams each frame down as `FORWARD` pieces, binary messages
+  u64 stream id (big-endian) | u8 kind | bytes, as the frame's bytes reach it
+  (cut-through: it never holds a whole frame, so a large frame costs the
+  relay's time once, overlapped with the sender's upload and the site's
+  reading, and a small frame is not stuck behind a large one). Kinds:
+  `DATA`, more of the frame (the first piece of an id the site has not seen
+  opens a stream; ids only grow on a connection); `END`, its last bytes, sent
+  only once the relay has checked the payload's length and signed SHA-256;
+  `ABORT`, the frame will not complete (the sender's upload failed or did not
+  match its header): the site drops what it has.
+- the site answers each stream with a binary `REPLY`: u64 stream id | u16 HTTP
+  status | the body its own message endpoint answered (an acknowledgement, a
+  refusal with its reason, or the encrypted frame that answers a request). It
+  may answer before END (a refusal on the header): the relay then stops
+  sending that frame.
 
 Handshake (node/relay_handshake.py), all of it before the relay accepts a
 WebSocket: the site GETs `RELAY_CHALLENGE_PATH` and gets
-`{"type": "challenge", "relay": R, "federation": F, "nonce": HEX, "expires_in_s": T}`;
+`{"type": "challenge", "relay": R, "federation": F, "protocol": RELAY_PROTOCOL,
+"nonce": HEX, "expires_in_s": T}`;
 it then asks for the WebSocket upgrade at `RELAY_CONNECT_PATH` with three
 headers: `SITE_HEADER: S`, `NONCE_HEADER: HEX` and `SIGNATURE_HEADER: BASE64`,
 its Ed25519 signature (the key of its roster card) over
@@ -38,7 +52,9 @@ from p2pfl.secure.wire import MAX_HEADER, PREFIX_LEN, Header, WireError
 RELAY_CHALLENGE_PATH = "/p2pfl/v1/relay/challenge"
 RELAY_CONNECT_PATH = "/p2pfl/v1/relay/connect"
 RELAY_MESSAGE_PATH = "/p2pfl/v1/relay/message"
-AUTH_CONTEXT = b"p2pfl-relay-auth/v2\n"
+# The relay protocol's version (the challenge names it): 3 streams frames in pieces.
+RELAY_PROTOCOL = 3
+AUTH_CONTEXT = b"p2pfl-relay-auth/v3\n"
 AUTH_TIMEOUT_S = 10.0
 # The proof a site sends with its upgrade request, and the reason of a refused one.
 SITE_HEADER = "X-P2PFL-Relay-Site"
@@ -47,7 +63,13 @@ SIGNATURE_HEADER = "X-P2PFL-Relay-Signature"
 REFUSAL_HEADER = "X-P2PFL-Relay-Refusal"
 MAX_CHALLENGE_BYTES = 4096  # the largest challenge a site reads (an honest one: about 250)
 
-_FORWARD = struct.Struct(">Q")
+_FORWARD = struct.Struct(">QB")
+# FORWARD kinds
+DATA = 0
+END = 1
+ABORT = 2
+FORWARD_KINDS = frozenset((DATA, END, ABORT))
+FORWARD_HEAD = _FORWARD.size
 _REPLY = struct.Struct(">QH")
 
 # Refusals a relay answers (HTTP status), beside the transport's own
@@ -83,15 +105,19 @@ def auth_message(federation: str, relay: str, site: str, nonce_hex: str) -> byte
     return AUTH_CONTEXT + "\n".join((federation, relay, site, nonce_hex)).encode("utf-8")
 
 
-def pack_forward(stream_id: int, frame: bytes | memoryview) -> bytes:
-    return _FORWARD.pack(stream_id) + bytes(frame)
+def pack_forward(stream_id: int, kind: int, piece: bytes | memoryview = b"") -> bytes:
+    """One FORWARD piece: `kind` DATA, END or ABORT."""
+    return _FORWARD.pack(stream_id, kind) + piece
 
 
-def unpack_forward(data: bytes) -> tuple[int, memoryview]:
+def unpack_forward(data: bytes) -> tuple[int, int, memoryview]:
+    """(stream id, kind, the piece's bytes, a view into `data`)."""
     if len(data) < _FORWARD.size:
-        raise RelayWireError("forward message shorter than its stream id")
-    (stream_id,) = _FORWARD.unpack_from(data)
-    return stream_id, memoryview(data)[_FORWARD.size :]
+        raise RelayWireError("forward message shorter than its stream id and kind")
+    stream_id, kind = _FORWARD.unpack_from(data)
+    if kind not in FORWARD_KINDS:
+        raise RelayWireError(f"forward kind {kind} is not DATA, END or ABORT")
+    return stream_id, kind, memoryview(data)[_FORWARD.size :]
 
 
 def pack_reply(stream_id: int, status: int, body: bytes) -> bytes:

@@ -136,6 +136,25 @@ class ChunksPayload(Payload):
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("binary frame")
 
+    async def collect(self) -> bytes:
+        """The bytes, joined, at the uplink's pace: an answer that goes back
+        down a relay tunnel instead of over this node's own HTTP connection."""
+        if self._uplink is None:
+            return b"".join(self._chunks)
+        return b"".join([bytes(piece) async for piece in self._uplink.slices(self._chunks)])
+
+
+async def answer_bytes(response: web.Response) -> bytes:
+    """The body of an answer MessageServer.receive made, as bytes."""
+    body = response.body
+    if isinstance(body, ChunksPayload):
+        return await body.collect()
+    if body is None:
+        return b""
+    if isinstance(body, bytes | bytearray | memoryview):
+        return bytes(body)
+    raise TypeError(f"unexpected answer body {type(body).__name__}")
+
 
 def _reject(reason: str, detail: str = "", ack: str | None = None) -> web.Response:
     body = {"reason": reason, "detail": detail[:200]}
@@ -246,10 +265,14 @@ class MessageServer:
         if self.isolated and request.transport is not None:
             request.transport.abort()  # simulated partition: no answer at all
             raise web.HTTPServiceUnavailable()
-        length = request.content_length
+        return await self.receive(request.content, request.content_length)
+
+    async def receive(self, stream: Any, length: int | None) -> web.Response:
+        """One frame from `stream` (aiohttp's StreamReader, or a relay tunnel's
+        FrameFeed: readexactly, readany, read, at_eof), `length` its declared
+        size if known: every check of a POST, and the answer to send back."""
         if length is not None and length > self.codec.max_message_bytes:
             return self._refuse("oversize", f"{length} bytes")
-        stream = request.content
         idle = self.cfg.read_idle_timeout_s
         sender: str | None = None
         claimed: Header | None = None

@@ -31,6 +31,8 @@ from node.relay import RelayServer
 from node.relay_handshake import fetch_challenge, open_relay_socket, proof_headers
 from node.relay_status import create_relay_status_app
 from node.relay_wire import (
+    ABORT,
+    END,
     REFUSAL_HEADER,
     RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
@@ -106,6 +108,7 @@ class RelaySite:
         self.codec = WireCodec(identity, roster, FED, require_encryption=True)
         self.answer = answer or self.verify
         self.received: list[bytes] = []
+        self.aborted: list[int] = []  # frames the relay gave up on mid-stream
         self.arrived = asyncio.Event()
         self.ws: aiohttp.ClientWebSocketResponse | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -156,15 +159,23 @@ class RelaySite:
         return {"type": "ok"}
 
     async def _serve(self) -> None:
+        """Gather each frame's FORWARD pieces; answer it at END, drop it at ABORT."""
         assert self.ws is not None
+        partial: dict[int, bytearray] = {}
         async for msg in self.ws:
             if msg.type != aiohttp.WSMsgType.BINARY:
                 break
-            asyncio.create_task(self._one(msg.data))
+            stream_id, kind, piece = unpack_forward(msg.data)
+            if kind == ABORT:
+                partial.pop(stream_id, None)
+                self.aborted.append(stream_id)
+                continue
+            partial.setdefault(stream_id, bytearray()).extend(piece)
+            if kind == END:
+                asyncio.create_task(self._one(stream_id, bytes(partial.pop(stream_id))))
 
-    async def _one(self, data: bytes) -> None:
-        stream_id, body = unpack_forward(data)
-        self.received.append(bytes(body))
+    async def _one(self, stream_id: int, body: bytes) -> None:
+        self.received.append(body)
         self.arrived.set()
         status, answer = await self.answer(bytes(body))
         assert self.ws is not None
@@ -451,6 +462,13 @@ def test_the_relay_refuses_what_it_must_not_forward(ids, roster):
                 status, answer = await post(url, body)
                 out[label] = (status, reason(answer))
             assert b.received == []  # nothing reached the site
+            # The relay streams a frame as it comes: the truncated and the tampered
+            # one had begun to reach the site, which was told to drop them (ABORT).
+            for _ in range(100):
+                if len(b.aborted) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(b.aborted) == 2
             assert sum(server.refusals.values()) == len(cases)
             await b.close()
             return out

@@ -57,16 +57,19 @@ from test_relay import (
 from node.relay_handshake import open_relay_socket, proof_headers
 from node.relay_tunnel import RelayTunnel
 from node.relay_wire import (
+    ABORT,
+    DATA,
+    END,
     NONCE_HEADER,
     RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
     RELAY_MESSAGE_PATH,
+    RELAY_PROTOCOL,
     SIGNATURE_HEADER,
     SITE_HEADER,
     pack_forward,
     unpack_reply,
 )
-from node.transport import MESSAGE_PATH
 from node.transport_client import MessageClient, TransportError
 from p2pfl.config import TransportSection
 from p2pfl.secure.identity import LocalIdentity
@@ -102,10 +105,17 @@ async def serve(app: web.Application) -> AsyncIterator[int]:
 ChallengeHandler = Callable[[web.Request, int], Awaitable[web.StreamResponse]]
 
 
+HONEST_CHALLENGE = {
+    "type": "challenge",
+    "relay": "r1",
+    "federation": FED,
+    "protocol": RELAY_PROTOCOL,
+    "nonce": "ab" * 40,
+}
+
+
 async def honest_challenge(request: web.Request, n: int) -> web.StreamResponse:
-    return web.json_response(
-        {"type": "challenge", "relay": "r1", "federation": FED, "nonce": "ab" * 40}
-    )
+    return web.json_response(HONEST_CHALLENGE)
 
 
 @contextlib.asynccontextmanager
@@ -138,16 +148,46 @@ async def fake_relay(
         yield port
 
 
-def tunnel(ids: dict[str, LocalIdentity], port: int, local_url: str, max_bytes: int) -> RelayTunnel:
+class Endpoint:
+    """Stands in for the site's message endpoint (node/transport.py
+    MessageServer.receive) where the test is about the tunnel's bounds: reads
+    each frame whole once `release` is set (a real endpoint verifies as it
+    reads; here the frames are not real), and answers 200."""
+
+    isolated = False
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.release.set()
+        self.frames: list[int] = []
+        self.refused: list[str] = []
+
+    async def receive(self, stream: Any, length: int | None) -> web.Response:
+        await self.release.wait()
+        size = 0
+        try:
+            while chunk := await asyncio.wait_for(stream.readany(), 5):
+                size += len(chunk)
+        except (ConnectionResetError, TimeoutError) as exc:
+            self.refused.append(type(exc).__name__)
+            return web.json_response({"reason": "truncated"}, status=400)
+        self.frames.append(size)
+        return web.json_response({"ok": True})
+
+
+def tunnel(
+    ids: dict[str, LocalIdentity], port: int, endpoint: Any, max_bytes: int, **options: Any
+) -> RelayTunnel:
     return RelayTunnel(
         site="b",
         relay="r1",
         address=f"127.0.0.1:{port}",
         federation=FED,
         identity=ids["b"],
-        local_url=local_url,
+        endpoint=endpoint,
         cfg=fast_transport(),
         max_message_bytes=max_bytes,
+        **options,
     )
 
 
@@ -250,8 +290,9 @@ def test_a_relay_sending_an_unusable_challenge_does_not_kill_the_sites_tunnel(id
     challenge (RecursionError) each ended the tunnel's task: the site never dialled
     that relay again. Now each, and a challenge too long to read or naming
     another relay, is one failed connection and the tunnel dials again."""
-    honest = {"type": "challenge", "relay": "r1", "federation": FED, "nonce": "ab" * 40}
+    honest = HONEST_CHALLENGE
     poison = [
+        json.dumps({**honest, "protocol": RELAY_PROTOCOL - 1}),  # an older relay
         json.dumps({**honest, "nonce": "\ud800" * 20}),
         "[" * 200_000,
         json.dumps({**honest, "pad": "x" * (1 << 20)}),
@@ -268,7 +309,7 @@ def test_a_relay_sending_an_unusable_challenge_does_not_kill_the_sites_tunnel(id
 
     async def scenario() -> None:
         async with fake_relay(handler, challenge) as port:
-            t = tunnel(ids, port, "http://127.0.0.1:9" + MESSAGE_PATH, 1 << 20)
+            t = tunnel(ids, port, Endpoint(), 1 << 20)
             t.start()
             try:
                 await until(lambda: t.connected, timeout=10)
@@ -280,56 +321,104 @@ def test_a_relay_sending_an_unusable_challenge_does_not_kill_the_sites_tunnel(id
 
 
 def test_a_forward_flood_from_a_relay_holds_bounded_bytes_at_the_site(ids):
-    """A relay may send FORWARDs as fast as it likes; the site holds at most two
-    max_message_bytes of frames waiting for its own endpoint (as its transport
-    reserves for uploads), not 64 frames of max_message_bytes each."""
+    """A relay may stream pieces as fast as it likes; while the site's endpoint
+    does not read, the site holds at most two max_message_bytes of them (as its
+    transport reserves for uploads), not 12 frames of max_message_bytes each:
+    past that it stops reading the connection. Then every frame is answered."""
     max_bytes = 1 << 20
     n_frames = 12
-    held: list[int] = []
-    peak = 0
-    release = asyncio.Event()
-
-    async def endpoint(request: web.Request) -> web.Response:
-        nonlocal peak
-        body = await request.read()
-        held.append(len(body))
-        peak = max(peak, sum(held))
-        await release.wait()
-        held.remove(len(body))
-        return web.json_response({"ok": True})
-
+    piece = 64 << 10
+    endpoint = Endpoint()
     replies: list[int] = []
 
     async def handler(ws: web.WebSocketResponse, n: int) -> None:
-        for stream_id in range(n_frames):
-            await ws.send_bytes(pack_forward(stream_id, b"\0" * (max_bytes - 64)))
-        async for msg in ws:
-            if msg.type == aiohttp.WSMsgType.BINARY:
-                replies.append(unpack_reply(msg.data)[1])
+        async def answers() -> None:
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    replies.append(unpack_reply(msg.data)[1])
+
+        reader = asyncio.create_task(answers())
+        body = b"\0" * (max_bytes - 64)
+        for stream_id in range(1, n_frames + 1):
+            for start in range(0, len(body), piece):
+                last = start + piece >= len(body)
+                await ws.send_bytes(
+                    pack_forward(stream_id, END if last else DATA, body[start : start + piece])
+                )
+        await reader
 
     async def scenario() -> None:
-        nonlocal release
-        release = asyncio.Event()
-        app = web.Application(client_max_size=4 * max_bytes)
-        app.router.add_post(MESSAGE_PATH, endpoint)
-        async with serve(app) as local, fake_relay(handler) as port:
-            t = tunnel(ids, port, f"http://127.0.0.1:{local}{MESSAGE_PATH}", max_bytes)
+        endpoint.release.clear()  # the endpoint reads nothing yet
+        async with fake_relay(handler) as port:
+            t = tunnel(ids, port, endpoint, max_bytes)
+            peak = 0
             t.start()
             try:
-                await until(lambda: len(held) >= 2, timeout=10)
-                await asyncio.sleep(1.0)  # time to take more, if it would
-                assert peak <= 2 * max_bytes, f"{len(held)} frames held, {peak} bytes"
-                release.set()
+                await until(lambda: t._held >= max_bytes, timeout=10)
+                for _ in range(20):  # time to take more, if it would
+                    peak = max(peak, t._held)
+                    await asyncio.sleep(0.05)
+                assert peak <= 2 * max_bytes, f"{peak} bytes held"
+                endpoint.release.set()
                 await until(lambda: len(replies) == n_frames, timeout=20)
             finally:
-                release.set()
+                endpoint.release.set()
                 await t.stop()
             assert replies == [200] * n_frames
+            assert endpoint.frames == [max_bytes - 64] * n_frames
+            assert t._held == 0
 
     asyncio.run(scenario())
 
 
-# ----------------------------------------------------------------------------- relay: queues
+def test_a_hostile_relays_pieces_cannot_confuse_or_stall_the_sites_frames(ids):
+    """What a relay could do with the pieces of a stream (node/relay_wire.py):
+    pieces of ids the site is done with, or that went lower, are dropped;
+    ABORT mid-frame gives the endpoint a failed read, never a short frame; a
+    frame past `max_concurrent` is answered queue_full at once (the reader never
+    waits on a handler), and a frame whose pieces stop is the endpoint's idle
+    timeout, not a hang. The honest frame between them arrives whole."""
+    endpoint = Endpoint()
+    replies: dict[int, int] = {}
+    sent = asyncio.Event()
+
+    async def handler(ws: web.WebSocketResponse, n: int) -> None:
+        async def answers() -> None:
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    stream_id, status, _ = unpack_reply(msg.data)
+                    replies[stream_id] = status
+
+        reader = asyncio.create_task(answers())
+        await ws.send_bytes(pack_forward(5, DATA, b"a" * 100))
+        await ws.send_bytes(pack_forward(5, ABORT))  # the relay gives up on 5
+        await until(lambda: 5 in replies, timeout=10)  # its handler is done
+        await ws.send_bytes(pack_forward(5, END, b"b" * 100))  # 5 again: dropped
+        await ws.send_bytes(pack_forward(3, END, b"c" * 100))  # lower than 5: dropped
+        await ws.send_bytes(pack_forward(6, DATA, b"d" * 100))  # opens 6, left open
+        await ws.send_bytes(pack_forward(7, DATA, b"e" * 100))  # opens 7
+        await ws.send_bytes(pack_forward(8, DATA, b"f" * 10))  # past max_concurrent
+        await ws.send_bytes(pack_forward(7, END, b"e" * 100))  # 7 completes
+        sent.set()
+        await reader
+
+    async def scenario() -> None:
+        async with fake_relay(handler) as port:
+            t = tunnel(ids, port, endpoint, 1 << 20, max_concurrent=2)
+            t.start()
+            try:
+                await until(lambda: sent.is_set() and {5, 7, 8} <= set(replies), timeout=10)
+                assert replies[5] == 400 and replies[7] == 200
+                assert replies[8] == 502  # queue_full from the tunnel itself
+                await until(lambda: 6 in replies, timeout=10)  # the endpoint's read timed out
+                assert replies[6] == 400
+            finally:
+                await t.stop()
+            assert endpoint.frames == [200]  # only 7, whole
+            assert sorted(endpoint.refused) == ["ConnectionResetError", "TimeoutError"]
+            assert t.dropped == 2 and t._held == 0
+
+    asyncio.run(scenario())
 
 
 async def trickle(url: str, data: bytes, sent: int, stop: asyncio.Event) -> int:
@@ -658,7 +747,7 @@ def test_a_relay_that_trickles_its_challenge_is_dialled_again(ids, monkeypatch):
 
     async def scenario() -> None:
         async with fake_relay(handler, challenge) as port:
-            t = tunnel(ids, port, "http://127.0.0.1:9" + MESSAGE_PATH, 1 << 20)
+            t = tunnel(ids, port, Endpoint(), 1 << 20)
             t.start()
             try:
                 await until(lambda: len(dials) >= 2, timeout=8)

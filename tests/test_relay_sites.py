@@ -38,7 +38,7 @@ from node.cli import main as cli_main
 from node.provision import free_ports, provision
 from node.queues import Checkpoints
 from node.relay import RelayServer
-from node.relay_tunnel import RelayTunnel, local_endpoint
+from node.relay_tunnel import RelayTunnel
 from node.relay_wire import RELAY_MESSAGE_PATH
 from node.tls import client_ssl_context, server_ssl_context
 from node.transport import MESSAGE_PATH, IncomingFrame, MessageServer
@@ -218,13 +218,11 @@ class Site:
 
     async def start(self) -> None:
         name = self.identity.name
-        server_ssl = relay_ssl = local_ssl = None
+        server_ssl = relay_ssl = None
         if self.pki is not None:  # mutual TLS everywhere, as with transport.tls
             server_ssl = server_tls(self.pki, name)
             relay_ssl = client_tls(self.pki, name)
-            local_ssl = client_tls(self.pki, name)
-            local_ssl.check_hostname = False  # as node/relay_tunnel.py SiteRelays does
-        port = await self.server.start("127.0.0.1", 0, server_ssl)
+        await self.server.start("127.0.0.1", 0, server_ssl)
         for relay in self.roster[name].card.via:
             tunnel = RelayTunnel(
                 site=self.identity.name,
@@ -232,11 +230,10 @@ class Site:
                 address=self.roster.relays[relay],
                 federation=FED,
                 identity=self.identity,
-                local_url=local_endpoint("127.0.0.1", port, local_ssl is not None),
+                endpoint=self.server,
                 cfg=transport(backoff_max_s=0.2),
                 max_message_bytes=MAX,
                 relay_ssl=relay_ssl,
-                local_ssl=local_ssl,
             )
             tunnel.start()
             self.tunnels.append(tunnel)
@@ -750,7 +747,13 @@ def test_a_roster_reload_moves_a_sites_tunnels_to_the_relays_its_card_now_names(
             cfg=cfg, roster=roster, identity=identity, client_ssl=None, publish_to=published.append
         )
         try:
-            assert relays.start_tunnels(free_ports(1)[0])
+            endpoint = MessageServer(
+                WireCodec(identity, roster, cfg.federation.id, require_encryption=True),
+                transport(),
+                lambda frame: None,  # type: ignore[arg-type, return-value]  # never reached
+                lambda r, _p: None,
+            )
+            assert relays.start_tunnels(endpoint)
             await until(lambda: connected(servers["r1"][0]) == ["c"], "c connects to r1")
             moved = Roster(
                 [

@@ -82,20 +82,46 @@ P99_FACTOR = 2.0  # the issue's bound: the relayed heartbeat p99 under a flood
 
 class TamperingRelay(RelayServer):
     """A malicious relay: the real RelayServer, which flips one payload byte of
-    every frame whose sender is in `targets`, after its own checks passed (so
-    the altered frame goes down the recipient's connection)."""
+    every frame whose sender is in `targets` as it streams the frame down, after
+    its own checks passed (so the altered bytes go down the recipient's
+    connection, and END follows them)."""
 
     targets: frozenset[str] = frozenset()
     flipped = 0
 
-    async def _read_payload(
-        self, stream: aiohttp.StreamReader, buffer: bytearray, offset: int, header: Header
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._streams: dict[
+            int, str
+        ] = {}  # stream id -> "head" until its head went, then "payload"
+
+    async def _stream(
+        self,
+        link: Any,
+        stream: aiohttp.StreamReader,
+        stream_id: int,
+        head: bytes,
+        header: Header,
+        answered: asyncio.Future[Any],
     ) -> tuple[str, str] | None:
-        failure = await super()._read_payload(stream, buffer, offset, header)
-        if failure is None and header.sender in self.targets and header.payload_len:
-            buffer[offset + min(3, header.payload_len - 1)] ^= 0x40
+        if header.sender in self.targets and header.payload_len:
+            self._streams[stream_id] = "head"
+        try:
+            return await super()._stream(link, stream, stream_id, head, header, answered)
+        finally:
+            self._streams.pop(stream_id, None)
+
+    async def _send_piece(self, link: Any, stream_id: int, kind: int, piece: Any) -> bool:
+        state = self._streams.get(stream_id)
+        if state == "head":
+            self._streams[stream_id] = "payload"
+        elif state == "payload" and len(piece):
+            altered = bytearray(piece)
+            altered[min(3, len(altered) - 1)] ^= 0x40
+            piece = altered
             self.flipped += 1
-        return failure
+            del self._streams[stream_id]  # one byte per frame
+        return await super()._send_piece(link, stream_id, kind, piece)
 
 
 class RelayThread:

@@ -19,9 +19,12 @@ per seed, the same split, steps and seed in both arms:
   `via:` every relay, listening on their own namespace's 127.0.0.1), reached
   only through the relay(s).
 The arms' order alternates with the seed. The drill (`--kill-relay-at R`)
-applies to the `behind` arm: the first relay is SIGKILLed once a site reports
-round R and started again `--restart-after` s later (or never, with
-`--kill-for-good`, where `--relays 2` leaves the other one to fail over to).
+applies to the `behind` arm: the first relay runs with a fault plan
+(node/faults.py, `P2PFL_FAULTS`) that SIGKILLs it as it is about to carry the
+first frame of round R or later; the bench sees it die and starts it again
+`--restart-after` s later (or never, with `--kill-for-good`, where
+`--relays 2` leaves the other one to fail over to). The restarted relay reads
+the same plan and does not fire again (`.fired`).
 
 Reported per arm per seed: the mean final macro-F1 of the sites, whether every
 node completed every round, bytes through the relay(s) (their /status
@@ -190,6 +193,15 @@ def ledger_counts(run_dir: Path, names: Sequence[str], rounds: int) -> dict[str,
     }
 
 
+def fault_kills(plan: Path) -> list[dict[str, Any]]:
+    """The kill events a fault plan's process wrote (node/faults.py)."""
+    events = plan.with_name(plan.name + ".events.jsonl")
+    if not events.exists():
+        return []
+    rows = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("event") == "kill"]
+
+
 def run_arm(
     args: argparse.Namespace,
     spec: RunSpec,
@@ -217,7 +229,16 @@ def run_arm(
             behind=set(behind),
             hosts={m: net.address(m) for m in [*names, *relays]},
         )
-        procs = processes(net, [*plans.relays, *plans], run_dir / "logs")
+        faults = run_dir / "r1_faults.json"
+        if drill:  # r1 kills itself by its fault plan (node/faults.py, phase `forward`)
+            plan = {"kill": [{"id": "r1-drill", "round": args.kill_relay_at, "phase": "forward"}]}
+            faults.write_text(json.dumps(plan))
+        procs = processes(
+            net,
+            [*plans.relays, *plans],
+            run_dir / "logs",
+            node_env={"r1": {"P2PFL_FAULTS": str(faults)}} if drill else None,
+        )
         sites = {n: procs[n] for n in names}
         watcher = RoundWatcher(spec.rounds, report)
         try:
@@ -243,15 +264,22 @@ def run_arm(
                     for r in relays:
                         if procs[r].running:
                             bytes_.poll(r, procs[r])
-                reached = max(watcher.last_round.values(), default=0)
-                if drill and not kills and reached >= args.kill_relay_at:
+                if drill and not kills and not procs["r1"].running:
+                    fired = fault_kills(faults)
+                    reached = max(watcher.last_round.values(), default=0)
                     report(
-                        f"[{watcher.elapsed():7.1f}s] drill: SIGKILL relay r1 at round {reached}"
+                        f"[{watcher.elapsed():7.1f}s] drill: relay r1 SIGKILLed by its fault "
+                        f"plan: {fired or 'no kill event (it died otherwise)'}"
                     )
-                    procs["r1"].kill()
                     bytes_.life_ended("r1")
                     kills.append(
-                        {"relay": "r1", "round": reached, "t": round(watcher.elapsed(), 1)}
+                        {
+                            "relay": "r1",
+                            "by_fault_plan": bool(fired),
+                            "frame_round": fired[0].get("round") if fired else None,
+                            "sites_round": reached,
+                            "t": round(watcher.elapsed(), 1),
+                        }
                     )
                     if not args.kill_for_good:
                         restart_at = now + args.restart_after
@@ -386,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             arm: {s["seed"]: s[arm]["every_node_every_round"] for s in per_seed} for arm in ARMS
         },
         "relay_bytes": {arm: {s["seed"]: s[arm]["relay"] for s in per_seed} for arm in ARMS},
+        "relay_kills": {s["seed"]: s["behind"]["relay_kills"] for s in per_seed},
         "wall_s_per_arm": {arm: {s["seed"]: s[arm]["wall_s"] for s in per_seed} for arm in ARMS},
         "models_merged": {
             arm: {s["seed"]: s[arm]["models_merged"] for s in per_seed} for arm in ARMS

@@ -24,7 +24,9 @@ them by accident, and a node with a fault plan says so loudly in its log.
   a secure-aggregation contributor gone after the others masked with it,
   before its own masked input). Each kill
   fires once: its id is appended to `<file>.fired` before the signal, so a
-  restarted node does not fire it again.
+  restarted node does not fire it again. A relay (`p2pfl-node relay`) reads
+  the same plan, for kills only: its one phase is `forward`, on the first
+  frame it is about to carry whose signed header says `round` or later.
 - partition: while this node's round is in [from_round, to_round) it is cut
   off both ways: every outgoing post fails, every incoming connection is
   closed without an answer. It heals by itself.
@@ -70,14 +72,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
 from p2pfl.files import append_lines
 from p2pfl.secure.identity import LocalIdentity
 from p2pfl.secure.wire import Header, WireCodec
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from node.transport import MessageServer
     from node.transport_client import MessageClient
 
@@ -201,8 +202,10 @@ class FaultPlan:
                 continue
             at = int(kill.get("round", -1))
             # A push's round is the sender's: after a restart this node may only
-            # ever see later rounds, so an `acked` kill takes the first at or after.
-            if round_no != at and not (phase == "acked" and round_no > at):
+            # ever see later rounds, so an `acked` kill takes the first at or after;
+            # so does a relay's `forward` (the first frame it carries of that round
+            # or later: it has no round of its own).
+            if round_no != at and not (phase in ("acked", "forward") and round_no > at):
                 continue
             self.fired.add(kid)
             append_lines(self._sidecar(".fired"), [kid])
@@ -250,6 +253,8 @@ class FaultPlan:
         if mode in WIRE_MODES or not isinstance(payload, dict):
             return payload
         scale = float((self.poison or {}).get("scale", 5.0))
+        from torch import Tensor  # a poisoning node only
+
         out = dict(payload)
         if mode == "inflated_count":
             for key in COUNT_KEYS:
@@ -331,6 +336,8 @@ def parse_slow_train(value: Any) -> float:
 
 
 def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:
+    import torch  # only a poisoning node gets here: a relay's plan never imports torch
+
     if not t.is_floating_point():
         return t
     if mode == "nan":

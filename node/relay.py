@@ -58,6 +58,7 @@ from typing import Any
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from node.faults import FaultPlan
 from node.relay_admission import TOO_MANY_CONNECTIONS, Admission
 from node.relay_handshake import Gatekeeper, SiteLink, SiteStats, refused_upgrade
 from node.relay_wire import (
@@ -112,8 +113,10 @@ class RelayServer:
         *,
         max_message_bytes: int,
         clock_skew_s: float,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.name = name
+        self.faults = faults  # a drill's kill (node/faults.py, phase `forward`)
         self.federation = federation
         self.roster = roster
         self.settings = settings
@@ -318,6 +321,8 @@ class RelayServer:
             checked = self._check(header, header_len, length)
             if isinstance(checked, tuple):
                 return self._refuse(*checked, who=who)
+            if self.faults is not None:
+                self.faults.on_progress(header.round, "forward", own=False)
             return await self._forward(checked, request, prefix + rest, header)
         finally:
             turn.leave()  # its place at the relay is free

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from node.faults import FaultPlan
 from node.logsetup import JsonFormatter, quiet_http_parser_refusals
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.prometheus import Exposition
@@ -236,6 +237,7 @@ class RelayProcess:
             cfg.relay,
             max_message_bytes=cfg.wire.max_message_bytes,
             clock_skew_s=cfg.wire.clock_skew_s,
+            faults=FaultPlan.from_env(),  # drills only: P2PFL_FAULTS (node/faults.py)
         )
         self.token, self.token_file = (
             relay_status_token(cfg, config_path) if cfg.status.enabled else ("", None)

@@ -1,5 +1,6 @@
 """bench/network.py --smoke: digits, 3 sites (one behind a relay), 2 rounds,
-one seed, both arms, every process in its own network namespace (issue 31).
+one seed, both arms, every process in its own network namespace (issue 31),
+with the relay SIGKILL drill by the relay's fault plan in the `behind` arm.
 Skipped with one loud line where namespaces cannot be made."""
 
 from __future__ import annotations
@@ -23,7 +24,19 @@ def test_network_bench_smoke(tmp_path):
     skip_unless_netns()
     out = tmp_path / "net"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.network", "--smoke", "--out", str(out)],
+        # with the relay drill: r1's fault plan kills it on the first frame of round 2
+        [
+            sys.executable,
+            "-m",
+            "bench.network",
+            "--smoke",
+            "--kill-relay-at",
+            "2",
+            "--restart-after",
+            "1",
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -42,6 +55,10 @@ def test_network_bench_smoke(tmp_path):
     assert summary["relay_bytes"]["behind"]["0"]["messages"] > 0
     assert summary["relay_bytes"]["behind"]["0"]["reply_bytes"] > 0
     assert summary["rounds_lost"] == 0 and summary["processed_twice"] == 0
+    # the relay died by its fault plan, as it was about to carry round 2, and came back
+    (kill,) = summary["relay_kills"]["0"]
+    assert kill["by_fault_plan"] is True and kill["frame_round"] == 2
+    assert kill["restarted_t"] >= kill["t"]
     results = json.loads((out / "results.json").read_text())
     assert results["seeds"][0]["behind"]["behind"] == ["site_2"]
     assert "--- seed 0 behind:" in proc.stderr

@@ -954,3 +954,45 @@ async def _flood_scenario(ids, roster, a, url, status_url, frames_path, proc):
             snap = await r.json()
         await b.close()
     return counts, base, loaded, snap, flood_s
+
+
+def test_a_relays_fault_plan_kills_it_as_it_is_about_to_carry_its_round(
+    ids, roster, tmp_path, monkeypatch
+):
+    """The relay drill's kill (node/faults.py, phase `forward`): the relay
+    SIGKILLs itself on the first frame whose signed header says round R or
+    later, before forwarding it; frames of earlier rounds pass; a restarted
+    relay reading the same plan does not fire it again."""
+    import signal
+
+    import node.faults
+    from node.faults import FaultPlan
+
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr(node.faults.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    plan_file = tmp_path / "faults.json"
+    plan_file.write_text(json.dumps({"kill": [{"id": "r1-drill", "round": 5, "phase": "forward"}]}))
+    a = codec(ids, roster, "a")
+
+    async def scenario() -> None:
+        async with relay(roster) as (server, url):
+            server.faults = FaultPlan(plan_file)
+            b = RelaySite(ids["b"], roster)
+            await b.connect(url)
+            early = a.encode("heartbeat", "b", {"round": 4}, round=4, encrypt=True).to_bytes()
+            assert (await post(url, early))[0] == 200
+            assert signals == []
+            late = a.encode("heartbeat", "b", {"round": 7}, round=7, encrypt=True).to_bytes()
+            await post(url, late)  # the first at or after round 5: the kill fires here
+            assert signals == [(os.getpid(), signal.SIGKILL)]
+            assert b.received[0] == early
+            # a restarted relay with the same plan: already fired, carries on
+            server.faults = FaultPlan(plan_file)
+            again = a.encode("heartbeat", "b", {"round": 8}, round=8, encrypt=True).to_bytes()
+            assert (await post(url, again))[0] == 200
+            assert len(signals) == 1
+            await b.close()
+
+    asyncio.run(scenario())
+    events = [json.loads(x) for x in (tmp_path / "faults.json.events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["round"], e["phase"]) for e in events] == [("kill", 7, "forward")]

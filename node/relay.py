@@ -73,6 +73,7 @@ from node.relay_wire import (
     RelayWireError,
     encrypted_frame,
     pack_forward,
+    send_message,
     unpack_reply,
 )
 from node.transport import STATUS_FOR_REASON
@@ -381,15 +382,29 @@ class RelayServer:
 
     async def _send_piece(self, link: SiteLink, stream_id: int, kind: int, piece: Any) -> bool:
         """One FORWARD piece down the recipient's connection: False if it failed.
-        A site that stops reading stalls the drain: forward_timeout_s at most."""
+        A site that stops reading stalls the drain: forward_timeout_s at most.
+        Every forward to a site waits on one drain future of its connection
+        (aiohttp's): node/relay_wire.py send_message keeps a sender's handler
+        cancelled there (its connection gone) from cutting the others'."""
         if link.closed:
             return False
         try:
             async with asyncio.timeout(self.settings.forward_timeout_s):
-                await link.ws.send_bytes(pack_forward(stream_id, kind, piece))
+                await send_message(link.ws, pack_forward(stream_id, kind, piece))
         except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
             return False
         return True
+
+    def _abort_later(self, link: SiteLink, stream_id: int) -> None:
+        """ABORT a frame from a path that cannot wait for it (cancelled: the
+        sender's connection went away mid-upload): a detached send, so the site
+        drops the frame at once instead of waiting out its idle timeout with
+        the frame's id, bytes and slot held."""
+        if link.closed:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_piece(link, stream_id, ABORT, b""))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _stream(
         self,
@@ -406,8 +421,25 @@ class RelayServer:
         None when the whole frame went (or the site answered early, which ends
         the stream: it refused the frame on its header), or the refusal
         (truncated, digest_mismatch, upload_too_slow, relay_lost) to answer."""
+        try:
+            return await self._stream_pieces(link, stream, stream_id, head, header, answered)
+        except asyncio.CancelledError:
+            if not answered.done():
+                self._abort_later(link, stream_id)
+            raise
+
+    async def _stream_pieces(
+        self,
+        link: SiteLink,
+        stream: aiohttp.StreamReader,
+        stream_id: int,
+        head: bytes,
+        header: Header,
+        answered: asyncio.Future[tuple[int, bytes] | None],
+    ) -> tuple[str, str] | None:
         lost = "relay_lost", "the recipient's connection failed"
         if not await self._send_piece(link, stream_id, DATA, head):
+            self._abort_later(link, stream_id)  # a send timed out: the site may yet read
             return lost
         idle = self.settings.read_idle_timeout_s
         deadline = (
@@ -432,7 +464,9 @@ class RelayServer:
                 digest.update(chunk)
                 if got < size:
                     if not await self._send_piece(link, stream_id, DATA, chunk):
+                        self._abort_later(link, stream_id)
                         return lost
+                    await asyncio.sleep(0)  # let the site's early answer, if any, arrive
                     continue
                 if not stream.at_eof():
                     async with asyncio.timeout(_wait(idle, deadline)):
@@ -444,12 +478,14 @@ class RelayServer:
                     failure = "digest_mismatch", "payload SHA-256 differs from the signed header"
                     break
                 if not await self._send_piece(link, stream_id, END, chunk):
+                    self._abort_later(link, stream_id)
                     return lost
                 return None
             if size == 0 and failure is None:
                 if digest.digest() != header.payload_sha256:
                     failure = "digest_mismatch", "payload SHA-256 differs from the signed header"
                 elif not await self._send_piece(link, stream_id, END, b""):
+                    self._abort_later(link, stream_id)
                     return lost
                 else:
                     return None

@@ -48,6 +48,7 @@ from node.relay_wire import (
     END,
     RelayWireError,
     pack_reply,
+    send_message,
     unpack_forward,
 )
 from node.transport import MessageServer, answer_bytes
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 WS_OVERHEAD = 64 * 1024
 # A connection that lasted this long resets the backoff (one closed at once does not).
 STEADY_S = 10.0
+# A REPLY not sent within this (plus its size at MIN_REPLY_BYTES_PER_S): the
+# relay reads nothing, so the connection is closed and dialled again.
+REPLY_TIMEOUT_S = 30.0
+MIN_REPLY_BYTES_PER_S = 64 * 1024
 
 
 def _url(address: str, path: str, tls: bool, scheme: str = "http") -> str:
@@ -203,6 +208,7 @@ class RelayTunnel:
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped = 0  # pieces of no open frame (one a handler finished, or unknown)
+        self.ws: aiohttp.ClientWebSocketResponse | None = None  # the current connection
         self.last_error = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -294,6 +300,7 @@ class RelayTunnel:
                 autoping=True,
             )
         feeds: dict[int, FrameFeed] = {}  # frames of this connection still arriving
+        self.ws = ws
         try:
             async with ws:
                 self.connected = True
@@ -303,6 +310,7 @@ class RelayTunnel:
                 self._changed()
                 await self._read(ws, feeds)
         finally:
+            self.ws = None
             for feed in feeds.values():
                 feed.abort()  # the connection is gone: they will not complete
 
@@ -324,10 +332,14 @@ class RelayTunnel:
                     continue
                 last_id = stream_id
                 if len(self._forwards) >= self.max_concurrent:
-                    self._reply_later(ws, stream_id, _failed("queue_full"))
+                    # answered here, by the reader itself: a relay that sends new ids
+                    # and reads no answer stalls this reader on its own drain (bounded
+                    # by REPLY_TIMEOUT_S), it cannot grow our write buffer
+                    if not await self._reply(ws, stream_id, *_failed("queue_full")):
+                        break
                     continue
                 feed = feeds[stream_id] = FrameFeed(self._release)
-                task = asyncio.create_task(self._deliver(ws, stream_id, feed))
+                task = asyncio.create_task(self._deliver(ws, stream_id, feed, feeds))
                 self._forwards.add(task)
                 task.add_done_callback(self._forwards.discard)
             if kind == ABORT:
@@ -350,34 +362,51 @@ class RelayTunnel:
         self._held -= size
         self._freed.set()
 
-    def _reply_later(
-        self, ws: aiohttp.ClientWebSocketResponse, stream_id: int, answer: tuple[int, bytes]
-    ) -> None:
-        task = asyncio.create_task(self._reply(ws, stream_id, *answer))
-        self._forwards.add(task)
-        task.add_done_callback(self._forwards.discard)
-
     async def _reply(
         self, ws: aiohttp.ClientWebSocketResponse, stream_id: int, status: int, body: bytes
-    ) -> None:
-        with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-            await ws.send_bytes(pack_reply(stream_id, status, body))
-            self.bytes_out += len(body)
+    ) -> bool:
+        """REPLY to a frame: False if it could not be sent within REPLY_TIMEOUT_S
+        (a relay that reads nothing: the connection is closed and dialled again)."""
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S + len(body) / MIN_REPLY_BYTES_PER_S):
+                await send_message(ws, pack_reply(stream_id, status, body))
+        except TimeoutError:
+            log.warning("%s: relay %s reads no answers; reconnecting", self.site, self.relay)
+            task = asyncio.get_running_loop().create_task(ws.close())
+            self._forwards.add(task)
+            task.add_done_callback(self._forwards.discard)
+            return False
+        except (ConnectionError, aiohttp.ClientError, RuntimeError):
+            return False
+        self.bytes_out += len(body)
+        return True
 
     async def _deliver(
-        self, ws: aiohttp.ClientWebSocketResponse, stream_id: int, feed: FrameFeed
+        self,
+        ws: aiohttp.ClientWebSocketResponse,
+        stream_id: int,
+        feed: FrameFeed,
+        feeds: dict[int, FrameFeed],
     ) -> None:
-        """Our own endpoint reads the frame as it arrives; REPLY with its answer."""
+        """Our own endpoint reads the frame as it arrives; REPLY with its answer.
+        The frame leaves `feeds` when its handler is done, whatever the relay
+        sends after (pieces of an id done with are dropped)."""
         try:
             if self.endpoint.isolated:  # fault plan: a partition, as a direct POST finds it
                 status, body = _failed("relay_lost")
             else:
-                response = await self.endpoint.receive(feed, None)
-                status, body = response.status, await answer_bytes(response)
-            await self._reply(ws, stream_id, status, body)
-            self.forwarded += 1
+                try:
+                    response = await self.endpoint.receive(feed, None)
+                    status, body = response.status, await answer_bytes(response)
+                except Exception:  # noqa: BLE001 - what aiohttp answers a direct POST with
+                    log.exception("%s: relayed frame: the message handler failed", self.site)
+                    status, body = 500, json.dumps({"reason": "handler_error"}).encode()
+            if await self._reply(ws, stream_id, status, body):
+                self.forwarded += 1
         finally:
             feed.close()  # what its handler did not read is dropped
+            if feeds.get(stream_id) is feed:
+                del feeds[stream_id]
 
 
 def _failed(reason: str) -> tuple[int, bytes]:

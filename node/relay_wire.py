@@ -45,7 +45,9 @@ a signature cannot be replayed later, to another relay, or twice.
 
 from __future__ import annotations
 
+import asyncio
 import struct
+from typing import Any
 
 from p2pfl.secure.wire import MAX_HEADER, PREFIX_LEN, Header, WireError
 
@@ -145,3 +147,20 @@ def encrypted_frame(body: bytes) -> bool:
         return Header.unpack(body[PREFIX_LEN : PREFIX_LEN + header_len]).encrypted
     except WireError:
         return False
+
+
+async def send_message(ws: Any, data: bytes) -> None:
+    """`ws.send_bytes(data)` on a relay connection, safe from another task's
+    cancellation. aiohttp writes an (uncompressed: both ends turn compression
+    off) message to the transport before it waits for the drain, and every
+    sender on one connection waits on one shared drain future, which a
+    cancelled waiter cancels for all of them. So a CancelledError this task
+    was not sent (`cancelling()` is 0) means: written, the drain not waited
+    for. It is not passed on: the sender that dropped its own connection must
+    not cut another's forward."""
+    task = asyncio.current_task()
+    try:
+        await ws.send_bytes(data)
+    except asyncio.CancelledError:
+        if task is None or task.cancelling():
+            raise

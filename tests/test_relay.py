@@ -994,5 +994,7 @@ def test_a_relays_fault_plan_kills_it_as_it_is_about_to_carry_its_round(
             await b.close()
 
     asyncio.run(scenario())
-    events = [json.loads(x) for x in (tmp_path / "faults.json.events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(x) for x in (tmp_path / "faults.json.events.jsonl").read_text().splitlines()
+    ]
     assert [(e["event"], e["round"], e["phase"]) for e in events] == [("kill", 7, "forward")]

@@ -148,11 +148,15 @@ class RoundLoop(Protocol, Generic[P]):
                 made_after = (self.personal.choice or {}).get("round")
                 if r == self.params.rounds and made_after != r:  # (again, if rounds grew)
                     ctx.set_phase("personalize")  # the personal model, and which to report
+                    phase_start = time.perf_counter()
                     metrics.update(await ctx.run_blocking(self.personal.choose, site, self.best, r))
+                    # once per run, not a round's cost: logged apart, out of round_s
+                    timers["personalize_s"] = time.perf_counter() - phase_start
                 self.show_training(ctx, site)
             # A hook's own timers (FedSGDP2P splits its steps) win over the phase's.
             values = {**metrics, **timers, **rnd.log}
-            ctx.log_metrics(r, **values, round_s=time.perf_counter() - round_start)
+            round_s = time.perf_counter() - round_start - timers.get("personalize_s", 0.0)
+            ctx.log_metrics(r, **values, round_s=round_s)
             ctx.checkpoint(
                 {
                     **self.checkpoint_state(r, site),

@@ -278,6 +278,12 @@ def test_real_nodes_log_and_show_the_choice(federation, name, method):
     assert {"personal_macro_f1", "reported_macro_f1", "personal_val_macro_f1"} <= set(last)
     if method == "ditto":  # its personal model trained every round
         assert all(r.get("personal_s", 0) > 0 for r in rows if "train_s" in r)
+    # the end-of-run personalization is timed apart: the last round only, not in its round_s
+    assert [r["round"] for r in rows if "personalize_s" in r] == [2]
+    first = [r for r in rows if r.get("round") == 1][-1]
+    wall = last["t"] - first["t"]  # round 2 from round 1's log line to its own
+    assert last["personalize_s"] > 0
+    assert last["round_s"] + last["personalize_s"] <= wall + 0.005  # the ms of `t`'s rounding
 
 
 @pytestmark_group

@@ -44,6 +44,9 @@ Figures (keys of `summary`):
   mean round time over that limit; largest_site_epoch_s, critical_path_s,
   critical_path_ratio: the same against the larger of that and the largest
   site's epoch, which one thread cannot spread (bench/federation/limit.py);
+  round_s is a round's wall time without the end-of-run personalization
+  (fine-tuning and the validation choice, once per run), which is
+  personalize_s_mean;
 - wall_s, peak_rss_mb (per node for processes, polled with psutil; with
   --in-memory, the peak of this whole process so far (getrusage), read before
   the baselines run).
@@ -144,6 +147,8 @@ def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[
         completed[r["node"]] = max(completed.get(r["node"], 0), r["round"])
     round_s = [float(r["round_s"]) for r in rows if r.get("round_s") is not None]
     train_s = [float(r["train_s"]) for r in rows if r.get("train_s") is not None]
+    # the end-of-run personalization (protocols/rounds.py), out of round_s since 2026-11-26
+    personalize_s = [float(r["personalize_s"]) for r in rows if r.get("personalize_s") is not None]
     rounds_done = min(completed.values(), default=0)
     return {
         "protocol": spec.protocol,
@@ -165,6 +170,7 @@ def summarize_run(spec: RunSpec, outcome: RunOutcome, threshold: float) -> dict[
         **time_shares(rows),
         "train_s_mean": _round(_mean(train_s), 3),
         "round_s_mean": _round(_mean(round_s), 3),
+        "personalize_s_mean": _round(_mean(personalize_s), 3),
         "messages_sent_total": messages,
         "bytes_sent_total": nbytes,
         "messages_per_round": None

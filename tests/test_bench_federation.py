@@ -127,6 +127,9 @@ def test_in_memory_run_writes_the_documented_results_and_prints_the_summary_last
         summary["round_s_mean"] / (summary["epoch_s"] / summary["cores"]), rel=1e-3
     )
     assert 0 < summary["largest_site_epoch_s"] <= summary["epoch_s"]
+    # the end-of-run personalization, once per node, timed apart from the rounds
+    assert [r["round"] for r in results["rounds"] if r.get("personalize_s")] == [2, 2, 2]
+    assert summary["personalize_s_mean"] > 0
     assert summary["critical_path_s"] == pytest.approx(
         max(summary["epoch_s"] / summary["cores"], summary["largest_site_epoch_s"]), rel=1e-3
     )
@@ -195,7 +198,8 @@ def test_overall_timeout_stops_every_node_and_still_reports(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "late"
-    argv = ["--nodes", "2", "--rounds", "50", "--partition", "iid", "--no-baselines", *TINY]
+    # far more rounds than 4 s can hold, however fast the machine (50 tiny rounds could)
+    argv = ["--nodes", "2", "--rounds", "5000", "--partition", "iid", "--no-baselines", *TINY]
     code, summary = run_cli([*argv, "--timeout", "4", "--out", str(out)], capsys)
     assert code == 1
     assert summary["timed_out"] is True

@@ -25,6 +25,7 @@ ROW_KEYS = (
 EXTRA_ROW_KEYS = (
     "exchange_s",
     "aggregate_s",
+    "personalize_s",
     "train_loss",
     "val_macro_f1",
     "best_round",

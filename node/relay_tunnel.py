@@ -13,10 +13,14 @@ body. An acknowledgement means this site spooled the message, never just that
 the relay took it.
 
 Bounds: at most `max_concurrent` frames in progress (a frame past that is
-answered `queue_full` at once: the reader never waits on a handler that may be
-waiting on it), and at most 2 x max_message_bytes of pieces received and not
-yet read by their handlers, as the transport reserves for uploads: past that
-the tunnel stops reading, which backs the relay's sends up to the senders.
+answered `queue_full` by the reader itself, at once: it never waits on a
+handler that may be waiting on it, only on its own drain, so a relay that
+reads no answers stalls it instead of growing our write buffer; an answer not
+sent within REPLY_TIMEOUT_S closes the connection), and at most 2 x
+max_message_bytes of pieces received and not yet read by their handlers, as
+the transport reserves for uploads: past that the tunnel stops reading, which
+backs the relay's sends up to the senders. A frame leaves the table of open
+frames when its handler is done; later pieces of its id are dropped.
 Nothing a relay sends ends the tunnel: a bad handshake (one deadline, bounded
 size) or message is one failed connection, dialled again. A lost connection is
 dialled again with exponential backoff and full jitter

@@ -29,7 +29,7 @@ the same plan and does not fire again (`.fired`).
 Reported per arm per seed: the mean final macro-F1 of the sites, whether every
 node completed every round, bytes through the relay(s) (their /status
 `forwarded` counters, summed over a killed relay's lives: polled every second,
-so a killed life's last second is missing: a lower bound there), the wall
+and for a life its fault plan ended, the counters it wrote as it died), the wall
 time, and the drill's counts as tests/test_faults.py counts them from each
 site's last checkpoint ledger: rounds lost (a round some site never
 committed) and models processed twice (a round committed twice, or a peer's
@@ -141,8 +141,15 @@ class RelayBytes:
             self.live[name] = {k: int(fw.get(k, 0)) for k in ("messages", "bytes", "reply_bytes")}
             self.live[name]["refused"] = sum((status.get("refusals") or {}).values())
 
-    def life_ended(self, name: str) -> None:
+    def life_ended(self, name: str, at_death: dict[str, Any] | None = None) -> None:
+        """A relay's life is over: its last polled counters, or those it wrote
+        in its fault plan's kill event as it died (exact: a poll is up to
+        RELAY_POLL_S old)."""
         ended = self.live.pop(name, {})
+        if at_death is not None:
+            fw = at_death.get("forwarded") or {}
+            ended = {k: int(fw.get(k, 0)) for k in ("messages", "bytes", "reply_bytes")}
+            ended["refused"] = int(at_death.get("refusals", 0))
         total = self.done.setdefault(name, {})
         for k, v in ended.items():
             total[k] = total.get(k, 0) + v
@@ -271,7 +278,7 @@ def run_arm(
                         f"[{watcher.elapsed():7.1f}s] drill: relay r1 SIGKILLed by its fault "
                         f"plan: {fired or 'no kill event (it died otherwise)'}"
                     )
-                    bytes_.life_ended("r1")
+                    bytes_.life_ended("r1", fired[0].get("state") if fired else None)
                     kills.append(
                         {
                             "relay": "r1",

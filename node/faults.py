@@ -69,6 +69,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,11 +180,20 @@ class FaultPlan:
         append_lines(self._sidecar(".events.jsonl"), [line])
 
     # ------------------------------------------------------------------ hooks
-    def on_progress(self, round_no: int, phase: str, *, own: bool = True) -> None:
+    def on_progress(
+        self,
+        round_no: int,
+        phase: str,
+        *,
+        own: bool = True,
+        state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         """Called by the node at every round and phase change (`own`), and for
         each request it is asked or answers (`own=False`: `round_no` is then
         the requester's round, which may trigger a kill but never moves this
-        node's partition: that follows its own rounds only)."""
+        node's partition: that follows its own rounds only). `state()`, if
+        given, goes into a kill's event: what the process had counted when it
+        died (a relay's forwarded counters; nothing else can read them then)."""
         if self.path is None:
             return
         self.reload()
@@ -210,7 +220,8 @@ class FaultPlan:
             self.fired.add(kid)
             append_lines(self._sidecar(".fired"), [kid])
             delay = float(kill.get("delay_s", 0.0))
-            self.event("kill", id=kid, round=round_no, phase=phase, delay_s=delay)
+            extra = {"state": state()} if state is not None else {}
+            self.event("kill", id=kid, round=round_no, phase=phase, delay_s=delay, **extra)
             log.warning("FAULT INJECTION: SIGKILL in %.2f s (round %d, %s)", delay, round_no, phase)
             if delay <= 0:
                 os.kill(os.getpid(), signal.SIGKILL)

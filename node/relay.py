@@ -129,6 +129,7 @@ class RelayServer:
         self.refusals: dict[str, int] = {}
         self.admission = Admission(settings)
         self._ids = itertools.count(1)
+        self._sent: dict[int, int] = {}  # frame bytes sent down, per stream in progress
         self.gate = Gatekeeper(name, federation, settings, self._count)
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -322,8 +323,16 @@ class RelayServer:
             checked = self._check(header, header_len, length)
             if isinstance(checked, tuple):
                 return self._refuse(*checked, who=who)
-            if self.faults is not None:
-                self.faults.on_progress(header.round, "forward", own=False)
+            if self.faults is not None:  # a drill's kill records what was forwarded
+                self.faults.on_progress(
+                    header.round,
+                    "forward",
+                    own=False,
+                    state=lambda: {
+                        "forwarded": self.snapshot()["forwarded"],
+                        "refusals": sum(self.refusals.values()),
+                    },
+                )
             return await self._forward(checked, request, prefix + rest, header)
         finally:
             turn.leave()  # its place at the relay is free
@@ -356,7 +365,9 @@ class RelayServer:
                 return self._refuse(*failure, who=sender)
             link.unhold(sender, held_bytes)
             held_bytes = 0
-            self._account(sender, link.name, frame_len)
+            # the bytes that went down: the whole frame, or less when the site
+            # answered (refused it on its header) before the relay sent it all
+            self._account(sender, link.name, self._sent.get(stream_id, 0))
             try:
                 async with asyncio.timeout(self.settings.forward_timeout_s):
                     answer = await future
@@ -373,6 +384,7 @@ class RelayServer:
                 return self._refuse("plaintext_answer", f"from {link.name!r}", sender)
             return await self._answer(request, status, body, sender)
         finally:
+            self._sent.pop(stream_id, None)
             link.waiting.pop(stream_id, None)
             link.pending -= 1
             link.unhold(sender, held_bytes)
@@ -393,6 +405,8 @@ class RelayServer:
                 await send_message(link.ws, pack_forward(stream_id, kind, piece))
         except (ConnectionError, RuntimeError, aiohttp.ClientError, TimeoutError):
             return False
+        if len(piece):  # (an ABORT carries none: no entry made after the frame is done)
+            self._sent[stream_id] = self._sent.get(stream_id, 0) + len(piece)
         return True
 
     def _abort_later(self, link: SiteLink, stream_id: int) -> None:

@@ -58,6 +58,10 @@ def test_network_bench_smoke(tmp_path):
     # the relay died by its fault plan, as it was about to carry round 2, and came back
     (kill,) = summary["relay_kills"]["0"]
     assert kill["by_fault_plan"] is True and kill["frame_round"] == 2
+    # the relay's counters at its death came from its kill event, not a late poll
+    events = list((out / "seed0" / "behind").glob("r1_faults.json.events.jsonl"))
+    (event,) = [json.loads(x) for x in events[0].read_text().splitlines()]
+    assert event["state"]["forwarded"]["messages"] > 0
     assert kill["restarted_t"] >= kill["t"]
     results = json.loads((out / "results.json").read_text())
     assert results["seeds"][0]["behind"]["behind"] == ["site_2"]

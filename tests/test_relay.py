@@ -998,3 +998,5 @@ def test_a_relays_fault_plan_kills_it_as_it_is_about_to_carry_its_round(
         json.loads(x) for x in (tmp_path / "faults.json.events.jsonl").read_text().splitlines()
     ]
     assert [(e["event"], e["round"], e["phase"]) for e in events] == [("kill", 7, "forward")]
+    # what it had forwarded when it died (the round-4 frame), for the drill's byte count
+    assert events[0]["state"]["forwarded"]["messages"] == 1

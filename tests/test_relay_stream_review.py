@@ -3,7 +3,8 @@ down a site's WebSocket in pieces, the site's endpoint reads them in process).
 One test per hole it found, each failing on the code it was found in:
 
 1. every frame a site refused on its header while the relay still streamed it
-   stayed in the tunnel's table of open frames for the connection's life;
+   stayed in the tunnel's table of open frames for the connection's life (and
+   the relay's /status counted the whole frame as sent);
 2. a relay that reads no answers made the site write `queue_full` answers
    without end (its write buffer grew);
 3. a sender's upload cut mid-frame sent the site no ABORT, so the site held
@@ -163,6 +164,11 @@ def test_frames_a_site_refuses_on_their_header_leave_nothing_behind() -> None:
             await until(lambda: not e["tunnel"]._forwards)
             assert frames_alive() <= 1  # the tunnel reader's last local, not a table entry
             assert e["tunnel"]._held == 0
+            # the relay's /status counts the bytes that went down, not whole frames
+            # it stopped sending when the site answered early
+            sent = e["relay"].snapshot()["sites"]["b"]["bytes_out"]
+            await until(lambda: e["tunnel"].bytes_in == sent, timeout=5)
+            assert sent < 21 * len(frame)
 
     asyncio.run(scenario())
 

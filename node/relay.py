@@ -360,8 +360,13 @@ class RelayServer:
         )
         link.waiting[stream_id] = future
         try:
-            failure = await self._stream(link, request.content, stream_id, head, header, future)
+            try:
+                failure = await self._stream(link, request.content, stream_id, head, header, future)
+            except asyncio.CancelledError:  # the sender's connection went away mid-upload
+                self._abort_later(link, stream_id, future)
+                raise
             if failure is not None:
+                self._abort_later(link, stream_id, future)  # the site drops what it has
                 return self._refuse(*failure, who=sender)
             link.unhold(sender, held_bytes)
             held_bytes = 0
@@ -409,12 +414,12 @@ class RelayServer:
             self._sent[stream_id] = self._sent.get(stream_id, 0) + len(piece)
         return True
 
-    def _abort_later(self, link: SiteLink, stream_id: int) -> None:
-        """ABORT a frame from a path that cannot wait for it (cancelled: the
-        sender's connection went away mid-upload): a detached send, so the site
-        drops the frame at once instead of waiting out its idle timeout with
-        the frame's id, bytes and slot held."""
-        if link.closed:
+    def _abort_later(self, link: SiteLink, stream_id: int, answered: asyncio.Future[Any]) -> None:
+        """ABORT a frame that will not complete, unless the site answered it
+        already: a detached send (the path may be cancelled: the sender's
+        connection went away mid-upload), so the site drops the frame at once
+        instead of waiting out its idle timeout with its id, bytes and slot held."""
+        if link.closed or answered.done():
             return
         task = asyncio.get_running_loop().create_task(self._send_piece(link, stream_id, ABORT, b""))
         self._tasks.add(task)
@@ -431,29 +436,12 @@ class RelayServer:
     ) -> tuple[str, str] | None:
         """Send the frame's head, then its payload piece by piece as it comes,
         hashing it; the last piece goes as END only if the payload is exactly
-        its length and matches the signed SHA-256, else the site gets ABORT.
-        None when the whole frame went (or the site answered early, which ends
-        the stream: it refused the frame on its header), or the refusal
-        (truncated, digest_mismatch, upload_too_slow, relay_lost) to answer."""
-        try:
-            return await self._stream_pieces(link, stream, stream_id, head, header, answered)
-        except asyncio.CancelledError:
-            if not answered.done():
-                self._abort_later(link, stream_id)
-            raise
-
-    async def _stream_pieces(
-        self,
-        link: SiteLink,
-        stream: aiohttp.StreamReader,
-        stream_id: int,
-        head: bytes,
-        header: Header,
-        answered: asyncio.Future[tuple[int, bytes] | None],
-    ) -> tuple[str, str] | None:
+        its length and matches the signed SHA-256. None when the whole frame
+        went (or the site answered early, which ends the stream: it refused
+        the frame on its header), or the refusal (truncated, digest_mismatch,
+        upload_too_slow, relay_lost) to answer; the caller then sends ABORT."""
         lost = "relay_lost", "the recipient's connection failed"
         if not await self._send_piece(link, stream_id, DATA, head):
-            self._abort_later(link, stream_id)  # a send timed out: the site may yet read
             return lost
         idle = self.settings.read_idle_timeout_s
         deadline = (
@@ -461,7 +449,8 @@ class RelayServer:
         )
         digest = hashlib.sha256()
         got, size = 0, header.payload_len
-        failure: tuple[str, str] | None = None
+        last: bytes = b""  # the piece that goes with END
+        longer = "digest_mismatch", "payload longer than the header says"
         try:
             while got < size:
                 if answered.done():
@@ -469,50 +458,30 @@ class RelayServer:
                 async with asyncio.timeout(_wait(idle, deadline)):
                     chunk = await stream.readany()
                 if not chunk:
-                    failure = "truncated", f"payload ended at {got} bytes"
-                    break
+                    return "truncated", f"payload ended at {got} bytes"
                 if got + len(chunk) > size:
-                    failure = "digest_mismatch", "payload longer than the header says"
-                    break
+                    return longer
                 got += len(chunk)
                 digest.update(chunk)
-                if got < size:
-                    if not await self._send_piece(link, stream_id, DATA, chunk):
-                        self._abort_later(link, stream_id)
-                        return lost
-                    await asyncio.sleep(0)  # let the site's early answer, if any, arrive
-                    continue
-                if not stream.at_eof():
-                    async with asyncio.timeout(_wait(idle, deadline)):
-                        extra = await stream.read(1)
-                    if extra:
-                        failure = "digest_mismatch", "payload longer than the header says"
-                        break
-                if digest.digest() != header.payload_sha256:
-                    failure = "digest_mismatch", "payload SHA-256 differs from the signed header"
-                    break
-                if not await self._send_piece(link, stream_id, END, chunk):
-                    self._abort_later(link, stream_id)
-                    return lost
-                return None
-            if size == 0 and failure is None:
-                if digest.digest() != header.payload_sha256:
-                    failure = "digest_mismatch", "payload SHA-256 differs from the signed header"
-                elif not await self._send_piece(link, stream_id, END, b""):
-                    self._abort_later(link, stream_id)
+                if got == size:
+                    last = chunk
+                elif not await self._send_piece(link, stream_id, DATA, chunk):
                     return lost
                 else:
-                    return None
+                    await asyncio.sleep(0)  # let the site's early answer, if any, arrive
+            if not stream.at_eof():
+                async with asyncio.timeout(_wait(idle, deadline)):
+                    if await stream.read(1):
+                        return longer
         except (aiohttp.ClientPayloadError, ConnectionResetError, asyncio.IncompleteReadError):
-            failure = "truncated", "connection closed mid-payload"
+            return "truncated", "connection closed mid-payload"
         except TimeoutError:
             if time.monotonic() >= deadline - 1e-3:
-                failure = "upload_too_slow", f"{got} of {size} bytes by the deadline"
-            else:
-                failure = "truncated", f"payload stalled for {idle:g} s"
-        if not answered.done():
-            await self._send_piece(link, stream_id, ABORT, b"")  # the site drops what it has
-        return failure
+                return "upload_too_slow", f"{got} of {size} bytes by the deadline"
+            return "truncated", f"payload stalled for {idle:g} s"
+        if digest.digest() != header.payload_sha256:
+            return "digest_mismatch", "payload SHA-256 differs from the signed header"
+        return None if await self._send_piece(link, stream_id, END, last) else lost
 
     async def _answer(
         self, request: web.Request, status: int, body: bytes, sender: str

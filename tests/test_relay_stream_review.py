@@ -32,27 +32,19 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from test_relay_attacks import FED as FAKE_RELAY_FED
-from test_relay_attacks import fake_relay
+from test_relay_attacks import FED, fake_relay, fast_transport, tunnel
 
 from node.provision import free_ports
 from node.relay import RelayServer
 from node.relay_handshake import fetch_challenge, proof_headers
-from node.relay_tunnel import FrameFeed, RelayTunnel
+from node.relay_tunnel import FrameFeed
 from node.relay_wire import DATA, RELAY_CONNECT_PATH, RELAY_MESSAGE_PATH, pack_forward
 from node.transport import MessageServer
-from p2pfl.config import RelaySettings, TransportSection
+from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 
-FED = "fed-test"
 MAX = 8 << 20
-
-
-def transport() -> TransportSection:
-    return TransportSection(
-        request_timeout_s=5.0, connect_timeout_s=1.0, backoff_base_s=0.01, backoff_max_s=0.05
-    )
 
 
 def roster_for(ids: dict[str, LocalIdentity], port: int) -> Roster:
@@ -90,35 +82,26 @@ async def relay_and_site(**relay_settings: Any) -> AsyncIterator[dict[str, Any]]
     async def on_frame(frame: Any) -> tuple[int, Any]:
         return 200, None
 
-    server = MessageServer(codec, transport(), on_frame, lambda r, _p: None)
-    tunnel = RelayTunnel(
-        site="b",
-        relay="r1",
-        address=f"127.0.0.1:{port}",
-        federation=FED,
-        identity=ids["b"],
-        endpoint=server,
-        cfg=transport(),
-        max_message_bytes=MAX,
-    )
-    tunnel.start()
+    server = MessageServer(codec, fast_transport(), on_frame, lambda r, _p: None)
+    site = tunnel(ids, port, server, MAX)
+    site.start()
     codecs = {
         n: WireCodec(ids[n], roster, FED, max_message_bytes=MAX, require_encryption=True)
         for n in ("a", "c")
     }
     try:
-        await until(lambda: tunnel.connected)
+        await until(lambda: site.connected)
         yield {
             "ids": ids,
             "roster": roster,
             "relay": relay,
             "port": port,
             "server": server,
-            "tunnel": tunnel,
+            "tunnel": site,
             "codecs": codecs,
         }
     finally:
-        await tunnel.stop()
+        await site.stop()
         await relay.close()
         await runner.cleanup()
 
@@ -201,19 +184,9 @@ def test_a_relay_that_reads_no_answers_stalls_the_sites_reader_not_its_memory() 
                 ],
                 relays={"r1": f"127.0.0.1:{port}"},
             )
-            codec = WireCodec(ids["b"], roster, FAKE_RELAY_FED, max_message_bytes=1 << 20)
-            server = MessageServer(codec, transport(), None, lambda r, _p: None)  # type: ignore[arg-type]
-            t = RelayTunnel(
-                site="b",
-                relay="r1",
-                address=f"127.0.0.1:{port}",
-                federation=FAKE_RELAY_FED,
-                identity=ids["b"],
-                endpoint=server,
-                cfg=transport(),
-                max_message_bytes=1 << 20,
-                max_concurrent=4,
-            )
+            codec = WireCodec(ids["b"], roster, FED, max_message_bytes=1 << 20)
+            server = MessageServer(codec, fast_transport(), None, lambda r, _p: None)  # type: ignore[arg-type]
+            t = tunnel(ids, port, server, 1 << 20, max_concurrent=4)
             t.start()
             await until(lambda: t.connected)
             assert t.ws is not None and t.ws._writer.transport is not None

@@ -79,7 +79,10 @@ async def relay_and_site(**relay_settings: Any) -> AsyncIterator[dict[str, Any]]
     await web.TCPSite(runner, "127.0.0.1", port).start()
     codec = WireCodec(ids["b"], roster, FED, max_message_bytes=MAX, require_encryption=True)
 
+    taken: list[bytes] = []
+
     async def on_frame(frame: Any) -> tuple[int, Any]:
+        taken.append(frame.header.msg_id)
         return 200, None
 
     server = MessageServer(codec, fast_transport(), on_frame, lambda r, _p: None)
@@ -99,6 +102,7 @@ async def relay_and_site(**relay_settings: Any) -> AsyncIterator[dict[str, Any]]
             "server": server,
             "tunnel": site,
             "codecs": codecs,
+            "taken": taken,
         }
     finally:
         await site.stop()
@@ -283,5 +287,45 @@ def test_a_handler_failure_is_answered_500_through_the_relay_at_once() -> None:
             status, body = await post(e["port"], frame.to_bytes())
             assert (status, body["reason"]) == (500, "handler_error")
             assert time.monotonic() - started < 10  # not forward_timeout_s
+
+    asyncio.run(scenario())
+
+
+def test_a_body_longer_than_its_header_or_the_same_frame_twice_at_once_is_refused() -> None:
+    """A hostile sender through the relay: a chunked body with bytes past the
+    payload its signed header announces is refused digest_mismatch and counted,
+    and the site is told to drop what it had (ABORT: its endpoint never takes
+    the frame); the same frame posted twice at once is taken once, the other
+    copy refused (in_progress or replayed), and nothing stays held."""
+
+    async def longer(data: bytes) -> AsyncIterator[bytes]:
+        yield data
+        yield b"\0" * 4096  # past the announced payload
+
+    async def scenario() -> None:
+        async with relay_and_site() as e:
+            a = e["codecs"]["a"]
+            frame = a.encode(
+                "probe", "b", {"blob": os.urandom(1 << 20)}, round=1, encrypt=True
+            ).to_bytes()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"http://127.0.0.1:{e['port']}{RELAY_MESSAGE_PATH}", data=longer(frame)
+                ) as resp,
+            ):
+                status, body = resp.status, json.loads(await resp.read())
+            assert (status, body["reason"]) == (400, "digest_mismatch")
+            assert e["relay"].refusals["digest_mismatch"] == 1
+            assert e["taken"] == []
+            twin = a.encode("probe", "b", {"x": 1}, round=1, encrypt=True).to_bytes()
+            answers = await asyncio.gather(post(e["port"], twin), post(e["port"], twin))
+            codes = sorted((s, b.get("reason")) for s, b in answers)
+            assert codes[0] == (200, None)
+            assert codes[1] in ((409, "in_progress"), (409, "replayed"))
+            assert len(e["taken"]) == 1  # the twin, once
+            await until(lambda: not e["tunnel"]._forwards)
+            assert e["tunnel"]._held == 0 and e["server"].reserved_bytes == 0
+            assert not e["server"]._in_flight
 
     asyncio.run(scenario())

@@ -259,3 +259,21 @@ def test_lpips_options_reach_every_nodes_genbuffer_section(tmp_path: Path) -> No
     for config in in_process_configs(spec, sources, tmp_path / "state"):
         assert config.genbuffer.lpips_backbone == "squeeze"
         assert config.genbuffer.lpips_weights == weights.resolve()
+
+
+def test_training_options_reach_the_nodes_and_the_baselines_alike(tmp_path: Path) -> None:
+    """--training-option sets a training: field of every node and of the
+    baselines' sites (the same sections), so a compared setting stays fair."""
+    from bench.federation.specs import in_process_configs, node_overrides, shared_sections
+
+    args = cli.build_parser().parse_args(
+        ["--nodes", "2", "--training-option", "select_by=macro_f1", "--out", str(tmp_path)]
+    )
+    spec = cli.spec_from_args(args)
+    assert shared_sections(spec)["training"]["select_by"] == "macro_f1"
+    assert node_overrides(spec)["training"]["select_by"] == "macro_f1"
+    sources = [tmp_path / "a.npz", tmp_path / "b.npz"]
+    for config in in_process_configs(spec, sources, tmp_path / "state"):
+        assert config.training.select_by == "macro_f1"
+    default = cli.spec_from_args(cli.build_parser().parse_args(["--out", str(tmp_path)]))
+    assert "select_by" not in shared_sections(default)["training"]  # the site's default

@@ -222,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="training.recipe of every node (dp: training.dp's recipe, also without DP)",
     )
     section_option("dp-recipe", "e.g. lr=1.0: a training.dp_recipe field")
+    section_option("training", "e.g. select_by=balanced_loss; nodes and baselines alike")
     spec_option(
         "--lpips-backbone",
         choices=("alex", "vgg", "squeeze", "random"),
@@ -295,6 +296,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         protocol_options=tuple(args.protocol_options),
         genbuffer_options=tuple(args.genbuffer_options),
         dp_recipe_options=tuple(args.dp_recipe_options),
+        training_options=tuple(args.training_options),
     )
 
 

@@ -49,6 +49,7 @@ class RunSpec:
     dp_noise_multiplier: float | None = None  # training.dp.noise_multiplier (0: clipping only)
     recipe: str = "standard"  # training.recipe (training.dp sets dp)
     dp_recipe_options: tuple[tuple[str, Any], ...] = ()  # training.dp_recipe fields
+    training_options: tuple[tuple[str, Any], ...] = ()  # other training: fields
     round_timeout_s: float | None = None
     startup_wait_s: float = 60.0
     timeout_s: float = 1800.0
@@ -123,6 +124,7 @@ def shared_sections(spec: RunSpec) -> dict[str, dict[str, Any]]:
         training["recipe"] = spec.recipe
     if spec.dp_recipe_options:
         training["dp_recipe"] = dict(spec.dp_recipe_options)
+    training.update(dict(spec.training_options))
     if spec.dp_target_epsilon is not None:
         training["dp"] = {
             "target_epsilon": spec.dp_target_epsilon,

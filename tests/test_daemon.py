@@ -383,7 +383,7 @@ def test_status_shows_how_the_node_trains_and_its_best_model(tmp_path):
             for x in (tmp_path / "fed" / "a" / "state" / "metrics.jsonl").read_text().splitlines()
         ]
         assert [r["round"] for r in rows] == [1, 2, 3]
-        chosen = max(rows, key=lambda r: (r["val_macro_f1"], -r["round"]))
+        chosen = max(rows, key=lambda r: (r["val_score"], -r["round"]))
         assert training["best"]["round"] == chosen["round"] == rows[-1]["best_round"]
         assert training["best"]["test"]["macro_f1"] == pytest.approx(chosen["macro_f1"])
         assert st["metrics"]["best_macro_f1"] == pytest.approx(chosen["macro_f1"])

@@ -17,6 +17,7 @@ from p2pfl.config import TrainingSection
 from p2pfl.learning.best import BestModel
 from p2pfl.learning.data import site_data_from_arrays
 from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.learning.evaluate import selection_score, split_report
 from p2pfl.learning.models import create_model
 from p2pfl.learning.optimizer import lr_factor
 from p2pfl.learning.train import LocalSite
@@ -110,17 +111,50 @@ def test_the_rounds_lr_reaches_the_optimizer_and_survives_a_reset() -> None:
 def test_the_best_model_is_chosen_on_validation_never_on_test() -> None:
     best = BestModel()
     assert best.observe(1, {"macro_f1": 0.9}) == {}  # no validation split: nothing chosen
-    assert best.observe(1, {"val_macro_f1": 0.5, "macro_f1": 0.4}, lambda: {"w": torch.ones(1)})
+
+    def val(score: float, test: float) -> dict[str, float]:
+        return {"val_score": score, "val_macro_f1": score, "macro_f1": test}
+
+    assert best.observe(1, val(0.5, 0.4), lambda: {"w": torch.ones(1)})
     # a better test score with a worse validation score does not move it
-    figures = best.observe(2, {"val_macro_f1": 0.45, "macro_f1": 0.99}, lambda: {})
+    figures = best.observe(2, val(0.45, 0.99), lambda: {})
     assert figures["best_round"] == 1 and figures["best_macro_f1"] == 0.4
     # a tie keeps the earlier round
-    assert best.observe(3, {"val_macro_f1": 0.5, "macro_f1": 0.7})["best_round"] == 1
-    figures = best.observe(4, {"val_macro_f1": 0.6, "macro_f1": 0.3}, lambda: {"w": torch.zeros(1)})
-    assert figures == {"best_round": 4.0, "best_val_macro_f1": 0.6, "best_macro_f1": 0.3}
+    assert best.observe(3, val(0.5, 0.7))["best_round"] == 1
+    figures = best.observe(4, val(0.6, 0.3), lambda: {"w": torch.zeros(1)})
+    assert figures == {
+        "best_round": 4.0,
+        "best_val_macro_f1": 0.6,
+        "best_val_score": 0.6,
+        "best_macro_f1": 0.3,
+    }
     restored = BestModel.restore(best.checkpoint())
     assert restored.figures() == best.figures() and torch.equal(restored.state["w"], torch.zeros(1))
     assert BestModel.restore(None).figures() == {}
+    # a checkpoint written before training.select_by (no val_score) chose by macro-F1
+    old = {k: v for k, v in best.checkpoint().items() if k != "val_score"}
+    assert BestModel.restore(old).val_score == 0.6
+
+
+def test_the_balanced_loss_weighs_each_class_alike_and_lower_wins() -> None:
+    """training.select_by balanced_loss: the mean over the classes present of
+    each class's mean negative log-likelihood, computed by hand here; as a
+    selection score it is negated, so that the lower loss wins."""
+    proba = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]])
+    labels = torch.tensor([0, 0, 0, 1])
+    report = split_report(proba, labels, 2, "val")
+    class0 = -(math.log(0.9) + math.log(0.8) + math.log(0.6)) / 3
+    class1 = -math.log(0.7)
+    assert report["balanced_loss"] == pytest.approx((class0 + class1) / 2)
+    assert report["loss"] == pytest.approx((3 * class0 + class1) / 4)
+    assert selection_score(report, "balanced_loss") == pytest.approx(-(class0 + class1) / 2)
+    assert selection_score(report, "macro_f1") == report["macro_f1"]
+    with pytest.raises(ValueError, match="select_by"):
+        selection_score(report, "accuracy")
+    assert (
+        split_report(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), 2, "val")["balanced_loss"]
+        is None
+    )
 
 
 @pytest.fixture(scope="module")

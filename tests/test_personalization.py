@@ -65,7 +65,10 @@ def test_the_choice_is_made_on_validation_and_never_sees_the_test_split(tmp_path
     site = site_of(cfg)
     x_test, y_test = site.data.test.tensors
     federated = BestModel()
-    federated.observe(1, {"val_macro_f1": 0.5, "macro_f1": 0.5}, site.state_dict)
+    federated_score = -site.evaluate("val")["balanced_loss"]
+    federated.observe(
+        1, {"val_score": federated_score, "val_macro_f1": 0.5, "macro_f1": 0.5}, site.state_dict
+    )
     start = federated.state
 
     def choose(test_labels: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -89,9 +92,35 @@ def test_the_choice_is_made_on_validation_and_never_sees_the_test_split(tmp_path
     # The test figures are reported, and they did change with the test labels.
     assert figures["personal_macro_f1"] != scrambled["personal_macro_f1"]
     assert set(figures) >= {"reported_personal", "reported_macro_f1", "personal_val_macro_f1"}
-    # The rule: personal when its validation macro-F1 beats the federated one's.
-    expected = "personal" if choice["personal_val_macro_f1"] > 0.5 else "federated"
+    # The rule: personal when its validation score (training.select_by's figure,
+    # the class-balanced loss by default, negated) beats the federated one's.
+    assert choice["select_by"] == "balanced_loss"
+    expected = "personal" if choice["personal_val_score"] > federated_score else "federated"
     assert choice["reported"] == expected
+
+
+def test_with_select_by_balanced_loss_the_lower_validation_loss_is_reported(tmp_path):
+    """training.select_by balanced_loss: the fine-tuning epoch and the choice
+    follow the class-balanced validation loss (lower wins), whatever the
+    macro-F1s say; the choice names the figure it compared."""
+    cfg = digits_config(tmp_path, select_by="balanced_loss")
+    site = site_of(cfg)
+    loss = site.evaluate("val")["balanced_loss"]
+    federated = BestModel()
+    federated.observe(
+        1, {"val_score": -loss, "val_macro_f1": 0.99, "macro_f1": 0.5}, site.state_dict
+    )
+    personal = Personalization(cfg.training, site)
+    personal.choose(site, federated)
+    choice = personal.choice
+    assert choice is not None and choice["select_by"] == "balanced_loss"
+    # the kept epoch's score is its own balanced loss, negated
+    assert choice["personal_val_score"] < 0
+    # fine-tuned from an untrained model, the personal loss is far below the
+    # federated one: reported, though the federated macro-F1 claimed is higher
+    assert choice["personal_val_score"] > -loss, choice
+    assert choice["personal_val_macro_f1"] < 0.99 and choice["reported"] == "personal"
+    assert "balanced loss" in choice["why"], choice["why"]
 
 
 def test_without_personalization_or_validation_the_federated_model_is_reported(tmp_path):

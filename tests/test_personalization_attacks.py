@@ -106,7 +106,7 @@ def test_the_personal_models_round_is_a_federated_round(tmp_path):
     torch.manual_seed(0)
     site = LocalSite.from_config(cfg)
     federated = BestModel()
-    federated.observe(10, {"val_macro_f1": 0.0, "macro_f1": 0.0}, site.state_dict)
+    federated.observe(10, {"val_score": 0.0, "val_macro_f1": 0.0, "macro_f1": 0.0}, site.state_dict)
     personal = Personalization(cfg.training, site)
     personal.choose(site, federated)
     saved = personal.checkpoint()["best"]

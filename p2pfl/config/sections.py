@@ -303,6 +303,15 @@ class TrainingSection(Section):
         "class_weighted's weights when on",
     )
     personalization: PersonalizationSection = PersonalizationSection()
+    select_by: Literal["macro_f1", "balanced_loss"] = Field(
+        "balanced_loss",
+        description="the validation figure that chooses among a site's models (the round kept "
+        "as best, the fine-tuning epoch, personal or federated): macro_f1 (higher wins), or "
+        "balanced_loss (the default: the mean over classes of each class's mean negative "
+        "log-likelihood; lower wins), which moves with every image's probability where "
+        "macro-F1 moves only when a prediction flips; chosen on a development copy of "
+        "PneumoniaMNIST without its test split (docs/protocols.md#personalization)",
+    )
 
     @model_validator(mode="after")
     def _dp_trains_with_its_recipe(self) -> TrainingSection:

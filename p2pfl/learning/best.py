@@ -4,9 +4,11 @@ latest one.
 A federation's model can peak some rounds before the last and fall back
 (neighbours pulled in a late round, a learning rate still too high). A node
 therefore keeps, besides the model it trains on, the model of the round whose
-validation macro-F1 was the highest so far, with that round's test figures,
-and reports both. Only the site's own validation split chooses; its test split
-never does. The earliest round wins a tie.
+validation score was the highest so far, with that round's test figures, and
+reports both. The score is training.select_by's figure of the val split
+(`p2pfl.learning.evaluate.selection_score`: macro-F1, or the negated
+class-balanced loss). Only the site's own validation split chooses; its test
+split never does. The earliest round wins a tie.
 
 `BestModel.observe` is called after each evaluation with the round's metrics
 (those of `p2pfl.learning.evaluate.evaluate_site`). The node protocols (the
@@ -22,7 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
-CHOOSE_BY = "val_macro_f1"
+CHOOSE_BY = "val_score"  # evaluate.SCORE_KEY
 # A round's test figures kept with the best model, reported as best_<key>.
 REPORTED = ("macro_f1", "accuracy", "balanced_accuracy", "auc", "ece")
 
@@ -33,7 +35,8 @@ class BestModel:
     test figures and (when a state function was given) its weights."""
 
     round: int | None = None
-    val_macro_f1: float | None = None
+    val_macro_f1: float | None = None  # shown beside the score
+    val_score: float | None = None  # what chose it (higher wins)
     test: dict[str, float] = field(default_factory=dict)
     state: dict[str, Tensor] | None = None
 
@@ -43,27 +46,31 @@ class BestModel:
         metrics: dict[str, Any],
         state: Callable[[], dict[str, Tensor]] | None = None,
     ) -> dict[str, float]:
-        """Take round `round`'s model as the best when its val macro-F1 beats the
-        best so far (`state()` gives its weights; called only then). Returns the
-        figures to log with the round: best_round, best_val_macro_f1 and
-        best_<test figure>; {} when the site has no validation split."""
+        """Take round `round`'s model as the best when its validation score beats
+        the best so far (`state()` gives its weights; called only then). Returns
+        the figures to log with the round: best_round, best_val_macro_f1,
+        best_val_score and best_<test figure>; {} when the site has no
+        validation split."""
         value = metrics.get(CHOOSE_BY)
         if value is None:
             return {}
-        if self.val_macro_f1 is None or float(value) > self.val_macro_f1:
+        if self.val_score is None or float(value) > self.val_score:
             self.round = int(round_no)
-            self.val_macro_f1 = float(value)
+            self.val_score = float(value)
+            f1 = metrics.get("val_macro_f1")
+            self.val_macro_f1 = None if f1 is None else float(f1)
             self.test = {k: float(metrics[k]) for k in REPORTED if metrics.get(k) is not None}
             self.state = state() if state is not None else None
         return self.figures()
 
     def figures(self) -> dict[str, float]:
         """best_round, best_val_macro_f1, best_<test figure> ({} before any)."""
-        if self.round is None or self.val_macro_f1 is None:
+        if self.round is None or self.val_score is None:
             return {}
         return {
             "best_round": float(self.round),
-            "best_val_macro_f1": self.val_macro_f1,
+            **({"best_val_macro_f1": self.val_macro_f1} if self.val_macro_f1 is not None else {}),
+            "best_val_score": self.val_score,
             **{f"best_{k}": v for k, v in self.test.items()},
         }
 
@@ -71,7 +78,12 @@ class BestModel:
         """What /status shows: the best round, its val macro-F1 and test figures."""
         if self.round is None:
             return None
-        return {"round": self.round, "val_macro_f1": self.val_macro_f1, "test": dict(self.test)}
+        return {
+            "round": self.round,
+            "val_macro_f1": self.val_macro_f1,
+            "val_score": self.val_score,
+            "test": dict(self.test),
+        }
 
     def checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint's `best` entry (weights included), or None before any."""
@@ -80,6 +92,7 @@ class BestModel:
         return {
             "round": self.round,
             "val_macro_f1": self.val_macro_f1,
+            "val_score": self.val_score,
             "test": dict(self.test),
             "model": self.state,
         }
@@ -91,7 +104,13 @@ class BestModel:
             return cls()
         return cls(
             round=int(saved["round"]),
-            val_macro_f1=float(saved["val_macro_f1"]),
+            val_macro_f1=None
+            if saved.get("val_macro_f1") is None
+            else float(saved["val_macro_f1"]),
+            # a checkpoint of before training.select_by chose by macro-F1
+            val_score=float(
+                saved["val_score"] if saved.get("val_score") is not None else saved["val_macro_f1"]
+            ),
             test={str(k): float(v) for k, v in dict(saved.get("test") or {}).items()},
             state=saved.get("model"),
         )

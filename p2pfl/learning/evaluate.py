@@ -53,8 +53,17 @@ def split_report(proba: Tensor, labels: Tensor, num_classes: int, split: str) ->
     """classification_report of predicted probabilities against `labels`, plus
     'loss' (their negative log-likelihood), 'split' and 'n'."""
     report = classification_report(labels.numpy(), proba.numpy(), num_classes=num_classes)
-    picked = proba[torch.arange(len(labels)), labels].clamp_min(1e-12)
-    report["loss"] = float(-picked.log().mean())
+    nll = -proba[torch.arange(len(labels)), labels].clamp_min(1e-12).log()
+    report["loss"] = float(nll.mean())
+    present = labels.unique() if len(labels) else labels
+    # the mean over the classes present of each class's mean NLL: the proper
+    # scoring rule that weighs a rare class as much as a common one, as
+    # macro-F1 and balanced accuracy do (training.select_by balanced_loss)
+    report["balanced_loss"] = (
+        float(torch.stack([nll[labels == c].mean() for c in present]).mean())
+        if len(present)
+        else None
+    )
     report["split"] = split
     report["n"] = len(labels)
     return report
@@ -120,11 +129,37 @@ HEADLINE_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "auc")
 CALIBRATION_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "auc")
 
 
+# What chooses among a site's models on its validation split (the round kept as
+# best, the fine-tuning epoch, personal or federated): training.select_by's
+# figure of the val split, as a score where higher wins.
+SCORE_KEY = "val_score"
+SELECT_BY_DEFAULT = "macro_f1"  # a site without a training section (none today)
+
+
+def select_by(site: Any) -> str:
+    """training.select_by of the site (macro_f1 where it has no training section)."""
+    training = getattr(site, "training", None)
+    return str(getattr(training, "select_by", SELECT_BY_DEFAULT))
+
+
+def selection_score(report: dict[str, Any], by: str) -> float | None:
+    """The split report's `by` figure as a score where higher wins (None where
+    the figure is undefined): macro_f1 as it is, balanced_loss negated."""
+    if by == "macro_f1":
+        value = report.get("macro_f1")
+        return None if value is None else float(value)
+    if by == "balanced_loss":
+        value = report.get("balanced_loss")
+        return None if value is None else -float(value)
+    raise ValueError(f"unknown training.select_by {by!r}: use macro_f1 or balanced_loss")
+
+
 def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict[str, Any]:
     """A site's round metrics: `test_keys` of its test split (the headline
     macro-F1, accuracy, balanced accuracy and AUC, None where the split lacks a
-    class; CALIBRATION_KEYS adds ECE and MCE), `val_macro_f1`/`val_accuracy` of
-    its val split, whichever splits exist, and `per_class_f1` of val (else
+    class; CALIBRATION_KEYS adds ECE and MCE), `val_macro_f1`/`val_accuracy`/
+    `val_balanced_loss` of its val split and the score that chooses among its
+    models (SCORE_KEY), whichever splits exist, and `per_class_f1` of val (else
     test), which the node gossips for the F1 peer-selection heuristic."""
     out: dict[str, Any] = {}
     reports = site.evaluate_available()
@@ -134,6 +169,8 @@ def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict
     if "val" in reports:
         out["val_macro_f1"] = reports["val"]["macro_f1"]
         out["val_accuracy"] = reports["val"]["accuracy"]
+        out["val_balanced_loss"] = reports["val"].get("balanced_loss")
+        out[SCORE_KEY] = selection_score(reports["val"], select_by(site))
     gossip = reports.get("val") or reports.get("test")
     out["per_class_f1"] = list(gossip["per_class_f1"]) if gossip else None
     return out

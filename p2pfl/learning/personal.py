@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from p2pfl.config import TrainingSection
 from p2pfl.learning.best import BestModel
-from p2pfl.learning.evaluate import evaluate_site
+from p2pfl.learning.evaluate import SCORE_KEY, evaluate_site, select_by, selection_score
 from p2pfl.learning.optimizer import (
     build_optimizer,
     export_optimizer_state,
@@ -223,10 +223,15 @@ class Personalization:
             for epoch in range(1, self.section.finetune_epochs + 1):
                 self._steps(site, optimizer)
                 val = site.evaluate("val")
-                best = self.best.val_macro_f1
-                if val["macro_f1"] is None or (best is not None and not val["macro_f1"] > best):
+                score = selection_score(val, select_by(site))
+                best = self.best.val_score
+                if score is None or (best is not None and not score > best):
                     continue  # not kept (BestModel.observe's rule): its test figures are not needed
-                metrics = {"val_macro_f1": val["macro_f1"], "val_accuracy": val["accuracy"]}
+                metrics = {
+                    "val_macro_f1": val["macro_f1"],
+                    "val_accuracy": val["accuracy"],
+                    SCORE_KEY: score,
+                }
                 test = site.evaluate_available(("test",)).get("test")
                 if test is not None:
                     metrics.update({key: test[key] for key in REPORTED_FIGURES})
@@ -255,21 +260,24 @@ class Personalization:
                 # the personal model is of the federated round it was tuned from
                 # (export, the model card); the epoch is kept beside it
                 self.best.round = federated.round if federated.round is not None else round_no
-            personal_val = self.best.val_macro_f1
-            federated_val = federated.val_macro_f1
+            personal_val, federated_val = self.best.val_score, federated.val_score
             better = personal_val is not None and (
                 federated_val is None or personal_val > federated_val
             )
+            by = select_by(site)
             self.choice = {
                 "reported": "personal" if better else "federated",
                 "why": (
-                    f"validation macro-F1 personal {personal_val:.4f} vs federated "
-                    f"{federated_val if federated_val is not None else float('nan'):.4f}"
+                    f"validation {_figure(by, personal_val)} personal vs "
+                    f"{_figure(by, federated_val)} federated"
                     if personal_val is not None
                     else "no personal model"
                 ),
-                "personal_val_macro_f1": personal_val,
-                "federated_val_macro_f1": federated_val,
+                "select_by": by,
+                "personal_val_score": personal_val,
+                "federated_val_score": federated_val,
+                "personal_val_macro_f1": self.best.val_macro_f1,
+                "federated_val_macro_f1": federated.val_macro_f1,
                 "personal_round": self.best.round,
                 "finetune_epoch": self.finetune_epoch if self.method == "finetune" else None,
                 "personal_test": dict(self.best.test),
@@ -345,3 +353,11 @@ def _proximal(model: nn.Module, anchor: dict[str, Tensor], lam: float) -> Tensor
     for name, param in model.named_parameters():
         total = total + (param - anchor[name]).pow(2).sum()
     return 0.5 * lam * total
+
+
+def _figure(by: str, score: float | None) -> str:
+    """A validation score as the figure it is ("balanced loss 0.3120")."""
+    if score is None:
+        return f"{by.replace('_', ' ')} n/a"
+    value = -score if by == "balanced_loss" else score
+    return f"{by.replace('_', ' ').replace('macro f1', 'macro-F1')} {value:.4f}"

@@ -36,7 +36,13 @@ from node.outbound import Outbound
 from node.peers import PeerTable
 from node.queues import Checkpoints, Inboxes, Journal, Outbox, ReplayMarks, Spool
 from node.relay_tunnel import SiteRelays
-from node.resources import CHECK_EVERY_S, HostThreads, available_cores, registry_dir
+from node.resources import (
+    CHECK_EVERY_S,
+    HostThreads,
+    available_cores,
+    freeze_startup_heap,
+    registry_dir,
+)
 from node.status import config_status_app, dashboard_url, start_status_server
 from node.telemetry import Telemetry
 from node.tls import client_ssl_context, server_ssl_context
@@ -428,6 +434,7 @@ async def serve(node: Node) -> int:
         node.trainer.shutdown(wait=False)
         node._metrics_file.close()
         raise
+    log.debug("start-up heap frozen: %d objects", freeze_startup_heap())
     waiters = [asyncio.create_task(stop.wait())]
     if node.cfg.node.exit_when_done:
         waiters.append(asyncio.create_task(node.wait_until_finished()))

@@ -35,6 +35,7 @@ from node.logsetup import JsonFormatter, quiet_http_parser_refusals
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.prometheus import Exposition
 from node.relay import RelayServer
+from node.resources import freeze_startup_heap
 from node.status import (
     ANY_HOST_PATHS,
     MIN_TOKEN_CHARS,
@@ -321,6 +322,7 @@ async def run_relay(
     """Run a relay until `stop` is set; SIGHUP (where the loop allows) reloads the roster."""
     relay = RelayProcess(cfg, Roster.load(Path(cfg.federation.roster)), config_path)
     await relay.start()
+    log.debug("start-up heap frozen: %d objects", freeze_startup_heap())
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not main thread
         loop.add_signal_handler(signal.SIGHUP, relay.reload_roster)

@@ -25,6 +25,7 @@ has its own cores budget to check against).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -151,3 +152,16 @@ class HostThreads:
                 ", ".join(report["other_nodes"]) or "none",
             )
         return report
+
+
+def freeze_startup_heap() -> int:
+    """After start-up: collect once, then move every object still alive (torch's
+    modules, the model, the data, the roster) into the collector's permanent
+    generation (`gc.freeze`), so that a full collection later scans only what
+    the process allocated since. A node with torch loaded holds about 350,000
+    objects; a full collection over them paused its event loop for 100-350 ms
+    on this project's 2-core machine, which every message in flight waited
+    for. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

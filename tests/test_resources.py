@@ -77,3 +77,25 @@ def test_a_node_says_once_when_the_host_is_oversubscribed(tmp_path: Path, oversu
         log_text = (tmp_path / "logs" / "a.log").read_text()
     assert log_text.count("CPU oversubscribed") == (1 if oversubscribed else 0), log_text
     assert list(runtime.glob("p2pfl-node/*.json")) == []  # both unregistered on stop
+
+
+def test_the_start_up_heap_is_frozen_so_a_full_collection_skips_it() -> None:
+    """freeze_startup_heap (called by the daemon and the relay once they
+    serve): torch's objects move to the permanent generation, so a full
+    collection no longer scans them (in another process, so this one's heap
+    stays as it is)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, json, torch\n"
+        "from node.resources import freeze_startup_heap\n"
+        "before = len(gc.get_objects(2))\n"
+        "frozen = freeze_startup_heap()\n"
+        "print(json.dumps({'before': before, 'frozen': frozen, 'after': len(gc.get_objects(2))}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["frozen"] >= figures["before"] > 50_000, figures
+    assert figures["after"] < figures["frozen"] / 100, figures

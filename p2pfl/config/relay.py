@@ -60,7 +60,7 @@ class RelaySettings(Section):
         200.0,
         gt=0.0,
         description="frames per second one sender may push through the relay (burst: "
-        "max(10, this)); more wait their turn, reads paused, and are refused 429 "
+        "max(10, a quarter of this)); more wait their turn, reads paused, and are refused 429 "
         "rate_limited after 2 s of waiting (node/relay_admission.py)",
     )
     idle_timeout_s: float = Field(

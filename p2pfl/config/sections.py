@@ -219,11 +219,12 @@ class PersonalizationSection(Section):
         "best validation macro-F1 is kept (early stopping on validation, never test)",
     )
     finetune_lr_factor: float = Field(
-        0.1,
+        1.0,
         gt=0.0,
         le=1.0,
-        description="finetune: learning rate = training.lr x this (the last rounds' lr of the "
-        "default cosine schedule)",
+        description="finetune: learning rate = training.lr x this (1: the training lr, as "
+        "local adaptation in Yu et al. 2020; chosen over 0.1, the cosine schedule's last lr, "
+        "on a development copy without the test split: docs/protocols.md#personalization)",
     )
     ditto_lambda: float = Field(
         0.1,

@@ -35,7 +35,7 @@ from typing import Protocol as Structural
 from p2pfl.config import ConfigError
 from p2pfl.learning.best import BestModel
 from p2pfl.learning.errors import TrainingError
-from p2pfl.learning.evaluate import evaluate_site
+from p2pfl.learning.evaluate import evaluate_site, select_by
 from p2pfl.learning.optimizer import lr_factor
 from p2pfl.learning.personal import Personalization
 from protocols import selection
@@ -162,6 +162,7 @@ class RoundLoop(Protocol, Generic[P]):
                     **self.checkpoint_state(r, site),
                     "best": self.best.checkpoint(),
                     "personal": self.personal.checkpoint(),
+                    "select_by": select_by(site),  # what the two bests' scores are of
                 }
             )
             await self.after_round(ctx, site, r)
@@ -376,8 +377,22 @@ class RoundLoop(Protocol, Generic[P]):
         self.gossip = dict(saved.get("gossip", {}))
         if dp is not None:  # the privacy already spent stays spent, at its own price
             dp.restore(history)
-        self.best = BestModel.restore(saved.get("best"))
-        self.personal.restore(saved.get("personal"))
+        # a checkpoint of before training.select_by chose by macro-F1
+        chosen_by, by = saved.get("select_by", "macro_f1"), select_by(site)
+        if chosen_by == by:
+            self.best = BestModel.restore(saved.get("best"))
+            self.personal.restore(saved.get("personal"))
+        else:  # scores of another figure cannot be compared with this run's
+            log.warning(
+                "%s: the checkpoint's best models were chosen by validation %s and this run "
+                "chooses by %s (training.select_by): they are chosen afresh from the next "
+                "evaluated round",
+                ctx.me,
+                chosen_by,
+                by,
+            )
+            self.best = BestModel()
+            self.personal.restore(saved.get("personal"), keep_best=False)
         for key, value in self.gossip.items():
             ctx.publish(key, value)
         self.load_extra(saved)

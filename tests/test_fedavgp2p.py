@@ -251,6 +251,37 @@ def test_a_restarted_federation_resumes_from_its_checkpoints(
     )
 
 
+def test_a_resume_under_another_select_by_chooses_its_best_models_afresh(
+    sources: list[str], tmp_path: Path
+) -> None:
+    """Scores of one validation figure cannot be compared with another's: a
+    node resumed with a changed training.select_by (or from a checkpoint of
+    before it, which chose by macro-F1) starts its best model afresh, where
+    it would otherwise keep a macro-F1 (0..1) that no negated loss ever beats."""
+
+    def choosing_by(by: str, rounds: int) -> list[SiteConfig]:
+        return [
+            c.model_copy(update={"training": c.training.model_copy(update={"select_by": by})})
+            for c in configs(sources, rounds=rounds)
+        ]
+
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path)
+    first = run(choosing_by("macro_f1", 2), network)
+    assert first.errors == {}
+    before = network.saved_state("site0")
+    assert before is not None and before["select_by"] == "macro_f1"
+    assert before["best"]["val_score"] == before["best"]["val_macro_f1"] > 0
+    again = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path)
+    second = run(choosing_by("balanced_loss", 3), again)
+    assert second.errors == {}
+    for node in SITES:
+        (row,) = [r for r in second.records if r["node"] == node]
+        assert row["round"] == 3 and row["best_round"] == 3, row  # chosen afresh
+        assert row["best_val_score"] == pytest.approx(-row["val_balanced_loss"])
+    after = again.saved_state("site0")
+    assert after is not None and after["select_by"] == "balanced_loss"
+
+
 def test_runs_repeat_exactly_with_the_f1_heuristic(sources: list[str]) -> None:
     cfgs = configs(sources, rounds=2, fraction=0.5, selection="f1", aggregation="median")
     a, b = run(cfgs), run(cfgs)

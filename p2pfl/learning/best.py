@@ -100,7 +100,7 @@ class BestModel:
     @classmethod
     def restore(cls, saved: dict[str, Any] | None) -> BestModel:
         """The BestModel a checkpoint's `best` entry describes (empty for None)."""
-        if not saved:
+        if not saved or (saved.get("val_score") is None and saved.get("val_macro_f1") is None):
             return cls()
         return cls(
             round=int(saved["round"]),

@@ -338,13 +338,16 @@ class Personalization:
             "choice": self.choice,
         }
 
-    def restore(self, saved: dict[str, Any] | None) -> None:
+    def restore(self, saved: dict[str, Any] | None, *, keep_best: bool = True) -> None:
+        """The checkpoint's personal model; `keep_best` False: its best so far and
+        the choice are dropped (their scores are of another training.select_by)."""
         if not saved or saved.get("method") != self.method:
             return
         self.state = saved.get("state")
         self.optimizer_saved = saved.get("optimizer")
-        self.best = BestModel.restore(saved.get("best"))
-        self.choice = saved.get("choice")
+        if keep_best:
+            self.best = BestModel.restore(saved.get("best"))
+            self.choice = saved.get("choice")
 
 
 def _proximal(model: nn.Module, anchor: dict[str, Tensor], lam: float) -> Tensor:

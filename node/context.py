@@ -15,6 +15,7 @@ it (issue 29).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from node.membership import Membership
 from node.outbound import Outbound
 from node.peers import PeerTable
 from node.queues import Inboxes
+from node.resources import freeze_startup_heap
 from node.telemetry import Telemetry
 from p2pfl.config import SiteConfig
 from p2pfl.secure import tensors
@@ -43,6 +45,12 @@ class NodeState:
     save_checkpoint: Callable[[dict[str, Any]], None]
     restored_state: Callable[[], dict[str, Any] | None]
     log_metrics: Callable[[int, dict[str, Any]], None]
+
+
+log = logging.getLogger(__name__)
+
+# The first phase after a protocol's setup (and resume): its site is built.
+FIRST_WORK_PHASES = frozenset({"train", "generator"})
 
 
 class NodeContext(RoundContext):
@@ -76,6 +84,7 @@ class NodeContext(RoundContext):
         self._state = state
         self._round = 0
         self.phase = "start"
+        self._heap_frozen = False
 
     @property  # type: ignore[override]
     def round(self) -> int:
@@ -91,6 +100,12 @@ class NodeContext(RoundContext):
         self.phase = phase
         self._telemetry.set_phase(phase)
         self._state.on_progress()
+        if not self._heap_frozen and phase in FIRST_WORK_PHASES:
+            # the model, the data, the optimizer (and torch._dynamo, which the
+            # first optimizer imports) exist only now: freeze them too (the
+            # daemon froze what it had once it served)
+            self._heap_frozen = True
+            log.debug("heap frozen at the first %s phase: %d objects", phase, freeze_startup_heap())
 
     async def after_training(self, seconds: float) -> None:
         """A round's local training just ended, after `seconds` (the round

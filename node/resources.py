@@ -155,10 +155,13 @@ class HostThreads:
 
 
 def freeze_startup_heap() -> int:
-    """After start-up: collect once, then move every object still alive (torch's
-    modules, the model, the data, the roster) into the collector's permanent
-    generation (`gc.freeze`), so that a full collection later scans only what
-    the process allocated since. A node with torch loaded holds about 350,000
+    """Collect once, then move every object still alive into the collector's
+    permanent generation (`gc.freeze`), so that a full collection later scans
+    only what the process allocated since. A daemon calls it once it serves
+    (torch's modules, the roster) and again at its protocol's first training
+    phase (node/context.py: the model, the data, the optimizer and the
+    torch._dynamo the first optimizer imports exist only then); a relay once
+    it serves. A node with torch loaded holds about 350,000
     objects; a full collection over them paused its event loop for 100-350 ms
     on this project's 2-core machine, which every message in flight waited
     for. Returns how many objects were frozen."""

@@ -379,7 +379,8 @@ class RoundLoop(Protocol, Generic[P]):
             dp.restore(history)
         # a checkpoint of before training.select_by chose by macro-F1
         chosen_by, by = saved.get("select_by", "macro_f1"), select_by(site)
-        if chosen_by == by:
+        finished = int(saved["round"]) >= self.params.rounds  # nothing will be chosen again
+        if chosen_by == by or finished:
             self.best = BestModel.restore(saved.get("best"))
             self.personal.restore(saved.get("personal"))
         else:  # scores of another figure cannot be compared with this run's

@@ -6,6 +6,7 @@ the receiver's own answers and counters that it reports."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ def test_one_site_flooding_the_relay_is_bounded_and_judged_by_its_figures(tmp_pa
     bound: on this 2-core machine, shared by the flooder, the relay, the sites
     and other work, it varies from run to run (docs/benchmarks.md)."""
     flood = run_attacks(["relay_flood"], tmp_path / "attacks")["relay_flood"]
+    assert gc.get_freeze_count() == 0  # the harness froze its heap only while it measured
     assert not flood.get("inconclusive"), flood
     assert flood["flood"]["sent"] >= 100 and flood["heartbeats"]["flooded"] >= 10
     assert flood["heartbeats_failed"]["loaded"] == []

@@ -277,3 +277,7 @@ def test_training_options_reach_the_nodes_and_the_baselines_alike(tmp_path: Path
         assert config.training.select_by == "macro_f1"
     default = cli.spec_from_args(cli.build_parser().parse_args(["--out", str(tmp_path)]))
     assert "select_by" not in shared_sections(default)["training"]  # the site's default
+    # a field a flag of its own sets is refused, not silently overridden
+    clash = cli.build_parser().parse_args(["--training-option", "lr=0.1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--lr"):
+        cli.spec_from_args(clash)

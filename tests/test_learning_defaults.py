@@ -151,6 +151,12 @@ def test_the_balanced_loss_weighs_each_class_alike_and_lower_wins() -> None:
     assert selection_score(report, "macro_f1") == report["macro_f1"]
     with pytest.raises(ValueError, match="select_by"):
         selection_score(report, "accuracy")
+    # a diverged model's NaN loss is no score: a NaN best would never be beaten
+    with np.errstate(invalid="ignore"):  # the calibration bins of NaN probabilities
+        diverged = split_report(torch.full((4, 2), float("nan")), labels, 2, "val")
+    assert (
+        math.isnan(diverged["balanced_loss"]) and selection_score(diverged, "balanced_loss") is None
+    )
     assert (
         split_report(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), 2, "val")["balanced_loss"]
         is None

@@ -99,3 +99,27 @@ def test_the_start_up_heap_is_frozen_so_a_full_collection_skips_it() -> None:
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["frozen"] >= figures["before"] > 50_000, figures
     assert figures["after"] < figures["frozen"] / 100, figures
+
+
+def test_a_node_freezes_its_heap_again_at_its_first_training_phase(monkeypatch) -> None:
+    """The model, the data and the optimizer (and torch._dynamo) exist only
+    once the protocol trains: the daemon's context freezes the heap again at
+    the first train (or FedER generator) phase, and only then."""
+    from node import context
+
+    frozen: list[str] = []
+    monkeypatch.setattr(context, "freeze_startup_heap", lambda: frozen.append("x") or 1)
+
+    class Stub:
+        def set_phase(self, phase: str) -> None: ...
+
+        def on_progress(self) -> None: ...
+
+    ctx = object.__new__(context.NodeContext)
+    ctx._telemetry, ctx._state, ctx._heap_frozen = Stub(), Stub(), False
+    for phase in ("waiting_for_peers", "start"):
+        ctx.set_phase(phase)
+    assert frozen == []
+    for phase in ("train", "exchange", "train", "generator"):
+        ctx.set_phase(phase)
+    assert frozen == ["x"] and ctx.phase == "generator"

@@ -282,7 +282,31 @@ def grid_cells(args: argparse.Namespace) -> list[tuple[str, float]]:
     return [(h, c) for h in heuristics for c in fractions]
 
 
+# training: fields a flag of its own sets (shared_sections): --training-option
+# may not set them too, or one would silently win over the other
+FLAGGED_TRAINING = {
+    "epochs": "--epochs",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "seed": "--seed",
+    "class_weighted": "--class-weighted",
+    "lr_schedule": "--lr-schedule",
+    "max_steps_per_epoch": "--max-steps-per-epoch",
+    "steps_per_round": "--steps-per-round",
+    "recipe": "--recipe",
+    "dp_recipe": "--dp-recipe-option",
+    "dp": "--dp-target-epsilon, --dp-noise-multiplier and --dp-max-grad-norm",
+    "threads": "nothing (benchmark nodes train on 1 thread each)",
+}
+
+
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    for key, _ in args.training_options:
+        if key in FLAGGED_TRAINING:
+            raise SystemExit(
+                f"bench.federation: --training-option {key}=... is set by "
+                f"{FLAGGED_TRAINING[key]}: use that instead"
+            )
     if args.nodes < 2:
         raise SystemExit(f"bench.federation: --nodes must be at least 2, got {args.nodes}")
     if args.engine == "ray" and args.shards < 1:

@@ -216,7 +216,7 @@ class PersonalizationSection(Section):
         5,
         ge=1,
         description="finetune: epochs over the site's train split at most; the epoch with the "
-        "best validation macro-F1 is kept (early stopping on validation, never test)",
+        "best validation score (select_by) is kept (early stopping on validation, never test)",
     )
     finetune_lr_factor: float = Field(
         1.0,
@@ -308,8 +308,8 @@ class TrainingSection(Section):
         "balanced_loss",
         description="the validation figure that chooses among a site's models (the round kept "
         "as best, the fine-tuning epoch, personal or federated): macro_f1 (higher wins), or "
-        "balanced_loss (the default: the mean over classes of each class's mean negative "
-        "log-likelihood; lower wins), which moves with every image's probability where "
+        "balanced_loss (the default: the mean over the classes present of each class's mean "
+        "negative log-likelihood; lower wins), which moves with every image's probability where "
         "macro-F1 moves only when a prediction flips; chosen on a development copy of "
         "PneumoniaMNIST without its test split (docs/protocols.md#personalization)",
     )

@@ -31,8 +31,9 @@ REPORTED = ("macro_f1", "accuracy", "balanced_accuracy", "auc", "ece")
 
 @dataclass
 class BestModel:
-    """The best-on-validation model so far: its round, validation macro-F1,
-    test figures and (when a state function was given) its weights."""
+    """The best-on-validation model so far: its round, validation score (what
+    chose it) and macro-F1, test figures and (when a state function was given)
+    its weights."""
 
     round: int | None = None
     val_macro_f1: float | None = None  # shown beside the score
@@ -64,7 +65,8 @@ class BestModel:
         return self.figures()
 
     def figures(self) -> dict[str, float]:
-        """best_round, best_val_macro_f1, best_<test figure> ({} before any)."""
+        """best_round, best_val_macro_f1, best_val_score, best_<test figure>
+        ({} before any)."""
         if self.round is None or self.val_score is None:
             return {}
         return {
@@ -75,7 +77,8 @@ class BestModel:
         }
 
     def summary(self) -> dict[str, Any] | None:
-        """What /status shows: the best round, its val macro-F1 and test figures."""
+        """What /status shows: the best round, its validation score and
+        macro-F1, and its test figures."""
         if self.round is None:
             return None
         return {

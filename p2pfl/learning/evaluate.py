@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -144,14 +145,15 @@ def select_by(site: Any) -> str:
 
 def selection_score(report: dict[str, Any], by: str) -> float | None:
     """The split report's `by` figure as a score where higher wins (None where
-    the figure is undefined): macro_f1 as it is, balanced_loss negated."""
-    if by == "macro_f1":
-        value = report.get("macro_f1")
-        return None if value is None else float(value)
-    if by == "balanced_loss":
-        value = report.get("balanced_loss")
-        return None if value is None else -float(value)
-    raise ValueError(f"unknown training.select_by {by!r}: use macro_f1 or balanced_loss")
+    the figure is undefined or not finite, e.g. a diverged model's NaN
+    probabilities: a NaN best would never be beaten): macro_f1 as it is,
+    balanced_loss negated."""
+    if by not in ("macro_f1", "balanced_loss"):
+        raise ValueError(f"unknown training.select_by {by!r}: use macro_f1 or balanced_loss")
+    value = report.get(by)
+    if value is None or not math.isfinite(float(value)):
+        return None
+    return float(value) if by == "macro_f1" else -float(value)
 
 
 def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict[str, Any]:

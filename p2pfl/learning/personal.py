@@ -9,7 +9,8 @@ split never chooses (docs/protocols.md#personalization).
 - `finetune`: after the last round, the federated model (the best on
   validation, `p2pfl.learning.best`) is fine-tuned on the site's train split
   for up to `finetune_epochs` epochs at training.lr x `finetune_lr_factor`;
-  the epoch with the best validation macro-F1 is the personal model (FedAvg +
+  the epoch with the best validation score (training.select_by's figure,
+  `p2pfl.learning.evaluate.selection_score`) is the personal model (FedAvg +
   local fine-tuning: Yu et al. 2020, "Salvaging federated learning by local
   adaptation"; Cheng et al. 2021, "Fine-tuning is fine in federated learning").
 - `ditto` (Li et al. 2021, "Ditto: fair and robust federated learning through
@@ -242,11 +243,11 @@ class Personalization:
 
     def choose(self, site: Any, federated: BestModel, round_no: int = 0) -> dict[str, Any]:
         """After the last round: the personal model (fine-tuned now, or
-        ditto's best), and which of the two the site reports: the better on
-        validation macro-F1; the federated one on a tie or without a
-        validation split. Returns the figures logged with the last round:
-        reported_personal (1.0 or 0.0), reported_<figure>, personal_<figure>,
-        personal_val_macro_f1."""
+        ditto's best), and which of the two the site reports: the better
+        validation score (training.select_by's figure); the federated one on a
+        tie or without a validation split. Returns the figures logged with the
+        last round: reported_personal (1.0 or 0.0), reported_<figure>,
+        personal_<figure>, personal_val_macro_f1, personal_val_score."""
         if not self.classifier:  # nothing to choose between (probe, pre-training)
             return {}
         if not self.active or not self.has_val:
@@ -312,8 +313,9 @@ class Personalization:
                 out[f"personal_{key}"] = personal[key]
             if key in reported:
                 out[f"reported_{key}"] = reported[key]
-        if self.choice.get("personal_val_macro_f1") is not None:
-            out["personal_val_macro_f1"] = self.choice["personal_val_macro_f1"]
+        for key in ("personal_val_macro_f1", "personal_val_score"):
+            if self.choice.get(key) is not None:
+                out[key] = self.choice[key]
         return out
 
     def summary(self) -> dict[str, Any]:

@@ -213,10 +213,12 @@ class PersonalizationSection(Section):
         "without DP would leave the site's guarantee behind)",
     )
     finetune_epochs: int = Field(
-        5,
+        10,
         ge=1,
-        description="finetune: epochs over the site's train split at most; the epoch with the "
-        "best validation score (select_by) is kept (early stopping on validation, never test)",
+        description="finetune: epochs over the site's train split at most (10: as many as a "
+        "site alone trains in a 10-round run of one epoch each; chosen over 5 on a development "
+        "copy without the test split); the epoch with the best validation score (select_by) "
+        "is kept (early stopping on validation, never test)",
     )
     finetune_lr_factor: float = Field(
         1.0,

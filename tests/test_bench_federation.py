@@ -281,3 +281,24 @@ def test_training_options_reach_the_nodes_and_the_baselines_alike(tmp_path: Path
     clash = cli.build_parser().parse_args(["--training-option", "lr=0.1", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--lr"):
         cli.spec_from_args(clash)
+
+
+def test_each_sites_epoch_is_the_median_of_three_timings(monkeypatch, tmp_path: Path) -> None:
+    """One timing of a site's epoch moved a seed's sum by a quarter between two
+    runs: the compute limit takes the median of TIMED_EPOCHS timings, after a
+    warm-up that is not counted (a fake clock: each epoch takes what it is told)."""
+    from bench.federation import limit
+
+    clock = [0.0]
+    durations = iter([9.0, 1.0, 5.0, 2.0, 9.0, 3.0, 3.0, 0.5])  # warm-up, then 3 timed, per site
+
+    class Site:
+        def train_epochs(self) -> None:
+            clock[0] += next(durations)
+
+    monkeypatch.setattr(limit.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(limit, "build_site", lambda cfg: Site())
+    monkeypatch.setattr(limit, "in_process_configs", lambda spec, sources, root: ["a", "b"])
+    monkeypatch.setattr(limit, "one_torch_thread", lambda: None)
+    assert limit.TIMED_EPOCHS == 3
+    assert limit.epoch_seconds(None, [], tmp_path) == [2.0, 3.0]  # not 1.0, 5.0 or 3.0 alone

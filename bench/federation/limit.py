@@ -4,8 +4,9 @@ A round cannot take less than the local training it holds: one epoch over
 every site's data, spread over the machine's cores. `epoch_seconds` times
 exactly that, in this process with one torch thread (as each node trains),
 with the nodes' model, batch size, augmentation and optimizer: every site's
-`train_epochs()` once, summed (the first epoch of each site is a warm-up and
-is not counted). The summary then gives
+`train_epochs()`, the median of TIMED_EPOCHS timings, summed (the first epoch
+of each site is a warm-up and is not counted; one timing alone moved the same
+seed's sum from 1.51 to 1.96 s between two runs). The summary then gives
 
     compute_limit_s = epoch_s / cores
     compute_limit_ratio = round_s_mean / compute_limit_s
@@ -24,6 +25,7 @@ floor too, and the critical path of a round is the larger of the two:
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,18 +35,23 @@ from bench.federation.specs import RunSpec, in_process_configs, one_torch_thread
 from node.resources import available_cores
 from protocols.site import build_site
 
+TIMED_EPOCHS = 3
+
 
 def epoch_seconds(spec: RunSpec, sources: Sequence[Path], state_root: Path) -> list[float]:
-    """Each site's local epoch (or round of steps), one thread: their sum is one
-    epoch over every site's data."""
+    """Each site's local epoch (or round of steps), one thread, the median of
+    TIMED_EPOCHS timings: their sum is one epoch over every site's data."""
     one_torch_thread()
     seconds = []
     for cfg in in_process_configs(spec, sources, state_root):
         site = build_site(cfg)
         site.train_epochs()  # warm-up: first-call costs are not a round's
-        start = time.perf_counter()
-        site.train_epochs()
-        seconds.append(time.perf_counter() - start)
+        timings = []
+        for _ in range(TIMED_EPOCHS):
+            start = time.perf_counter()
+            site.train_epochs()
+            timings.append(time.perf_counter() - start)
+        seconds.append(statistics.median(timings))
     return seconds
 
 

@@ -24,7 +24,9 @@ from typing import Any
 
 from torch import Tensor
 
-CHOOSE_BY = "val_score"  # evaluate.SCORE_KEY
+from p2pfl.learning.evaluate import SCORE_KEY
+
+CHOOSE_BY = SCORE_KEY
 # A round's test figures kept with the best model, reported as best_<key>.
 REPORTED = ("macro_f1", "accuracy", "balanced_accuracy", "auc", "ece")
 
@@ -103,17 +105,16 @@ class BestModel:
     @classmethod
     def restore(cls, saved: dict[str, Any] | None) -> BestModel:
         """The BestModel a checkpoint's `best` entry describes (empty for None)."""
-        if not saved or (saved.get("val_score") is None and saved.get("val_macro_f1") is None):
+        f1 = (saved or {}).get("val_macro_f1")
+        score = (saved or {}).get("val_score")
+        if score is None:  # a checkpoint of before training.select_by: macro-F1 chose
+            score = f1
+        if score is None:
             return cls()
         return cls(
             round=int(saved["round"]),
-            val_macro_f1=None
-            if saved.get("val_macro_f1") is None
-            else float(saved["val_macro_f1"]),
-            # a checkpoint of before training.select_by chose by macro-F1
-            val_score=float(
-                saved["val_score"] if saved.get("val_score") is not None else saved["val_macro_f1"]
-            ),
+            val_macro_f1=None if f1 is None else float(f1),
+            val_score=float(score),
             test={str(k): float(v) for k, v in dict(saved.get("test") or {}).items()},
             state=saved.get("model"),
         )

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from p2pfl.config import TrainingSection
 from p2pfl.learning.metrics import classification_report
 
 log = logging.getLogger(__name__)
@@ -56,14 +57,14 @@ def split_report(proba: Tensor, labels: Tensor, num_classes: int, split: str) ->
     report = classification_report(labels.numpy(), proba.numpy(), num_classes=num_classes)
     nll = -proba[torch.arange(len(labels)), labels].clamp_min(1e-12).log()
     report["loss"] = float(nll.mean())
-    present = labels.unique() if len(labels) else labels
     # the mean over the classes present of each class's mean NLL: the proper
     # scoring rule that weighs a rare class as much as a common one, as
     # macro-F1 and balanced accuracy do (training.select_by balanced_loss)
+    counts = torch.bincount(labels, minlength=num_classes)
+    sums = torch.bincount(labels, weights=nll.double(), minlength=num_classes)
+    present = counts > 0
     report["balanced_loss"] = (
-        float(torch.stack([nll[labels == c].mean() for c in present]).mean())
-        if len(present)
-        else None
+        float((sums[present] / counts[present]).mean()) if present.any() else None
     )
     report["split"] = split
     report["n"] = len(labels)
@@ -134,13 +135,13 @@ CALIBRATION_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "
 # best, the fine-tuning epoch, personal or federated): training.select_by's
 # figure of the val split, as a score where higher wins.
 SCORE_KEY = "val_score"
-SELECT_BY_DEFAULT = "macro_f1"  # a site without a training section (none today)
 
 
 def select_by(site: Any) -> str:
-    """training.select_by of the site (macro_f1 where it has no training section)."""
-    training = getattr(site, "training", None)
-    return str(getattr(training, "select_by", SELECT_BY_DEFAULT))
+    """training.select_by of the site (its default where a site has no training
+    section)."""
+    training = getattr(site, "training", None) or TrainingSection()
+    return str(training.select_by)
 
 
 def selection_score(report: dict[str, Any], by: str) -> float | None:

@@ -360,9 +360,11 @@ def _proximal(model: nn.Module, anchor: dict[str, Tensor], lam: float) -> Tensor
     return 0.5 * lam * total
 
 
+FIGURE_NAMES = {"macro_f1": "macro-F1", "balanced_loss": "balanced loss"}
+
+
 def _figure(by: str, score: float | None) -> str:
     """A validation score as the figure it is ("balanced loss 0.3120")."""
     if score is None:
-        return f"{by.replace('_', ' ')} n/a"
-    value = -score if by == "balanced_loss" else score
-    return f"{by.replace('_', ' ').replace('macro f1', 'macro-F1')} {value:.4f}"
+        return f"{FIGURE_NAMES[by]} n/a"
+    return f"{FIGURE_NAMES[by]} {-score if by == 'balanced_loss' else score:.4f}"

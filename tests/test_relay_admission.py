@@ -21,6 +21,7 @@ from test_relay import FED, RelaySite, codec, frame, reason, relay, until
 
 from node.relay_admission import RATE_WAIT_S, Admission
 from node.relay_wire import RELAY_MESSAGE_PATH
+from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 
@@ -82,6 +83,22 @@ def test_a_sender_over_its_rate_waits_its_turn_and_is_not_refused(ids, roster):
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_a_flooders_burst_is_a_quarter_second_of_its_rate() -> None:
+    """A sender's fresh gate at the default 200 frames/s lets at most a quarter
+    second's frames through at once (50, plus what the rate refills while it
+    asks), not a whole second's: a whole second's burst put twice the rate on
+    the receiver in a flood's first second. At low rates the floor of 10 holds."""
+    admission = Admission(RelaySettings())
+    assert admission.rate == 200
+    bucket = admission.gate("m").bucket
+    started, taken = time.monotonic(), 0
+    while bucket.take() and taken < 1000:
+        taken += 1
+    elapsed = time.monotonic() - started
+    assert 50 <= taken <= 50 + 200 * elapsed + 1, (taken, elapsed)
+    assert Admission(RelaySettings(rate_limit_per_s=5)).gate("m").bucket.burst == 10
 
 
 def test_a_frame_that_cannot_get_a_token_in_time_is_refused_rate_limited_late(ids, roster):

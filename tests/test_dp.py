@@ -254,12 +254,13 @@ def test_check_refuses_what_dp_cannot_train(tmp_path: Path, capsys, protocol, mo
     assert words in err and err.count("\n") == 1
 
 
-def test_check_accepts_the_groupnorm_cnn(tmp_path: Path, capsys):
+@pytest.mark.parametrize("model", ["small_cnn_gn", "scatternet_linear"])
+def test_check_accepts_the_groupnorm_cnn(tmp_path: Path, capsys, model):
     provision(
         tmp_path / "fed",
         ["a"],
         protocol={"name": "fedsgdp2p", "rounds": 2},
-        overrides={"model": {"name": "small_cnn_gn"}, "training": {"dp": {"target_epsilon": 8}}},
+        overrides={"model": {"name": model}, "training": {"dp": {"target_epsilon": 8}}},
     )
     assert main(["check", "--config", str(tmp_path / "fed" / "a" / "site.yaml")]) == 0
     out = capsys.readouterr().out
@@ -434,3 +435,52 @@ def test_a_target_epsilon_too_small_to_plan_is_refused_in_one_line(digits):
         private_site(digits, DPSection(target_epsilon=1e-6))
     assert caught.value.reason == "dp_budget_too_low"
     assert "raise target_epsilon" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_scatternet_trains_privately_and_exchanges_only_what_trains(digits):
+    """scatternet_linear (Tramèr & Boneh 2021): the fixed scattering's filters
+    stay out of the state dict (peers exchange and average only GroupNorm and
+    the linear layer), Opacus's per-sample gradients equal each image's own,
+    and a private step moves only the trained weights."""
+    import warnings
+
+    from opacus import GradSampleModule
+
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    torch.manual_seed(0)
+    model = create_model("scatternet_linear", in_chans=1, num_classes=10, image_size=28)
+    assert sorted(model.state_dict()) == [
+        "classifier.bias",
+        "classifier.weight",
+        "norm.bias",
+        "norm.weight",
+    ]
+    x, y = torch.randn(3, 1, 28, 28), torch.tensor([0, 4, 9])
+    hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+    torch.nn.functional.cross_entropy(hooked(x), y).backward()
+    per_sample = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
+    hooked._close()
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            assert torch.allclose(p.grad, per_sample[name][i], atol=1e-5), name
+
+    section = TrainingSection(
+        dp=DPSection(target_epsilon=3.0),
+        max_steps_per_epoch=2,
+        dp_recipe=DPRecipeSection(epochs=1),
+    )
+    site = LocalSite(
+        create_model("scatternet_linear", in_chans=1, num_classes=10, image_size=28),
+        digits,
+        section,
+        rounds=2,
+        model_name="scatternet_linear",
+    )
+    before = {k: v.clone() for k, v in site.state_dict().items()}
+    site.train_epochs()
+    after = site.state_dict()
+    assert after.keys() == before.keys()
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+    assert 0 < site.dp.epsilon <= 3.0

@@ -289,3 +289,24 @@ def test_export_without_a_checkpoint_says_so_in_one_line(tmp_path, capsys):
 def test_predict_without_a_package_says_so(tmp_path, capsys):
     assert main(["predict", "--model", str(tmp_path), str(tmp_path)]) == 2
     assert "no model.json" in capsys.readouterr().err
+
+
+def test_scatternet_refuses_torchscript_in_one_line_and_leaves_no_file(tmp_path):
+    """TorchScript cannot trace kymatio's Python autograd Function in
+    scatternet_linear's scattering: that format is refused with the formats
+    that work, and leaves no file behind; safetensors reads back as torch runs
+    it. (Its ONNX export works but takes minutes on a CPU: docs/protocols.md.)"""
+    import torch
+
+    from p2pfl.learning.export import Architecture, ExportError, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("scatternet_linear", 1, 2, 28)
+    state = arch.build().state_dict()
+    check = torch.rand(4, 1, 28, 28) * 2 - 1
+    done = write_package(tmp_path / "a", state, arch, ["no", "yes"], ["safetensors"], check)
+    assert done["files"]["safetensors"]["max_abs_diff"] == 0.0
+    with pytest.raises(ExportError, match="--format safetensors onnx") as refused:
+        write_package(tmp_path / "b", state, arch, ["no", "yes"], ["torchscript"], check)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "b" / "model.pt").exists()

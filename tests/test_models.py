@@ -83,7 +83,9 @@ def test_weights_errors_name_the_file(tmp_path: Path) -> None:
 
 def test_unknown_model_lists_known_names() -> None:
     with pytest.raises(
-        ModelError, match="known models are small_cnn, small_cnn_gn, small_cnn_ws, efficientnet_b0"
+        ModelError,
+        match="known models are small_cnn, small_cnn_gn, small_cnn_ws, scatternet_linear, "
+        "efficientnet_b0",
     ) as err:
         create_model("resnet9000", in_chans=1, num_classes=2, image_size=28)
     assert err.value.reason == "unknown_model"
@@ -116,3 +118,8 @@ def test_siamese_site_model_classifies_by_nearest_prototype() -> None:
         proba = torch.softmax(model(x), dim=1)
     assert proba[:2].argmax(1).tolist() == [0, 2]
     assert float(proba[:, 1].max()) < 1e-6
+
+
+def test_scatternet_refuses_an_image_too_small_for_its_scales() -> None:
+    with pytest.raises(ModelError, match="at least 8 px"):
+        create_model("scatternet_linear", in_chans=1, num_classes=2, image_size=6)

@@ -220,9 +220,17 @@ def _write_onnx(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> 
 
 def _write_torchscript(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Runner:
     sample = x[:1] if len(x) else torch.zeros(1, *x.shape[1:])
-    with torch.no_grad():
-        traced = torch.jit.trace(net, sample)
-    traced.save(str(path))
+    try:
+        with torch.no_grad():
+            traced = torch.jit.trace(net, sample)
+        traced.save(str(path))
+    except RuntimeError as exc:  # e.g. scatternet_linear: kymatio's Python autograd Function
+        path.unlink(missing_ok=True)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(
+            f"torchscript: {arch.name} cannot be traced ({first[:120]}); "
+            "export it as --format safetensors onnx"
+        ) from None
     return torch_runner(torch.jit.load(str(path)))  # our own file, written just now
 
 

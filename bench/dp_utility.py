@@ -110,7 +110,7 @@ def one_run(
         sys.executable, "-m", "bench.federation", "--in-memory", "--no-baselines",
         "--no-compute-limit",
         "--data", str(args.data), "--nodes", str(args.nodes), "--rounds", str(args.rounds),
-        "--partition", args.partition, "--seed", str(seed), "--model", MODEL,
+        "--partition", args.partition, "--seed", str(seed), "--model", args.model,
         "--recipe", recipe, "--out", str(out),
     ]  # fmt: skip
     if args.image_size is not None:
@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         help="data.image_size of every arm (default: bench.federation's); a smaller one "
         "makes a cheap smoke run, the accounting does not depend on it",
     )
+    p.add_argument(
+        "--model",
+        default=MODEL,
+        help=f"model.name of every arm (default {MODEL}; scatternet_linear: Tramèr & Boneh 2021)",
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     p.add_argument("--out", type=Path, default=Path("runs/dp_utility"))
     p.add_argument(
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         "nodes": args.nodes,
         "rounds": args.rounds,
         "image_size": args.image_size,
-        "model": MODEL,
+        "model": args.model,
         "table": table,
         "epsilon_reported_vs_opacus_max_gap": max(gaps) if gaps else None,
         "within_target": all(

@@ -4,8 +4,9 @@
                                [--epsilons 1,3,8] [--seeds 0,1,2] [--out DIR]
 
 The reference job (`bench.federation`: 5 nodes, dirichlet:0.5, 10 rounds,
-FedAVGP2P) in memory, with the DP recipe's model (`small_cnn_ws`, GroupNorm and
-weight standardization) in every arm, so only the training differs:
+FedAVGP2P) in memory, with one model in every arm (`--model`: `small_cnn_ws`,
+GroupNorm and weight standardization, by default; `scatternet_linear`, fixed
+scattering features and a linear layer), so only the training differs:
 
 - `ε = E` for each --epsilons value: training.dp.target_epsilon E (δ = 1e-5,
   clipping norm 1.0), which trains with the DP recipe
@@ -131,6 +132,7 @@ def one_run(
     last = [r for r in rows if r["round"] == args.rounds]
     figures: dict[str, Any] = {
         "label": label,
+        "model": args.model,
         "epsilon_target": None if math.isinf(epsilon) else epsilon,
         "seed": seed,
         "recipe": arm_recipe(epsilon, recipe, dict(args.recipe_option)),
@@ -172,7 +174,7 @@ DIAGNOSIS = (  # (label, noise multiplier or None for no DP, clipping norm)
 )
 
 
-def diagnose(data: Path, epochs: int = 2) -> list[dict[str, Any]]:
+def diagnose(data: Path, model_name: str = MODEL, epochs: int = 2) -> list[dict[str, Any]]:
     """Which part of DP-SGD costs the utility: one site holding the whole
     training split, the same training settings, `epochs` epochs, each row a
     different clipping norm / noise multiplier (clipping without noise is
@@ -192,13 +194,17 @@ def diagnose(data: Path, epochs: int = 2) -> list[dict[str, Any]]:
         torch.manual_seed(0)
         dp = None if sigma is None else DPSection(noise_multiplier=sigma, max_grad_norm=clip)
         model = create_model(
-            MODEL,
+            model_name,
             in_chans=site_data.channels,
             num_classes=site_data.num_classes,
             image_size=site_data.image_size,
         )
         site = LocalSite(
-            model, site_data, TrainingSection(dp=dp, recipe="dp"), rounds=epochs, model_name=MODEL
+            model,
+            site_data,
+            TrainingSection(dp=dp, recipe="dp"),
+            rounds=epochs,
+            model_name=model_name,
         )
         for _ in range(epochs):
             site.train_epochs()
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     started = time.perf_counter()
     if args.diagnose_only:
-        found = diagnose(args.data)
+        found = diagnose(args.data, args.model)
         atomic_write_text(args.out / "dp_diagnosis.json", json.dumps(found, indent=2) + "\n")
         print(json.dumps({"bench": "dp_diagnosis", "rows": found}))
         return 0
@@ -300,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.pool:
         for folder in args.pool:
             rows += json.loads((folder / "dp_utility.json").read_text())["rows"]
+        models = {r.get("model", MODEL) for r in rows}  # rows before --model: small_cnn_ws
+        if len(models) > 1:
+            raise SystemExit(f"--pool: the runs trained different models ({sorted(models)})")
+        args.model = models.pop() if models else args.model
+        args.out.mkdir(parents=True, exist_ok=True)
     else:
         jobs = [
             (label, epsilon, recipe, seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bench_main import last_json
@@ -158,3 +159,31 @@ def test_dp_utility_benchmark_compares_each_epsilon_with_the_same_recipe_without
     assert "points_below_non_dp_recipe" in result["table"]["8"]
     assert result["epsilon_reported_vs_opacus_max_gap"] < 1e-9 and result["within_target"]
     assert (tmp_path / "dp_utility.png").stat().st_size > 0
+
+
+def test_dp_utility_pools_one_models_runs_and_names_it(tmp_path):
+    """--pool labels the table with the model its rows trained, and refuses
+    rows of different models instead of averaging them into one table."""
+    from bench.dp_utility import main as dp_main
+
+    def run(folder: str, model: str, f1: float) -> Path:
+        row = {
+            "label": "∞ standard",
+            "model": model,
+            "epsilon_target": None,
+            "macro_f1_final": f1,
+            "recipe": {},
+        }
+        path = tmp_path / folder
+        path.mkdir()
+        (path / "dp_utility.json").write_text(json.dumps({"rows": [row]}))
+        return path
+
+    a, b = run("a", "scatternet_linear", 0.7), run("b", "scatternet_linear", 0.8)
+    assert dp_main(["--pool", str(a), str(b), "--out", str(tmp_path / "new" / "out")]) == 0
+    summary = json.loads((tmp_path / "new" / "out" / "dp_utility.json").read_text())["summary"]
+    assert summary["model"] == "scatternet_linear"
+    assert summary["table"]["∞ standard"]["macro_f1_per_seed"] == [0.7, 0.8]
+    c = run("c", "small_cnn_ws", 0.6)
+    with pytest.raises(SystemExit, match="different models"):
+        dp_main(["--pool", str(a), str(c), "--out", str(tmp_path / "mixed")])

@@ -466,21 +466,25 @@ def test_scatternet_trains_privately_and_exchanges_only_what_trains(digits):
         for name, p in model.named_parameters():
             assert torch.allclose(p.grad, per_sample[name][i], atol=1e-5), name
 
-    section = TrainingSection(
-        dp=DPSection(target_epsilon=3.0),
-        max_steps_per_epoch=2,
-        dp_recipe=DPRecipeSection(epochs=1),
-    )
+    # Private training (noise 0: only the clipped gradients move the weights)
+    # trains GroupNorm and the linear layer and leaves the scattering as built.
     site = LocalSite(
         create_model("scatternet_linear", in_chans=1, num_classes=10, image_size=28),
         digits,
-        section,
+        TrainingSection(
+            dp=DPSection(noise_multiplier=0.0),
+            max_steps_per_epoch=2,
+            dp_recipe=DPRecipeSection(epochs=1),
+        ),
         rounds=2,
         model_name="scatternet_linear",
     )
+    filters = {k: v.clone() for k, v in site.model.scattering.named_buffers()}
+    features = site.model._scatter(x)
     before = {k: v.clone() for k, v in site.state_dict().items()}
     site.train_epochs()
     after = site.state_dict()
     assert after.keys() == before.keys()
     assert all(not torch.equal(before[k], after[k]) for k in before)
-    assert 0 < site.dp.epsilon <= 3.0
+    assert all(torch.equal(v, filters[k]) for k, v in site.model.scattering.named_buffers())
+    assert torch.equal(site.model._scatter(x), features)

@@ -118,8 +118,3 @@ def test_siamese_site_model_classifies_by_nearest_prototype() -> None:
         proba = torch.softmax(model(x), dim=1)
     assert proba[:2].argmax(1).tolist() == [0, 2]
     assert float(proba[:, 1].max()) < 1e-6
-
-
-def test_scatternet_refuses_an_image_too_small_for_its_scales() -> None:
-    with pytest.raises(ModelError, match="at least 8 px"):
-        create_model("scatternet_linear", in_chans=1, num_classes=2, image_size=6)

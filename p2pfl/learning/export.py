@@ -40,6 +40,11 @@ MODEL_JSON = "model.json"
 FILES = {"safetensors": "model.safetensors", "onnx": "model.onnx", "torchscript": "model.pt"}
 FORMATS = tuple(FILES)
 Runtime = Literal["auto", "torch", "onnx"]
+# (model, format) pairs that cannot be written, and why
+UNEXPORTABLE = {
+    ("scatternet_linear", "torchscript"): "cannot be traced to TorchScript (kymatio's "
+    "scattering is a Python autograd function)",
+}
 ONNX_TOLERANCE = 1e-4  # largest |p_onnx - p_torch| an export accepts
 Runner = Callable[[Tensor], np.ndarray]  # preprocessed N,C,H,W -> N x classes probabilities
 
@@ -143,6 +148,11 @@ def write_package(
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise ExportError(f"unknown format {unknown[0]!r}: choose from {', '.join(FORMATS)}")
+    for fmt in formats:
+        why = UNEXPORTABLE.get((arch.name, fmt))
+        if why is not None:  # before anything is written: no half package
+            others = " ".join(f for f in FORMATS if (arch.name, f) not in UNEXPORTABLE)
+            raise ExportError(f"{fmt}: {arch.name} {why}; export it as --format {others}")
     if len(class_names) != arch.num_classes:
         raise ExportError(
             f"the model has {arch.num_classes} outputs but the site has {len(class_names)} classes"
@@ -220,17 +230,9 @@ def _write_onnx(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> 
 
 def _write_torchscript(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Runner:
     sample = x[:1] if len(x) else torch.zeros(1, *x.shape[1:])
-    try:
-        with torch.no_grad():
-            traced = torch.jit.trace(net, sample)
-        traced.save(str(path))
-    except RuntimeError as exc:  # e.g. scatternet_linear: kymatio's Python autograd Function
-        path.unlink(missing_ok=True)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ExportError(
-            f"torchscript: {arch.name} cannot be traced ({first[:120]}); "
-            "export it as --format safetensors onnx"
-        ) from None
+    with torch.no_grad():
+        traced = torch.jit.trace(net, sample)
+    traced.save(str(path))
     return torch_runner(torch.jit.load(str(path)))  # our own file, written just now
 
 

@@ -134,6 +134,7 @@ class SmallCNN(nn.Module):
         return self.classifier(self.forward_features(x))
 
 
+SCATTER_J = 2  # scales: the features are at 1/4 of the image's side
 SCATTER_GROUPS = 27  # Tramèr & Boneh 2021: GroupNorm of 27 groups on the 81 channels
 
 
@@ -146,32 +147,32 @@ class ScatterNetLinear(nn.Module):
     image's side), computed by kymatio and never trained; GroupNorm
     (27 groups, per image, so no privacy cost) normalizes them, and one
     linear layer classifies. Only GroupNorm's affine weights and the linear
-    layer train: few parameters on features that need no data, which is what
-    DP-SGD on small data does best with (the paper's Table 1).
+    layer train, on features that need no data, which is what DP-SGD on
+    small data does best with (the paper's Table 1). The linear layer has
+    81 x channels x (side / 4)^2 x classes weights: 7,938 at 28 px, one
+    channel, two classes, but 1.5 M at 224 px in RGB; it is a model for
+    small images.
 
-    The transform's filters are not in the state dict (they are fixed and
-    rebuilt from J, L and the image size), so peers exchange only what
-    trains."""
+    The transform's filters are non-persistent buffers: `.to()` moves them,
+    but they are not in the state dict (they are fixed and rebuilt from J, L,
+    the image size and kymatio's version, pinned in pyproject.toml), so peers
+    exchange, check and average only what trains."""
 
-    def __init__(self, in_chans: int, num_classes: int, image_size: int, J: int = 2) -> None:
+    def __init__(self, in_chans: int, num_classes: int, image_size: int) -> None:
         super().__init__()
-        scattering = _scattering_2d(J=J, image_size=image_size)
-        # Not a submodule: its filter buffers stay out of state_dict(), .to() and
-        # Opacus's hooks; `_scatter` moves it to the input's device when needed.
-        object.__setattr__(self, "scattering", scattering)
+        self.scattering = _scattering_2d(image_size=image_size)
+        for name, _ in self.scattering.named_buffers(recurse=False):
+            self.scattering._non_persistent_buffers_set.add(name)
         with torch.no_grad():
-            probe = scattering(torch.zeros(1, in_chans, image_size, image_size))
+            probe = self.scattering(torch.zeros(1, in_chans, image_size, image_size))
         channels, h, w = in_chans * probe.shape[-3], probe.shape[-2], probe.shape[-1]
         self.norm = nn.GroupNorm(SCATTER_GROUPS, channels)
         self.num_features = channels * h * w
         self.classifier = nn.Linear(self.num_features, num_classes)
 
     def _scatter(self, x: Tensor) -> Tensor:
-        scattering = self.scattering
-        if scattering.tensor0.device != x.device:  # type: ignore[attr-defined]
-            scattering.to(x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            out = scattering(x.float().contiguous())  # (B, C, 81, h, w)
+            out = self.scattering(x.float().contiguous())  # (B, C, 81, h, w)
         return out.flatten(1, 2)
 
     def forward_features(self, x: Tensor) -> Tensor:
@@ -181,25 +182,19 @@ class ScatterNetLinear(nn.Module):
         return self.classifier(self.forward_features(x))
 
 
-def _scattering_2d(*, J: int, image_size: int) -> nn.Module:
+def _scattering_2d(*, image_size: int) -> nn.Module:
     """kymatio's 2-D scattering in torch. Imported from its 2-D frontend: the
     package's top level (`kymatio.torch`) also imports its 3-D transform, which
     needs `scipy.special.sph_harm`, gone from SciPy 1.15."""
-    if image_size < 2**J * 2:
-        raise model_name_error(
-            "image_too_small",
-            f"scatternet_linear needs images of at least {2**J * 2} px (J = {J}), got {image_size}",
-            "set data.image_size larger or use small_cnn_ws",
-        )
     try:
         from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
     except ImportError as exc:
         raise model_name_error(
             "kymatio_missing",
             f"scatternet_linear needs kymatio ({exc})",
-            "pip install 'kymatio>=0.3'",
+            "pip install 'kymatio==0.3.0'",
         ) from None
-    return ScatteringTorch2D(J=J, shape=(image_size, image_size), L=8)
+    return ScatteringTorch2D(J=SCATTER_J, shape=(image_size, image_size), L=8)
 
 
 def vit_patch_size(image_size: int) -> int:

@@ -215,7 +215,12 @@ def test_real_nodes_skip_a_peer_whose_protocol_failed_and_show_why(tmp_path: Pat
             .splitlines()
         ]
         assert [r["round"] for r in rows] == [1, 2, 3]
-        assert all(r["neighbours"] == 1 for r in rows)  # the survivor, never c
+        # the survivor, never c (the rows in the message: a run on a machine at
+        # load 12 once had a round without it, not reproduced since)
+        assert all(r["neighbours"] == 1 for r in rows), [
+            {k: r.get(k) for k in ("round", "neighbours", "neighbours_wanted", "round_s")}
+            for r in rows
+        ]
         # a round that waited for c would last the 60 s round timeout
         assert max(r["round_s"] for r in rows) < ROUND_TIMEOUT_S / 3
 

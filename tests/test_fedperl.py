@@ -253,19 +253,24 @@ def model_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def contributor_federation(
-    names: list[str], top_t: int = 2, **params: Any
+    names: list[str], top_t: int = 2, timeout_s: float = 10.0, **params: Any
 ) -> tuple[InMemoryNetwork, dict[str, InMemoryContext], dict[str, FedPerl]]:
+    """A requester and contributors in memory. `timeout_s` is each request's
+    wait: a peer that answers does so at once, so only a silenced one costs
+    it, and 0.5 s was too short for key agreement at a load average of 12."""
     network = InMemoryNetwork()
     ctxs = {name: network.join(name) for name in ["req", *names]}
     protocols: dict[str, FedPerl] = {}
     for i, name in enumerate(names):
         protocol = FedPerl(
-            FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5, **params)
+            FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=timeout_s, **params)
         )
         protocol.store.put(1, model_state(i), 100)
         protocol.anonymizer.start(ctxs[name])
         protocols[name] = protocol
-    requester = FedPerl(FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=0.5, **params))
+    requester = FedPerl(
+        FedPerlParams(name="fedperl", top_t=top_t, round_timeout_s=timeout_s, **params)
+    )
     return network, ctxs, {"req": requester, **protocols}
 
 
@@ -306,7 +311,7 @@ async def test_a_contributor_dead_before_masking_is_left_out_of_a_fresh_session(
 
 async def test_with_fewer_than_two_contributors_left_there_is_no_peer() -> None:
     names = ["p1", "p2"]
-    network, ctxs, protocols = contributor_federation(names)
+    network, ctxs, protocols = contributor_federation(names, timeout_s=0.5)
     network.silence("p2")  # looks alive, never answers: costs the timeout
     assert await anonymized_peer(protocols, ctxs, names) is None
     # p1 never sent its model in clear

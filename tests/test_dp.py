@@ -320,14 +320,19 @@ def test_per_sample_gradients_of_the_weight_standardized_cnn_are_exact():
     """Opacus has no rule for WSConv2d and takes its per-sample gradients with
     functorch, through the standardization: they must equal the gradients of
     each image alone, or clipping would bound the wrong vector."""
+    torch.manual_seed(0)
+    model = create_model("small_cnn_ws", in_chans=1, num_classes=2, image_size=28)
+    assert_per_sample_gradients_exact(model, torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 1, 0]))
+
+
+def assert_per_sample_gradients_exact(model: torch.nn.Module, x, y) -> None:
+    """Opacus's per-sample gradients of `model` on the batch (x, y) equal the
+    gradient of each image alone."""
     import warnings
 
     from opacus import GradSampleModule
 
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    torch.manual_seed(0)
-    model = create_model("small_cnn_ws", in_chans=1, num_classes=2, image_size=28)
-    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 1, 0])
     hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean")
     torch.nn.functional.cross_entropy(hooked(x), y).backward()
     per_sample = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
@@ -442,11 +447,6 @@ def test_scatternet_trains_privately_and_exchanges_only_what_trains(digits):
     stay out of the state dict (peers exchange and average only GroupNorm and
     the linear layer), Opacus's per-sample gradients equal each image's own,
     and a private step moves only the trained weights."""
-    import warnings
-
-    from opacus import GradSampleModule
-
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     torch.manual_seed(0)
     model = create_model("scatternet_linear", in_chans=1, num_classes=10, image_size=28)
     assert sorted(model.state_dict()) == [
@@ -456,15 +456,7 @@ def test_scatternet_trains_privately_and_exchanges_only_what_trains(digits):
         "norm.weight",
     ]
     x, y = torch.randn(3, 1, 28, 28), torch.tensor([0, 4, 9])
-    hooked = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-    torch.nn.functional.cross_entropy(hooked(x), y).backward()
-    per_sample = {n: p.grad_sample.clone() for n, p in model.named_parameters()}
-    hooked._close()
-    for i in range(len(y)):
-        model.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
-        for name, p in model.named_parameters():
-            assert torch.allclose(p.grad, per_sample[name][i], atol=1e-5), name
+    assert_per_sample_gradients_exact(model, x, y)
 
     # Private training (noise 0: only the clipped gradients move the weights)
     # trains GroupNorm and the linear layer and leaves the scattering as built.

@@ -40,11 +40,6 @@ MODEL_JSON = "model.json"
 FILES = {"safetensors": "model.safetensors", "onnx": "model.onnx", "torchscript": "model.pt"}
 FORMATS = tuple(FILES)
 Runtime = Literal["auto", "torch", "onnx"]
-# (model, format) pairs that cannot be written, and why
-UNEXPORTABLE = {
-    ("scatternet_linear", "torchscript"): "cannot be traced to TorchScript (kymatio's "
-    "scattering is a Python autograd function)",
-}
 ONNX_TOLERANCE = 1e-4  # largest |p_onnx - p_torch| an export accepts
 Runner = Callable[[Tensor], np.ndarray]  # preprocessed N,C,H,W -> N x classes probabilities
 
@@ -148,16 +143,16 @@ def write_package(
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise ExportError(f"unknown format {unknown[0]!r}: choose from {', '.join(FORMATS)}")
-    for fmt in formats:
-        why = UNEXPORTABLE.get((arch.name, fmt))
-        if why is not None:  # before anything is written: no half package
-            others = " ".join(f for f in FORMATS if (arch.name, f) not in UNEXPORTABLE)
-            raise ExportError(f"{fmt}: {arch.name} {why}; export it as --format {others}")
     if len(class_names) != arch.num_classes:
         raise ExportError(
             f"the model has {arch.num_classes} outputs but the site has {len(class_names)} classes"
         )
     model = arch.build()
+    refusals: dict[str, str] = getattr(model, "export_refusals", {})
+    for fmt in formats:  # before anything is written: no half package
+        if fmt in refusals:
+            others = " ".join(f for f in FORMATS if f not in refusals)
+            raise ExportError(f"{fmt}: {arch.name} {refusals[fmt]}; export it as --format {others}")
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -158,11 +158,17 @@ class ScatterNetLinear(nn.Module):
     the image size and kymatio's version, pinned in pyproject.toml), so peers
     exchange, check and average only what trains."""
 
+    # export formats this model cannot be written in, and why (p2pfl.learning.export)
+    export_refusals: ClassVar[dict[str, str]] = {
+        "torchscript": "cannot be traced to TorchScript (kymatio's scattering is a "
+        "Python autograd function)"
+    }
+
     def __init__(self, in_chans: int, num_classes: int, image_size: int) -> None:
         super().__init__()
         self.scattering = _scattering_2d(image_size=image_size)
-        for name, _ in self.scattering.named_buffers(recurse=False):
-            self.scattering._non_persistent_buffers_set.add(name)
+        for name, buffer in list(self.scattering.named_buffers(recurse=False)):
+            self.scattering.register_buffer(name, buffer, persistent=False)
         with torch.no_grad():
             probe = self.scattering(torch.zeros(1, in_chans, image_size, image_size))
         channels, h, w = in_chans * probe.shape[-3], probe.shape[-2], probe.shape[-1]

@@ -265,3 +265,51 @@ async def test_the_finetuning_context_forwards_refusals_and_offers() -> None:
     ft.offered("model")  # without forwarding, the request would wait for its 30 s poll
     assert await asyncio.wait_for(request, 5.0) == {"ok": True}
     assert time.monotonic() - start < 5.0
+
+
+def test_a_peer_cannot_replace_scatternets_fixed_features_or_poison_its_weights() -> None:
+    """scatternet_linear's filters are not exchanged (docs/threat-model.md): a
+    hostile peer's model that carries them, to change the features every
+    merging site computes, is refused like any other wrong key set; so are
+    NaN, inf, huge, reshaped and empty states, each counted under its reason.
+    The same keys in another order are the same model and are merged."""
+    from p2pfl.learning.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("scatternet_linear", in_chans=1, num_classes=2, image_size=28)
+    ours = {k: v.clone() for k, v in model.state_dict().items()}
+    filters = {f"scattering.{k}": v.clone() for k, v in model.scattering.named_buffers()}
+    network = InMemoryNetwork()
+    ctx = network.join("me")
+
+    def changed(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {**ours, key: value}
+
+    cases = {
+        "filters": (
+            {**ours, **{k: torch.zeros_like(v) for k, v in filters.items()}},
+            "key_mismatch",
+        ),
+        "nan": (
+            changed("norm.weight", torch.full_like(ours["norm.weight"], float("nan"))),
+            "non_finite",
+        ),
+        "inf": (changed("classifier.bias", torch.tensor([float("inf"), 0.0])), "non_finite"),
+        "huge": (changed("classifier.weight", ours["classifier.weight"] * -1e6), "huge_norm"),
+        "reshaped": (changed("classifier.weight", ours["classifier.weight"].T), "shape_mismatch"),
+        "empty": ({}, "key_mismatch"),
+    }
+    for peer, (state, _) in cases.items():
+        assert not admit(ctx, peer, "model", state, ours, max_norm_ratio=10.0)
+    assert {r["peer"]: r["reason"] for r in network.rejections} == {
+        peer: f"model_{reason}" for peer, (_, reason) in cases.items()
+    }
+    reordered = dict(reversed(list(ours.items())))
+    assert admit(ctx, "honest", "model", reordered, ours, max_norm_ratio=10.0)
+    assert len(network.rejections) == len(cases)
+    # and a model that did carry them could not be loaded past the filters either
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        model.load_state_dict(cases["filters"][0], strict=True)
+    assert all(
+        torch.equal(v, filters[f"scattering.{k}"]) for k, v in model.scattering.named_buffers()
+    )

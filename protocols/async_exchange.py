@@ -27,13 +27,20 @@ picked by `protocol.asynchronous: true` (`secure_exchange.exchange_for`):
   pull may be, and how many models a node keeps: max_staleness + 2), because
   a slow site lags by several rounds and keeping that many models for it
   would cost memory for nothing: asynchronously only the latest is served.
+- Each model is merged once. A pull names the round of the peer's model this
+  node merged last (`after`); a peer with nothing newer answers "not_newer"
+  without a model, and the next neighbour in the ranking is asked (counted in
+  the round's `models_already_merged`, nobody's fault). A reply of a round
+  already merged (a peer that ignored `after`) is skipped the same way. As
+  FedAsync and FedBuff use each client's update once: merging a slow site's
+  unchanged model every round it is chosen would pull the merge back toward
+  it again and again, though its information is already in the model. The
+  memory is the exchange's (one round per roster member), not checkpointed:
+  after a restart a neighbour's model may be merged once more.
 
 Per-node round counters are the clock, so a site k times slower falls further
 behind as the run goes on; with the default bound 10 and a = 0.5 its model of
-10 rounds ago still weighs 11 ** -0.5 = 0.30 of a fresh one. A stale model is
-merged again while it is the freshest its site has (each time with the
-weight of its growing staleness), like a synchronous pull that takes a
-neighbour's newer model twice.
+10 rounds ago still weighs 11 ** -0.5 = 0.30 of a fresh one.
 
 The weighting applies to `aggregation: mean` (and the mean under
 `norm_clip`); the median and the trimmed mean ignore weights, so there a
@@ -44,8 +51,9 @@ The round's log (metrics.jsonl, /status) gains `asynchronous` (1),
 was merged), `staleness_factor_min` and `staleness_factor_mean` (s of the
 merged models), `neighbour_weight_share` (the neighbours' share of the merge's
 total weight after staleness, own model included in the total),
-`models_too_stale` and `neighbours_without_model`. Which of a peer's models
-were merged is the skeleton's ledger (`Round.merged`, checkpointed).
+`models_too_stale`, `models_already_merged` and `neighbours_without_model`.
+Which of a peer's models were merged is the skeleton's ledger (`Round.merged`,
+checkpointed).
 
 `AsyncCompressedExchange` is the same over `CompressedExchange`
 (protocols/compressed_exchange.py): with `protocol.compression`, the freshest
@@ -71,6 +79,13 @@ from protocols.exchange import Collected, PlainExchange, ServedModels, Term, wro
 log = logging.getLogger(__name__)
 
 FRESHEST = "freshest"  # the query key of an asynchronous pull
+AFTER = "after"  # ... and the round of the peer's model merged last, if any
+
+
+def _round_or_none(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+        return value
+    return None
 
 
 def staleness_factor(staleness: int, exponent: float) -> float:
@@ -86,6 +101,7 @@ class _Skipped:
 
     no_model: int = 0
     too_stale: int = 0
+    already_merged: int = 0
 
 
 class AsyncExchange(PlainExchange):
@@ -106,6 +122,8 @@ class AsyncExchange(PlainExchange):
         self.staleness_bound = staleness_bound
         self.staleness_exponent = staleness_exponent
         self.skipped = _Skipped()  # of the collect under way (one per round)
+        # peer -> the round of its model this node merged last (roster members only)
+        self.last_merged: dict[str, int] = {}
 
     # ------------------------------------------------------------------ serving
 
@@ -118,6 +136,9 @@ class AsyncExchange(PlainExchange):
         latest = self.store.latest
         if latest < 0:
             return {"round": -1, "state": None, "num_train": 0, "reason": "no_model"}
+        after = _round_or_none(query.get(AFTER))
+        if after is not None and latest <= after:
+            return {"round": latest, "state": None, "num_train": 0, "reason": "not_newer"}
         # The latest round, asked as a synchronous pull of exactly that round:
         # never NotReady, and what the next class does to a served model applies.
         return await super().serve(requester, {**query, "round": latest, "max_round": latest})
@@ -125,10 +146,18 @@ class AsyncExchange(PlainExchange):
     # ------------------------------------------------------------------ pulling
 
     def query(self, peer: str, round_no: int, newest: int) -> dict[str, Any]:
-        return {**super().query(peer, round_no, newest), FRESHEST: True}
+        query = {**super().query(peer, round_no, newest), FRESHEST: True}
+        if peer in self.last_merged:
+            query[AFTER] = self.last_merged[peer]
+        return query
 
     def no_model(self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]) -> None:
-        """`peer` has no model yet: skipped (the next in the ranking is asked)."""
+        """`peer` has no model yet, or none newer than the one merged last:
+        skipped (the next in the ranking is asked)."""
+        if reply.get("reason") == "not_newer":
+            log.info("%s round %d: %s has no model newer than the one merged", ctx.me, round_no, peer)  # fmt: skip
+            self.skipped.already_merged += 1
+            return
         log.info("%s round %d: %s has no model yet", ctx.me, round_no, peer)
         self.skipped.no_model += 1
 
@@ -140,6 +169,11 @@ class AsyncExchange(PlainExchange):
         theirs = reply["round"]
         if theirs < 0:
             wrong_round(ctx, round_no, peer, reply)
+            return False
+        if theirs <= self.last_merged.get(peer, -1):
+            # A peer that ignored `after`: its transfer is spent, its model not merged twice.
+            log.info("%s round %d: %s's model of round %d was merged already", ctx.me, round_no, peer, theirs)  # fmt: skip
+            self.skipped.already_merged += 1
             return False
         if round_no - theirs > self.staleness_bound:
             log.info(
@@ -172,7 +206,8 @@ class AsyncExchange(PlainExchange):
         factors: list[float] = []
         terms: list[Term] = []
         for term in got.terms:
-            (_, peer_round), *_ = term.merged
+            (peer, peer_round), *_ = term.merged
+            self.last_merged[peer] = max(peer_round, self.last_merged.get(peer, -1))
             staleness.append(max(0, round_no - peer_round))
             factors.append(staleness_factor(staleness[-1], self.staleness_exponent))
             terms.append(Term(term.state, term.weight * factors[-1], term.merged))
@@ -189,6 +224,7 @@ class AsyncExchange(PlainExchange):
                 "staleness_factor_mean": sum(factors) / len(factors) if factors else 1.0,
                 "neighbour_weight_share": neighbours_weight / total if total > 0 else 0.0,
                 "models_too_stale": self.skipped.too_stale,
+                "models_already_merged": self.skipped.already_merged,
                 "neighbours_without_model": self.skipped.no_model,
             }
         )

@@ -124,7 +124,12 @@ def enter_net_namespace(fd: int) -> None:
 
 
 def _child(
-    argv: list[str], env: dict[str, str], log_path: str, cwd: str, netns: str | None
+    argv: list[str],
+    env: dict[str, str],
+    log_path: str,
+    cwd: str,
+    netns: str | None,
+    niceness: int = 0,
 ) -> None:
     """In the forked child: become the node process `python -m node.cli ARGV` would be
     (`ip netns exec NAME python -m node.cli ARGV` where `netns` names /run/netns/NAME:
@@ -147,6 +152,8 @@ def _child(
     if os.getppid() != server:  # the server ended before the signal was armed
         os._exit(1)
     os.setsid()
+    if niceness > 0:  # before any thread starts: every thread inherits it
+        os.nice(niceness)
     os.chdir(cwd)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 1)
@@ -197,12 +204,17 @@ class ForkedProcess:
     the fork server."""
 
     def __init__(
-        self, argv: list[str], env: dict[str, str], log_path: Path, netns: str | None = None
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        netns: str | None = None,
+        niceness: int = 0,
     ) -> None:
         self.args = ["p2pfl-node", *argv]
         self._proc = _server().Process(
             target=_child,
-            args=(list(argv), dict(env), str(log_path), os.getcwd(), netns),
+            args=(list(argv), dict(env), str(log_path), os.getcwd(), netns, niceness),
             daemon=False,
         )
         self._proc.start()

@@ -43,6 +43,7 @@ class NodeProcess:
     # the forked child enters it itself
     netns: str | None = None
     status_connect: StatusConnect | None = None  # None: this machine's 127.0.0.1
+    niceness: int = 0  # the process's nice value (bench.federation.processes.cpu_niceness)
 
     @property
     def name(self) -> str:
@@ -73,15 +74,17 @@ class NodeProcess:
             and bare[1:3] == ["-m", "node.cli"]
         ):
             # the same `node.cli` run, forked from a server that imported it once
-            self.proc = ForkedProcess(bare[3:], env, self.log_path, self.netns)
+            self.proc = ForkedProcess(bare[3:], env, self.log_path, self.netns, self.niceness)
             return self
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        niceness = self.niceness
         self.proc = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=(lambda: os.nice(niceness)) if niceness > 0 else None,  # noqa: PLW1509
         )
         log.close()
         return self
@@ -207,12 +210,17 @@ class LocalFederation:
         log_dir: Path,
         env: dict[str, str] | None = None,
         node_env: dict[str, dict[str, str]] | None = None,
+        niceness: dict[str, int] | None = None,
     ) -> None:
-        """`env`: for every node; `node_env`: per node name, on top (a fault plan)."""
+        """`env`: for every node; `node_env`: per node name, on top (a fault
+        plan); `niceness`: per node name, its nice value (0 by default)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.nodes = {
             p.name: NodeProcess(
-                p, log_dir / f"{p.name}.log", {**(env or {}), **(node_env or {}).get(p.name, {})}
+                p,
+                log_dir / f"{p.name}.log",
+                {**(env or {}), **(node_env or {}).get(p.name, {})},
+                niceness=(niceness or {}).get(p.name, 0),
             )
             for p in plans
         }

@@ -6,12 +6,14 @@ and read every node's state/metrics.jsonl."""
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from bench.federation.outcome import POLL_INTERVAL_S, Report, RunOutcome, bench_row, stdout_line
@@ -25,6 +27,38 @@ log = logging.getLogger(__name__)
 HEARTBEAT_KIND = "heartbeat"
 
 OnStarted = Callable[[list[SitePlan]], None]
+CFS_STEP = 1.25  # Linux's CFS: each nice level weighs about 1.25 x less than the one below
+MAX_NICE = 19
+
+
+def cpu_niceness(sources: Sequence[Path], names: Sequence[str]) -> dict[str, int]:
+    """`cpu_shares: data`: each node's nice value, so that its share of the
+    cores follows its share of the training images (its share of a round's
+    work). Linux's CFS weighs a process about 1024 / 1.25^nice, so the site
+    with the most images gets 0 and one with a quarter of them
+    round(log_1.25 4) = 6. With equal shares (nice 0 for all), 5 nodes on 2
+    cores each get 0.4 of a core: the small sites finish early and the largest
+    ends its epoch alone on one core while the other idles. Measured
+    (docs/benchmarks.md, compute limit): rounds 0.94x as long over seeds 0-4,
+    one seed slower, and no difference in a whole run's wall time, so that
+    idle tail is not where the rounds lose their time, and this is not the
+    default. Only a simulation on one machine has cores to share.
+    Sources that are not one partitioned .npz per site: equal shares ({})."""
+    if len(sources) != len(names):
+        return {}
+    counts = []
+    try:
+        for source in sources:
+            with np.load(source) as data:
+                counts.append(int(data["train_labels"].shape[0]))
+    except (OSError, KeyError, ValueError) as exc:
+        log.warning("cpu shares: equal (%s)", exc)
+        return {}
+    top = max([*counts, 1])
+    return {
+        name: min(MAX_NICE, round(math.log(top / max(1, count)) / math.log(CFS_STEP)))
+        for name, count in zip(names, counts, strict=True)
+    }
 
 
 class RoundWatcher:
@@ -159,7 +193,10 @@ def run_processes(
     peak_rss: dict[str, float] = dict.fromkeys(names, 0.0)
     started = time.perf_counter()
     deadline = started + spec.timeout_s
-    with LocalFederation(plans, run_dir / "logs", node_env=node_env) as fed:
+    niceness = cpu_niceness(sources, names) if spec.cpu_shares == "data" else None
+    if niceness and any(niceness.values()):
+        report("cpu shares by training images: nice " + ", ".join(f"{k} {v}" for k, v in niceness.items()))  # fmt: skip
+    with LocalFederation(plans, run_dir / "logs", node_env=node_env, niceness=niceness) as fed:
         if on_started is not None:
             on_started(plans)
         handles: dict[str, psutil.Process] = {}

@@ -63,6 +63,7 @@ class RunSpec:
     lpips_weights: str | None = None  # genbuffer.lpips_weights of every node (FedER)
     genbuffer_options: tuple[tuple[str, Any], ...] = ()  # other genbuffer: fields (FedER)
     encryption: bool = False  # wire.encryption (always on with secure aggregation)
+    cpu_shares: str = "equal"  # processes: equal (all nice 0) | data (nice by training images)
     transport_options: tuple[tuple[str, Any], ...] = ()  # other transport: fields
 
     @property

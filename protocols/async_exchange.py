@@ -31,7 +31,10 @@ picked by `protocol.asynchronous: true` (`secure_exchange.exchange_for`):
   node merged last (`after`); a peer with nothing newer answers "not_newer"
   without a model, and the next neighbour in the ranking is asked (counted in
   the round's `models_already_merged`, nobody's fault). A reply of a round
-  already merged (a peer that ignored `after`) is skipped the same way. As
+  already merged (a peer that ignored `after`) is skipped the same way. A
+  peer whose latest round is below the one merged last (a restart from an
+  older checkpoint, or a claimed future round that was not true) costs one
+  skipped pull: the node then asks from that round on. As
   FedAsync and FedBuff use each client's update once: merging a slow site's
   unchanged model every round it is chosen would pull the merge back toward
   it again and again, though its information is already in the model. The
@@ -82,8 +85,11 @@ FRESHEST = "freshest"  # the query key of an asynchronous pull
 AFTER = "after"  # ... and the round of the peer's model merged last, if any
 
 
+ROUND_LIMIT = 1 << 62  # a round at or past it is refused (wrong_round), and ignored in `after`
+
+
 def _round_or_none(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < ROUND_LIMIT:
         return value
     return None
 
@@ -145,6 +151,14 @@ class AsyncExchange(PlainExchange):
 
     # ------------------------------------------------------------------ pulling
 
+    def rolled_back(self, peer: str, latest: int | None) -> None:
+        """`peer`'s latest round is below the one merged last: it restarted from
+        an older checkpoint, or the round it claimed was not true. Its next
+        model is merged again (after one skipped pull), never starved."""
+        if latest is not None and latest < self.last_merged.get(peer, -1):
+            log.info("%s is back at round %d (merged last: %d)", peer, latest, self.last_merged[peer])  # fmt: skip
+            self.last_merged[peer] = latest
+
     def query(self, peer: str, round_no: int, newest: int) -> dict[str, Any]:
         query = {**super().query(peer, round_no, newest), FRESHEST: True}
         if peer in self.last_merged:
@@ -157,6 +171,7 @@ class AsyncExchange(PlainExchange):
         if reply.get("reason") == "not_newer":
             log.info("%s round %d: %s has no model newer than the one merged", ctx.me, round_no, peer)  # fmt: skip
             self.skipped.already_merged += 1
+            self.rolled_back(peer, _round_or_none(reply.get("round")))
             return
         log.info("%s round %d: %s has no model yet", ctx.me, round_no, peer)
         self.skipped.no_model += 1
@@ -170,10 +185,14 @@ class AsyncExchange(PlainExchange):
         if theirs < 0:
             wrong_round(ctx, round_no, peer, reply)
             return False
+        if theirs >= ROUND_LIMIT:  # not a round any node reaches; `after` could not name it
+            wrong_round(ctx, round_no, peer, reply)
+            return False
         if theirs <= self.last_merged.get(peer, -1):
             # A peer that ignored `after`: its transfer is spent, its model not merged twice.
             log.info("%s round %d: %s's model of round %d was merged already", ctx.me, round_no, peer, theirs)  # fmt: skip
             self.skipped.already_merged += 1
+            self.rolled_back(peer, theirs)
             return False
         if round_no - theirs > self.staleness_bound:
             log.info(

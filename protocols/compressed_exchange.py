@@ -208,6 +208,8 @@ class CompressedExchange(PlainExchange):
             copy, term = await ctx.run_blocking(self.reconstruct, reply["state"], reference, base)
         except CompressionRefused as exc:
             return self.refuse(ctx, peer, exc.reason, str(exc))
+        except (RuntimeError, ValueError, IndexError) as exc:  # a case the checks missed
+            return self.refuse(ctx, peer, "malformed", f"{type(exc).__name__}: {exc}"[:80])
         self.bytes_received += payload_nbytes(reply["state"])
         self.dense_received += dense_nbytes(reference)
         self.pending[peer] = copy
@@ -342,7 +344,9 @@ def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) ->
 
     Top-k keeps the entries of largest |x_j - x_hat| in each tensor, so an
     entry it did not send differs from the sender's model x_j by at most tau,
-    the smallest |difference| it did send in that tensor. Within that band the
+    the smallest |difference| it did send in that tensor (up to float16's
+    rounding and its clamp at 65504; decode_state refuses a reply with no
+    value sent in a tensor). Within that band the
     receiver cannot tell x_j apart, and keeps its own value, which is the
     newer one (the copy may be rounds old). Outside it, its own value is
     certainly not the sender's, and the clamp moves it to the nearest value
@@ -351,6 +355,9 @@ def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) ->
     term = dict(copy)
     for key, mask in sent.items():
         if bool(mask.all()):
+            continue
+        if not bool(mask.any()):  # refused by decode_state; no bound, so own values
+            term[key] = own[key].to(copy[key].dtype)
             continue
         tau = delta[key][mask].abs().min()
         near = torch.minimum(torch.maximum(own[key], copy[key] - tau), copy[key] + tau)

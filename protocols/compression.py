@@ -42,7 +42,8 @@ num_batches_tracked) as they are under "raw":
 `decode_state` refuses anything else with a stable reason (`CompressionRefused`,
 counted by the exchange as `compression_<reason>`): a format other than the
 node's own (`mismatch`), a declared shape other than its own model's
-(`shape_mismatch`), sizes that do not add up (`size_mismatch`), more indices
+(`shape_mismatch`), sizes that do not add up, or a top-k entry carrying
+another count of values than ceil(F * its size) (`size_mismatch`), more indices
 than entries (`too_many_indices`), an index out of range or out of order
 (`index_out_of_range`), a block size outside `BLOCKS` (`bad_block`), NaN or
 Inf in a scale or a value, or a scale that overflows float32 (`non_finite`), a
@@ -339,6 +340,8 @@ def decode_state(
         raise CompressionRefused("key_mismatch", "raw entries")
     total = entries[-1][2] if entries else 0
     flat = decompress_tensor(payload, (total,), fmt.kinds(keyframe))
+    if fmt.name == "topk" and not keyframe:
+        _topk_counts(payload, entries, total, fmt.fraction)
     out: dict[str, Tensor] = {}
     for key in reference:
         if key in others:
@@ -348,6 +351,22 @@ def decode_state(
     for name, start, end in entries:
         out[name] = flat[start:end].view(reference[name].shape)
     return {key: out[key] for key in reference}
+
+
+def _topk_counts(
+    payload: dict[str, Any], entries: list[tuple[str, int, int]], total: int, fraction: float
+) -> None:
+    """Each float entry carries exactly the ceil(F * size) values top-k keeps
+    of it (compress_tensor), or CompressionRefused("size_mismatch"): the
+    merge's bound (compressed_exchange.topk_term) is the smallest value sent
+    in each entry, so an entry with none sent has no bound."""
+    sent = sent_positions(payload, total)
+    for name, start, end in entries:
+        size = end - start
+        want = min(size, math.ceil(fraction * size))
+        got = int(sent[start:end].sum())
+        if got != want:
+            raise CompressionRefused("size_mismatch", f"{name}: {got} values, top-k keeps {want}")
 
 
 def split_positions(payload: dict[str, Any], reference: dict[str, Tensor]) -> dict[str, Tensor]:

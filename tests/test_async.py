@@ -151,6 +151,36 @@ async def test_a_neighbours_model_is_merged_once_and_the_next_neighbour_asked_in
     assert network.rejections == []
 
 
+async def test_a_false_future_round_costs_one_pull_and_an_absurd_one_is_refused() -> None:
+    """A peer that claimed round 10^9 (or restarted from an older checkpoint)
+    is not starved: its `not_newer` answer names its real round, and its next
+    model is merged. A round past 2^62 (one `after` could not name) is refused
+    and counted."""
+    network = InMemoryNetwork()
+    liar = exchange(staleness_bound=10)
+    liar.start(network.join("liar"))
+    ctx = network.join("me")
+    mine = exchange(staleness_bound=10)
+    mine.start(ctx)
+    liar.store.put(10**9, model(2.0), 10)  # its "future" model, fresh by the rules
+    got = await asyncio.wait_for(mine.collect(ctx, 5, model(1.0), 10.0, ["liar"], 1), 60)
+    assert [t.merged for t in got.terms] == [[("liar", 10**9)]]
+    honest = exchange(staleness_bound=10)  # the same peer, back at its real round
+    honest.start(network.join("liar"))
+    honest.store.put(6, model(3.0), 10)
+    skipped = await asyncio.wait_for(mine.collect(ctx, 6, model(1.0), 10.0, ["liar"], 1), 60)
+    assert skipped.terms == [] and skipped.log["models_already_merged"] == 1
+    assert mine.last_merged["liar"] == 6  # the round it answered with
+    honest.store.put(7, model(3.0), 10)
+    again = await asyncio.wait_for(mine.collect(ctx, 7, model(1.0), 10.0, ["liar"], 1), 60)
+    assert [t.merged for t in again.terms] == [[("liar", 7)]]
+    assert network.rejections == []
+    honest.store.put(1 << 62, model(3.0), 10)
+    absurd = await asyncio.wait_for(mine.collect(ctx, 8, model(1.0), 10.0, ["liar"], 1), 60)
+    assert absurd.terms == []
+    assert [(r["peer"], r["reason"]) for r in network.rejections] == [("liar", "model_wrong_round")]
+
+
 async def test_a_freshest_pull_is_answered_at_once_and_a_plain_one_as_before() -> None:
     served = exchange()
     none_yet = await served.serve("x", {"round": 4, "max_round": 5, "freshest": True})

@@ -38,8 +38,9 @@ picked by `protocol.asynchronous: true` (`secure_exchange.exchange_for`):
   FedAsync and FedBuff use each client's update once: merging a slow site's
   unchanged model every round it is chosen would pull the merge back toward
   it again and again, though its information is already in the model. The
-  memory is the exchange's (one round per roster member), not checkpointed:
-  after a restart a neighbour's model may be merged once more.
+  memory (one round per roster member) is rebuilt after a restart from the
+  checkpoint's ledger of merged models (`remember_merged`); a merge older
+  than the ledger keeps (its last 1,000 rounds) may happen once more.
 
 Per-node round counters are the clock, so a site k times slower falls further
 behind as the run goes on; with the default bound 10 and a = 0.5 its model of
@@ -150,6 +151,20 @@ class AsyncExchange(PlainExchange):
         return await super().serve(requester, {**query, "round": latest, "max_round": latest})
 
     # ------------------------------------------------------------------ pulling
+
+    def remember_merged(self, ledger: list[Any]) -> None:
+        """The round of each peer's model merged last, from a checkpoint's
+        ledger (`[[round, [[peer, peer_round], ...]], ...]`, in order: the
+        latest entry counts, as `rolled_back` may have lowered it). What is
+        not of that shape is skipped: the file is this node's own, but a
+        damaged one must not stop a resume."""
+        for entry in ledger:
+            pairs = entry[1] if isinstance(entry, list) and len(entry) == 2 else []
+            for pair in pairs if isinstance(pairs, list) else []:
+                if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str):
+                    peer_round = _round_or_none(pair[1])
+                    if peer_round is not None:
+                        self.last_merged[pair[0]] = peer_round  # the ledger is in order
 
     def rolled_back(self, peer: str, latest: int | None) -> None:
         """`peer`'s latest round is below the one merged last: it restarted from

@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 from p2pfl.config import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate as aggregate_models
+from protocols.async_exchange import AsyncExchange
 from protocols.base import RoundContext
 from protocols.checks import warn_if_trim_cuts_nothing
 from protocols.exchange import MODEL_KIND, Collected, Exchange, ServedModels
@@ -84,6 +85,15 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
         site = await ctx.run_blocking(build_site, ctx.config)
         self.start_exchange(ctx)
         return site
+
+    def resume(self, ctx: RoundContext, site: Any) -> int:
+        """RoundLoop's resume; an asynchronous exchange then learns from the
+        checkpoint's ledger which of each peer's models it merged last, so a
+        restart does not merge them again."""
+        start = super().resume(ctx, site)
+        if isinstance(self.exchanger, AsyncExchange):
+            self.exchanger.remember_merged(self.merged)
+        return start
 
     def start_exchange(self, ctx: RoundContext) -> None:
         """Before the first round: serve this node's models (or secure sums of

@@ -151,6 +151,20 @@ async def test_a_neighbours_model_is_merged_once_and_the_next_neighbour_asked_in
     assert network.rejections == []
 
 
+def test_the_merged_ledger_of_a_checkpoint_rebuilds_what_was_merged_and_junk_is_skipped() -> None:
+    ex = exchange()
+    ledger: list[Any] = [
+        [3, [["a", 2], ["b", 3]]],
+        [4, [["a", 4]]],
+        [5, [["a", 1]]],  # a peer that rolled back: its latest merge counts
+        [6, [["c", -1], ["d", True], [7, 8], ["e"], "x"]],
+        "junk",
+        [7, "junk"],
+    ]
+    ex.remember_merged(ledger)
+    assert ex.last_merged == {"a": 1, "b": 3}
+
+
 async def test_a_false_future_round_costs_one_pull_and_an_absurd_one_is_refused() -> None:
     """A peer that claimed round 10^9 (or restarted from an older checkpoint)
     is not starved: its `not_newer` answer names its real round, and its next
@@ -445,7 +459,8 @@ def test_a_slow_site_holds_back_a_synchronous_federation_but_not_an_asynchronous
 
     # Asynchronous: no pull is held open anywhere, and the fast sites finish
     # while the slow one is still rounds behind...
-    run = run_with_a_slow_site(configs(sources, tmp_path, asynchronous=True), plan)
+    async_cfgs = configs(sources, tmp_path, asynchronous=True)
+    run = run_with_a_slow_site(async_cfgs, plan)
     assert run.not_ready == dict.fromkeys(SITES, 0)
     assert all(run.slow_round_when_done[f] < ROUNDS for f in fast), run.slow_round_when_done
     records = {(r["node"], r["round"]): r for r in run.network.records}
@@ -458,6 +473,18 @@ def test_a_slow_site_holds_back_a_synchronous_federation_but_not_an_asynchronous
         assert merged, f"{f} never merged the slow site's model"
         assert len(set(merged)) == len(merged), merged
         assert sum(records[(f, r)]["models_already_merged"] for r in rounds) >= 1
+        # a restart rebuilds which models it merged from its checkpoint's ledger
+        cfg = next(c for c in async_cfgs if c.node.name == f)
+        restarted = from_params(cfg.protocol)
+        assert isinstance(restarted, FedAvgP2P) and isinstance(restarted.exchanger, AsyncExchange)
+        assert restarted.exchanger.last_merged == {}
+        ctx = run.network.join(f, cfg)  # a restarted process, past its last round
+
+        async def rerun(proto: FedAvgP2P = restarted, ctx: Any = ctx) -> None:
+            await proto.run_rounds(ctx, await proto.setup(ctx))
+
+        asyncio.run(rerun())
+        assert restarted.exchanger.last_merged == run.protos[f].exchanger.last_merged != {}
     # The slow site merged the fast sites' models: from its future, so fresh (s = 1).
     assert {p for _, pairs in run.protos[SLOW].merged for p, _ in pairs} == set(fast)
     assert all(records[(SLOW, r)]["staleness_max"] == 0 for r in rounds)

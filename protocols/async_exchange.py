@@ -34,11 +34,11 @@ picked by `protocol.asynchronous: true` (`secure_exchange.exchange_for`):
   already merged (a peer that ignored `after`) is skipped the same way. A
   peer whose latest round is below the one merged last (a restart from an
   older checkpoint, or a claimed future round that was not true) costs one
-  skipped pull: the node then asks from that round on. As
-  FedAsync and FedBuff use each client's update once: merging a slow site's
-  unchanged model every round it is chosen would pull the merge back toward
-  it again and again, though its information is already in the model. The
-  memory (one round per roster member) is rebuilt after a restart from the
+  skipped pull: the node then asks from that round on. As FedAsync and
+  FedBuff use each client's update once: merging a slow site's unchanged
+  model every round it is chosen would pull the merge back toward it again
+  and again, though its information is already in the model. The memory
+  (one round per roster member) is rebuilt after a restart from the
   checkpoint's ledger of merged models (`remember_merged`); a merge older
   than the ledger keeps (its last 1,000 rounds) may happen once more.
 

@@ -346,12 +346,12 @@ def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) ->
     entry it did not send differs from the sender's model x_j by at most tau,
     the smallest |difference| it did send in that tensor (up to float16's
     rounding and its clamp at 65504; decode_state refuses a reply with no
-    value sent in a tensor). Within that band the
-    receiver cannot tell x_j apart, and keeps its own value, which is the
-    newer one (the copy may be rounds old). Outside it, its own value is
-    certainly not the sender's, and the clamp moves it to the nearest value
-    that is. Without the clamp, a small site whose weights are far from its
-    neighbours' kept 90 % of them for the whole run (issue 32, seed 1)."""
+    value sent in a tensor). Within that band the receiver cannot tell x_j
+    apart, and keeps its own value, which is the newer one (the copy may be
+    rounds old). Outside it, its own value is certainly not the sender's, and
+    the clamp moves it to the nearest value that is. Without the clamp, a
+    small site whose weights are far from its neighbours' kept 90 % of them
+    for the whole run (issue 32, seed 1)."""
     term = dict(copy)
     for key, mask in sent.items():
         if bool(mask.all()):

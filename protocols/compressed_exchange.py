@@ -57,6 +57,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,8 @@ class CompressedExchange(PlainExchange):
         self.limit = 1 << 16  # roster members tracked (set at start)
         self.path: Path | None = None
         self.bytes_sent = self.bytes_received = self.dense_received = 0
+        self.clamped = self.unsent = 0  # top-k: entries not sent, and those the band moved
+        self.count_lock = threading.Lock()
         self.dirty = False  # copies changed since the last save
         self.pending: dict[str, State] = {}  # peer -> the copy its reply made, until admitted
 
@@ -225,7 +228,16 @@ class CompressedExchange(PlainExchange):
         copy = add(zeros_like(reference) if base is None else base, delta)
         if keyframe or self.fmt.name != "topk":
             return copy, copy
-        return copy, topk_term(copy, delta, split_positions(payload, reference), reference)
+        sent = split_positions(payload, reference)
+        term = topk_term(copy, delta, sent, reference)
+        unsent = clamped = 0
+        for key, mask in sent.items():  # how often the band moved this node's own value
+            unsent += int((~mask).sum())
+            clamped += int(((term[key] != reference[key]) & ~mask).sum())
+        with self.count_lock:  # replies are reconstructed on worker threads
+            self.unsent += unsent
+            self.clamped += clamped
+        return copy, term
 
     def refuse(self, ctx: RoundContext, peer: str, reason: str, detail: str) -> None:
         log.warning("%s: compressed model from %s refused (%s)", ctx.me, peer, detail)
@@ -262,7 +274,10 @@ class CompressedExchange(PlainExchange):
             if self.dense_received
             else 1.0,
         )
+        if self.fmt.name == "topk":
+            got.log["topk_clamped_share"] = self.clamped / self.unsent if self.unsent else 0.0
         self.bytes_sent = self.bytes_received = self.dense_received = 0
+        self.clamped = self.unsent = 0
         if self.path is not None and self.dirty:
             await ctx.run_blocking(self.write, self.snapshot())
         return got

@@ -382,6 +382,7 @@ def test_a_topk_term_moves_a_far_node_to_within_the_bound_top_k_guarantees() -> 
     term = got.terms[0].state["w"]
     assert float((OWN["w"] - model["w"]).abs().min()) > 2.5  # own is far everywhere
     assert float((term - model["w"]).abs().max()) < 0.5  # the term is not, anywhere
+    assert got.log["topk_clamped_share"] == 1.0  # every entry not sent was moved
     # by hand: an own value inside the band is kept, one outside is clamped
     c = {"w": torch.tensor([0.0, 1.0, 2.0, 3.0])}
     d = {"w": torch.tensor([0.0, 0.5, 0.0, -0.7])}

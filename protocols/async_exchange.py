@@ -39,7 +39,7 @@ picked by `protocol.asynchronous: true` (`secure_exchange.exchange_for`):
   model every round it is chosen would pull the merge back toward it again
   and again, though its information is already in the model. The memory
   (one round per roster member) is rebuilt after a restart from the
-  checkpoint's ledger of merged models (`remember_merged`); a merge older
+  checkpoint's ledger of merged models (`resumed`); a merge older
   than the ledger keeps (its last 1,000 rounds) may happen once more.
 
 Per-node round counters are the clock, so a site k times slower falls further
@@ -78,15 +78,12 @@ from torch import Tensor
 
 from protocols.base import RoundContext
 from protocols.compressed_exchange import CompressedExchange
-from protocols.exchange import Collected, PlainExchange, ServedModels, Term, wrong_round
+from protocols.exchange import ROUND_LIMIT, Collected, PlainExchange, ServedModels, Term
 
 log = logging.getLogger(__name__)
 
 FRESHEST = "freshest"  # the query key of an asynchronous pull
 AFTER = "after"  # ... and the round of the peer's model merged last, if any
-
-
-ROUND_LIMIT = 1 << 62  # a round at or past it is refused (wrong_round), and ignored in `after`
 
 
 def _round_or_none(value: Any) -> int | None:
@@ -152,13 +149,13 @@ class AsyncExchange(PlainExchange):
 
     # ------------------------------------------------------------------ pulling
 
-    def remember_merged(self, ledger: list[Any]) -> None:
+    def resumed(self, merged: list[Any]) -> None:
         """The round of each peer's model merged last, from a checkpoint's
         ledger (`[[round, [[peer, peer_round], ...]], ...]`, in order: the
         latest entry counts, as `rolled_back` may have lowered it). What is
         not of that shape is skipped: the file is this node's own, but a
         damaged one must not stop a resume."""
-        for entry in ledger:
+        for entry in merged:
             pairs = entry[1] if isinstance(entry, list) and len(entry) == 2 else []
             for pair in pairs if isinstance(pairs, list) else []:
                 if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str):
@@ -196,13 +193,7 @@ class AsyncExchange(PlainExchange):
     ) -> bool:
         """Any round >= 0 within the staleness bound (a later one counts as
         fresh); a negative round is refused and counted, a too stale one skipped."""
-        theirs = reply["round"]
-        if theirs < 0:
-            wrong_round(ctx, round_no, peer, reply)
-            return False
-        if theirs >= ROUND_LIMIT:  # not a round any node reaches; `after` could not name it
-            wrong_round(ctx, round_no, peer, reply)
-            return False
+        theirs = reply["round"]  # in [0, ROUND_LIMIT): ModelReply's schema
         if theirs <= self.last_merged.get(peer, -1):
             # A peer that ignored `after`: its transfer is spent, its model not merged twice.
             log.info("%s round %d: %s's model of round %d was merged already", ctx.me, round_no, peer, theirs)  # fmt: skip

@@ -84,6 +84,10 @@ class Exchange(Protocol):
 
     def start(self, ctx: RoundContext) -> None: ...
 
+    def resumed(self, merged: list[Any]) -> None:
+        """After a restart: the checkpoint's ledger of merged models
+        (`[[round, [[peer, peer_round], ...]], ...]`)."""
+
     def offer(
         self, ctx: RoundContext, key: Any, state: dict[str, Tensor], weight: float
     ) -> None: ...
@@ -184,11 +188,14 @@ class _Reply(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", arbitrary_types_allowed=True)
 
 
+ROUND_LIMIT = 1 << 62  # no node reaches it: a claimed round at or past it is refused
+
+
 class ModelReply(_Reply):
     """A neighbour's answer to 'your model of round r' (the state is checked by
     `checks.admit`, against this node's own model)."""
 
-    round: StrictInt
+    round: StrictInt = Field(ge=0, lt=ROUND_LIMIT)
     num_train: StrictInt = Field(ge=1)
     state: Any
 
@@ -256,6 +263,9 @@ class PlainExchange:
 
     def start(self, ctx: RoundContext) -> None:
         ctx.serve(self.kind, self.serve)
+
+    def resumed(self, merged: list[Any]) -> None:
+        """Nothing to rebuild: a synchronous pull names the round it wants."""
 
     def offer(self, ctx: RoundContext, key: Any, state: dict[str, Tensor], weight: float) -> None:
         self.store.put(int(key), state, int(weight))

@@ -47,7 +47,6 @@ from typing import Any, ClassVar
 from p2pfl.config import FedAvgP2PParams
 from protocols import selection
 from protocols.aggregate import aggregate as aggregate_models
-from protocols.async_exchange import AsyncExchange
 from protocols.base import RoundContext
 from protocols.checks import warn_if_trim_cuts_nothing
 from protocols.exchange import MODEL_KIND, Collected, Exchange, ServedModels
@@ -87,12 +86,10 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
         return site
 
     def resume(self, ctx: RoundContext, site: Any) -> int:
-        """RoundLoop's resume; an asynchronous exchange then learns from the
-        checkpoint's ledger which of each peer's models it merged last, so a
-        restart does not merge them again."""
+        """RoundLoop's resume; the exchange then sees the checkpoint's ledger of
+        merged models (an asynchronous one merges each model once)."""
         start = super().resume(ctx, site)
-        if isinstance(self.exchanger, AsyncExchange):
-            self.exchanger.remember_merged(self.merged)
+        self.exchanger.resumed(self.merged)
         return start
 
     def start_exchange(self, ctx: RoundContext) -> None:

@@ -60,6 +60,9 @@ class SecureExchange:
 
     # ------------------------------------------------------------------ contributor side
 
+    def resumed(self, merged: list[Any]) -> None:
+        """Nothing to rebuild: a contributor's ledger of masked models is its own."""
+
     def start(self, ctx: RoundContext) -> None:
         """Answer secure-aggregation requests with this node's kept models."""
         if self.contributor is not None:

@@ -161,7 +161,7 @@ def test_the_merged_ledger_of_a_checkpoint_rebuilds_what_was_merged_and_junk_is_
         "junk",
         [7, "junk"],
     ]
-    ex.remember_merged(ledger)
+    ex.resumed(ledger)
     assert ex.last_merged == {"a": 1, "b": 3}
 
 

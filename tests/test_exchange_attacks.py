@@ -703,3 +703,49 @@ def test_copies_that_cannot_be_saved_cost_a_warning_not_the_round(tmp_path: Path
     rx = exchange("int8")
     got, ctx = pull(rx, lambda q: tx.serve("me", q), path=blocked / "sub")
     assert len(got.terms) == 1 and ctx.rejected == [] and rx.dirty
+
+
+# A requester's `after` (the round it merged last) in every shape a hostile
+# one could send: ignored, and the latest model served, as to any requester.
+HOSTILE_AFTER = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    -1,
+    -(2**63),
+    True,
+    5.0,
+    "9",
+    2**62,
+    2**63 - 1,
+    [],
+    {},
+    None,
+]
+
+
+@pytest.mark.parametrize("after", HOSTILE_AFTER, ids=[repr(a)[:12] for a in HOSTILE_AFTER])
+def test_a_hostile_after_is_ignored_and_the_latest_model_served(after: Any) -> None:
+    ex = _async()
+    ex.store.put(3, {"w": torch.ones(4)}, 20)
+    query = loads(dumps({"round": 5, "max_round": 6, "freshest": True, "after": after}))
+    reply = asyncio.run(ex.serve("x", query))
+    assert reply["round"] == 3 and reply["state"] is not None
+
+
+# A neighbour's "not_newer" answer with a round in every shape: skipped and
+# counted as already merged (it only withholds its own model), the memory of
+# what was merged never corrupted; a valid lower round is a rollback.
+NOT_NEWER_ROUNDS = [math.nan, -5, 2**62, "x", None, True, 2.0, [1], 1]
+
+
+@pytest.mark.parametrize("claimed", NOT_NEWER_ROUNDS, ids=[repr(r)[:12] for r in NOT_NEWER_ROUNDS])
+def test_a_hostile_not_newer_answer_is_skipped_and_corrupts_nothing(claimed: Any) -> None:
+    ex = _async()
+    ex.last_merged["p"] = 3
+    ctx = Ctx(lambda q: {"round": claimed, "state": None, "num_train": 0, "reason": "not_newer"})
+    got = asyncio.run(ex.collect(ctx, 5, {"w": torch.ones(4)}, 20.0, ["p"], 1))  # type: ignore[arg-type]
+    assert got.terms == [] and ctx.rejected == []
+    assert got.log["models_already_merged"] == 1
+    assert ctx.queries[-1]["after"] == 3
+    assert ex.last_merged == {"p": 1 if claimed == 1 and claimed is not True else 3}

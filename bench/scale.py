@@ -170,6 +170,7 @@ def run_one(
     shards: int = 2,
     address: str | None = None,
     model: str = "small_cnn",
+    store_mb: int = 1024,
 ) -> dict[str, Any]:
     """One in-memory federation of `nodes`; called in a fresh process. With
     engine "ray", over `shards` Ray actors of the cluster at `address` (None:
@@ -214,7 +215,7 @@ def run_one(
         from protocols.memory.ray_engine import RayRun, connect, local_cluster
 
         if address is None:
-            shutdown = local_cluster(shards)
+            shutdown = local_cluster(shards, object_store_mb=store_mb)
         else:
             connect(address)
         run = RayRun(configs, shards=shards, network=network)
@@ -258,6 +259,11 @@ def run_one(
             # actor calls between shards, and the messages they carried
             "cross_shard_calls": mail.get("calls"),
             "cross_shard_messages": mail.get("items"),
+            # kept models put into Ray's object store (once each), the replies
+            # that carried a reference to one, and the fetches of one
+            "kept_put": mail.get("kept_put"),
+            "kept_replies": mail.get("kept_replies"),
+            "kept_fetched": mail.get("kept_fetched"),
         }
     final = [r["macro_f1"] for r in result.records if r["round"] == rounds and "macro_f1" in r]
     return {
@@ -289,6 +295,7 @@ def child(
     shards: int = 2,
     address: str | None = None,
     model: str = "small_cnn",
+    store_mb: int = 1024,
 ) -> dict[str, Any]:
     """Run one N in a fresh process (its own peak RSS), return its figures."""
     cmd = [sys.executable, "-m", "bench.scale", "--child", str(nodes), "--rounds", str(rounds)]
@@ -297,7 +304,7 @@ def child(
         cmd.append("--defaults")
     if engine == "ray":
         cmd += ["--engine", "ray", "--shards", str(shards)]
-        cmd += ["--address", address] if address else []
+        cmd += ["--address", address] if address else ["--object-store-mb", str(store_mb)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     last = ""
@@ -392,6 +399,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "started on this machine",
     )
     parser.add_argument(
+        "--object-store-mb",
+        type=int,
+        default=1024,
+        help="each Ray node's object store when this machine starts them (no --address): "
+        "it holds one copy of each kept model another shard asked for (default %(default)s)",
+    )
+    parser.add_argument(
         "--model",
         default="small_cnn",
         help="every site's model (model.name: small_cnn, resnet18, ...; default %(default)s)",
@@ -430,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shards=args.shards,
                 address=args.address,
                 model=args.model,
+                store_mb=args.object_store_mb,
             )
         except RuntimeError as exc:  # a shard died, or ray is missing: one line
             if type(exc).__name__ not in ("ShardDied", "RayMissing"):
@@ -455,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         what["defaults"] = "in-memory defaults"
         _say(f"--- {nodes} nodes, {what[settings_name(scale, engine)]}")
         state = args.out / "state"
-        ray_args = (args.shards, args.address, args.model)
+        ray_args = (args.shards, args.address, args.model, args.object_store_mb)
         rows.append(child(nodes, args.rounds, data_dir, state, scale, engine, *ray_args))
         _say(f"    {json.dumps(rows[-1])}")
         atomic_write_text(args.out / "scale.json", json.dumps({"runs": rows}, indent=2) + "\n")

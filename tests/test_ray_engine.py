@@ -14,13 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.scale import round_times, write_sites
 from p2pfl.config import SiteConfig
+from p2pfl.secure.tensors import dumps
+from protocols.base import Kept, PeerUnavailable
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.memory.network import REQUEST_SUFFIX
 from protocols.memory.ray_engine import RAY_MISSING, RayMissing, RayRun, ShardDied, progress
+from protocols.memory.ray_shard import ShardNetwork
 
 # one worker starts the one 2-node Ray cluster both cluster tests share
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
@@ -239,3 +243,65 @@ def test_a_ray_runs_round_times_are_the_shards_own_and_real(
     assert sum(times) <= finished - started, (times, finished - started)
     # fewer actor calls between the shards than messages they carried
     assert 0 < mail["calls"] < mail["items"], mail
+    # each kept model went into the object store once and was answered by
+    # reference: more replies than copies, and no more fetches than replies
+    assert 0 < mail["kept_put"] < mail["kept_replies"], mail
+    assert 0 < mail["kept_fetched"] <= mail["kept_replies"], mail
+
+
+def test_a_kept_copy_is_fetched_once_and_a_lost_one_fails_with_a_reason(cluster: Any) -> None:
+    """A shard fetches a kept model from the object store once for all its
+    nodes that ask at the same time; a copy whose owner died fails the
+    request with `shard_dead`, and one that never arrives fails with
+    `timeout`, never a wait without end (nor does one whose owner died)."""
+    import ray
+
+    # defined here, so Ray's workers get them by value (they cannot import tests/)
+    class Owner:
+        """Stands in for another shard: holds a kept model's one copy in
+        the object store and hands out a reference to it, as a reply does."""
+
+        def __init__(self) -> None:
+            self.ref: Any = None
+
+        def put(self, size: int) -> list[Any]:
+            self.ref = ray.put(dumps(Kept({"w": np.ones(size, dtype=np.float32)})))
+            return [self.ref]  # inside a list: Ray hands the reference on as it is
+
+        def ping(self) -> bool:
+            return True
+
+    def sleep() -> None:
+        time.sleep(3600)
+
+    owner = ray.remote(num_cpus=0)(Owner).remote()
+    (ref,) = ray.get(owner.put.remote(3))
+    net = ShardNetwork(0)
+
+    async def fetch_twice() -> list[Any]:
+        body = ("ref", ("1", [ref]))
+        return list(await asyncio.gather(*(net._decode("site3", body, 30.0) for _ in range(2))))
+
+    first, second = asyncio.run(fetch_twice())
+    assert first is second and net.fetches == 1  # one fetch, one decoded object
+    assert np.array_equal(first["w"], np.ones(3, dtype=np.float32))
+
+    never = ray.remote(num_cpus=0)(sleep).remote()  # a copy that never comes
+    with pytest.raises(PeerUnavailable) as late:
+        asyncio.run(net._decode("site4", ("ref", ("2", [never])), 0.5))
+    assert late.value.reason == "timeout"
+    ray.cancel(never, force=True)
+
+    (late_ref,) = ray.get(owner.put.remote(1 << 20))  # 4 MB: in the owner node's store
+    ray.kill(owner, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # it is dead before the fetch
+        ray.get(owner.ping.remote(), timeout=60)
+    # Ray may still serve the copy (here it does) or report it lost: either
+    # way the request ends within its timeout, with the model or a reason
+    started = time.monotonic()
+    try:
+        kept = asyncio.run(net._decode("site5", ("ref", ("3", [late_ref])), 30.0))
+        assert kept["w"].shape == (1 << 20,)
+    except PeerUnavailable as exc:
+        assert exc.reason in ("shard_dead", "payload_lost", "timeout"), exc.reason
+    assert time.monotonic() - started < 40

@@ -66,7 +66,7 @@ def test_a_full_batch_leaves_at_once() -> None:
     run(check)
 
 
-def test_an_item_not_yet_sent_is_taken_back_and_the_memo_lasts_one_batch() -> None:
+def test_an_item_not_yet_sent_is_taken_back() -> None:
     wire = Wire()
 
     async def check() -> None:
@@ -74,10 +74,8 @@ def test_an_item_not_yet_sent_is_taken_back_and_the_memo_lasts_one_batch() -> No
         kept, other = ("ask", 1), ("ask", 2)
         box.put(kept)
         box.put(other)
-        box.memo["model"] = b"bytes"
         assert box.withdraw(other) and not box.withdraw(("ask", 2))  # the very object only
         await box.drain()
-        assert box.memo == {}  # a new batch encodes anew
         assert not box.withdraw(kept)  # it left
 
     run(check)

@@ -248,12 +248,14 @@ class RayRun:
         return ends
 
     async def mail(self) -> dict[str, int]:
-        """Actor calls the shards made to each other, and the messages
-        (requests, replies, gossip, ...) those calls carried."""
-        total = {"calls": 0, "items": 0}
+        """Actor calls the shards made to each other, the messages (requests,
+        replies, gossip, ...) those calls carried, and the kept payloads put
+        into the object store, the replies that carried a reference to one,
+        and the fetches of one."""
+        total: dict[str, int] = {}
         for part in await self._ask_all("mail"):
-            for key in total:
-                total[key] += part[key]
+            for key, value in part.items():
+                total[key] = total.get(key, 0) + value
         return total
 
     async def peak_rss_mb(self) -> list[tuple[float, float]]:

@@ -24,8 +24,10 @@ of shards (flow control) would keep them in memory and that queue short.
 
 This module knows nothing of Ray: an `Outbox` calls the `send` it is given
 (ray_shard.py's actor call) and tells `failed` which items a failed call
-carried. Items are tuples of plain values: names, numbers and the bytes of
-`p2pfl.secure.tensors.dumps`.
+carried. Items are tuples of plain values: names, numbers, the bytes of
+`p2pfl.secure.tensors.dumps`, and references to kept models that
+ray_shard.py put into Ray's object store (a model's bytes are never in a
+batch: a reply carries a reference to its one copy).
 """
 
 from __future__ import annotations
@@ -74,9 +76,6 @@ class Outbox:
         self._bytes = 0
         self._timer: asyncio.TimerHandle | None = None
         self._in_flight: set[asyncio.Task[None]] = set()
-        # what the items of the open batch share (ray_shard.py: a kept
-        # model's bytes, encoded once per batch); cleared when it is sent
-        self.memo: dict[Any, Any] = {}
         self.batches = 0  # sent so far (a figure: calls saved)
         self.items_sent = 0
 
@@ -104,7 +103,6 @@ class Outbox:
             self._timer.cancel()
             self._timer = None
         items, self._items, self._sizes, self._bytes = self._items, [], [], 0
-        self.memo = {}
         if not items:
             return
         self.batches += 1

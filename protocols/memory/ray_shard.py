@@ -16,14 +16,19 @@ Every shard knows every node: a node of another shard is a proxy
   shard; batched, 2 shards made 426 calls for 119,543 messages in 3 rounds).
   Each request is answered in a task of its own and its reply leaves in
   the next batch, so a slow request never holds up another.
-- A kept payload (`protocols.base.Kept`, a model kept for slower peers) comes
-  with a token that names it, so a shard decodes it once for all of its
-  nodes that hold it at the same time; its bytes are encoded once per batch
-  (the batch's replies share them).
-  It travels as bytes in the replies, not through Ray's object store: with a
-  reference to a `ray.put` copy in the reply, a 1,000-node run had a node
-  wait forever on one (most likely freed when its owner replaced it by the
-  next round's model before the requester fetched it; not diagnosed further).
+- A kept payload (`protocols.base.Kept`, a model kept for slower peers) is
+  encoded and put into Ray's object store once, when another shard first
+  asks for it; every reply to another shard carries a reference to that one
+  copy, with a token that names it. A shard fetches and decodes it once for
+  all of its nodes that hold it at the same time (a second asker waits on
+  the first fetch), so each model crosses to a machine once, not once per
+  requester, and the batches stay small (no model bytes in them).
+  The owner holds the reference while the node keeps that payload and drops
+  it when the node keeps the next one; Ray's reference counting keeps the
+  copy alive while a batch carrying it is in flight and while a requester
+  holds it. A fetch has the request's own timeout: a copy that cannot be
+  fetched (its shard died, or it was lost) fails that request with a reason
+  (`shard_dead`, `payload_lost`, `timeout`), never a wait without end.
 - Membership changes (kill, fail, partition, revive, silence, latency) are
   broadcast to every shard. A node's round, phase and published metadata are
   gossiped to the other shards every `gossip_s`, as the daemon's heartbeats
@@ -121,9 +126,14 @@ class ShardNetwork(InMemoryNetwork):
         self.own: list[str] = []  # this shard's nodes
         self.outboxes: dict[int, Outbox] = {}  # another shard -> what is going to it
         self._prejoined: dict[str, InMemoryContext] = {}
-        self._kept: dict[str, tuple[Kept, str]] = {}  # node -> its kept reply and its token
+        # node -> its kept reply, the token that names it, and its one copy in
+        # Ray's object store (a reference, held while the node keeps it)
+        self._kept: dict[str, tuple[Kept, str, Any, int]] = {}  # ... and its size
         self._tokens = 0
         self._decoded: weakref.WeakValueDictionary[str, Kept] = weakref.WeakValueDictionary()
+        self._fetching: dict[str, asyncio.Task[Kept]] = {}  # kept payloads being fetched
+        self.fetches = 0  # kept payloads fetched from the object store (a figure)
+        self.kept_replies = 0  # replies to other shards answered with a kept payload's copy
         self._ids = 0  # this shard's requests and pushes to other shards, numbered
         self._waiting: dict[int, tuple[int, str, asyncio.Future[Any]]] = {}  # id -> shard, peer
         self._answering: dict[tuple[int, int], asyncio.Task[None]] = {}  # (shard, id) -> task
@@ -336,8 +346,8 @@ class ShardNetwork(InMemoryNetwork):
         finally:
             self._answering.pop((source, rid), None)
         size = 0
-        if status == "ok" and op == "ask":  # ("bytes", data) or ("kept", (token, data))
-            size = len(body[1]) if body[0] == "bytes" else len(body[1][1])
+        if status == "ok" and op == "ask" and body[0] == "bytes":  # else ("ref", (token, [ref]))
+            size = len(body[1])
         self.outbox(source).put(("reply", rid, status, body), size)
 
     async def drain(self) -> None:
@@ -351,6 +361,9 @@ class ShardNetwork(InMemoryNetwork):
         return {
             "calls": sum(b.batches for b in boxes),
             "items": sum(b.items_sent for b in boxes),
+            "kept_put": self._tokens,
+            "kept_replies": self.kept_replies,
+            "kept_fetched": self.fetches,
         }
 
     # ------------------------------------------------------------- transport
@@ -377,27 +390,47 @@ class ShardNetwork(InMemoryNetwork):
             raise RuntimeError(body)
         if status != "ok":
             raise PeerUnavailable(peer, status)
-        return await self._decode(peer, body)
+        return await self._decode(peer, body, timeout)
 
-    async def _decode(self, peer: str, body: tuple[str, Any]) -> Any:
-        """A reply's value: the bytes decoded; a kept payload is decoded once
-        for every node of this shard that holds it at the same time (the
-        owner names each kept payload with a token)."""
+    async def _decode(self, peer: str, body: tuple[str, Any], timeout: float) -> Any:
+        """A reply's value: the bytes decoded; a kept payload is fetched from
+        the object store and decoded once for every node of this shard that
+        holds it at the same time (the owner names each with a token)."""
         form, value = body
         if form == "bytes":
             return loads(value)
-        token, data = value
+        token, (ref,) = value
         key = f"{peer}:{token}"
         kept = self._decoded.get(key)
-        if kept is None:
-            kept = Kept(loads(data))
-            self._decoded[key] = kept
+        if kept is not None:
+            return kept
+        task = self._fetching.get(key)
+        if task is None:
+            task = self._fetching[key] = asyncio.create_task(self._fetch(key, ref))
+            task.add_done_callback(lambda _: self._fetching.pop(key, None))
+        try:
+            # shielded: one asker that gives up does not stop the others' fetch
+            return await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:
+            raise PeerUnavailable(peer, "timeout") from None
+
+    async def _fetch(self, key: str, ref: Any) -> Kept:
+        ray = import_ray()
+        try:
+            data = await ref
+        except ray.exceptions.OwnerDiedError:
+            raise PeerUnavailable(key.split(":")[0], "shard_dead") from None
+        except ray.exceptions.ObjectLostError:
+            raise PeerUnavailable(key.split(":")[0], "payload_lost") from None
+        self.fetches += 1
+        kept = Kept(loads(data))
+        self._decoded[key] = kept
         return kept
 
     def _reply(self, dst: MemoryNode, payload: Any) -> tuple[int, Any]:  # type: ignore[override]
-        """Answering another shard: the encoded reply (a kept one with the
-        token that names it, its bytes encoded once per batch to that
-        shard); else the local network's reply."""
+        """Answering another shard: the encoded reply; a kept one is put into
+        the object store once and answered with a reference to that copy and
+        the token that names it. Else the local network's reply."""
         source = _ANSWERING.get()
         if source is None:
             return InMemoryNetwork._reply(dst, payload)
@@ -406,15 +439,16 @@ class ShardNetwork(InMemoryNetwork):
             return len(data), ("bytes", data)
         named = self._kept.get(dst.name)
         if named is None or named[0] is not payload:
+            data = dumps(payload)
             self._tokens += 1
-            named = (payload, str(self._tokens))
-            self._kept[dst.name] = named
-        # not kept encoded between batches: that would cost ~1 model per node
-        memo = self.outbox(source).memo
-        data = memo.get((dst.name, named[1]))
-        if data is None:
-            data = memo[(dst.name, named[1])] = dumps(payload)
-        return len(data), ("kept", (named[1], data))
+            # the previous payload's reference is dropped here: Ray frees that
+            # copy once no batch in flight and no requester holds it
+            ref = import_ray().put(data)
+            named = self._kept[dst.name] = (payload, str(self._tokens), ref, len(data))
+        self.kept_replies += 1
+        # the reference inside a list: Ray passes it on as it is (a reference
+        # at the top of a call's arguments would be fetched by Ray itself)
+        return named[3], ("ref", (named[1], [named[2]]))
 
     async def answer(
         self, source: int, sender: str, peer: str, kind: str, query_bytes: bytes, timeout: float

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextvars
 import sys
 import time
 from collections.abc import Iterator
@@ -23,8 +24,9 @@ from p2pfl.secure.tensors import dumps
 from protocols.base import Kept, PeerUnavailable
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.memory.network import REQUEST_SUFFIX
+from protocols.memory.nodes import MemoryNode
 from protocols.memory.ray_engine import RAY_MISSING, RayMissing, RayRun, ShardDied, progress
-from protocols.memory.ray_shard import ShardNetwork
+from protocols.memory.ray_shard import _ANSWERING, ShardNetwork
 
 # one worker starts the one 2-node Ray cluster both cluster tests share
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
@@ -251,9 +253,9 @@ def test_a_ray_runs_round_times_are_the_shards_own_and_real(
 
 def test_a_kept_copy_is_fetched_once_and_a_lost_one_fails_with_a_reason(cluster: Any) -> None:
     """A shard fetches a kept model from the object store once for all its
-    nodes that ask at the same time; a copy whose owner died fails the
-    request with `shard_dead`, and one that never arrives fails with
-    `timeout`, never a wait without end (nor does one whose owner died)."""
+    nodes that ask at the same time; one that never arrives fails the
+    request with `timeout`, and one whose owner died ends within the
+    request's time too (Ray may still serve it, or report it lost)."""
     import ray
 
     # defined here, so Ray's workers get them by value (they cannot import tests/)
@@ -305,3 +307,73 @@ def test_a_kept_copy_is_fetched_once_and_a_lost_one_fails_with_a_reason(cluster:
     except PeerUnavailable as exc:
         assert exc.reason in ("shard_dead", "payload_lost", "timeout"), exc.reason
     assert time.monotonic() - started < 40
+
+
+def test_each_kept_model_is_put_once_while_kept_and_let_go_with_it(cluster: Any) -> None:
+    """A node keeps a few rounds' models for slower peers, and replies with
+    them in any order: each is put into the object store once and keeps its
+    token (no new copy per switch), and the shard lets a copy go when the
+    node lets the model go."""
+    import gc
+
+    net = ShardNetwork(0)
+    node = MemoryNode(name="site1", config=None, agreement=None)  # type: ignore[arg-type]
+    older, newer = Kept({"w": np.zeros(4, dtype=np.float32)}), Kept({"w": np.ones(4, np.float32)})
+
+    def reply(payload: Kept) -> tuple[int, Any]:
+        return contextvars.copy_context().run(_answering_shard_1, net, node, payload)
+
+    bodies = [reply(p)[1] for p in (older, newer, older, newer, older, newer)]
+    tokens = [body[1][0] for body in bodies]
+    assert tokens == tokens[:2] * 3 and tokens[0] != tokens[1], tokens
+    assert net.mail_figures()["kept_put"] == 2 and net.mail_figures()["kept_replies"] == 6
+    assert len(net._kept) == 2
+    del older, bodies
+    gc.collect()
+    assert len(net._kept) == 1  # the node let the older model go: so did the shard
+
+
+def _answering_shard_1(net: ShardNetwork, node: MemoryNode, payload: Kept) -> tuple[int, Any]:
+    _ANSWERING.set(1)
+    return net._reply(node, payload)
+
+
+def test_whatever_ray_raises_on_a_fetch_fails_the_request_with_a_reason(cluster: Any) -> None:
+    """Not only a dead owner or a lost object: any Ray error on a fetch (a
+    system error, a node gone) is a peer that did not answer, which the
+    protocols handle, never an exception they do not expect."""
+    import ray
+
+    class Failing:
+        def __await__(self) -> Any:
+            raise ray.exceptions.RaySystemError("the object store went away")
+            yield  # a generator, as __await__ must be
+
+    net = ShardNetwork(0)
+    with pytest.raises(PeerUnavailable) as failed:
+        asyncio.run(net._decode("site6", ("ref", ("9", [Failing()])), 5.0))
+    assert (failed.value.peer, failed.value.reason) == ("site6", "payload_lost")
+    assert net._fetching == {}  # nothing left waiting
+
+
+def test_a_full_object_store_fails_that_reply_with_a_reason(
+    cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner cannot store a kept model (the store is full): that one
+    request fails as a peer that did not answer, with the reason, and the
+    next reply tries again."""
+    import ray
+
+    def full(_: Any) -> Any:
+        raise ray.exceptions.ObjectStoreFullError("no room")
+
+    net = ShardNetwork(0)
+    node = MemoryNode(name="site2", config=None, agreement=None)  # type: ignore[arg-type]
+    payload = Kept({"w": np.ones(4, dtype=np.float32)})
+    monkeypatch.setattr(ray, "put", full)
+    with pytest.raises(PeerUnavailable) as failed:
+        contextvars.copy_context().run(_answering_shard_1, net, node, payload)
+    assert (failed.value.peer, failed.value.reason) == ("site2", "object_store")
+    monkeypatch.undo()
+    size, body = contextvars.copy_context().run(_answering_shard_1, net, node, payload)
+    assert body[0] == "ref" and size > 0 and net.mail_figures()["kept_put"] == 1

@@ -23,12 +23,16 @@ Every shard knows every node: a node of another shard is a proxy
   all of its nodes that hold it at the same time (a second asker waits on
   the first fetch), so each model crosses to a machine once, not once per
   requester, and the batches stay small (no model bytes in them).
-  The owner holds the reference while the node keeps that payload and drops
-  it when the node keeps the next one; Ray's reference counting keeps the
-  copy alive while a batch carrying it is in flight and while a requester
-  holds it. A fetch has the request's own timeout: a copy that cannot be
-  fetched (its shard died, or it was lost) fails that request with a reason
-  (`shard_dead`, `payload_lost`, `timeout`), never a wait without end.
+  The owner holds the reference while the node keeps that payload (a
+  protocol keeps a few rounds' models for slower peers: each has its own
+  copy and token, put once) and drops it when the node lets the payload go;
+  Ray's reference counting keeps the copy alive while a batch carrying it
+  is in flight and while a requester holds it. A fetch ends within the
+  request's time (its timeout and CALL_SLACK_S, the answer included): a copy
+  that cannot be stored or fetched fails that request with a reason
+  (`object_store`, `shard_dead`, `payload_lost`, `timeout`), whatever Ray
+  raised, never a wait without end and never an error the protocols do not
+  expect of a peer.
 - Membership changes (kill, fail, partition, revive, silence, latency) are
   broadcast to every shard. A node's round, phase and published metadata are
   gossiped to the other shards every `gossip_s`, as the daemon's heartbeats
@@ -98,6 +102,18 @@ def import_ray() -> Any:
     return ray
 
 
+async def _awaited(ref: Any) -> Any:
+    """An ObjectRef's value, as a coroutine (what `asyncio.wait_for` takes)."""
+    return await ref
+
+
+def _fetched(task: asyncio.Task[Any]) -> None:
+    """A fetch that ended after every asker had gone: its error is read here,
+    so asyncio does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class _PublicKeyOnly:
     """What a shard holds of another shard's node's X25519 key: the public
     half, which is all `pair_secret` needs of a peer."""
@@ -126,9 +142,10 @@ class ShardNetwork(InMemoryNetwork):
         self.own: list[str] = []  # this shard's nodes
         self.outboxes: dict[int, Outbox] = {}  # another shard -> what is going to it
         self._prejoined: dict[str, InMemoryContext] = {}
-        # node -> its kept reply, the token that names it, and its one copy in
-        # Ray's object store (a reference, held while the node keeps it)
-        self._kept: dict[str, tuple[Kept, str, Any, int]] = {}  # ... and its size
+        # id of a kept payload asked for by another shard -> the token that
+        # names it, its one copy in Ray's object store (a reference) and its
+        # size; the entry goes when its node no longer keeps the payload
+        self._kept: dict[int, tuple[str, Any, int]] = {}
         self._tokens = 0
         self._decoded: weakref.WeakValueDictionary[str, Kept] = weakref.WeakValueDictionary()
         self._fetching: dict[str, asyncio.Task[Kept]] = {}  # kept payloads being fetched
@@ -379,6 +396,8 @@ class ShardNetwork(InMemoryNetwork):
         src.traffic.add(kind + REQUEST_SUFFIX, len(query_bytes))
         if not src.alive:
             raise PeerUnavailable(peer, "sender_dead")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout + CALL_SLACK_S  # the answer and the fetch together
         status, body = await self._ask(
             shard,
             peer,
@@ -390,12 +409,13 @@ class ShardNetwork(InMemoryNetwork):
             raise RuntimeError(body)
         if status != "ok":
             raise PeerUnavailable(peer, status)
-        return await self._decode(peer, body, timeout)
+        return await self._decode(peer, body, max(0.0, deadline - loop.time()))
 
-    async def _decode(self, peer: str, body: tuple[str, Any], timeout: float) -> Any:
+    async def _decode(self, peer: str, body: tuple[str, Any], wait_s: float) -> Any:
         """A reply's value: the bytes decoded; a kept payload is fetched from
-        the object store and decoded once for every node of this shard that
-        holds it at the same time (the owner names each with a token)."""
+        the object store (within `wait_s`) and decoded once for every node of
+        this shard that holds it at the same time (the owner names each with
+        a token)."""
         form, value = body
         if form == "bytes":
             return loads(value)
@@ -406,22 +426,31 @@ class ShardNetwork(InMemoryNetwork):
             return kept
         task = self._fetching.get(key)
         if task is None:
-            task = self._fetching[key] = asyncio.create_task(self._fetch(key, ref))
+            task = self._fetching[key] = asyncio.create_task(self._fetch(peer, key, ref, wait_s))
+            task.add_done_callback(_fetched)
             task.add_done_callback(lambda _: self._fetching.pop(key, None))
         try:
             # shielded: one asker that gives up does not stop the others' fetch
-            return await asyncio.wait_for(asyncio.shield(task), timeout)
+            return await asyncio.wait_for(asyncio.shield(task), wait_s)
         except TimeoutError:
             raise PeerUnavailable(peer, "timeout") from None
 
-    async def _fetch(self, key: str, ref: Any) -> Kept:
+    async def _fetch(self, peer: str, key: str, ref: Any, wait_s: float) -> Kept:
+        """One kept payload from the object store, within `wait_s` (after
+        which nobody waits for it any more). Whatever Ray raises fails the
+        requests waiting on it with a reason, as a lost peer would."""
         ray = import_ray()
         try:
-            data = await ref
+            data = await asyncio.wait_for(_awaited(ref), wait_s)
+        except TimeoutError:
+            raise PeerUnavailable(peer, "timeout") from None
         except ray.exceptions.OwnerDiedError:
-            raise PeerUnavailable(key.split(":")[0], "shard_dead") from None
-        except ray.exceptions.ObjectLostError:
-            raise PeerUnavailable(key.split(":")[0], "payload_lost") from None
+            raise PeerUnavailable(peer, "shard_dead") from None
+        except ray.exceptions.RayError as exc:  # lost, evicted, a node or the store failed
+            log.warning(
+                "shard %d: the kept model of %s could not be fetched: %r", self.index, peer, exc
+            )
+            raise PeerUnavailable(peer, "payload_lost") from None
         self.fetches += 1
         kept = Kept(loads(data))
         self._decoded[key] = kept
@@ -437,18 +466,25 @@ class ShardNetwork(InMemoryNetwork):
         if not isinstance(payload, Kept):
             data = dumps(payload)
             return len(data), ("bytes", data)
-        named = self._kept.get(dst.name)
-        if named is None or named[0] is not payload:
+        named = self._kept.get(id(payload))
+        if named is None:
             data = dumps(payload)
+            try:
+                ref = import_ray().put(data)
+            except Exception as exc:  # noqa: BLE001 - the store is full or gone: this reply fails
+                log.warning("shard %d: %s's kept model not stored: %r", self.index, dst.name, exc)
+                raise PeerUnavailable(dst.name, "object_store") from None
             self._tokens += 1
-            # the previous payload's reference is dropped here: Ray frees that
-            # copy once no batch in flight and no requester holds it
-            ref = import_ray().put(data)
-            named = self._kept[dst.name] = (payload, str(self._tokens), ref, len(data))
+            named = self._kept[id(payload)] = (str(self._tokens), ref, len(data))
+            # while its node keeps the payload (a protocol keeps a few rounds'
+            # models for slower peers), every reply shares this one copy; when
+            # the node lets it go, so does the shard, and Ray frees the copy
+            # once no batch in flight and no requester holds it
+            weakref.finalize(payload, self._kept.pop, id(payload), None)
         self.kept_replies += 1
         # the reference inside a list: Ray passes it on as it is (a reference
         # at the top of a call's arguments would be fetched by Ray itself)
-        return named[3], ("ref", (named[1], [named[2]]))
+        return named[2], ("ref", (named[0], [named[1]]))
 
     async def answer(
         self, source: int, sender: str, peer: str, kind: str, query_bytes: bytes, timeout: float

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -171,6 +172,8 @@ def run_one(
     address: str | None = None,
     model: str = "small_cnn",
     store_mb: int = 1024,
+    shard_cpus: float = 1.0,
+    shard_gpus: float = 0.0,
 ) -> dict[str, Any]:
     """One in-memory federation of `nodes`; called in a fresh process. With
     engine "ray", over `shards` Ray actors of the cluster at `address` (None:
@@ -215,10 +218,22 @@ def run_one(
         from protocols.memory.ray_engine import RayRun, connect, local_cluster
 
         if address is None:
-            shutdown = local_cluster(shards, object_store_mb=store_mb)
+            cpus, gpus = math.ceil(shard_cpus), math.ceil(shard_gpus)
+            if gpus and torch.cuda.device_count() < gpus:
+                raise ValueError(
+                    f"--shard-gpus {shard_gpus:g} needs a GPU on this machine; torch sees "
+                    f"{torch.cuda.device_count()} (or pass --address of a cluster with GPUs)"
+                )
+            shutdown = local_cluster(shards, cpus=cpus, gpus=gpus, object_store_mb=store_mb)
         else:
             connect(address)
-        run = RayRun(configs, shards=shards, network=network)
+        run = RayRun(
+            configs,
+            shards=shards,
+            network=network,
+            cpus_per_shard=shard_cpus,
+            gpus_per_shard=shard_gpus,
+        )
     # a shard is asked over an actor call: less often than this process's dict is read
     poll_s = 1.0 if engine == "ray" else 0.2
 
@@ -296,6 +311,8 @@ def child(
     address: str | None = None,
     model: str = "small_cnn",
     store_mb: int = 1024,
+    shard_cpus: float = 1.0,
+    shard_gpus: float = 0.0,
 ) -> dict[str, Any]:
     """Run one N in a fresh process (its own peak RSS), return its figures."""
     cmd = [sys.executable, "-m", "bench.scale", "--child", str(nodes), "--rounds", str(rounds)]
@@ -305,6 +322,7 @@ def child(
     if engine == "ray":
         cmd += ["--engine", "ray", "--shards", str(shards)]
         cmd += ["--address", address] if address else ["--object-store-mb", str(store_mb)]
+        cmd += ["--shard-cpus", str(shard_cpus), "--shard-gpus", str(shard_gpus)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     last = ""
@@ -399,6 +417,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "started on this machine",
     )
     parser.add_argument(
+        "--shard-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs each Ray shard actor asks for; its training pool has one worker per "
+        "whole CPU (default %(default)s)",
+    )
+    parser.add_argument(
+        "--shard-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs each Ray shard actor asks for (a fraction shares one; its nodes then "
+        "train on it with training.device auto; default %(default)s)",
+    )
+    parser.add_argument(
         "--object-store-mb",
         type=int,
         default=1024,
@@ -445,11 +477,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 address=args.address,
                 model=args.model,
                 store_mb=args.object_store_mb,
+                shard_cpus=args.shard_cpus,
+                shard_gpus=args.shard_gpus,
             )
         except RuntimeError as exc:  # a shard died, or ray is missing: one line
             if type(exc).__name__ not in ("ShardDied", "RayMissing"):
                 raise
             _say(str(exc))
+            return 1
+        except ValueError as exc:  # shards the cluster cannot place: one line
+            _say(f"bench.scale: {exc}")
             return 1
         _say(json.dumps(figures))
         return 0 if figures["errors"] == 0 else 1
@@ -471,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"--- {nodes} nodes, {what[settings_name(scale, engine)]}")
         state = args.out / "state"
         ray_args = (args.shards, args.address, args.model, args.object_store_mb)
+        ray_args += (args.shard_cpus, args.shard_gpus)
         rows.append(child(nodes, args.rounds, data_dir, state, scale, engine, *ray_args))
         _say(f"    {json.dumps(rows[-1])}")
         atomic_write_text(args.out / "scale.json", json.dumps({"runs": rows}, indent=2) + "\n")

@@ -25,7 +25,14 @@ from protocols.base import Kept, PeerUnavailable
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.memory.network import REQUEST_SUFFIX
 from protocols.memory.nodes import MemoryNode
-from protocols.memory.ray_engine import RAY_MISSING, RayMissing, RayRun, ShardDied, progress
+from protocols.memory.ray_engine import (
+    RAY_MISSING,
+    RayMissing,
+    RayRun,
+    ShardDied,
+    progress,
+    train_workers,
+)
 from protocols.memory.ray_shard import _ANSWERING, ShardNetwork
 
 # one worker starts the one 2-node Ray cluster both cluster tests share
@@ -377,3 +384,31 @@ def test_a_full_object_store_fails_that_reply_with_a_reason(
     monkeypatch.undo()
     size, body = contextvars.copy_context().run(_answering_shard_1, net, node, payload)
     assert body[0] == "ref" and size > 0 and net.mail_figures()["kept_put"] == 1
+
+
+def test_shards_the_cluster_cannot_hold_are_refused_in_one_line(
+    cluster: Any, sources: list[str], tmp_path: Path
+) -> None:
+    """A shard asks Ray for CPUs (its training pool) and GPUs; shards that no
+    node can hold are refused at once, in one line, instead of waiting for
+    resources that never come. Those that fit get a pool of one worker per
+    whole CPU."""
+    cfgs = configs(sources, tmp_path)
+    for cpus, gpus in ((2.0, 0.0), (1.0, 0.5)):  # each Ray node here has 1 CPU, no GPU
+        run = RayRun(cfgs, shards=2, cpus_per_shard=cpus, gpus_per_shard=gpus)
+        with pytest.raises(ValueError) as refused:
+            asyncio.run(asyncio.wait_for(run.start(), 30))
+        line = str(refused.value)
+        assert "do not fit on the Ray cluster's nodes" in line and "\n" not in line, line
+        assert run.shards == []  # nothing was started
+    assert (train_workers(0.5), train_workers(1.0), train_workers(2.5)) == (1, 1, 2)
+    run = RayRun(cfgs, shards=2, cpus_per_shard=0.5)
+
+    async def pools() -> list[Any]:
+        await run.start()
+        try:
+            return await run._ask_all("resources")
+        finally:
+            run.stop()
+
+    assert [p["train_workers"] for p in asyncio.run(pools())] == [1, 1]

@@ -203,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec_option("--shards", type=int, help="--engine ray: how many shard actors")
     spec_option(
+        "--shard-cpus",
+        type=float,
+        help="--engine ray: CPUs per shard actor; its training pool has one worker per whole CPU",
+    )
+    spec_option(
+        "--shard-gpus",
+        type=float,
+        help="--engine ray: GPUs per shard actor (a fraction shares one GPU)",
+    )
+    spec_option(
         "--address",
         "ray_address",
         help="--engine ray: a running Ray cluster (auto, or HOST:PORT); default: a "
@@ -318,6 +328,11 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         raise SystemExit(f"bench.federation: --nodes must be at least 2, got {args.nodes}")
     if args.engine == "ray" and args.shards < 1:
         raise SystemExit(f"bench.federation: --shards must be at least 1, got {args.shards}")
+    if args.engine == "ray" and (args.shard_cpus <= 0 or args.shard_gpus < 0):
+        raise SystemExit(
+            "bench.federation: --shard-cpus must be above 0 and --shard-gpus at least 0, "
+            f"got {args.shard_cpus} and {args.shard_gpus}"
+        )
     return spec_from_options(
         args,
         in_memory=args.in_memory or args.engine == "ray",

@@ -45,7 +45,13 @@ def run_in_memory(
         # fail_fast: one failed node ends the benchmark at once
         ray_run = None
         if spec.engine == "ray":
-            ray_run = RayRun(configs, shards=spec.shards, network=network)
+            ray_run = RayRun(
+                configs,
+                shards=spec.shards,
+                network=network,
+                cpus_per_shard=spec.shard_cpus,
+                gpus_per_shard=spec.shard_gpus,
+            )
             await ray_run.start()
             task = asyncio.ensure_future(ray_run.wait(simulate, fail_fast=True))
         else:
@@ -107,10 +113,12 @@ def run_in_memory(
 
 def connect_ray(spec: RunSpec) -> Callable[[], None] | None:
     """Join the Ray cluster at spec.ray_address, or start a local Ray of
-    spec.shards CPUs; what shuts down a Ray this call started (None when this
-    process was already connected: its owner shuts it down)."""
+    spec.shards x spec.shard_cpus CPUs; what shuts down a Ray this call
+    started (None when this process was already connected: its owner shuts it
+    down)."""
     local = spec.ray_address is None
-    if not connect(spec.ray_address, num_cpus=spec.shards if local else None):
+    cpus = math.ceil(spec.shards * spec.shard_cpus)
+    if not connect(spec.ray_address, num_cpus=cpus if local else None):
         return None
     return import_ray().shutdown
 

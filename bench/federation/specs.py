@@ -57,6 +57,8 @@ class RunSpec:
     inline_train: bool = False  # in memory: train on the event loop (results repeat exactly)
     engine: str = "local"  # in memory: local (this process) | ray (protocols/memory/ray_engine.py)
     shards: int = 2  # engine ray: shard actors
+    shard_cpus: float = 1.0  # engine ray: CPUs per shard actor (its training pool's workers)
+    shard_gpus: float = 0.0  # engine ray: GPUs per shard actor (a fraction shares one)
     ray_address: str | None = None  # engine ray: auto | HOST:PORT; None: a local Ray started
     protocol_options: tuple[tuple[str, Any], ...] = ()
     lpips_backbone: str | None = None  # genbuffer.lpips_backbone of every node (FedER)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from p2pfl.config import SiteConfig, config_from_dict
@@ -40,11 +41,19 @@ class Shard:
     shards, and what the driver reads of them."""
 
     def __init__(
-        self, index: int, network: dict[str, Any], gossip_s: float, window_s: float = WINDOW_S
+        self,
+        index: int,
+        network: dict[str, Any],
+        gossip_s: float,
+        window_s: float = WINDOW_S,
+        train_workers: int = 1,
     ) -> None:
         import torch
 
-        torch.set_num_threads(1)  # the shard's nodes share its one core
+        torch.set_num_threads(1)  # one core per training worker
+        # the nodes' training (ctx.run_blocking, unless inline) runs in a pool
+        # of as many workers as the actor has CPUs from Ray (ray_engine.py)
+        self.train_workers = train_workers
         self.base_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.network = ShardNetwork(index, window_s=window_s, **network)
         self.configs: list[SiteConfig] = []
@@ -53,6 +62,15 @@ class Shard:
 
     def ping(self) -> int:
         return self.network.index
+
+    def resources(self) -> dict[str, Any]:
+        """What Ray gave this actor, and the training pool's size."""
+        import os
+
+        return {
+            "train_workers": self.train_workers,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
     def setup(self, handles: list[Any], configs_json: list[str]) -> dict[str, str]:
         """Join this shard's nodes; name -> public agreement key (hex)."""
@@ -68,6 +86,8 @@ class Shard:
 
     async def run(self, local: LocalSimulate, fail_fast: bool) -> str:
         """Run this shard's nodes to the end; the SimulationResult as JSON."""
+        pool = ThreadPoolExecutor(max_workers=self.train_workers, thread_name_prefix="train")
+        asyncio.get_running_loop().set_default_executor(pool)
         gossip = asyncio.create_task(self._gossip())
         try:
             result = await local(self.configs, network=self.network, fail_fast=fail_fast)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,6 +103,7 @@ class RayRun:
         shards: int,
         network: InMemoryNetwork | None = None,
         cpus_per_shard: float = 1.0,
+        gpus_per_shard: float = 0.0,
         gossip_s: float = 0.05,
         window_s: float = WINDOW_S,
     ) -> None:
@@ -111,7 +113,12 @@ class RayRun:
         self.configs = list(configs)
         self.settings = network_settings(network)
         self.ranges = blocks(len(self.configs), min(shards, max(1, len(self.configs))))
+        if cpus_per_shard <= 0 or gpus_per_shard < 0:
+            raise ValueError(
+                f"a shard needs CPUs > 0 and GPUs >= 0, got {cpus_per_shard} and {gpus_per_shard}"
+            )
         self.cpus_per_shard = cpus_per_shard
+        self.gpus_per_shard = gpus_per_shard
         self.gossip_s = gossip_s
         self.window_s = window_s
         self.shards: list[Any] = []
@@ -122,17 +129,38 @@ class RayRun:
         first, last = self.configs[r.start].node.name, self.configs[r.stop - 1].node.name
         return f"shard {i} (nodes {first}..{last})"
 
+    def check_resources(self) -> None:
+        """Refuse, in one line, shards the cluster's nodes cannot hold (Ray
+        would wait for them without end): each shard must fit on one node."""
+        ray = import_ray()
+        per = {"CPU": self.cpus_per_shard, "GPU": self.gpus_per_shard}
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        fits = sum(
+            min(int(res.get(k, 0.0) / v + 1e-9) for k, v in per.items() if v > 0) for res in nodes
+        )
+        if fits < len(self.ranges):
+            have = ", ".join(
+                f"{res.get('CPU', 0.0):g} CPU {res.get('GPU', 0.0):g} GPU" for res in nodes
+            )
+            raise ValueError(
+                f"{len(self.ranges)} shards of {self.cpus_per_shard:g} CPU and "
+                f"{self.gpus_per_shard:g} GPU each do not fit on the Ray cluster's nodes "
+                f"({have}): {fits} would"
+            )
+
     async def start(self) -> None:
         ray = import_ray()
+        self.check_resources()
         actor = ray.remote(
             num_cpus=self.cpus_per_shard,
+            num_gpus=self.gpus_per_shard,
             max_restarts=0,
             max_concurrency=100_000,
             concurrency_groups={PROGRESS: 4},
         )(Shard)
         self.shards = [
             actor.options(scheduling_strategy="SPREAD").remote(
-                i, self.settings, self.gossip_s, self.window_s
+                i, self.settings, self.gossip_s, self.window_s, train_workers(self.cpus_per_shard)
             )
             for i in range(len(self.ranges))
         ]
@@ -297,13 +325,20 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:300]
 
 
-def local_cluster(nodes: int, *, cpus: int = 1, object_store_mb: int = 300) -> Callable[[], None]:
+def train_workers(cpus: float) -> int:
+    """A shard's training pool: one worker per whole CPU Ray gives it, at least one."""
+    return max(1, int(cpus))
+
+
+def local_cluster(
+    nodes: int, *, cpus: int = 1, gpus: int = 0, object_store_mb: int = 300
+) -> Callable[[], None]:
     """Start `nodes` Ray nodes on this machine (`ray.cluster_utils.Cluster`,
     `cpus` each) and connect this process; returns what shuts it all down."""
     ray = import_ray()
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": cpus, "object_store_memory": object_store_mb * 1024 * 1024}
+    node = {"num_cpus": cpus, "num_gpus": gpus, "object_store_memory": object_store_mb << 20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
         for _ in range(nodes - 1):
@@ -343,14 +378,25 @@ async def simulate_on_ray(
     address: str | None = None,
     network: InMemoryNetwork | None = None,
     fail_fast: bool = False,
+    shard_cpus: float = 1.0,
+    shard_gpus: float = 0.0,
 ) -> SimulationResult:
     """`simulate(configs, engine="ray")`: the configs over `shards` actors of
     the Ray cluster at `address` (None: this process's Ray, or a local one it
     starts and stops). `local` is the local simulator each shard runs. Each
     shard's network takes `network`'s settings; without one, inline training
-    and no checkpoints kept (the repeatable, frugal settings of a large run)."""
-    run = RayRun(configs, shards=shards, network=network)
-    started = connect(address, num_cpus=len(run.ranges) if address is None else None)
+    and no checkpoints kept (the repeatable, frugal settings of a large run).
+    Each shard actor asks Ray for `shard_cpus` CPUs (its training pool has one
+    worker per whole CPU) and `shard_gpus` GPUs (a fraction shares one)."""
+    run = RayRun(
+        configs,
+        shards=shards,
+        network=network,
+        cpus_per_shard=shard_cpus,
+        gpus_per_shard=shard_gpus,
+    )
+    cpus = math.ceil(len(run.ranges) * shard_cpus)
+    started = connect(address, num_cpus=cpus if address is None else None)
     try:
         await run.start()
         return await run.wait(local, fail_fast=fail_fast)

@@ -38,6 +38,8 @@ async def simulate(
     engine: str = "local",
     shards: int = 2,
     address: str | None = None,
+    shard_cpus: float = 1.0,
+    shard_gpus: float = 0.0,
 ) -> SimulationResult:
     """Run every site's protocol concurrently in this process until all finish
     (or are killed). Nodes the network already marks dead are not started. A
@@ -45,7 +47,8 @@ async def simulate(
     `fail_fast` are stopped at once (recorded as stopped), as a benchmark wants.
 
     engine="ray": the same over `shards` Ray actors of the cluster at `address`
-    (protocols/memory/ray_engine.py; `network` only lends its settings)."""
+    (protocols/memory/ray_engine.py; `network` only lends its settings), each
+    of `shard_cpus` CPUs (its training pool) and `shard_gpus` GPUs."""
     if engine == "ray":
         from .ray_engine import simulate_on_ray
 
@@ -56,6 +59,8 @@ async def simulate(
             address=address,
             network=network,
             fail_fast=fail_fast,
+            shard_cpus=shard_cpus,
+            shard_gpus=shard_gpus,
         )
     if engine != "local":
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")

@@ -57,6 +57,7 @@ import numpy as np
 
 from bench.scale_plot import plot
 from p2pfl.files import atomic_write_text
+from protocols.memory.ray_engine import ShardsDoNotFit, check_shard_resources
 
 DEFAULT_NODES = (100, 300, 1000, 5000)
 K = 4
@@ -457,6 +458,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--nodes: every size must be at least {K + 1} (k = {K} neighbours)")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2 (round 1 includes building the sites)")
+    try:
+        check_shard_resources(args.shard_cpus, args.shard_gpus)
+    except ValueError as exc:
+        parser.error(f"--shard-cpus/--shard-gpus: {exc}")
     if args.per_site < 2:
         parser.error("--per-site must be at least 2")
     return args
@@ -485,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             _say(str(exc))
             return 1
-        except ValueError as exc:  # shards the cluster cannot place: one line
+        except ShardsDoNotFit as exc:  # the cluster cannot place the shards: one line
             _say(f"bench.scale: {exc}")
             return 1
         _say(json.dumps(figures))

@@ -30,6 +30,7 @@ from protocols.memory.ray_engine import (
     RayMissing,
     RayRun,
     ShardDied,
+    ShardsDoNotFit,
     progress,
     train_workers,
 )
@@ -389,26 +390,40 @@ def test_a_full_object_store_fails_that_reply_with_a_reason(
 def test_shards_the_cluster_cannot_hold_are_refused_in_one_line(
     cluster: Any, sources: list[str], tmp_path: Path
 ) -> None:
-    """A shard asks Ray for CPUs (its training pool) and GPUs; shards that no
-    node can hold are refused at once, in one line, instead of waiting for
-    resources that never come. Those that fit get a pool of one worker per
-    whole CPU."""
+    """A shard asks Ray for CPUs (its training pool) and GPUs; shards the
+    cluster cannot place are refused within the placement wait, in one
+    line, instead of waiting for resources that never come, and hold nothing
+    afterwards. Those that fit train in a pool of one worker per whole CPU,
+    and a shard given no GPU hides every GPU from torch."""
+    import ray
+
     cfgs = configs(sources, tmp_path)
-    for cpus, gpus in ((2.0, 0.0), (1.0, 0.5)):  # each Ray node here has 1 CPU, no GPU
-        run = RayRun(cfgs, shards=2, cpus_per_shard=cpus, gpus_per_shard=gpus)
-        with pytest.raises(ValueError) as refused:
-            asyncio.run(asyncio.wait_for(run.start(), 30))
+    # each Ray node here has 1 CPU and no GPU; 3 shards of 1 CPU fit on no 2 such nodes
+    for shards, cpus, gpus in ((2, 2.0, 0.0), (2, 1.0, 0.5), (3, 1.0, 0.0)):
+        run = RayRun(cfgs, shards=shards, cpus_per_shard=cpus, gpus_per_shard=gpus, place_wait_s=3)
+        with pytest.raises(ShardsDoNotFit) as refused:
+            asyncio.run(asyncio.wait_for(run.start(), 60))
         line = str(refused.value)
-        assert "do not fit on the Ray cluster's nodes" in line and "\n" not in line, line
-        assert run.shards == []  # nothing was started
+        assert "could not be placed on the Ray cluster within 3 s" in line, line
+        assert "\n" not in line and run.shards == []  # nothing was started
+    for cpus, gpus in ((0.0, 0.0), (float("nan"), 0.0), (1.0, -1.0), (1.0, 1.5)):
+        with pytest.raises(ValueError):
+            RayRun(cfgs, shards=2, cpus_per_shard=cpus, gpus_per_shard=gpus)
     assert (train_workers(0.5), train_workers(1.0), train_workers(2.5)) == (1, 1, 2)
     run = RayRun(cfgs, shards=2, cpus_per_shard=0.5)
 
     async def pools() -> list[Any]:
         await run.start()
-        try:
-            return await run._ask_all("resources")
+        try:  # on the nodes' loop (the default group), where training runs
+            return list(await asyncio.gather(*(s.resources.remote() for s in run.shards)))
         finally:
             run.stop()
 
-    assert [p["train_workers"] for p in asyncio.run(pools())] == [1, 1]
+    for pool in asyncio.run(pools()):
+        assert pool["train_workers"] == 1 and pool["to_thread_runs_in"].startswith("train"), pool
+        assert pool["cuda_visible_devices"] == "", pool
+    # every shard's resources were given back: the refusals held none either
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0.0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0.0) == 2

@@ -52,6 +52,7 @@ from bench.federation.specs import RunSpec, spec_from_options
 from p2pfl.config import protocol_names
 from p2pfl.learning.data.partition import PartitionError
 from p2pfl.learning.data.sources import DataError
+from protocols.memory.ray_engine import ShardsDoNotFit, check_shard_resources
 from protocols.memory.ray_shard import RayMissing, import_ray
 
 HEURISTICS = ("random", "n_latest", "f1", "cosine")
@@ -328,11 +329,11 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         raise SystemExit(f"bench.federation: --nodes must be at least 2, got {args.nodes}")
     if args.engine == "ray" and args.shards < 1:
         raise SystemExit(f"bench.federation: --shards must be at least 1, got {args.shards}")
-    if args.engine == "ray" and (args.shard_cpus <= 0 or args.shard_gpus < 0):
-        raise SystemExit(
-            "bench.federation: --shard-cpus must be above 0 and --shard-gpus at least 0, "
-            f"got {args.shard_cpus} and {args.shard_gpus}"
-        )
+    if args.engine == "ray":
+        try:
+            check_shard_resources(args.shard_cpus, args.shard_gpus)
+        except ValueError as exc:
+            raise SystemExit(f"bench.federation: --shard-cpus/--shard-gpus: {exc}") from None
     return spec_from_options(
         args,
         in_memory=args.in_memory or args.engine == "ray",
@@ -364,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             compute_limit=args.compute_limit,
             threshold=args.threshold,
         )
-    except (PartitionError, DataError, RayMissing) as exc:  # refused before any node starts
+    except (PartitionError, DataError, RayMissing, ShardsDoNotFit) as exc:  # no node started
         sys.stderr.write(f"bench.federation: {exc}\n")
         return 2
     except ConnectionError as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -47,13 +48,18 @@ class Shard:
         gossip_s: float,
         window_s: float = WINDOW_S,
         train_workers: int = 1,
+        *,
+        hide_gpus: bool = True,
     ) -> None:
+        if hide_gpus:  # no GPU from Ray: none for torch either (set before CUDA starts)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         import torch
 
         torch.set_num_threads(1)  # one core per training worker
         # the nodes' training (ctx.run_blocking, unless inline) runs in a pool
         # of as many workers as the actor has CPUs from Ray (ray_engine.py)
         self.train_workers = train_workers
+        self._pool: ThreadPoolExecutor | None = None
         self.base_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         self.network = ShardNetwork(index, window_s=window_s, **network)
         self.configs: list[SiteConfig] = []
@@ -63,12 +69,23 @@ class Shard:
     def ping(self) -> int:
         return self.network.index
 
-    def resources(self) -> dict[str, Any]:
-        """What Ray gave this actor, and the training pool's size."""
-        import os
+    def _use_pool(self) -> None:
+        """The nodes' loop runs `asyncio.to_thread` work (training) in this
+        shard's pool."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.train_workers, thread_name_prefix="train")
+            asyncio.get_running_loop().set_default_executor(self._pool)
 
+    async def resources(self) -> dict[str, Any]:
+        """The training pool as the nodes' loop uses it, and the GPUs torch
+        may see (on the nodes' loop, like `run`)."""
+        import threading
+
+        self._use_pool()
+        name = await asyncio.to_thread(lambda: threading.current_thread().name)
         return {
-            "train_workers": self.train_workers,
+            "train_workers": self._pool._max_workers if self._pool is not None else None,
+            "to_thread_runs_in": name,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
@@ -86,13 +103,14 @@ class Shard:
 
     async def run(self, local: LocalSimulate, fail_fast: bool) -> str:
         """Run this shard's nodes to the end; the SimulationResult as JSON."""
-        pool = ThreadPoolExecutor(max_workers=self.train_workers, thread_name_prefix="train")
-        asyncio.get_running_loop().set_default_executor(pool)
+        self._use_pool()
         gossip = asyncio.create_task(self._gossip())
         try:
             result = await local(self.configs, network=self.network, fail_fast=fail_fast)
         finally:
             gossip.cancel()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
         self._send_gossip()  # the last rounds' state, for shards still running
         await self.network.drain()
         return json.dumps(result.as_dict())

@@ -4,11 +4,13 @@ machine, with the same per-node, per-round results as one process.
     await simulate(configs, engine="ray", shards=K, address=None | "auto" | "HOST:PORT")
 
 This module is the driver: it places K shard actors (protocols/memory/
-ray_actor.py: async Ray actors, spread over the cluster's machines), each
-holding an `InMemoryNetwork` for a contiguous block of the nodes, wires them
-to each other, runs them and merges their results. How the shards talk
+ray_actor.py: async Ray actors of `cpus_per_shard` CPUs and `gpus_per_shard`
+GPUs, reserved together in a placement group spread over the cluster's
+machines; shards Ray cannot place are refused in one line, `ShardsDoNotFit`),
+each holding an `InMemoryNetwork` for a contiguous block of the nodes, wires
+them to each other, runs them and merges their results. How the shards talk
 (batched actor calls for another shard's node, broadcast membership,
-gossiped rounds and metadata, only bytes and JSON between them) is
+gossiped rounds and metadata, kept models through Ray's object store) is
 ray_shard.py's and ray_mail.py's.
 
 Progress (`records_since`, `rounds_logged`, `round_ends`, `mail`,
@@ -92,6 +94,28 @@ def network_settings(network: InMemoryNetwork | None) -> dict[str, Any]:
     }
 
 
+class ShardsDoNotFit(ValueError):
+    """The Ray cluster cannot hold the shards asked for (one line)."""
+
+
+# How long `RayRun.start` waits for the cluster to hold every shard.
+PLACE_WAIT_S = 60.0
+
+
+def check_shard_resources(cpus: float, gpus: float) -> None:
+    """A shard's CPUs and GPUs as Ray takes them, or one line saying why not."""
+    if not (math.isfinite(cpus) and cpus > 0):
+        raise ValueError(f"a shard needs more than 0 CPUs, got {cpus}")
+    if not (math.isfinite(gpus) and gpus >= 0):
+        raise ValueError(f"a shard's GPUs must be 0 or more, got {gpus}")
+    if gpus > 1 and gpus != int(gpus):
+        raise ValueError(f"a shard's GPUs above 1 must be whole (Ray's rule), got {gpus:g}")
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
 class RayRun:
     """One simulation over K shard actors: `start()`, then `wait()`; `shards`
     and `block_of` let a caller follow it (progress) or kill a shard (drills)."""
@@ -106,6 +130,7 @@ class RayRun:
         gpus_per_shard: float = 0.0,
         gossip_s: float = 0.05,
         window_s: float = WINDOW_S,
+        place_wait_s: float = PLACE_WAIT_S,
     ) -> None:
         names = [c.node.name for c in configs]
         if len(set(names)) != len(names):
@@ -113,12 +138,11 @@ class RayRun:
         self.configs = list(configs)
         self.settings = network_settings(network)
         self.ranges = blocks(len(self.configs), min(shards, max(1, len(self.configs))))
-        if cpus_per_shard <= 0 or gpus_per_shard < 0:
-            raise ValueError(
-                f"a shard needs CPUs > 0 and GPUs >= 0, got {cpus_per_shard} and {gpus_per_shard}"
-            )
+        check_shard_resources(cpus_per_shard, gpus_per_shard)
         self.cpus_per_shard = cpus_per_shard
         self.gpus_per_shard = gpus_per_shard
+        self.place_wait_s = place_wait_s
+        self._group: Any = None  # the placement group holding the shards' resources
         self.gossip_s = gossip_s
         self.window_s = window_s
         self.shards: list[Any] = []
@@ -129,28 +153,36 @@ class RayRun:
         first, last = self.configs[r.start].node.name, self.configs[r.stop - 1].node.name
         return f"shard {i} (nodes {first}..{last})"
 
-    def check_resources(self) -> None:
-        """Refuse, in one line, shards the cluster's nodes cannot hold (Ray
-        would wait for them without end): each shard must fit on one node."""
+    async def _place(self) -> Any:
+        """Reserve every shard's CPUs and GPUs at once (a placement group,
+        spread over the cluster's nodes); shards Ray cannot place within
+        `place_wait_s` (too few free CPUs or GPUs, a fraction of a GPU that
+        fits no single GPU) are refused in one line, not waited for."""
         ray = import_ray()
-        per = {"CPU": self.cpus_per_shard, "GPU": self.gpus_per_shard}
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        fits = sum(
-            min(int(res.get(k, 0.0) / v + 1e-9) for k, v in per.items() if v > 0) for res in nodes
-        )
-        if fits < len(self.ranges):
-            have = ", ".join(
-                f"{res.get('CPU', 0.0):g} CPU {res.get('GPU', 0.0):g} GPU" for res in nodes
-            )
-            raise ValueError(
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        bundle = {"CPU": self.cpus_per_shard}
+        if self.gpus_per_shard:
+            bundle["GPU"] = self.gpus_per_shard
+        group = placement_group([bundle] * len(self.ranges), strategy="SPREAD")
+        try:
+            await asyncio.wait_for(_awaited(group.ready()), self.place_wait_s)
+        except TimeoutError:
+            remove_placement_group(group)
+            free = ray.available_resources()
+            raise ShardsDoNotFit(
                 f"{len(self.ranges)} shards of {self.cpus_per_shard:g} CPU and "
-                f"{self.gpus_per_shard:g} GPU each do not fit on the Ray cluster's nodes "
-                f"({have}): {fits} would"
-            )
+                f"{self.gpus_per_shard:g} GPU each could not be placed on the Ray cluster "
+                f"within {self.place_wait_s:g} s (free now: {free.get('CPU', 0.0):g} CPU, "
+                f"{free.get('GPU', 0.0):g} GPU)"
+            ) from None
+        return group
 
     async def start(self) -> None:
         ray = import_ray()
-        self.check_resources()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._group = await self._place()
         actor = ray.remote(
             num_cpus=self.cpus_per_shard,
             num_gpus=self.gpus_per_shard,
@@ -159,8 +191,17 @@ class RayRun:
             concurrency_groups={PROGRESS: 4},
         )(Shard)
         self.shards = [
-            actor.options(scheduling_strategy="SPREAD").remote(
-                i, self.settings, self.gossip_s, self.window_s, train_workers(self.cpus_per_shard)
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=i
+                )
+            ).remote(
+                i,
+                self.settings,
+                self.gossip_s,
+                self.window_s,
+                train_workers(self.cpus_per_shard),
+                hide_gpus=not self.gpus_per_shard,
             )
             for i in range(len(self.ranges))
         ]
@@ -294,13 +335,19 @@ class RayRun:
         return list(await asyncio.gather(*(progress(s, method).remote() for s in self.shards)))
 
     def stop(self) -> None:
-        """Kill every shard actor (the run's end, or its failure)."""
-        if not self.shards:
+        """Kill every shard actor (the run's end, or its failure) and give
+        their resources back."""
+        if not self.shards and self._group is None:
             return
         ray = import_ray()
         for shard in self.shards:
             ray.kill(shard, no_restart=True)
         self.shards = []
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._group)
+            self._group = None
 
 
 def progress(shard: Any, method: str) -> Any:
@@ -413,6 +460,8 @@ __all__ = [
     "RayMissing",
     "RayRun",
     "ShardDied",
+    "ShardsDoNotFit",
+    "check_shard_resources",
     "ShardNetwork",
     "connect",
     "import_ray",

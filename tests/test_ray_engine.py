@@ -241,6 +241,10 @@ def test_a_ray_runs_round_times_are_the_shards_own_and_real(
             await run.start()
             result = await run.wait(simulate)
             ends, mail = await run.round_ends(), await run.mail()
+            # a shard whose nodes are done still answers slower shards'
+            # requests, some of them in its training pool: the pool still works
+            for pool in await asyncio.gather(*(s.resources.remote() for s in run.shards)):
+                assert pool["to_thread_runs_in"].startswith("train"), pool
         finally:
             run.stop()
         return started, result, ends, mail, time.time()
@@ -413,6 +417,13 @@ def test_shards_the_cluster_cannot_hold_are_refused_in_one_line(
         line = str(refused.value)
         assert "could not be placed on the Ray cluster within 3 s" in line, line
         assert "\n" not in line and run.shards == []  # nothing was started
+    # a caller that gives up while the shards wait for room leaves no reservation behind
+    waiting = RayRun(cfgs, shards=3, place_wait_s=600)
+    with pytest.raises(TimeoutError):
+        asyncio.run(asyncio.wait_for(waiting.start(), 2))
+    waiting.stop()
+    live = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    assert live == [], live
     for cpus, gpus in ((0.0, 0.0), (float("nan"), 0.0), (1.0, -1.0), (1.0, 1.5)):
         with pytest.raises(ValueError):
             RayRun(cfgs, shards=2, cpus_per_shard=cpus, gpus_per_shard=gpus)

@@ -44,20 +44,21 @@ def run_in_memory(
     async def follow() -> SimulationResult:
         # fail_fast: one failed node ends the benchmark at once
         ray_run = None
-        if spec.engine == "ray":
-            ray_run = RayRun(
-                configs,
-                shards=spec.shards,
-                network=network,
-                cpus_per_shard=spec.shard_cpus,
-                gpus_per_shard=spec.shard_gpus,
-            )
-            await ray_run.start()
-            task = asyncio.ensure_future(ray_run.wait(simulate, fail_fast=True))
-        else:
-            task = asyncio.ensure_future(simulate(configs, network=network, fail_fast=True))
+        task: asyncio.Future[SimulationResult] | None = None
         printed = 0
         try:
+            if spec.engine == "ray":
+                ray_run = RayRun(
+                    configs,
+                    shards=spec.shards,
+                    network=network,
+                    cpus_per_shard=spec.shard_cpus,
+                    gpus_per_shard=spec.shard_gpus,
+                )
+                await ray_run.start()  # inside the try: a failed start is stopped too
+                task = asyncio.ensure_future(ray_run.wait(simulate, fail_fast=True))
+            else:
+                task = asyncio.ensure_future(simulate(configs, network=network, fail_fast=True))
             while True:
                 await asyncio.wait({task}, timeout=POLL_INTERVAL_S)
                 if ray_run is not None:
@@ -70,7 +71,8 @@ def run_in_memory(
                     shard_peaks[f"shard_{i}"] = round(peak, 1)
             return task.result()
         finally:
-            task.cancel()
+            if task is not None:
+                task.cancel()
             if ray_run is not None:
                 ray_run.stop()
 

@@ -108,9 +108,10 @@ class Shard:
         try:
             result = await local(self.configs, network=self.network, fail_fast=fail_fast)
         finally:
+            # the pool stays: this shard still answers slower shards' requests
+            # (some run in it) until the driver kills the actor, and its
+            # threads end with the actor's process
             gossip.cancel()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
         self._send_gossip()  # the last rounds' state, for shards still running
         await self.network.drain()
         return json.dumps(result.as_dict())

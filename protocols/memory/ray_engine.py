@@ -167,8 +167,10 @@ class RayRun:
         group = placement_group([bundle] * len(self.ranges), strategy="SPREAD")
         try:
             await asyncio.wait_for(_awaited(group.ready()), self.place_wait_s)
-        except TimeoutError:
-            remove_placement_group(group)
+        except BaseException as exc:  # not placed in time, or the caller gave up
+            remove_placement_group(group)  # else it would take the resources later
+            if not isinstance(exc, TimeoutError):
+                raise
             free = ray.available_resources()
             raise ShardsDoNotFit(
                 f"{len(self.ranges)} shards of {self.cpus_per_shard:g} CPU and "

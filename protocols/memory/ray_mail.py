@@ -21,7 +21,7 @@ calls then still waited long in the receiving actor's queue (2.6 s and 46 s
 on average in the two shards, at most 608 s) while Ray spilled 2.3 GB of
 batches. Since the models travel through the object store (ray_shard.py) the
 batches carry references only: 168 calls carried 126,250 messages at 10,000
-nodes, and a call waited 0.22 s on average (at most 38 s). Not built: a
+nodes, and a call waited 0.22-0.28 s on average (at most 38 s). Not built: a
 bound on the batches in flight per pair of shards (flow control).
 
 This module knows nothing of Ray: an `Outbox` calls the `send` it is given

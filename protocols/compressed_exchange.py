@@ -371,9 +371,6 @@ def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) ->
     for key, mask in sent.items():
         if bool(mask.all()):
             continue
-        if not bool(mask.any()):  # refused by decode_state; no bound, so own values
-            term[key] = own[key].to(copy[key].dtype)
-            continue
         tau = delta[key][mask].abs().min()
         near = torch.minimum(torch.maximum(own[key], copy[key] - tau), copy[key] + tau)
         term[key] = torch.where(mask, copy[key], near.to(copy[key].dtype))

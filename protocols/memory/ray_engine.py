@@ -52,6 +52,7 @@ from protocols.memory.ray_shard import (
     LocalSimulate,
     RayMissing,
     ShardNetwork,
+    awaited,
     import_ray,
 )
 from protocols.memory.results import SimulationResult
@@ -112,10 +113,6 @@ def check_shard_resources(cpus: float, gpus: float) -> None:
         raise ValueError(f"a shard's GPUs above 1 must be whole (Ray's rule), got {gpus:g}")
 
 
-async def _awaited(ref: Any) -> Any:
-    return await ref
-
-
 class RayRun:
     """One simulation over K shard actors: `start()`, then `wait()`; `shards`
     and `block_of` let a caller follow it (progress) or kill a shard (drills)."""
@@ -166,7 +163,7 @@ class RayRun:
             bundle["GPU"] = self.gpus_per_shard
         group = placement_group([bundle] * len(self.ranges), strategy="SPREAD")
         try:
-            await asyncio.wait_for(_awaited(group.ready()), self.place_wait_s)
+            await asyncio.wait_for(awaited(group.ready()), self.place_wait_s)
         except BaseException as exc:  # not placed in time, or the caller gave up
             remove_placement_group(group)  # else it would take the resources later
             if not isinstance(exc, TimeoutError):

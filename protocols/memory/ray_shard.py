@@ -102,16 +102,9 @@ def import_ray() -> Any:
     return ray
 
 
-async def _awaited(ref: Any) -> Any:
+async def awaited(ref: Any) -> Any:
     """An ObjectRef's value, as a coroutine (what `asyncio.wait_for` takes)."""
     return await ref
-
-
-def _fetched(task: asyncio.Task[Any]) -> None:
-    """A fetch that ended after every asker had gone: its error is read here,
-    so asyncio does not report it as never retrieved."""
-    if not task.cancelled():
-        task.exception()
 
 
 class _PublicKeyOnly:
@@ -426,14 +419,22 @@ class ShardNetwork(InMemoryNetwork):
             return kept
         task = self._fetching.get(key)
         if task is None:
-            task = self._fetching[key] = asyncio.create_task(self._fetch(peer, key, ref, wait_s))
-            task.add_done_callback(_fetched)
-            task.add_done_callback(lambda _: self._fetching.pop(key, None))
+            fetch = self._fetch(peer, key, ref, wait_s)
+            task = self._fetching[key] = asyncio.create_task(fetch, name=key)
+            task.add_done_callback(self._fetched)
         try:
             # shielded: one asker that gives up does not stop the others' fetch
             return await asyncio.wait_for(asyncio.shield(task), wait_s)
         except TimeoutError:
             raise PeerUnavailable(peer, "timeout") from None
+
+    def _fetched(self, task: asyncio.Task[Kept]) -> None:
+        """A fetch ended: it is no longer under way, and its error is read
+        here (asyncio would report one whose askers had all gone as never
+        retrieved)."""
+        self._fetching.pop(task.get_name(), None)  # named by its key
+        if not task.cancelled():
+            task.exception()
 
     async def _fetch(self, peer: str, key: str, ref: Any, wait_s: float) -> Kept:
         """One kept payload from the object store, within `wait_s` (after
@@ -441,7 +442,7 @@ class ShardNetwork(InMemoryNetwork):
         requests waiting on it with a reason, as a lost peer would."""
         ray = import_ray()
         try:
-            data = await asyncio.wait_for(_awaited(ref), wait_s)
+            data = await asyncio.wait_for(awaited(ref), wait_s)
         except TimeoutError:
             raise PeerUnavailable(peer, "timeout") from None
         except ray.exceptions.OwnerDiedError:

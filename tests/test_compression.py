@@ -238,6 +238,7 @@ def bad_replies() -> list[tuple[str, str, Any, str]]:
         ("repeated index", {"index": torch.tensor([2, 2, 3], dtype=I32)}, "index_out_of_range"),
         ("fewer indices", {"index": torch.tensor([1, 2], dtype=I32)}, "size_mismatch"),
         ("NaN values", {"values": torch.full((3,), math.nan, dtype=F16), "index": torch.tensor([1, 2, 3], dtype=I32)}, "non_finite"),
+        ("Inf values", {"values": torch.full((3,), -math.inf, dtype=F16), "index": torch.tensor([1, 2, 3], dtype=I32)}, "non_finite"),
         ("mask bit past the end", {"values": torch.ones(1, dtype=F16), "mask": torch.tensor([0] * 78 + [1], dtype=torch.uint8)}, "index_out_of_range"),
         ("mask too long", {"mask": torch.zeros(80, dtype=torch.uint8)}, "size_mismatch"),
         ("index and mask", {"index": torch.tensor([1, 2, 3], dtype=I32), "mask": torch.zeros(79, dtype=torch.uint8)}, "malformed"),

@@ -151,7 +151,7 @@ def centralized_fedavg(
     sites = [build_site(cfg) for cfg in configs]
     global_state = sites[0].state_dict()
     weights = [float(site.num_train) for site in sites]
-    bests = [BestModel() for _ in sites]
+    bests = [BestModel(federated=True) for _ in sites]  # federated models, as a node's
     records: list[dict[str, Any]] = []
     for r in range(1, total + 1):
         _schedule(sites, r, total)
@@ -240,7 +240,7 @@ def centralized_fedsgd(
     start = time.perf_counter()
     total = _rounds(configs, rounds)
     sites = [build_site(cfg) for cfg in configs]
-    bests = [BestModel() for _ in sites]
+    bests = [BestModel(federated=True) for _ in sites]  # federated models, as a node's
     records: list[dict[str, Any]] = []
     for r in range(1, total + 1):
         _schedule(sites, r, total)

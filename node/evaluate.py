@@ -38,7 +38,7 @@ def add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
         default="latest",
         choices=list(WHICH_MODELS),
         help="each node's latest model; federated: its best federated model on its own "
-        "validation split; personal: its personal model; best: whichever of the two the "
+        "validation split (its latest where that split holds one class); personal: its personal model; best: whichever of the two the "
         "site chose on its validation split (what it reports)",
     )
     parser.add_argument(

@@ -5,7 +5,8 @@
                       [--cross-site evaluate.json]
 
 The model comes from the node's last checkpoint (its latest model, or its best
-on its own validation split). The package (`p2pfl.learning.export`) holds each
+on its own validation split; a split of one class cannot choose among the
+federated rounds, and the latest is its best). The package (`p2pfl.learning.export`) holds each
 requested format, checked against torch on this site's test split before it
 is named, and model.json; the model card (model_card.md and .json) says what
 the model was trained on (counts per class and split, never an image), by which
@@ -43,7 +44,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         default="best",
         choices=list(WHICH_MODELS),
         help="best (default): the model this site chose on its validation split, personal "
-        "or federated; personal; federated (the best federated model on validation); latest",
+        "or federated; personal; federated (the best federated model on validation, the "
+        "latest where the validation split holds one class); latest",
     )
     parser.add_argument(
         "--format",

@@ -88,7 +88,9 @@ class RoundLoop(Protocol, Generic[P]):
         self.selection_history: list[list[str]] = []  # neighbours used, most recent last
         self.merged: list[list[Any]] = []  # [round, [[peer, peer's round], ...]] (bounded)
         self.gossip: dict[str, Any] = {}  # what this node publishes for the heuristics
-        self.best = BestModel()  # the best model so far on the site's validation split
+        # the best federated model so far on the site's validation split (the
+        # latest where that split holds one class: p2pfl.learning.best)
+        self.best = BestModel(federated=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -381,7 +383,7 @@ class RoundLoop(Protocol, Generic[P]):
         chosen_by, by = saved.get("select_by", "macro_f1"), select_by(site)
         finished = int(saved["round"]) >= self.params.rounds  # nothing will be chosen again
         if chosen_by == by or finished:
-            self.best = BestModel.restore(saved.get("best"))
+            self.best = BestModel.restore(saved.get("best"), federated=True)
             self.personal.restore(saved.get("personal"))
         else:  # scores of another figure cannot be compared with this run's
             log.warning(
@@ -392,7 +394,7 @@ class RoundLoop(Protocol, Generic[P]):
                 chosen_by,
                 by,
             )
-            self.best = BestModel()
+            self.best = BestModel(federated=True)
             self.personal.restore(saved.get("personal"), keep_best=False)
         for key, value in self.gossip.items():
             ctx.publish(key, value)

@@ -12,6 +12,7 @@ import torch
 from bench.baselines import centralized_fedavg
 from p2pfl.config import FedAvgP2PParams, SiteConfig
 from p2pfl.learning.data.partition import partition_dataset
+from p2pfl.secure.tensors import dumps
 from protocols import create
 from protocols.aggregate import weighted_mean
 from protocols.base import NotReady, PeerUnavailable
@@ -249,6 +250,46 @@ def test_a_restarted_federation_resumes_from_its_checkpoints(
     assert not torch.equal(
         after["model"]["classifier.weight"], before["model"]["classifier.weight"]
     )
+
+
+def test_a_one_class_validation_split_makes_the_federated_best_the_latest_round(
+    sources: list[str], tmp_path: Path
+) -> None:
+    """A site whose val split holds one class cannot choose among the
+    federated rounds: its node's best model is each round's latest, through a
+    restart too, while the other sites still choose; the centralized baseline's
+    per-site best follows the same rule."""
+    import numpy as np
+
+    z = dict(np.load(sources[0]))
+    keep = z["val_labels"] == np.bincount(z["val_labels"]).argmax()
+    z["val_images"], z["val_labels"] = z["val_images"][keep], z["val_labels"][keep]
+    one = tmp_path / "one_class_val.npz"
+    np.savez(one, **z)
+    mixed = [str(one), *sources[1:]]
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    first = run(configs(mixed, rounds=3), network)
+    assert first.errors == {}
+    assert by_node(first, "site0", "val_classes") == [1, 1, 1]
+    assert by_node(first, "site0", "best_round") == [1.0, 2.0, 3.0]
+    assert by_node(first, "site0", "best_follows_latest") == [1.0, 1.0, 1.0]
+    assert all(r.get("best_follows_latest") is None for r in first.records if r["node"] != "site0")
+    saved = network.saved_state("site0")
+    assert saved["best"]["follows_latest"] is True
+    # resumed from a checkpoint of before the rule, its best a round the scores chose
+    del saved["best"]["follows_latest"]
+    saved["best"].update(round=1, val_score=1e9)
+    (tmp_path / "ckpt" / "site0.ckpt").write_bytes(dumps(saved))
+    again = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    second = run(configs(mixed, rounds=5), again)
+    assert second.errors == {}
+    assert by_node(second, "site0", "best_round") == [4.0, 5.0]
+    saved = again.saved_state("site0")["best"]
+    assert saved["round"] == 5 and saved["follows_latest"] is True
+    baseline = centralized_fedavg(configs(mixed, rounds=3))
+    rows = [r for r in baseline.records if r["node"] == "site0"]
+    assert [r["best_round"] for r in rows] == [1.0, 2.0, 3.0], rows
+    assert [r.get("best_follows_latest") for r in rows] == [1.0, 1.0, 1.0]
 
 
 def test_a_resume_under_another_select_by_chooses_its_best_models_afresh(

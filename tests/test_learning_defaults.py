@@ -136,6 +136,42 @@ def test_the_best_model_is_chosen_on_validation_never_on_test() -> None:
     assert BestModel.restore(old).val_score == 0.6
 
 
+def test_a_validation_split_of_one_class_cannot_choose_a_federated_round() -> None:
+    """A val split holding one class scores any model that predicts that class
+    as perfect: it cannot choose among the federated model's rounds, so every
+    round replaces the last, whatever its score, and a restart keeps that rule.
+    A model of the site's own (personal, alone) still chooses on it."""
+
+    def val(score: float, test: float, classes: int) -> dict[str, float]:
+        return {"val_score": score, "val_macro_f1": score, "macro_f1": test, "val_classes": classes}
+
+    # two classes: the better score chooses, as ever
+    best = BestModel(federated=True)
+    assert best.observe(1, val(0.9, 0.4, 2))["best_round"] == 1
+    assert best.observe(2, val(0.5, 0.8, 2))["best_round"] == 1
+    assert not best.follows_latest
+    lone = BestModel(federated=True)
+    lone.observe(1, val(1.0, 0.4, 1), lambda: {"w": torch.ones(1)})
+    figures = lone.observe(2, val(0.2, 0.8, 1), lambda: {"w": torch.zeros(1)})
+    assert figures["best_round"] == 2 and figures["best_macro_f1"] == 0.8
+    assert figures["best_follows_latest"] == 1.0 and lone.follows_latest
+    assert torch.equal(lone.state["w"], torch.zeros(1))
+    restored = BestModel.restore(lone.checkpoint(), federated=True)
+    assert restored.follows_latest
+    assert restored.observe(3, {"val_score": 0.1, "macro_f1": 0.7}, lambda: {})["best_round"] == 3
+    # a val split that holds two classes again (new data after a restart) chooses
+    assert restored.observe(4, val(0.6, 0.5, 2), lambda: {})["best_round"] == 4
+    assert not restored.follows_latest
+    assert restored.observe(5, val(0.3, 0.9, 2))["best_round"] == 4
+    # a checkpoint of before the rule follows the scores
+    old = {k: v for k, v in best.checkpoint().items() if k != "follows_latest"}
+    assert not BestModel.restore(old, federated=True).follows_latest
+    # the site's own model chooses on its one class
+    own = BestModel()
+    own.observe(1, val(1.0, 0.4, 1))
+    assert own.observe(2, val(0.2, 0.8, 1))["best_round"] == 1 and not own.follows_latest
+
+
 def test_the_balanced_loss_weighs_each_class_alike_and_lower_wins() -> None:
     """training.select_by balanced_loss: the mean over the classes present of
     each class's mean negative log-likelihood, computed by hand here; as a

@@ -35,6 +35,7 @@ from p2pfl.config.site import SiteConfig
 from p2pfl.learning.best import BestModel
 from p2pfl.learning.class_weights import log_class_prior
 from p2pfl.learning.data import SiteData
+from p2pfl.learning.evaluate import evaluate_site
 from p2pfl.learning.personal import Personalization, norm_keys, resolve_method
 from p2pfl.learning.train import LocalSite
 
@@ -130,6 +131,46 @@ def test_without_personalization_or_validation_the_federated_model_is_reported(t
     figures = personal.choose(site, BestModel())
     assert figures == {"reported_personal": 0.0}
     assert personal.choice is not None and personal.choice["why"] == "personalization.method none"
+
+
+def test_a_one_class_validation_split_follows_the_latest_federated_round(tmp_path):
+    """A one-class val split cannot choose among the federated model's rounds
+    (any model that predicts its class scores perfectly there): the node's
+    federated model is its latest round's, and the personal model is
+    fine-tuned from that one, then chosen on validation as ever."""
+    cfg = digits_config(tmp_path)
+    site = site_of(cfg)
+    x_val, y_val = site.data.val.tensors
+    site.data = SiteData(
+        **{
+            **site.data.__dict__,
+            "val": torch.utils.data.TensorDataset(x_val, torch.zeros_like(y_val)),
+        }
+    )
+    federated = BestModel(federated=True)
+    for r in (1, 2):
+        site.train_epochs()
+        metrics = evaluate_site(site)
+        assert metrics["val_classes"] == 1
+        federated.observe(r, metrics, site.state_dict)
+    assert federated.follows_latest and federated.round == 2
+    latest = {k: v.clone() for k, v in site.state_dict().items()}
+    assert all(torch.equal(latest[k], v) for k, v in federated.state.items())
+    personal = Personalization(cfg.training, site)
+    starts: list[dict[str, torch.Tensor]] = []
+    tune = personal.finetune
+
+    def finetune(site_: Any, start: dict[str, torch.Tensor]) -> None:
+        starts.append(start)
+        tune(site_, start)
+
+    personal.finetune = finetune  # type: ignore[method-assign]
+    personal.choose(site, federated, 2)
+    assert len(starts) == 1 and all(torch.equal(latest[k], v) for k, v in starts[0].items())
+    assert personal.choice is not None and personal.choice["personal_round"] == 2
+    assert personal.choice["finetune_epoch"] is not None  # the personal model still chose
+    # a val split of the site's usual classes chooses as before
+    assert evaluate_site(site_of(cfg))["val_classes"] == 10
 
 
 def test_a_site_that_is_no_classifier_has_nothing_to_personalize():

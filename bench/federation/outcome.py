@@ -30,7 +30,9 @@ EXTRA_ROW_KEYS = (
     "val_macro_f1",
     "val_balanced_loss",
     "val_score",  # what chooses (training.select_by's figure, higher wins)
+    "val_classes",  # fewer than two: the federated best follows the latest round
     "best_round",
+    "best_follows_latest",
     "best_val_macro_f1",
     "best_val_score",
     "best_macro_f1",

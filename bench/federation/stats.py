@@ -7,7 +7,8 @@ Figures (keys of `summary`):
   logged round; macro_f1_mean_last3: the mean of the last three rounds' means
   (one round can swing by several points);
 - best_macro_f1_mean_final: the same for the node's federated model that is
-  best so far on its own validation split (p2pfl.learning.best), at each
+  best so far on its own validation split (p2pfl.learning.best: the latest
+  where that split holds one class), at each
   node's last logged round; best_macro_f1_min_final its lowest node;
 - reported_macro_f1_mean_final / _min_final: the model each node reports,
   its personal or its federated model as its validation split chose (None

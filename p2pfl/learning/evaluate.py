@@ -66,6 +66,7 @@ def split_report(proba: Tensor, labels: Tensor, num_classes: int, split: str) ->
     report["balanced_loss"] = (
         float((sums[present] / counts[present]).mean()) if present.any() else None
     )
+    report["classes_present"] = int(present.sum())
     report["split"] = split
     report["n"] = len(labels)
     return report
@@ -135,6 +136,7 @@ CALIBRATION_KEYS = ("macro_f1", "accuracy", "balanced_accuracy", "ece", "mce", "
 # best, the fine-tuning epoch, personal or federated): training.select_by's
 # figure of the val split, as a score where higher wins.
 SCORE_KEY = "val_score"
+VAL_CLASSES_KEY = "val_classes"
 
 
 def select_by(site: Any) -> str:
@@ -161,8 +163,9 @@ def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict
     """A site's round metrics: `test_keys` of its test split (the headline
     macro-F1, accuracy, balanced accuracy and AUC, None where the split lacks a
     class; CALIBRATION_KEYS adds ECE and MCE), `val_macro_f1`/`val_accuracy`/
-    `val_balanced_loss` of its val split and the score that chooses among its
-    models (SCORE_KEY), whichever splits exist, and `per_class_f1` of val (else
+    `val_balanced_loss` of its val split, the score that chooses among its
+    models (SCORE_KEY) and the number of classes the val split holds
+    (VAL_CLASSES_KEY), whichever splits exist, and `per_class_f1` of val (else
     test), which the node gossips for the F1 peer-selection heuristic."""
     out: dict[str, Any] = {}
     reports = site.evaluate_available()
@@ -174,6 +177,9 @@ def evaluate_site(site: Any, test_keys: tuple[str, ...] = HEADLINE_KEYS) -> dict
         out["val_accuracy"] = reports["val"]["accuracy"]
         out["val_balanced_loss"] = reports["val"].get("balanced_loss")
         out[SCORE_KEY] = selection_score(reports["val"], select_by(site))
+        # how many classes the val split holds: with fewer than two, its score
+        # cannot choose among models (p2pfl.learning.best.CHOOSING_CLASSES)
+        out[VAL_CLASSES_KEY] = reports["val"].get("classes_present")
     gossip = reports.get("val") or reports.get("test")
     out["per_class_f1"] = list(gossip["per_class_f1"]) if gossip else None
     return out

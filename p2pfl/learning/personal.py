@@ -4,10 +4,12 @@ A hospital joins a federation for a better model for its own patients. One
 averaged model serves no site of a label-skewed federation best, so every
 classifier site also keeps a personal model and reports, exports and predicts
 with whichever of the two does better on its own validation split. The test
-split never chooses (docs/protocols.md#personalization).
+split never chooses (docs/protocols.md#personalization). A validation split of
+one class cannot choose among the federated model's rounds (p2pfl.learning.best).
 
 - `finetune`: after the last round, the federated model (the best on
-  validation, `p2pfl.learning.best`) is fine-tuned on the site's train split
+  validation, `p2pfl.learning.best`; its latest round where the val split
+  holds one class) is fine-tuned on the site's train split
   for up to `finetune_epochs` epochs at training.lr x `finetune_lr_factor`;
   the epoch with the best validation score (training.select_by's figure,
   `p2pfl.learning.evaluate.selection_score`) is the personal model (FedAvg +
@@ -41,7 +43,13 @@ from torch import Tensor, nn
 
 from p2pfl.config import TrainingSection
 from p2pfl.learning.best import BestModel
-from p2pfl.learning.evaluate import SCORE_KEY, evaluate_site, select_by, selection_score
+from p2pfl.learning.evaluate import (
+    SCORE_KEY,
+    VAL_CLASSES_KEY,
+    evaluate_site,
+    select_by,
+    selection_score,
+)
 from p2pfl.learning.optimizer import (
     build_optimizer,
     export_optimizer_state,
@@ -210,6 +218,7 @@ class Personalization:
             metrics = evaluate_site(site, REPORTED_FIGURES)
         metrics.pop("per_class_f1", None)
         self.best.observe(round_no, metrics, lambda: dict(self.state or {}))
+        metrics.pop(VAL_CLASSES_KEY, None)  # the federated model's figure already
         return {f"personal_{k}": float(v) for k, v in metrics.items() if v is not None}
 
     def finetune(self, site: Any, start: dict[str, Tensor]) -> None:
@@ -245,7 +254,9 @@ class Personalization:
         """After the last round: the personal model (fine-tuned now, or
         ditto's best), and which of the two the site reports: the better
         validation score (training.select_by's figure); the federated one on a
-        tie or without a validation split. Returns the figures logged with the
+        tie or without a validation split. Fine-tuning starts from the
+        federated model: its latest round where the val split holds one class
+        (`BestModel.follows_latest`). Returns the figures logged with the
         last round: reported_personal (1.0 or 0.0), reported_<figure>,
         personal_<figure>, personal_val_macro_f1, personal_val_score."""
         if not self.classifier:  # nothing to choose between (probe, pre-training)

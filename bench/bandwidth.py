@@ -34,9 +34,10 @@ Reported per arm and seed (results.json), and as means over seeds:
   `bytes_sent`, heartbeats left out, requests and replies) at its last round,
   over that round; per site (mean over nodes) and for the federation (sum);
 - round time: `round_s` of every node and round, mean; exchange time beside
-  it; and the mean over the rounds before the last (`round_s_before_last`):
-  a node's last round also holds personalization's fine-tuning, one local
-  pass that is the same in every arm and dwarfs a short resnet18 round;
+  it; and the mean over the rounds before the last (`round_s_before_last`).
+  Personalization's fine-tuning after the last round is not in `round_s`
+  (the node logs it apart as `personalize_s`), so the two agree but for
+  noise;
 - final macro-F1: each node's last evaluated round, mean over nodes;
 - link floor: a site's bytes per round over the link rate, the least time its
   uplink needs per round (a check that the link was in the way).

@@ -123,7 +123,8 @@ def arm_figures(
     max_round = max((r["round"] for r in fast_rows), default=0)
     figures: dict[str, Any] = {
         "fast_round_s_mean": rounded(mean([r.get("round_s") for r in fast_rows])),
-        # the last round also holds personalization's fine-tuning (every arm alike)
+        # kept beside the mean: until 2026-11-26 the last round also held
+        # personalization's fine-tuning, which is now personalize_s, apart
         "fast_round_s_mean_before_last": rounded(
             mean([r.get("round_s") for r in fast_rows if r["round"] < max_round])
         ),

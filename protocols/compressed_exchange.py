@@ -30,9 +30,17 @@ the clamp's figures are in docs/benchmarks.md.)
 Memory: the sender keeps at most two copies per roster member (the copy the
 last reply started from, so that one lost reply does not reset the pair, and
 the copy it made), the receiver one per roster member: at most 3 x (N - 1)
-models of float32 beside the node's own. They outlive a restart in
-`compression.<stage>safetensors` (the state directory, written after each
-exchange); a copy lost there only costs a keyframe, and so does one that
+models of float32 beside the node's own. They outlive a restart in the state
+directory: each copy in a file of its own under `compression.<stage>copies/`,
+written once, at the first save after it is made (a copy never changes; a
+file whose name a copy of other content takes, as when a peer uses an id
+twice, is written again), and an index,
+`compression.<stage>safetensors`, rewritten after each exchange, that names
+the copies in use (the files of the others are then removed). Rewriting every
+copy after every exchange cost up to 3 x (N - 1) models of writes a round, a
+resnet18's 45 MB each. An index of before this layout (the copies' tensors in
+the index file itself) still loads. A copy lost there only costs its pair a
+keyframe (the other pairs keep theirs), and so does one that
 does not fit the model (other entries, shapes or dtypes, or not finite: a
 corrupt file, a model changed between runs; `fits`): the sender starts that
 pair from zeros, the receiver drops it and skips a reply built on it (logged,
@@ -47,13 +55,16 @@ reference) and admits it. The residual is kept in FedSGDP2P's checkpoint.
 A reply in another format than this node's (`format` field, or a typed map of
 another kind) is refused as `compression_mismatch`; a payload that does not
 decode, as `compression_<reason>` (protocols/compression.py); a reference id
-this node does not hold, as `compression_bad_ref`. Each is counted through
+this node does not hold, as `compression_bad_ref`; a new id equal to the one
+it holds (an id names one copy, whose file is written once), as
+`compression_malformed`. Each is counted through
 `ctx.reject` and the exchange goes on with the other neighbours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import secrets
@@ -91,6 +102,15 @@ log = logging.getLogger(__name__)
 
 State = dict[str, Tensor]
 ID_BITS = 52  # copy ids: exact in a float64 too; a collision is 2^-52 per copy
+SIDES = ("sent", "held")
+LAYOUT = "files"  # the index's `layout`: each copy in a file of its own
+
+
+def copy_file_name(side: str, peer: str, cid: int) -> str:
+    """The file of one copy: its side, a digest of the peer's name (any string
+    a roster holds, never a path) and its id."""
+    tag = hashlib.sha256(peer.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{side}-{tag}-{int(cid)}.safetensors"
 
 
 def _copy_id(value: Any) -> int | None:
@@ -129,6 +149,10 @@ class CompressedExchange(PlainExchange):
         self.clamped = self.unsent = 0  # top-k: entries not sent, and those the band moved
         self.count_lock = threading.Lock()
         self.dirty = False  # copies changed since the last save
+        # copy file -> the copy it holds (written, or loaded): a name whose copy
+        # is another object is written again (an id a peer used twice)
+        self.on_disk: dict[str, State] = {}
+        self.copies_dir: Path | None = None
         self.pending: dict[str, State] = {}  # peer -> the copy its reply made, until admitted
 
     # ------------------------------------------------------------------ sender side
@@ -136,6 +160,7 @@ class CompressedExchange(PlainExchange):
     def start(self, ctx: RoundContext) -> None:
         self.limit = max(1, len(ctx.roster()))
         self.path = copies_file(ctx)
+        self.copies_dir = copies_folder(ctx)
         self.load()
         super().start(ctx)
 
@@ -149,6 +174,8 @@ class CompressedExchange(PlainExchange):
         copies = self.sent.get(requester, {})
         base = copies.get(ref) if ref else None
         new_id = secrets.randbits(ID_BITS) or 1
+        while new_id == ref:  # an id names one copy only (its file is written once)
+            new_id = secrets.randbits(ID_BITS) or 1
         # Not on the node's training thread (ctx.run_blocking): a slower peer's
         # pull must not wait for this node's next round of training.
         payload, x_hat, used = await asyncio.to_thread(self.encode, found["state"], base)
@@ -199,6 +226,10 @@ class CompressedExchange(PlainExchange):
         held = self.held.get(peer)
         if ref and (held is None or held[0] != ref):
             return self.refuse(ctx, peer, "bad_ref", f"copy {ref} is not the one held")
+        if held is not None and new_id == held[0]:
+            # An id names one copy: its file is written once, when it is made. A
+            # sender draws a new one for every reply (52 random bits).
+            return self.refuse(ctx, peer, "malformed", f"id {new_id} reused")
         base = held[1] if ref and held is not None else None
         if base is not None and not await ctx.run_blocking(fits, base, reference):
             # This node's own copy is bad (a corrupt file, another model): not the
@@ -285,40 +316,66 @@ class CompressedExchange(PlainExchange):
     # ------------------------------------------------------------------ persistence
 
     def save(self) -> None:
-        """Every copy to `path` (safetensors: tensors and a JSON index, no pickle)."""
+        """Every copy to the folder beside `path`, and the index to `path`
+        (safetensors: tensors and a JSON index, no pickle)."""
         self.write(self.snapshot())
 
-    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """The copies as safetensors' tensors and metadata, taken on the event
-        loop (serve and adopt change the maps there; the tensors never change)."""
+    def snapshot(self) -> list[tuple[str, str, int, State]]:
+        """The copies in use, (side, peer, id, state), taken on the event loop
+        (serve and adopt change the maps there; the tensors never change)."""
         self.dirty = False
-        tensors: dict[str, Tensor] = {}
-        index: list[list[Any]] = []
         copies = [("sent", peer, cid, st) for peer, c in self.sent.items() for cid, st in c.items()]
         copies += [("held", peer, cid, st) for peer, (cid, st) in self.held.items()]
-        for side, peer, cid, state in copies:
-            for name, value in state.items():
-                tensors[f"t{len(index)}"] = value
-                index.append([side, peer, cid, name])
-        return tensors, {"format": self.fmt.setting, "index": json.dumps(index)}
+        return copies
 
-    def write(self, snapshot: tuple[dict[str, Tensor], dict[str, str]]) -> None:
+    def folder(self) -> Path | None:
+        """Where the copies' own files are: `compression.<stage>copies/` (beside
+        `path` when only that was given)."""
+        if self.copies_dir is not None:
+            return self.copies_dir
+        return None if self.path is None else self.path.with_name(f"{self.path.stem}.copies")
+
+    def write(self, copies: list[tuple[str, str, int, State]]) -> None:
         """Best effort: a copy not saved costs a keyframe after a restart, so a
-        full or read-only disk is logged, not the end of the round."""
-        tensors, meta = snapshot
-        if self.path is not None:
-            data = {k: v.contiguous() for k, v in tensors.items()}
-            try:
-                atomic_write_bytes(self.path, save_safetensors(data, metadata=meta))
-            except (OSError, RuntimeError, SafetensorError) as exc:
-                self.dirty = True  # tried again after the next exchange
-                log.warning("compressed exchange: copies not saved to %s (%s)", self.path, exc)
+        full or read-only disk is logged, not the end of the round. The copies
+        not yet on disk first (each at the first save after it is made), then
+        the index, then the files of copies no longer in use and temporary
+        files a crash left: a crash between two steps leaves an index whose
+        files all exist (a file that fails to load costs its pair a keyframe)."""
+        folder = self.folder()
+        if self.path is None or folder is None:
+            return
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            index, wanted = [], set()
+            for side, peer, cid, state in copies:
+                name = copy_file_name(side, peer, cid)
+                wanted.add(name)
+                index.append([side, peer, cid])
+                if self.on_disk.get(name) is not state:
+                    self.on_disk.pop(name, None)
+                    data = {k: v.contiguous() for k, v in state.items()}
+                    meta = {"format": self.fmt.setting}
+                    atomic_write_bytes(folder / name, save_safetensors(data, metadata=meta))
+                    self.on_disk[name] = state
+            meta = {"format": self.fmt.setting, "layout": LAYOUT, "index": json.dumps(index)}
+            atomic_write_bytes(self.path, save_safetensors({}, metadata=meta))
+            for stale in [*folder.glob("*.safetensors"), *folder.glob(".*.tmp")]:
+                if stale.name not in wanted and stale.is_file():
+                    stale.unlink(missing_ok=True)
+                    self.on_disk.pop(stale.name, None)
+        except (OSError, RuntimeError, SafetensorError) as exc:
+            self.dirty = True  # tried again after the next exchange
+            log.warning("compressed exchange: copies not saved to %s (%s)", self.path, exc)
 
     def load(self) -> None:
         """The copies of the last save, if they are of this format; else none
         (every pair starts from a keyframe)."""
         if self.path is None or not self.path.exists():
             return
+        sent: dict[str, dict[int, State]] = {}
+        held: dict[str, dict[int, State]] = {}
+        on_disk: dict[str, State] = {}
         try:
             data = self.path.read_bytes()
             tensors = load_safetensors(data)
@@ -326,13 +383,24 @@ class CompressedExchange(PlainExchange):
                 meta = opened.metadata() or {}
             if meta.get("format") != self.fmt.setting:
                 return
-            sent: dict[str, dict[int, State]] = {}
-            held: dict[str, dict[int, State]] = {}
-            for i, (side, peer, cid, name) in enumerate(json.loads(meta["index"])):
-                target = sent if side == "sent" else held
-                target.setdefault(str(peer), {}).setdefault(int(cid), {})[str(name)] = tensors[
-                    f"t{i}"
-                ]
+            entries = json.loads(meta["index"])
+            if not isinstance(entries, list):
+                raise ValueError("the index is not a list")
+            if meta.get("layout") == LAYOUT:
+                folder = self.folder()
+                for entry in entries if folder is not None else []:
+                    loaded = self._load_copy(folder, entry)
+                    if loaded is None:
+                        continue  # that pair starts from a keyframe; the others keep theirs
+                    side, peer, cid, state, name = loaded
+                    (sent if side == "sent" else held).setdefault(peer, {})[cid] = state
+                    on_disk[name] = state
+            else:  # before the files' layout: every copy's tensors in this file
+                for i, (side, peer, cid, name) in enumerate(entries):
+                    target = sent if side == "sent" else held
+                    target.setdefault(str(peer), {}).setdefault(int(cid), {})[str(name)] = tensors[
+                        f"t{i}"
+                    ]
         except (
             OSError,
             ValueError,
@@ -351,6 +419,32 @@ class CompressedExchange(PlainExchange):
         for copies in (self.sent, self.held):
             while len(copies) > self.limit:
                 copies.popitem(last=False)
+        self.on_disk = on_disk
+
+    def _load_copy(self, folder: Path, entry: Any) -> tuple[str, str, int, State, str] | None:
+        """(side, peer, id, copy, file name) of one index entry, or None (logged)
+        when the entry is malformed or its file does not load."""
+        try:
+            side, peer, cid = entry
+            if side not in SIDES or not isinstance(peer, str) or type(cid) is not int:
+                raise ValueError(f"index entry {str(entry)[:80]}")
+            name = copy_file_name(side, peer, cid)
+            path = folder / name
+            with safe_open(str(path), framework="pt") as opened:
+                if (opened.metadata() or {}).get("format") != self.fmt.setting:
+                    raise ValueError(f"{name} is of another format")
+            return side, peer, cid, dict(load_safetensors(path.read_bytes())), name
+        except (
+            OSError,
+            ValueError,
+            TypeError,
+            RuntimeError,
+            ArithmeticError,
+            UnicodeError,
+            SafetensorError,
+        ) as exc:
+            log.warning("compressed exchange: a copy in %s not loaded (%s)", folder, exc)
+            return None
 
 
 def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) -> State:
@@ -375,6 +469,16 @@ def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) ->
         near = torch.minimum(torch.maximum(own[key], copy[key] - tau), copy[key] + tau)
         term[key] = torch.where(mask, copy[key], near.to(copy[key].dtype))
     return term
+
+
+def copies_folder(ctx: RoundContext) -> Path | None:
+    """Where each of the pairs' copies has a file of its own, or None (as
+    `copies_file`)."""
+    stage = getattr(ctx, "prefix", "")
+    try:
+        return ctx.durable_file(f"compression.{stage}copies")
+    except (RuntimeError, OSError):
+        return None
 
 
 def copies_file(ctx: RoundContext) -> Path | None:

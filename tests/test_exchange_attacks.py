@@ -19,12 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
 from node.faults import FaultPlan, parse_slow_train
 from p2pfl.secure.tensors import dumps, loads
 from protocols.async_exchange import AsyncExchange
-from protocols.compressed_exchange import CompressedExchange, CompressedGradientExchange
+from protocols.compressed_exchange import (
+    CompressedExchange,
+    CompressedGradientExchange,
+    copy_file_name,
+)
 from protocols.compression import compress_state, parse
 from protocols.exchange import ServedModels
 from protocols.masking import FIXED_POINT_BITS, MaskingError, entry_limit, from_fixed, to_fixed
@@ -372,8 +377,15 @@ def _corrupt_files(tmp: Path) -> dict[str, bytes]:
     good = sender("int8", path=tmp / "good")
     serve(good, "p")
     good.held["p"] = (77, own())
-    tensors, meta = good.snapshot()
-    valid = save_safetensors({k: v.contiguous() for k, v in tensors.items()}, metadata=meta)
+    # an index of before the files' layout: every copy's tensors in the index file
+    tensors: dict[str, torch.Tensor] = {}
+    entries: list[list[Any]] = []
+    for side, peer, cid, state in good.snapshot():
+        for name, value in state.items():
+            tensors[f"t{len(entries)}"] = value.contiguous()
+            entries.append([side, peer, cid, name])
+    meta = {"format": "int8", "index": json.dumps(entries)}
+    valid = save_safetensors(tensors, metadata=meta)
     wrong = {"t0": torch.zeros(3), "t1": torch.zeros(2, 2), "t2": torch.tensor(1)}
     index = [["sent", "p", 5, "w"], ["sent", "p", 5, "b"], ["sent", "p", 5, "n"]]
     nan = {"t0": torch.full((20, 31), math.nan), "t1": torch.zeros(5), "t2": torch.tensor(3)}
@@ -427,6 +439,258 @@ def test_a_corrupt_copies_file_is_no_crash_and_pairs_restart_from_a_keyframe(
     got, ctx = pull(rx, lambda q: reply, path=state_dir)
     assert ctx.rejected == [] and len(got.terms) == 1
     torch.testing.assert_close(got.terms[0].state["w"], OWN["w"], atol=0.01, rtol=0)
+
+
+def test_a_legacy_index_with_its_copies_inside_still_loads(tmp_path: Path) -> None:
+    """An index of before the files' layout (the copies' tensors in the index
+    file): its copies are used, so a restarted node sends a difference."""
+    good = sender("int8", path=tmp_path / "good")
+    first = serve(good, "p")
+    tensors: dict[str, torch.Tensor] = {}
+    entries: list[list[Any]] = []
+    for side, peer, cid, state in good.snapshot():
+        for name, value in state.items():
+            tensors[f"t{len(entries)}"] = value.contiguous()
+            entries.append([side, peer, cid, name])
+    state_dir = tmp_path / "node"
+    state_dir.mkdir()
+    (state_dir / "compression.safetensors").write_bytes(
+        save_safetensors(tensors, metadata={"format": "int8", "index": json.dumps(entries)})
+    )
+    tx = sender("int8", path=state_dir)
+    assert serve(tx, "p", first["id"])["ref"] == first["id"]
+
+
+def _saved_files(tmp: Path) -> tuple[Path, int]:
+    """A node's state directory after a save in the files' layout, and the
+    id of the copy it sent to p."""
+    state_dir = tmp / "node"
+    good = sender("int8", path=state_dir)
+    first = serve(good, "p")
+    good.held["q"] = (77, own())
+    good.save()
+    return state_dir, int(first["id"])
+
+
+def _break_files(state_dir: Path, sent_id: int, what: str) -> None:
+    index_path = state_dir / "compression.safetensors"
+    copy = state_dir / "compression.copies" / copy_file_name("sent", "p", sent_id)
+    meta = {"format": "int8", "layout": "files"}
+    if what == "a copy file garbage":
+        copy.write_bytes(b"\x00\xffnot a safetensors file")
+    elif what == "a copy file missing":
+        copy.unlink()
+    elif what == "a copy file truncated":
+        copy.write_bytes(copy.read_bytes()[:100])
+    elif what == "a NaN copy":
+        nan = {"w": torch.full((20, 31), math.nan), "b": torch.zeros(5), "n": torch.tensor(3)}
+        copy.write_bytes(save_safetensors(nan, metadata={"format": "int8"}))
+    elif what == "a copy of another model":
+        wrong = {"w": torch.zeros(3), "b": torch.zeros(2, 2), "n": torch.tensor(1)}
+        copy.write_bytes(save_safetensors(wrong, metadata={"format": "int8"}))
+    elif what == "a copy file of another format":
+        copy.write_bytes(save_safetensors(own(), metadata={"format": "fp16"}))
+    elif what == "a side that is a path":
+        index = [["../../etc/passwd", "p", sent_id]]
+        index_path.write_bytes(save_safetensors({}, metadata={**meta, "index": json.dumps(index)}))
+    elif what == "a peer that is not a string":
+        index = [["sent", ["p"], sent_id]]
+        index_path.write_bytes(save_safetensors({}, metadata={**meta, "index": json.dumps(index)}))
+    elif what == "an entry of two fields":
+        index_path.write_bytes(
+            save_safetensors({}, metadata={**meta, "index": json.dumps([["sent", "p"]])})
+        )
+    elif what == "an id of 1e999":
+        index_path.write_bytes(
+            save_safetensors({}, metadata={**meta, "index": '[["sent", "p", 1e999]]'})
+        )
+    elif what != "nothing":
+        raise AssertionError(what)
+
+
+FILE_FAULTS = [
+    "a copy file garbage",
+    "a copy file missing",
+    "a copy file truncated",
+    "a NaN copy",
+    "a copy of another model",
+    "a copy file of another format",
+    "a side that is a path",
+    "a peer that is not a string",
+    "an entry of two fields",
+    "an id of 1e999",
+]
+
+
+@pytest.mark.parametrize("what", ["nothing", *FILE_FAULTS])
+def test_a_broken_copy_file_is_no_crash_and_that_pair_restarts_from_a_keyframe(
+    tmp_path: Path, what: str
+) -> None:
+    """The files' layout, attacked file by file: loading never raises, and a
+    pair whose copy is broken answers with a keyframe, never a difference from
+    a bad copy, while the other pairs keep theirs (a broken index loses them
+    all); untouched ("nothing"), the copy is used."""
+    state_dir, sent_id = _saved_files(tmp_path)
+    _break_files(state_dir, sent_id, what)
+    tx = sender("int8", path=state_dir)  # start() loads: no exception
+    if what.startswith("a copy") or what in ("nothing", "a NaN copy"):
+        assert tx.held["q"][0] == 77  # q's copy, in a file of its own, is kept
+    reply = serve(tx, "p", sent_id)
+    if what == "nothing":  # the copy loaded: a difference from it
+        assert reply["ref"] == sent_id
+        return
+    assert reply["ref"] == 0
+    rx = exchange("int8")  # and the keyframe decodes to the model
+    got, ctx = pull(rx, lambda q: reply, path=tmp_path / "rx")
+    assert ctx.rejected == [] and len(got.terms) == 1
+    torch.testing.assert_close(got.terms[0].state["w"], OWN["w"], atol=0.01, rtol=0)
+
+
+@pytest.mark.parametrize("fail_at", range(5))
+def test_a_save_cut_at_any_step_never_leaves_a_wrong_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int
+) -> None:
+    """A save after two new copies, cut at each of its writes and deletions in
+    turn (a full disk, a crash): a restarted node loads only copies whose
+    content is the one their id names, and the next save completes."""
+    import protocols.compressed_exchange as module
+
+    state_dir = tmp_path / "node"
+    tx = sender("int8", path=state_dir)
+    made: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
+    first = serve(tx, "p")
+    tx.held["q"] = (77, own())
+    tx.save()
+    second = serve(tx, "p", first["id"])
+    tx.held["q"] = (78, {k: v + 1 if v.is_floating_point() else v for k, v in own().items()})
+    for side, peer, cid, state in tx.snapshot():
+        made[(side, peer, cid)] = state
+    made[("held", "q", 77)] = own()
+    steps = [0]
+    real_write, real_unlink = module.atomic_write_bytes, Path.unlink
+
+    def step() -> None:
+        steps[0] += 1
+        if steps[0] == fail_at + 1:
+            raise OSError(28, "No space left on device")
+
+    def write(path: Path, data: Any, **kw: Any) -> Path:
+        step()
+        return real_write(path, data, **kw)
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        step()
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(module, "atomic_write_bytes", write)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    tx.save()  # cut at step fail_at (or not at all, past the last step)
+    monkeypatch.undo()
+    again = sender("int8", path=state_dir)
+    loaded = [(s, p, c, st) for s, p, c, st in again.snapshot()]
+    with safe_open(str(state_dir / "compression.safetensors"), framework="pt") as opened:
+        named = json.loads((opened.metadata() or {})["index"])
+    # every copy the index names loads (copies are on disk before the index names them)
+    assert sorted((s, p, c) for s, p, c, _ in loaded) == sorted(tuple(e) for e in named)
+    for side, peer, cid, state in loaded:
+        for key, value in state.items():
+            assert torch.equal(value, made[(side, peer, cid)][key]), (side, peer, cid, key)
+    tx.save()  # the retry completes: the latest copies load
+    latest = sender("int8", path=state_dir)
+    assert latest.held["q"][0] == 78 and second["id"] in latest.sent["p"]
+
+
+def test_a_legacy_index_migrates_and_a_restart_writes_no_copy_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A legacy index's copies are written to files at the first save; after a
+    restart from the files, the first save writes only the index."""
+    import protocols.compressed_exchange as module
+
+    good = sender("int8", path=tmp_path / "good")
+    first = serve(good, "p")
+    tensors: dict[str, torch.Tensor] = {}
+    entries: list[list[Any]] = []
+    for side, peer, cid, state in good.snapshot():
+        for name, value in state.items():
+            tensors[f"t{len(entries)}"] = value.contiguous()
+            entries.append([side, peer, cid, name])
+    state_dir = tmp_path / "node"
+    state_dir.mkdir()
+    (state_dir / "compression.safetensors").write_bytes(
+        save_safetensors(tensors, metadata={"format": "int8", "index": json.dumps(entries)})
+    )
+    written: list[str] = []
+    real = module.atomic_write_bytes
+
+    def counting(path: Path, data: Any, **kw: Any) -> Path:
+        written.append(Path(path).name)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(module, "atomic_write_bytes", counting)
+    migrated = sender("int8", path=state_dir)
+    migrated.save()
+    assert copy_file_name("sent", "p", first["id"]) in written
+    written.clear()
+    restarted = sender("int8", path=state_dir)
+    assert first["id"] in restarted.sent["p"]
+    restarted.save()
+    assert written == ["compression.safetensors"]
+
+
+def test_a_reply_that_reuses_the_held_copys_id_is_refused() -> None:
+    """An id names one copy, whose file is written once: a reply that names
+    its new copy with the id of the copy it started from is refused."""
+    tx, rx = sender("int8"), exchange("int8")
+    first = serve(tx, "p")
+    got, ctx = pull(rx, lambda q: first)
+    assert ctx.rejected == [] and rx.held["p"][0] == first["id"]
+    second = serve(tx, "p", first["id"])
+    assert second["ref"] == first["id"] and second["id"] != first["id"]
+    got, ctx = pull(rx, lambda q: {**second, "id": first["id"]})
+    assert ctx.rejected == [("p", "compression_malformed")] and got.terms == []
+    got, ctx = pull(rx, lambda q: second)  # the honest reply still decodes
+    assert ctx.rejected == [] and rx.held["p"][0] == second["id"]
+
+
+def test_each_copy_is_written_once_and_the_files_of_dropped_copies_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy never changes, so it is written when it is made, not after every
+    exchange; a copy no longer in use loses its file; the index names the rest."""
+    import protocols.compressed_exchange as module
+
+    written: list[str] = []
+    real = module.atomic_write_bytes
+
+    def counting(path: Path, data: Any, **kw: Any) -> Path:
+        written.append(Path(path).name)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(module, "atomic_write_bytes", counting)
+    state_dir = tmp_path / "node"
+    tx = sender("int8", path=state_dir)
+    first = serve(tx, "p")
+    tx.save()
+    folder = state_dir / "compression.copies"
+    assert sorted(written) == sorted(
+        [copy_file_name("sent", "p", first["id"]), "compression.safetensors"]
+    )
+    written.clear()
+    second = serve(tx, "p", first["id"])  # keeps the copy it started from, adds one
+    tx.save()
+    assert sorted(written) == sorted(
+        [copy_file_name("sent", "p", second["id"]), "compression.safetensors"]
+    )
+    assert len(list(folder.iterdir())) == 2
+    written.clear()
+    third = serve(tx, "p", second["id"])  # the first copy is no longer kept
+    tx.save()
+    assert written.count("compression.safetensors") == 1 and len(written) == 2
+    names = {f.name for f in folder.iterdir()}
+    assert names == {copy_file_name("sent", "p", i) for i in (second["id"], third["id"])}
+    tx.save()  # nothing new: only the index
+    assert written[-1] == "compression.safetensors" and len(written) == 3
 
 
 def test_a_held_copy_that_does_not_fit_the_model_is_dropped_not_a_crash() -> None:

@@ -54,16 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def legacy_bytes(fmt: str, copies: list[tuple[str, str, int, Any]]) -> int:
-    """The size of the one file the layout before 2026-11-27 wrote for this
-    snapshot: every copy's tensors and a JSON index."""
+def legacy_index(fmt: str, copies: list[tuple[str, str, int, Any]]) -> bytes:
+    """The one file the layout before 2026-11-27 wrote for this snapshot:
+    every copy's tensors and a JSON index of [side, peer, id, entry]."""
     tensors: dict[str, Any] = {}
     index: list[list[Any]] = []
     for side, peer, cid, state in copies:
         for name, value in state.items():
             tensors[f"t{len(index)}"] = value.contiguous()
             index.append([side, peer, cid, name])
-    return len(save_safetensors(tensors, metadata={"format": fmt, "index": json.dumps(index)}))
+    return save_safetensors(tensors, metadata={"format": fmt, "index": json.dumps(index)})
 
 
 class Counter:
@@ -92,7 +92,7 @@ class Counter:
 
         def save(self: Any, copies: list[tuple[str, str, int, Any]]) -> None:
             counter.saves += 1
-            counter.legacy[counter.saves] += legacy_bytes(self.fmt.setting, copies)
+            counter.legacy[counter.saves] += len(legacy_index(self.fmt.setting, copies))
             counter._real_save(self, copies)
 
         exchange_module.atomic_write_bytes = write  # type: ignore[assignment]

@@ -75,7 +75,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
@@ -104,6 +103,27 @@ State = dict[str, Tensor]
 ID_BITS = 52  # copy ids: exact in a float64 too; a collision is 2^-52 per copy
 SIDES = ("sent", "held")
 LAYOUT = "files"  # the index's `layout`: each copy in a file of its own
+
+
+# What reading a copies file (the node's own, but maybe corrupt or edited) can
+# raise: each is logged and costs keyframes, never the node.
+LOAD_ERRORS = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    RuntimeError,
+    ArithmeticError,  # an id of 1e999 in the index
+    UnicodeError,
+    SafetensorError,  # not a safetensors file: garbage, empty, truncated
+)
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, str], State]:
+    """A safetensors file's metadata and tensors, in one read."""
+    with safe_open(str(path), framework="pt") as opened:
+        keys = opened.keys()  # (a safe_open handle is not iterable)
+        return opened.metadata() or {}, {key: opened.get_tensor(key) for key in keys}
 
 
 def copy_file_name(side: str, peer: str, cid: int) -> str:
@@ -160,7 +180,7 @@ class CompressedExchange(PlainExchange):
     def start(self, ctx: RoundContext) -> None:
         self.limit = max(1, len(ctx.roster()))
         self.path = copies_file(ctx)
-        self.copies_dir = copies_folder(ctx)
+        self.copies_dir = copies_file(ctx, "copies")
         self.load()
         super().start(ctx)
 
@@ -347,17 +367,16 @@ class CompressedExchange(PlainExchange):
             return
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            index, wanted = [], set()
-            for side, peer, cid, state in copies:
-                name = copy_file_name(side, peer, cid)
-                wanted.add(name)
-                index.append([side, peer, cid])
+            named = [(copy_file_name(side, peer, cid), state) for side, peer, cid, state in copies]
+            wanted = {name for name, _ in named}
+            for name, state in named:
                 if self.on_disk.get(name) is not state:
                     self.on_disk.pop(name, None)
                     data = {k: v.contiguous() for k, v in state.items()}
                     meta = {"format": self.fmt.setting}
                     atomic_write_bytes(folder / name, save_safetensors(data, metadata=meta))
                     self.on_disk[name] = state
+            index = [[side, peer, cid] for side, peer, cid, _ in copies]
             meta = {"format": self.fmt.setting, "layout": LAYOUT, "index": json.dumps(index)}
             atomic_write_bytes(self.path, save_safetensors({}, metadata=meta))
             for stale in [*folder.glob("*.safetensors"), *folder.glob(".*.tmp")]:
@@ -377,10 +396,7 @@ class CompressedExchange(PlainExchange):
         held: dict[str, dict[int, State]] = {}
         on_disk: dict[str, State] = {}
         try:
-            data = self.path.read_bytes()
-            tensors = load_safetensors(data)
-            with safe_open(str(self.path), framework="pt") as opened:
-                meta = opened.metadata() or {}
+            meta, tensors = read_safetensors(self.path)
             if meta.get("format") != self.fmt.setting:
                 return
             entries = json.loads(meta["index"])
@@ -388,28 +404,29 @@ class CompressedExchange(PlainExchange):
                 raise ValueError("the index is not a list")
             if meta.get("layout") == LAYOUT:
                 folder = self.folder()
+                failed: list[str] = []
                 for entry in entries if folder is not None else []:
                     loaded = self._load_copy(folder, entry)
-                    if loaded is None:
-                        continue  # that pair starts from a keyframe; the others keep theirs
+                    if isinstance(loaded, str):
+                        failed.append(loaded)  # that pair starts from a keyframe
+                        continue
                     side, peer, cid, state, name = loaded
                     (sent if side == "sent" else held).setdefault(peer, {})[cid] = state
                     on_disk[name] = state
+                if failed:  # one line, however many (an edited index may name thousands)
+                    log.warning(
+                        "compressed exchange: %d copies in %s not loaded (%s)",
+                        len(failed),
+                        folder,
+                        failed[0],
+                    )
             else:  # before the files' layout: every copy's tensors in this file
                 for i, (side, peer, cid, name) in enumerate(entries):
                     target = sent if side == "sent" else held
                     target.setdefault(str(peer), {}).setdefault(int(cid), {})[str(name)] = tensors[
                         f"t{i}"
                     ]
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-            RuntimeError,
-            ArithmeticError,  # an id of 1e999 in the index
-            SafetensorError,  # not a safetensors file: garbage, empty, truncated
-        ) as exc:
+        except LOAD_ERRORS as exc:
             log.warning("compressed exchange: copies in %s not loaded (%s)", self.path, exc)
             return
         # As many as a run keeps (two sent, one held per roster member), whatever
@@ -421,30 +438,20 @@ class CompressedExchange(PlainExchange):
                 copies.popitem(last=False)
         self.on_disk = on_disk
 
-    def _load_copy(self, folder: Path, entry: Any) -> tuple[str, str, int, State, str] | None:
-        """(side, peer, id, copy, file name) of one index entry, or None (logged)
+    def _load_copy(self, folder: Path, entry: Any) -> tuple[str, str, int, State, str] | str:
+        """(side, peer, id, copy, file name) of one index entry, or why not
         when the entry is malformed or its file does not load."""
         try:
             side, peer, cid = entry
             if side not in SIDES or not isinstance(peer, str) or type(cid) is not int:
                 raise ValueError(f"index entry {str(entry)[:80]}")
             name = copy_file_name(side, peer, cid)
-            path = folder / name
-            with safe_open(str(path), framework="pt") as opened:
-                if (opened.metadata() or {}).get("format") != self.fmt.setting:
-                    raise ValueError(f"{name} is of another format")
-            return side, peer, cid, dict(load_safetensors(path.read_bytes())), name
-        except (
-            OSError,
-            ValueError,
-            TypeError,
-            RuntimeError,
-            ArithmeticError,
-            UnicodeError,
-            SafetensorError,
-        ) as exc:
-            log.warning("compressed exchange: a copy in %s not loaded (%s)", folder, exc)
-            return None
+            meta, state = read_safetensors(folder / name)
+            if meta.get("format") != self.fmt.setting:
+                raise ValueError(f"{name} is of another format")
+            return side, peer, cid, state, name
+        except LOAD_ERRORS as exc:
+            return f"{type(exc).__name__}: {exc}"[:160]
 
 
 def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) -> State:
@@ -471,22 +478,13 @@ def topk_term(copy: State, delta: State, sent: dict[str, Tensor], own: State) ->
     return term
 
 
-def copies_folder(ctx: RoundContext) -> Path | None:
-    """Where each of the pairs' copies has a file of its own, or None (as
-    `copies_file`)."""
+def copies_file(ctx: RoundContext, kind: str = "safetensors") -> Path | None:
+    """Where the pairs' copies outlive a restart: the index (`safetensors`) or
+    the copies' folder (`copies`); None for a simulated node with no storage
+    (a stage's exchange has its own)."""
     stage = getattr(ctx, "prefix", "")
     try:
-        return ctx.durable_file(f"compression.{stage}copies")
-    except (RuntimeError, OSError):
-        return None
-
-
-def copies_file(ctx: RoundContext) -> Path | None:
-    """Where the pairs' copies outlive a restart, or None for a simulated node
-    with no storage (a stage's exchange has its own file)."""
-    stage = getattr(ctx, "prefix", "")
-    try:
-        return ctx.durable_file(f"compression.{stage}safetensors")
+        return ctx.durable_file(f"compression.{stage}{kind}")
     except (RuntimeError, OSError):
         return None
 

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_safetensors
 
+from bench.copy_writes import legacy_index
 from node.faults import FaultPlan, parse_slow_train
 from p2pfl.secure.tensors import dumps, loads
 from protocols.async_exchange import AsyncExchange
@@ -377,15 +378,7 @@ def _corrupt_files(tmp: Path) -> dict[str, bytes]:
     good = sender("int8", path=tmp / "good")
     serve(good, "p")
     good.held["p"] = (77, own())
-    # an index of before the files' layout: every copy's tensors in the index file
-    tensors: dict[str, torch.Tensor] = {}
-    entries: list[list[Any]] = []
-    for side, peer, cid, state in good.snapshot():
-        for name, value in state.items():
-            tensors[f"t{len(entries)}"] = value.contiguous()
-            entries.append([side, peer, cid, name])
-    meta = {"format": "int8", "index": json.dumps(entries)}
-    valid = save_safetensors(tensors, metadata=meta)
+    valid = legacy_index("int8", good.snapshot())
     wrong = {"t0": torch.zeros(3), "t1": torch.zeros(2, 2), "t2": torch.tensor(1)}
     index = [["sent", "p", 5, "w"], ["sent", "p", 5, "b"], ["sent", "p", 5, "n"]]
     nan = {"t0": torch.full((20, 31), math.nan), "t1": torch.zeros(5), "t2": torch.tensor(3)}
@@ -444,21 +437,36 @@ def test_a_corrupt_copies_file_is_no_crash_and_pairs_restart_from_a_keyframe(
 def test_a_legacy_index_with_its_copies_inside_still_loads(tmp_path: Path) -> None:
     """An index of before the files' layout (the copies' tensors in the index
     file): its copies are used, so a restarted node sends a difference."""
-    good = sender("int8", path=tmp_path / "good")
-    first = serve(good, "p")
-    tensors: dict[str, torch.Tensor] = {}
-    entries: list[list[Any]] = []
-    for side, peer, cid, state in good.snapshot():
-        for name, value in state.items():
-            tensors[f"t{len(entries)}"] = value.contiguous()
-            entries.append([side, peer, cid, name])
-    state_dir = tmp_path / "node"
-    state_dir.mkdir()
-    (state_dir / "compression.safetensors").write_bytes(
-        save_safetensors(tensors, metadata={"format": "int8", "index": json.dumps(entries)})
-    )
+    state_dir, first_id = _legacy_state_dir(tmp_path)
     tx = sender("int8", path=state_dir)
-    assert serve(tx, "p", first["id"])["ref"] == first["id"]
+    assert serve(tx, "p", first_id)["ref"] == first_id
+
+
+def _legacy_state_dir(tmp: Path) -> tuple[Path, int]:
+    """A state directory holding an index of before the files' layout (the
+    copies' tensors in the index file), and the id of the copy sent to p."""
+    good = sender("int8", path=tmp / "good")
+    first = serve(good, "p")
+    state_dir = tmp / "node"
+    state_dir.mkdir()
+    (state_dir / "compression.safetensors").write_bytes(legacy_index("int8", good.snapshot()))
+    return state_dir, int(first["id"])
+
+
+@pytest.fixture
+def written(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files the compressed exchange writes, in order."""
+    import protocols.compressed_exchange as module
+
+    names: list[str] = []
+    real = module.atomic_write_bytes
+
+    def counting(path: Path, data: Any, **kw: Any) -> Path:
+        names.append(Path(path).name)
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(module, "atomic_write_bytes", counting)
+    return names
 
 
 def _saved_files(tmp: Path) -> tuple[Path, int]:
@@ -601,39 +609,18 @@ def test_a_save_cut_at_any_step_never_leaves_a_wrong_copy(
 
 
 def test_a_legacy_index_migrates_and_a_restart_writes_no_copy_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, written: list[str]
 ) -> None:
     """A legacy index's copies are written to files at the first save; after a
     restart from the files, the first save writes only the index."""
-    import protocols.compressed_exchange as module
-
-    good = sender("int8", path=tmp_path / "good")
-    first = serve(good, "p")
-    tensors: dict[str, torch.Tensor] = {}
-    entries: list[list[Any]] = []
-    for side, peer, cid, state in good.snapshot():
-        for name, value in state.items():
-            tensors[f"t{len(entries)}"] = value.contiguous()
-            entries.append([side, peer, cid, name])
-    state_dir = tmp_path / "node"
-    state_dir.mkdir()
-    (state_dir / "compression.safetensors").write_bytes(
-        save_safetensors(tensors, metadata={"format": "int8", "index": json.dumps(entries)})
-    )
-    written: list[str] = []
-    real = module.atomic_write_bytes
-
-    def counting(path: Path, data: Any, **kw: Any) -> Path:
-        written.append(Path(path).name)
-        return real(path, data, **kw)
-
-    monkeypatch.setattr(module, "atomic_write_bytes", counting)
+    state_dir, first_id = _legacy_state_dir(tmp_path)
+    written.clear()
     migrated = sender("int8", path=state_dir)
     migrated.save()
-    assert copy_file_name("sent", "p", first["id"]) in written
+    assert copy_file_name("sent", "p", first_id) in written
     written.clear()
     restarted = sender("int8", path=state_dir)
-    assert first["id"] in restarted.sent["p"]
+    assert first_id in restarted.sent["p"]
     restarted.save()
     assert written == ["compression.safetensors"]
 
@@ -654,20 +641,10 @@ def test_a_reply_that_reuses_the_held_copys_id_is_refused() -> None:
 
 
 def test_each_copy_is_written_once_and_the_files_of_dropped_copies_go(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, written: list[str]
 ) -> None:
     """A copy never changes, so it is written when it is made, not after every
     exchange; a copy no longer in use loses its file; the index names the rest."""
-    import protocols.compressed_exchange as module
-
-    written: list[str] = []
-    real = module.atomic_write_bytes
-
-    def counting(path: Path, data: Any, **kw: Any) -> Path:
-        written.append(Path(path).name)
-        return real(path, data, **kw)
-
-    monkeypatch.setattr(module, "atomic_write_bytes", counting)
     state_dir = tmp_path / "node"
     tx = sender("int8", path=state_dir)
     first = serve(tx, "p")

@@ -369,6 +369,8 @@ class CompressedExchange(PlainExchange):
             folder.mkdir(parents=True, exist_ok=True)
             named = [(copy_file_name(side, peer, cid), state) for side, peer, cid, state in copies]
             wanted = {name for name, _ in named}
+            # only the copies in use stay referenced here (their files go below)
+            self.on_disk = {n: st for n, st in self.on_disk.items() if n in wanted}
             for name, state in named:
                 if self.on_disk.get(name) is not state:
                     self.on_disk.pop(name, None)
@@ -382,7 +384,6 @@ class CompressedExchange(PlainExchange):
             for stale in [*folder.glob("*.safetensors"), *folder.glob(".*.tmp")]:
                 if stale.name not in wanted and stale.is_file():
                     stale.unlink(missing_ok=True)
-                    self.on_disk.pop(stale.name, None)
         except (OSError, RuntimeError, SafetensorError) as exc:
             self.dirty = True  # tried again after the next exchange
             log.warning("compressed exchange: copies not saved to %s (%s)", self.path, exc)

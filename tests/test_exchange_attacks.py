@@ -260,6 +260,15 @@ def _hostile_replies() -> list[tuple[str, str, Any, str]]:
         ("id past 52 bits", "int8", {**i8, "id": 1 << 52}, "malformed"),
         ("id a float", "int8", {**i8, "id": 5.0}, "malformed"),
         ("id a bool", "int8", {**i8, "id": True}, "malformed"),
+        ("id NaN", "int8", {**i8, "id": math.nan}, "malformed"),
+        ("id infinite", "int8", {**i8, "id": math.inf}, "malformed"),
+        ("id negative", "int8", {**i8, "id": -5}, "malformed"),
+        ("id huge", "int8", {**i8, "id": 2**63 - 1}, "malformed"),  # (past 2^64: not on the wire)
+        ("id a string", "int8", {**i8, "id": "5"}, "malformed"),
+        ("id empty", "int8", {**i8, "id": []}, "malformed"),
+        ("id missing", "int8", {k: v for k, v in i8.items() if k != "id"}, "malformed"),
+        # an id names one copy, whose file is written once
+        ("id the held copy's again", "int8", {**i8, "id": 77}, "malformed"),
         ("ref negative", "int8", {**i8, "ref": -1}, "malformed"),
         ("ref of another peer's copy", "int8", {**i8, "ref": 88}, "bad_ref"),
         ("ref stale (the copy before 77)", "int8", {**i8, "ref": 76}, "bad_ref"),
@@ -623,6 +632,61 @@ def test_a_legacy_index_migrates_and_a_restart_writes_no_copy_again(
     assert first_id in restarted.sent["p"]
     restarted.save()
     assert written == ["compression.safetensors"]
+
+
+def test_an_old_id_used_again_after_a_failed_save_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer names a new copy with an id it used before, while the file of
+    that id is still on disk (the save that would have removed it failed): the
+    file is written again, so a restart loads the copy held, not the old one."""
+    import protocols.compressed_exchange as module
+
+    state_dir = tmp_path / "node"
+    rx = sender("int8", path=state_dir)
+    first = own()
+    rx.held["p"] = (5, first)
+    rx.save()
+    rx.held["p"] = (6, {k: v + 1 if v.is_floating_point() else v for k, v in first.items()})
+    real = module.atomic_write_bytes
+
+    def full(path: Path, data: Any, **kw: Any) -> Path:
+        if Path(path).name == "compression.safetensors":
+            raise OSError(28, "No space left on device")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(module, "atomic_write_bytes", full)
+    rx.save()  # copy 6 written, the index not: 5's file stays
+    monkeypatch.undo()
+    again = {k: v + 2 if v.is_floating_point() else v for k, v in first.items()}
+    rx.held["p"] = (5, again)  # id 5 once more, other content
+    rx.save()
+    restarted = sender("int8", path=state_dir)
+    assert restarted.held["p"][0] == 5
+    assert torch.equal(restarted.held["p"][1]["w"], again["w"])
+
+
+def test_the_files_tracked_stay_those_of_the_copies_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saves that keep failing after the copies are written (a full disk at the
+    index) do not make the node hold on to copies no longer in use."""
+    import protocols.compressed_exchange as module
+
+    real = module.atomic_write_bytes
+
+    def full(path: Path, data: Any, **kw: Any) -> Path:
+        if Path(path).name == "compression.safetensors":
+            raise OSError(28, "No space left on device")
+        return real(path, data, **kw)
+
+    monkeypatch.setattr(module, "atomic_write_bytes", full)
+    rx = sender("int8", path=tmp_path / "node")
+    for cid in range(1, 41):  # a new copy of p every exchange
+        rx.held["p"] = (cid, own())
+        rx.save()
+        assert len(rx.on_disk) <= len(rx.snapshot())
+    assert set(rx.on_disk) == {copy_file_name("held", "p", 40)}
 
 
 def test_a_reply_that_reuses_the_held_copys_id_is_refused() -> None:

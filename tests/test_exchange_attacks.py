@@ -634,20 +634,12 @@ def test_a_legacy_index_migrates_and_a_restart_writes_no_copy_again(
     assert written == ["compression.safetensors"]
 
 
-def test_an_old_id_used_again_after_a_failed_save_is_written_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A peer names a new copy with an id it used before, while the file of
-    that id is still on disk (the save that would have removed it failed): the
-    file is written again, so a restart loads the copy held, not the old one."""
+@pytest.fixture
+def fill_disk(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Once called, until monkeypatch.undo(): the disk is full when the index
+    is written (the copies' own files still go through)."""
     import protocols.compressed_exchange as module
 
-    state_dir = tmp_path / "node"
-    rx = sender("int8", path=state_dir)
-    first = own()
-    rx.held["p"] = (5, first)
-    rx.save()
-    rx.held["p"] = (6, {k: v + 1 if v.is_floating_point() else v for k, v in first.items()})
     real = module.atomic_write_bytes
 
     def full(path: Path, data: Any, **kw: Any) -> Path:
@@ -655,7 +647,22 @@ def test_an_old_id_used_again_after_a_failed_save_is_written_again(
             raise OSError(28, "No space left on device")
         return real(path, data, **kw)
 
-    monkeypatch.setattr(module, "atomic_write_bytes", full)
+    return lambda: monkeypatch.setattr(module, "atomic_write_bytes", full)
+
+
+def test_an_old_id_used_again_after_a_failed_save_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fill_disk: Callable[[], None]
+) -> None:
+    """A peer names a new copy with an id it used before, while the file of
+    that id is still on disk (the save that would have removed it failed): the
+    file is written again, so a restart loads the copy held, not the old one."""
+    state_dir = tmp_path / "node"
+    rx = sender("int8", path=state_dir)
+    first = own()
+    rx.held["p"] = (5, first)
+    rx.save()
+    rx.held["p"] = (6, {k: v + 1 if v.is_floating_point() else v for k, v in first.items()})
+    fill_disk()
     rx.save()  # copy 6 written, the index not: 5's file stays
     monkeypatch.undo()
     again = {k: v + 2 if v.is_floating_point() else v for k, v in first.items()}
@@ -667,20 +674,11 @@ def test_an_old_id_used_again_after_a_failed_save_is_written_again(
 
 
 def test_the_files_tracked_stay_those_of_the_copies_in_use(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fill_disk: Callable[[], None]
 ) -> None:
     """Saves that keep failing after the copies are written (a full disk at the
     index) do not make the node hold on to copies no longer in use."""
-    import protocols.compressed_exchange as module
-
-    real = module.atomic_write_bytes
-
-    def full(path: Path, data: Any, **kw: Any) -> Path:
-        if Path(path).name == "compression.safetensors":
-            raise OSError(28, "No space left on device")
-        return real(path, data, **kw)
-
-    monkeypatch.setattr(module, "atomic_write_bytes", full)
+    fill_disk()
     rx = sender("int8", path=tmp_path / "node")
     for cid in range(1, 41):  # a new copy of p every exchange
         rx.held["p"] = (cid, own())

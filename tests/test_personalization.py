@@ -89,6 +89,10 @@ def test_the_choice_is_made_on_validation_and_never_sees_the_test_split(tmp_path
     scrambled, choice2 = choose((y_test + 1) % 10)
     assert choice["reported"] == choice2["reported"]
     assert choice["personal_val_macro_f1"] == choice2["personal_val_macro_f1"]
+    # the model trained alone is a candidate by default, chosen on validation too
+    assert choice["alone_val_score"] is not None
+    assert choice["alone_val_score"] == choice2["alone_val_score"]
+    assert choice["personal_source"] == choice2["personal_source"]
     assert choice["personal_round"] == choice2["personal_round"]
     # The test figures are reported, and they did change with the test labels.
     assert figures["personal_macro_f1"] != scrambled["personal_macro_f1"]
@@ -122,6 +126,109 @@ def test_with_select_by_balanced_loss_the_lower_validation_loss_is_reported(tmp_
     assert choice["personal_val_score"] > -loss, choice
     assert choice["personal_val_macro_f1"] < 0.99 and choice["reported"] == "personal"
     assert "balanced loss" in choice["why"], choice["why"]
+
+
+def _ruined(site: LocalSite) -> dict[str, torch.Tensor]:
+    """A federated model the federation did not help with: every parameter
+    zero (its outputs uniform, its hidden gradients zero), so one epoch of
+    fine-tuning cannot bring it back; buffers as they are."""
+    params = {name for name, _ in site.model.named_parameters()}
+    return {k: v * 0.0 if k in params else v.clone() for k, v in site.state_dict().items()}
+
+
+def test_a_site_the_federation_did_not_help_keeps_the_model_it_trains_alone(tmp_path):
+    """local_candidate (default): the model the site would have trained alone
+    (from the weights its rounds start from, as many rounds, best on
+    validation) is a personal candidate. With a ruined federated model and one
+    fine-tuning epoch, it leads on validation: the site reports it, says so,
+    and the module keeps its own weights."""
+    cfg = digits_config(tmp_path, personalization={"method": "finetune", "finetune_epochs": 1})
+    site = site_of(cfg)
+    initial = site.state_dict()
+    personal = Personalization(cfg.training, site)
+    assert personal.initial is not None
+    assert all(torch.equal(personal.initial[k], initial[k]) for k in initial)
+    site.train_epochs()  # the rounds move the module on; the candidate starts from `initial`
+    served = site.state_dict()
+    starts: list[dict[str, torch.Tensor]] = []
+    steps = personal._steps
+
+    def recording(site_: Any, optimizer: Any, extra: Any = None) -> list[float]:
+        starts.append(site_.state_dict())
+        return steps(site_, optimizer, extra)
+
+    personal._steps = recording  # type: ignore[method-assign]
+    federated = BestModel(federated=True)
+    bad = _ruined(site)
+    with torch.no_grad():
+        site.load_state_dict(bad)
+        federated.observe(3, evaluate_site(site), site.state_dict)
+        site.load_state_dict(served)
+    figures = personal.choose(site, federated, 3)
+    choice = personal.choice
+    assert choice is not None
+    assert choice["personal_source"] == "local", choice
+    assert choice["reported"] == "personal" and "(trained alone)" in choice["why"]
+    assert choice["alone_val_score"] == choice["personal_val_score"] > choice["federated_val_score"]
+    assert choice["finetune_epoch"] is None and 1 <= choice["alone_round"] <= 3
+    assert choice["personal_round"] == 3  # a model of the whole run (export, model card)
+    assert figures["personal_trained_alone"] == 1.0 and figures["reported_personal"] == 1.0
+    # one fine-tuning epoch from the ruined model, then three rounds alone from `initial`
+    assert len(starts) == 4
+    assert all(torch.equal(starts[0][k], bad[k]) for k in bad)
+    assert all(torch.equal(starts[1][k], initial[k]) for k in initial)
+    assert all(torch.equal(v, served[k]) for k, v in site.state_dict().items())
+    assert personal.best.state is not None
+    assert any(not torch.equal(personal.best.state[k], initial[k]) for k in initial)
+    # the choice survives the checkpoint (export, the model card, /status)
+    restored = Personalization(cfg.training, site_of(cfg))
+    restored.restore(personal.checkpoint())
+    assert restored.choice == choice
+    assert restored.best.state is not None
+    assert all(torch.equal(restored.best.state[k], personal.best.state[k]) for k in initial)
+
+
+def test_sites_of_the_common_initial_weights_share_one_initial_copy(tmp_path):
+    """Thousands of in-memory sites start from the federation's common initial
+    weights: their local candidates share that one copy, which training alone
+    leaves untouched."""
+    cfg = digits_config(tmp_path, personalization={"method": "finetune", "finetune_epochs": 1})
+    sites = [LocalSite.from_config(cfg, common_initial=True) for _ in range(2)]
+    first, second = (Personalization(cfg.training, s) for s in sites)
+    assert first.initial is not None and first.initial is second.initial
+    kept = {k: v.clone() for k, v in first.initial.items()}
+    federated = BestModel(federated=True)
+    federated.observe(2, evaluate_site(sites[0]), sites[0].state_dict)
+    first.choose(sites[0], federated, 2)
+    assert all(torch.equal(second.initial[k], kept[k]) for k in kept)
+    # a site that starts from other weights keeps its own copy
+    other = site_of(cfg)
+    other.load_state_dict({k: v + 1.0 if v.is_floating_point() else v for k, v in kept.items()})
+    own = Personalization(cfg.training, other).initial
+    assert own is not None and own is not first.initial
+
+
+def test_without_the_local_candidate_nothing_is_trained_alone(tmp_path):
+    cfg = digits_config(
+        tmp_path,
+        personalization={"method": "finetune", "finetune_epochs": 1, "local_candidate": False},
+    )
+    site = site_of(cfg)
+    personal = Personalization(cfg.training, site)
+    assert personal.initial is None
+    federated = BestModel(federated=True)
+    federated.observe(2, evaluate_site(site), site.state_dict)
+    figures = personal.choose(site, federated, 2)
+    assert personal.choice is not None and personal.choice["personal_source"] == "finetune"
+    assert personal.choice["alone_val_score"] is None
+    assert figures["personal_trained_alone"] == 0.0
+
+
+def test_ditto_has_no_local_candidate(tmp_path):
+    """Ditto's personal model already trains on the site's own loss every round
+    (lambda -> 0 is training alone): no second model is kept for it."""
+    cfg = digits_config(tmp_path, personalization={"method": "ditto"})
+    assert Personalization(cfg.training, site_of(cfg)).initial is None
 
 
 def test_without_personalization_or_validation_the_federated_model_is_reported(tmp_path):
@@ -345,6 +452,10 @@ def test_real_nodes_log_and_show_the_choice(federation, name, method):
     ]
     last = [r for r in rows if r.get("round") == 2][-1]
     assert last["reported_personal"] == float(choice["reported"] == "personal")
+    if method == "finetune":  # the model trained alone was a candidate, chosen on validation
+        assert choice["personal_source"] in ("finetune", "local")
+        assert choice["alone_val_score"] is not None
+        assert last["personal_trained_alone"] == float(choice["personal_source"] == "local")
     assert {"personal_macro_f1", "reported_macro_f1", "personal_val_macro_f1"} <= set(last)
     if method == "ditto":  # its personal model trained every round
         assert all(r.get("personal_s", 0) > 0 for r in rows if "train_s" in r)

@@ -43,6 +43,7 @@ EXTRA_ROW_KEYS = (
     "auc",
     # personalization (p2pfl.learning.personal): the last round's choice
     "reported_personal",
+    "personal_trained_alone",
     "reported_macro_f1",
     "reported_accuracy",
     "reported_balanced_accuracy",

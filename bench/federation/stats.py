@@ -365,6 +365,8 @@ def reported_model(record: dict[str, Any]) -> tuple[str, dict[str, float | None]
     chosen = record.get("reported") or "reported"
     if record.get("reported_personal") is not None:  # a metrics line holds numbers only
         chosen = "personal" if float(record["reported_personal"]) else "federated"
+        if chosen == "personal" and _number(record.get("personal_trained_alone")) == 1.0:
+            chosen = "alone"  # the personal model is the one the site trained alone
     for prefix, name in (("reported_", chosen), ("best_", "best")):
         if record.get(f"{prefix}macro_f1") is not None:
             return str(name), {k: _number(record.get(prefix + k)) for k in SITE_METRICS}

@@ -228,6 +228,15 @@ class PersonalizationSection(Section):
         "local adaptation in Yu et al. 2020; chosen over 0.1, the cosine schedule's last lr, "
         "on a development copy without the test split: docs/protocols.md#personalization)",
     )
+    local_candidate: bool = Field(
+        True,
+        description="finetune: the model the site would have trained alone (from the weights "
+        "the rounds start from, the same epochs x rounds and learning-rate schedule, its best "
+        "epoch on validation) is a candidate for the personal model too, so a site the "
+        "federation did not help on its validation split keeps what it would have had alone "
+        "(costs one standalone training after the last round; chosen on a development copy "
+        "without the test split: docs/protocols.md#personalization)",
+    )
     ditto_lambda: float = Field(
         0.1,
         ge=0.0,

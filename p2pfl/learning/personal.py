@@ -15,6 +15,13 @@ one class cannot choose among the federated model's rounds (p2pfl.learning.best)
   `p2pfl.learning.evaluate.selection_score`) is the personal model (FedAvg +
   local fine-tuning: Yu et al. 2020, "Salvaging federated learning by local
   adaptation"; Cheng et al. 2021, "Fine-tuning is fine in federated learning").
+  With `local_candidate` (the default), the model the site would have
+  trained alone is a candidate too: from the weights the rounds started from,
+  as many epochs per round as the rounds, with the same learning-rate
+  schedule, its best epoch on validation (what `bench.baselines.standalone`
+  trains). The better of the two on validation is the personal model, so a
+  site the federation did not help on its validation split keeps what it
+  would have had alone (`personal_source` local).
 - `ditto` (Li et al. 2021, "Ditto: fair and robust federated learning through
   personalization", Alg. 1): every round, after the site's federated update, the
   personal model v takes as many steps on the site's loss plus
@@ -54,7 +61,9 @@ from p2pfl.learning.optimizer import (
     build_optimizer,
     export_optimizer_state,
     import_optimizer_state,
+    lr_factor,
 )
+from p2pfl.learning.sites import interned_initial
 from p2pfl.learning.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -120,6 +129,16 @@ class Personalization:
         self.finetune_epoch: int | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._keys = norm_keys(site.model) if self.section.local_norm and classifier else []
+        # finetune's local candidate starts where the rounds start: the weights the
+        # site is built with (a restart builds them again before loading its checkpoint)
+        self.initial: dict[str, Tensor] | None = (
+            interned_initial(site.state_dict())
+            if self.method == "finetune" and self.section.local_candidate and self.has_val
+            else None
+        )
+        self.source: str | None = None  # which training made the personal model
+        self.alone_val_score: float | None = None
+        self.alone_round: int | None = None  # the round of training alone that was kept
 
     @property
     def active(self) -> bool:
@@ -232,21 +251,25 @@ class Personalization:
                 group["lr"] = lr
             for epoch in range(1, self.section.finetune_epochs + 1):
                 self._steps(site, optimizer)
-                val = site.evaluate("val")
-                score = selection_score(val, select_by(site))
-                best = self.best.val_score
-                if score is None or (best is not None and not score > best):
-                    continue  # not kept (BestModel.observe's rule): its test figures are not needed
-                metrics = {
-                    "val_macro_f1": val["macro_f1"],
-                    "val_accuracy": val["accuracy"],
-                    SCORE_KEY: score,
-                }
-                test = site.evaluate_available(("test",)).get("test")
-                if test is not None:
-                    metrics.update({key: test[key] for key in REPORTED_FIGURES})
-                if self.best.observe(epoch, metrics, site.state_dict) and self.best.round == epoch:
+                if _observe_epoch(site, self.best, epoch):
                     self.finetune_epoch = epoch
+
+    def train_alone(self, site: Any, rounds: int) -> BestModel:
+        """local_candidate: from the weights the rounds started from, `rounds`
+        rounds of training.epochs epochs each on the site's train split, at the
+        rounds' learning-rate schedule, with a fresh optimizer (what the site
+        alone trains: `bench.baselines.standalone`); its best round on
+        validation (the test split is evaluated only for a round that is kept)."""
+        best = BestModel()
+        assert self.initial is not None
+        with swapped(site, self.initial):
+            optimizer = build_optimizer(site.model, site.training)
+            for r in range(1, rounds + 1):
+                for group in optimizer.param_groups:
+                    group["lr"] = site.training.lr * lr_factor(site.training, r, rounds)
+                self._steps(site, optimizer)
+                _observe_epoch(site, best, r)
+        return best
 
     # ------------------------------------------------------------------ the choice
 
@@ -268,10 +291,17 @@ class Personalization:
                 start = federated.state if federated.state is not None else site.state_dict()
                 self.best = BestModel()
                 self.finetune_epoch = None
+                self.alone_val_score = None
+                self.alone_round = None
                 self.finetune(site, start)
                 # the personal model is of the federated round it was tuned from
                 # (export, the model card); the epoch is kept beside it
                 self.best.round = federated.round if federated.round is not None else round_no
+                self.source = "finetune"
+                if self.initial is not None:  # as many rounds alone as the run's
+                    self._against_alone(site, round_no or federated.round or 1)
+            else:
+                self.source = self.method
             personal_val, federated_val = self.best.val_score, federated.val_score
             better = personal_val is not None and (
                 federated_val is None or personal_val > federated_val
@@ -280,7 +310,8 @@ class Personalization:
             self.choice = {
                 "reported": "personal" if better else "federated",
                 "why": (
-                    f"validation {_figure(by, personal_val)} personal vs "
+                    f"validation {_figure(by, personal_val)} personal"
+                    f"{' (trained alone)' if self.source == 'local' else ''} vs "
                     f"{_figure(by, federated_val)} federated"
                     if personal_val is not None
                     else "no personal model"
@@ -291,7 +322,10 @@ class Personalization:
                 "personal_val_macro_f1": self.best.val_macro_f1,
                 "federated_val_macro_f1": federated.val_macro_f1,
                 "personal_round": self.best.round,
-                "finetune_epoch": self.finetune_epoch if self.method == "finetune" else None,
+                "finetune_epoch": self.finetune_epoch if self.source == "finetune" else None,
+                "personal_source": self.source,
+                "alone_val_score": self.alone_val_score,
+                "alone_round": self.alone_round,
                 "personal_test": dict(self.best.test),
             }
         self.choice["method"] = self.method
@@ -305,6 +339,29 @@ class Personalization:
         )
         return self.figures()
 
+    def _against_alone(self, site: Any, rounds: int) -> None:
+        """local_candidate: the site's model alone replaces the fine-tuned one
+        as the personal model when its validation score is higher (the
+        fine-tuned one on a tie)."""
+        rounds = max(int(rounds), 1)
+        alone = self.train_alone(site, rounds)
+        self.alone_val_score = alone.val_score
+        tuned = self.best.val_score
+        if alone.val_score is not None and (tuned is None or alone.val_score > tuned):
+            log.info(
+                "personalization: the model trained alone (round %s of %s) leads the "
+                "fine-tuned one on validation (%s vs %s): it is the personal model",
+                alone.round,
+                rounds,
+                alone.val_score,
+                tuned,
+            )
+            self.alone_round = alone.round
+            alone.round = int(rounds)  # a model of the whole run (export, the model card)
+            self.best = alone
+            self.source = "local"
+            self.finetune_epoch = None
+
     def _why_federated(self) -> str:
         if not self.active:
             return "personalization.method none"
@@ -316,6 +373,8 @@ class Personalization:
             return {}
         # metrics.jsonl holds numbers: 1.0 = the personal model is reported.
         out: dict[str, Any] = {"reported_personal": float(self.choice["reported"] == "personal")}
+        if self.choice.get("personal_source") in ("finetune", "local"):
+            out["personal_trained_alone"] = float(self.choice["personal_source"] == "local")
         personal = self.choice.get("personal_test") or {}
         federated = self.choice.get("federated_test") or {}
         reported = personal if self.choice["reported"] == "personal" else federated
@@ -361,6 +420,26 @@ class Personalization:
         if keep_best:
             self.best = BestModel.restore(saved.get("best"))
             self.choice = saved.get("choice")
+
+
+def _observe_epoch(site: Any, best: BestModel, epoch: int) -> bool:
+    """An epoch of fine-tuning or of training alone: its validation score, and
+    `best` takes it when it leads (BestModel.observe's rule; the test split is
+    evaluated only then, to report it). True when it was kept."""
+    val = site.evaluate("val")
+    score = selection_score(val, select_by(site))
+    if score is None or (best.val_score is not None and not score > best.val_score):
+        return False
+    metrics = {
+        "val_macro_f1": val["macro_f1"],
+        "val_accuracy": val["accuracy"],
+        SCORE_KEY: score,
+    }
+    test = site.evaluate_available(("test",)).get("test")
+    if test is not None:
+        metrics.update({key: test[key] for key in REPORTED_FIGURES})
+    best.observe(epoch, metrics, site.state_dict)
+    return best.round == epoch
 
 
 def _proximal(model: nn.Module, anchor: dict[str, Tensor], lam: float) -> Tensor:

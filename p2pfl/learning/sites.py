@@ -73,6 +73,18 @@ def common_initial_state(key: str, seed: int, build: Callable[[], nn.Module]) ->
         return {k: v.clone() for k, v in _initial_states[key].items()}
 
 
+def interned_initial(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The cached common initial state `state` equals (never modified: one copy
+    for every site of the process, thousands in memory), else `state` itself."""
+    with _initial_states_lock:
+        for cached in _initial_states.values():
+            if cached.keys() == state.keys() and all(
+                cached[k].dtype == v.dtype and torch.equal(cached[k], v) for k, v in state.items()
+            ):
+                return cached
+    return state
+
+
 def common_initial_model(key: str, seed: int, build: Callable[[], ModelT]) -> ModelT:
     """`build()` holding the common initial weights (`common_initial_state`)."""
     model = build()

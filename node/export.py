@@ -238,6 +238,11 @@ def card_markdown(card: dict[str, Any]) -> str:
             "validation split, never its test split). Exported: the "
             f"{m['which']} model.",
         ]
+        if choice.get("personal_source") == "local":
+            lines.append(
+                "Its personal model is the one this site trained on its own data alone, "
+                "from its initial weights: no federated weights are in it."
+            )
     lines += ["", "## Evaluation", ""]
     ev = card["evaluation_this_site"]
     if ev:

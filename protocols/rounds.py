@@ -247,7 +247,12 @@ class RoundLoop(Protocol, Generic[P]):
     def personalization(self, ctx: RoundContext, site: Any) -> Personalization:
         """The site's personal model (training.personalization); FedBN's
         local_norm needs a protocol that merges models in its aggregate phase."""
-        personal = Personalization(ctx.config.training, site)
+        # built before any training (and before a checkpoint is loaded): the site's
+        # weights now start its local candidate, unless they are a federation's
+        # pre-trained encoder (a chained protocol's fine-tuning stage)
+        personal = Personalization(
+            ctx.config.training, site, own_start=ctx.config.model.pretrained_from is None
+        )
         if personal.section.local_norm and "aggregate" not in self.phases:
             raise ConfigError(
                 "site.yaml",

@@ -28,6 +28,7 @@ from test_export import FAST as EXPORT_FAST
 
 from node.cli import main
 from node.evaluate import checkpointed_model
+from node.export import card_markdown
 from node.provision import provision
 from node.queues import Checkpoints
 from p2pfl.config import ConfigError, TrainingSection, load_config
@@ -36,7 +37,9 @@ from p2pfl.learning.best import BestModel
 from p2pfl.learning.class_weights import log_class_prior
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.evaluate import evaluate_site
+from p2pfl.learning.optimizer import lr_factor
 from p2pfl.learning.personal import Personalization, norm_keys, resolve_method
+from p2pfl.learning.sites import interned_initial
 from p2pfl.learning.train import LocalSite
 
 FAST = EXPORT_FAST  # the export tests' quick transport and training
@@ -81,7 +84,8 @@ def test_the_choice_is_made_on_validation_and_never_sees_the_test_split(tmp_path
             }
         )
         personal = Personalization(cfg.training, other)
-        figures = personal.choose(other, BestModel(**{**federated.__dict__, "state": start}))
+        # three rounds: the model trained alone chooses among them on validation too
+        figures = personal.choose(other, BestModel(**{**federated.__dict__, "state": start}), 3)
         assert personal.choice is not None
         return figures, personal.choice
 
@@ -92,6 +96,7 @@ def test_the_choice_is_made_on_validation_and_never_sees_the_test_split(tmp_path
     # the model trained alone is a candidate by default, chosen on validation too
     assert choice["alone_val_score"] is not None
     assert choice["alone_val_score"] == choice2["alone_val_score"]
+    assert choice["alone_round"] == choice2["alone_round"]
     assert choice["personal_source"] == choice2["personal_source"]
     assert choice["personal_round"] == choice2["personal_round"]
     # The test figures are reported, and they did change with the test labels.
@@ -201,11 +206,102 @@ def test_sites_of_the_common_initial_weights_share_one_initial_copy(tmp_path):
     federated.observe(2, evaluate_site(sites[0]), sites[0].state_dict)
     first.choose(sites[0], federated, 2)
     assert all(torch.equal(second.initial[k], kept[k]) for k in kept)
+    # the same values in another dtype are another model (a half-precision site)
+    assert interned_initial({k: v.double() for k, v in kept.items()}) is not first.initial
+    wide = LocalSite.from_config(cfg, common_initial=True)
+    wide.model.double()
+    assert Personalization(cfg.training, wide).initial is not first.initial
     # a site that starts from other weights keeps its own copy
     other = site_of(cfg)
     other.load_state_dict({k: v + 1.0 if v.is_floating_point() else v for k, v in kept.items()})
     own = Personalization(cfg.training, other).initial
     assert own is not None and own is not first.initial
+
+
+def test_a_fine_tuned_model_that_leads_on_validation_stays_the_personal_model(tmp_path):
+    """The model alone replaces the fine-tuned one only where it leads on
+    validation: fine-tuned from a model trained for five epochs, against one
+    round alone, the fine-tuned one stays; on a tie it stays too."""
+    cfg = digits_config(tmp_path, personalization={"method": "finetune", "finetune_epochs": 1})
+    site = site_of(cfg)
+    personal = Personalization(cfg.training, site)
+    site.train_epochs(5)
+    federated = BestModel(federated=True)
+    federated.observe(1, evaluate_site(site), site.state_dict)
+    personal.choose(site, federated, 1)
+    choice = personal.choice
+    assert choice is not None and choice["personal_source"] == "finetune", choice
+    assert choice["alone_val_score"] < choice["personal_val_score"]
+    # a tie: the model alone scores exactly what the fine-tuned one does
+    tie = Personalization(cfg.training, site_of(cfg))
+    tuned: list[float] = []
+    tune = tie.finetune
+
+    def finetune(site_: Any, start: dict[str, torch.Tensor]) -> None:
+        tune(site_, start)
+        assert tie.best.val_score is not None
+        tuned.append(tie.best.val_score)
+
+    def alone(site_: Any, rounds: int) -> BestModel:
+        return BestModel(round=1, val_score=tuned[0], state=site_.state_dict())
+
+    tie.finetune = finetune  # type: ignore[method-assign]
+    tie.train_alone = alone  # type: ignore[method-assign]
+    tie.choose(site, federated, 1)
+    assert tie.choice is not None and tie.choice["personal_source"] == "finetune"
+
+
+def test_the_model_alone_trains_as_the_site_alone_would(tmp_path):
+    """As many rounds as the run (not the federated best round's), each at the
+    rounds' learning rate (cosine), with a fresh optimizer, and its best round
+    on validation is kept, not its last."""
+    cfg = digits_config(tmp_path, personalization={"method": "finetune", "finetune_epochs": 1})
+    site = site_of(cfg)
+    personal = Personalization(cfg.training, site)
+    calls: list[tuple[float, Any, int]] = []
+    steps = personal._steps
+
+    def recording(site_: Any, optimizer: Any, extra: Any = None) -> list[float]:
+        calls.append((optimizer.param_groups[0]["lr"], optimizer, len(optimizer.state)))
+        return steps(site_, optimizer, extra)
+
+    # the validation losses, scripted: one fine-tuning epoch, then four rounds alone
+    # whose second is the best (the last is not)
+    script = iter([5.0, 0.5, 0.2, 0.4, 0.9])
+    evaluate = site.evaluate
+
+    def evaluating(split: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        out = evaluate(split, *args, **kwargs)
+        return {**out, "balanced_loss": next(script)} if split == "val" else out
+
+    federated = BestModel(federated=True)
+    federated.observe(1, evaluate_site(site), site.state_dict)  # the best round: 1 of 4
+    personal._steps = recording  # type: ignore[method-assign]
+    site.evaluate = evaluating  # type: ignore[method-assign]
+    personal.choose(site, federated, 4)
+    alone = calls[1:]  # after the one fine-tuning epoch
+    expected = [cfg.training.lr * lr_factor(cfg.training, r, 4) for r in range(1, 5)]
+    assert [lr for lr, _, _ in alone] == pytest.approx(expected)
+    assert len({id(opt) for _, opt, _ in alone}) == 1
+    assert alone[0][1] is not site.optimizer and alone[0][2] == 0  # fresh, no Adam state
+    choice = personal.choice
+    assert choice is not None and choice["personal_source"] == "local"
+    assert choice["alone_round"] == 2 and choice["alone_val_score"] == -0.2
+
+
+def test_no_local_candidate_where_the_start_is_no_sites_own_or_the_recipe_is_dp(tmp_path):
+    cfg = digits_config(tmp_path, personalization={"method": "finetune"})
+    stage = Personalization(cfg.training, site_of(cfg), own_start=False)
+    assert stage.initial is None and "pre-trained encoder" in (stage.alone_skipped or "")
+    recipe = digits_config(tmp_path / "recipe", recipe="dp")
+    site = LocalSite.from_config(recipe)
+    personal = Personalization(recipe.training, site)
+    assert personal.initial is None and "recipe dp" in (personal.alone_skipped or "")
+    federated = BestModel(federated=True)
+    federated.observe(1, evaluate_site(site), site.state_dict)
+    personal.choose(site, federated, 1)
+    assert personal.choice is not None and personal.choice["alone_val_score"] is None
+    assert "recipe dp" in personal.choice["alone_skipped"]
 
 
 def test_without_the_local_candidate_nothing_is_trained_alone(tmp_path):
@@ -244,8 +340,9 @@ def test_a_one_class_validation_split_follows_the_latest_federated_round(tmp_pat
     """A one-class val split cannot choose among the federated model's rounds
     (any model that predicts its class scores perfectly there): the node's
     federated model is its latest round's, and the personal model is
-    fine-tuned from that one, then chosen on validation as ever."""
-    cfg = digits_config(tmp_path)
+    fine-tuned from that one, then chosen on validation as ever (the model
+    trained alone, another candidate, is left out here)."""
+    cfg = digits_config(tmp_path, personalization={"local_candidate": False})
     site = site_of(cfg)
     x_val, y_val = site.data.val.tensors
     site.data = SiteData(
@@ -254,6 +351,7 @@ def test_a_one_class_validation_split_follows_the_latest_federated_round(tmp_pat
             "val": torch.utils.data.TensorDataset(x_val, torch.zeros_like(y_val)),
         }
     )
+    personal = Personalization(cfg.training, site)  # before training, as the rounds build it
     federated = BestModel(federated=True)
     for r in (1, 2):
         site.train_epochs()
@@ -263,7 +361,6 @@ def test_a_one_class_validation_split_follows_the_latest_federated_round(tmp_pat
     assert federated.follows_latest and federated.round == 2
     latest = {k: v.clone() for k, v in site.state_dict().items()}
     assert all(torch.equal(latest[k], v) for k, v in federated.state.items())
-    personal = Personalization(cfg.training, site)
     starts: list[dict[str, torch.Tensor]] = []
     tune = personal.finetune
 
@@ -487,6 +584,11 @@ def test_export_which_personal_federated_and_best(federation, tmp_path, capsys):
         card = json.loads((out / "model_card.json").read_text())
         assert card["model"]["which"] == which
         assert card["personalization"]["reported"] == reported
+        alone = card["personalization"]["personal_source"] == "local"
+        assert ("trained on its own data alone" in (out / "model_card.md").read_text()) == alone
+        for source, said in (("local", True), ("finetune", False)):
+            card["personalization"]["personal_source"] = source
+            assert ("trained on its own data alone" in card_markdown(card)) == said
     capsys.readouterr()
 
 

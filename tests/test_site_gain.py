@@ -98,9 +98,13 @@ def test_the_reported_model_is_the_validation_choice_then_the_best_then_the_late
     as_logged = {k: v for k, v in chosen.items() if k != "reported"}  # a daemon logs numbers
     assert reported_model({**as_logged, "reported_personal": 0.0})[0] == "federated"
     assert reported_model({**as_logged, "reported_personal": 1.0})[0] == "personal"
+    # a personal model the site trained alone is named so (the table counts it)
+    alone = {**as_logged, "reported_personal": 1.0, "personal_trained_alone": 1.0}
+    assert reported_model(alone)[0] == "alone"
+    assert reported_model({**alone, "personal_trained_alone": 0.0})[0] == "personal"
 
 
-def _constructed() -> dict[str, Any]:
+def _constructed_inputs() -> tuple[Any, ...]:
     """Four sites: site_0 and site_1 gain, site_2 loses 1 point (inside the
     2-point tolerance), site_3 loses 10 points but its test split is under the
     minimum (reported apart)."""
@@ -131,8 +135,24 @@ def _constructed() -> dict[str, Any]:
         "site_2": {"best_macro_f1": 0.60, "best_balanced_accuracy": 0.62, "best_auc": 0.8},
         "site_3": {"best_macro_f1": 0.50, "best_balanced_accuracy": 0.5, "best_auc": 0.6},
     }
+    return federation, standalone, partition
+
+
+def _constructed() -> dict[str, Any]:
     names = [f"site_{i}" for i in range(4)]
-    return site_gain_table(names, federation, standalone, partition)
+    return site_gain_table(names, *_constructed_inputs())
+
+
+def _inputs_with_alone(site: str) -> tuple[Any, ...]:
+    """_constructed's inputs, with `site` reporting the model it trained alone."""
+    args = _constructed_inputs()
+    federation = {k: dict(v) for k, v in args[0].items()}
+    federation[site] = {
+        "reported_personal": 1.0,
+        "personal_trained_alone": 1.0,
+        "reported_macro_f1": federation[site]["best_macro_f1"],
+    }
+    return (federation, *args[1:])
 
 
 def test_gain_table_counts_the_gainers_and_sets_the_flagged_sites_apart() -> None:
@@ -147,6 +167,7 @@ def test_gain_table_counts_the_gainers_and_sets_the_flagged_sites_apart() -> Non
     assert table["sites_apart"] == ["site_3"]
 
     assert (table["sites_compared"], table["sites_gained"]) == (4, 2)
+    assert table["sites_reporting_alone"] == 0
     assert table["share_gained"] == 0.5
     assert table["share_within_tolerance"] == 0.75  # site_2 (-1 point) is within 2 points
     assert table["mean_gain_macro_f1"] == pytest.approx((0.05 + 0.1 - 0.01 - 0.1) / 4, abs=1e-4)
@@ -170,6 +191,15 @@ def test_gain_table_prints_every_site_and_draws_a_non_empty_plot(tmp_path: Path)
     assert "all sites: 2 of 4 gained (50%), 75% not worse" in text
     assert "without the sites apart: 2 of 3 gained (67%)" in text
     assert "site_3: class 1: 3" in text
+    assert "trained alone" not in text
+    # a site that reports the model it trained alone is counted, not hidden in a share
+    again = site_gain_table([r["node"] for r in table["sites"]], *_inputs_with_alone("site_2"))
+    assert again["sites_reporting_alone"] == 1 and again["sites_reporting_alone_without_apart"] == 1
+    assert (
+        "all sites: 2 of 4 gained (50%), 75% not worse than alone by more than 2 points; "
+        "1 of 4 report the model they trained alone"
+        in "\n".join(gain_table_lines(again, "fedavgp2p random c=0.5"))
+    )
 
     path = write_gain_plot(tmp_path, "site_gain", table, "constructed")
     assert path == tmp_path / "site_gain.png"

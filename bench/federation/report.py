@@ -180,9 +180,12 @@ def _gain_line(table: dict[str, Any], suffix: str) -> str:
         return f"{what}: no site to compare"
     gained, share = table[f"sites_gained{suffix}"], table[f"share_gained{suffix}"]
     within = table[f"share_within_tolerance{suffix}"]
+    alone = table.get(f"sites_reporting_alone{suffix}") or 0
     return (
         f"{what}: {gained} of {n} gained ({share:.0%}), {within:.0%} not worse than alone by "
-        f"more than {table['tolerance'] * 100:g} points; mean gain macro-F1 "
+        f"more than {table['tolerance'] * 100:g} points"
+        + (f"; {alone} of {n} report the model they trained alone" if alone else "")
+        + "; mean gain macro-F1 "
         f"{_f(table[f'mean_gain_macro_f1{suffix}'], True)}, balanced accuracy "
         f"{_f(table[f'mean_gain_balanced_accuracy{suffix}'], True)}, AUROC "
         f"{_f(table[f'mean_gain_auc{suffix}'], True)}"

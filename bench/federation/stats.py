@@ -434,7 +434,8 @@ def gain_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over the sites with both figures: how many gained (reported macro-F1
     above standalone's), the share that is not worse by more than
     GAIN_TOLERANCE, and the mean gain per metric; `*_without_apart` the same
-    without the sites under the test minimum (listed in `sites_apart`)."""
+    without the sites under the test minimum (listed in `sites_apart`), and
+    how many sites report the model they trained alone (`sites_reporting_alone`)."""
     apart = [r["node"] for r in rows if r["below_test_minimum"]]
     out: dict[str, Any] = {"sites_apart": apart}
     kept = [r for r in rows if not r["below_test_minimum"]]
@@ -442,6 +443,11 @@ def gain_summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         gains = [r["gain_macro_f1"] for r in subset if r["gain_macro_f1"] is not None]
         out[f"sites_compared{suffix}"] = len(gains)
         out[f"sites_gained{suffix}"] = sum(1 for g in gains if g > 0)
+        # a site that reports the model it trained alone gains nothing from the
+        # federation, whatever its figure: counted, so no share hides it
+        out[f"sites_reporting_alone{suffix}"] = sum(
+            1 for r in subset if r.get("reported_model") == "alone"
+        )
         out[f"share_gained{suffix}"] = _round(_share(sum(1 for g in gains if g > 0), len(gains)))
         out[f"share_within_tolerance{suffix}"] = _round(
             _share(sum(1 for g in gains if g >= -GAIN_TOLERANCE), len(gains))

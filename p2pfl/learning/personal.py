@@ -16,12 +16,17 @@ one class cannot choose among the federated model's rounds (p2pfl.learning.best)
   local fine-tuning: Yu et al. 2020, "Salvaging federated learning by local
   adaptation"; Cheng et al. 2021, "Fine-tuning is fine in federated learning").
   With `local_candidate` (the default), the model the site would have
-  trained alone is a candidate too: from the weights the rounds started from,
-  as many epochs per round as the rounds, with the same learning-rate
-  schedule, its best epoch on validation (what `bench.baselines.standalone`
-  trains). The better of the two on validation is the personal model, so a
+  trained alone is a candidate too: from the site's initial weights (those it
+  is built with, before any training; `Personalization` must be constructed
+  then), as many rounds of training.epochs epochs as the run, with the same
+  learning-rate schedule and a fresh optimizer, its best round on validation
+  (the training `bench.baselines.standalone` gives each site, from the same
+  weights). The better of the two on validation is the personal model, so a
   site the federation did not help on its validation split keeps what it
-  would have had alone (`personal_source` local).
+  would have had alone (`personal_source` local). Not where the start is no
+  site's own (a fine-tuning stage starts from the federation's pre-trained
+  encoder) nor under training.recipe dp (whose training loop this module does
+  not run): `alone_skipped` says why.
 - `ditto` (Li et al. 2021, "Ditto: fair and robust federated learning through
   personalization", Alg. 1): every round, after the site's federated update, the
   personal model v takes as many steps on the site's loss plus
@@ -115,7 +120,11 @@ class Personalization:
     """One site's personal model, its best round on validation, and the final
     choice. `method` is resolved (`resolve_method`)."""
 
-    def __init__(self, training: TrainingSection, site: Any) -> None:
+    def __init__(self, training: TrainingSection, site: Any, *, own_start: bool = True) -> None:
+        """Construct it before the site trains: its weights now are the start
+        of the local candidate. `own_start` False: they hold what a federation
+        made (a fine-tuning stage's pre-trained encoder), so there is no model
+        the site would have had alone."""
         self.section = training.personalization
         self.classifier = classifier = personalizable(site)  # not the probe's None, nor MAE
         self.method = resolve_method(training) if classifier else "none"
@@ -131,10 +140,9 @@ class Personalization:
         self._keys = norm_keys(site.model) if self.section.local_norm and classifier else []
         # finetune's local candidate starts where the rounds start: the weights the
         # site is built with (a restart builds them again before loading its checkpoint)
+        self.alone_skipped = _alone_skipped(self, training, own_start)
         self.initial: dict[str, Tensor] | None = (
-            interned_initial(site.state_dict())
-            if self.method == "finetune" and self.section.local_candidate and self.has_val
-            else None
+            interned_initial(site.state_dict()) if self.alone_skipped is None else None
         )
         self.source: str | None = None  # which training made the personal model
         self.alone_val_score: float | None = None
@@ -326,6 +334,7 @@ class Personalization:
                 "personal_source": self.source,
                 "alone_val_score": self.alone_val_score,
                 "alone_round": self.alone_round,
+                "alone_skipped": self.alone_skipped,
                 "personal_test": dict(self.best.test),
             }
         self.choice["method"] = self.method
@@ -420,6 +429,23 @@ class Personalization:
         if keep_best:
             self.best = BestModel.restore(saved.get("best"))
             self.choice = saved.get("choice")
+
+
+def _alone_skipped(
+    personal: Personalization, training: TrainingSection, own_start: bool
+) -> str | None:
+    """Why the site has no local candidate (None: it has one)."""
+    if personal.method != "finetune":
+        return f"personalization.method {personal.method}"
+    if not personal.section.local_candidate:
+        return "personalization.local_candidate false"
+    if not personal.has_val:
+        return "no validation split to choose on"
+    if training.recipe != "standard":
+        return f"training.recipe {training.recipe}: its training loop is not this module's"
+    if not own_start:
+        return "the stage starts from the federation's pre-trained encoder, not the site's own"
+    return None
 
 
 def _observe_epoch(site: Any, best: BestModel, epoch: int) -> bool:

@@ -19,6 +19,9 @@ Per seed, one partition, three arms (the order alternates with the seed):
   freshest model a neighbour has, weighted by its staleness);
 - `without_slow`: the 4 fast sites alone (synchronous, the same data), with
   the fraction set so that each still pulls from as many neighbours.
+With `--secure` every arm runs with `protocol.secure_aggregation` (and wire
+encryption): the asynchronous arm's sums are then over the freshest models
+(protocols/secure_exchange.py `AsyncSecureExchange`).
 
 Reported per arm: the fast sites' mean round time (`round_s` of every round
 of site_0..site_3), the mean final macro-F1 (every site of the arm; the fast
@@ -73,6 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-round", type=int, default=None, help="default: one epoch")
     p.add_argument("--round-timeout", type=float, default=None, help="protocol.round_timeout_s")
     p.add_argument("--timeout", type=float, default=1800.0, help="per federation run, seconds")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="every arm with protocol.secure_aggregation (and wire encryption, which it needs): "
+        "the asynchronous arm then sums the freshest models securely (AsyncSecureExchange)",
+    )
     args = p.parse_args(argv)
     if args.nodes < 3 or args.rounds < 1 or not args.seeds or args.slow_factor < 1:
         p.error("give at least 3 sites, 1 round, one seed and a --slow-factor >= 1")
@@ -91,7 +100,15 @@ def base_spec(args: argparse.Namespace, seed: int) -> RunSpec:
         steps_per_round=args.steps_per_round,
         round_timeout_s=args.round_timeout,
         timeout_s=args.timeout,
+        encryption=bool(args.secure),
+        protocol_options=(("secure_aggregation", True),) if args.secure else (),
     )
+
+
+def asynchronous(spec: RunSpec) -> RunSpec:
+    """The asynchronous arm: the base arm's settings (secure aggregation
+    included, with --secure) plus protocol.asynchronous."""
+    return replace(spec, protocol_options=(*spec.protocol_options, ("asynchronous", True)))
 
 
 def without_slow_fraction(fraction: float, nodes: int) -> float:
@@ -161,7 +178,7 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     drill = {slow: {"P2PFL_FAULTS": str(plan.resolve())}}
     runs: dict[str, tuple[RunSpec, Sequence[Path], dict[str, dict[str, str]] | None]] = {
         "sync": (spec, sources, drill),
-        "async": (replace(spec, protocol_options=(("asynchronous", True),)), sources, drill),
+        "async": (asynchronous(spec), sources, drill),
         "without_slow": (
             replace(
                 spec,
@@ -279,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "slow_models_merged_async": "> 0 in every seed",
         },
         "wall_s": round(time.perf_counter() - started, 1),
+        "secure_aggregation": bool(args.secure),
     }
     summary["plot"] = str(plot(per_seed, args.out / "heterogeneous.png", args.slow_factor))
     summary["runs_ok"] = all(

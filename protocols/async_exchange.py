@@ -63,9 +63,9 @@ checkpointed).
 (protocols/compressed_exchange.py): with `protocol.compression`, the freshest
 model travels as the difference from the pair's copy.
 
-Secure aggregation is refused with `asynchronous` (p2pfl/config): a
-contributor masks each model at most once per requester (protocols/secagg.py),
-so a slow site's unchanged model could not join a fast requester's next sums.
+With secure aggregation the freshest models are summed by
+`protocols.secure_exchange.AsyncSecureExchange` instead (each contributor
+weighs its own model by staleness, and masks it at most once per requester).
 """
 
 from __future__ import annotations

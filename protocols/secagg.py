@@ -128,9 +128,11 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from protocols.async_exchange import staleness_factor
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.secagg_ledger import ContributionLedger
 from protocols.secagg_messages import (
+    FRESHEST_PURPOSE,
     MAX_CONTRIBUTORS,
     MIN_SUM,
     SECAGG_KIND,
@@ -175,8 +177,13 @@ __all__ = [
     "threshold_for",
 ]
 
-# Refusals an honest requester meets too (I am past its round): not counted against it.
-BENIGN_REFUSALS = frozenset({"too_new"})
+# Refusals an honest requester meets too: I am past its round (too_new), or, in an
+# asynchronous sum, my freshest model is already in one of its sums (not_newer).
+BENIGN_REFUSALS = frozenset({"too_new", "not_newer", "too_stale", "weight_too_small"})
+# The least w/W a contributor masks (2^8 of the ring's 2^20 units): below it, its
+# fixed-point weight and values would be so coarse that a W chosen large enough
+# could round its model out of the sum while a heavier contributor's stays.
+MIN_WEIGHT_SHARE = 2.0**-12
 MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
 MAX_SEEN_SESSIONS = 4096  # per requester: session ids remembered so none is opened twice
 PHASES = ("advertise", "share", "mask", "consistency", "unmask")
@@ -191,7 +198,10 @@ class Contributor:
     `ctx.pair_secret` gives the roster-derived pair keys; `source` the model to
     contribute; `min_threshold` is this node's `protocol.secagg_threshold`;
     `clip_norm` its `protocol.secagg_clip_norm`; `max_weight` the cap on its own
-    weight (its roster card's max_samples) if any."""
+    weight (its roster card's max_samples) if any; `staleness_exponent` (a node
+    with protocol.asynchronous) answers FRESHEST_PURPOSE sums: its freshest
+    model not yet in one of the requester's sums, its weight times
+    (t - tau + 1)^-a for the requester's round t (`at_round`)."""
 
     def __init__(
         self,
@@ -203,8 +213,12 @@ class Contributor:
         max_weight: float | None = None,
         keep_rounds: int = 3,
         ledger_path: Path | None = None,
+        staleness_exponent: float | None = None,
+        staleness_bound: int | None = None,
     ) -> None:
         self.ctx = ctx
+        self.staleness_exponent = staleness_exponent
+        self.staleness_bound = staleness_bound
         self.source = source
         self.min_threshold = min_threshold
         self.clip_norm = clip_norm
@@ -265,11 +279,22 @@ class Contributor:
             raise SecAggError("session_reused", "a session id is never opened twice")
         if request.max_round < request.round:
             raise SecAggError("bad_request", "max_round < round")
+        freshest = request.purpose == FRESHEST_PURPOSE
+        if freshest != (request.at_round is not None):
+            raise SecAggError("bad_request", "at_round is given with the freshest purpose only")
+        if freshest and (self.staleness_exponent is None or self.staleness_bound is None):
+            raise SecAggError("not_asynchronous", "I answer no asynchronous sums")
         # NotReady (the request is held open) until that round is trained
         model = self.source(request.round, request.max_round, request.purpose)
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model
+        if freshest and request.at_round - model_round > self.staleness_bound:  # type: ignore[operator]
+            # My own bound, whatever window the requester asked: every weight I mask in
+            # an asynchronous sum is at least (bound + 1)^-a of my sample count.
+            raise SecAggError(
+                "too_stale", f"my model of round {model_round} for round {request.at_round}"
+            )
         # Taken before the first await: a concurrent copy of this request is refused.
         seen[request.session] = None
         while len(seen) > MAX_SEEN_SESSIONS:
@@ -277,10 +302,19 @@ class Contributor:
         digest = await self.ledger.digest(model_round, state)
         if self.ledger.masked(requester, model_round) == digest:
             # The same model to the same requester twice would let it subtract two sums.
+            if freshest:  # an honest asynchronous requester asks again each round
+                raise SecAggError("not_newer", f"model of round {model_round}")
             raise SecAggError("already_contributed", f"model of round {model_round}")
         if self.max_weight is not None:
             weight = min(weight, self.max_weight)
+        if freshest:  # FedAsync's staleness weight, against the requester's round
+            assert request.at_round is not None and self.staleness_exponent is not None
+            weight *= staleness_factor(request.at_round - model_round, self.staleness_exponent)
         weight = min(float(weight), request.weight_scale)  # w/W <= 1: the ring's bound
+        if weight < MIN_WEIGHT_SHARE * request.weight_scale:
+            # A W so large that my weight would all but round away: refused, or a
+            # requester could leave a heavier contributor's model alone in its sum.
+            raise SecAggError("weight_too_small", f"w/W = {weight / request.weight_scale:.3g}")
         clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
         if not await asyncio.to_thread(
             fits_ring, clipped, weight / request.weight_scale, len(group)
@@ -289,6 +323,20 @@ class Contributor:
                 "out_of_range", f"an entry of my model does not fit a sum of {len(group)}"
             )
         self._forget_before(model_round - self.keep_rounds)
+        if freshest:
+            # A new asynchronous session from this requester supersedes its earlier
+            # ones I have not masked in: it retries with other contributors when one
+            # had nothing new, and those sessions would never end (nothing of mine is
+            # in them; a masked one is kept to the end).
+            self.sessions = {
+                key: old
+                for key, old in self.sessions.items()
+                if not (
+                    key[0] == requester
+                    and old.request.purpose == FRESHEST_PURPOSE
+                    and old.phase in ("advertise", "share")
+                )
+            }
         # counted and inserted with no await between: a flood cannot slip past it
         if sum(1 for r, _ in self.sessions if r == requester) >= MAX_OPEN_SESSIONS:
             raise SecAggError("too_many_sessions", f"{requester} has {MAX_OPEN_SESSIONS} open")
@@ -354,7 +402,12 @@ class Contributor:
         me = self.ctx.me
         self._step(session, "share", "mask")
         if self.ledger.masked(session.requester, session.model_round) == session.digest:
-            raise SecAggError("already_contributed", f"model of round {session.model_round}")
+            reason = (
+                "not_newer"
+                if session.request.purpose == FRESHEST_PURPOSE
+                else "already_contributed"
+            )
+            raise SecAggError(reason, f"model of round {session.model_round}")
         body = parse(MaskBody, raw)
         if body is None:
             raise SecAggError("bad_request", "mask needs U2 and the shares")

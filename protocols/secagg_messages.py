@@ -16,6 +16,10 @@ SECAGG_KIND = "secagg"
 MIN_SUM = SECAGG_MIN_SUM  # a sum over fewer contributions is an individual model
 MAX_CONTRIBUTORS = SECAGG_MAX_CONTRIBUTORS  # what check's ring bound counts with too
 MAX_WEIGHT_SCALE = 2.0**40
+# The purpose of an asynchronous sum (protocol.asynchronous): each contributor
+# masks its freshest model not yet in one of the requester's sums, weighted by
+# its staleness against the requester's round `at_round` (protocols/secagg.py).
+FRESHEST_PURPOSE = "freshest"
 KEY_BYTES = 32
 TAG_BYTES = 32
 
@@ -45,6 +49,9 @@ class SessionRequest(BaseModel):
     # as its weight and w/W * x as its model, so every weight is at most 1 in
     # the ring. One W per session (it is in the context every key is bound to).
     weight_scale: float = Field(1.0, gt=0, le=MAX_WEIGHT_SCALE, allow_inf_nan=False)
+    # FRESHEST_PURPOSE only: the requester's round t, against which each
+    # contributor weighs its model of round tau by (t - tau + 1)^-a
+    at_round: int | None = Field(None, ge=0, le=2**31)
     body: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -149,7 +156,8 @@ def parse(model: type[M], data: Any) -> M | None:
 def session_context(requester: str, request: SessionRequest) -> bytes:
     """What binds every key of one session: the requester, the session id, the
     contributors U, the model rounds, the purpose (which names the stage) and
-    the weight unit W: a contributor told another W than the others derives
+    the weight unit W (and an asynchronous sum's round t, `at_round`): a
+    contributor told another W than the others derives
     other pair keys, so their tags fail in Round 1 (a requester cannot shrink
     everyone's weight but one victim's to peel its model out of the sum)."""
     return "|".join(
@@ -162,6 +170,9 @@ def session_context(requester: str, request: SessionRequest) -> bytes:
             str(request.max_round),
             request.purpose,
             repr(float(request.weight_scale)),
+            # an asynchronous sum's round: every contributor weighs its staleness
+            # against the same t, or their tags fail (absent: the context as before)
+            *(() if request.at_round is None else (f"at={request.at_round}",)),
         )
     ).encode()
 

@@ -74,12 +74,15 @@ async def secure_sum(
     purpose: str = "model",
     threshold: int | None = None,
     weight_scale: float | None = None,
+    at_round: int | None = None,
 ) -> SecureSum:
     """Run the four rounds with `contributors` as U and return the sum of
     U3's weighted models (as a weighted mean and its total weight).
     `weight_scale` is the session's weight unit W: every contributor's weight
     counts at most W, and is masked as w/W <= 1 (default: `weight_scale_for`
-    from the roster caps alone). Raises
+    from the roster caps alone). `at_round` (purpose FRESHEST_PURPOSE): this
+    node's round, against which each contributor weighs its model's
+    staleness. Raises
     SecAggError when too few stay for a sum (reason `too_few`) or the shares
     of a secret do not rebuild it (`too_few_shares`, `bad_share`)."""
     me = ctx.me
@@ -95,6 +98,7 @@ async def secure_sum(
         "max_round": max_round,
         "purpose": purpose,
         "weight_scale": float(weight_scale),
+        **({} if at_round is None else {"at_round": int(at_round)}),
     }
 
     async def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:

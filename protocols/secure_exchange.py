@@ -8,22 +8,35 @@ neighbour that fails is a dropout of the sum; nobody is asked twice for one
 model). The requester sees only the sum, so only its mean can be checked
 (keys, shapes, dtypes, finite, norm) and only its total weight capped
 (`checks.cap_sum`), and the merge is the weighted mean.
+
+`AsyncSecureExchange` (protocol.asynchronous with secure_aggregation) never
+waits for a round-r model: its sums are over the freshest model each
+contributor holds that is not yet in one of this requester's sums (purpose
+FRESHEST_PURPOSE), each weighted by its contributor with FedAsync's
+(t - tau + 1)^-a against the requester's round t (`at_round`, bound into the
+session). A contributor whose freshest model is already in one of its sums,
+or who has none within the staleness bound, answers a benign refusal; the
+requester then runs a fresh session with the next neighbours of its ranking
+(nobody has masked yet). A sum needs two contributors, so a round may merge
+nothing when fewer than two neighbours have something new.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange
+from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange, staleness_factor
 from protocols.base import RoundContext
 from protocols.checks import cap_sum, incompatibility, own_weight_cap
 from protocols.compressed_exchange import CompressedExchange
 from protocols.exchange import Collected, Exchange, PlainExchange, ServedModels, Term
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
+from protocols.secagg_messages import FRESHEST_PURPOSE
 from protocols.secagg_requester import weight_scale_for
 
 log = logging.getLogger(__name__)
@@ -57,6 +70,8 @@ class SecureExchange:
         # anonymized peer: Eq. 4's plain mean).
         self.purpose_weights = dict(purpose_weights or {})
         self.contributor: Contributor | None = None
+        self.staleness_exponent: float | None = None  # AsyncSecureExchange's
+        self.staleness_bound: int | None = None
 
     # ------------------------------------------------------------------ contributor side
 
@@ -75,6 +90,8 @@ class SecureExchange:
             max_weight=own_weight_cap(ctx),  # nobody can cap it after masking: I do
             keep_rounds=self.store.keep,
             ledger_path=ledger_file(ctx),
+            staleness_exponent=self.staleness_exponent,
+            staleness_bound=self.staleness_bound,
         )
         ctx.serve(self.kind, self.contributor.serve)
 
@@ -88,8 +105,15 @@ class SecureExchange:
     ) -> tuple[int, dict[str, Tensor], float] | None:
         """(round, model, weight) this node masks into a requester's sum: its
         model of round `wanted` (or the nearest newer one up to `newest`),
-        weighted by its sample count; NotReady while `wanted` is not trained."""
-        found = self.store.model_of(wanted, newest)
+        weighted by its sample count; NotReady while `wanted` is not trained.
+        An asynchronous sum (FRESHEST_PURPOSE): the latest model at once, or
+        None when it is not in [wanted, newest] (a requester cannot pick an
+        older one)."""
+        if purpose == FRESHEST_PURPOSE:
+            latest = self.store.latest
+            found = self.store.models.get(latest) if wanted <= latest <= newest else None
+        else:
+            found = self.store.model_of(wanted, newest)
         if found is None:
             return None
         weight = self.purpose_weights.get(purpose, float(found["num_train"]))
@@ -218,6 +242,95 @@ class SecureExchange:
         return self.collected(ctx, round_no, sums, own, own_weight, k)
 
 
+class AsyncSecureExchange(SecureExchange):
+    """`asynchronous` with `secure_aggregation`: secure sums of the freshest
+    models (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: ServedModels,
+        *,
+        staleness_bound: int,
+        staleness_exponent: float,
+        **options: Any,
+    ) -> None:
+        super().__init__(store, **options)
+        self.staleness_bound = staleness_bound
+        self.staleness_exponent = staleness_exponent
+
+    async def collect(
+        self,
+        ctx: RoundContext,
+        key: Any,
+        own: dict[str, Tensor],
+        own_weight: float,
+        ranking: list[str],
+        k: int,
+    ) -> Collected:
+        """One secure sum of the freshest models of k neighbours of `ranking`:
+        those that refused before anybody masked (nothing new, nothing within
+        the bound, gone) are replaced by the next in the ranking, in a fresh
+        session, until two or more stay, the ranking runs out, or the
+        round's timeout has passed (no new session after it)."""
+        round_no = int(key)
+        chosen, queue = list(ranking[:k]), list(ranking[k:])
+        sessions, skipped, result = 0, 0, None
+        deadline = time.monotonic() + self.timeout  # no new session after it
+        while len(chosen) >= 2 and (sessions == 0 or time.monotonic() < deadline):
+            sessions += 1
+            try:
+                result = await secure_sum(
+                    ctx,
+                    chosen,
+                    round_no=max(0, round_no - self.staleness_bound),
+                    max_round=FRESHEST_MAX_ROUND,  # a neighbour ahead of me counts as fresh
+                    reference=own,
+                    timeout=self.timeout,
+                    purpose=FRESHEST_PURPOSE,
+                    threshold=self.threshold,
+                    weight_scale=self.weight_scale(ctx, chosen, FRESHEST_PURPOSE),
+                    at_round=round_no,
+                )
+                break
+            except SecAggError as exc:
+                stayed = exc.unmasked
+                if stayed is None:  # someone masked already: no second session this round
+                    log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)  # fmt: skip
+                    break
+                left = [p for p in chosen if p not in stayed]
+                skipped += len(left)
+                if not left:  # everyone answered and still too few: a retry changes nothing
+                    break
+                refill, queue = queue[: len(left)], queue[len(left) :]
+                log.info(
+                    "%s round %d: %s had nothing for an asynchronous sum; asking %s instead",
+                    ctx.me,
+                    round_no,
+                    left,
+                    refill,
+                )
+                chosen = sorted(stayed) + refill
+        got = self.collected(ctx, round_no, [] if result is None else [result], own, own_weight, k)
+        staleness = [max(0, round_no - r) for r in (result.rounds.values() if result else [])]
+        factors = [staleness_factor(s, self.staleness_exponent) for s in staleness]
+        got.log.update(
+            {
+                "asynchronous": 1,
+                "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+                "staleness_max": max(staleness, default=0),
+                "staleness_factor_min": min(factors, default=1.0),
+                "staleness_factor_mean": sum(factors) / len(factors) if factors else 1.0,
+                "secagg_sessions": sessions,
+                "neighbours_skipped": skipped,
+            }
+        )
+        return got
+
+
+# The newest model round an asynchronous sum accepts: any (SessionRequest's bound).
+FRESHEST_MAX_ROUND = 2**31
+
+
 def ledger_file(ctx: RoundContext) -> Path | None:
     """Where this node's secure-aggregation ledger outlives a restart (its
     state directory), or None for a simulated node with no storage."""
@@ -232,9 +345,20 @@ def exchange_for(
     params: Any, store: ServedModels, purpose_weights: dict[str, float] | None = None
 ) -> Exchange:
     """The exchange a FedAVGP2P-family protocol's params ask for: secure sums
-    only with `secure_aggregation`, else models, compressed with `compression`,
+    only with `secure_aggregation` (of the freshest models with
+    `asynchronous`), else models, compressed with `compression`,
     pulled without waiting with `asynchronous`."""
     if params.secure_aggregation:
+        if params.asynchronous:  # secure sums of the freshest models (AsyncSecureExchange)
+            return AsyncSecureExchange(
+                store,
+                **_options(params),
+                threshold=params.secagg_threshold,
+                clip_norm=params.secagg_clip_norm,
+                purpose_weights=purpose_weights,
+                staleness_bound=params.staleness_bound,
+                staleness_exponent=params.staleness_exponent,
+            )
         return secure_exchange_for(params, store, purpose_weights)
     compression = getattr(params, "compression", "none")
     if params.asynchronous:  # the freshest models, weighted by staleness (async_exchange.py)

@@ -269,7 +269,6 @@ def test_asynchronous_is_a_setting_of_every_fedavgp2p_exchange() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"asynchronous": True, "secure_aggregation": True}, "masks each of its models"),
         ({"staleness_exponent": -0.5}, "greater than or equal to 0"),
         ({"staleness_bound": -1}, "greater than or equal to 0"),
     ],

@@ -126,3 +126,16 @@ def test_without_the_slow_site_each_site_pulls_from_as_many_neighbours(
     assert 0 < fewer <= 1
     wanted = neighbour_count(fraction, nodes - 1)
     assert neighbour_count(fewer, nodes - 2) == min(wanted, nodes - 2)  # all, if fewer remain
+
+
+def test_heterogeneous_secure_runs_every_arm_with_secure_aggregation() -> None:
+    from bench.federation.specs import protocol_section
+    from bench.heterogeneous import asynchronous, base_spec, parse_args
+
+    plain = base_spec(parse_args(["--data", "digits"]), 0)
+    assert not plain.encryption and "secure_aggregation" not in protocol_section(plain)
+    secure = base_spec(parse_args(["--data", "digits", "--secure"]), 0)
+    assert secure.encryption and protocol_section(secure)["secure_aggregation"] is True
+    both = protocol_section(asynchronous(secure))
+    assert both["secure_aggregation"] is True and both["asynchronous"] is True
+    assert protocol_section(asynchronous(plain))["asynchronous"] is True

@@ -124,7 +124,9 @@ class _SecureAggregation(_Aggregation):
         False,
         description="never wait for a neighbour's round-r model: merge the freshest model each "
         "chosen neighbour has, weighted by its sample count x (staleness + 1)^-staleness_exponent "
-        "(FedAsync, Xie et al. 2019); a neighbour with no model yet is skipped",
+        "(FedAsync, Xie et al. 2019); a neighbour with no model yet is skipped; with "
+        "secure_aggregation, a secure sum of the freshest models not yet in one of this "
+        "node's sums, each weighted so by its contributor (not with fedperl)",
     )
     staleness_exponent: float = Field(
         0.5,
@@ -140,16 +142,6 @@ class _SecureAggregation(_Aggregation):
     )
 
     @model_validator(mode="after")
-    def _asynchronous_not_with_secure_aggregation(self) -> _SecureAggregation:
-        if self.asynchronous and self.secure_aggregation:
-            raise ValueError(
-                "asynchronous cannot be used with secure_aggregation: a contributor masks each of "
-                "its models at most once per requester, so a slow site's unchanged model cannot "
-                "join a faster requester's next sums; choose one of them"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _secure_aggregation_needs_the_mean(self) -> _SecureAggregation:
         method = getattr(self, "aggregation", "mean")
         if self.secure_aggregation and method != "mean":
@@ -158,6 +150,23 @@ class _SecureAggregation(_Aggregation):
                 "secure_aggregation a node only sees their sum: use aggregation: mean, or "
                 "secure_aggregation: false"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _secure_sums_weigh_no_model_away(self) -> _SecureAggregation:
+        """An asynchronous secure sum weighs a model tau rounds behind by
+        (staleness_bound + 1)^-a at the least: a weight near zero would leave
+        the sum one contributor's model, so it stays >= 1/SECAGG_MAX_STALENESS_RATIO."""
+        if self.asynchronous and self.secure_aggregation:
+            ratio = (self.staleness_bound + 1) ** self.staleness_exponent
+            if ratio > SECAGG_MAX_STALENESS_RATIO:
+                raise ValueError(
+                    f"asynchronous secure sums weigh a model {self.staleness_bound} rounds stale "
+                    f"1/{ratio:.3g} of a fresh one ((staleness_bound + 1)^staleness_exponent); "
+                    f"more than {SECAGG_MAX_STALENESS_RATIO:g}x apart, the fresh contributors' "
+                    "models would all but stand alone in the sum: lower staleness_bound or "
+                    "staleness_exponent"
+                )
         return self
 
     @model_validator(mode="after")
@@ -253,6 +262,16 @@ class FedPerlParams(_SemiSupervised):
     )
     policy: Literal["static", "validation", "gated_validation", "gated_similarity"] = "static"
     rho: float = Field(0.85, description="gate of the gated policies")
+
+    @model_validator(mode="after")
+    def _asynchronous_not_with_secure_aggregation(self) -> FedPerlParams:
+        if self.asynchronous and self.secure_aggregation:
+            raise ValueError(
+                "asynchronous cannot be used with secure_aggregation in fedperl: its secure "
+                "sums are the anonymized peer over the community's round-r models, which waits "
+                "for them; choose one of them"
+            )
+        return self
 
 
 class _PreTraining(_ModelAveraging):
@@ -423,6 +442,10 @@ SECAGG_RING_BITS = 32  # masked entries are uint32 with wraparound, int32 on the
 SECAGG_FIXED_POINT_BITS = 20  # a masked value is round(w/W * x * 2^20)
 SECAGG_MIN_SUM = 2  # the fewest contributors of a secure sum
 SECAGG_MAX_CONTRIBUTORS = 64  # the most a session names (protocols/secagg_messages.py)
+# An asynchronous secure sum weighs the stalest model it admits at most this many
+# times less than a fresh one of the same size ((staleness_bound + 1)^a; 3.3 at
+# the defaults): the requester picks t, so it picks whose model the sum leans to
+SECAGG_MAX_STALENESS_RATIO = 4.0
 SECAGG_RING_MAX = 2 ** (SECAGG_RING_BITS - 1) - 1  # the largest |sum| an int32 decodes
 
 

@@ -179,10 +179,11 @@ __all__ = [
 
 # Refusals an honest requester meets too: I am past its round (too_new), or, in an
 # asynchronous sum, my freshest model is already in one of its sums (not_newer).
-BENIGN_REFUSALS = frozenset({"too_new", "not_newer", "too_stale", "weight_too_small"})
-# The least w/W a contributor masks (2^8 of the ring's 2^20 units): below it, its
-# fixed-point weight and values would be so coarse that a W chosen large enough
-# could round its model out of the sum while a heavier contributor's stays.
+BENIGN_REFUSALS = frozenset({"too_new", "not_newer", "too_stale"})
+# The least w/W a contributor masks (2^8 of the ring's 2^20 units): a lighter
+# weight is raised to it, so that no W, however large, rounds a contributor's
+# model out of a sum while a heavier one's stays (no refusal: that would exclude
+# small honest sites and tell a requester each one's weight).
 MIN_WEIGHT_SHARE = 2.0**-12
 MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
 MAX_SEEN_SESSIONS = 4096  # per requester: session ids remembered so none is opened twice
@@ -311,10 +312,8 @@ class Contributor:
             assert request.at_round is not None and self.staleness_exponent is not None
             weight *= staleness_factor(request.at_round - model_round, self.staleness_exponent)
         weight = min(float(weight), request.weight_scale)  # w/W <= 1: the ring's bound
-        if weight < MIN_WEIGHT_SHARE * request.weight_scale:
-            # A W so large that my weight would all but round away: refused, or a
-            # requester could leave a heavier contributor's model alone in its sum.
-            raise SecAggError("weight_too_small", f"w/W = {weight / request.weight_scale:.3g}")
+        # ...and w/W >= 2^-12: a tiny site counts a little more, never rounds away
+        weight = max(weight, MIN_WEIGHT_SHARE * request.weight_scale)
         clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
         if not await asyncio.to_thread(
             fits_ring, clipped, weight / request.weight_scale, len(group)

@@ -270,13 +270,15 @@ class AsyncSecureExchange(SecureExchange):
         """One secure sum of the freshest models of k neighbours of `ranking`:
         those that refused before anybody masked (nothing new, nothing within
         the bound, gone) are replaced by the next in the ranking, in a fresh
-        session, until two or more stay, the ranking runs out, or the
-        round's timeout has passed (no new session after it)."""
+        session, until two or more stay, the ranking runs out, or 2 x the
+        round's timeout has passed (each session's requests get the time left)."""
         round_no = int(key)
         chosen, queue = list(ranking[:k]), list(ranking[k:])
         sessions, skipped, result = 0, 0, None
-        deadline = time.monotonic() + self.timeout  # no new session after it
-        while len(chosen) >= 2 and (sessions == 0 or time.monotonic() < deadline):
+        # the whole collect within 2 x timeout, as a plain pull's: each session's
+        # requests get the time left, so one silent neighbour does not end the round
+        deadline = time.monotonic() + 2 * self.timeout
+        while len(chosen) >= 2 and (left_s := deadline - time.monotonic()) > 0:
             sessions += 1
             try:
                 result = await secure_sum(
@@ -285,7 +287,7 @@ class AsyncSecureExchange(SecureExchange):
                     round_no=max(0, round_no - self.staleness_bound),
                     max_round=FRESHEST_MAX_ROUND,  # a neighbour ahead of me counts as fresh
                     reference=own,
-                    timeout=self.timeout,
+                    timeout=min(self.timeout, left_s),
                     purpose=FRESHEST_PURPOSE,
                     threshold=self.threshold,
                     weight_scale=self.weight_scale(ctx, chosen, FRESHEST_PURPOSE),

@@ -254,29 +254,28 @@ async def test_contributors_told_different_rounds_give_no_sum() -> None:
     assert (REQUESTER, "secagg_bad_key_tag") in sites.counted()  # the tags, not a bound
 
 
-async def test_a_weight_unit_that_would_round_a_model_away_is_refused() -> None:
-    """A requester's W so large that a contributor's w/W falls under 2^-12
-    (its model would all but round out of the sum while a heavier one's
-    stays): refused, in any sum, not counted (nothing of it was masked)."""
+async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead() -> None:
+    """A W so large that a contributor's w/W would fall under 2^-12 (its model
+    rounding out of the sum while a heavier one's stays) does not exclude it,
+    nor tell the requester its weight: it masks 2^-12 of W instead. The sum's
+    total weight shows it: 20 samples count as W / 4096."""
     sites = Sites(["alice", "bob"])
     sites.put("alice", 5, 1.0, 20)
-    members = ["alice", "bob"]
-    huge = await raw(sites, "alice", members, weight_scale=20 * 2.0**13)
-    assert huge == {"refused": "weight_too_small"}
-    edge = await raw(sites, "alice", members, session="f" * 32, weight_scale=20 * 2.0**12)
-    assert "c_pk" in edge  # w/W = 2^-12 exactly: masked
-    sync = await raw(
-        sites,
-        "alice",
-        members,
-        session="9" * 32,
-        purpose="model",
-        at_round=None,
-        round=5,
-        max_round=5,
-        weight_scale=20 * 2.0**13,
+    sites.put("bob", 5, 3.0, 20)
+    unit = 20 * 2.0**14  # 20 samples are 2^-14 of it
+    got = await secure_sum(
+        sites.ctx,
+        ["alice", "bob"],
+        round_no=0,
+        max_round=100,
+        reference=model(1.0),
+        timeout=2.0,
+        purpose=FRESHEST_PURPOSE,
+        at_round=5,
+        weight_scale=unit,
     )
-    assert sync == {"refused": "weight_too_small"}
+    assert got.total_weight == pytest.approx(2 * unit * 2.0**-12, rel=1e-4)
+    assert torch.allclose(got.mean["w"], torch.full((4,), 2.0), atol=1e-2)
     assert sites.counted() == []
 
 
@@ -296,20 +295,88 @@ async def test_a_requester_retrying_leaves_no_session_open_behind() -> None:
     assert sites.counted() == []
 
 
-async def test_no_new_session_after_the_rounds_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_new_session_ends_only_its_requesters_unmasked_asynchronous_ones() -> None:
+    """What a new asynchronous Round 0 ends at a contributor: the same
+    requester's earlier asynchronous sessions it has not masked in. Not
+    another requester's, not one of another purpose, not one it masked in."""
+    sites = Sites(["alice", "bob"])
+    sites.put("alice", 5, 1.0, 20)
+    mallory = sites.network.join("mallory")
+    contributor = sites.exchanges["alice"].contributor
+    assert contributor is not None
+    members = ["alice", "bob"]
+
+    async def advertise(ctx: Any, session: str, **fields: Any) -> Any:
+        query = {
+            "session": session,
+            "phase": "advertise",
+            "contributors": members,
+            "round": 0,
+            "max_round": 100,
+            "purpose": FRESHEST_PURPOSE,
+            "at_round": 5,
+            "weight_scale": 40.0,
+            "body": {},
+            **fields,
+        }
+        query = {k: v for k, v in query.items() if v is not None}
+        return await ctx.request("alice", SECAGG_KIND, query, 2.0)
+
+    assert "c_pk" in await advertise(sites.ctx, "1" * 32)  # dave's asynchronous session
+    plain = {"purpose": "model", "at_round": None, "round": 5, "max_round": 5}
+    assert "c_pk" in await advertise(sites.ctx, "2" * 32, **plain)  # dave's synchronous one
+    assert "c_pk" in await advertise(mallory, "3" * 32)  # another requester's
+    held = {(r, sid) for r, sid in contributor.sessions}
+    assert {(REQUESTER, "1" * 32), (REQUESTER, "2" * 32), ("mallory", "3" * 32)} <= held
+    # a session alice has masked in stays to its end, whatever comes next
+    contributor.sessions[(REQUESTER, "1" * 32)].phase = "mask"
+    assert "c_pk" in await advertise(sites.ctx, "4" * 32)
+    contributor.sessions[(REQUESTER, "1" * 32)].phase = "advertise"
+    # dave's next asynchronous Round 0 ends its unmasked asynchronous sessions only
+    assert "c_pk" in await advertise(sites.ctx, "5" * 32)
+    held = {(r, sid) for r, sid in contributor.sessions}
+    assert (REQUESTER, "1" * 32) not in held and (REQUESTER, "4" * 32) not in held
+    assert {(REQUESTER, "2" * 32), ("mallory", "3" * 32), (REQUESTER, "5" * 32)} <= held
+
+
+async def test_no_new_session_after_twice_the_rounds_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sessions that keep failing stop after 2 x timeout (a plain pull's
+    bound), each given no more than the time left."""
     import protocols.secure_exchange as module
 
-    calls: list[list[str]] = []
+    calls: list[float] = []
 
     async def slow_refusal(ctx: Any, chosen: list[str], **kwargs: Any) -> Any:
-        calls.append(list(chosen))
+        calls.append(kwargs["timeout"])
         await asyncio.sleep(0.3)
         raise SecAggError("too_few", "one had nothing", unmasked=[chosen[0]])
 
     monkeypatch.setattr(module, "secure_sum", slow_refusal)
     sites = Sites(["alice"], timeout=0.5)
     got = await sites.collect(5, [f"p{i}" for i in range(12)], 2)
-    assert got.terms == [] and 2 <= len(calls) <= 3, calls
+    assert got.terms == [] and 3 <= len(calls) <= 4, calls
+    assert calls[0] == 0.5 and all(t <= 0.5 for t in calls) and calls[-1] < 0.5
+
+
+async def test_a_silent_neighbour_costs_one_session_not_the_round() -> None:
+    """A neighbour that never answers is a dropout of the first session; the
+    next session, with the next neighbour of the ranking, still fits in the
+    round and gives the sum."""
+    sites = Sites(["alice", "bob"], timeout=0.5)
+    sites.put("alice", 5, 1.0, 20)
+    sites.put("bob", 5, 3.0, 20)
+
+    async def silent(requester: str, query: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(30)
+        return {}
+
+    sites.network.join("hung").serve(SECAGG_KIND, silent)
+    got = await sites.collect(5, ["hung", "alice", "bob"], 2)
+    (term,) = got.terms
+    assert sorted(term.merged) == [("alice", 5), ("bob", 5)]
+    assert got.log["secagg_sessions"] == 2 and got.log["neighbours_skipped"] == 1
 
 
 def test_asynchronous_secure_aggregation_is_a_setting_and_fedperl_refuses_it() -> None:

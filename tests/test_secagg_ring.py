@@ -247,32 +247,22 @@ def test_a_requester_cannot_tell_one_contributor_another_weight_unit() -> None:
     """W is bound into the session's context: a victim told a tiny W (its
     model at full weight) while the others are told a huge one (theirs
     rounding away) derives other pair keys, so the key tags fail in Round 1
-    and nobody masks anything. A W so huge that a weight falls under 2^-12 of
-    it is refused at once (`weight_too_small`), before any tag."""
+    and nobody masks anything."""
     members = names(4)
     states = {m: {"w": torch.randn(8, dtype=torch.float64)} for m in members}
-    for huge, refusal in ((10.0 * 2.0**12, "secagg_bad_key_tag"), (2.0**30, None)):
-        network, ctxs, contributors = federation(states, dict.fromkeys(members, 10.0))
-        ctx = ctxs[REQUESTER]
-        original = ctx.request
+    network, ctxs, contributors = federation(states, dict.fromkeys(members, 10.0))
+    ctx = ctxs[REQUESTER]
+    original = ctx.request
 
-        async def lying(
-            peer: str,
-            kind: str,
-            query: dict[str, Any],
-            timeout: float,
-            huge: float = huge,
-            original: Any = original,
-        ) -> Any:
-            told = {**query, "weight_scale": 1.0 if peer == "c0" else huge}
-            return await original(peer, kind, told, timeout)
+    async def lying(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        told = {**query, "weight_scale": 1.0 if peer == "c0" else 2.0**30}
+        return await original(peer, kind, told, timeout)
 
-        ctx.request = lying  # type: ignore[method-assign]
-        with pytest.raises(SecAggError):
-            ask(ctxs, members, {"w": torch.zeros(8, dtype=torch.float64)}, weight_scale=10.0)
-        assert all(c.ledger.masked(REQUESTER, ROUND) is None for c in contributors.values())
-        reasons = {r["reason"] for r in network.rejections}
-        assert (refusal in reasons) if refusal else reasons == set(), reasons
+    ctx.request = lying  # type: ignore[method-assign]
+    with pytest.raises(SecAggError):
+        ask(ctxs, members, {"w": torch.zeros(8, dtype=torch.float64)}, weight_scale=10.0)
+    assert all(c.ledger.masked(REQUESTER, ROUND) is None for c in contributors.values())
+    assert any(r["reason"] == "secagg_bad_key_tag" for r in network.rejections)
 
 
 def test_the_weight_unit_is_the_most_a_contributor_may_claim() -> None:

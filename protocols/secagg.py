@@ -179,11 +179,11 @@ __all__ = [
 
 # Refusals an honest requester meets too: I am past its round (too_new), or, in an
 # asynchronous sum, my freshest model is already in one of its sums (not_newer).
-BENIGN_REFUSALS = frozenset({"too_new", "not_newer", "too_stale"})
+BENIGN_REFUSALS = frozenset({"too_new", "not_newer", "too_stale", "no_weight"})
 # The least w/W a contributor masks (2^8 of the ring's 2^20 units): a lighter
-# weight is raised to it, so that no W, however large, rounds a contributor's
-# model out of a sum while a heavier one's stays (no refusal: that would exclude
-# small honest sites and tell a requester each one's weight).
+# weight is raised to it (up to its roster card), so that no W, however large,
+# rounds a contributor's model out of a sum while a heavier one's stays (a
+# refusal instead would exclude small honest sites).
 MIN_WEIGHT_SHARE = 2.0**-12
 MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
 MAX_SEEN_SESSIONS = 4096  # per requester: session ids remembered so none is opened twice
@@ -306,6 +306,8 @@ class Contributor:
             if freshest:  # an honest asynchronous requester asks again each round
                 raise SecAggError("not_newer", f"model of round {model_round}")
             raise SecAggError("already_contributed", f"model of round {model_round}")
+        if not float(weight) > 0:  # no training data: nothing to add to anybody's sum
+            raise SecAggError("no_weight", "my model has no weight")
         if self.max_weight is not None:
             weight = min(weight, self.max_weight)
         if freshest:  # FedAsync's staleness weight, against the requester's round
@@ -313,7 +315,11 @@ class Contributor:
             weight *= staleness_factor(request.at_round - model_round, self.staleness_exponent)
         weight = min(float(weight), request.weight_scale)  # w/W <= 1: the ring's bound
         # ...and w/W >= 2^-12: a tiny site counts a little more, never rounds away
-        weight = max(weight, MIN_WEIGHT_SHARE * request.weight_scale)
+        # (never past its roster card, which the requester's cap_sum holds it to)
+        floor = MIN_WEIGHT_SHARE * request.weight_scale
+        if self.max_weight is not None:
+            floor = min(floor, self.max_weight)
+        weight = max(weight, floor)
         clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
         if not await asyncio.to_thread(
             fits_ring, clipped, weight / request.weight_scale, len(group)

@@ -271,12 +271,14 @@ class AsyncSecureExchange(SecureExchange):
         those that refused before anybody masked (nothing new, nothing within
         the bound, gone) are replaced by the next in the ranking, in a fresh
         session, until two or more stay, the ranking runs out, or 2 x the
-        round's timeout has passed (each session's requests get the time left)."""
+        round's timeout has passed (no new session after it; each session's
+        requests get the time left)."""
         round_no = int(key)
         chosen, queue = list(ranking[:k]), list(ranking[k:])
         sessions, skipped, result = 0, 0, None
-        # the whole collect within 2 x timeout, as a plain pull's: each session's
-        # requests get the time left, so one silent neighbour does not end the round
+        # no new session after 2 x timeout (a plain pull's bound), each session's
+        # requests given the time left, so one silent neighbour does not end the
+        # round; a session's five phases may each take up to that time
         deadline = time.monotonic() + 2 * self.timeout
         while len(chosen) >= 2 and (left_s := deadline - time.monotonic()) > 0:
             sessions += 1

@@ -277,6 +277,28 @@ async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead
     assert got.total_weight == pytest.approx(2 * unit * 2.0**-12, rel=1e-4)
     assert torch.allclose(got.mean["w"], torch.full((4,), 2.0), atol=1e-2)
     assert sites.counted() == []
+    # never past a contributor's roster card: alice's card says 10 samples
+    alice = sites.exchanges["alice"].contributor
+    assert alice is not None
+    alice.max_weight = 10.0
+    sites.put("alice", 6, 1.0, 20)
+    sites.put("bob", 6, 3.0, 20)
+    capped = await secure_sum(
+        sites.ctx,
+        ["alice", "bob"],
+        round_no=0,
+        max_round=100,
+        reference=model(1.0),
+        timeout=2.0,
+        purpose=FRESHEST_PURPOSE,
+        at_round=6,
+        weight_scale=unit,
+    )
+    assert capped.total_weight == pytest.approx(10.0 + unit * 2.0**-12, rel=1e-4)
+    # a model of no weight (a site without training data) joins no sum, uncounted
+    sites.put("bob", 7, 3.0, 0)
+    assert await raw(sites, "bob", ["alice", "bob"], at_round=7) == {"refused": "no_weight"}
+    assert sites.counted() == []
 
 
 async def test_a_requester_retrying_leaves_no_session_open_behind() -> None:

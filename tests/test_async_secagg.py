@@ -153,7 +153,11 @@ async def test_a_model_past_the_staleness_bound_is_not_masked() -> None:
     assert got.log["neighbours_skipped"] == 1 and sites.counted() == []
 
 
-async def raw(sites: Sites, peer: str, members: list[str], **fields: Any) -> Any:
+async def raw(
+    sites: Sites, peer: str, members: list[str], sender: Any = None, **fields: Any
+) -> Any:
+    """A Round 0 request to `peer` as the requester (or `sender`) words it;
+    None removes a field."""
     query = {
         "session": fields.pop("session", "a" * 32),
         "phase": "advertise",
@@ -166,7 +170,7 @@ async def raw(sites: Sites, peer: str, members: list[str], **fields: Any) -> Any
         **fields,
     }
     query = {k: v for k, v in query.items() if v is not None}
-    return await sites.ctx.request(peer, SECAGG_KIND, query, 2.0)
+    return await (sender or sites.ctx).request(peer, SECAGG_KIND, query, 2.0)
 
 
 async def test_what_a_requester_may_not_ask_is_refused_and_counted() -> None:
@@ -263,17 +267,21 @@ async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead
     sites.put("alice", 5, 1.0, 20)
     sites.put("bob", 5, 3.0, 20)
     unit = 20 * 2.0**14  # 20 samples are 2^-14 of it
-    got = await secure_sum(
-        sites.ctx,
-        ["alice", "bob"],
-        round_no=0,
-        max_round=100,
-        reference=model(1.0),
-        timeout=2.0,
-        purpose=FRESHEST_PURPOSE,
-        at_round=5,
-        weight_scale=unit,
-    )
+
+    async def freshest_sum(at_round: int) -> Any:
+        return await secure_sum(
+            sites.ctx,
+            ["alice", "bob"],
+            round_no=0,
+            max_round=100,
+            reference=model(1.0),
+            timeout=2.0,
+            purpose=FRESHEST_PURPOSE,
+            at_round=at_round,
+            weight_scale=unit,
+        )
+
+    got = await freshest_sum(5)
     assert got.total_weight == pytest.approx(2 * unit * 2.0**-12, rel=1e-4)
     assert torch.allclose(got.mean["w"], torch.full((4,), 2.0), atol=1e-2)
     assert sites.counted() == []
@@ -283,17 +291,7 @@ async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead
     alice.max_weight = 10.0
     sites.put("alice", 6, 1.0, 20)
     sites.put("bob", 6, 3.0, 20)
-    capped = await secure_sum(
-        sites.ctx,
-        ["alice", "bob"],
-        round_no=0,
-        max_round=100,
-        reference=model(1.0),
-        timeout=2.0,
-        purpose=FRESHEST_PURPOSE,
-        at_round=6,
-        weight_scale=unit,
-    )
+    capped = await freshest_sum(6)
     assert capped.total_weight == pytest.approx(10.0 + unit * 2.0**-12, rel=1e-4)
     # a model of no weight (a site without training data) joins no sum, uncounted
     sites.put("bob", 7, 3.0, 0)
@@ -329,20 +327,7 @@ async def test_a_new_session_ends_only_its_requesters_unmasked_asynchronous_ones
     members = ["alice", "bob"]
 
     async def advertise(ctx: Any, session: str, **fields: Any) -> Any:
-        query = {
-            "session": session,
-            "phase": "advertise",
-            "contributors": members,
-            "round": 0,
-            "max_round": 100,
-            "purpose": FRESHEST_PURPOSE,
-            "at_round": 5,
-            "weight_scale": 40.0,
-            "body": {},
-            **fields,
-        }
-        query = {k: v for k, v in query.items() if v is not None}
-        return await ctx.request("alice", SECAGG_KIND, query, 2.0)
+        return await raw(sites, "alice", members, ctx, session=session, weight_scale=40.0, **fields)
 
     assert "c_pk" in await advertise(sites.ctx, "1" * 32)  # dave's asynchronous session
     plain = {"purpose": "model", "at_round": None, "round": 5, "max_round": 5}

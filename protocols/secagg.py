@@ -91,13 +91,20 @@ Rules every contributor enforces (the requester is not trusted):
     model, and fewer could not be unmasked;
   - Consistency only with every other member of U3 vouching for its U1, U2, t;
     Unmasking only with every other member of U4 (at least t) vouching for the
-    same U1, U2, U3 and t.
+    same U1, U2, U3 and t;
+  - an asynchronous sum (purpose FRESHEST_PURPOSE, protocol.asynchronous; not
+    in the paper, which has one round per sum): its latest model only, not
+    more than its own staleness_bound behind R's round t (`at_round`, in the
+    context), weighted by (t - tau + 1)^-a; a model already in one of R's sums
+    is refused as `not_newer` (benign: R asks every round), and R's earlier
+    asynchronous sessions it has not masked in end with R's new one.
 Every message is checked against protocols/secagg_messages.py's schemas first.
 
 Arithmetic: fixed point (protocols/masking.py: scale 2^20, uint32 with
 wraparound, int32 on the wire: the bytes of a float32 model), so every mask
 cancels exactly. Weights are in the session's unit W (`weight_scale`, bound
-into the context): a contributor caps its weight at W and masks w/W and
+into the context): a contributor caps its weight at W, raises it to W / 2^12
+if lighter (up to its roster card: no W rounds a model out), and masks w/W and
 w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
 (`out_of_range`, before it deals a share), so the sum of U3 never wraps.
 Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
@@ -191,6 +198,14 @@ PHASES = ("advertise", "share", "mask", "consistency", "unmask")
 
 
 # ---------------------------------------------------------------------- contributor side
+
+
+def masked_already(purpose: str, model_round: int) -> SecAggError:
+    """The refusal of a model already in one of the requester's sums (the same
+    model twice would let it subtract two sums): counted, but benign in an
+    asynchronous sum, where an honest requester asks again every round."""
+    reason = "not_newer" if purpose == FRESHEST_PURPOSE else "already_contributed"
+    return SecAggError(reason, f"model of round {model_round}")
 
 
 class Contributor:
@@ -302,10 +317,7 @@ class Contributor:
             seen.popitem(last=False)
         digest = await self.ledger.digest(model_round, state)
         if self.ledger.masked(requester, model_round) == digest:
-            # The same model to the same requester twice would let it subtract two sums.
-            if freshest:  # an honest asynchronous requester asks again each round
-                raise SecAggError("not_newer", f"model of round {model_round}")
-            raise SecAggError("already_contributed", f"model of round {model_round}")
+            raise masked_already(request.purpose, model_round)
         if not float(weight) > 0:  # no training data: nothing to add to anybody's sum
             raise SecAggError("no_weight", "my model has no weight")
         if self.max_weight is not None:
@@ -407,12 +419,7 @@ class Contributor:
         me = self.ctx.me
         self._step(session, "share", "mask")
         if self.ledger.masked(session.requester, session.model_round) == session.digest:
-            reason = (
-                "not_newer"
-                if session.request.purpose == FRESHEST_PURPOSE
-                else "already_contributed"
-            )
-            raise SecAggError(reason, f"model of round {session.model_round}")
+            raise masked_already(session.request.purpose, session.model_round)
         body = parse(MaskBody, raw)
         if body is None:
             raise SecAggError("bad_request", "mask needs U2 and the shares")

@@ -191,9 +191,7 @@ class Personalization:
             self._optimizer = build_optimizer(site.model, site.training)
             if self.optimizer_saved is not None:
                 import_optimizer_state(self._optimizer, self.optimizer_saved)
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        return self._optimizer
+        return _at_lr(self._optimizer, lr)
 
     def after_fit(self, site: Any) -> dict[str, float]:
         """ditto: the personal model's steps of this round (as many as the
@@ -254,9 +252,7 @@ class Personalization:
         split is evaluated only for an epoch that is kept, to report it)."""
         lr = site.training.lr * self.section.finetune_lr_factor
         with swapped(site, start):
-            optimizer = build_optimizer(site.model, site.training)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            optimizer = _at_lr(build_optimizer(site.model, site.training), lr)
             for epoch in range(1, self.section.finetune_epochs + 1):
                 self._steps(site, optimizer)
                 if _observe_epoch(site, self.best, epoch):
@@ -273,8 +269,7 @@ class Personalization:
         with swapped(site, self.initial):
             optimizer = build_optimizer(site.model, site.training)
             for r in range(1, rounds + 1):
-                for group in optimizer.param_groups:
-                    group["lr"] = site.training.lr * lr_factor(site.training, r, rounds)
+                _at_lr(optimizer, site.training.lr * lr_factor(site.training, r, rounds))
                 self._steps(site, optimizer)
                 _observe_epoch(site, best, r)
         return best
@@ -429,6 +424,12 @@ class Personalization:
         if keep_best:
             self.best = BestModel.restore(saved.get("best"))
             self.choice = saved.get("choice")
+
+
+def _at_lr(optimizer: torch.optim.Optimizer, lr: float) -> torch.optim.Optimizer:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return optimizer
 
 
 def _alone_skipped(

@@ -421,3 +421,128 @@ def test_a_slow_site_holds_back_no_one_with_secure_sums(sources: list[str], tmp_
         assert merged, f"{f} never merged the slow site's model"
         assert len(set(merged)) == len(merged), merged
     assert run.network.rejections == []
+
+
+# ---------------------------------------------------------------------- a hostile requester
+
+HOSTILE_VALUES: list[Any] = [
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    -1,
+    0,
+    1.5,
+    2**31 + 1,
+    2**63,
+    -(2**63),
+    "",
+    "5",
+    "x" * 200,
+    True,
+    None,
+    b"\xff" * 64,
+    [],
+    ["alice", "alice"],
+    {},
+]
+REQUEST_FIELDS = [
+    "session",
+    "contributors",
+    "round",
+    "max_round",
+    "purpose",
+    "weight_scale",
+    "at_round",
+]
+
+
+@pytest.mark.parametrize("field", REQUEST_FIELDS)
+async def test_every_hostile_field_of_an_asynchronous_request_is_refused_with_a_reason(
+    field: str,
+) -> None:
+    """Each field of a freshest Round 0 set to NaN, inf, negative, huge, empty,
+    repeated, of the wrong type or missing: answered at once, refused with a
+    reason and counted unless the refusal is one an honest requester meets
+    (too_new, not_newer, too_stale, no_weight); whatever is accepted opens at
+    most one session, and the contributor still gives an honest sum after."""
+    from protocols.secagg import BENIGN_REFUSALS
+
+    sites = Sites(["alice", "bob"])
+    sites.put("alice", 5, 1.0, 20)
+    sites.put("bob", 5, 3.0, 20)
+    contributor = sites.exchanges["alice"].contributor
+    assert contributor is not None
+    for i, value in enumerate(HOSTILE_VALUES):
+        before = len(sites.counted())
+        session = f"{i:032x}" if field != "session" else value
+        fields = {"session": session, field: value, "weight_scale": 40.0}
+        if field == "weight_scale":
+            fields["weight_scale"] = value
+        reply = await asyncio.wait_for(raw(sites, "alice", ["alice", "bob"], **fields), 5)
+        assert isinstance(reply, dict), (field, value, reply)
+        if "refused" in reply:
+            reason = reply["refused"]
+            assert isinstance(reason, str) and reason, (field, value)
+            counted = sites.counted()[before:]
+            if reason in BENIGN_REFUSALS:
+                assert counted == [], (field, value, counted)
+            else:
+                assert counted == [(REQUESTER, f"secagg_{reason}")], (field, value, counted)
+        else:  # a value that happens to be legal (None: the field's default)
+            assert "c_pk" in reply, (field, value, reply)
+        held = [key for key in contributor.sessions if key[0] == REQUESTER]
+        assert len(held) <= 1, (field, value, held)
+    honest = await sites.collect(5, ["alice", "bob"], 2)
+    assert sorted(honest.terms[0].merged) == [("alice", 5), ("bob", 5)]
+
+
+async def test_a_flood_of_asynchronous_round_zeros_holds_one_session() -> None:
+    """Five hundred freshest Round 0 requests with fresh ids, none followed up:
+    the contributor holds one session and a bounded memory of ids, and the
+    same id twice is refused (`session_reused`, counted)."""
+    from protocols.secagg import MAX_SEEN_SESSIONS
+
+    sites = Sites(["alice", "bob"])
+    sites.put("alice", 5, 1.0, 20)
+    contributor = sites.exchanges["alice"].contributor
+    assert contributor is not None
+    replies = await asyncio.gather(
+        *(raw(sites, "alice", ["alice", "bob"], session=f"{i:032x}") for i in range(500))
+    )
+    assert all("c_pk" in r for r in replies)
+    assert len([key for key in contributor.sessions if key[0] == REQUESTER]) == 1
+    assert len(contributor.seen[REQUESTER]) <= MAX_SEEN_SESSIONS
+    again = await raw(sites, "alice", ["alice", "bob"], session=f"{499:032x}")
+    assert again == {"refused": "session_reused"}
+    assert sites.counted() == [(REQUESTER, "secagg_session_reused")]
+
+
+async def test_two_asynchronous_sums_at_once_put_each_model_in_one_of_them() -> None:
+    """A requester running two freshest sums over the same contributors at
+    once gets at most one: each model is masked at most once for it."""
+    sites = Sites(["alice", "bob"])
+    sites.put("alice", 5, 1.0, 20)
+    sites.put("bob", 5, 3.0, 20)
+
+    async def one() -> Any:
+        try:
+            return await secure_sum(
+                sites.ctx,
+                ["alice", "bob"],
+                round_no=0,
+                max_round=100,
+                reference=model(1.0),
+                timeout=2.0,
+                purpose=FRESHEST_PURPOSE,
+                at_round=5,
+                weight_scale=40.0,
+            )
+        except SecAggError as exc:
+            return exc
+
+    results = await asyncio.wait_for(asyncio.gather(one(), one()), 30)
+    sums = [r for r in results if not isinstance(r, SecAggError)]
+    assert len(sums) <= 1, results
+    for name in ("alice", "bob"):
+        ledger = sites.exchanges[name].contributor.ledger  # type: ignore[union-attr]
+        assert list(ledger.contributed) in ([], [(REQUESTER, 5)]), ledger.contributed

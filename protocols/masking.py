@@ -38,6 +38,7 @@ own).
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import torch
@@ -62,7 +63,10 @@ WIRE_DTYPE = torch.int32  # how a masked entry travels
 WEIGHT_KEY = "$weight"  # the masked weight travels as one more entry
 PAIR_SECRET_BYTES = 32
 _PAIR_INFO = b"p2pfl pairwise mask v1"
-_ENTRY_BYTES = RING_BITS // 8
+# a ring's elements, their signed reading, and how they travel
+_UNSIGNED: dict[int, type[np.unsignedinteger]] = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+_SIGNED: dict[int, type[np.signedinteger]] = {8: np.int8, 16: np.int16, 32: np.int32}
+WIRE_DTYPES = {8: torch.int8, 16: torch.int16, 32: torch.int32}
 
 Fixed = NDArray[np.uint32]
 
@@ -106,18 +110,20 @@ def _zeros(nbytes: int) -> memoryview:
     return memoryview(_ZEROS)[:nbytes]
 
 
-def mask_stream(secret: bytes, entry: str, numel: int) -> Fixed:
-    """The pair mask of one state-dict entry: `numel` uniform uint32 values
-    (the ChaCha20 keystream, encrypted straight into the returned array)."""
+def mask_stream(secret: bytes, entry: str, numel: int, bits: int = RING_BITS) -> Fixed:
+    """The pair mask of one state-dict entry: `numel` uniform values of the
+    `bits`-bit ring (uint32, uint16 or uint8: the ChaCha20 keystream,
+    encrypted straight into the returned array)."""
     if len(secret) != PAIR_SECRET_BYTES:
         raise MaskingError("bad_secret", f"pair secret must be {PAIR_SECRET_BYTES} bytes")
+    unsigned = _UNSIGNED[bits]
     nonce = b"\x00" * 4 + hashlib.sha256(entry.encode()).digest()[:12]  # counter 0 + 96-bit nonce
     encryptor = Cipher(algorithms.ChaCha20(secret, nonce), mode=None).encryptor()
-    out = np.empty(numel + 4, dtype="<u4")  # update_into wants 15 bytes of room beyond the data
-    nbytes = _ENTRY_BYTES * numel
-    written = encryptor.update_into(_zeros(nbytes), memoryview(out).cast("B"))
+    nbytes = bits // 8 * numel
+    room = np.empty(nbytes + 16, dtype=np.uint8)  # update_into wants 15 bytes beyond the data
+    written = encryptor.update_into(_zeros(nbytes), memoryview(room))
     assert written == nbytes
-    return out[:numel]
+    return room[:nbytes].view(unsigned)
 
 
 # ---------------------------------------------------------------------- fixed point
@@ -158,10 +164,56 @@ def from_fixed(values: Fixed, bits: int = FIXED_POINT_BITS) -> NDArray[np.float6
 
 
 def to_wire(values: Fixed) -> Tensor:
-    """A masked entry as it travels: the same 32 bits as an int32 tensor."""
-    return torch.from_numpy(values.view(np.int32))
+    """A masked entry as it travels: the same bits as a signed tensor (int32,
+    int16 or int8, the ring's width)."""
+    return torch.from_numpy(values.view(_SIGNED[values.dtype.itemsize * 8]))
 
 
 def ring_of(value: Tensor) -> Fixed:
-    """A received int32 tensor as ring elements (a copy, flat)."""
-    return value.detach().cpu().numpy().reshape(-1).view(np.uint32).copy()
+    """A received int32 / int16 / int8 tensor as ring elements (a copy, flat)."""
+    flat = value.detach().cpu().numpy().reshape(-1)
+    return flat.view(_UNSIGNED[flat.dtype.itemsize * 8]).copy()
+
+
+# ---------------------------------------------------------------------- narrow rings
+
+
+def to_narrow(
+    values: Tensor, step: float, bits: int, generator: torch.Generator | None = None
+) -> Fixed:
+    """Float values -> q = values / `step`, stochastically rounded (E[q] * step
+    = values: unbiased, as QSGD, Alistarh et al. 2017), reduced mod 2^bits: an
+    element of the `bits`-bit ring. Nothing is clamped: the sum of n such
+    values wraps, and the requester takes it back out against its own model
+    (`from_narrow`). Non-finite values are refused (`out_of_range`)."""
+    if not (step > 0 and math.isfinite(step)):
+        raise MaskingError("bad_step", f"a quantization step must be positive, got {step!r}")
+    x = values.detach().to("cpu", torch.float64, copy=True).reshape(-1)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise MaskingError("out_of_range", "values must be finite to be masked into this sum")
+    x.div_(step)
+    low = x.floor()
+    up = torch.rand(x.shape, dtype=torch.float64, generator=generator) < (x - low)
+    q = torch.remainder(low.add_(up.to(torch.float64)), 2.0**bits)  # exact below 2^53
+    return q.to(torch.int64).numpy().astype(_UNSIGNED[bits])
+
+
+def from_narrow(
+    total: Fixed, step: float, expected: NDArray[np.float64]
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
+    """A narrow ring's sum S (in steps) from its residue mod 2^bits: the value
+    congruent to `total` nearest to `expected` (the requester's estimate, in
+    steps), so exact while |S - expected| < 2^(bits-1) - 1/2. Modular decoding
+    with side information at the decoder, as the lattice mean estimation of
+    Davies et al. (ICLR 2021): the error depends on how far the inputs are
+    from the requester's own model, not on how large they are. Returns S *
+    step, and S - round(expected) (the offsets, for the caller's edge check:
+    offsets near +-2^(bits-1) say the range was too tight)."""
+    bits = total.dtype.itemsize * 8
+    modulus = 1 << bits
+    if expected.size and not bool(np.all(np.abs(expected) < 2.0**52)):
+        raise MaskingError("out_of_range", "the estimate is too far out for this ring's step")
+    base = np.round(expected).astype(np.int64)
+    offset = (total.astype(np.int64) - base) % modulus
+    offset[offset >= modulus // 2] -= modulus
+    return (base + offset).astype(np.float64) * step, offset

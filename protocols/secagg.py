@@ -135,8 +135,10 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import staleness_factor
 from protocols.base import PeerUnavailable, RoundContext
+from protocols.masking import RING_BITS
 from protocols.secagg_ledger import ContributionLedger
 from protocols.secagg_messages import (
     FRESHEST_PURPOSE,
@@ -217,7 +219,9 @@ class Contributor:
     weight (its roster card's max_samples) if any; `staleness_exponent` (a node
     with protocol.asynchronous) answers FRESHEST_PURPOSE sums: its freshest
     model not yet in one of the requester's sums, its weight times
-    (t - tau + 1)^-a for the requester's round t (`at_round`)."""
+    (t - tau + 1)^-a for the requester's round t (`at_round`); `ring` the
+    ring of protocol.compression (32 bits for none, 16 for fp16, 8 for int8),
+    federation-wide: a request for another is refused."""
 
     def __init__(
         self,
@@ -231,8 +235,10 @@ class Contributor:
         ledger_path: Path | None = None,
         staleness_exponent: float | None = None,
         staleness_bound: int | None = None,
+        ring: int = RING_BITS,
     ) -> None:
         self.ctx = ctx
+        self.ring = ring  # protocol.compression's ring: 32, 16 (fp16) or 8 (int8) bits
         self.staleness_exponent = staleness_exponent
         self.staleness_bound = staleness_bound
         self.source = source
@@ -257,9 +263,11 @@ class Contributor:
             session = self.sessions.get((requester, request.session))
             if session is None:
                 raise SecAggError("unknown_session")
-            if request.model_dump(exclude={"phase", "body"}) != session.request.model_dump(
-                exclude={"phase", "body"}
-            ):
+            # every field as in Round 0 (a narrow ring's steps travel in Round 0 only:
+            # they are bound into the session's context)
+            if request.model_dump(exclude={"phase", "body", "steps"}) != session.request.model_dump(
+                exclude={"phase", "body", "steps"}
+            ) or request.steps not in (None, session.request.steps):
                 raise SecAggError("session_mismatch")
             if request.phase == "share":
                 return await self._share(session, request.body)
@@ -300,6 +308,13 @@ class Contributor:
             raise SecAggError("bad_request", "at_round is given with the freshest purpose only")
         if freshest and (self.staleness_exponent is None or self.staleness_bound is None):
             raise SecAggError("not_asynchronous", "I answer no asynchronous sums")
+        if request.ring != self.ring:
+            raise SecAggError(
+                "ring_mismatch",
+                f"this federation sums in a {self.ring}-bit ring, not {request.ring}",
+            )
+        if (request.steps is None) != (self.ring == RING_BITS):
+            raise SecAggError("bad_steps", "steps come with a narrow ring, and only then")
         # NotReady (the request is held open) until that round is trained
         model = self.source(request.round, request.max_round, request.purpose)
         if model is None:
@@ -333,8 +348,10 @@ class Contributor:
             floor = min(floor, self.max_weight)
         weight = max(weight, floor)
         clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
+        if request.steps is not None and set(request.steps) != set(averaged_keys(clipped)):
+            raise SecAggError("bad_steps", "the steps do not name my model's entries")
         if not await asyncio.to_thread(
-            fits_ring, clipped, weight / request.weight_scale, len(group)
+            fits_ring, clipped, weight / request.weight_scale, len(group), ring=self.ring
         ):
             raise SecAggError(
                 "out_of_range", f"an entry of my model does not fit a sum of {len(group)}"
@@ -448,6 +465,8 @@ class Contributor:
             pair_seeds=pair_seeds,
             weight_scale=session.request.weight_scale,
             contributors=len(session.request.contributors),
+            ring=self.ring,
+            steps=session.request.steps,
         )
         session.state = {}  # masked: the plain model is not needed any more
         t = session.threshold

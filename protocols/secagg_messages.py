@@ -6,11 +6,13 @@ malformed message is one refusal with a reason, never an exception deeper in.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from p2pfl.config.protocols import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM
+from p2pfl.config.protocols import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM, SECAGG_RING_BITS
 
 SECAGG_KIND = "secagg"
 MIN_SUM = SECAGG_MIN_SUM  # a sum over fewer contributions is an individual model
@@ -24,6 +26,9 @@ KEY_BYTES = 32
 TAG_BYTES = 32
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
+EntryName = Annotated[str, Field(min_length=1, max_length=512)]  # a state-dict key
+Step = Annotated[float, Field(ge=2.0**-64, le=2.0**64, allow_inf_nan=False)]
+MAX_STEPS = 4096  # state-dict entries one narrow-ring session may name
 Key = Annotated[bytes, Field(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 Tag = Annotated[bytes, Field(max_length=TAG_BYTES)]  # b"" where a member has none for itself
 Members = Annotated[list[Name], Field(min_length=1, max_length=MAX_CONTRIBUTORS)]
@@ -52,6 +57,12 @@ class SessionRequest(BaseModel):
     # FRESHEST_PURPOSE only: the requester's round t, against which each
     # contributor weighs its model of round tau by (t - tau + 1)^-a
     at_round: int | None = Field(None, ge=0, le=2**31)
+    # The ring the contributors mask in: 32 bits (fixed point), or 16 / 8 bits
+    # for protocol.compression fp16 / int8, where each averaged entry is a count
+    # of its quantization step in `steps` (the requester's, one per entry; in
+    # the context, so every contributor quantizes alike or their tags fail)
+    ring: int = Field(SECAGG_RING_BITS, ge=8, le=32, multiple_of=8)
+    steps: dict[EntryName, Step] | None = Field(None, max_length=MAX_STEPS)
     body: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -173,8 +184,21 @@ def session_context(requester: str, request: SessionRequest) -> bytes:
             # an asynchronous sum's round: every contributor weighs its staleness
             # against the same t, or their tags fail (absent: the context as before)
             *(() if request.at_round is None else (f"at={request.at_round}",)),
+            # a narrow ring and its steps: a requester cannot quantize one
+            # victim finely and everyone else to nothing (absent: 32 bits, as before)
+            *(() if request.ring == SECAGG_RING_BITS else (f"ring={request.ring}",)),
+            *(() if request.steps is None else (f"steps={steps_digest(request.steps)}",)),
         )
     ).encode()
+
+
+def steps_digest(steps: dict[str, float]) -> str:
+    """SHA-256 over the steps, in key order, each as its exact float64."""
+    digest = hashlib.sha256()
+    for key in sorted(steps):
+        name = key.encode()
+        digest.update(struct.pack("<I", len(name)) + name + struct.pack("<d", float(steps[key])))
+    return digest.hexdigest()
 
 
 def majority(others: int) -> int:

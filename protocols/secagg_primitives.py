@@ -27,14 +27,17 @@ from torch import Tensor
 from p2pfl.learning.state import averaged_keys
 from protocols.masking import (
     FIXED_POINT_BITS,
+    RING_BITS,
     WEIGHT_KEY,
     Fixed,
     MaskingError,
     entry_limit,
     from_fixed,
+    from_narrow,
     mask_stream,
     ring_of,
     to_fixed,
+    to_narrow,
     to_wire,
 )
 from protocols.secagg_messages import MAX_CONTRIBUTORS
@@ -199,18 +202,24 @@ def clip_state(state: Mapping[str, Tensor], max_norm: float | None) -> dict[str,
 
 
 def fits_ring(
-    state: Mapping[str, Tensor], share: float, contributors: int, bits: int = FIXED_POINT_BITS
+    state: Mapping[str, Tensor],
+    share: float,
+    contributors: int,
+    bits: int = FIXED_POINT_BITS,
+    ring: int = RING_BITS,
 ) -> bool:
     """Whether every entry of `share` * state fits a sum of `contributors`
     (what `masked_input` checks entry by entry): asked before anyone masks, so
-    a model that cannot be summed is refused while it can still be left out."""
+    a model that cannot be summed is refused while it can still be left out.
+    In a narrow ring (16 or 8 bits) values are clamped to the requester's
+    range instead, so only a non-finite entry does not fit."""
     limit = entry_limit(contributors)
     for key in averaged_keys(state):
         value = state[key].detach()
         if value.numel() == 0:
             continue
         largest = float(value.abs().max()) * share * 2.0**bits
-        if not math.isfinite(largest) or round(largest) > limit:
+        if not math.isfinite(largest) or (ring == RING_BITS and round(largest) > limit):
             return False
     return True
 
@@ -225,30 +234,46 @@ def masked_input(
     bits: int = FIXED_POINT_BITS,
     weight_scale: float = 1.0,
     contributors: int = MAX_CONTRIBUTORS,
+    ring: int = RING_BITS,
+    steps: Mapping[str, float] | None = None,
 ) -> dict[str, Tensor]:
     """Round 2: y_u for every averaged entry and the weight (int32 tensors):
     fixed(w/W * x) and fixed(w/W), W = `weight_scale`, each entry within the
-    limit of a sum of `contributors` (else `out_of_range`)."""
+    limit of a sum of `contributors` (else `out_of_range`).
+
+    A narrow `ring` (16 or 8 bits; protocol.compression fp16 / int8): each
+    entry is w/W * x in units of its `steps[entry]` (the requester's, the same
+    for every contributor: they are in the session's context), stochastically
+    rounded, mod 2^ring, and travels as int16 / int8 (`masking.to_narrow`);
+    the weight stays a 32-bit fixed-point entry."""
     if not weight > 0 or not math.isfinite(weight):
         raise SecAggError("bad_weight", f"{me}: weight must be a positive number, got {weight}")
     if not weight_scale > 0 or not math.isfinite(weight_scale):
         raise SecAggError("bad_weight", f"{me}: weight scale must be positive, got {weight_scale}")
     share = weight / weight_scale
     limit = entry_limit(contributors)
+    keys = averaged_keys(state)
+    if ring != RING_BITS and (steps is None or set(steps) != set(keys)):
+        raise SecAggError("bad_steps", f"{me}: a {ring}-bit ring needs one step per entry")
 
-    def masked(entry: str, out: Fixed) -> Tensor:
-        out += mask_stream(self_seed, entry, out.size)
+    def masked(entry: str, out: Fixed, bits: int) -> Tensor:
+        out += mask_stream(self_seed, entry, out.size, bits)
         for peer, seed in pair_seeds.items():
-            _signed(mask_stream(seed, entry, out.size), me < peer, out)
+            _signed(mask_stream(seed, entry, out.size, bits), me < peer, out)
         return to_wire(out)
 
     result: dict[str, Tensor] = {}
     try:
-        for entry in averaged_keys(state):
+        for entry in keys:
             value = state[entry]
-            fixed = to_fixed(value, bits, scale=share, limit=limit)
-            result[entry] = masked(entry, fixed).reshape(value.shape)
-        result[WEIGHT_KEY] = masked(WEIGHT_KEY, to_fixed(np.array([share]), bits, limit=limit))
+            if ring == RING_BITS:
+                fixed = to_fixed(value, bits, scale=share, limit=limit)
+            else:
+                assert steps is not None
+                fixed = to_narrow(value.detach().double() * share, steps[entry], ring)
+            result[entry] = masked(entry, fixed, ring).reshape(value.shape)
+        weight_entry = to_fixed(np.array([share]), bits, limit=entry_limit(contributors))
+        result[WEIGHT_KEY] = masked(WEIGHT_KEY, weight_entry, RING_BITS)
     except MaskingError as exc:
         raise SecAggError(exc.reason, str(exc)) from None
     return result
@@ -263,10 +288,17 @@ def unmask_sum(
     reference: Mapping[str, Tensor],
     bits: int = FIXED_POINT_BITS,
     weight_scale: float = 1.0,
+    ring: int = RING_BITS,
+    steps: Mapping[str, float] | None = None,
+    edge: list[float] | None = None,
 ) -> tuple[dict[str, Tensor], float]:
     """sum_u y_u - PRG(b_u) - the dropped contributors' pair masks, as the
     weighted mean (entries of `reference`, its dtypes) and the total weight
-    (in the caller's units: the decoded sum of w/W times W)."""
+    (in the caller's units: the decoded sum of w/W times W). A narrow `ring`:
+    each entry's sum of quantized values is decoded as the one nearest to
+    sum(w/W) * reference / step (`masking.from_narrow`; `reference` is the
+    requester's own model), and the share of values whose offset from that
+    estimate lies in the outer quarter of the ring is appended to `edge`."""
     dropped = {d: X25519PrivateKey.from_private_bytes(sk) for d, sk in dropped_keys.items()}
     seeds = {
         (u, d): mask_seed(private, public_keys[u], context, d, u)
@@ -280,20 +312,39 @@ def unmask_sum(
             flat = ring_of(y[entry])
             total = flat if total is None else total + flat
         assert total is not None
+        width = RING_BITS if entry == WEIGHT_KEY else ring
+        if total.dtype.itemsize * 8 != width:
+            raise SecAggError("bad_sum", f"{entry} is not in the session's {width}-bit ring")
         for u in inputs:
-            total -= mask_stream(self_seeds[u], entry, total.size)
+            total -= mask_stream(self_seeds[u], entry, total.size, width)
             for d in dropped:
                 # y_u holds +PRG(s_ud) when u < d, -PRG(s_ud) otherwise: take it out.
-                _signed(mask_stream(seeds[(u, d)], entry, total.size), not u < d, total)
+                _signed(mask_stream(seeds[(u, d)], entry, total.size, width), not u < d, total)
         totals[entry] = total
     shares = float(from_fixed(totals.pop(WEIGHT_KEY), bits)[0])
     if not shares > 0:
         raise SecAggError("bad_sum", f"the weights sum to {shares * weight_scale}")
     mean: dict[str, Tensor] = {}
+    near_edge, counted = 0, 0
     for key, ref in reference.items():
         if key in totals:
-            values = from_fixed(totals[key], bits) / shares
+            if ring == RING_BITS:
+                values = from_fixed(totals[key], bits) / shares
+            else:
+                assert steps is not None
+                expected = ref.detach().to("cpu", torch.float64).reshape(-1).numpy()
+                try:
+                    decoded, offset = from_narrow(
+                        totals[key], steps[key], expected * (shares / steps[key])
+                    )
+                except MaskingError as exc:
+                    raise SecAggError(exc.reason, str(exc)) from None
+                near_edge += int((np.abs(offset) > 3 * (1 << (ring - 1)) // 4).sum())
+                counted += offset.size
+                values = decoded / shares
             mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
         else:
             mean[key] = ref.detach().clone()
+    if edge is not None:
+        edge.append(near_edge / counted if counted else 0.0)
     return mean, shares * weight_scale

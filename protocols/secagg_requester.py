@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import secrets as random_source
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from p2pfl.learning.state import averaged_keys
 from protocols.base import PeerUnavailable, RoundContext
-from protocols.masking import WEIGHT_KEY, WIRE_DTYPE
+from protocols.masking import RING_BITS, WEIGHT_KEY, WIRE_DTYPE, WIRE_DTYPES
 from protocols.secagg_messages import (
     MAX_WEIGHT_SCALE,
     MIN_SUM,
@@ -48,6 +49,45 @@ log = logging.getLogger(__name__)
 # count either (a direct caller), UNBOUNDED_WEIGHT_SCALE.
 DEFAULT_WEIGHT_RATIO = 16.0
 UNBOUNDED_WEIGHT_SCALE = 1024.0
+# A narrow ring's steps (`ring_steps`). The requester decodes each entry's sum
+# S = sum_i (w_i/W) x_i / step as the value nearest to sum(w/W) * own / step
+# (`masking.from_narrow`): exact while they lie less than 2^(bits-1) - 1 steps
+# apart, i.e. while |sum_i (w_i/W)(x_i - own)| < (2^(bits-1) - 1) * step.
+# Without a spread: each |x_i - own| is taken as at most 2 x max|own| (the
+# range of a model near mine), with RANGE_FLOOR for an entry still at zero.
+# With the spread of the last sum (max |mean - own| of each entry then): that,
+# RANGE_MARGIN times, never below SPREAD_FLOOR x max|own|. Each w/W <= 1, so
+# n contributors reach n times as far at most.
+RANGE_FLOOR = 2.0**-4
+RANGE_MARGIN = 4.0
+SPREAD_FLOOR = 2.0**-6
+
+
+def ring_steps(
+    reference: Mapping[str, Tensor],
+    ring: int,
+    contributors: int,
+    spread: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """One quantization step per averaged entry of a narrow-ring sum (see the
+    constants above). What the requester discloses to the contributors it
+    chose: one number per entry, derived from the largest |value| of its own
+    model or from how far its last sum's mean lay from it
+    (docs/threat-model.md)."""
+    half = (1 << (ring - 1)) - 1
+    steps = {}
+    for key in averaged_keys(reference):
+        value = reference[key].detach()
+        largest = float(value.abs().max()) if value.numel() else 0.0
+        if not math.isfinite(largest):
+            raise SecAggError("bad_reference", f"my own {key} is not finite")
+        largest = max(largest, RANGE_FLOOR)
+        if spread is not None and key in spread and math.isfinite(spread[key]):
+            reach = RANGE_MARGIN * max(spread[key], SPREAD_FLOOR * largest)
+        else:
+            reach = 2.0 * largest
+        steps[key] = contributors * reach / half
+    return steps
 
 
 @dataclass
@@ -61,6 +101,9 @@ class SecureSum:
     rounds: dict[str, int]
     dropped: list[str]  # masked in Round 2 by U2 but gone before their input arrived
     nbytes: int = 0
+    # a narrow ring: the share of values decoded in the outer quarter of the ring
+    # around the requester's estimate (near 0 unless its steps were too fine)
+    ring_edge: float = 0.0
 
 
 async def secure_sum(
@@ -75,6 +118,8 @@ async def secure_sum(
     threshold: int | None = None,
     weight_scale: float | None = None,
     at_round: int | None = None,
+    ring: int = RING_BITS,
+    steps: Mapping[str, float] | None = None,
 ) -> SecureSum:
     """Run the four rounds with `contributors` as U and return the sum of
     U3's weighted models (as a weighted mean and its total weight).
@@ -82,7 +127,10 @@ async def secure_sum(
     counts at most W, and is masked as w/W <= 1 (default: `weight_scale_for`
     from the roster caps alone). `at_round` (purpose FRESHEST_PURPOSE): this
     node's round, against which each contributor weighs its model's
-    staleness. Raises
+    staleness. `ring`: 32 bits (fixed point), or 16 / 8 (protocol.compression
+    fp16 / int8), quantized in `steps` (default `ring_steps` of `reference`,
+    which must be the requester's own model: the sum is decoded against it).
+    Raises
     SecAggError when too few stay for a sum (reason `too_few`) or the shares
     of a secret do not rebuild it (`too_few_shares`, `bad_share`)."""
     me = ctx.me
@@ -100,12 +148,18 @@ async def secure_sum(
         "weight_scale": float(weight_scale),
         **({} if at_round is None else {"at_round": int(at_round)}),
     }
+    if ring != RING_BITS:
+        steps = dict(steps) if steps is not None else ring_steps(reference, ring, len(u))
+        base.update(ring=ring, steps=steps)
+    else:
+        steps = None
 
     async def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        query = {**base, "phase": phase, "body": body}
+        if phase != "advertise":  # a narrow ring's steps travel once: they are in the context
+            query.pop("steps", None)
         try:
-            reply = await ctx.request(
-                peer, SECAGG_KIND, {**base, "phase": phase, "body": body}, timeout
-            )
+            reply = await ctx.request(peer, SECAGG_KIND, query, timeout)
         except PeerUnavailable as exc:
             log.info("%s: secagg %s: no answer from %s (%s)", me, phase, peer, exc.reason)
             return None
@@ -163,7 +217,7 @@ async def secure_sum(
         },
     )
     inputs, rounds, views = masked_inputs_of(
-        ctx, masked_replies, reference, u2, round_no, max_round
+        ctx, masked_replies, reference, u2, round_no, max_round, ring
     )
     u3 = sorted(inputs)
     if len(u3) < max(MIN_SUM, t + 1):
@@ -227,11 +281,21 @@ async def secure_sum(
         }
         public = {v: adverts[v].s_pk for v in u1}
         return unmask_sum(
-            inputs, seeds, keys, public, context, reference, weight_scale=float(weight_scale)
+            inputs,
+            seeds,
+            keys,
+            public,
+            context,
+            reference,
+            weight_scale=float(weight_scale),
+            ring=ring,
+            steps=steps,
+            edge=edge,
         )
 
+    edge: list[float] = []
     mean, total = await ctx.run_blocking(rebuild_and_unmask)
-    return SecureSum(mean, total, u3, rounds, dropped)
+    return SecureSum(mean, total, u3, rounds, dropped, ring_edge=edge[0] if edge else 0.0)
 
 
 def weight_scale_for(
@@ -310,12 +374,15 @@ def masked_inputs_of(
     u2: Sequence[str],
     round_no: int,
     max_round: int,
+    ring: int = RING_BITS,
 ) -> tuple[dict[str, dict[str, Tensor]], dict[str, int], dict[str, dict[str, bytes]]]:
     """Round 2's answers that hold a masked input of the expected entries and
-    shapes (int32, the ring's wire form), a model round in range and a view tag for every other
+    shapes (the ring's wire form: int32, or int16 / int8 in a narrow ring, the
+    weight int32 always), a model round in range and a view tag for every other
     member of U2: (inputs, model rounds, view tags) by contributor."""
-    expected = {k: tuple(reference[k].shape) for k in averaged_keys(reference)}
-    expected[WEIGHT_KEY] = (1,)
+    wire = WIRE_DTYPES[ring]
+    expected = {k: (tuple(reference[k].shape), wire) for k in averaged_keys(reference)}
+    expected[WEIGHT_KEY] = ((1,), WIRE_DTYPE)
     inputs: dict[str, dict[str, Tensor]] = {}
     rounds: dict[str, int] = {}
     views: dict[str, dict[str, bytes]] = {}
@@ -330,9 +397,9 @@ def masked_inputs_of(
             and set(masked) == set(expected)
             and all(
                 isinstance(masked[k], Tensor)
-                and masked[k].dtype == WIRE_DTYPE
+                and masked[k].dtype == dtype
                 and tuple(masked[k].shape) == shape
-                for k, shape in expected.items()
+                for k, (shape, dtype) in expected.items()
             )
             and type(model_round) is int
             and round_no <= model_round <= max_round

@@ -24,20 +24,24 @@ nothing when fewer than two neighbours have something new.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from p2pfl.config.protocols import secagg_ring_bits
+from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange, staleness_factor
 from protocols.base import RoundContext
 from protocols.checks import cap_sum, incompatibility, own_weight_cap
 from protocols.compressed_exchange import CompressedExchange
 from protocols.exchange import Collected, Exchange, PlainExchange, ServedModels, Term
+from protocols.masking import RING_BITS
 from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
 from protocols.secagg_messages import FRESHEST_PURPOSE
-from protocols.secagg_requester import weight_scale_for
+from protocols.secagg_requester import ring_steps, weight_scale_for
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +62,15 @@ class SecureExchange:
         threshold: int | None = None,
         clip_norm: float | None = None,
         purpose_weights: dict[str, float] | None = None,
+        ring: int = RING_BITS,
     ) -> None:
         self.store = store
+        self.ring = ring  # protocol.compression's: 32 (none), 16 (fp16) or 8 (int8) bits
+        # a narrow ring, per purpose: my last sum's total weight (its W) and
+        # how far its mean lay from my own model, entry by entry (its steps)
+        self.last_totals: dict[str, float] = {}
+        self.spreads: dict[str, dict[str, float]] = {}
+        self.ring_edge_drops = 0
         self.max_staleness = max_staleness
         self.timeout = timeout
         self.max_norm_ratio = max_norm_ratio
@@ -92,6 +103,7 @@ class SecureExchange:
             ledger_path=ledger_file(ctx),
             staleness_exponent=self.staleness_exponent,
             staleness_bound=self.staleness_bound,
+            ring=self.ring,
         )
         ctx.serve(self.kind, self.contributor.serve)
 
@@ -142,7 +154,7 @@ class SecureExchange:
             return None
         while True:
             try:
-                return await secure_sum(
+                result = await secure_sum(
                     ctx,
                     chosen,
                     round_no=round_no,
@@ -152,7 +164,10 @@ class SecureExchange:
                     purpose=purpose,
                     threshold=self.threshold,
                     weight_scale=self.weight_scale(ctx, chosen, purpose),
+                    ring=self.ring,
+                    steps=self.steps(own, chosen, purpose),
                 )
+                return result if self.decoded_well(ctx, round_no, purpose, result, own) else None
             except SecAggError as exc:
                 log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
                 retry = exc.unmasked
@@ -162,13 +177,75 @@ class SecureExchange:
                 chosen = retry
 
     def weight_scale(self, ctx: RoundContext, chosen: list[str], purpose: str) -> float:
-        """The sum's weight unit W (the 32-bit ring holds w/W <= 1): a purpose's
-        fixed weight, else the most a chosen contributor may claim."""
+        """The sum's weight unit W (the ring holds w/W <= 1): a purpose's fixed
+        weight, else the most a chosen contributor may claim.
+
+        In a narrow ring (fp16, int8) a loose W costs precision: the values
+        w/W * x fill w/W of the ring, and the default bound (16 x my own count
+        without roster caps) would leave an int8 sum a sixteenth of it. There W
+        is the power of two at or above my last sum's total weight (an
+        aggregate I already hold), or my own count before my first sum, under
+        the same bound. A contributor past W counts as W (as always), and my
+        next W follows the larger total."""
         if purpose in self.purpose_weights:
             return self.purpose_weights[purpose]
         own = self.store.models.get(self.store.latest)
         own_weight = None if own is None else float(own["num_train"])
-        return weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
+        bound = weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
+        if self.ring == RING_BITS:
+            return bound
+        last = self.last_totals.get(purpose, own_weight)
+        if last is None or not last >= 1.0:
+            return bound
+        return min(bound, 2.0 ** math.ceil(math.log2(last)))
+
+    def steps(
+        self, own: dict[str, Tensor], chosen: list[str], purpose: str
+    ) -> dict[str, float] | None:
+        """A narrow ring's quantization steps (`ring_steps`): from my own model,
+        and from my last sum's spread once there is one."""
+        if self.ring == RING_BITS:
+            return None
+        return ring_steps(own, self.ring, len(chosen), self.spreads.get(purpose))
+
+    def decoded_well(
+        self,
+        ctx: RoundContext,
+        round_no: int,
+        purpose: str,
+        result: SecureSum,
+        own: dict[str, Tensor],
+    ) -> bool:
+        """A narrow ring's sum is kept unless more than RING_EDGE_LIMIT of its
+        values decoded in the outer quarter of the ring around my estimate: the
+        steps were too fine for how far the contributors' models lay from mine,
+        so some values may have wrapped. Then it is dropped (logged), and my
+        next steps start again from my own model's range. A kept sum's total
+        and spread set the next W and steps."""
+        if self.ring == RING_BITS:
+            return True
+        if result.ring_edge > RING_EDGE_LIMIT:
+            log.warning(
+                "%s round %d: secure sum of %s dropped: %.2f %% of its values decoded at the "
+                "edge of the %d-bit ring (the steps were too fine; widened for the next sum)",
+                ctx.me,
+                round_no,
+                result.contributors,
+                100 * result.ring_edge,
+                self.ring,
+            )
+            self.spreads.pop(purpose, None)
+            self.ring_edge_drops += 1
+            return False
+        self.last_totals[purpose] = result.total_weight
+        self.spreads[purpose] = {
+            key: float((result.mean[key].double() - own[key].double()).abs().max())
+            if own[key].numel()
+            else 0.0
+            for key in averaged_keys(own)
+            if key in result.mean
+        }
+        return True
 
     def refused(
         self, ctx: RoundContext, round_no: int, item: SecureSum, own: dict[str, Tensor]
@@ -207,6 +284,11 @@ class SecureExchange:
                 "neighbours_wanted": k,
                 "stale_models": sum(1 for r in rounds if r != round_no),
                 "secagg_dropped": sum(len(x.dropped) for x in sums),
+                **(
+                    {"secagg_ring_edge_drops": self.ring_edge_drops}
+                    if self.ring != RING_BITS
+                    else {}
+                ),
             }
         )
         for item in sums:
@@ -294,7 +376,11 @@ class AsyncSecureExchange(SecureExchange):
                     threshold=self.threshold,
                     weight_scale=self.weight_scale(ctx, chosen, FRESHEST_PURPOSE),
                     at_round=round_no,
+                    ring=self.ring,
+                    steps=self.steps(own, chosen, FRESHEST_PURPOSE),
                 )
+                if not self.decoded_well(ctx, round_no, FRESHEST_PURPOSE, result, own):
+                    result = None
                 break
             except SecAggError as exc:
                 stayed = exc.unmasked
@@ -331,6 +417,12 @@ class AsyncSecureExchange(SecureExchange):
         return got
 
 
+# A narrow ring's sum with more than this share of its values decoded in the outer
+# quarter of the ring is dropped (SecureExchange.decoded_well): with steps 4x the
+# last spread a kept sum's values sit in the inner quarter, so a share past this
+# says the contributors' models moved away from mine faster than the margin
+RING_EDGE_LIMIT = 1e-3
+
 # The newest model round an asynchronous sum accepts: any (SessionRequest's bound).
 FRESHEST_MAX_ROUND = 2**31
 
@@ -362,6 +454,7 @@ def exchange_for(
                 purpose_weights=purpose_weights,
                 staleness_bound=params.staleness_bound,
                 staleness_exponent=params.staleness_exponent,
+                ring=ring_of_params(params),
             )
         return secure_exchange_for(params, store, purpose_weights)
     compression = getattr(params, "compression", "none")
@@ -389,7 +482,18 @@ def secure_exchange_for(
         threshold=params.secagg_threshold,
         clip_norm=params.secagg_clip_norm,
         purpose_weights=purpose_weights,
+        ring=ring_of_params(params),
     )
+
+
+def ring_of_params(params: Any) -> int:
+    """The ring of a secure sum under `params.compression` (none: 32 bits,
+    fp16: 16, int8: 8); the params validator refuses the others."""
+    compression = getattr(params, "compression", "none")
+    bits = secagg_ring_bits(compression)
+    if bits is None:
+        raise ValueError(f"compression {compression!r} cannot be summed securely")
+    return bits
 
 
 def _options(params: Any) -> dict[str, Any]:

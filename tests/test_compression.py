@@ -95,14 +95,18 @@ def test_topk_keeps_exactly_k_entries_of_largest_magnitude(fraction: float, layo
     assert payload["values"].numel() == sum(math.ceil(fraction * x.numel()) for x in state.values())
 
 
-def test_the_setting_is_validated_and_refused_with_secure_aggregation() -> None:
+def test_the_setting_is_validated_and_topk_refused_with_secure_aggregation() -> None:
     assert FedAvgP2PParams(name="fedavgp2p", compression="TopK:0.10").compression == "topk:0.1"
     assert FedSGDP2PParams(name="fedsgdp2p", compression="int8").compression == "int8"
     for bad in ("int4", "topk:0", "topk:1.5", "topk:x", "topk"):
         with pytest.raises(ValueError, match="compression"):
             FedAvgP2PParams(name="fedavgp2p", compression=bad)
     with pytest.raises(ValueError, match="secure sum adds every contributor"):
-        FedAvgP2PParams(name="fedavgp2p", compression="int8", secure_aggregation=True)
+        FedAvgP2PParams(name="fedavgp2p", compression="topk:0.1", secure_aggregation=True)
+    # fp16 and int8 are summed in a 16- and an 8-bit ring (test_secagg_narrow_ring.py)
+    assert FedAvgP2PParams(
+        name="fedavgp2p", compression="int8", secure_aggregation=True
+    ).secure_aggregation
 
 
 # ---------------------------------------------------------------------- a pair in memory

@@ -181,11 +181,11 @@ class _SecureAggregation(_Aggregation):
 
     @model_validator(mode="after")
     def _secure_aggregation_sums_dense_models(self) -> _SecureAggregation:
-        if self.secure_aggregation and self.compression != "none":
+        if self.secure_aggregation and secagg_ring_bits(self.compression) is None:
             raise ValueError(
                 f"compression {self.compression!r} with secure_aggregation: a secure sum adds "
-                "every contributor's masked entries at the same positions in one dense ring, so "
-                "it cannot carry per-pair compressed differences; use compression: none"
+                "every contributor's masked entries at the same positions, and top-k keeps "
+                "other positions at every site; use none, fp16 or int8 (a 32-, 16- or 8-bit ring)"
             )
         return self
 
@@ -447,6 +447,16 @@ SECAGG_MAX_CONTRIBUTORS = 64  # the most a session names (protocols/secagg_messa
 # the defaults): the requester picks t, so it picks whose model the sum leans to
 SECAGG_MAX_STALENESS_RATIO = 4.0
 SECAGG_RING_MAX = 2 ** (SECAGG_RING_BITS - 1) - 1  # the largest |sum| an int32 decodes
+# protocol.compression with secure_aggregation: fp16 and int8 mask quantized
+# values in a 16- and an 8-bit ring (the size of the plain format on the wire),
+# decoded against the requester's own model (protocols/masking.py); topk cannot
+# be summed (every contributor keeps other positions)
+SECAGG_RINGS = {"none": 32, "fp16": 16, "int8": 8}
+
+
+def secagg_ring_bits(compression: str) -> int | None:
+    """The ring a secure sum masks in for `compression`, None where it cannot."""
+    return SECAGG_RINGS.get(compression)
 
 
 def secagg_entry_limit(contributors: int) -> int:

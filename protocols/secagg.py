@@ -107,7 +107,13 @@ into the context): a contributor caps its weight at W, raises it to W / 2^12
 if lighter (up to its roster card: no W rounds a model out), and masks w/W and
 w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
 (`out_of_range`, before it deals a share), so the sum of U3 never wraps.
-Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
+With protocol.compression fp16 / int8 the values (not the weight) are masked
+in a 16- / 8-bit ring instead (`ring` and `steps` of the request, bound into
+the context; an int8 federation also answers 16-bit calibration sums): each
+w/W * x in the requester's step, stochastically rounded, mod 2^16 / 2^8. That
+sum does wrap; the requester decodes it against its own model
+(protocols/masking.py `from_narrow`, docs/protocols.md). The formulas above
+hold with 2^16 / 2^8 in place of 2^32. Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
 Shamir shares, sealing, masked input and unmasking are
 protocols/secagg_primitives.py's; a contributor's dealing of its shares and its
 checks of the ones it holds are protocols/secagg_shares.py's. Dealing, masking,
@@ -135,6 +141,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from p2pfl.config.protocols import secagg_calibration_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import staleness_factor
 from protocols.base import PeerUnavailable, RoundContext
@@ -308,12 +315,13 @@ class Contributor:
             raise SecAggError("bad_request", "at_round is given with the freshest purpose only")
         if freshest and (self.staleness_exponent is None or self.staleness_bound is None):
             raise SecAggError("not_asynchronous", "I answer no asynchronous sums")
-        if request.ring != self.ring:
+        if request.ring not in (self.ring, secagg_calibration_ring(self.ring)):
             raise SecAggError(
                 "ring_mismatch",
-                f"this federation sums in a {self.ring}-bit ring, not {request.ring}",
+                f"this federation sums in a {self.ring}-bit ring (16 bits to calibrate), "
+                f"not {request.ring}",
             )
-        if (request.steps is None) != (self.ring == RING_BITS):
+        if (request.steps is None) != (request.ring == RING_BITS):
             raise SecAggError("bad_steps", "steps come with a narrow ring, and only then")
         # NotReady (the request is held open) until that round is trained
         model = self.source(request.round, request.max_round, request.purpose)
@@ -351,7 +359,7 @@ class Contributor:
         if request.steps is not None and set(request.steps) != set(averaged_keys(clipped)):
             raise SecAggError("bad_steps", "the steps do not name my model's entries")
         if not await asyncio.to_thread(
-            fits_ring, clipped, weight / request.weight_scale, len(group), ring=self.ring
+            fits_ring, clipped, weight / request.weight_scale, len(group), ring=request.ring
         ):
             raise SecAggError(
                 "out_of_range", f"an entry of my model does not fit a sum of {len(group)}"
@@ -465,7 +473,7 @@ class Contributor:
             pair_seeds=pair_seeds,
             weight_scale=session.request.weight_scale,
             contributors=len(session.request.contributors),
-            ring=self.ring,
+            ring=session.request.ring,
             steps=session.request.steps,
         )
         session.state = {}  # masked: the plain model is not needed any more

@@ -26,9 +26,9 @@ KEY_BYTES = 32
 TAG_BYTES = 32
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
-EntryName = Annotated[str, Field(min_length=1, max_length=512)]  # a state-dict key
+EntryName = Annotated[str, Field(min_length=1, max_length=1024)]  # a state-dict key
 Step = Annotated[float, Field(ge=2.0**-64, le=2.0**64, allow_inf_nan=False)]
-MAX_STEPS = 4096  # state-dict entries one narrow-ring session may name
+MAX_STEPS = 16384  # state-dict entries one narrow-ring session may name
 Key = Annotated[bytes, Field(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 Tag = Annotated[bytes, Field(max_length=TAG_BYTES)]  # b"" where a member has none for itself
 Members = Annotated[list[Name], Field(min_length=1, max_length=MAX_CONTRIBUTORS)]

@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
+from p2pfl.config.protocols import secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.masking import (
     FIXED_POINT_BITS,
@@ -211,8 +212,9 @@ def fits_ring(
     """Whether every entry of `share` * state fits a sum of `contributors`
     (what `masked_input` checks entry by entry): asked before anyone masks, so
     a model that cannot be summed is refused while it can still be left out.
-    In a narrow ring (16 or 8 bits) values are clamped to the requester's
-    range instead, so only a non-finite entry does not fit."""
+    In a narrow ring (16 or 8 bits) every finite value fits (it is reduced mod
+    2^ring; the requester decodes the sum against its own model), so only a
+    non-finite entry does not."""
     limit = entry_limit(contributors)
     for key in averaged_keys(state):
         value = state[key].detach()
@@ -263,15 +265,20 @@ def masked_input(
         return to_wire(out)
 
     result: dict[str, Tensor] = {}
+    # stochastic rounding from a private generator: not the seeded global one
+    # training draws from (reproducible training, no rounding shared across sites)
+    rounding = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
     try:
         for entry in keys:
             value = state[entry]
             if ring == RING_BITS:
+                width = RING_BITS
                 fixed = to_fixed(value, bits, scale=share, limit=limit)
             else:
                 assert steps is not None
-                fixed = to_narrow(value.detach().double() * share, steps[entry], ring)
-            result[entry] = masked(entry, fixed, ring).reshape(value.shape)
+                width = secagg_entry_ring(ring, value.numel())
+                fixed = to_narrow(value.detach().double() * share, steps[entry], width, rounding)
+            result[entry] = masked(entry, fixed, width).reshape(value.shape)
         weight_entry = to_fixed(np.array([share]), bits, limit=entry_limit(contributors))
         result[WEIGHT_KEY] = masked(WEIGHT_KEY, weight_entry, RING_BITS)
     except MaskingError as exc:
@@ -297,8 +304,9 @@ def unmask_sum(
     (in the caller's units: the decoded sum of w/W times W). A narrow `ring`:
     each entry's sum of quantized values is decoded as the one nearest to
     sum(w/W) * reference / step (`masking.from_narrow`; `reference` is the
-    requester's own model), and the share of values whose offset from that
-    estimate lies in the outer quarter of the ring is appended to `edge`."""
+    requester's own model), and the largest share, over the entries, of an
+    entry's values whose offset from that estimate lies in the outer quarter
+    of the ring is appended to `edge`."""
     dropped = {d: X25519PrivateKey.from_private_bytes(sk) for d, sk in dropped_keys.items()}
     seeds = {
         (u, d): mask_seed(private, public_keys[u], context, d, u)
@@ -312,7 +320,9 @@ def unmask_sum(
             flat = ring_of(y[entry])
             total = flat if total is None else total + flat
         assert total is not None
-        width = RING_BITS if entry == WEIGHT_KEY else ring
+        width = (
+            RING_BITS if entry == WEIGHT_KEY else secagg_entry_ring(ring, reference[entry].numel())
+        )
         if total.dtype.itemsize * 8 != width:
             raise SecAggError("bad_sum", f"{entry} is not in the session's {width}-bit ring")
         for u in inputs:
@@ -325,7 +335,7 @@ def unmask_sum(
     if not shares > 0:
         raise SecAggError("bad_sum", f"the weights sum to {shares * weight_scale}")
     mean: dict[str, Tensor] = {}
-    near_edge, counted = 0, 0
+    worst_edge = 0.0
     for key, ref in reference.items():
         if key in totals:
             if ring == RING_BITS:
@@ -339,12 +349,14 @@ def unmask_sum(
                     )
                 except MaskingError as exc:
                     raise SecAggError(exc.reason, str(exc)) from None
-                near_edge += int((np.abs(offset) > 3 * (1 << (ring - 1)) // 4).sum())
-                counted += offset.size
+                if offset.size:
+                    width = secagg_entry_ring(ring, offset.size)
+                    outer = int((np.abs(offset) > 3 * (1 << (width - 1)) // 4).sum())
+                    worst_edge = max(worst_edge, outer / offset.size)
                 values = decoded / shares
             mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
         else:
             mean[key] = ref.detach().clone()
     if edge is not None:
-        edge.append(near_edge / counted if counted else 0.0)
+        edge.append(worst_edge)
     return mean, shares * weight_scale

@@ -14,10 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
+from p2pfl.config.protocols import SECAGG_WIDE_ENTRY, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.masking import RING_BITS, WEIGHT_KEY, WIRE_DTYPE, WIRE_DTYPES
@@ -53,14 +55,21 @@ UNBOUNDED_WEIGHT_SCALE = 1024.0
 # S = sum_i (w_i/W) x_i / step as the value nearest to sum(w/W) * own / step
 # (`masking.from_narrow`): exact while they lie less than 2^(bits-1) - 1 steps
 # apart, i.e. while |sum_i (w_i/W)(x_i - own)| < (2^(bits-1) - 1) * step.
-# Without a spread: each |x_i - own| is taken as at most 2 x max|own| (the
-# range of a model near mine), with RANGE_FLOOR for an entry still at zero.
-# With the spread of the last sum (max |mean - own| of each entry then): that,
-# RANGE_MARGIN times, never below SPREAD_FLOOR x max|own|. Each w/W <= 1, so
-# n contributors reach n times as far at most.
+# - A calibration sum (16 bits; no kept sum before it): every |x_i - own| taken
+#   as at most 2 x max|own entry|, at least 2 x the median over the model's
+#   entries of max|own entry| (an entry still at zero, such as a fresh bias),
+#   and every w/W as 1 (n contributors reach n times as far).
+# - An entry of fewer than SECAGG_WIDE_ENTRY values: always the calibration's
+#   reach (in 16 bits within an 8-bit sum).
+# - After a kept sum: RANGE_MARGIN x its spread (max |mean - own| of the entry
+#   then; at least SPREAD_FLOOR x the calibration's reach), times
+#   SHARES_MARGIN x its sum of w/W (at most n).
+# Every step is rounded up to a power of two: what the steps disclose of the
+# requester's own model is the binary order of a magnitude.
 RANGE_FLOOR = 2.0**-4
 RANGE_MARGIN = 4.0
-SPREAD_FLOOR = 2.0**-6
+SHARES_MARGIN = 2.0
+SPREAD_FLOOR = 2.0**-10
 
 
 def ring_steps(
@@ -68,25 +77,38 @@ def ring_steps(
     ring: int,
     contributors: int,
     spread: Mapping[str, float] | None = None,
+    shares: float | None = None,
 ) -> dict[str, float]:
     """One quantization step per averaged entry of a narrow-ring sum (see the
-    constants above). What the requester discloses to the contributors it
-    chose: one number per entry, derived from the largest |value| of its own
-    model or from how far its last sum's mean lay from it
-    (docs/threat-model.md)."""
+    constants above): from `reference` (the requester's own model) alone, or
+    from the `spread` and sum of w/W (`shares`) of its last kept sum. What the
+    requester discloses to the contributors it chose: one power of two per
+    entry (docs/threat-model.md)."""
     half = (1 << (ring - 1)) - 1
-    steps = {}
-    for key in averaged_keys(reference):
+    keys = averaged_keys(reference)
+    largest: dict[str, float] = {}
+    for key in keys:
         value = reference[key].detach()
-        largest = float(value.abs().max()) if value.numel() else 0.0
-        if not math.isfinite(largest):
+        top = float(value.abs().max()) if value.numel() else 0.0
+        if not math.isfinite(top):
             raise SecAggError("bad_reference", f"my own {key} is not finite")
-        largest = max(largest, RANGE_FLOOR)
-        if spread is not None and key in spread and math.isfinite(spread[key]):
-            reach = RANGE_MARGIN * max(spread[key], SPREAD_FLOOR * largest)
+        largest[key] = top
+    typical = max(float(np.median(list(largest.values()))) if largest else 0.0, RANGE_FLOOR)
+    weight = float(contributors)
+    if spread is not None and shares is not None and math.isfinite(shares) and shares > 0:
+        weight = min(weight, SHARES_MARGIN * shares)
+    steps = {}
+    for key in keys:
+        reach = 2.0 * max(largest[key], typical)
+        width = secagg_entry_ring(ring, reference[key].numel())
+        if reference[key].numel() < SECAGG_WIDE_ENTRY:  # the calibration's reach
+            step = contributors * reach / ((1 << (width - 1)) - 1)
+        elif spread is not None and key in spread and math.isfinite(spread[key]):
+            reach = RANGE_MARGIN * max(spread[key], SPREAD_FLOOR * reach)
+            step = weight * reach / half
         else:
-            reach = 2.0 * largest
-        steps[key] = contributors * reach / half
+            step = contributors * reach / half
+        steps[key] = 2.0 ** math.ceil(math.log2(step))
     return steps
 
 
@@ -101,8 +123,10 @@ class SecureSum:
     rounds: dict[str, int]
     dropped: list[str]  # masked in Round 2 by U2 but gone before their input arrived
     nbytes: int = 0
-    # a narrow ring: the share of values decoded in the outer quarter of the ring
-    # around the requester's estimate (near 0 unless its steps were too fine)
+    ring: int = RING_BITS  # the ring it was summed in
+    # a narrow ring: the largest share, over the entries, of an entry's values
+    # decoded in the outer quarter of the ring around the requester's estimate
+    # (0 unless its steps were too fine)
     ring_edge: float = 0.0
 
 
@@ -153,6 +177,10 @@ async def secure_sum(
         base.update(ring=ring, steps=steps)
     else:
         steps = None
+    try:  # what every contributor will check: a model it cannot name is not sent
+        SessionRequest(**base, phase="advertise")
+    except ValidationError as exc:
+        raise SecAggError("unsupported", f"this sum cannot be asked for: {exc}") from None
 
     async def ask(peer: str, phase: str, body: dict[str, Any]) -> dict[str, Any] | None:
         query = {**base, "phase": phase, "body": body}
@@ -295,7 +323,9 @@ async def secure_sum(
 
     edge: list[float] = []
     mean, total = await ctx.run_blocking(rebuild_and_unmask)
-    return SecureSum(mean, total, u3, rounds, dropped, ring_edge=edge[0] if edge else 0.0)
+    return SecureSum(
+        mean, total, u3, rounds, dropped, ring=ring, ring_edge=edge[0] if edge else 0.0
+    )
 
 
 def weight_scale_for(
@@ -380,8 +410,10 @@ def masked_inputs_of(
     shapes (the ring's wire form: int32, or int16 / int8 in a narrow ring, the
     weight int32 always), a model round in range and a view tag for every other
     member of U2: (inputs, model rounds, view tags) by contributor."""
-    wire = WIRE_DTYPES[ring]
-    expected = {k: (tuple(reference[k].shape), wire) for k in averaged_keys(reference)}
+    expected = {
+        k: (tuple(reference[k].shape), WIRE_DTYPES[secagg_entry_ring(ring, reference[k].numel())])
+        for k in averaged_keys(reference)
+    }
     expected[WEIGHT_KEY] = ((1,), WIRE_DTYPE)
     inputs: dict[str, dict[str, Tensor]] = {}
     rounds: dict[str, int] = {}

@@ -24,14 +24,13 @@ nothing when fewer than two neighbours have something new.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from p2pfl.config.protocols import secagg_ring_bits
+from p2pfl.config.protocols import secagg_calibration_ring, secagg_ring_bits
 from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange, staleness_factor
 from protocols.base import RoundContext
@@ -66,10 +65,9 @@ class SecureExchange:
     ) -> None:
         self.store = store
         self.ring = ring  # protocol.compression's: 32 (none), 16 (fp16) or 8 (int8) bits
-        # a narrow ring, per purpose: my last sum's total weight (its W) and
-        # how far its mean lay from my own model, entry by entry (its steps)
-        self.last_totals: dict[str, float] = {}
-        self.spreads: dict[str, dict[str, float]] = {}
+        # a narrow ring, per purpose: how far my last kept sum's mean lay from my
+        # own model, entry by entry, and its sum of w/W (my next steps)
+        self.spreads: dict[str, tuple[dict[str, float], float]] = {}
         self.ring_edge_drops = 0
         self.max_staleness = max_staleness
         self.timeout = timeout
@@ -153,6 +151,8 @@ class SecureExchange:
             )
             return None
         while True:
+            scale = self.weight_scale(ctx, chosen, purpose)
+            ring, steps = self.narrow(own, chosen, purpose)
             try:
                 result = await secure_sum(
                     ctx,
@@ -163,11 +163,12 @@ class SecureExchange:
                     timeout=self.timeout,
                     purpose=purpose,
                     threshold=self.threshold,
-                    weight_scale=self.weight_scale(ctx, chosen, purpose),
-                    ring=self.ring,
-                    steps=self.steps(own, chosen, purpose),
+                    weight_scale=scale,
+                    ring=ring,
+                    steps=steps,
                 )
-                return result if self.decoded_well(ctx, round_no, purpose, result, own) else None
+                kept = self.decoded_well(ctx, round_no, purpose, result, own, scale)
+                return result if kept else None
             except SecAggError as exc:
                 log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
                 retry = exc.unmasked
@@ -178,35 +179,30 @@ class SecureExchange:
 
     def weight_scale(self, ctx: RoundContext, chosen: list[str], purpose: str) -> float:
         """The sum's weight unit W (the ring holds w/W <= 1): a purpose's fixed
-        weight, else the most a chosen contributor may claim.
-
-        In a narrow ring (fp16, int8) a loose W costs precision: the values
-        w/W * x fill w/W of the ring, and the default bound (16 x my own count
-        without roster caps) would leave an int8 sum a sixteenth of it. There W
-        is the power of two at or above my last sum's total weight (an
-        aggregate I already hold), or my own count before my first sum, under
-        the same bound. A contributor past W counts as W (as always), and my
-        next W follows the larger total."""
+        weight, else the most a chosen contributor may claim."""
         if purpose in self.purpose_weights:
             return self.purpose_weights[purpose]
         own = self.store.models.get(self.store.latest)
         own_weight = None if own is None else float(own["num_train"])
-        bound = weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
-        if self.ring == RING_BITS:
-            return bound
-        last = self.last_totals.get(purpose, own_weight)
-        if last is None or not last >= 1.0:
-            return bound
-        return min(bound, 2.0 ** math.ceil(math.log2(last)))
+        return weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
 
-    def steps(
+    def narrow(
         self, own: dict[str, Tensor], chosen: list[str], purpose: str
-    ) -> dict[str, float] | None:
-        """A narrow ring's quantization steps (`ring_steps`): from my own model,
-        and from my last sum's spread once there is one."""
+    ) -> tuple[int, dict[str, float] | None]:
+        """The ring and quantization steps of my next sum for `purpose`
+        (`ring_steps`). In a narrow federation, a sum without a kept sum
+        before it (the first, or the next after one was dropped at the ring's
+        edge) is a calibration sum: 16 bits, steps from my own model's range;
+        after it, the federation's ring, with steps from that sum's spread and
+        its sum of w/W."""
         if self.ring == RING_BITS:
-            return None
-        return ring_steps(own, self.ring, len(chosen), self.spreads.get(purpose))
+            return RING_BITS, None
+        last = self.spreads.get(purpose)
+        if last is None:
+            wide = secagg_calibration_ring(self.ring)
+            return wide, ring_steps(own, wide, len(chosen))
+        spread, shares = last
+        return self.ring, ring_steps(own, self.ring, len(chosen), spread, shares)
 
     def decoded_well(
         self,
@@ -215,36 +211,40 @@ class SecureExchange:
         purpose: str,
         result: SecureSum,
         own: dict[str, Tensor],
+        weight_scale: float,
     ) -> bool:
-        """A narrow ring's sum is kept unless more than RING_EDGE_LIMIT of its
-        values decoded in the outer quarter of the ring around my estimate: the
-        steps were too fine for how far the contributors' models lay from mine,
-        so some values may have wrapped. Then it is dropped (logged), and my
-        next steps start again from my own model's range. A kept sum's total
-        and spread set the next W and steps."""
+        """A narrow ring's sum is kept unless, in some entry, more than
+        RING_EDGE_LIMIT of its values decoded in the outer quarter of the ring
+        around my estimate (`ring_edge`): the steps were too fine for how far
+        the contributors' models lay from mine, so some may have wrapped. Then
+        it is dropped (logged, counted) and my next sum calibrates again. A
+        kept sum that passes the norm check sets my next steps: its spread,
+        max |mean - own| per entry, and its sum of w/W."""
         if self.ring == RING_BITS:
             return True
         if result.ring_edge > RING_EDGE_LIMIT:
             log.warning(
-                "%s round %d: secure sum of %s dropped: %.2f %% of its values decoded at the "
-                "edge of the %d-bit ring (the steps were too fine; widened for the next sum)",
+                "%s round %d: secure sum of %s dropped: %.2f %% of an entry's values decoded "
+                "at the edge of the %d-bit ring (the steps were too fine; the next sum "
+                "calibrates again)",
                 ctx.me,
                 round_no,
                 result.contributors,
                 100 * result.ring_edge,
-                self.ring,
+                result.ring,
             )
             self.spreads.pop(purpose, None)
             self.ring_edge_drops += 1
             return False
-        self.last_totals[purpose] = result.total_weight
-        self.spreads[purpose] = {
-            key: float((result.mean[key].double() - own[key].double()).abs().max())
-            if own[key].numel()
-            else 0.0
-            for key in averaged_keys(own)
-            if key in result.mean
-        }
+        if incompatibility(result.mean, own, max_norm_ratio=self.max_norm_ratio) is None:
+            spread = {
+                key: float((result.mean[key].double() - own[key].double()).abs().max())
+                if own[key].numel()
+                else 0.0
+                for key in averaged_keys(own)
+                if key in result.mean
+            }
+            self.spreads[purpose] = (spread, result.total_weight / weight_scale)
         return True
 
     def refused(
@@ -364,6 +364,8 @@ class AsyncSecureExchange(SecureExchange):
         deadline = time.monotonic() + 2 * self.timeout
         while len(chosen) >= 2 and (left_s := deadline - time.monotonic()) > 0:
             sessions += 1
+            scale = self.weight_scale(ctx, chosen, FRESHEST_PURPOSE)
+            ring, steps = self.narrow(own, chosen, FRESHEST_PURPOSE)
             try:
                 result = await secure_sum(
                     ctx,
@@ -374,12 +376,12 @@ class AsyncSecureExchange(SecureExchange):
                     timeout=min(self.timeout, left_s),
                     purpose=FRESHEST_PURPOSE,
                     threshold=self.threshold,
-                    weight_scale=self.weight_scale(ctx, chosen, FRESHEST_PURPOSE),
+                    weight_scale=scale,
                     at_round=round_no,
-                    ring=self.ring,
-                    steps=self.steps(own, chosen, FRESHEST_PURPOSE),
+                    ring=ring,
+                    steps=steps,
                 )
-                if not self.decoded_well(ctx, round_no, FRESHEST_PURPOSE, result, own):
+                if not self.decoded_well(ctx, round_no, FRESHEST_PURPOSE, result, own, scale):
                     result = None
                 break
             except SecAggError as exc:
@@ -417,11 +419,14 @@ class AsyncSecureExchange(SecureExchange):
         return got
 
 
-# A narrow ring's sum with more than this share of its values decoded in the outer
-# quarter of the ring is dropped (SecureExchange.decoded_well): with steps 4x the
-# last spread a kept sum's values sit in the inner quarter, so a share past this
-# says the contributors' models moved away from mine faster than the margin
+# A narrow ring's sum with more than this share of one entry's values decoded in
+# the outer quarter of the ring is dropped (SecureExchange.decoded_well): with
+# steps that give 8x the last spread (ring_steps), a value reaches the outer
+# quarter when its entry moved 6x farther from my model than its farthest value
+# did last time, which says some may have wrapped. In an entry of fewer than
+# 1,000 values one such value is enough.
 RING_EDGE_LIMIT = 1e-3
+
 
 # The newest model round an asynchronous sum accepts: any (SessionRequest's bound).
 FRESHEST_MAX_ROUND = 2**31
@@ -487,13 +492,11 @@ def secure_exchange_for(
 
 
 def ring_of_params(params: Any) -> int:
-    """The ring of a secure sum under `params.compression` (none: 32 bits,
-    fp16: 16, int8: 8); the params validator refuses the others."""
-    compression = getattr(params, "compression", "none")
-    bits = secagg_ring_bits(compression)
-    if bits is None:
-        raise ValueError(f"compression {compression!r} cannot be summed securely")
-    return bits
+    """The ring of a secure sum under `params.compression`: none 32 bits, fp16
+    16, int8 8. Top-k cannot be summed (the params refuse it with
+    secure_aggregation); FedPerl's anonymized peer, a secure sum in every mode,
+    then travels in the 32-bit ring."""
+    return secagg_ring_bits(getattr(params, "compression", "none")) or RING_BITS
 
 
 def _options(params: Any) -> dict[str, Any]:

@@ -459,6 +459,25 @@ def secagg_ring_bits(compression: str) -> int | None:
     return SECAGG_RINGS.get(compression)
 
 
+# In a narrow sum, an entry of fewer values than this (a bias, a norm layer's
+# weights and statistics) is masked with the calibration's wide steps, and in
+# an 8-bit sum in 16 bits: a few hundred bytes, and no small entry, whose
+# spread moves most from round to round, can wrap or drop the sum
+SECAGG_WIDE_ENTRY = 1024
+
+
+def secagg_entry_ring(bits: int, numel: int) -> int:
+    """The ring one entry of `numel` values is masked in, in a `bits`-bit sum."""
+    return 16 if bits == 8 and numel < SECAGG_WIDE_ENTRY else bits
+
+
+def secagg_calibration_ring(bits: int) -> int:
+    """The ring of a narrow federation's calibration sums (a requester's first,
+    and its next after one was dropped at the ring's edge): 16 bits, which an
+    int8 federation's contributors accept besides their own 8."""
+    return bits if bits >= 16 else 16
+
+
 def secagg_entry_limit(contributors: int) -> int:
     """The largest |fixed-point value| one of `contributors` may mask: n of them
     sum to at most 2^31 - 1 in magnitude, so the int32 sum never wraps."""

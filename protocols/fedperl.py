@@ -140,7 +140,9 @@ class FedPerl(SSFL):
         # Secure mode: the community's sum doubles as a FedAVGP2P term, so it is
         # weighted by image counts like every other; otherwise Eq. 4's plain mean.
         purpose = "model" if self.secure else ANON_PURPOSE
-        result = await self.anonymizer.sum_of(ctx, round_no, own, sorted(chosen), purpose=purpose)
+        result = await self.anonymizer.sum_of(
+            ctx, round_no, own, sorted(chosen), purpose=purpose, stream="community"
+        )
         if result is not None:
             problem = incompatibility(result.mean, own, max_norm_ratio=p.max_norm_ratio)
             if problem is not None:
@@ -175,7 +177,7 @@ class FedPerl(SSFL):
             exclude = set(self.community_asked)
             others = self.rank_neighbours(ctx, rnd.number, want, exclude=exclude)
             result = await self.anonymizer.sum_of(
-                ctx, rnd.number, rnd.own, others[:want], purpose="model"
+                ctx, rnd.number, rnd.own, others[:want], purpose="model", stream="others"
             )
             if result is not None:
                 sums.append(result)

@@ -30,6 +30,12 @@ nonce = SHA-256 of the state-dict entry name, counter 0, so both ends of a
 pair draw the same stream for the same entry on any machine; 4 bytes of it per
 entry.
 
+Narrow rings (protocol.compression fp16 / int8): `mask_stream` draws 2- or
+1-byte elements, and `to_narrow` / `from_narrow` quantize and decode. A value
+is w/W * x in a step the requester chose, stochastically rounded, mod 2^16 or
+2^8, never refused for its size: the sum wraps, and the requester decodes it
+as the value congruent to it nearest to its own estimate.
+
 Only floating-point entries are masked and summed; counters such as
 BatchNorm's `num_batches_tracked` are not sent at all (the requester keeps its
 own).

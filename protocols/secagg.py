@@ -112,8 +112,9 @@ in a 16- / 8-bit ring instead (`ring` and `steps` of the request, bound into
 the context; an int8 federation also answers 16-bit calibration sums): each
 w/W * x in the requester's step, stochastically rounded, mod 2^16 / 2^8. That
 sum does wrap; the requester decodes it against its own model
-(protocols/masking.py `from_narrow`, docs/protocols.md). The formulas above
-hold with 2^16 / 2^8 in place of 2^32. Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
+(protocols/masking.py `from_narrow`, docs/protocols.md): the masks cancel as
+in the formulas above with 2^16 / 2^8 in place of 2^32, and nothing is
+refused as out of range (a non-finite value still is). Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
 Shamir shares, sealing, masked input and unmasking are
 protocols/secagg_primitives.py's; a contributor's dealing of its shares and its
 checks of the ones it holds are protocols/secagg_shares.py's. Dealing, masking,

@@ -297,16 +297,15 @@ def unmask_sum(
     weight_scale: float = 1.0,
     ring: int = RING_BITS,
     steps: Mapping[str, float] | None = None,
-    edge: list[float] | None = None,
+    edge: list[int] | None = None,
 ) -> tuple[dict[str, Tensor], float]:
     """sum_u y_u - PRG(b_u) - the dropped contributors' pair masks, as the
     weighted mean (entries of `reference`, its dtypes) and the total weight
     (in the caller's units: the decoded sum of w/W times W). A narrow `ring`:
     each entry's sum of quantized values is decoded as the one nearest to
     sum(w/W) * reference / step (`masking.from_narrow`; `reference` is the
-    requester's own model), and the largest share, over the entries, of an
-    entry's values whose offset from that estimate lies in the outer quarter
-    of the ring is appended to `edge`."""
+    requester's own model), and the number of values whose offset from that
+    estimate lies in the outer quarter of their ring is appended to `edge`."""
     dropped = {d: X25519PrivateKey.from_private_bytes(sk) for d, sk in dropped_keys.items()}
     seeds = {
         (u, d): mask_seed(private, public_keys[u], context, d, u)
@@ -335,7 +334,7 @@ def unmask_sum(
     if not shares > 0:
         raise SecAggError("bad_sum", f"the weights sum to {shares * weight_scale}")
     mean: dict[str, Tensor] = {}
-    worst_edge = 0.0
+    outer = 0
     for key, ref in reference.items():
         if key in totals:
             if ring == RING_BITS:
@@ -349,14 +348,12 @@ def unmask_sum(
                     )
                 except MaskingError as exc:
                     raise SecAggError(exc.reason, str(exc)) from None
-                if offset.size:
-                    width = secagg_entry_ring(ring, offset.size)
-                    outer = int((np.abs(offset) > 3 * (1 << (width - 1)) // 4).sum())
-                    worst_edge = max(worst_edge, outer / offset.size)
+                width = secagg_entry_ring(ring, offset.size)
+                outer += int((np.abs(offset) > 3 * (1 << (width - 1)) // 4).sum())
                 values = decoded / shares
             mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
         else:
             mean[key] = ref.detach().clone()
     if edge is not None:
-        edge.append(worst_edge)
+        edge.append(outer)
     return mean, shares * weight_scale

@@ -108,6 +108,8 @@ def ring_steps(
             step = weight * reach / half
         else:
             step = contributors * reach / half
+        if not (math.isfinite(step) and 2.0**-64 <= step <= 2.0**60):
+            raise SecAggError("bad_reference", f"no step for my own {key} ({step!r})")
         steps[key] = 2.0 ** math.ceil(math.log2(step))
     return steps
 
@@ -124,10 +126,11 @@ class SecureSum:
     dropped: list[str]  # masked in Round 2 by U2 but gone before their input arrived
     nbytes: int = 0
     ring: int = RING_BITS  # the ring it was summed in
-    # a narrow ring: the largest share, over the entries, of an entry's values
-    # decoded in the outer quarter of the ring around the requester's estimate
-    # (0 unless its steps were too fine)
-    ring_edge: float = 0.0
+    steps: dict[str, float] | None = None  # a narrow ring's: the requester's own
+    # a narrow ring: how many values decoded in the outer quarter of their ring
+    # around the requester's estimate (0 unless some lay farther than its steps
+    # reach, or a contributor sent values far off)
+    ring_edge: int = 0
 
 
 async def secure_sum(
@@ -321,10 +324,10 @@ async def secure_sum(
             edge=edge,
         )
 
-    edge: list[float] = []
+    edge: list[int] = []
     mean, total = await ctx.run_blocking(rebuild_and_unmask)
     return SecureSum(
-        mean, total, u3, rounds, dropped, ring=ring, ring_edge=edge[0] if edge else 0.0
+        mean, total, u3, rounds, dropped, ring=ring, steps=steps, ring_edge=edge[0] if edge else 0
     )
 
 

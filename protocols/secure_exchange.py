@@ -24,6 +24,7 @@ nothing when fewer than two neighbours have something new.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -139,9 +140,14 @@ class SecureExchange:
         chosen: list[str],
         *,
         purpose: str = "model",
+        stream: str | None = None,
     ) -> SecureSum | None:
         """The weighted mean of `chosen`'s round-r models through secure
-        aggregation, or None (fewer than two stayed; logged)."""
+        aggregation, or None (fewer than two stayed, or a narrow ring's sum
+        dropped at its edge; logged). `stream` (default: the purpose) names
+        whose last sum sets a narrow ring's steps: FedPerl's community and its
+        other neighbours are two groups of one purpose."""
+        stream = stream or purpose
         if len(chosen) < 2:
             log.info(
                 "%s round %d: %d neighbour(s) for a secure sum, which needs two: own model only",
@@ -151,9 +157,9 @@ class SecureExchange:
             )
             return None
         while True:
-            scale = self.weight_scale(ctx, chosen, purpose)
-            ring, steps = self.narrow(own, chosen, purpose)
             try:
+                scale = self.weight_scale(ctx, chosen, purpose)
+                ring, steps = self.narrow(own, chosen, stream)
                 result = await secure_sum(
                     ctx,
                     chosen,
@@ -167,7 +173,7 @@ class SecureExchange:
                     ring=ring,
                     steps=steps,
                 )
-                kept = self.decoded_well(ctx, round_no, purpose, result, own, scale)
+                kept = self.decoded_well(ctx, round_no, stream, result, own, scale)
                 return result if kept else None
             except SecAggError as exc:
                 log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
@@ -187,9 +193,10 @@ class SecureExchange:
         return weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
 
     def narrow(
-        self, own: dict[str, Tensor], chosen: list[str], purpose: str
+        self, own: dict[str, Tensor], chosen: list[str], stream: str
     ) -> tuple[int, dict[str, float] | None]:
-        """The ring and quantization steps of my next sum for `purpose`
+        """The ring and quantization steps of my next sum of `stream` (a
+        purpose, or FedPerl's group of one)
         (`ring_steps`). In a narrow federation, a sum without a kept sum
         before it (the first, or the next after one was dropped at the ring's
         edge) is a calibration sum: 16 bits, steps from my own model's range;
@@ -197,7 +204,7 @@ class SecureExchange:
         its sum of w/W."""
         if self.ring == RING_BITS:
             return RING_BITS, None
-        last = self.spreads.get(purpose)
+        last = self.spreads.get(stream)
         if last is None:
             wide = secagg_calibration_ring(self.ring)
             return wide, ring_steps(own, wide, len(chosen))
@@ -208,43 +215,43 @@ class SecureExchange:
         self,
         ctx: RoundContext,
         round_no: int,
-        purpose: str,
+        stream: str,
         result: SecureSum,
         own: dict[str, Tensor],
         weight_scale: float,
     ) -> bool:
-        """A narrow ring's sum is kept unless, in some entry, more than
-        RING_EDGE_LIMIT of its values decoded in the outer quarter of the ring
-        around my estimate (`ring_edge`): the steps were too fine for how far
-        the contributors' models lay from mine, so some may have wrapped. Then
-        it is dropped (logged, counted) and my next sum calibrates again. A
-        kept sum that passes the norm check sets my next steps: its spread,
-        max |mean - own| per entry, and its sum of w/W."""
+        """A narrow ring's sum is kept unless a value decoded in the outer
+        quarter of its ring around my estimate (`ring_edge`): it lay farther
+        from my model than the steps reach, or a contributor sent a value far
+        off, and some may have wrapped. Then it is dropped (logged, counted
+        against each contributor, since nobody can tell which one it was) and
+        my next sum calibrates again. A kept sum that passes the norm check
+        sets my next steps: its spread (max |mean - own| per entry, less the
+        largest its own rounding noise would give) and its sum of w/W."""
         if self.ring == RING_BITS:
             return True
-        if result.ring_edge > RING_EDGE_LIMIT:
+        if result.ring_edge > 0:
             log.warning(
-                "%s round %d: secure sum of %s dropped: %.2f %% of an entry's values decoded "
-                "at the edge of the %d-bit ring (the steps were too fine; the next sum "
-                "calibrates again)",
+                "%s round %d: secure sum of %s dropped: %d value(s) decoded at the edge of the "
+                "%d-bit ring (farther from my model than the steps reach, or sent far off by "
+                "a contributor; counted against each); the next sum calibrates again",
                 ctx.me,
                 round_no,
                 result.contributors,
-                100 * result.ring_edge,
+                result.ring_edge,
                 result.ring,
             )
-            self.spreads.pop(purpose, None)
+            self.spreads.pop(stream, None)
             self.ring_edge_drops += 1
+            for peer in result.contributors:
+                ctx.reject(peer, "sum_ring_edge")
             return False
         if incompatibility(result.mean, own, max_norm_ratio=self.max_norm_ratio) is None:
-            spread = {
-                key: float((result.mean[key].double() - own[key].double()).abs().max())
-                if own[key].numel()
-                else 0.0
-                for key in averaged_keys(own)
-                if key in result.mean
-            }
-            self.spreads[purpose] = (spread, result.total_weight / weight_scale)
+            shares = result.total_weight / weight_scale
+            self.spreads[stream] = (
+                spread_of(result, own, shares),
+                shares,
+            )
         return True
 
     def refused(
@@ -364,9 +371,9 @@ class AsyncSecureExchange(SecureExchange):
         deadline = time.monotonic() + 2 * self.timeout
         while len(chosen) >= 2 and (left_s := deadline - time.monotonic()) > 0:
             sessions += 1
-            scale = self.weight_scale(ctx, chosen, FRESHEST_PURPOSE)
-            ring, steps = self.narrow(own, chosen, FRESHEST_PURPOSE)
             try:
+                scale = self.weight_scale(ctx, chosen, FRESHEST_PURPOSE)
+                ring, steps = self.narrow(own, chosen, FRESHEST_PURPOSE)
                 result = await secure_sum(
                     ctx,
                     chosen,
@@ -419,13 +426,24 @@ class AsyncSecureExchange(SecureExchange):
         return got
 
 
-# A narrow ring's sum with more than this share of one entry's values decoded in
-# the outer quarter of the ring is dropped (SecureExchange.decoded_well): with
-# steps that give 8x the last spread (ring_steps), a value reaches the outer
-# quarter when its entry moved 6x farther from my model than its farthest value
-# did last time, which says some may have wrapped. In an entry of fewer than
-# 1,000 values one such value is enough.
-RING_EDGE_LIMIT = 1e-3
+def spread_of(result: SecureSum, own: dict[str, Tensor], shares: float) -> dict[str, float]:
+    """Per averaged entry: max |mean - own|, less what the sum's own rounding
+    could add to it (each of n contributors' stochastic rounding is off by
+    less than one step, so the mean's error has a standard deviation of at
+    most sqrt(n) / 2 x step / sum(w/W); its largest over m values is about
+    sqrt(2 ln m) of those). Without the allowance, the spread of many
+    contributors fed on its own noise and the steps grew sum after sum."""
+    n = max(len(result.contributors), 1)
+    out = {}
+    for key in averaged_keys(own):
+        if key not in result.mean or own[key].numel() == 0:
+            continue
+        farthest = float((result.mean[key].double() - own[key].double()).abs().max())
+        step = (result.steps or {}).get(key, 0.0)
+        sigma = math.sqrt(n) / 2 * step / max(shares, 1e-12)
+        allowance = sigma * math.sqrt(2 * math.log(max(own[key].numel(), 2)))
+        out[key] = max(farthest - allowance, 0.0)
+    return out
 
 
 # The newest model round an asynchronous sum accepts: any (SessionRequest's bound).

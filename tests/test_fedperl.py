@@ -27,6 +27,7 @@ from protocols.communities import COMMUNITY_KEY, FEATURES_KEY
 from protocols.fedperl import ANON_PURPOSE, FedPerl
 from protocols.memory import InMemoryContext, InMemoryNetwork, simulate, simulation_configs
 from protocols.secagg import SECAGG_KIND
+from protocols.secure_exchange import SecureExchange
 from protocols.site import build_site
 from protocols.ssfl import SSFL
 
@@ -343,10 +344,24 @@ async def test_the_subset_difference_attack_gets_one_sum_only() -> None:
     assert reply == {"refused": "already_contributed"}
 
 
-def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]) -> None:
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_secure_fedperl_shows_no_individual_model_to_any_node(
+    sources: list[str], compression: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With secure_aggregation every model a node receives is inside a secure
     sum: no plain `model` reply travels, and every tensor any node receives
-    is int64 masked data (the anonymized peer and the FedAVGP2P step alike)."""
+    is integer masked data (the anonymized peer and the FedAVGP2P step alike).
+    With int8 the sums are in the narrow rings, and the community's sums and
+    those over the other neighbours keep their own steps (two groups of one
+    purpose: one's spread would drop or coarsen the other's sums)."""
+    streams: list[str] = []
+    decoded_well = SecureExchange.decoded_well
+
+    def spying(self: SecureExchange, ctx: Any, round_no: int, stream: str, *rest: Any) -> bool:
+        streams.append(stream)
+        return decoded_well(self, ctx, round_no, stream, *rest)
+
+    monkeypatch.setattr(SecureExchange, "decoded_well", spying)
     network = InMemoryNetwork(inline_train=True)
     received: list[Any] = []
     original = network.request
@@ -368,6 +383,7 @@ def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]
             "top_t": 2,
             "fraction": 1.0,
             "secure_aggregation": True,
+            "compression": compression,
             # the neighbour counts below assume no sum times out: 5 s did once
             # on a loaded machine (a round-2 sum of 0); rounds end as soon as
             # every sum is in, so this costs nothing when the machine is idle
@@ -389,6 +405,11 @@ def test_secure_fedperl_shows_no_individual_model_to_any_node(sources: list[str]
         assert by_node(result.records, node, "anon_contributors") == [2.0, 2.0, 0.0]
         assert by_node(result.records, node, "peer_learning") == [0.0, 1.0, 1.0]
         assert all(v is not None for v in by_node(result.records, node, "macro_f1"))
+    dtypes = {t.dtype for _, reply in received for t in tensors_in(reply)}
+    if compression == "int8":
+        assert torch.int8 in dtypes and set(streams) == {"community", "others"}
+    else:
+        assert torch.int8 not in dtypes
 
 
 @pytest.mark.slow

@@ -142,7 +142,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from p2pfl.config.protocols import secagg_calibration_ring
+from p2pfl.config.protocols import narrow_entries, secagg_calibration_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import staleness_factor
 from protocols.base import PeerUnavailable, RoundContext
@@ -357,8 +357,10 @@ class Contributor:
             floor = min(floor, self.max_weight)
         weight = max(weight, floor)
         clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
-        if request.steps is not None and set(request.steps) != set(averaged_keys(clipped)):
-            raise SecAggError("bad_steps", "the steps do not name my model's entries")
+        if request.steps is not None and set(request.steps) != set(
+            narrow_entries(request.ring, {k: clipped[k].numel() for k in averaged_keys(clipped)})
+        ):
+            raise SecAggError("bad_steps", "the steps do not name my model's large entries")
         if not await asyncio.to_thread(
             fits_ring, clipped, weight / request.weight_scale, len(group), ring=request.ring
         ):

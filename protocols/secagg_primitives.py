@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
-from p2pfl.config.protocols import secagg_entry_ring
+from p2pfl.config.protocols import narrow_entries, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.masking import (
     FIXED_POINT_BITS,
@@ -212,16 +212,17 @@ def fits_ring(
     """Whether every entry of `share` * state fits a sum of `contributors`
     (what `masked_input` checks entry by entry): asked before anyone masks, so
     a model that cannot be summed is refused while it can still be left out.
-    In a narrow ring (16 or 8 bits) every finite value fits (it is reduced mod
-    2^ring; the requester decodes the sum against its own model), so only a
-    non-finite entry does not."""
+    In a narrow ring (16 or 8 bits) every finite value of an entry of 1,024
+    values or more fits (it is reduced mod 2^ring; the requester decodes the
+    sum against its own model); smaller entries are fixed point as always."""
     limit = entry_limit(contributors)
     for key in averaged_keys(state):
         value = state[key].detach()
         if value.numel() == 0:
             continue
         largest = float(value.abs().max()) * share * 2.0**bits
-        if not math.isfinite(largest) or (ring == RING_BITS and round(largest) > limit):
+        in_fixed_point = secagg_entry_ring(ring, value.numel()) == RING_BITS
+        if not math.isfinite(largest) or (in_fixed_point and round(largest) > limit):
             return False
     return True
 
@@ -255,8 +256,11 @@ def masked_input(
     share = weight / weight_scale
     limit = entry_limit(contributors)
     keys = averaged_keys(state)
-    if ring != RING_BITS and (steps is None or set(steps) != set(keys)):
-        raise SecAggError("bad_steps", f"{me}: a {ring}-bit ring needs one step per entry")
+    narrow = narrow_entries(ring, {k: state[k].numel() for k in keys})
+    if ring != RING_BITS and (steps is None or set(steps) != set(narrow)):
+        raise SecAggError(
+            "bad_steps", f"{me}: a {ring}-bit ring needs one step per entry of 1,024 values or more"
+        )
 
     def masked(entry: str, out: Fixed, bits: int) -> Tensor:
         out += mask_stream(self_seed, entry, out.size, bits)
@@ -271,12 +275,11 @@ def masked_input(
     try:
         for entry in keys:
             value = state[entry]
-            if ring == RING_BITS:
-                width = RING_BITS
+            width = secagg_entry_ring(ring, value.numel())
+            if width == RING_BITS:
                 fixed = to_fixed(value, bits, scale=share, limit=limit)
             else:
                 assert steps is not None
-                width = secagg_entry_ring(ring, value.numel())
                 fixed = to_narrow(value.detach().double() * share, steps[entry], width, rounding)
             result[entry] = masked(entry, fixed, width).reshape(value.shape)
         weight_entry = to_fixed(np.array([share]), bits, limit=entry_limit(contributors))
@@ -297,15 +300,17 @@ def unmask_sum(
     weight_scale: float = 1.0,
     ring: int = RING_BITS,
     steps: Mapping[str, float] | None = None,
-    edge: list[int] | None = None,
+    edge: dict[str, int] | None = None,
 ) -> tuple[dict[str, Tensor], float]:
     """sum_u y_u - PRG(b_u) - the dropped contributors' pair masks, as the
     weighted mean (entries of `reference`, its dtypes) and the total weight
     (in the caller's units: the decoded sum of w/W times W). A narrow `ring`:
     each entry's sum of quantized values is decoded as the one nearest to
     sum(w/W) * reference / step (`masking.from_narrow`; `reference` is the
-    requester's own model), and the number of values whose offset from that
-    estimate lies in the outer quarter of their ring is appended to `edge`."""
+    requester's own model), and for each entry with values whose offset from
+    that estimate lies in the outer quarter of the ring, their number goes to
+    `edge`. Entries of fewer than 1,024 values are in the 32-bit fixed-point
+    ring in every sum (`secagg_entry_ring`)."""
     dropped = {d: X25519PrivateKey.from_private_bytes(sk) for d, sk in dropped_keys.items()}
     seeds = {
         (u, d): mask_seed(private, public_keys[u], context, d, u)
@@ -334,10 +339,9 @@ def unmask_sum(
     if not shares > 0:
         raise SecAggError("bad_sum", f"the weights sum to {shares * weight_scale}")
     mean: dict[str, Tensor] = {}
-    outer = 0
     for key, ref in reference.items():
         if key in totals:
-            if ring == RING_BITS:
+            if secagg_entry_ring(ring, ref.numel()) == RING_BITS:
                 values = from_fixed(totals[key], bits) / shares
             else:
                 assert steps is not None
@@ -348,12 +352,11 @@ def unmask_sum(
                     )
                 except MaskingError as exc:
                     raise SecAggError(exc.reason, str(exc)) from None
-                width = secagg_entry_ring(ring, offset.size)
-                outer += int((np.abs(offset) > 3 * (1 << (width - 1)) // 4).sum())
+                outer = int((np.abs(offset) > 3 * (1 << (ring - 1)) // 4).sum())
+                if outer and edge is not None:
+                    edge[key] = outer
                 values = decoded / shares
             mean[key] = torch.from_numpy(values).reshape(ref.shape).to(ref.dtype)
         else:
             mean[key] = ref.detach().clone()
-    if edge is not None:
-        edge.append(outer)
     return mean, shares * weight_scale

@@ -11,7 +11,7 @@ import logging
 import math
 import secrets as random_source
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
-from p2pfl.config.protocols import SECAGG_WIDE_ENTRY, secagg_entry_ring
+from p2pfl.config.protocols import narrow_entries, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.masking import RING_BITS, WEIGHT_KEY, WIRE_DTYPE, WIRE_DTYPES
@@ -51,25 +51,26 @@ log = logging.getLogger(__name__)
 # count either (a direct caller), UNBOUNDED_WEIGHT_SCALE.
 DEFAULT_WEIGHT_RATIO = 16.0
 UNBOUNDED_WEIGHT_SCALE = 1024.0
-# A narrow ring's steps (`ring_steps`). The requester decodes each entry's sum
-# S = sum_i (w_i/W) x_i / step as the value nearest to sum(w/W) * own / step
-# (`masking.from_narrow`): exact while they lie less than 2^(bits-1) - 1 steps
-# apart, i.e. while |sum_i (w_i/W)(x_i - own)| < (2^(bits-1) - 1) * step.
+# A narrow ring's steps (`ring_steps`), for its entries of 1,024 values or more
+# (smaller ones are 32-bit fixed point in every sum). The requester decodes
+# each entry's sum S = sum_i (w_i/W) x_i / step as the value nearest to
+# sum(w/W) * own / step (`masking.from_narrow`): exact while they lie less
+# than 2^(bits-1) - 1 steps apart, i.e. while
+# |sum_i (w_i/W)(x_i - own)| < (2^(bits-1) - 1) * step.
 # - A calibration sum (16 bits; no kept sum before it): every |x_i - own| taken
-#   as at most 2 x max|own entry|, at least 2 x the median over the model's
-#   entries of max|own entry| (an entry still at zero, such as a fresh bias),
-#   and every w/W as 1 (n contributors reach n times as far).
-# - An entry of fewer than SECAGG_WIDE_ENTRY values: always the calibration's
-#   reach (in 16 bits within an 8-bit sum).
+#   as at most CALIBRATION_MARGIN x max(max|own entry|, the median over the
+#   model's entries of max|own entry|, RANGE_FLOOR), every w/W as 1 (n
+#   contributors reach n times as far).
 # - After a kept sum: RANGE_MARGIN x its spread (max |mean - own| of the entry
-#   then; at least SPREAD_FLOOR x the calibration's reach), times
-#   SHARES_MARGIN x its sum of w/W (at most n).
+#   then, less its rounding noise; at least SPREAD_FLOOR x the calibration's
+#   reach), times SHARES_MARGIN x its sum of w/W (at most n).
 # Every step is rounded up to a power of two: what the steps disclose of the
 # requester's own model is the binary order of a magnitude.
 RANGE_FLOOR = 2.0**-4
+CALIBRATION_MARGIN = 16.0
 RANGE_MARGIN = 4.0
 SHARES_MARGIN = 2.0
-SPREAD_FLOOR = 2.0**-10
+SPREAD_FLOOR = 2.0**-13
 
 
 def ring_steps(
@@ -79,7 +80,7 @@ def ring_steps(
     spread: Mapping[str, float] | None = None,
     shares: float | None = None,
 ) -> dict[str, float]:
-    """One quantization step per averaged entry of a narrow-ring sum (see the
+    """One quantization step per entry a narrow-ring sum quantizes (see the
     constants above): from `reference` (the requester's own model) alone, or
     from the `spread` and sum of w/W (`shares`) of its last kept sum. What the
     requester discloses to the contributors it chose: one power of two per
@@ -98,12 +99,9 @@ def ring_steps(
     if spread is not None and shares is not None and math.isfinite(shares) and shares > 0:
         weight = min(weight, SHARES_MARGIN * shares)
     steps = {}
-    for key in keys:
-        reach = 2.0 * max(largest[key], typical)
-        width = secagg_entry_ring(ring, reference[key].numel())
-        if reference[key].numel() < SECAGG_WIDE_ENTRY:  # the calibration's reach
-            step = contributors * reach / ((1 << (width - 1)) - 1)
-        elif spread is not None and key in spread and math.isfinite(spread[key]):
+    for key in narrow_entries(ring, {k: reference[k].numel() for k in keys}):
+        reach = CALIBRATION_MARGIN * max(largest[key], typical)
+        if spread is not None and key in spread and math.isfinite(spread[key]):
             reach = RANGE_MARGIN * max(spread[key], SPREAD_FLOOR * reach)
             step = weight * reach / half
         else:
@@ -129,8 +127,9 @@ class SecureSum:
     steps: dict[str, float] | None = None  # a narrow ring's: the requester's own
     # a narrow ring: how many values decoded in the outer quarter of their ring
     # around the requester's estimate (0 unless some lay farther than its steps
-    # reach, or a contributor sent values far off)
+    # reach, or a contributor sent values far off), and in which entries
     ring_edge: int = 0
+    ring_edge_entries: dict[str, int] = field(default_factory=dict)
 
 
 async def secure_sum(
@@ -324,10 +323,18 @@ async def secure_sum(
             edge=edge,
         )
 
-    edge: list[int] = []
+    edge: dict[str, int] = {}
     mean, total = await ctx.run_blocking(rebuild_and_unmask)
     return SecureSum(
-        mean, total, u3, rounds, dropped, ring=ring, steps=steps, ring_edge=edge[0] if edge else 0
+        mean,
+        total,
+        u3,
+        rounds,
+        dropped,
+        ring=ring,
+        steps=steps,
+        ring_edge=sum(edge.values()),
+        ring_edge_entries=edge,
     )
 
 

@@ -32,7 +32,6 @@ from typing import Any
 from torch import Tensor
 
 from p2pfl.config.protocols import secagg_calibration_ring, secagg_ring_bits
-from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange, staleness_factor
 from protocols.base import RoundContext
 from protocols.checks import cap_sum, incompatibility, own_weight_cap
@@ -231,15 +230,17 @@ class SecureExchange:
         if self.ring == RING_BITS:
             return True
         if result.ring_edge > 0:
+            where = sorted(result.ring_edge_entries.items(), key=lambda kv: -kv[1])[:3]
             log.warning(
                 "%s round %d: secure sum of %s dropped: %d value(s) decoded at the edge of the "
-                "%d-bit ring (farther from my model than the steps reach, or sent far off by "
-                "a contributor; counted against each); the next sum calibrates again",
+                "%d-bit ring (most in %s; farther from my model than the steps reach, or sent "
+                "far off by a contributor; counted against each); the next sum calibrates again",
                 ctx.me,
                 round_no,
                 result.contributors,
                 result.ring_edge,
                 result.ring,
+                ", ".join(f"{k} ({n})" for k, n in where),
             )
             self.spreads.pop(stream, None)
             self.ring_edge_drops += 1
@@ -248,10 +249,8 @@ class SecureExchange:
             return False
         if incompatibility(result.mean, own, max_norm_ratio=self.max_norm_ratio) is None:
             shares = result.total_weight / weight_scale
-            self.spreads[stream] = (
-                spread_of(result, own, shares),
-                shares,
-            )
+            calibration = stream not in self.spreads
+            self.spreads[stream] = (spread_of(result, own, shares, calibration), shares)
         return True
 
     def refused(
@@ -426,23 +425,31 @@ class AsyncSecureExchange(SecureExchange):
         return got
 
 
-def spread_of(result: SecureSum, own: dict[str, Tensor], shares: float) -> dict[str, float]:
-    """Per averaged entry: max |mean - own|, less what the sum's own rounding
-    could add to it (each of n contributors' stochastic rounding is off by
-    less than one step, so the mean's error has a standard deviation of at
-    most sqrt(n) / 2 x step / sum(w/W); its largest over m values is about
-    sqrt(2 ln m) of those). Without the allowance, the spread of many
-    contributors fed on its own noise and the steps grew sum after sum."""
+def spread_of(
+    result: SecureSum, own: dict[str, Tensor], shares: float, calibration: bool = False
+) -> dict[str, float]:
+    """Per entry the sum quantized: max |mean - own|. After a calibration
+    sum, as measured: an upper bound within the calibration's rounding, and
+    the calibration's steps do not depend on a spread, so nothing feeds back.
+    After a narrow sum, less what its own rounding could add (each of n
+    contributors' stochastic rounding is off by less than one step, so the
+    mean's error has a standard deviation of at most sqrt(n) / 2 x step /
+    sum(w/W), and its largest over m values is about sqrt(2 ln m) of those),
+    but by three quarters of the measure at most: without the allowance, the
+    spread of many contributors fed on its own noise and the steps grew sum
+    after sum; with all of it, a spread under the noise read as none."""
     n = max(len(result.contributors), 1)
     out = {}
-    for key in averaged_keys(own):
-        if key not in result.mean or own[key].numel() == 0:
+    for key in result.steps or {}:  # the narrow entries; the others are fixed point
+        if key not in result.mean or key not in own or own[key].numel() == 0:
             continue
         farthest = float((result.mean[key].double() - own[key].double()).abs().max())
-        step = (result.steps or {}).get(key, 0.0)
-        sigma = math.sqrt(n) / 2 * step / max(shares, 1e-12)
+        if calibration:
+            out[key] = farthest
+            continue
+        sigma = math.sqrt(n) / 2 * result.steps[key] / max(shares, 1e-12)  # type: ignore[index]
         allowance = sigma * math.sqrt(2 * math.log(max(own[key].numel(), 2)))
-        out[key] = max(farthest - allowance, 0.0)
+        out[key] = max(farthest - allowance, farthest / 4)
     return out
 
 

@@ -37,6 +37,7 @@ from protocols.secure_exchange import SecureExchange
 REQUESTER = "req"
 ROUND = 2
 RINGS = {"fp16": 16, "int8": 8}
+FIXED = 2.0**-20  # the 32-bit ring's fixed-point step, for entries under 1,024 values
 
 
 def names(n: int) -> list[str]:
@@ -123,7 +124,8 @@ def test_a_real_models_narrow_sum_is_within_one_step_per_contributor(fmt: str) -
     steps = ring_steps(reference, ring, len(members))
     for key in averaged_keys(reference):
         error = (result.mean[key].double() - fed.exact(members, key)).abs()
-        bound = len(members) * steps[key] / shares + 1e-6
+        # a narrow entry: one step per contributor; a small one: 32-bit fixed point
+        bound = len(members) * steps.get(key, FIXED) / shares + 1e-6
         assert float(error.max()) <= bound, key
     assert result.total_weight == pytest.approx(sum(fed.weights.values()), rel=1e-5)
 
@@ -249,8 +251,8 @@ def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
     """64 contributors 1e-3 from my model, W = 16 x their weight, eight sums
     in a row through the real masking and unmasking (self masks only; pair
     masks cancel exactly): the steps settle, and the error stays well below
-    the spread (without the noise allowance the steps grew 30-fold and the
-    error reached 30x the spread, every sum kept)."""
+    the spread from the sixth sum on (without the noise allowance the steps
+    grew 30-fold and the error reached 30x the spread, every sum kept)."""
     n, size = 64, 20_000
     torch.manual_seed(9)
     own = {"w": 0.05 * torch.randn(size, dtype=torch.float64)}
@@ -274,17 +276,35 @@ def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
                 state, weights[name], me=name, self_seed=seeds[name], pair_seeds={},
                 weight_scale=scale, contributors=n, ring=ring, steps=steps,
             )  # fmt: skip
-        edge: list[int] = []
+        edge: dict[str, int] = {}
         mean, total = primitives.unmask_sum(
             inputs, seeds, {}, {}, b"ctx", own, weight_scale=scale, ring=ring, steps=steps,
             edge=edge,
         )  # fmt: skip
-        result = SecureSum(mean, total, sorted(states), dict.fromkeys(states, 0), [], ring=ring, steps=steps, ring_edge=edge[0])  # fmt: skip
+        result = SecureSum(mean, total, sorted(states), dict.fromkeys(states, 0), [], ring=ring, steps=steps, ring_edge=sum(edge.values()))  # fmt: skip
         assert exchange.decoded_well(ctx, ROUND, "model", result, own, scale)
         seen.append(steps["w"])
         errors.append(float((mean["w"] - exact).square().mean().sqrt()))
-    assert max(seen[3:]) <= 2 * min(seen[1:3])
-    assert max(errors[3:]) < spread / 3
+    assert max(seen[2:]) <= seen[1]  # never growing after the calibration
+    assert max(errors[5:]) < spread / 3
+
+
+def test_small_entries_of_a_narrow_sum_travel_in_fixed_point() -> None:
+    """Entries under SECAGG_WIDE_ENTRY values (biases, norm layers' weights
+    and running statistics, which differ most between sites) are masked in
+    the 32-bit fixed-point ring in a narrow sum too: no step, exact to 2^-20,
+    and nothing of theirs can wrap or drop a sum (a site whose running
+    statistics lay far from its neighbours' dropped every calibration sum
+    when they were 16-bit)."""
+    members = names(3)
+    big = {m: {"w": torch.ones(2048, dtype=torch.float64), "var": torch.full((16,), 50.0 * (i + 1), dtype=torch.float64)} for i, m in enumerate(members)}  # fmt: skip
+    fed = Federation(big, dict.fromkeys(members, 10.0), 8)
+    reference = {"w": torch.ones(2048, dtype=torch.float64), "var": torch.full((16,), 1.0, dtype=torch.float64)}  # fmt: skip
+    steps = ring_steps(reference, 8, 3)
+    assert set(steps) == {"w"}
+    result = fed.ask(members, reference, weight_scale=10.0)
+    assert result.ring_edge == 0
+    assert float((result.mean["var"] - 100.0).abs().max()) <= 3 * FIXED / 3 + 1e-9
 
 
 def test_a_uniform_shift_past_the_reach_is_not_seen_a_known_limit() -> None:
@@ -379,16 +399,17 @@ def test_a_contributor_that_dies_after_masking_leaves_the_survivors_narrow_sum()
     steps = ring_steps(reference, 8, 4)
     for key in averaged_keys(reference):
         error = (result.mean[key].double() - fed.exact(survivors, key)).abs()
-        assert float(error.max()) <= 3 * steps[key] / shares + 1e-6, key
+        assert float(error.max()) <= 3 * steps.get(key, FIXED) / shares + 1e-6, key
 
 
 # ---------------------------------------------------------------------- what travels
 
 
-def test_a_masked_int8_input_is_the_size_of_the_plain_int8_format() -> None:
-    """Secure aggregation at plain size: the masked int8 input of the small
-    CNN (plus its 32-bit weight) against the plain exchange's int8 payload of
-    the same model (blockwise, one float32 scale per block): at most 1.05x."""
+def test_a_masked_int8_input_is_near_the_size_of_the_plain_int8_format() -> None:
+    """A masked int8 input of the small CNN (its large entries int8, its 722
+    values in entries under 1,024 values 32-bit fixed point, its weight one
+    32-bit entry) against the plain exchange's int8 payload of the same model
+    (blockwise, one float32 scale per block): at most 1.11x."""
     state = cnn_state(0)
     floats = {k: state[k] for k in averaged_keys(state)}
     plain = len(tensors.dumps(compression.compress_state(floats, compression.parse("int8"))))
@@ -404,16 +425,11 @@ def test_a_masked_int8_input_is_the_size_of_the_plain_int8_format() -> None:
         steps=steps,
     )
     for key, value in masked.items():
-        want = (
-            torch.int32
-            if key == masking.WEIGHT_KEY
-            else torch.int16
-            if value.numel() < SECAGG_WIDE_ENTRY
-            else torch.int8
-        )
+        small = key == masking.WEIGHT_KEY or value.numel() < SECAGG_WIDE_ENTRY
+        want = torch.int32 if small else torch.int8
         assert value.dtype == want, key
     wire = len(tensors.dumps(masked))
-    assert wire <= 1.05 * plain, (wire, plain)
+    assert wire <= 1.11 * plain, (wire, plain)
 
 
 def test_nothing_the_requester_receives_is_a_contributors_quantized_model() -> None:

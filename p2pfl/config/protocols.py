@@ -460,15 +460,24 @@ def secagg_ring_bits(compression: str) -> int | None:
 
 
 # In a narrow sum, an entry of fewer values than this (a bias, a norm layer's
-# weights and statistics) is masked with the calibration's wide steps, and in
-# an 8-bit sum in 16 bits: a few hundred bytes, and no small entry, whose
-# spread moves most from round to round, can wrap or drop the sum
+# weights and statistics) is masked in the 32-bit fixed-point ring as without
+# compression: a few kilobytes at most, exact, and nothing to wrap for the
+# entries whose values differ most between sites (a site's own running
+# statistics can lie far outside anybody's estimate)
 SECAGG_WIDE_ENTRY = 1024
 
 
 def secagg_entry_ring(bits: int, numel: int) -> int:
     """The ring one entry of `numel` values is masked in, in a `bits`-bit sum."""
-    return 16 if bits == 8 and numel < SECAGG_WIDE_ENTRY else bits
+    return SECAGG_RING_BITS if numel < SECAGG_WIDE_ENTRY else bits
+
+
+def narrow_entries(ring: int, sizes: dict[str, int]) -> list[str]:
+    """The entries (name -> number of values) a `ring`-bit sum quantizes in
+    the narrow ring: every one of 1,024 values or more; none in 32 bits."""
+    if ring == SECAGG_RING_BITS:
+        return []
+    return [k for k, n in sizes.items() if secagg_entry_ring(ring, n) != SECAGG_RING_BITS]
 
 
 def secagg_calibration_ring(bits: int) -> int:

@@ -30,9 +30,10 @@ nonce = SHA-256 of the state-dict entry name, counter 0, so both ends of a
 pair draw the same stream for the same entry on any machine; 4 bytes of it per
 entry.
 
-Narrow rings (protocol.compression fp16 / int8): `mask_stream` draws 2- or
-1-byte elements, and `to_narrow` / `from_narrow` quantize and decode. A value
-is w/W * x in a step the requester chose, stochastically rounded, mod 2^16 or
+Narrow rings (protocol.compression fp16 / int8, for entries of 1,024 values
+or more; smaller ones stay fixed point here): `mask_stream` draws 2- or 1-byte
+elements, and `to_narrow` / `from_narrow` quantize and decode. A value is
+w/W * x in a step the requester chose, stochastically rounded, mod 2^16 or
 2^8, never refused for its size: the sum wraps, and the requester decodes it
 as the value congruent to it nearest to its own estimate.
 

@@ -107,8 +107,8 @@ into the context): a contributor caps its weight at W, raises it to W / 2^12
 if lighter (up to its roster card: no W rounds a model out), and masks w/W and
 w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
 (`out_of_range`, before it deals a share), so the sum of U3 never wraps.
-With protocol.compression fp16 / int8 the values (not the weight) are masked
-in a 16- / 8-bit ring instead (`ring` and `steps` of the request, bound into
+With protocol.compression fp16 / int8 the entries of 1,024 values or more
+(not the smaller ones, not the weight) are masked in a 16- / 8-bit ring instead (`ring` and `steps` of the request, bound into
 the context; an int8 federation also answers 16-bit calibration sums): each
 w/W * x in the requester's step, stochastically rounded, mod 2^16 / 2^8. That
 sum does wrap; the requester decodes it against its own model

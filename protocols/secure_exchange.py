@@ -38,7 +38,14 @@ from protocols.checks import cap_sum, incompatibility, own_weight_cap
 from protocols.compressed_exchange import CompressedExchange
 from protocols.exchange import Collected, Exchange, PlainExchange, ServedModels, Term
 from protocols.masking import RING_BITS
-from protocols.secagg import SECAGG_KIND, Contributor, SecAggError, SecureSum, secure_sum
+from protocols.secagg import (
+    MIN_WEIGHT_SHARE,
+    SECAGG_KIND,
+    Contributor,
+    SecAggError,
+    SecureSum,
+    secure_sum,
+)
 from protocols.secagg_messages import FRESHEST_PURPOSE
 from protocols.secagg_requester import ring_steps, weight_scale_for
 
@@ -65,9 +72,10 @@ class SecureExchange:
     ) -> None:
         self.store = store
         self.ring = ring  # protocol.compression's: 32 (none), 16 (fp16) or 8 (int8) bits
-        # a narrow ring, per purpose: how far my last kept sum's mean lay from my
-        # own model, entry by entry, and its sum of w/W (my next steps)
-        self.spreads: dict[str, tuple[dict[str, float], float]] = {}
+        # a narrow ring, per stream: how far my last kept sum's mean lay from my
+        # own model, entry by entry, its total weight and its number of
+        # contributors (my next steps)
+        self.spreads: dict[str, tuple[dict[str, float], float, int]] = {}
         self.ring_edge_drops = 0
         self.max_staleness = max_staleness
         self.timeout = timeout
@@ -158,7 +166,7 @@ class SecureExchange:
         while True:
             try:
                 scale = self.weight_scale(ctx, chosen, purpose)
-                ring, steps = self.narrow(own, chosen, stream)
+                ring, steps = self.narrow(own, chosen, stream, scale)
                 result = await secure_sum(
                     ctx,
                     chosen,
@@ -192,23 +200,28 @@ class SecureExchange:
         return weight_scale_for(ctx.sample_caps(), chosen, own_weight, self.max_weight_ratio)
 
     def narrow(
-        self, own: dict[str, Tensor], chosen: list[str], stream: str
+        self, own: dict[str, Tensor], chosen: list[str], stream: str, weight_scale: float
     ) -> tuple[int, dict[str, float] | None]:
-        """The ring and quantization steps of my next sum of `stream` (a
-        purpose, or FedPerl's group of one)
-        (`ring_steps`). In a narrow federation, a sum without a kept sum
+        """The ring and quantization steps (`ring_steps`) of my next sum of
+        `stream` (a purpose, or one of FedPerl's groups), in the unit W =
+        `weight_scale`. In a narrow federation, a sum without a kept sum
         before it (the first, or the next after one was dropped at the ring's
         edge) is a calibration sum: 16 bits, steps from my own model's range;
         after it, the federation's ring, with steps from that sum's spread and
-        its sum of w/W."""
+        its sum of w/W carried over to this W and this many contributors (the
+        last sum's total weight / W x n now / n then, within [n x 2^-12, n]):
+        W changes with the chosen contributors' roster caps."""
         if self.ring == RING_BITS:
             return RING_BITS, None
         last = self.spreads.get(stream)
         if last is None:
             wide = secagg_calibration_ring(self.ring)
             return wide, ring_steps(own, wide, len(chosen))
-        spread, shares = last
-        return self.ring, ring_steps(own, self.ring, len(chosen), spread, shares)
+        spread, total, counted = last
+        n = len(chosen)
+        shares = total / weight_scale * n / max(counted, 1)
+        shares = min(max(shares, n * MIN_WEIGHT_SHARE), float(n))
+        return self.ring, ring_steps(own, self.ring, n, spread, shares)
 
     def decoded_well(
         self,
@@ -250,7 +263,8 @@ class SecureExchange:
         if incompatibility(result.mean, own, max_norm_ratio=self.max_norm_ratio) is None:
             shares = result.total_weight / weight_scale
             calibration = stream not in self.spreads
-            self.spreads[stream] = (spread_of(result, own, shares, calibration), shares)
+            spread = spread_of(result, own, shares, calibration)
+            self.spreads[stream] = (spread, result.total_weight, len(result.contributors))
         return True
 
     def refused(
@@ -372,7 +386,7 @@ class AsyncSecureExchange(SecureExchange):
             sessions += 1
             try:
                 scale = self.weight_scale(ctx, chosen, FRESHEST_PURPOSE)
-                ring, steps = self.narrow(own, chosen, FRESHEST_PURPOSE)
+                ring, steps = self.narrow(own, chosen, FRESHEST_PURPOSE, scale)
                 result = await secure_sum(
                     ctx,
                     chosen,

@@ -183,11 +183,11 @@ def test_a_sum_past_the_steps_reach_is_flagged_at_the_edge_and_dropped() -> None
     result = fed.ask(members, reference, weight_scale=10.0)
     assert result.ring_edge > 100
     exchange = plain_exchange(8)
-    exchange.spreads["model"] = ({"w": 1e-3}, 3.0)
+    exchange.spreads["model"] = ({"w": 1e-3}, 30.0, 3)
     ctx = fed.ctxs[REQUESTER]
     assert not exchange.decoded_well(ctx, ROUND, "model", result, reference, 10.0)
     assert "model" not in exchange.spreads and exchange.ring_edge_drops == 1
-    assert exchange.narrow(reference, members, "model")[0] == 16  # calibrates again
+    assert exchange.narrow(reference, members, "model", 10.0)[0] == 16  # calibrates again
     blamed = [r["peer"] for r in fed.network.rejections if r["reason"] == "sum_ring_edge"]
     assert sorted(blamed) == members
 
@@ -235,11 +235,11 @@ def test_one_dishonest_contributor_can_drop_sums_and_is_counted_for_it() -> None
     fed.ctxs["c2"].serve(SECAGG_KIND, tampering)
     reference = {"w": torch.ones(4096, dtype=torch.float64)}
     exchange = plain_exchange(8)
-    ring, steps = exchange.narrow(reference, members, "model")
+    ring, steps = exchange.narrow(reference, members, "model", 10.0)
     result = fed.ask(members, reference, weight_scale=10.0, ring=ring, steps=steps)
     assert result.ring == 16  # a calibration sum: +110 of 2^16 is no edge...
     exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
-    ring, steps = exchange.narrow(reference, members, "model")
+    ring, steps = exchange.narrow(reference, members, "model", 10.0)
     assert ring == 8
     result = fed.ask(members, reference, weight_scale=10.0, ring=ring, steps=steps)
     assert result.ring_edge >= 1  # ...but in the 8-bit ring it is
@@ -267,7 +267,7 @@ def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
     ctx = InMemoryNetwork().join(REQUESTER)
     seen, errors = [], []
     for _ in range(8):
-        ring, steps = exchange.narrow(own, sorted(states), "model")
+        ring, steps = exchange.narrow(own, sorted(states), "model", scale)
         assert steps is not None
         inputs, seeds = {}, {}
         for name, state in states.items():
@@ -333,14 +333,14 @@ def test_the_first_sum_calibrates_in_16_bits_and_the_next_are_int8() -> None:
     fed = Federation(near, dict.fromkeys(members, 10.0), 8)
     reference = {"w": torch.ones(4096, dtype=torch.float64)}
     exchange = plain_exchange(8)
-    ring, steps = exchange.narrow(reference, members, "model")
+    ring, steps = exchange.narrow(reference, members, "model", 10.0)
     assert ring == 16 and steps is not None
     result = fed.ask(members, reference, weight_scale=10.0, ring=ring, steps=steps)
     assert result.ring == 16
     exact = fed.exact(members, "w")
     assert float((result.mean["w"] - exact).abs().max()) <= 3 * steps["w"] / 3.0 + 1e-12
     assert exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
-    ring, fine = exchange.narrow(reference, members, "model")
+    ring, fine = exchange.narrow(reference, members, "model", 10.0)
     assert ring == 8 and fine is not None
     result = fed.ask(members, reference, weight_scale=10.0, ring=8, steps=fine)
     assert result.ring == 8 and result.ring_edge == 0
@@ -368,7 +368,7 @@ def test_the_weights_are_not_capped_below_their_bound() -> None:
     fed = Federation(states, weights, 8)
     reference = {"w": torch.full((64,), 0.5, dtype=torch.float64)}
     exchange = plain_exchange(8)
-    ring, steps = exchange.narrow(reference, members, "model")
+    ring, steps = exchange.narrow(reference, members, "model", 1000.0)
     result = fed.ask(members, reference, weight_scale=1000.0, ring=ring, steps=steps)
     weighted = (1000 * 0.1 + 100 * 0.5 + 10 * 0.9) / 1110
     assert float((result.mean["w"] - weighted).abs().max()) < 0.01
@@ -626,3 +626,23 @@ def test_a_requester_whose_own_model_has_no_steps_gets_no_sum_and_goes_on(bad: f
     got = asyncio.run(exchange.sum_of(fed.ctxs[REQUESTER], ROUND, own, members))
     assert got is None
     assert all(c.ledger.masked(REQUESTER, ROUND) is None for c in fed.contributors.values())
+
+
+def test_the_next_steps_follow_this_sums_unit_not_the_last_ones() -> None:
+    """W changes with the chosen contributors' roster caps: a last sum in W =
+    16,000 (sum of w/W 0.125) and a next one in W = 2,000 of the same weights
+    (sum of w/W 1.0). The carried-over sum of w/W is 1.0, so the next steps
+    hold an honest sum within the last spread (they were 8x too fine, and the
+    sum dropped, counted against honest contributors)."""
+    members = names(2)
+    torch.manual_seed(10)
+    own = {"w": torch.zeros(4096, dtype=torch.float64)}
+    near = {m: {"w": 0.05 * (2 * torch.rand(4096, dtype=torch.float64) - 1)} for m in members}
+    fed = Federation(near, dict.fromkeys(members, 1000.0), 8)
+    exchange = plain_exchange(8)
+    exchange.spreads["model"] = ({"w": 0.05}, 2000.0, 2)  # kept in W = 16,000
+    ring, steps = exchange.narrow(own, members, "model", 2000.0)
+    assert ring == 8 and steps is not None
+    result = fed.ask(members, own, weight_scale=2000.0, ring=ring, steps=steps)
+    assert result.ring_edge == 0
+    assert exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, own, 2000.0)

@@ -248,11 +248,13 @@ def test_one_dishonest_contributor_can_drop_sums_and_is_counted_for_it() -> None
 
 
 def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
-    """64 contributors 1e-3 from my model, W = 16 x their weight, eight sums
+    """64 contributors 1e-3 from my model, W = 16 x their weight, ten sums
     in a row through the real masking and unmasking (self masks only; pair
     masks cancel exactly): the steps settle, and the error stays well below
-    the spread from the sixth sum on (without the noise allowance the steps
-    grew 30-fold and the error reached 30x the spread, every sum kept)."""
+    the spread over the last three sums (without the noise allowance the
+    steps grew 30-fold and the error reached 30x the spread, every sum kept).
+    The rounding is random: the settled error, 0.19x the spread, is reached
+    by the sixth or seventh sum (18 runs), so the last three leave margin."""
     n, size = 64, 20_000
     torch.manual_seed(9)
     own = {"w": 0.05 * torch.randn(size, dtype=torch.float64)}
@@ -266,7 +268,7 @@ def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
     exchange = plain_exchange(8)
     ctx = InMemoryNetwork().join(REQUESTER)
     seen, errors = [], []
-    for _ in range(8):
+    for _ in range(10):
         ring, steps = exchange.narrow(own, sorted(states), "model", scale)
         assert steps is not None
         inputs, seeds = {}, {}
@@ -286,7 +288,7 @@ def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
         seen.append(steps["w"])
         errors.append(float((mean["w"] - exact).square().mean().sqrt()))
     assert max(seen[2:]) <= seen[1]  # never growing after the calibration
-    assert max(errors[5:]) < spread / 3
+    assert max(errors[7:]) < spread / 3
 
 
 def test_small_entries_of_a_narrow_sum_travel_in_fixed_point() -> None:
@@ -568,10 +570,9 @@ def test_the_params_refuse_topk_with_secure_aggregation_in_one_line() -> None:
 
 
 def narrow_site(tmp_path: Path, sites: int, fmt: str) -> Path:
-    out = tmp_path / f"fed{sites}"
-    listed = ",".join(names(sites))
-    assert main(["provision", "--sites", listed, "--out", str(out), "--base-port", "7300"]) == 0
-    path = out / "c0" / "site.yaml"
+    from test_secagg_ring import provision  # the 32-bit ring's federation on disk
+
+    path = provision(tmp_path, sites) / "c0" / "site.yaml"
     data = yaml.safe_load(path.read_text())
     data["protocol"].update(secure_aggregation=True, compression=fmt)
     data["wire"] = {**(data.get("wire") or {}), "encryption": True}

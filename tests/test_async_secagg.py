@@ -87,6 +87,22 @@ class Sites:
     def counted(self) -> list[tuple[str, str]]:
         return [(r["peer"], r["reason"]) for r in self.network.rejections]
 
+    async def freshest(
+        self, reference: float = 1.0, at_round: int = 5, weight_scale: float = 40.0
+    ) -> Any:
+        """The requester's freshest sum over alice and bob, asked directly."""
+        return await secure_sum(
+            self.ctx,
+            ["alice", "bob"],
+            round_no=0,
+            max_round=100,
+            reference=model(reference),
+            timeout=2.0,
+            purpose=FRESHEST_PURPOSE,
+            at_round=at_round,
+            weight_scale=weight_scale,
+        )
+
 
 def weighted(values: dict[str, tuple[float, float]]) -> float:
     """The mean of constant models {peer: (value, weight)}."""
@@ -242,17 +258,7 @@ async def test_contributors_told_different_rounds_give_no_sum() -> None:
 
     ctx.request = lying  # type: ignore[method-assign]
     with pytest.raises(SecAggError):
-        await secure_sum(
-            ctx,
-            ["alice", "bob"],
-            round_no=0,
-            max_round=100,
-            reference=model(0.0),
-            timeout=2.0,
-            purpose=FRESHEST_PURPOSE,
-            at_round=5,
-            weight_scale=40.0,
-        )
+        await sites.freshest(reference=0.0)
     for name in ("alice", "bob"):  # nobody masked: no model of theirs went anywhere
         assert sites.exchanges[name].contributor.ledger.contributed == {}  # type: ignore[union-attr]
     assert (REQUESTER, "secagg_bad_key_tag") in sites.counted()  # the tags, not a bound
@@ -269,17 +275,7 @@ async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead
     unit = 20 * 2.0**14  # 20 samples are 2^-14 of it
 
     async def freshest_sum(at_round: int) -> Any:
-        return await secure_sum(
-            sites.ctx,
-            ["alice", "bob"],
-            round_no=0,
-            max_round=100,
-            reference=model(1.0),
-            timeout=2.0,
-            purpose=FRESHEST_PURPOSE,
-            at_round=at_round,
-            weight_scale=unit,
-        )
+        return await sites.freshest(at_round=at_round, weight_scale=unit)
 
     got = await freshest_sum(5)
     assert got.total_weight == pytest.approx(2 * unit * 2.0**-12, rel=1e-4)
@@ -526,17 +522,7 @@ async def test_two_asynchronous_sums_at_once_put_each_model_in_one_of_them() -> 
 
     async def one() -> Any:
         try:
-            return await secure_sum(
-                sites.ctx,
-                ["alice", "bob"],
-                round_no=0,
-                max_round=100,
-                reference=model(1.0),
-                timeout=2.0,
-                purpose=FRESHEST_PURPOSE,
-                at_round=5,
-                weight_scale=40.0,
-            )
+            return await sites.freshest()
         except SecAggError as exc:
             return exc
 

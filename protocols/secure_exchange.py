@@ -166,7 +166,7 @@ class SecureExchange:
         while True:
             try:
                 scale = self.weight_scale(ctx, chosen, purpose)
-                ring, steps = self.narrow(own, chosen, stream, scale)
+                ring, steps = await ctx.run_blocking(self.narrow, own, chosen, stream, scale)
                 result = await secure_sum(
                     ctx,
                     chosen,
@@ -180,7 +180,7 @@ class SecureExchange:
                     ring=ring,
                     steps=steps,
                 )
-                kept = self.decoded_well(ctx, round_no, stream, result, own, scale)
+                kept = await self.decoded_well(ctx, round_no, stream, result, own, scale)
                 return result if kept else None
             except SecAggError as exc:
                 log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
@@ -223,7 +223,7 @@ class SecureExchange:
         shares = min(max(shares, n * MIN_WEIGHT_SHARE), float(n))
         return self.ring, ring_steps(own, self.ring, n, spread, shares)
 
-    def decoded_well(
+    async def decoded_well(
         self,
         ctx: RoundContext,
         round_no: int,
@@ -260,12 +260,22 @@ class SecureExchange:
             for peer in result.contributors:
                 ctx.reject(peer, "sum_ring_edge")
             return False
-        if incompatibility(result.mean, own, max_norm_ratio=self.max_norm_ratio) is None:
-            shares = result.total_weight / weight_scale
-            calibration = stream not in self.spreads
-            spread = spread_of(result, own, shares, calibration)
+        calibration = stream not in self.spreads
+        spread = await ctx.run_blocking(  # passes over the whole model: off the event loop
+            self.spread_if_sound, result, own, weight_scale, calibration
+        )
+        if spread is not None:
             self.spreads[stream] = (spread, result.total_weight, len(result.contributors))
         return True
+
+    def spread_if_sound(
+        self, result: SecureSum, own: dict[str, Tensor], weight_scale: float, calibration: bool
+    ) -> dict[str, float] | None:
+        """The kept sum's spread (`spread_of`), or None if its mean fails the
+        norm check (nobody merges it, so it sets no steps)."""
+        if incompatibility(result.mean, own, max_norm_ratio=self.max_norm_ratio) is not None:
+            return None
+        return spread_of(result, own, result.total_weight / weight_scale, calibration)
 
     def refused(
         self, ctx: RoundContext, round_no: int, item: SecureSum, own: dict[str, Tensor]
@@ -386,7 +396,9 @@ class AsyncSecureExchange(SecureExchange):
             sessions += 1
             try:
                 scale = self.weight_scale(ctx, chosen, FRESHEST_PURPOSE)
-                ring, steps = self.narrow(own, chosen, FRESHEST_PURPOSE, scale)
+                ring, steps = await ctx.run_blocking(
+                    self.narrow, own, chosen, FRESHEST_PURPOSE, scale
+                )
                 result = await secure_sum(
                     ctx,
                     chosen,
@@ -401,7 +413,7 @@ class AsyncSecureExchange(SecureExchange):
                     ring=ring,
                     steps=steps,
                 )
-                if not self.decoded_well(ctx, round_no, FRESHEST_PURPOSE, result, own, scale):
+                if not await self.decoded_well(ctx, round_no, FRESHEST_PURPOSE, result, own, scale):
                     result = None
                 break
             except SecAggError as exc:

@@ -357,9 +357,11 @@ def test_secure_fedperl_shows_no_individual_model_to_any_node(
     streams: list[str] = []
     decoded_well = SecureExchange.decoded_well
 
-    def spying(self: SecureExchange, ctx: Any, round_no: int, stream: str, *rest: Any) -> bool:
+    async def spying(
+        self: SecureExchange, ctx: Any, round_no: int, stream: str, *rest: Any
+    ) -> bool:
         streams.append(stream)
-        return decoded_well(self, ctx, round_no, stream, *rest)
+        return await decoded_well(self, ctx, round_no, stream, *rest)
 
     monkeypatch.setattr(SecureExchange, "decoded_well", spying)
     network = InMemoryNetwork(inline_train=True)

@@ -185,7 +185,7 @@ def test_a_sum_past_the_steps_reach_is_flagged_at_the_edge_and_dropped() -> None
     exchange = plain_exchange(8)
     exchange.spreads["model"] = ({"w": 1e-3}, 30.0, 3)
     ctx = fed.ctxs[REQUESTER]
-    assert not exchange.decoded_well(ctx, ROUND, "model", result, reference, 10.0)
+    assert not asyncio.run(exchange.decoded_well(ctx, ROUND, "model", result, reference, 10.0))
     assert "model" not in exchange.spreads and exchange.ring_edge_drops == 1
     assert exchange.narrow(reference, members, "model", 10.0)[0] == 16  # calibrates again
     blamed = [r["peer"] for r in fed.network.rejections if r["reason"] == "sum_ring_edge"]
@@ -209,8 +209,8 @@ def test_one_value_that_wraps_drops_the_sum() -> None:
     steps = ring_steps(reference, 8, 2, {"w": 0.0025}, 2.0)
     result = fed.ask(members, reference, weight_scale=10.0, steps=steps)
     assert 0 < result.ring_edge <= 50
-    assert not plain_exchange(8).decoded_well(
-        fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0
+    assert not asyncio.run(
+        plain_exchange(8).decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
     )
 
 
@@ -238,12 +238,14 @@ def test_one_dishonest_contributor_can_drop_sums_and_is_counted_for_it() -> None
     ring, steps = exchange.narrow(reference, members, "model", 10.0)
     result = fed.ask(members, reference, weight_scale=10.0, ring=ring, steps=steps)
     assert result.ring == 16  # a calibration sum: +110 of 2^16 is no edge...
-    exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    asyncio.run(exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0))
     ring, steps = exchange.narrow(reference, members, "model", 10.0)
     assert ring == 8
     result = fed.ask(members, reference, weight_scale=10.0, ring=ring, steps=steps)
     assert result.ring_edge >= 1  # ...but in the 8-bit ring it is
-    assert not exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    assert not asyncio.run(
+        exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    )
     assert sum(r["reason"] == "sum_ring_edge" for r in fed.network.rejections) == 3
 
 
@@ -284,7 +286,7 @@ def test_noise_does_not_feed_the_steps_of_sixty_four_contributors() -> None:
             edge=edge,
         )  # fmt: skip
         result = SecureSum(mean, total, sorted(states), dict.fromkeys(states, 0), [], ring=ring, steps=steps, ring_edge=sum(edge.values()))  # fmt: skip
-        assert exchange.decoded_well(ctx, ROUND, "model", result, own, scale)
+        assert asyncio.run(exchange.decoded_well(ctx, ROUND, "model", result, own, scale))
         seen.append(steps["w"])
         errors.append(float((mean["w"] - exact).square().mean().sqrt()))
     assert max(seen[2:]) <= seen[1]  # never growing after the calibration
@@ -341,7 +343,9 @@ def test_the_first_sum_calibrates_in_16_bits_and_the_next_are_int8() -> None:
     assert result.ring == 16
     exact = fed.exact(members, "w")
     assert float((result.mean["w"] - exact).abs().max()) <= 3 * steps["w"] / 3.0 + 1e-12
-    assert exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    assert asyncio.run(
+        exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    )
     ring, fine = exchange.narrow(reference, members, "model", 10.0)
     assert ring == 8 and fine is not None
     result = fed.ask(members, reference, weight_scale=10.0, ring=8, steps=fine)
@@ -355,7 +359,9 @@ def test_the_first_sum_calibrates_in_16_bits_and_the_next_are_int8() -> None:
     # a sum whose mean fails the norm check is merged by nobody, and sets nothing
     exchange.spreads.clear()
     result.mean["w"] = result.mean["w"] * 1e6
-    assert exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    assert asyncio.run(
+        exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, reference, 10.0)
+    )
     assert "model" not in exchange.spreads
 
 
@@ -646,4 +652,6 @@ def test_the_next_steps_follow_this_sums_unit_not_the_last_ones() -> None:
     assert ring == 8 and steps is not None
     result = fed.ask(members, own, weight_scale=2000.0, ring=ring, steps=steps)
     assert result.ring_edge == 0
-    assert exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, own, 2000.0)
+    assert asyncio.run(
+        exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, own, 2000.0)
+    )

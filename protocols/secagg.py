@@ -329,6 +329,12 @@ class Contributor:
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model
+        # before any work on the model (its digest, the clip): steps that do not name
+        # exactly my large entries end the session here (clipping keeps every size)
+        if request.steps is not None and set(request.steps) != set(
+            narrow_entries(request.ring, {k: state[k].numel() for k in averaged_keys(state)})
+        ):
+            raise SecAggError("bad_steps", "the steps do not name my model's large entries")
         if freshest and request.at_round - model_round > self.staleness_bound:  # type: ignore[operator]
             # My own bound, whatever window the requester asked: every weight I mask in
             # an asynchronous sum is at least (bound + 1)^-a of my sample count.
@@ -357,10 +363,6 @@ class Contributor:
             floor = min(floor, self.max_weight)
         weight = max(weight, floor)
         clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
-        if request.steps is not None and set(request.steps) != set(
-            narrow_entries(request.ring, {k: clipped[k].numel() for k in averaged_keys(clipped)})
-        ):
-            raise SecAggError("bad_steps", "the steps do not name my model's large entries")
         if not await asyncio.to_thread(
             fits_ring, clipped, weight / request.weight_scale, len(group), ring=request.ring
         ):

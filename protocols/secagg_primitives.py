@@ -282,8 +282,9 @@ def masked_input(
                 assert steps is not None
                 fixed = to_narrow(value.detach().double() * share, steps[entry], width, rounding)
             result[entry] = masked(entry, fixed, width).reshape(value.shape)
-        weight_entry = to_fixed(np.array([share]), bits, limit=entry_limit(contributors))
-        result[WEIGHT_KEY] = masked(WEIGHT_KEY, weight_entry, RING_BITS)
+        result[WEIGHT_KEY] = masked(
+            WEIGHT_KEY, to_fixed(np.array([share]), bits, limit=limit), RING_BITS
+        )
     except MaskingError as exc:
         raise SecAggError(exc.reason, str(exc)) from None
     return result

@@ -529,6 +529,18 @@ def test_a_request_in_another_ring_is_refused_with_a_reason() -> None:
         {"steps": {"KEY": -1.0}},
         {"steps": {"KEY": 2.0**80}},
         {"steps": {"x" * 600: 0.1}},
+        {"steps": {"x" * 2000: 0.1}},  # a name past the schema's 1,024 characters
+        {"steps": {}},
+        {"steps": [0.1]},
+        {"steps": "MANY"},  # 16,385 names: past the schema's bound, never stored
+        {"steps": {"KEY": float("inf")}},
+        {"steps": {"KEY": "0.1"}},
+        {"steps": {"KEY": True}},
+        {"ring": 24},
+        {"ring": "8"},
+        {"ring": True},
+        {"ring": -8},
+        {"ring": 2**40},
     ],
 )
 def test_hostile_steps_and_rings_are_refused_never_masked(change: dict[str, Any]) -> None:
@@ -545,6 +557,8 @@ def test_hostile_steps_and_rings_are_refused_never_masked(change: dict[str, Any]
         for field, value in change.items():
             if value == "drop":
                 told[field] = dict(list(query[field].items())[1:])
+            elif value == "MANY":
+                told[field] = {f"e{i}": 0.1 for i in range(16_385)}
             elif field == "steps" and isinstance(value, dict) and "KEY" in value:
                 first = sorted(query[field])[0]  # a real entry of the model, a bad step
                 told[field] = {**query[field], first: value["KEY"]}
@@ -655,3 +669,101 @@ def test_the_next_steps_follow_this_sums_unit_not_the_last_ones() -> None:
     assert asyncio.run(
         exchange.decoded_well(fed.ctxs[REQUESTER], ROUND, "model", result, own, 2000.0)
     )
+
+
+def test_a_requester_cannot_tell_contributors_different_rings() -> None:
+    """The ring is in the session's context too: one contributor told 16
+    bits while the others are told 8 derives other pair keys; the tags fail
+    in Round 1 and nobody masks."""
+    fed, members = real_federation(3, 8)
+    ctx = fed.ctxs[REQUESTER]
+    original = ctx.request
+
+    async def lying(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        if peer == "c0":
+            query = {**query, "ring": 16}
+        return await original(peer, kind, query, timeout)
+
+    ctx.request = lying  # type: ignore[method-assign]
+    with pytest.raises(SecAggError):
+        fed.ask(members, cnn_state(7))
+    assert all(c.ledger.masked(REQUESTER, ROUND) is None for c in fed.contributors.values())
+    assert any(r["reason"] == "secagg_bad_key_tag" for r in fed.network.rejections)
+
+
+def test_steps_changed_after_round_0_are_refused() -> None:
+    """Steps travel in Round 0; a later phase may repeat them, never change
+    them: a contributor told other steps when asked to mask refuses
+    (`session_mismatch`, counted) and masks nothing."""
+    fed, members = real_federation(3, 8)
+    ctx = fed.ctxs[REQUESTER]
+    original = ctx.request
+    first: dict[str, Any] = {}
+
+    async def changing(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
+        if query["phase"] == "advertise":
+            first.update(query["steps"])
+        elif query["phase"] == "mask":
+            query = {**query, "steps": {k: v * 1000 for k, v in first.items()}}
+        return await original(peer, kind, query, timeout)
+
+    ctx.request = changing  # type: ignore[method-assign]
+    with pytest.raises(SecAggError):
+        fed.ask(members, cnn_state(7))
+    assert all(c.ledger.masked(REQUESTER, ROUND) is None for c in fed.contributors.values())
+    reasons = [r["reason"] for r in fed.network.rejections]
+    assert reasons.count("secagg_session_mismatch") == 3
+
+
+@pytest.mark.parametrize(
+    "forge", ["int16 for an int8 entry", "int32 for an int8 entry", "one value more", "float32"]
+)
+def test_a_masked_input_of_another_width_or_size_is_refused_and_counted(forge: str) -> None:
+    """A contributor whose masked input does not have the session's wire form
+    (each large entry int8, each small one and the weight int32, every shape
+    the requester's) is left out of the sum and counted (`secagg_malformed`);
+    the others' sum goes on, without a crash."""
+    fed, members = real_federation(4, 8)
+    reference = cnn_state(7)
+    large = next(k for k in averaged_keys(reference) if reference[k].numel() >= SECAGG_WIDE_ENTRY)
+    original = fed.contributors["c3"].serve
+
+    async def forging(requester: str, query: dict[str, Any]) -> dict[str, Any]:
+        reply = await original(requester, query)
+        if query.get("phase") == "mask" and "masked" in reply:
+            value = reply["masked"][large]
+            reply["masked"][large] = {
+                "int16 for an int8 entry": value.to(torch.int16),
+                "int32 for an int8 entry": value.to(torch.int32),
+                "one value more": torch.cat([value.reshape(-1), value.reshape(-1)[:1]]),
+                "float32": value.to(torch.float32),
+            }[forge]
+        return reply
+
+    fed.ctxs["c3"].serve(SECAGG_KIND, forging)
+    result = fed.ask(members, reference)
+    assert result.contributors == ["c0", "c1", "c2"] and result.dropped == ["c3"]
+    assert ("c3", "secagg_malformed") in [(r["peer"], r["reason"]) for r in fed.network.rejections]
+
+
+def test_a_calibration_and_a_narrow_sum_at_once_get_each_model_once() -> None:
+    """A requester asking for a 16-bit and an 8-bit sum of the same models at
+    once (two rings, two sets of steps: two sums it could subtract) gets at
+    most one of them: each model is masked for it once, whatever the ring."""
+    fed, members = real_federation(3, 8)
+    reference = cnn_state(7)
+
+    async def both() -> list[Any]:
+        async def one(ring: int) -> Any:
+            try:
+                return await secure_sum(
+                    fed.ctxs[REQUESTER], members, round_no=ROUND, max_round=ROUND,
+                    reference=reference, timeout=5.0, weight_scale=174.0, ring=ring,
+                )  # fmt: skip
+            except SecAggError as exc:
+                return exc
+
+        return await asyncio.wait_for(asyncio.gather(one(16), one(8)), 60)
+
+    results = asyncio.run(both())
+    assert sum(not isinstance(r, SecAggError) for r in results) <= 1, results

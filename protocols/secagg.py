@@ -107,14 +107,18 @@ into the context): a contributor caps its weight at W, raises it to W / 2^12
 if lighter (up to its roster card: no W rounds a model out), and masks w/W and
 w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
 (`out_of_range`, before it deals a share), so the sum of U3 never wraps.
-With protocol.compression fp16 / int8 the entries of 1,024 values or more
-(not the smaller ones, not the weight) are masked in a 16- / 8-bit ring instead (`ring` and `steps` of the request, bound into
-the context; an int8 federation also answers 16-bit calibration sums): each
+
+Narrow rings: with protocol.compression fp16 / int8, the entries of 1,024
+values or more (not the smaller ones, not the weight) are masked in a 16- /
+8-bit ring instead (`ring` and `steps` of the request, bound into the
+context; an int8 federation also answers 16-bit calibration sums): each
 w/W * x in the requester's step, stochastically rounded, mod 2^16 / 2^8. That
 sum does wrap; the requester decodes it against its own model
-(protocols/masking.py `from_narrow`, docs/protocols.md): the masks cancel as
+(protocols/masking.py `from_narrow`, docs/protocols.md). The masks cancel as
 in the formulas above with 2^16 / 2^8 in place of 2^32, and nothing is
-refused as out of range (a non-finite value still is). Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
+refused as out of range (a non-finite value still is).
+
+Masks are ChaCha20 keystreams (`masking.mask_stream`); the tags, seeds,
 Shamir shares, sealing, masked input and unmasking are
 protocols/secagg_primitives.py's; a contributor's dealing of its shares and its
 checks of the ones it holds are protocols/secagg_shares.py's. Dealing, masking,

@@ -8,8 +8,12 @@ secure one (the order alternates with the seed so neither always runs on a
 warmer machine). Reported per mode: final macro-F1 (mean over nodes), mean
 round time, exchange time and protocol bytes; and the ratios secure / plain.
 
-The dropout drill (`--dropout`): c = 1, so each node's sum has every other
-node as a contributor; one node (`site_4`) is killed by its fault plan when
+The dropout drill (`--dropout`): 6 nodes by default and c = 1, so each
+node's sum has every other node as a contributor (5: a sum must have at least
+5 contributors to survive a dropout after masking, since the Shamir threshold
+is t = floor(2h/3) + 1 of the h = n - 1 other holders,
+`secagg_messages.least_threshold`); the last node (`site_5`) is killed by its
+fault plan when
 the first Round 2 request (masked input) of the drill round reaches it: the
 others have masked with it (its mask key's shares dealt), its own input never
 comes. The sums of that round must still complete with the survivors: the
@@ -43,7 +47,7 @@ from bench.federation.specs import RunSpec, partition, site_names
 from bench.federation.stats import per_node_final
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared/data/pneumoniamnist.npz"
-DROPPED = "site_4"
+DRILL_NODES = 6  # the fewest with c = 1 whose sums survive one dropout (module doc)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -52,7 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--data", default=str(DEFAULT_DATA), help="'digits' or a MedMNIST .npz")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--nodes", type=int, default=5)
+    p.add_argument(
+        "--nodes", type=int, default=None, help=f"5; the dropout drill: {DRILL_NODES} (at least)"
+    )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--partition", default="dirichlet:0.5")
@@ -66,7 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dropout",
         action="store_true",
-        help="the dropout drill instead of the comparison (c = 1, site_4 killed after masking)",
+        help="the dropout drill instead of the comparison (c = 1, the last site killed after "
+        "masking)",
     )
     p.add_argument("--drill-round", type=int, default=2)
     return p.parse_args(argv)
@@ -189,6 +196,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 def dropout_drill(args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seeds[0]
     spec = replace(base_spec(args, seed), protocol_options=(("secure_aggregation", True),))
+    dropped = site_names(spec.nodes)[-1]
     out = args.out / f"seed{seed}"
     sources, _ = partition(spec, out / "data")
     plan_file = out / "faults.json"
@@ -210,15 +218,15 @@ def dropout_drill(args: argparse.Namespace) -> dict[str, Any]:
         )
     )
 
-    stdout_line(f"--- dropout drill: {DROPPED} killed after masking in round {args.drill_round}")
+    stdout_line(f"--- dropout drill: {dropped} killed after masking in round {args.drill_round}")
     outcome = run_processes(
         spec,
         out / "run",
         sources,
-        node_env={DROPPED: {"P2PFL_FAULTS": str(plan_file)}},
-        expendable=frozenset({DROPPED}),
+        node_env={dropped: {"P2PFL_FAULTS": str(plan_file)}},
+        expendable=frozenset({dropped}),
     )
-    survivors = [n for n in site_names(spec.nodes) if n != DROPPED]
+    survivors = [n for n in site_names(spec.nodes) if n != dropped]
     drill = {
         node: next(
             (
@@ -242,19 +250,26 @@ def dropout_drill(args: argparse.Namespace) -> dict[str, Any]:
     )
     return {
         "bench": "secagg_dropout",
-        "dropped": DROPPED,
+        "dropped": dropped,
         "drill_round": args.drill_round,
         "drill": drill,
         "survivors_finished_round": finished,
         "dropped_seen": sum(int(d["secagg_dropped"] or 0) for d in drill.values() if d),
         "round_completed_with_survivors": completed,
-        "errors": {k: v for k, v in outcome.errors.items() if k != DROPPED},
+        "errors": {k: v for k, v in outcome.errors.items() if k != dropped},
         "ok": completed,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.nodes is None:
+        args.nodes = DRILL_NODES if args.dropout else 5
+    if args.dropout and args.nodes < DRILL_NODES:
+        raise SystemExit(
+            f"--dropout needs --nodes >= {DRILL_NODES}: with fewer, each sum has fewer than "
+            f"{DRILL_NODES - 1} contributors and its threshold leaves no room for a dropout"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     result = dropout_drill(args) if args.dropout else compare(args)

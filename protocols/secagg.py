@@ -57,9 +57,14 @@ Why R learns no individual input, even telling each contributor another story:
   To peel one input y_a R needs b_a and, for every partner v in the U2 that a
   masked with, s_a or s_v. (1) b_a and s_a both: b_a's shares come from
   holders told "a stayed", s_a's from holders told "a dropped"; an honest
-  holder answers Unmasking once, for one view, so these are disjoint groups of
-  a's |U1_a| - 1 <= n - 1 holders, each of at least t, and t is a majority of
-  n - 1 (every contributor refuses less): impossible. (2) b_a and every s_v:
+  holder answers Unmasking once, for one view, so the honest ones of the two
+  groups are disjoint among a's h = |U1_a| - 1 <= n - 1 holders, each group t
+  strong; c holders colluding with R give shares for both, so R needs
+  2t - c <= h. t > 2h/3 (Bonawitz et al., Sec. 6; every contributor refuses
+  less, `least_threshold`) makes that c >= 2t - h, more than a third of the
+  holders (`colluders_tolerated`). A majority, the bound of the first
+  versions, left ONE colluding contributor enough in a sum of 4 (a review's
+  attack, tests/test_secagg_collusion.py). (2) b_a and every s_v:
   a holder reveals b_a only if a is in its U3 and a's view tag says a masked
   with the holder's own U2. So all of a's partners v are in that U2, and at
   least one other member w of U3 is among them (|U3| >= 2); its input is in
@@ -85,8 +90,10 @@ Rules every contributor enforces (the requester is not trusted):
     that model. A contributor that drops out after masking is handled inside
     the session; one that drops out before anybody masked can be left out of
     a fresh session (`SecAggError.unmasked`);
-  - t >= a majority of the other contributors of U (and >= its own configured
-    `secagg_threshold`), and it deals shares only to at least t holders;
+  - t >= floor(2h/3) + 1 for the h = |U| - 1 other contributors of U (and >=
+    its own configured `secagg_threshold`), and it deals shares only to at
+    least t holders; so a sum survives h - t dropouts after masking (none in
+    a sum of 4, one in a sum of 5 or 6);
   - |U2| and |U3| >= max(MIN_SUM, t + 1): a "sum" of one contribution is that
     model, and fewer could not be unmasked;
   - Consistency only with every other member of U3 vouching for its U1, U2, t;

@@ -201,13 +201,30 @@ def steps_digest(steps: dict[str, float]) -> str:
     return digest.hexdigest()
 
 
-def majority(others: int) -> int:
-    """The least threshold t over `others` share holders such that two disjoint
-    groups of t holders cannot exist: floor(others / 2) + 1 (at least 1)."""
-    return max(1, others // 2 + 1)
+def least_threshold(others: int) -> int:
+    """The least Shamir threshold t over `others` share holders:
+    floor(2 x others / 3) + 1, the bound of Bonawitz et al. 2017 (Sec. 6,
+    App. A) against a requester that deviates: t > 2n/3.
+
+    Such a requester may tell one group of holders "v stayed" and another "v
+    dropped": the first reveals shares of v's self-mask seed b_v, the second of
+    its mask key s_v, and with t of each it peels v's input. An honest holder
+    answers Unmasking once, for one story; a contributor colluding with the
+    requester answers both. So the split needs c >= 2t - others colluding
+    contributors among the holders (`colluders_tolerated`); with this t that is
+    more than a third of them. The bound before it, a majority, let the
+    requester and ONE colluding contributor peel a model out of a sum of 4
+    (found by a review, tests/test_secagg_collusion.py)."""
+    return max(1, 2 * others // 3 + 1)
+
+
+def colluders_tolerated(others: int, t: int) -> int:
+    """The most contributors that may collude with the requester, with t over
+    `others` holders, before the two-story split above peels an input: 2t - others - 1."""
+    return max(0, 2 * t - others - 1)
 
 
 def threshold_for(holders: int, configured: int | None) -> int:
-    """t for `holders` other contributors: a majority, or the configured t if
-    higher, never more than there are holders."""
-    return min(holders, max(majority(holders), configured or 0))
+    """t for `holders` other contributors: `least_threshold`, or the configured
+    t if higher, never more than there are holders."""
+    return min(holders, max(least_threshold(holders), configured or 0))

@@ -162,9 +162,11 @@ def test_nothing_the_requester_receives_is_an_individual_model() -> None:
 
 
 def test_a_contributor_that_dies_after_masking_leaves_the_survivors_sum() -> None:
-    """1 of 4 contributors gone after Round 2 (its masked input lost): the
-    survivors reveal its mask key's shares and the sum over the other 3 comes out."""
-    fed = Federation()
+    """1 of 5 contributors gone after Round 2 (its masked input lost): the
+    survivors reveal its mask key's shares and the sum over the other 4 comes out.
+    (A sum of 4 tolerates no such dropout: t = 3 of 3 holders, least_threshold.)"""
+    members = [*CONTRIBUTORS, "frank"]
+    fed = Federation(names=members)
     ctx = fed.ctxs[REQUESTER]
     original = ctx.request
 
@@ -178,8 +180,8 @@ def test_a_contributor_that_dies_after_masking_leaves_the_survivors_sum() -> Non
         return reply
 
     ctx.request = losing_erins_input  # type: ignore[method-assign]
-    result = asyncio.run(fed.ask(CONTRIBUTORS))
-    survivors = ["alice", "bob", "carol"]
+    result = asyncio.run(fed.ask(members))
+    survivors = ["alice", "bob", "carol", "frank"]
     assert result.contributors == survivors
     assert result.dropped == ["erin"]
     assert_close(result.mean, fed.expected(survivors))
@@ -256,9 +258,12 @@ def test_a_swapped_public_key_is_caught_by_its_tag() -> None:
     assert reply == {"refused": "bad_key_tag"}
 
 
-def test_a_threshold_below_a_majority_is_refused() -> None:
+@pytest.mark.parametrize("t", [1, 2])
+def test_a_threshold_below_two_thirds_of_the_holders_is_refused(t: int) -> None:
     """t = 1 over 3 other holders would let two contributors told different
-    stories reveal both secrets of one contributor."""
+    stories reveal both secrets of one contributor; t = 2 (a majority, the
+    bound before) lets the requester do it with one colluding contributor
+    (tests/test_secagg_collusion.py)."""
     fed = Federation()
     session = "a1" * 16
     replies = {
@@ -266,7 +271,7 @@ def test_a_threshold_below_a_majority_is_refused() -> None:
     }
     keys = {v: relayed(replies[v], "alice", owner=v) for v in CONTRIBUTORS}
     reply = asyncio.run(
-        fed.raw("alice", "share", session, CONTRIBUTORS, {"keys": keys, "threshold": 1})
+        fed.raw("alice", "share", session, CONTRIBUTORS, {"keys": keys, "threshold": t})
     )
     assert reply == {"refused": "bad_threshold"}
 
@@ -275,16 +280,16 @@ def test_unmasking_needs_every_member_to_vouch_for_the_same_survivors() -> None:
     """The requester tells alice and bob that erin dropped, carol that she
     stayed (so that carol would reveal erin's self-mask share): alice sees that
     carol vouched for another U3 and reveals nothing."""
-    fed = Federation()
+    members = [*CONTRIBUTORS, "frank"]  # 4 holders: t = 3, |U3| >= 4
+    fed = Federation(names=members)
     session = "b2" * 16
-    members = CONTRIBUTORS
 
     async def attack() -> dict[str, Any]:
         adv = {m: await fed.raw(m, "advertise", session, members, {}) for m in members}
         shares = {}
         for m in members:
             keys = {v: relayed(adv[v], m, owner=v) for v in members}
-            shares[m] = await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 2})
+            shares[m] = await fed.raw(m, "share", session, members, {"keys": keys, "threshold": 3})
         views = {}
         for m in members:
             body = {
@@ -300,19 +305,23 @@ def test_unmasking_needs_every_member_to_vouch_for_the_same_survivors() -> None:
             return {"u3": u3, "view_tags": {v: views[v][m] for v in u3 if v != m}}
 
         # alice and bob are told erin dropped; carol and erin that everyone stayed
-        short = ["alice", "bob", "carol"]
+        short = ["alice", "bob", "carol", "frank"]
         tags = {
             m: (await fed.raw(m, "consistency", session, members, told(m, short)))["tags"]
             for m in ("alice", "bob")
         }
         full = {
             m: (await fed.raw(m, "consistency", session, members, told(m, members)))["tags"]
-            for m in ("carol", "erin")
+            for m in ("carol", "erin", "frank")
         }
         # alice would reveal erin's mask key if carol's word matched her U3; it does not
         body = {
             "u4": short,
-            "tags": {"bob": tags["bob"]["alice"], "carol": full["carol"]["alice"]},
+            "tags": {
+                "bob": tags["bob"]["alice"],
+                "carol": full["carol"]["alice"],
+                "frank": full["frank"]["alice"],
+            },
         }
         return await fed.raw("alice", "unmask", session, members, body)
 

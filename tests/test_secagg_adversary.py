@@ -150,7 +150,7 @@ def test_bad_share_indices_are_refused_at_once(shares: list[tuple[Any, bytes]]) 
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize("n", [4, 9])
+@pytest.mark.parametrize("n", [5, 9])
 def test_a_contributor_revealing_bad_shares_cannot_stop_or_kill_the_requester(n: int) -> None:
     """Hole 4 end to end, and the red-team review's follow-up: one holder
     answers Unmasking with negative indices, then index 1 and junk (at nine
@@ -166,7 +166,7 @@ def test_a_contributor_revealing_bad_shares_cannot_stop_or_kill_the_requester(n:
     async def lying(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
         reply = await original(peer, kind, query, timeout)
         if peer == liar and query["phase"] == "unmask":
-            idx = -5 if n == 4 else 1
+            idx = -5 if n == 5 else 1
             bad = {v: {"idx": idx, "share": b"\x01" * 32} for v in reply["self_shares"]}
             return {"self_shares": bad, "key_shares": {}}
         return reply
@@ -177,7 +177,7 @@ def test_a_contributor_revealing_bad_shares_cannot_stop_or_kill_the_requester(n:
     for key, want in fed.expected(names).items():
         assert torch.allclose(result.mean[key].double(), want, atol=1e-5)
     counted = {(r["node"], r["peer"], r["reason"]) for r in fed.network.rejections}
-    reason = "secagg_malformed" if n == 4 else "secagg_bad_share"  # -5 fails the schema
+    reason = "secagg_malformed" if n == 5 else "secagg_bad_share"  # -5 fails the schema
     assert ("dave", liar, reason) in counted
 
 
@@ -194,8 +194,10 @@ def test_rebuild_needs_t_committed_shares_that_rebuild_the_committed_secret() ->
 
 def test_a_contributor_gone_after_masking_still_leaves_a_sum_with_view_tags() -> None:
     """The view tags travel with the masked input, so a contributor lost
-    between Round 2 and 3 does not stop the others' consistency check."""
-    fed = Federation()
+    between Round 2 and 3 does not stop the others' consistency check (five
+    contributors: in a sum of 4 every other holder's share is needed, t = 3 of 3)."""
+    members = [*CONTRIBUTORS, "frank"]
+    fed = Federation(names=members)
     ctx = fed.ctxs["dave"]
     original = ctx.request
 
@@ -205,9 +207,9 @@ def test_a_contributor_gone_after_masking_still_leaves_a_sum_with_view_tags() ->
         return await original(peer, kind, query, timeout)
 
     ctx.request = losing_erin  # type: ignore[method-assign]
-    result = asyncio.run(fed.ask(CONTRIBUTORS))
-    assert result.contributors == CONTRIBUTORS  # its input arrived: it is in the sum
-    for key, want in fed.expected(CONTRIBUTORS).items():
+    result = asyncio.run(fed.ask(members))
+    assert result.contributors == members  # its input arrived: it is in the sum
+    for key, want in fed.expected(members).items():
         assert torch.allclose(result.mean[key].double(), want, atol=1e-5)
 
 

@@ -45,7 +45,7 @@ async def honest_until(fed: Federation, phase: str) -> dict[str, dict[str, Any]]
     dealt = {}
     for m in members:
         keys = {v: relayed(adv[v], m, owner=v) for v in members}
-        body = {"keys": keys, "threshold": 2}
+        body = {"keys": keys, "threshold": 3}
         if m == "alice":
             bodies["share"] = body
             if phase == "share":

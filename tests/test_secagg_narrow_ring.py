@@ -386,22 +386,22 @@ def test_the_weights_are_not_capped_below_their_bound() -> None:
 def test_a_contributor_that_dies_after_masking_leaves_the_survivors_narrow_sum() -> None:
     """Dropout recovery in the 8-bit ring: the survivors reveal the dead
     contributor's mask key, and its pair masks come out of the uint8 sum."""
-    fed, members = real_federation(4, 8)
+    fed, members = real_federation(5, 8)
     ctx = fed.ctxs[REQUESTER]
     original = ctx.request
 
     async def losing(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
         reply = await original(peer, kind, query, timeout)
-        if peer == "c3" and query["phase"] == "mask":
-            fed.network.kill("c3")
+        if peer == "c4" and query["phase"] == "mask":
+            fed.network.kill("c4")
             raise PeerUnavailable(peer, "dead")
         return reply
 
     ctx.request = losing  # type: ignore[method-assign]
     reference = cnn_state(7)
     result = fed.ask(members, reference)
-    survivors = ["c0", "c1", "c2"]
-    assert result.contributors == survivors and result.dropped == ["c3"]
+    survivors = ["c0", "c1", "c2", "c3"]
+    assert result.contributors == survivors and result.dropped == ["c4"]
     scale = max(fed.weights.values())
     shares = sum(fed.weights[m] for m in survivors) / scale
     steps = ring_steps(reference, 8, 4)
@@ -504,16 +504,16 @@ def test_a_requester_cannot_give_one_contributor_finer_steps() -> None:
 def test_a_request_in_another_ring_is_refused_with_a_reason() -> None:
     """The ring is federation-wide: a contributor of an int8 federation
     refuses a 32-bit or a 16-bit session, and the sum goes on without it."""
-    members = names(4)
+    members = names(5)
     states = {m: cnn_state(i) for i, m in enumerate(members)}
-    fed = Federation(states, dict.fromkeys(members, 10.0), 8, rings={"c3": 32})
+    fed = Federation(states, dict.fromkeys(members, 10.0), 8, rings={"c4": 32})
     result = fed.ask(members, cnn_state(7), ring=8)
-    assert result.contributors == ["c0", "c1", "c2"]
+    assert result.contributors == ["c0", "c1", "c2", "c3"]
     assert any(r["reason"] == "secagg_ring_mismatch" for r in fed.network.rejections)
     # an int8 federation answers a 16-bit calibration sum; an fp16 one no 8-bit sum
-    fed = Federation(states, dict.fromkeys(members, 10.0), 8, rings={"c3": 16})
+    fed = Federation(states, dict.fromkeys(members, 10.0), 8, rings={"c4": 16})
     assert fed.ask(members, cnn_state(7), ring=16).contributors == members
-    assert fed.ask(members, cnn_state(7), ring=8).contributors == ["c0", "c1", "c2"]
+    assert fed.ask(members, cnn_state(7), ring=8).contributors == ["c0", "c1", "c2", "c3"]
 
 
 @pytest.mark.parametrize(
@@ -723,10 +723,10 @@ def test_a_masked_input_of_another_width_or_size_is_refused_and_counted(forge: s
     (each large entry int8, each small one and the weight int32, every shape
     the requester's) is left out of the sum and counted (`secagg_malformed`);
     the others' sum goes on, without a crash."""
-    fed, members = real_federation(4, 8)
+    fed, members = real_federation(5, 8)
     reference = cnn_state(7)
     large = next(k for k in averaged_keys(reference) if reference[k].numel() >= SECAGG_WIDE_ENTRY)
-    original = fed.contributors["c3"].serve
+    original = fed.contributors["c4"].serve
 
     async def forging(requester: str, query: dict[str, Any]) -> dict[str, Any]:
         reply = await original(requester, query)
@@ -740,10 +740,10 @@ def test_a_masked_input_of_another_width_or_size_is_refused_and_counted(forge: s
             }[forge]
         return reply
 
-    fed.ctxs["c3"].serve(SECAGG_KIND, forging)
+    fed.ctxs["c4"].serve(SECAGG_KIND, forging)
     result = fed.ask(members, reference)
-    assert result.contributors == ["c0", "c1", "c2"] and result.dropped == ["c3"]
-    assert ("c3", "secagg_malformed") in [(r["peer"], r["reason"]) for r in fed.network.rejections]
+    assert result.contributors == ["c0", "c1", "c2", "c3"] and result.dropped == ["c4"]
+    assert ("c4", "secagg_malformed") in [(r["peer"], r["reason"]) for r in fed.network.rejections]
 
 
 def test_a_calibration_and_a_narrow_sum_at_once_get_each_model_once() -> None:

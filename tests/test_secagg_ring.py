@@ -356,7 +356,7 @@ def test_a_share_reply_without_a_commitment_for_a_holder_is_refused_not_a_crash(
     {}): Round 2's relay looked the missing commitment up and raised KeyError
     out of secure_sum. Now such a Round 1 answer is malformed, counted, and
     the sum goes on without its sender."""
-    members = names(4)
+    members = names(5)
     torch.manual_seed(1)
     states = {m: {"w": torch.randn(6, dtype=torch.float64)} for m in members}
     network, ctxs, _ = federation(states, dict.fromkeys(members, 1.0))
@@ -365,15 +365,15 @@ def test_a_share_reply_without_a_commitment_for_a_holder_is_refused_not_a_crash(
 
     async def forgetful(peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:
         reply = await original(peer, kind, query, timeout)
-        if peer == "c3" and query["phase"] == "share":
+        if peer == "c4" and query["phase"] == "share":
             reply = {**reply, "commitments": {}}
         return reply
 
     ctx.request = forgetful  # type: ignore[method-assign]
     result = ask(ctxs, members, {"w": torch.zeros(6, dtype=torch.float64)}, weight_scale=1.0)
-    assert result.contributors == names(3)
-    expected = sum(states[m]["w"] for m in names(3)) / 3
+    assert result.contributors == names(4)
+    expected = sum(states[m]["w"] for m in names(4)) / 4
     assert torch.allclose(result.mean["w"], expected, atol=1e-6)
-    assert {"peer": "c3", "reason": "secagg_malformed"}.items() <= next(
-        r for r in network.rejections if r["peer"] == "c3"
+    assert {"peer": "c4", "reason": "secagg_malformed"}.items() <= next(
+        r for r in network.rejections if r["peer"] == "c4"
     ).items()

@@ -109,8 +109,10 @@ class _SecureAggregation(_Aggregation):
     secagg_threshold: int | None = Field(
         None,
         ge=1,
-        description="Shamir threshold t of secure aggregation; default (and least accepted): a "
-        "majority of the other contributors. Higher: more colluders needed, fewer dropouts tolerated",
+        description="Shamir threshold t of secure aggregation; default (and least accepted): "
+        "floor(2h/3) + 1 of the h other contributors of a sum (Bonawitz et al. 2017, against a "
+        "requester that deviates; it then takes 2t - h colluding contributors to peel a model). "
+        "Higher: more colluders needed, fewer dropouts tolerated (h - t)",
     )
     secagg_clip_norm: float | None = Field(
         None,

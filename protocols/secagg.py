@@ -163,6 +163,7 @@ from protocols.secagg_messages import (
     FRESHEST_PURPOSE,
     MAX_CONTRIBUTORS,
     MIN_SUM,
+    MIN_WEIGHT_SHARE,
     SECAGG_KIND,
     ConsistencyBody,
     MaskBody,
@@ -194,6 +195,7 @@ __all__ = [
     "MAX_CONTRIBUTORS",
     "ModelSource",
     "MIN_SUM",
+    "MIN_WEIGHT_SHARE",
     "SECAGG_KIND",
     "Contributor",
     "SecAggError",
@@ -208,11 +210,6 @@ __all__ = [
 # Refusals an honest requester meets too: I am past its round (too_new), or, in an
 # asynchronous sum, my freshest model is already in one of its sums (not_newer).
 BENIGN_REFUSALS = frozenset({"too_new", "not_newer", "too_stale", "no_weight"})
-# The least w/W a contributor masks (2^8 of the ring's 2^20 units): a lighter
-# weight is raised to it (up to its roster card), so that no W, however large,
-# rounds a contributor's model out of a sum while a heavier one's stays (a
-# refusal instead would exclude small honest sites).
-MIN_WEIGHT_SHARE = 2.0**-12
 MAX_OPEN_SESSIONS = 16  # per requester: what a flood of Round 0 requests can make me hold
 MAX_SEEN_SESSIONS = 4096  # per requester: session ids remembered so none is opened twice
 PHASES = ("advertise", "share", "mask", "consistency", "unmask")
@@ -327,6 +324,17 @@ class Contributor:
             raise SecAggError("bad_request", "at_round is given with the freshest purpose only")
         if freshest and (self.staleness_exponent is None or self.staleness_bound is None):
             raise SecAggError("not_asynchronous", "I answer no asynchronous sums")
+        if (
+            self.max_weight is not None
+            and MIN_WEIGHT_SHARE * request.weight_scale > self.max_weight
+        ):
+            # My card keeps me under the floor W / 2^12 the card-less are raised to:
+            # a W this large rounds my model out of the sum while theirs stays in,
+            # and a sum of two is then the other one's model (found by a review).
+            raise SecAggError(
+                "weight_scale_too_large",
+                f"W = {request.weight_scale:g} > 2^12 x my card's {self.max_weight:g} samples",
+            )
         if request.ring not in (self.ring, secagg_calibration_ring(self.ring)):
             raise SecAggError(
                 "ring_mismatch",

@@ -18,6 +18,12 @@ SECAGG_KIND = "secagg"
 MIN_SUM = SECAGG_MIN_SUM  # a sum over fewer contributions is an individual model
 MAX_CONTRIBUTORS = SECAGG_MAX_CONTRIBUTORS  # what check's ring bound counts with too
 MAX_WEIGHT_SCALE = 2.0**40
+# The least w/W a contributor masks (2^8 of the ring's 2^20 units): a lighter
+# weight is raised to it (up to its roster card), so that no W, however large,
+# rounds a card-less contributor's model out of a sum; one whose card keeps it
+# under the floor refuses such a W instead (`weight_scale_too_large`), or the
+# card-less would stay in a sum that rounds it out (a review's attack).
+MIN_WEIGHT_SHARE = 2.0**-12
 # The purpose of an asynchronous sum (protocol.asynchronous): each contributor
 # masks its freshest model not yet in one of the requester's sums, weighted by
 # its staleness against the requester's round `at_round` (protocols/secagg.py).

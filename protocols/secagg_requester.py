@@ -26,6 +26,7 @@ from protocols.masking import RING_BITS, WEIGHT_KEY, WIRE_DTYPE, WIRE_DTYPES
 from protocols.secagg_messages import (
     MAX_WEIGHT_SCALE,
     MIN_SUM,
+    MIN_WEIGHT_SHARE,
     SECAGG_KIND,
     Advertised,
     Revealed,
@@ -350,7 +351,8 @@ def weight_scale_for(
     them; where neither bounds one, DEFAULT_WEIGHT_RATIO x the own count, or
     UNBOUNDED_WEIGHT_SCALE without one. A contributor past W counts as W. The
     tighter W, the finer the weighted values in the ring (resolution 2^-20 of
-    w/W * x)."""
+    w/W * x). Never past 2^12 x the smallest card among them: a contributor
+    refuses a W that would round its model out (`weight_scale_too_large`)."""
     own = own_weight if own_weight is not None and own_weight > 0 else None
     bounds: list[float] = []
     for peer in contributors:
@@ -361,6 +363,9 @@ def weight_scale_for(
             limits.append(UNBOUNDED_WEIGHT_SCALE if own is None else DEFAULT_WEIGHT_RATIO * own)
         bounds.append(min(limits))
     scale = max(bounds, default=1.0)
+    carded = [float(caps[peer]) for peer in contributors if peer in caps]
+    if carded:
+        scale = min(scale, min(carded) / MIN_WEIGHT_SHARE)
     return float(min(max(scale, 1.0), MAX_WEIGHT_SCALE))
 
 

@@ -281,14 +281,19 @@ async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead
     assert got.total_weight == pytest.approx(2 * unit * 2.0**-12, rel=1e-4)
     assert torch.allclose(got.mean["w"], torch.full((4,), 2.0), atol=1e-2)
     assert sites.counted() == []
-    # never past a contributor's roster card: alice's card says 10 samples
+    # never past a contributor's roster card: alice's card says 10 samples, under
+    # the floor of this W, so raising bob and not her would leave bob's model
+    # alone in the sum (a review's attack): alice refuses the W, counted
     alice = sites.exchanges["alice"].contributor
     assert alice is not None
     alice.max_weight = 10.0
     sites.put("alice", 6, 1.0, 20)
     sites.put("bob", 6, 3.0, 20)
-    capped = await freshest_sum(6)
-    assert capped.total_weight == pytest.approx(10.0 + unit * 2.0**-12, rel=1e-4)
+    with pytest.raises(SecAggError) as err:
+        await freshest_sum(6)
+    assert err.value.reason == "too_few"
+    assert any(reason == "secagg_weight_scale_too_large" for _, reason in sites.counted())
+    sites.network.rejections.clear()
     # a model of no weight (a site without training data) joins no sum, uncounted
     sites.put("bob", 7, 3.0, 0)
     assert await raw(sites, "bob", ["alice", "bob"], at_round=7) == {"refused": "no_weight"}

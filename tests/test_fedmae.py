@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 
-from p2pfl.config import FedMAEParams, ModelSection, SiteConfig
+from p2pfl.config import FedBEiTParams, FedMAEParams, ModelSection, SiteConfig
 from p2pfl.learning.data import load_site_data
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.mae import (
@@ -308,16 +308,21 @@ def test_chained_finetuning_runs_after_pretraining_and_resumes_in_its_stage(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stated", [True, False], ids=["stated in both", "inherited"])
 def test_secure_aggregation_covers_pretraining_and_the_chained_finetuning(
-    tmp_path: Path,
+    tmp_path: Path, stated: bool
 ) -> None:
-    """Three sites (a secure sum needs two others): with secure_aggregation in
-    both stages no plain model travels, only secure-sum messages."""
+    """Three sites (a secure sum needs two others): with secure_aggregation no
+    plain model travels in either stage, only secure-sum messages, whether the
+    fine-tuning section repeats the flag or not (it inherits it: a review found
+    the fine-tuned model served in the clear when it did not)."""
     out = tmp_path / "digits3"
     partition_dataset("digits", 3, "iid", out, label_fraction=0.2, seed=0)
     sources = [str(out / f"site_{i}.npz") for i in range(3)]
     names = ["site0", "site1", "site2"]
-    finetune = {"name": "fedavgp2p", "rounds": 1, "fraction": 1.0, "secure_aggregation": True}
+    finetune = {"name": "fedavgp2p", "rounds": 1, "fraction": 1.0}
+    if stated:
+        finetune["secure_aggregation"] = True
     cfgs = simulation_configs(
         sources,
         names=names,
@@ -348,3 +353,30 @@ def test_secure_aggregation_covers_pretraining_and_the_chained_finetuning(
     assert result.messages_sent("finetune.secagg") == 3 * 2 * 5
     for node in names:
         assert result.metric("neighbours", node) == {1: 2, 2: 2}
+
+
+@pytest.mark.parametrize("protocol", ["fedmae", "fedbeit"])
+@pytest.mark.parametrize(
+    ("finetune", "refusal"),
+    [
+        ({"name": "fedsgdp2p", "rounds": 1}, "per-step gradients in the clear"),
+        (
+            {"name": "fedavgp2p", "rounds": 1, "secure_aggregation": False},
+            "says secure_aggregation: false",
+        ),
+    ],
+    ids=["fedsgdp2p", "explicitly off"],
+)
+def test_a_fine_tuning_stage_secure_aggregation_cannot_cover_is_refused(
+    protocol: str, finetune: dict, refusal: str
+) -> None:
+    """secure_aggregation covers both stages: a fine-tuning stage that would
+    serve gradients or models in the clear is a configuration error, in one
+    line, for `check` and `run` alike (both validate the site config)."""
+    params = FedMAEParams if protocol == "fedmae" else FedBEiTParams
+    with pytest.raises(ValidationError, match=refusal):
+        params(name=protocol, rounds=1, secure_aggregation=True, finetune=finetune)
+    inherited = params(name=protocol, rounds=1, secure_aggregation=True, finetune={"name": "ssfl"})
+    assert inherited.finetune is not None and inherited.finetune.secure_aggregation is True
+    plain = params(name=protocol, rounds=1, finetune={"name": "fedsgdp2p"})  # no secagg: fine
+    assert plain.finetune is not None

@@ -11,7 +11,7 @@ protocols/.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -298,8 +298,39 @@ class _PreTraining(_ModelAveraging):
     ) = Field(
         None,
         description="a protocol section (e.g. {name: fedavgp2p, rounds: 10}) run after pre-training, "
-        "starting from the pre-trained encoder",
+        "starting from the pre-trained encoder; with secure_aggregation it inherits "
+        "secure_aggregation: true",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secure_aggregation_covers_the_fine_tuning(cls, data: Any) -> Any:
+        """`secure_aggregation: true` covers both stages. The fine-tuning section
+        has its own flag (false by default), so without this the fine-tuned
+        model was served in the clear to every peer, or FedSGDP2P's per-step
+        gradients, from which images can be reconstructed (found by a review,
+        2026-11-27). It is inherited where the section does not set it; a
+        section that says false, or a fine-tuning stage that cannot be secure,
+        is refused."""
+        if not isinstance(data, dict) or data.get("secure_aggregation") is not True:
+            return data
+        finetune = data.get("finetune")
+        if isinstance(finetune, BaseModel):
+            finetune = finetune.model_dump(exclude_unset=True)
+        if not isinstance(finetune, dict):
+            return data
+        if finetune.get("name") == "fedsgdp2p":
+            raise ValueError(
+                "secure_aggregation covers the fine-tuning stage too, and fedsgdp2p serves its "
+                "per-step gradients in the clear: fine-tune with fedavgp2p, ssfl or fedperl, or "
+                "turn secure_aggregation off"
+            )
+        if finetune.get("secure_aggregation") is False:
+            raise ValueError(
+                "secure_aggregation: true covers the fine-tuning stage too, but finetune says "
+                "secure_aggregation: false; remove it (the stage inherits true) or turn both off"
+            )
+        return {**data, "finetune": {**finetune, "secure_aggregation": True}}
 
 
 class FedMAEParams(_PreTraining):

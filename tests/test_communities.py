@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from p2pfl.learning.state import feature_vector
+from p2pfl.learning.state import DESCRIBED_ALONE, feature_vector
 from protocols.communities import (
     PolicyInputs,
     apply_policy,
@@ -21,23 +21,48 @@ from protocols.similarity import cosine_matrix, normalise_columns
 
 
 def test_feature_vector_of_a_known_model() -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     with torch.no_grad():
-        model[0].weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-        model[0].bias.copy_(torch.tensor([-1.0, 1.0]))
-        model[1].running_mean.copy_(torch.tensor([2.0, 4.0]))
+        model[0].weight.copy_(torch.arange(64, dtype=torch.float32).reshape(8, 8))
+        model[0].bias.copy_(torch.full((8,), -1.0))
+        model[1].running_mean.copy_(torch.full((8,), 2.0))
     model[1].num_batches_tracked.fill_(7)
     vector = feature_vector(model.state_dict())
-    # (mean, unbiased std) of: 0.weight, 0.bias, 1.weight, 1.bias, 1.running_mean, 1.running_var
+    # (mean, unbiased std) of 0.weight (64 values: described alone), then of the
+    # smaller entries pooled: 0.bias, 1.weight, 1.bias, 1.running_mean, 1.running_var
+    small = torch.cat(
+        [
+            torch.full((8,), -1.0),
+            torch.ones(8),
+            torch.zeros(8),
+            torch.full((8,), 2.0),
+            torch.ones(8),
+        ]
+    ).double()
     expected = [
-        2.5, math.sqrt(5 / 3),
-        0.0, math.sqrt(2.0),
-        1.0, 0.0,
-        0.0, 0.0,
-        3.0, math.sqrt(2.0),
-        1.0, 0.0,
-    ]  # fmt: skip
+        31.5,
+        float(torch.arange(64.0).double().std()),
+        float(small.mean()),
+        float(small.std()),
+    ]
     assert vector == pytest.approx(expected)  # num_batches_tracked left out
+
+
+def test_small_entries_are_never_described_one_by_one() -> None:
+    """A review recovered a 2-value classifier bias, exactly, from its (mean,
+    std) in the gossip: two models that differ only in entries under
+    DESCRIBED_ALONE values differ in one pooled pair, never an entry's own."""
+    big = torch.randn(DESCRIBED_ALONE)
+    one = {"w": big, "bias": torch.tensor([0.8123, -0.4410]), "scale": torch.tensor([3.0])}
+    vector = feature_vector(one)
+    assert len(vector) == 4  # w alone, then bias and scale pooled (3 values)
+    assert vector[2:] == pytest.approx(
+        [
+            float(torch.tensor([0.8123, -0.4410, 3.0]).mean()),
+            float(torch.tensor([0.8123, -0.4410, 3.0]).std()),
+        ]
+    )
+    assert 0.8123 not in vector and -0.4410 not in vector
 
 
 def test_a_single_element_entry_has_zero_std() -> None:

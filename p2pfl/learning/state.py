@@ -24,15 +24,36 @@ def averaged_keys(state: Mapping[str, Tensor]) -> list[str]:
     return sorted(k for k, v in state.items() if isinstance(v, Tensor) and is_averaged(k, v))
 
 
+# An entry described on its own has at least this many values: (mean, std) of
+# n values fix 2 of them, so an entry of 1 or 2 values was given exactly (a
+# review, 2026-11-27: the classifier bias of a binary task, which shows the
+# site's label skew, in SSFL/FedPerl's gossip of the model it had just trained,
+# with secure aggregation on). Smaller entries are described together.
+DESCRIBED_ALONE = 64
+
+
 def feature_vector(state: Mapping[str, Tensor]) -> list[float]:
     """A model's description (FedPerl's F_m, the cosine heuristic's model
-    statistics): (mean, unbiased std) of every averaged entry, in key order;
-    std 0.0 for a one-element entry, where it is undefined."""
+    statistics): (mean, unbiased std) of every averaged entry of at least
+    DESCRIBED_ALONE values, in key order, then of all smaller averaged entries
+    pooled into one (biases, normalization layers), if any; std 0.0 for one
+    value, where it is undefined. Every node of a federation has the same
+    entries, so the vectors line up."""
     out: list[float] = []
+    pooled: list[Tensor] = []
     for key, value in state.items():
         if not is_averaged(key, value):
             continue
         flat = value.detach().to(torch.float64).flatten()
-        out.append(float(flat.mean()) if flat.numel() else 0.0)
-        out.append(float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0)
+        if flat.numel() < DESCRIBED_ALONE:
+            pooled.append(flat)
+            continue
+        out.extend(_mean_std(flat))
+    if pooled:
+        out.extend(_mean_std(torch.cat(pooled)))
     return out
+
+
+def _mean_std(flat: Tensor) -> list[float]:
+    mean = float(flat.mean()) if flat.numel() else 0.0
+    return [mean, float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0]

@@ -50,6 +50,7 @@ from node.transport import MessageServer
 from node.transport_client import MessageClient
 from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
+from p2pfl.files import make_private_dir
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 from protocols.base import FAILED
@@ -451,10 +452,7 @@ async def serve(node: Node) -> int:
 def run_node(
     cfg: SiteConfig, roster: Roster, identity: LocalIdentity, *, config_path: Path | None = None
 ) -> int:
-    state = Path(cfg.node.state_dir)
-    state.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):  # keys, spool and logs: this account's only
-        state.chmod(0o700)
+    make_private_dir(cfg.node.state_dir)  # keys, spool and logs: this account's only
     configure_logging(cfg)
     if cfg.training.threads:
         import torch

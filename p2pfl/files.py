@@ -7,6 +7,7 @@ the target, and the folder itself is fsynced so the rename survives a power cut.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -16,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 Chunk = bytes | bytearray | memoryview
+
+# What a site keeps to itself (keys, logs, whatever was derived from its private
+# images): readable by this account only, whatever the umask.
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
 
 
 def fsync_dir(path: Path) -> None:
@@ -100,10 +106,35 @@ def atomic_write_json(path: Path | str, obj: Any, *, mode: int = 0o644) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2), mode=mode)
 
 
-def atomic_torch_save(obj: Any, path: Path | str) -> Path:
-    """`torch.save` to `path` atomically (read back with weights_only=True)."""
+def atomic_torch_save(obj: Any, path: Path | str, *, mode: int = 0o644) -> Path:
+    """`torch.save` to `path` atomically (read back with weights_only=True);
+    `mode` PRIVATE_FILE for weights trained on a site's private data."""
     import torch  # the secure half imports this module too, without torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    return atomic_write_bytes(path, buffer.getbuffer())
+    return atomic_write_bytes(path, buffer.getbuffer(), mode=mode)
+
+
+def atomic_savefig(figure: Any, path: Path | str, *, mode: int = 0o644, **kwargs: Any) -> Path:
+    """A matplotlib figure's `savefig` to `path` atomically, with permission bits
+    `mode`: rendered in memory first, because savefig onto a path creates the file
+    with the umask's bits and a figure of private images must never exist, even for
+    a moment, readable by other accounts. The format is the path's suffix."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=path.suffix.lstrip(".") or "png", **kwargs)
+    return atomic_write_bytes(path, buffer.getbuffer(), mode=mode)
+
+
+def make_private_dir(path: Path | str) -> Path:
+    """Create `path` (and its parents) and make it PRIVATE_DIR: a folder that
+    already exists, made by `p2pfl-node provision` or an older version with the
+    umask's bits (0755), is tightened too, so what goes in is this account's only.
+    A folder this account does not own (a mount) is left as it is: the files in it
+    are still created PRIVATE_FILE by their writers."""
+    path = Path(path)
+    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        path.chmod(PRIVATE_DIR)
+    return path

@@ -39,7 +39,8 @@ holdout). The attacker's score is -nearest(x): a member should be closer.
 Files in `out_dir`: membership_audit.json (figures and per-image distances),
 membership_audit_hist.png and membership_audit_grid.png (closest member and
 holdout images beside their nearest synthetic image). The grid holds private
-images: it stays in the state directory and is never served.
+images and the JSON a distance per private image: `out_dir` is the site's
+private genbuffer folder (gate.py), made 0700, the files 0600, never served.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from p2pfl.files import atomic_write_json
+from p2pfl.files import PRIVATE_FILE, atomic_savefig, atomic_write_json, make_private_dir
 
 if TYPE_CHECKING:
     from .config import GenbufferSection
@@ -221,7 +222,8 @@ def membership_audit(
     seed: int = 0,
     grid_count: int = 8,
 ) -> MembershipAudit:
-    """The test on [-1, 1] images of the same shape; writes its files to `out_dir`."""
+    """The test on [-1, 1] images of the same shape; writes its files to `out_dir`
+    (made 0700, the files 0600: they show and measure private images)."""
     from .projection import write_grid
 
     if len(holdout) < 2 or len(members) < 1 or len(synthetic) < 1:
@@ -229,8 +231,7 @@ def membership_audit(
             f"the membership audit needs members ({len(members)}), at least 2 holdout images "
             f"({len(holdout)}) and a synthetic image ({len(synthetic)})"
         )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_private_dir(out_dir)
     e_syn, e_mem, e_hold = embed(metric, synthetic), embed(metric, members), embed(metric, holdout)
     d_mem_t, i_mem = nearest(e_mem, e_syn)
     d_hold_t, i_hold = nearest(e_hold, e_syn)
@@ -311,6 +312,7 @@ def membership_audit(
             "member_distances": [r6(v) for v in d_mem],
             "holdout_distances": [r6(v) for v in d_hold],
         },
+        mode=PRIVATE_FILE,
     )
     log.info("%s", result.reason)
     return result
@@ -368,4 +370,4 @@ def _write_histogram(
     ax.set_title(f"Membership test: AUC {result.auc:.3f}, control {result.control_auc:.3f}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path, mode=PRIVATE_FILE)

@@ -1,4 +1,10 @@
-"""Generator files and resumable training state: torch.save of plain dicts, read with weights_only=True."""
+"""Generator files and resumable training state: torch.save of plain dicts, read with weights_only=True.
+
+Every file is written 0600 (PRIVATE_FILE): a generator, a discriminator or a
+classifier trained on a site's images can be made to give them back (the
+projection audit, projection.py, is that attack), so they are as private as the
+images themselves.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Any
 
 import torch
 
-from p2pfl.files import atomic_torch_save
+from p2pfl.files import PRIVATE_FILE, atomic_torch_save
 
 from .errors import CheckpointError
 from .stylegan2 import Generator, GeneratorSpec
@@ -76,6 +82,7 @@ def save_generator(path: Path, generator: Generator, info: GeneratorInfo) -> Non
             "extra": info.extra,
         },
         path,
+        mode=PRIVATE_FILE,
     )
 
 

@@ -30,8 +30,11 @@ have another real image that close (duplicates in the data set included).
 The decision, its figures, a histogram and a grid of the closest pairs go to
 `out_dir` (privacy_gate.json / _hist.png / .png, and membership_audit.json /
 _hist.png / _grid.png); the node shows the decision, the membership figures
-included, on /status and the dashboard. The grids hold private images: they
-stay in the state directory and are never served.
+included, on /status and the dashboard. The grids hold private images and the
+JSON files a distance per private image: `out_dir` is the site's private
+genbuffer folder (STATE/genbuffer, never the folder a buffer is shared from:
+genbuffer/cli.py), made 0700 here, and every file is written 0600. They are
+never served; only the summary figures are.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2pfl.files import atomic_write_json
+from p2pfl.files import PRIVATE_FILE, atomic_savefig, atomic_write_json, make_private_dir
 
 from .config import GenbufferSection
 from .errors import GenbufferError
@@ -113,7 +116,8 @@ def check_buffer(
     holdout_uint8: np.ndarray | None = None,
     seed: int = 0,
 ) -> GateDecision:
-    """Decide whether `buffer` may leave the site, write the evidence to `out_dir`.
+    """Decide whether `buffer` may leave the site, write the evidence to `out_dir`
+    (the private genbuffer folder: it is made 0700, the files 0600).
 
     real_uint8: the images the generator trained on (the members); holdout_uint8:
     the site's images kept out of its training (audit.holdout_split), or None/empty
@@ -123,8 +127,7 @@ def check_buffer(
     from .trainer import prepare_images
 
     start = time.perf_counter()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_private_dir(out_dir)
     synthetic = buffer["images"].float() / 127.5 - 1.0
     if len(real_uint8) < 2:
         raise GenbufferError(
@@ -228,6 +231,7 @@ def check_buffer(
             "nearest_synthetic_distances": [round(float(v), 6) for v in nearest_np],
             "real_spacing_distances": [round(float(v), 6) for v in spacing_np],
         },
+        mode=PRIVATE_FILE,
     )
     (log.info if released else log.error)("%s", reason)
     if metric.backbone == "random":
@@ -283,4 +287,4 @@ def _write_histogram(
     ax.set_title("Privacy gate: how close the buffer comes to the site's images")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path, mode=PRIVATE_FILE)

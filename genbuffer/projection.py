@@ -13,6 +13,11 @@ from the same stage-1 start, and write
     audit.json            per-image distances, means, relative increase
     audit_histogram.png   both distance histograms (Fig. 3)
     audit_grid.png        rows: real | projection without PP | projection with PP (Fig. 4)
+
+The grid shows private images and the JSON measures each of them: the folder is
+made 0700 and the files 0600 (write_grid writes every grid that way, since a grid
+is how a person looks at the site's images or at what a generator trained on
+them makes).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from p2pfl.files import atomic_write_json
+from p2pfl.files import PRIVATE_FILE, atomic_savefig, atomic_write_json, make_private_dir
 
 from .buffer import to_uint8
 from .privacy import PerceptualDistance
@@ -134,7 +139,8 @@ def _tile(images_u8: np.ndarray, scale: int) -> np.ndarray:
 
 
 def write_grid(rows: list[Tensor], path: Path, *, min_tile: int = 64, gap: int = 2) -> None:
-    """Rows of [-1, 1] image batches (same shape) -> one PNG, rows top to bottom."""
+    """Rows of [-1, 1] image batches (same shape) -> one PNG, rows top to bottom,
+    written 0600 (the rows are the site's images or a generator's copies of them)."""
     count, channels, height, _ = rows[0].shape
     scale = max(1, math.ceil(min_tile / height))
     tiles = [[_tile(to_uint8(r[i]).cpu().numpy(), scale) for i in range(count)] for r in rows]
@@ -151,7 +157,7 @@ def write_grid(rows: list[Tensor], path: Path, *, min_tile: int = 64, gap: int =
     ax = fig.add_axes((0, 0, 1, 1))
     ax.imshow(canvas, cmap=None if rgb else "gray", vmin=0, vmax=255, interpolation="nearest")
     ax.axis("off")
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, mode=PRIVATE_FILE, dpi=100)
 
 
 def write_histogram(
@@ -169,7 +175,7 @@ def write_histogram(
     ax.set_title("Closest synthetic image found by W-space projection")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path, mode=PRIVATE_FILE)
 
 
 def audit_privacy(
@@ -186,8 +192,7 @@ def audit_privacy(
     grid_columns: int = 16,
 ) -> AuditResult:
     """Project M real images (float, [-1, 1], at the generators' resolution) into both generators' W."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = make_private_dir(out_dir)
     nopp = project_to_w(
         generator_nopp, real_images, real_labels, metric, steps=steps, lr=lr, seed=seed
     )
@@ -213,7 +218,7 @@ def audit_privacy(
         "images": len(real_images),
         "steps": steps,
     }
-    atomic_write_json(out_dir / AUDIT_JSON, payload)
+    atomic_write_json(out_dir / AUDIT_JSON, payload, mode=PRIVATE_FILE)
     log.info(
         "privacy audit on %d images: mean LPIPS to projection %.4f without / %.4f with the privacy loss (%+.1f%%)",
         len(real_images),

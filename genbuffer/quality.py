@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from p2pfl.files import atomic_torch_save
+from p2pfl.files import PRIVATE_FILE, atomic_torch_save
 from p2pfl.learning.models import create_model
 
 from .checkpoint import FORMAT_VERSION, safe_torch_load
@@ -127,6 +127,7 @@ def quality_classifier_features(
                 "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
             },
             path,
+            mode=PRIVATE_FILE,  # trained on the site's images
         )
     forward_features = model.forward_features  # type: ignore[operator]
 

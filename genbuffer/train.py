@@ -12,6 +12,10 @@ same data order and latents.
 Everything runs on the GPU when there is one; `train_state.pt` in the output
 folder is rewritten every `checkpoint_every` iterations and at every stage
 boundary, and a new call with the same folder resumes from it.
+
+The output folder is made 0700 and every file in it 0600: the generators, the
+training state (the discriminator) and the quality classifier were all trained
+on the site's private images.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from p2pfl.files import atomic_torch_save, atomic_write_json
+from p2pfl.files import PRIVATE_FILE, atomic_torch_save, atomic_write_json, make_private_dir
 from p2pfl.learning import devices
 from p2pfl.learning.errors import TrainingError
 
@@ -137,7 +141,7 @@ class _TwoStageRun:
 
     def save(self) -> None:
         self._save_state(STATE_FILE, self.meta)
-        atomic_write_json(self.out_dir / QUALITY_LOG, self.meta["history"])
+        atomic_write_json(self.out_dir / QUALITY_LOG, self.meta["history"], mode=PRIVATE_FILE)
 
     def _save_state(self, name: str, meta: dict[str, Any]) -> None:
         """The trainer's whole state (and `meta`) to `name` in the output folder."""
@@ -149,6 +153,7 @@ class _TwoStageRun:
                 "trainer": self.trainer.state_dict(),
             },
             self.out_dir / name,
+            mode=PRIVATE_FILE,  # the discriminator has seen every private image
         )
 
     def load(self, path: Path) -> None:
@@ -431,7 +436,7 @@ def train_generator(
             "bad_labels",
             f"labels must lie in [0, {num_classes}), got {labels_t.min()}..{labels_t.max()}",
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(out_dir)
 
     state_path = out_dir / STATE_FILE
     resuming = resume and state_path.is_file()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -514,6 +516,46 @@ def test_two_stage_training_writes_generators_and_resumes(
     ]
     assert load_generator(retuned.generator_path)[1].alpha == 3.0
     assert retuned.reference_path is not None and retuned.reference_path.is_file()
+
+
+def test_trained_files_are_private_whatever_the_umask(
+    tmp_path: Path, metric: PerceptualDistance
+) -> None:
+    """The generators, the training state (its discriminator has seen every image),
+    the quality classifier and the quality log were all fitted to the site's private
+    images: 0600 in a folder made 0700 under the usual umask 022, even where an
+    older run (or a copy) left the folder 0755."""
+    images, labels = shapes_dataset(16)
+    out = tmp_path / "state" / "genbuffer"
+    out.mkdir(parents=True)
+    os.chmod(out, 0o755)
+    cfg = tiny_section(
+        iterations=2,
+        stage1_patience=2,
+        stage2_iterations=2,
+        quality_every=2,
+        checkpoint_every=2,
+        quality_samples=16,
+        quality_classifier_steps=2,
+    )
+    previous = os.umask(0o022)
+    try:
+        train_generator(images, labels, 2, cfg, out, metric=metric)
+    finally:
+        os.umask(previous)
+    written = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    expected = {
+        "generator.pt",
+        "reference_nopp.pt",
+        "stage1.pt",
+        "train_state.pt",
+        "stage1_best_state.pt",
+        "quality_classifier.pt",
+        "quality.json",
+    }
+    assert expected <= written.keys(), written
+    assert written == dict.fromkeys(written, 0o600), written
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
 
 
 # ----------------------------------------------------------------------------- audit

@@ -7,6 +7,15 @@ node/cli.py registers this with `add_genbuffer_parser(subparsers, help_line)` an
 `seed:`.
 Command-line options override the YAML. Mistakes a person can fix print one
 line and return 2.
+
+Everything derived from the site's private images (generators, training state,
+quality classifier, the privacy gate's and the audits' grids of real images and
+per-image distances, the buffer's preview) goes to `genbuffer.out_dir`, the
+site's private folder (STATE/genbuffer in a site.yaml), made 0700 with its files
+0600; a site.yaml's state dir is tightened to 0700 as run_node does, since this
+CLI may run before the node ever has. `sample --out` names where the buffer
+alone goes, the one thing a site chooses to share, and it is written there only
+once the privacy gate accepted it: a refused buffer leaves nothing in that folder.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 from pydantic import ValidationError
 
 from p2pfl.config import ConfigError, DataSection
+from p2pfl.files import PRIVATE_FILE, atomic_write_bytes, make_private_dir
 
 from .config import GenbufferConfig, GenbufferSection, load_genbuffer_config
 from .errors import GenbufferError
@@ -60,7 +70,11 @@ def add_genbuffer_parser(
         "train", help="two-stage training (stage 1 plain, stage 2 with the LPIPS privacy loss)"
     )
     common(train)
-    train.add_argument("--out", type=Path, help="output folder (default genbuffer.out_dir)")
+    train.add_argument(
+        "--out",
+        type=Path,
+        help="private output folder, made 0700 (default genbuffer.out_dir)",
+    )
     train.add_argument(
         "--iterations", type=int, help="stage 1: most iterations (genbuffer.iterations)"
     )
@@ -99,7 +113,8 @@ def add_genbuffer_parser(
     sample.add_argument(
         "--out",
         type=Path,
-        help="buffer file (default OUT_DIR/buffer.bin); a preview PNG goes beside it",
+        help="buffer file, written (0600) only if the privacy gate accepts it (default "
+        "OUT_DIR/buffer.bin); the gate's evidence and a preview PNG stay in OUT_DIR",
     )
 
     audit = sub.add_parser(
@@ -123,7 +138,10 @@ def add_genbuffer_parser(
         "--steps", type=int, help="optimisation steps per projection (genbuffer.audit_steps)"
     )
     audit.add_argument(
-        "--out", type=Path, help="folder for audit.json and the PNGs (default OUT_DIR/audit)"
+        "--out",
+        type=Path,
+        help="private folder for audit.json and the PNGs of real images, made 0700 "
+        "(default OUT_DIR/audit)",
     )
     audit.add_argument("--lpips-backbone", choices=["alex", "vgg", "squeeze", "random"])
     audit.add_argument("--lpips-weights", type=Path)
@@ -236,6 +254,13 @@ def _members_and_holdout(
     return images[members], labels[members], images[holdout]
 
 
+def _tighten_state_dir(config: GenbufferConfig) -> None:
+    """A site.yaml's state dir made 0700 as run_node does: `p2pfl-node provision`
+    leaves it 0755, and the GAN's private folder is inside it."""
+    if config.state_dir is not None:
+        make_private_dir(config.state_dir)
+
+
 def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
     from .train import train_generator
 
@@ -255,6 +280,7 @@ def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
     )
     if args.no_reference:
         section = section.model_copy(update={"train_reference": False})
+    _tighten_state_dir(config)  # train_generator makes out_dir itself, once LPIPS is ready
     images, labels, num_classes = _site_training_arrays(config)
     images, labels, _ = _members_and_holdout(section, images, labels)
     # Subnormal floats make long CPU runs many times slower; the flag is process-wide,
@@ -293,11 +319,14 @@ def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
         seed=section.seed,
         truncation_psi=section.truncation_psi,
     )
-    out = args.out or section.out_dir / "buffer.bin"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    gate = _gate(config, section, buffer, out.parent)
-    out.write_bytes(buffer_to_bytes(buffer))
-    preview = out.with_suffix(".png")
+    _tighten_state_dir(config)
+    private = make_private_dir(section.out_dir)
+    out = args.out or private / "buffer.bin"
+    # The gate's evidence shows and measures the site's images: it stays in the private
+    # folder, never beside the buffer, which goes out only once the gate accepted it.
+    gate = _gate(config, section, buffer, private)
+    atomic_write_bytes(out, buffer_to_bytes(buffer), mode=PRIVATE_FILE)
+    preview = private / f"{out.stem}_preview.png"
     rows = []
     for c in range(generator.num_classes):
         picked = buffer["images"][buffer["labels"] == c][:16]
@@ -324,9 +353,10 @@ def _cmd_sample(config: GenbufferConfig, args: argparse.Namespace) -> int:
 
 
 def _gate(
-    config: GenbufferConfig, section: GenbufferSection, buffer: Any, out_dir: Path
+    config: GenbufferConfig, section: GenbufferSection, buffer: Any, private: Path
 ) -> dict[str, Any]:
-    """The privacy gate on a buffer about to be written (raises when it is refused)."""
+    """The privacy gate on a buffer about to be written (raises when it is refused);
+    its evidence, grids of the site's images included, goes to the `private` folder."""
     from .gate import PrivacyGateRefused, check_buffer, gate_status
     from .privacy import build_perceptual_distance
 
@@ -338,7 +368,7 @@ def _gate(
     )
     members, _, holdout = _members_and_holdout(section, *_site_training_arrays(config)[:2])
     decision = check_buffer(
-        buffer, members, metric, section, out_dir, holdout_uint8=holdout, seed=section.seed
+        buffer, members, metric, section, private, holdout_uint8=holdout, seed=section.seed
     )
     if not decision.released:
         raise PrivacyGateRefused(decision)
@@ -353,6 +383,7 @@ def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
     from .trainer import prepare_images
 
     section = _with_overrides(config, args, {"images": "audit_images", "steps": "audit_steps"})
+    _tighten_state_dir(config)  # audit_privacy makes its own folder private
     device = resolve_device(section.device)
     metric = build_perceptual_distance(
         section.lpips_backbone,

@@ -7,7 +7,10 @@ site.yaml, validated and resolved by `p2pfl.config` as `p2pfl-node check` does
 holding only `genbuffer:`, `data:` and `seed:`.
 Relative paths are taken relative to the YAML file's folder; in a site.yaml
 `out_dir` defaults to `<node.state_dir>/genbuffer`, in a standalone YAML to
-`genbuffer/` beside it.
+`genbuffer/` beside it. Either way `out_dir` is the site's PRIVATE folder: the
+generators, the training state, the grids of real images and the per-image
+distances go there, and the CLI makes it 0700 (the state dir too), its files
+0600. Only a buffer the privacy gate accepted is written elsewhere (`--out`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class GenbufferConfig:
     genbuffer: GenbufferSection
     data: DataSection | None
     seed: int
+    # a site.yaml's node.state_dir, which the CLI tightens to 0700 as run_node does
+    state_dir: Path | None = None
 
 
 class StandaloneGenbufferFile(Section):
@@ -62,7 +67,13 @@ def genbuffer_config_from_dict(raw: dict[str, Any], path: Path) -> GenbufferConf
         site = config_from_dict(raw, path, check_files=False)
         # The data split seed is the daemon's, so the GAN trains on the node's own split.
         seed = site.federation.seed + site.training.seed
-        return GenbufferConfig(path=path, genbuffer=site.genbuffer, data=site.data, seed=seed)
+        return GenbufferConfig(
+            path=path,
+            genbuffer=site.genbuffer,
+            data=site.data,
+            seed=seed,
+            state_dir=site.node.state_dir,
+        )
     try:
         standalone = StandaloneGenbufferFile.model_validate(raw)
     except ValidationError as exc:

@@ -732,12 +732,19 @@ def test_cli_train_sample_audit_on_embedded_digits(
     buffer = buffer_from_bytes((tmp_path / "gan" / "buffer.bin").read_bytes(), num_classes=10)
     assert len(buffer["labels"]) == 30 and buffer["content_hash"] == sampled["content_hash"]
     assert sampled["privacy_gate"]["enabled"] and sampled["privacy_gate"]["released"] is True
-    assert (tmp_path / "gan" / "buffer.png").is_file()
+    # the preview stays in the private folder: only the buffer is for sharing
+    assert Path(sampled["preview"]) == tmp_path / "gan" / "buffer_preview.png"
+    assert Path(sampled["preview"]).is_file()
 
     assert _cli(["genbuffer", "audit", *common, "--images", "4", "--steps", "2"]) == 0
     audited = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert audited["lpips_backbone"] == "random" and "increase" in audited
     assert (tmp_path / "gan" / "audit" / "audit_grid.png").is_file()
+    # a standalone YAML's out_dir is its private folder: generators, grids of real images
+    for folder in (tmp_path / "gan", tmp_path / "gan" / "audit"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    modes = {str(p): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "gan").rglob("*.p*")}
+    assert modes and modes == dict.fromkeys(modes, 0o600), modes
 
 
 @pytest.mark.slow

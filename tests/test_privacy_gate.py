@@ -13,15 +13,19 @@ module (fixtures below) and the module's tests share one xdist worker.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from genbuffer.buffer import sample_buffer
+from genbuffer.audit import MEMBERSHIP_GRID, MEMBERSHIP_JSON
+from genbuffer.buffer import buffer_from_bytes, sample_buffer
 from genbuffer.checkpoint import GeneratorInfo, load_generator, save_generator
 from genbuffer.gate import GATE_GRID, GATE_HISTOGRAM, GATE_JSON, check_buffer, read_decision
 from genbuffer.privacy import build_perceptual_distance
@@ -297,6 +301,113 @@ def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys, site0):
     assert len(err.splitlines()) == 1 and "privacy gate REFUSED" in err, err
     assert not (tmp_path / "gan" / "buffer.bin").exists()
     assert read_decision(tmp_path / "gan")["released"] is False
+
+
+def _provisioned_site(tmp_path: Path, parts: Path) -> Path:
+    """Site 0's site.yaml as `p2pfl-node provision` writes it, before the node ever
+    ran: provision creates the state dir with the umask's bits (0755 under 022)."""
+    from node.provision import provision
+
+    (plan,) = provision(
+        tmp_path / "fed",
+        ["a"],
+        protocol={"name": "feder", "rounds": 1},
+        data_sources=[str(parts / "site_0.npz")],
+        overrides={
+            "data": {"image_size": 16, "augment": "none"},
+            # a holdout of this small site's images, so the membership test runs too
+            "genbuffer": {"lpips_backbone": "random", "device": "cpu", "holdout_min_images": 4},
+        },
+    )
+    assert stat.S_IMODE((plan.config_path.parent / "state").stat().st_mode) == 0o755
+    return plan.config_path
+
+
+def _sample(config: Path, generator: Path, out: Path) -> int:
+    from genbuffer.cli import add_genbuffer_parser
+
+    parser = argparse.ArgumentParser(prog="p2pfl-node")
+    add_genbuffer_parser(parser.add_subparsers(dest="command"), "the GAN")
+    argv = ["--config", str(config), "--checkpoint", str(generator), "--out", str(out)]
+    args = parser.parse_args(["genbuffer", "sample", *argv, "--size", "64"])
+    return args.func(args)
+
+
+def _assert_private(state: Path) -> list[str]:
+    """The state dir and its genbuffer folder are 0700 and every file in the state
+    dir is 0600; returns the genbuffer folder's file names."""
+    for folder in (state, state / "genbuffer"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    modes = {str(p): stat.S_IMODE(p.stat().st_mode) for p in state.rglob("*") if p.is_file()}
+    assert modes == dict.fromkeys(modes, 0o600), modes
+    return sorted(p.name for p in (state / "genbuffer").iterdir())
+
+
+def test_genbuffer_sample_shares_the_buffer_alone_and_keeps_the_evidence_private(
+    tmp_path, capsys, parts
+):
+    """Attack: `genbuffer sample --out OUTGOING/buffer.bin` on a freshly provisioned
+    site, umask 022. OUTGOING, the folder the buffer is shared from, must receive the
+    buffer and nothing else: the gate's and the membership test's grids show the
+    site's own patients' images and their JSON a distance per image. Those stay in
+    STATE/genbuffer, 0600, and the state dir is tightened to 0700 as run_node would."""
+    previous = os.umask(0o022)
+    try:
+        config = _provisioned_site(tmp_path, parts)
+        torch.manual_seed(1)  # an untrained generator's noise: the gate releases it
+        spec = GeneratorSpec(num_classes=10, resolution=16, channels=1, **TINY)
+        generator = save(Generator(spec), tmp_path / "generator.pt")
+        outgoing = tmp_path / "outgoing"
+        outgoing.mkdir()
+        assert _sample(config, generator, outgoing / "buffer.bin") == 0
+    finally:
+        os.umask(previous)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    gate = printed["privacy_gate"]
+    assert gate["enabled"] and gate["released"] is True, gate
+    assert [p.name for p in outgoing.iterdir()] == ["buffer.bin"]
+    buffer = buffer_from_bytes((outgoing / "buffer.bin").read_bytes(), num_classes=10)
+    assert buffer["content_hash"] == printed["content_hash"]
+    state = config.parent / "state"
+    kept = _assert_private(state)
+    assert {GATE_JSON, GATE_GRID, GATE_HISTOGRAM, "buffer_preview.png"} <= set(kept), kept
+    assert gate["membership"]["available"], gate["membership"]
+    assert {MEMBERSHIP_JSON, MEMBERSHIP_GRID} <= set(kept), kept
+    evidence = [*gate["files"].values(), *gate["membership"]["files"].values()]
+    assert all(Path(p).parent == state / "genbuffer" for p in evidence), evidence
+    # what is printed is the summary: no per-image distances
+    assert "nearest_synthetic_distances" not in gate
+    assert "member_distances" not in gate["membership"]
+
+
+def test_genbuffer_sample_leaves_nothing_to_share_when_the_gate_refuses(tmp_path, capsys, site0):
+    """Attack: the refused buffer's evidence used to be written beside --out before
+    the refusal was raised. Now OUTGOING stays empty, and the evidence of the
+    refusal is in the private folder only, 0600."""
+    from genbuffer.config import load_genbuffer_config
+    from p2pfl.learning.data import load_site_data
+
+    previous = os.umask(0o022)
+    try:
+        config = _provisioned_site(tmp_path, site0[0])
+        loaded = load_genbuffer_config(config)
+        generator = memorised_site0(
+            site0, load_site_data(loaded.data, seed=loaded.seed).train_uint8
+        )
+        outgoing = tmp_path / "outgoing"
+        outgoing.mkdir()
+        assert _sample(config, generator, outgoing / "buffer.bin") == 2
+    finally:
+        os.umask(previous)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "privacy gate REFUSED" in err, err
+    assert list(outgoing.iterdir()) == []
+    state = config.parent / "state"
+    assert str(state / "genbuffer" / GATE_JSON) in err  # where the operator finds why
+    assert read_decision(state / "genbuffer")["released"] is False
+    kept = _assert_private(state)
+    assert {GATE_JSON, GATE_GRID, MEMBERSHIP_GRID} <= set(kept), kept
+    assert "buffer.bin" not in kept and "buffer_preview.png" not in kept
 
 
 def test_switching_the_gate_off_is_explicit_and_loud(tmp_path, caplog, parts):

@@ -179,7 +179,9 @@ class GenbufferSection(Section):
     # --- where and how ------------------------------------------------------------------------
     out_dir: Path = Field(
         Path("genbuffer"),
-        description="checkpoints, buffers and audit files; default in a site.yaml: STATE/genbuffer",
+        description="the site's private GAN folder, made 0700 with files 0600: generators, "
+        "training state, the privacy gate's and audits' evidence (grids of real images); default "
+        "in a site.yaml: STATE/genbuffer, in a standalone genbuffer YAML: genbuffer/ beside it",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["auto", "fp32", "bf16"] = Field(

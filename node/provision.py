@@ -31,6 +31,7 @@ import yaml
 
 from node.resources import threads_per_site
 from node.status import STATUS_TOKEN_FILE, load_or_create_token
+from p2pfl.files import make_private_dir
 from p2pfl.secure.identity import LocalIdentity, Roster
 
 # Where each provisioned site keeps its status token, relative to its site.yaml.
@@ -178,6 +179,11 @@ def provision(
     cards = []
     for name, port in zip(names, ports, strict=True):
         identity = LocalIdentity.generate(name)
+        # The state dir and its keys folder are this account's alone from the
+        # start (0700): `genbuffer` may write private images there before the
+        # node's first run, which used to be what tightened it (a review).
+        make_private_dir(out / name / "state" / "keys")
+        make_private_dir(out / name / "state")
         identity.save(out / name / "state" / "keys")
         card = identity.card(f"{hosts.get(name, LOOPBACK)}:{port}")
         if name in behind:  # outbound-only: reached through any of the relays

@@ -406,3 +406,20 @@ def test_status_shows_how_the_node_trains_and_its_best_model(tmp_path):
         assert code == 0, which
         matrix = json.loads((tmp_path / f"{which}.json").read_text())["matrix"]
         assert matrix["a"]["a"]["macro_f1"] == pytest.approx(figure, abs=1e-6), which
+
+
+def test_provision_makes_each_state_dir_private_from_the_start(tmp_path):
+    """genbuffer may write private images under STATE before the node's first
+    run, which used to be what tightened it to 0700 (a review found 0755)."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        provision(tmp_path / "fed", ["a", "b"], protocol={"name": "probe"}, overrides=FAST)
+    finally:
+        os.umask(old)
+    for site in ("a", "b"):
+        for folder in ("state", "state/keys"):
+            mode = stat.S_IMODE((tmp_path / "fed" / site / folder).stat().st_mode)
+            assert mode == 0o700, (site, folder, oct(mode))

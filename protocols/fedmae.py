@@ -159,14 +159,25 @@ class FedMAE(Staged):
     def stages(self, config: SiteConfig | None) -> list[Stage]:
         p = self.params
         pretrain = Stage(PRETRAIN_STAGE, MAEPretraining(p), int(p.rounds), wrap=False)
-        return [pretrain, *finetune_stage(p.finetune, p.encoder_out)]
+        return [pretrain, *finetune_stage(p.finetune, p.encoder_out, p.secure_aggregation)]
 
 
-def finetune_stage(finetune: Any, encoder_out: str) -> list[Stage]:
+def finetune_stage(finetune: Any, encoder_out: str, secure: bool = False) -> list[Stage]:
     """Stage 2 (none without `protocol.finetune`): that protocol, run from the
-    encoder the pre-training stage wrote (`model.pretrained_from`)."""
+    encoder the pre-training stage wrote (`model.pretrained_from`). With the
+    pre-training's `secure` aggregation, the stage's own: configuration makes
+    the section inherit it, and this holds it for params made in code too
+    (`model_copy`, assignment), which skip that validation."""
     if finetune is None:
         return []
+    if secure and not getattr(finetune, "secure_aggregation", False):
+        if "secure_aggregation" not in type(finetune).model_fields:
+            raise FedMAEError(
+                "insecure_finetune",
+                f"secure_aggregation covers the fine-tuning stage, and {finetune.name} serves "
+                "its exchanges in the clear",
+            )
+        finetune = finetune.model_copy(update={"secure_aggregation": True})
 
     def config(ctx: RoundContext) -> SiteConfig:
         encoder = ctx.artifact(encoder_out)

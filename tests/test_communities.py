@@ -21,48 +21,52 @@ from protocols.similarity import cosine_matrix, normalise_columns
 
 
 def test_feature_vector_of_a_known_model() -> None:
-    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.BatchNorm1d(8))
     with torch.no_grad():
         model[0].weight.copy_(torch.arange(64, dtype=torch.float32).reshape(8, 8))
         model[0].bias.copy_(torch.full((8,), -1.0))
-        model[1].running_mean.copy_(torch.full((8,), 2.0))
-    model[1].num_batches_tracked.fill_(7)
+        model[1].weight.copy_(torch.ones(8, 8))
+        model[1].bias.copy_(torch.zeros(8))
+        model[2].running_mean.copy_(torch.full((8,), 2.0))
+    model[2].num_batches_tracked.fill_(7)
     vector = feature_vector(model.state_dict())
-    # (mean, unbiased std) of 0.weight (64 values: described alone), then of the
-    # smaller entries pooled: 0.bias, 1.weight, 1.bias, 1.running_mean, 1.running_var
+    # 0.weight and 1.weight (64 values each) alone; the 6 smaller entries pooled
+    # (48 values), and a pool under DESCRIBED_ALONE joins the last weight described
     small = torch.cat(
         [
             torch.full((8,), -1.0),
+            torch.zeros(8),
             torch.ones(8),
             torch.zeros(8),
             torch.full((8,), 2.0),
             torch.ones(8),
         ]
-    ).double()
+    )
+    last = torch.cat([torch.ones(64), small]).double()
     expected = [
         31.5,
         float(torch.arange(64.0).double().std()),
-        float(small.mean()),
-        float(small.std()),
+        float(last.mean()),
+        float(last.std()),
     ]
     assert vector == pytest.approx(expected)  # num_batches_tracked left out
 
 
 def test_small_entries_are_never_described_one_by_one() -> None:
     """A review recovered a 2-value classifier bias, exactly, from its (mean,
-    std) in the gossip: two models that differ only in entries under
-    DESCRIBED_ALONE values differ in one pooled pair, never an entry's own."""
+    std) in the gossip: entries under DESCRIBED_ALONE values are pooled, and a
+    pool that small is described with a larger entry, never on its own."""
     big = torch.randn(DESCRIBED_ALONE)
-    one = {"w": big, "bias": torch.tensor([0.8123, -0.4410]), "scale": torch.tensor([3.0])}
-    vector = feature_vector(one)
-    assert len(vector) == 4  # w alone, then bias and scale pooled (3 values)
-    assert vector[2:] == pytest.approx(
-        [
-            float(torch.tensor([0.8123, -0.4410, 3.0]).mean()),
-            float(torch.tensor([0.8123, -0.4410, 3.0]).std()),
-        ]
+    more = torch.randn(DESCRIBED_ALONE)
+    smalls = {f"b{i}": torch.randn(20) for i in range(4)}  # 80 values: a pool of its own
+    vector = feature_vector({"w": big, "v": more, **smalls})
+    pool = torch.cat(list(smalls.values())).double()
+    assert len(vector) == 6
+    assert vector[4:] == pytest.approx([float(pool.mean()), float(pool.std())])
+    tiny = feature_vector(
+        {"w": big, "bias": torch.tensor([0.8123, -0.4410]), "s": torch.tensor([3.0])}
     )
-    assert 0.8123 not in vector and -0.4410 not in vector
+    assert len(tiny) == 2 and 0.8123 not in tiny and -0.4410 not in tiny
 
 
 def test_a_single_element_entry_has_zero_std() -> None:
@@ -140,3 +144,13 @@ def test_choice_frequencies_count_shares_of_rounds() -> None:
     ]
     freq = choice_frequencies(choices, ["a", "b", "c"])
     assert freq.tolist() == [[0.0, 1.0, 0.5], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def test_a_small_pool_joins_the_last_entry_described() -> None:
+    """resnet18's only small entry is its 2-value fc.bias: pooled alone, the
+    pool was the bias again (a second review). It joins fc.weight instead."""
+    weight = torch.randn(2, DESCRIBED_ALONE)
+    bias = torch.tensor([0.8123, -0.4410])
+    vector = feature_vector({"fc.weight": weight, "fc.bias": bias})
+    both = torch.cat([weight.flatten(), bias]).double()
+    assert vector == pytest.approx([float(both.mean()), float(both.std())])

@@ -380,3 +380,27 @@ def test_a_fine_tuning_stage_secure_aggregation_cannot_cover_is_refused(
     assert inherited.finetune is not None and inherited.finetune.secure_aggregation is True
     plain = params(name=protocol, rounds=1, finetune={"name": "fedsgdp2p"})  # no secagg: fine
     assert plain.finetune is not None
+
+
+@pytest.mark.parametrize("flag", [1, "true", "yes", "on"])
+def test_any_true_secure_aggregation_reaches_the_fine_tuning(flag: Any) -> None:
+    """A second review: the inheritance acted on the Python value True only,
+    before pydantic read 1 or "yes" as true, and params changed in code
+    (`model_copy`) skip validation; the stage itself holds the rule too."""
+    from protocols.fedmae import FedMAE, FedMAEError
+
+    params = FedMAEParams(
+        name="fedmae", rounds=1, secure_aggregation=flag, finetune={"name": "fedavgp2p"}
+    )
+    assert params.finetune is not None and params.finetune.secure_aggregation is True
+    with pytest.raises(ValidationError, match="per-step gradients"):
+        FedMAEParams(
+            name="fedmae", rounds=1, secure_aggregation=flag, finetune={"name": "fedsgdp2p"}
+        )
+    plain = FedMAEParams(name="fedmae", rounds=1, finetune={"name": "fedavgp2p"})
+    copied = plain.model_copy(update={"secure_aggregation": True})  # no validation
+    stages = FedMAE(copied).stages(None)
+    assert stages[-1].loop.params.secure_aggregation is True
+    sgd = FedMAEParams(name="fedmae", rounds=1, finetune={"name": "fedsgdp2p"})
+    with pytest.raises(FedMAEError, match="in the clear"):
+        FedMAE(sgd.model_copy(update={"secure_aggregation": True})).stages(None)

@@ -11,7 +11,7 @@ protocols/.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -302,35 +302,34 @@ class _PreTraining(_ModelAveraging):
         "secure_aggregation: true",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _secure_aggregation_covers_the_fine_tuning(cls, data: Any) -> Any:
+    @model_validator(mode="after")
+    def _secure_aggregation_covers_the_fine_tuning(self) -> _PreTraining:
         """`secure_aggregation: true` covers both stages. The fine-tuning section
         has its own flag (false by default), so without this the fine-tuned
         model was served in the clear to every peer, or FedSGDP2P's per-step
         gradients, from which images can be reconstructed (found by a review,
         2026-11-27). It is inherited where the section does not set it; a
         section that says false, or a fine-tuning stage that cannot be secure,
-        is refused."""
-        if not isinstance(data, dict) or data.get("secure_aggregation") is not True:
-            return data
-        finetune = data.get("finetune")
-        if isinstance(finetune, BaseModel):
-            finetune = finetune.model_dump(exclude_unset=True)
-        if not isinstance(finetune, dict):
-            return data
-        if finetune.get("name") == "fedsgdp2p":
+        is refused. After validation, so that every value pydantic reads as
+        true (`1`, `"yes"`) counts, as a second review found."""
+        finetune = self.finetune
+        if not self.secure_aggregation or finetune is None:
+            return self
+        if isinstance(finetune, FedSGDP2PParams):
             raise ValueError(
                 "secure_aggregation covers the fine-tuning stage too, and fedsgdp2p serves its "
                 "per-step gradients in the clear: fine-tune with fedavgp2p, ssfl or fedperl, or "
                 "turn secure_aggregation off"
             )
-        if finetune.get("secure_aggregation") is False:
-            raise ValueError(
-                "secure_aggregation: true covers the fine-tuning stage too, but finetune says "
-                "secure_aggregation: false; remove it (the stage inherits true) or turn both off"
-            )
-        return {**data, "finetune": {**finetune, "secure_aggregation": True}}
+        if not finetune.secure_aggregation:
+            if "secure_aggregation" in finetune.model_fields_set:
+                raise ValueError(
+                    "secure_aggregation: true covers the fine-tuning stage too, but finetune says "
+                    "secure_aggregation: false; remove it (the stage inherits true) or turn both off"
+                )
+            given = finetune.model_dump(exclude_unset=True)
+            self.finetune = type(finetune).model_validate({**given, "secure_aggregation": True})
+        return self
 
 
 class FedMAEParams(_PreTraining):

@@ -36,21 +36,25 @@ def feature_vector(state: Mapping[str, Tensor]) -> list[float]:
     """A model's description (FedPerl's F_m, the cosine heuristic's model
     statistics): (mean, unbiased std) of every averaged entry of at least
     DESCRIBED_ALONE values, in key order, then of all smaller averaged entries
-    pooled into one (biases, normalization layers), if any; std 0.0 for one
-    value, where it is undefined. Every node of a federation has the same
-    entries, so the vectors line up."""
-    out: list[float] = []
+    pooled into one (biases, normalization layers). A pool itself under
+    DESCRIBED_ALONE values (resnet18: its 2-value fc.bias alone, which a second
+    review read back from the pool) joins the last entry described instead; a
+    model with no entry that large (a toy) is described as one pool. std 0.0
+    for one value, where it is undefined. Every node of a federation has the
+    same entries, so the vectors line up."""
+    alone: list[Tensor] = []
     pooled: list[Tensor] = []
     for key, value in state.items():
         if not is_averaged(key, value):
             continue
         flat = value.detach().to(torch.float64).flatten()
-        if flat.numel() < DESCRIBED_ALONE:
-            pooled.append(flat)
-            continue
+        (alone if flat.numel() >= DESCRIBED_ALONE else pooled).append(flat)
+    pool = torch.cat(pooled) if pooled else None
+    if pool is not None and pool.numel() < DESCRIBED_ALONE and alone:
+        alone[-1], pool = torch.cat([alone[-1], pool]), None
+    out: list[float] = []
+    for flat in [*alone, *([] if pool is None else [pool])]:
         out.extend(_mean_std(flat))
-    if pooled:
-        out.extend(_mean_std(torch.cat(pooled)))
     return out
 
 

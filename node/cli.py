@@ -25,7 +25,7 @@ from p2pfl.config import (
     load_config,
     protocol_names,
 )
-from p2pfl.config.protocols import secagg_ring_problem
+from p2pfl.config.protocols import secagg_guarantee_lines, secagg_ring_problem
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
@@ -101,6 +101,7 @@ def load_site(path: Path) -> tuple[SiteConfig, Roster, LocalIdentity]:
 def cmd_check(args: argparse.Namespace) -> int:
     from p2pfl.learning.dp_recipe import recipe_settings  # torch: this command only
     from p2pfl.learning.site_model import check_dp, check_model_name
+    from protocols.selection import neighbour_count
 
     cfg, roster, _ = load_site(Path(args.config))
     check_model_name(cfg, Path(args.config))
@@ -109,6 +110,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     recipe = recipe_settings(cfg.training)
     if recipe is not None:
         print("# training recipe in effect: " + "; ".join(f"{k}: {v}" for k, v in recipe.items()))
+    sites = len(roster.names())
+    wanted = neighbour_count(getattr(cfg.protocol, "fraction", 1.0), sites - 1)
+    for line in secagg_guarantee_lines(cfg.protocol, sites, wanted):
+        print(line)
     print(
         f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"
     )

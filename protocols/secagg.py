@@ -245,6 +245,7 @@ class Contributor:
         source: ModelSource,
         *,
         min_threshold: int | None = None,
+        min_sum: int = MIN_SUM,
         clip_norm: float | None = None,
         max_weight: float | None = None,
         keep_rounds: int = 3,
@@ -259,6 +260,7 @@ class Contributor:
         self.staleness_bound = staleness_bound
         self.source = source
         self.min_threshold = min_threshold
+        self.min_sum = max(MIN_SUM, int(min_sum))  # protocol.secagg_min_contributors
         self.clip_norm = clip_norm
         self.max_weight = max_weight
         self.keep_rounds = keep_rounds
@@ -312,6 +314,13 @@ class Contributor:
             raise SecAggError("requester_is_contributor")
         if not group <= set(self.ctx.roster()):
             raise SecAggError("unknown_contributor")
+        if len(group) < self.min_sum:
+            # The requester picks a sum's size: in a sum of 2 one contributor
+            # colluding with it sees the other's model (a review, 2026-11-27).
+            raise SecAggError(
+                "sum_too_small",
+                f"{len(group)} contributors, I answer sums of {self.min_sum} or more",
+            )
         if self.ledger.error is not None:
             raise SecAggError("ledger_unreadable", self.ledger.error)
         seen = self.seen.setdefault(requester, OrderedDict())
@@ -476,7 +485,7 @@ class Contributor:
         if (
             me not in u2
             or not set(u2) <= set(session.u1)
-            or len(u2) < max(MIN_SUM, session.threshold + 1)
+            or len(u2) < max(self.min_sum, session.threshold + 1)
         ):
             raise SecAggError("bad_contributors", f"U2 {u2}")
         open_shares(session, me, u2, body)
@@ -518,7 +527,7 @@ class Contributor:
             raise SecAggError("bad_request", "consistency needs U3 and its members' views")
         u3 = sorted(set(body.u3))
         t, u1, u2 = session.threshold, session.u1, session.u2
-        if me not in u3 or not set(u3) <= set(u2) or len(u3) < max(MIN_SUM, t + 1):
+        if me not in u3 or not set(u3) <= set(u2) or len(u3) < max(self.min_sum, t + 1):
             raise SecAggError("bad_contributors", f"U3 {u3}")
         for v in u3:
             if v == me:

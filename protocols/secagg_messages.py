@@ -12,7 +12,12 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from p2pfl.config.protocols import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM, SECAGG_RING_BITS
+from p2pfl.config.protocols import (
+    SECAGG_MAX_CONTRIBUTORS,
+    SECAGG_MIN_SUM,
+    SECAGG_RING_BITS,
+    secagg_least_threshold,
+)
 
 SECAGG_KIND = "secagg"
 MIN_SUM = SECAGG_MIN_SUM  # a sum over fewer contributions is an individual model
@@ -221,7 +226,7 @@ def least_threshold(others: int) -> int:
     more than a third of them. The bound before it, a majority, let the
     requester and ONE colluding contributor peel a model out of a sum of 4
     (found by a review, tests/test_secagg_collusion.py)."""
-    return max(1, 2 * others // 3 + 1)
+    return secagg_least_threshold(others)
 
 
 def colluders_tolerated(others: int, t: int) -> int:

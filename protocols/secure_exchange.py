@@ -69,8 +69,12 @@ class SecureExchange:
         clip_norm: float | None = None,
         purpose_weights: dict[str, float] | None = None,
         ring: int = RING_BITS,
+        min_contributors: int = 2,
     ) -> None:
         self.store = store
+        # protocol.secagg_min_contributors: the fewest contributors of a sum I ask
+        # for, and answer (my Contributor refuses a smaller one, `sum_too_small`)
+        self.min_contributors = max(2, int(min_contributors))
         self.ring = ring  # protocol.compression's: 32 (none), 16 (fp16) or 8 (int8) bits
         # a narrow ring, per stream: how far my last kept sum's mean lay from my
         # own model, entry by entry, its total weight and its number of
@@ -103,6 +107,7 @@ class SecureExchange:
             ctx,
             self.contribution,
             min_threshold=self.threshold,
+            min_sum=self.min_contributors,
             clip_norm=self.clip_norm,
             max_weight=own_weight_cap(ctx),  # nobody can cap it after masking: I do
             keep_rounds=self.store.keep,
@@ -155,12 +160,14 @@ class SecureExchange:
         whose last sum sets a narrow ring's steps: FedPerl's community and its
         other neighbours are two groups of one purpose."""
         stream = stream or purpose
-        if len(chosen) < 2:
+        if len(chosen) < self.min_contributors:
             log.info(
-                "%s round %d: %d neighbour(s) for a secure sum, which needs two: own model only",
+                "%s round %d: %d neighbour(s) for a secure sum, which needs %d "
+                "(protocol.secagg_min_contributors): own model only",
                 ctx.me,
                 round_no,
                 len(chosen),
+                self.min_contributors,
             )
             return None
         while True:
@@ -185,7 +192,7 @@ class SecureExchange:
             except SecAggError as exc:
                 log.warning("%s round %d: no secure sum of %s (%s)", ctx.me, round_no, chosen, exc)
                 retry = exc.unmasked
-                if retry is None or len(retry) < 2 or len(retry) >= len(chosen):
+                if retry is None or len(retry) < self.min_contributors or len(retry) >= len(chosen):
                     return None
                 # Nobody masked yet: a fresh session without those that did not answer.
                 chosen = retry
@@ -347,9 +354,11 @@ class SecureExchange:
         ranking: list[str],
         k: int,
     ) -> Collected:
-        """The secure sum of the first k of `ranking`, as one term."""
+        """The secure sum of the first k of `ranking` (at least
+        `min_contributors` of them), as one term."""
         round_no = int(key)
-        result = await self.sum_of(ctx, round_no, own, ranking[:k], purpose="model")
+        wanted = max(k, self.min_contributors)
+        result = await self.sum_of(ctx, round_no, own, ranking[:wanted], purpose="model")
         sums = [] if result is None else [result]
         return self.collected(ctx, round_no, sums, own, own_weight, k)
 
@@ -386,13 +395,14 @@ class AsyncSecureExchange(SecureExchange):
         round's timeout has passed (no new session after it; each session's
         requests get the time left)."""
         round_no = int(key)
+        k = max(k, self.min_contributors)
         chosen, queue = list(ranking[:k]), list(ranking[k:])
         sessions, skipped, result = 0, 0, None
         # no new session after 2 x timeout (a plain pull's bound), each session's
         # requests given the time left, so one silent neighbour does not end the
         # round; a session's five phases may each take up to that time
         deadline = time.monotonic() + 2 * self.timeout
-        while len(chosen) >= 2 and (left_s := deadline - time.monotonic()) > 0:
+        while len(chosen) >= self.min_contributors and (left_s := deadline - time.monotonic()) > 0:
             sessions += 1
             try:
                 scale = self.weight_scale(ctx, chosen, FRESHEST_PURPOSE)
@@ -511,6 +521,7 @@ def exchange_for(
                 staleness_bound=params.staleness_bound,
                 staleness_exponent=params.staleness_exponent,
                 ring=ring_of_params(params),
+                min_contributors=getattr(params, "secagg_min_contributors", 2),
             )
         return secure_exchange_for(params, store, purpose_weights)
     compression = getattr(params, "compression", "none")
@@ -539,6 +550,7 @@ def secure_exchange_for(
         clip_norm=params.secagg_clip_norm,
         purpose_weights=purpose_weights,
         ring=ring_of_params(params),
+        min_contributors=getattr(params, "secagg_min_contributors", 2),
     )
 
 

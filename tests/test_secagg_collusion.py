@@ -26,7 +26,7 @@ from protocols import secagg_messages
 from protocols.exchange import ServedModels
 from protocols.masking import WEIGHT_KEY, from_fixed, mask_stream, ring_of
 from protocols.memory import InMemoryNetwork
-from protocols.secagg import SECAGG_KIND, share_keys_body
+from protocols.secagg import SECAGG_KIND, SecAggError, share_keys_body
 from protocols.secagg_messages import Advertised, SessionRequest, Shared, session_context
 from protocols.secagg_primitives import combine_shares, mask_seed, view_tag
 from protocols.secure_exchange import SecureExchange
@@ -233,3 +233,98 @@ def test_one_colluder_past_the_bound_peels_the_model_the_documented_limit() -> N
         assert torch.allclose(
             got["peeled"][key].reshape(value.shape).double(), value.double(), atol=1e-5
         )
+
+
+# ---------------------------------------------------------------------- the sum's size
+
+
+def test_a_requester_and_one_colluder_see_a_model_in_a_sum_of_two_unless_refused() -> None:
+    """A second review: the requester picks the sum's size, so the threshold's
+    bound holds only with a minimum size the contributors keep. In a sum of
+    {victim, colluder} the colluder's known model comes off and the victim's
+    is left; a victim with secagg_min_contributors 3 refuses that sum
+    (`sum_too_small`, counted against the requester)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_secagg import Federation
+
+    fed = Federation(names=["alice", "bob", "carol", "erin", "mallory"])
+    got = asyncio.run(fed.ask(["alice", "mallory"]))
+    alice = got.total_weight - fed.weights["mallory"]
+    for key, value in got.mean.items():
+        if key.endswith("num_batches_tracked"):
+            continue
+        peeled = (
+            value.double() * got.total_weight
+            - fed.weights["mallory"] * fed.states["mallory"][key].double()
+        ) / alice
+        assert torch.allclose(peeled, fed.states["alice"][key].double(), atol=1e-3)
+
+    fed = Federation(names=["alice", "bob", "carol", "erin", "mallory"])
+    fed.contributors["alice"].min_sum = 3
+    with pytest.raises(SecAggError):
+        asyncio.run(fed.ask(["alice", "mallory"]))
+    counted = {(r["node"], r["reason"]) for r in fed.network.rejections}
+    assert ("alice", "secagg_sum_too_small") in counted
+    assert asyncio.run(fed.ask(["alice", "bob", "mallory"])).contributors == [
+        "alice",
+        "bob",
+        "mallory",
+    ]
+
+
+def test_check_says_how_many_colluders_the_sums_need() -> None:
+    """`p2pfl-node check`'s lines: the fewest colluders over every sum size
+    answered (a requester picks it), with a warning at one."""
+    from p2pfl.config import FedAvgP2PParams
+    from p2pfl.config.protocols import secagg_colluders_needed, secagg_guarantee_lines
+
+    assert [secagg_colluders_needed(n, None) for n in range(2, 12)] == [
+        1,
+        2,
+        3,
+        2,
+        3,
+        4,
+        3,
+        4,
+        5,
+        4,
+    ]
+    default = FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True)
+    lines = secagg_guarantee_lines(default, roster_size=5, wanted=2)
+    assert "collude with 1 contributor(s)" in lines[0] and "WARNING" in lines[1]
+    three = FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True, secagg_min_contributors=3)
+    lines = secagg_guarantee_lines(three, roster_size=5, wanted=2)
+    assert lines == [
+        "# protocol: secure sums of 3 contributors (threshold t = 2 of 2 holders) survive 0 "
+        "dropout(s) after masking; a requester must collude with 2 contributor(s) to see a "
+        "site's model (sums of 3 to 4 answered)"
+    ]
+    assert "no secure sum can be made" in secagg_guarantee_lines(three, roster_size=3, wanted=2)[0]
+
+
+def test_the_minimum_reaches_both_sides_of_a_node() -> None:
+    """protocol.secagg_min_contributors: the sums a node asks for (max(k, m)
+    of its ranking) and the sums it answers."""
+    from p2pfl.config import FedAvgP2PParams
+    from protocols.secure_exchange import exchange_for
+
+    params = FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True, secagg_min_contributors=3)
+    exchange = exchange_for(params, ServedModels(keep=3))
+    assert isinstance(exchange, SecureExchange) and exchange.min_contributors == 3
+    network = InMemoryNetwork()
+    exchange.start(network.join("me"))
+    assert exchange.contributor is not None and exchange.contributor.min_sum == 3
+    asked: list[list[str]] = []
+
+    async def sum_of(ctx: Any, round_no: int, own: Any, chosen: list[str], **kw: Any) -> None:
+        asked.append(chosen)
+
+    exchange.sum_of = sum_of  # type: ignore[method-assign]
+    ctx = network.join("requester")
+    own = {"w": torch.zeros(2)}
+    asyncio.run(exchange.collect(ctx, 1, own, 1.0, ["a", "b", "c", "d"], k=2))
+    assert asked == [["a", "b", "c"]]

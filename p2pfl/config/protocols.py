@@ -114,6 +114,15 @@ class _SecureAggregation(_Aggregation):
         "requester that deviates; it then takes 2t - h colluding contributors to peel a model). "
         "Higher: more colluders needed, fewer dropouts tolerated (h - t)",
     )
+    secagg_min_contributors: int = Field(
+        2,
+        ge=2,
+        le=64,
+        description="the fewest contributors of a secure sum this node answers, and asks for "
+        "(it asks max(k, this)). A requester picks the sum's size: with 2, one contributor "
+        "colluding with it sees the other's model. `check` prints how many colluders and "
+        "dropouts the sums then tolerate",
+    )
     secagg_clip_norm: float | None = Field(
         None,
         gt=0,
@@ -559,3 +568,59 @@ def secagg_ring_problem(protocol: BaseModel, contributors: int) -> tuple[str, st
         if found is not None:
             return (f"{field}.secagg_clip_norm", *found)
     return None
+
+
+def secagg_least_threshold(others: int) -> int:
+    """floor(2 x others / 3) + 1: the least Shamir threshold a contributor
+    accepts over `others` share holders (protocols/secagg_messages.py
+    `least_threshold` gives the argument)."""
+    return max(1, 2 * others // 3 + 1)
+
+
+def secagg_colluders_needed(size: int, configured: int | None) -> int:
+    """How many contributors must collude with a requester to see one honest
+    model in a secure sum of `size` contributors: the sum minus theirs is one
+    model once size - 1 collude, and the two-story split of Round 3 (one group
+    of honest holders told "v stayed", another "v dropped", the colluders
+    vouching for both) needs 2t - h of the h = size - 1 holders."""
+    h = size - 1
+    t = min(h, max(secagg_least_threshold(h), configured or 0))
+    return max(1, min(size - 1, 2 * t - h))
+
+
+def secagg_guarantee_lines(protocol: BaseModel, roster_size: int, wanted: int) -> list[str]:
+    """What `check` prints for secure aggregation: the sums this node asks for
+    (`wanted` neighbours, at least its secagg_min_contributors), their
+    threshold and the dropouts they survive after masking, and the fewest
+    colluding contributors that let a requester see a model, over every sum
+    size this node answers (a requester picks the size)."""
+    lines = []
+    finetune = getattr(protocol, "finetune", None)
+    for field, params in (("protocol", protocol), ("protocol.finetune", finetune)):
+        if params is None or not getattr(params, "secure_aggregation", False):
+            continue
+        least = int(getattr(params, "secagg_min_contributors", SECAGG_MIN_SUM))
+        configured = getattr(params, "secagg_threshold", None)
+        others = max(0, roster_size - 1)
+        top = min(others, SECAGG_MAX_CONTRIBUTORS)
+        if top < least:
+            lines.append(
+                f"# {field}: WARNING secagg_min_contributors {least} > the {others} other sites: "
+                "no secure sum can be made"
+            )
+            continue
+        size = min(max(wanted, least), top)
+        h = size - 1
+        t = min(h, max(secagg_least_threshold(h), configured or 0))
+        needed = min(secagg_colluders_needed(n, configured) for n in range(least, top + 1))
+        lines.append(
+            f"# {field}: secure sums of {size} contributors (threshold t = {t} of {h} holders) "
+            f"survive {h - t} dropout(s) after masking; a requester must collude with {needed} "
+            f"contributor(s) to see a site's model (sums of {least} to {top} answered)"
+        )
+        if needed < 2:
+            lines.append(
+                f"# {field}: WARNING one colluding peer and the requester see a model: raise "
+                "secagg_min_contributors (3 or more) where the roster allows"
+            )
+    return lines

@@ -38,6 +38,7 @@ import importlib.resources
 import ipaddress
 import logging
 import os
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -76,6 +77,9 @@ STATUS_TOKEN_FILE = "status.token"  # under the state directory
 MIN_TOKEN_CHARS = 16  # as status.token
 BAD_HOST = "bad_host"
 BAD_ORIGIN = "bad_origin"
+# ASCII digits only: str.isdigit() is True for "²" and "١٢" too, which int()
+# refuses (a 500 with a traceback) or reads as 12.
+PORT_DIGITS = re.compile(r"[0-9]{1,5}")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -118,7 +122,7 @@ def _split_host(value: str) -> tuple[str, int | None] | None:
         name, port_text = value, ""
     else:
         name, _, port_text = value.partition(":")
-    if port_text and not (port_text.isdigit() and int(port_text) < 65536):
+    if port_text and not (PORT_DIGITS.fullmatch(port_text) and int(port_text) < 65536):
         return None
     name = name.rstrip(".")
     return (name, int(port_text) if port_text else None) if name else None

@@ -5,6 +5,7 @@ operator allows are answered. A real server on 127.0.0.1, in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -118,6 +119,60 @@ async def test_bound_to_every_interface_any_ip_address_is_a_host(serve: Serve) -
     for host in (REBIND, "p2pfl-a.default.svc"):
         status, _, _ = await fetch(base + "/metrics", {**AUTH, "Host": host})
         assert status == 403, host
+
+
+async def raw_get(port: int, host_header: bytes, path: str = "/status") -> tuple[int, bytes]:
+    """One GET with the Host header's bytes as given (a client library would
+    refuse to send them): (status, body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+        + b"Host: "
+        + host_header
+        + b"\r\nConnection: close\r\n\r\n"
+    )
+    answer = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body
+
+
+# Ports in digits that are not ASCII: "²".isdigit() is True but int("²") raises
+# (a 500 with a traceback, before the fix); "١٢" (Arabic-Indic) was read as 12.
+NON_ASCII_PORTS = ("localhost:\u00b2", "127.0.0.1:\u0661\u0662", "localhost:\uff18\uff10")
+
+
+async def test_a_port_in_digits_that_are_not_ascii_is_refused_like_any_bad_host(
+    serve: Serve,
+) -> None:
+    telemetry = populated_telemetry()
+    port = URL(await serve(telemetry, TOKEN)).port
+    for host in NON_ASCII_PORTS:
+        status, body = await raw_get(port, host.encode("utf-8"))
+        assert status == 403 and json.loads(body)["reason"] == "bad_host", (host, status, body)
+    assert rejected(telemetry)["bad_host"] == len(NON_ASCII_PORTS)
+    assert (await raw_get(port, b"localhost:8000"))[0] == 200
+
+
+async def test_the_relays_status_refuses_a_non_ascii_port_too(roster: Any) -> None:
+    from node.relay import RelayServer
+    from node.relay_status import create_relay_status_app
+    from p2pfl.config import RelaySettings
+
+    server = RelayServer(
+        "r1", "f", roster, RelaySettings(), max_message_bytes=1 << 20, clock_skew_s=60
+    )
+    app = create_relay_status_app(server, token=TOKEN)
+    runner, port = await start_status_server(app, "127.0.0.1", 0)
+    try:
+        for host in NON_ASCII_PORTS:
+            status, body = await raw_get(port, host.encode("utf-8"))
+            assert status == 403 and json.loads(body)["reason"] == "bad_host", (host, status)
+        assert (await raw_get(port, b"localhost:8100"))[0] == 200
+    finally:
+        await runner.cleanup()
+        await server.close()
+    assert server.snapshot()["refusals"] == {"bad_host": len(NON_ASCII_PORTS)}
 
 
 # ---- cross-origin requests ------------------------------------------------------

@@ -9,6 +9,12 @@ once, and a heartbeat whose phase is "failed" (its protocol stopped with an
 error; the node still answers for what it has) marks it failed at once: a
 failed peer is not chosen, not waited for and not counted in a quorum. A node that starts late learns everyone's round and metadata from the
 first heartbeats it receives (and it answers with its own at once).
+
+The strings a heartbeat carries are kept as short printable lines
+(p2pfl/text.py): `phase` at most MAX_PHASE_CHARS, `error` MAX_ERROR_CHARS.
+/status serialises them on every dashboard poll and the log names them: a
+64 MiB phase stalled /status for 1.5 s, and a newline in `error` forged a line
+of node.log.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pfl.config import TransportSection
+from p2pfl.text import one_line
 from protocols.base import FAILED, PeerInfo
+
+MAX_PHASE_CHARS = 64  # the longest phase a protocol sets is about half that
+MAX_ERROR_CHARS = 80  # an error's kind (DataError), not its message
 
 
 @dataclass
@@ -53,7 +63,7 @@ class PeerTable:
         round_ = heartbeat.get("round")
         info.round = round_ if isinstance(round_, int) else info.round
         phase = heartbeat.get("phase")
-        info.phase = phase if isinstance(phase, str) else info.phase
+        info.phase = one_line(phase, MAX_PHASE_CHARS) if isinstance(phase, str) else info.phase
         meta = heartbeat.get("meta")
         if isinstance(meta, dict):
             info.meta = meta
@@ -62,7 +72,7 @@ class PeerTable:
         record.said_goodbye = bool(heartbeat.get("bye", False))
         record.done = bool(heartbeat.get("done", False))
         error = heartbeat.get("error")
-        record.error = error[:80] if isinstance(error, str) else ""
+        record.error = one_line(error, MAX_ERROR_CHARS) if isinstance(error, str) else ""
 
     def state_of(self, record: PeerRecord, now: float) -> str:
         if record.heard_monotonic == 0.0:

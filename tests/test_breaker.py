@@ -109,3 +109,27 @@ async def test_a_hostile_peers_heartbeats_are_refused_or_half_open_only_its_own_
         assert client.breaker_open("peer")  # a stranger's beats are not the peer's
     finally:
         await client.close()
+
+
+async def test_a_peers_phase_and_error_are_kept_as_short_printable_lines(caplog) -> None:
+    """A roster member's heartbeat strings are stored, shown on /status and
+    logged: an 8 MiB phase is kept as 64 characters (a 64 MiB one stalled
+    /status for 1.5 s), and an error with newlines cannot write a line of the
+    log of its own (the failed-peer warning names it)."""
+    client = MessageClient(TransportSection(), None)
+    client.set_peer("peer", f"127.0.0.1:{closed_port()}")
+    m = membership(client)
+    forged = "DataError\n2026-11-27 19:30:00,000 WARNING node.daemon: me: roster reloaded"
+    try:
+        m.heard("peer", {"round": 1, "phase": "x" * (8 << 20) + "\n", "error": forged})
+        (shown,) = m.telemetry.status_json("me", "probe")["peers"]
+        assert shown["phase"] == "x" * 64 and m.peers.records["peer"].info.phase == "x" * 64
+        m.heard("peer", {"round": 2, "phase": "train\x1b[2J\u202e", "error": "E" * 500})
+        assert m.peers.records["peer"].info.phase == "train?[2J?"
+        assert m.peers.records["peer"].error == "E" * 80
+        with caplog.at_level("WARNING", logger="node.membership"):
+            m.heard("peer", {"round": 3, "phase": "failed", "error": forged})
+        (warning,) = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+        assert "\n" not in warning and "DataError?2026-11-27" in warning, warning
+    finally:
+        await client.close()

@@ -33,6 +33,7 @@ from node.relay_wire import RELAY_MESSAGE_PATH
 from node.transport import MESSAGE_PATH, ChunksPayload, RejectHook
 from p2pfl.config import TransportSection, parse_hostport
 from p2pfl.secure.wire import OutgoingMessage
+from p2pfl.text import MAX_REASON_CHARS, one_line
 
 # The most an answer to a push or a heartbeat may be: a few bytes of JSON.
 ACK_LIMIT = 64 * 1024
@@ -297,11 +298,14 @@ class MessageClient:
 
 
 def _reason_of(body: bytes) -> str | None:
+    """The `reason` of a refusal's JSON body, as one short printable line: a
+    relay or anyone on a link without TLS writes it, and it is logged."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
-    return obj.get("reason") if isinstance(obj, dict) else None
+    reason = obj.get("reason") if isinstance(obj, dict) else None
+    return one_line(reason, MAX_REASON_CHARS) if isinstance(reason, str) and reason else None
 
 
 def reason_of_response(status: int, body: bytes) -> str:

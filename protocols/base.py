@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from p2pfl.config import SiteConfig
+from p2pfl.text import MAX_REASON_CHARS, one_line
 
 # The phase of a node whose protocol stopped with an error: its peers see it
 # (heartbeats, or the in-memory network) and stop choosing and waiting for it.
@@ -23,9 +24,15 @@ FAILED = "failed"
 
 
 class PeerUnavailable(Exception):
-    """A peer did not answer (dead, partitioned, breaker open, or timed out)."""
+    """A peer did not answer (dead, partitioned, breaker open, or timed out).
+
+    The reason is often the peer's or a relay's own words (a refusal's JSON
+    `reason`), and protocols log it: kept to one printable line
+    (p2pfl/text.py), so it can neither write log lines of its own nor copy
+    megabytes into one."""
 
     def __init__(self, peer: str, reason: str) -> None:
+        reason = one_line(str(reason), MAX_REASON_CHARS)
         super().__init__(f"{peer}: {reason}")
         self.peer = peer
         self.reason = reason

@@ -79,6 +79,7 @@ from safetensors.torch import save as save_safetensors
 from torch import Tensor
 
 from p2pfl.files import atomic_write_bytes
+from p2pfl.text import shown
 from protocols.base import RoundContext
 from protocols.compression import (
     CompressionRefused,
@@ -529,7 +530,8 @@ class CompressedGradientExchange(GradientExchange):
         self, ctx: RoundContext, peer: str, reply: dict[str, Any], reference: State
     ) -> Any:
         if reply.get("format") != self.fmt.setting:
-            log.warning("%s: gradient from %s in format %r", ctx.me, peer, reply.get("format"))
+            fmt = shown(reply.get("format"))
+            log.warning("%s: gradient from %s in format %s", ctx.me, peer, fmt)
             ctx.reject(peer, "compression_mismatch")
             return None
         try:

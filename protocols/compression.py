@@ -62,6 +62,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from p2pfl.text import shown
+
 FORMAT_KEY = "$q"
 BLOCK = 256  # values per int8 scale (Dettmers et al. 2022 use 2048 for optimizer states)
 BLOCKS = frozenset({64, 128, 256, 512, 1024, 2048, 4096})  # block sizes a receiver accepts
@@ -184,14 +186,14 @@ def decompress_tensor(item: Any, shape: tuple[int, ...], kinds: frozenset[str]) 
         raise CompressionRefused("malformed", "a float entry must be a compressed map")
     kind = item.get(FORMAT_KEY)
     if kind not in kinds:
-        raise CompressionRefused("mismatch", f"{kind!r}, expected {'/'.join(sorted(kinds))}")
+        raise CompressionRefused("mismatch", f"{shown(kind)}, expected {'/'.join(sorted(kinds))}")
     declared = item.get("shape")
     if not isinstance(declared, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in declared
     ):
         raise CompressionRefused("malformed", "shape")
     if tuple(declared) != tuple(shape):
-        raise CompressionRefused("shape_mismatch", f"{declared} for {list(shape)}")
+        raise CompressionRefused("shape_mismatch", f"{declared[:8]} for {list(shape)}")
     n = math.prod(shape)
     if n >= MAX_NUMEL:
         raise CompressionRefused("size_mismatch", f"{n} entries")

@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from torch import Tensor
 
+from p2pfl.text import shown
 from protocols.base import Kept, NotReady, PeerUnavailable, RoundContext
 from protocols.checks import admit, cap_claims
 
@@ -211,7 +212,7 @@ class GradientReply(_Reply):
 
 def wrong_round(ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]) -> None:
     """A model reply whose round cannot be merged in round `round_no`: refused, counted."""
-    log.warning("%s round %d: %s sent round %r", ctx.me, round_no, peer, reply.get("round"))
+    log.warning("%s round %d: %s sent round %s", ctx.me, round_no, peer, shown(reply.get("round")))
     ctx.reject(peer, "model_wrong_round")
 
 
@@ -466,7 +467,8 @@ class GradientExchange:
             ctx.reject(peer, "grad_wrong_step")
             return None
         if parsed is None:
-            log.warning("%s %s: %s sent batch size %r", ctx.me, key, peer, reply.get("batch_size"))
+            batch = shown(reply.get("batch_size"))
+            log.warning("%s %s: %s sent batch size %s", ctx.me, key, peer, batch)
             ctx.reject(peer, "grad_bad_batch_size")
             return None
         where = f" ({round_no}, {step})"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import socket
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -252,5 +253,6 @@ def _status_token_file(site_yaml: Path, status: dict[str, Any]) -> Path | None:
         return None
     path = Path(status["token_file"])
     path = path if path.is_absolute() else site_yaml.parent / path
-    load_or_create_token(path)
+    if not os.path.lexists(path):  # one already there is the operator's (a mounted secret)
+        load_or_create_token(path)
     return path

@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
-import stat
 from pathlib import Path
 
 from aiohttp import web
@@ -38,13 +36,15 @@ from node.relay import RelayServer
 from node.resources import freeze_startup_heap
 from node.status import (
     ANY_HOST_PATHS,
-    MIN_TOKEN_CHARS,
+    OWN_TOKEN_FIX,
     STATUS_TOKEN_FILE,
     Handler,
     HostGuard,
+    TokenFileError,
     bearer_auth_middleware,
     load_or_create_token,
     start_status_server,
+    token_problem,
 )
 from node.tls import server_ssl_context
 from p2pfl.config import ConfigError, RelayConfig, parse_hostport
@@ -73,47 +73,22 @@ def relay_status_token(cfg: RelayConfig, config_path: Path | str) -> tuple[str, 
         field, path, create = "status", Path(config_path).parent / STATUS_TOKEN_FILE, True
         fix = "make the relay's folder writable, or set status.token_file"
     try:
-        if create:
-            if not os.path.lexists(path):
-                load_or_create_token(path)
-            token = _read_own_token(path, config_path)
-        else:
-            token = path.read_text("utf-8").strip()
+        if create:  # its own file: node/status.py read_own_token's checks
+            return load_or_create_token(path), path
+        token = path.read_text("utf-8").strip()
+    except TokenFileError as exc:
+        raise ConfigError(config_path, field, str(exc), OWN_TOKEN_FIX) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(config_path, field, f"cannot read {path}: {exc}", fix) from None
-    if len(token) < MIN_TOKEN_CHARS:
+    problem = token_problem(token)
+    if problem is not None:
         raise ConfigError(
             config_path,
             field,
-            f"the token in {path} has fewer than {MIN_TOKEN_CHARS} characters",
-            "write a longer random token (e.g. `head -c 32 /dev/urandom | base64`)",
+            f"the token in {path} {problem}",
+            "write a random token (e.g. `head -c 32 /dev/urandom | base64`) into it",
         )
     return token, path
-
-
-def _read_own_token(path: Path, config_path: Path | str) -> str:
-    """The token in the relay's own status.token (made 0600 by it), refused if
-    it is a link, not a plain file, or readable or writable by others: then
-    someone else made or exposed it, and it may be known. (A status.token_file
-    the operator names is theirs to keep: a mounted secret is often a link.)"""
-    fix = (
-        "delete it (the relay makes a new one), chmod 600 it if only you could read it, "
-        "or set status.token_file"
-    )
-    if path.is_symlink():
-        raise ConfigError(config_path, "status", f"{path} is a symbolic link", fix)
-    if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open
-        raise ConfigError(config_path, "status", f"{path} is not a plain file", fix)
-    # no link swapped in since (O_NOFOLLOW), nor a FIFO (O_NONBLOCK; then S_ISREG)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fh.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(config_path, "status", f"{path} is not a plain file", fix)
-        if mode & 0o077:
-            problem = f"{path} has mode {stat.S_IMODE(mode):o}: others may read the token"
-            raise ConfigError(config_path, "status", problem, fix)
-        return fh.read(4096).decode("utf-8").strip()
 
 
 def _host_guard(guard: HostGuard, server: RelayServer) -> object:

@@ -20,6 +20,13 @@ cores, and every node checks at run time:
 A registry file holds no secret: a pid, a site name and a thread count.
 Nodes of other users, or in other containers, are not seen (each container
 has its own cores budget to check against).
+
+The folder's name in <tmp> is one any local account can create first. A
+node therefore makes it 0700 and uses it only if it is a folder (not a link)
+of its own user that no one else may write; otherwise it says so once and
+runs without the registry (its own threads only on /status). Its entry is
+written with O_NOFOLLOW (p2pfl/files.py): a link planted at the name is
+refused, never written through to the file it names (STATE/status.token).
 """
 
 from __future__ import annotations
@@ -29,11 +36,14 @@ import gc
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from p2pfl.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +72,25 @@ def registry_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"p2pfl-node-{os.getuid()}"
 
 
+def private_dir_problem(path: Path) -> str | None:
+    """Make `path` (0700) unless it exists, then what makes it unfit to hold
+    this process's files: None for a folder of this user's that no one else
+    may write; else why (a link, not a folder, another owner, writable by
+    others), since whoever controls it controls what is written there."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(parents=True, mode=0o700)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder"
+    if info.st_uid != os.getuid():
+        return f"it belongs to uid {info.st_uid}, not to this user (uid {os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"it has mode {stat.S_IMODE(info.st_mode):o}: others may write it"
+    return None
+
+
 def _process_started(pid: int) -> float | None:
     """The start time of process `pid` (None when it is gone)."""
     try:
@@ -81,29 +110,45 @@ class HostThreads:
     directory: Path
     cores: int
     warned: bool = False
+    usable: bool = True  # False: the folder is not this user's alone; not used
 
     @property
     def path(self) -> Path:
         return self.directory / f"{os.getpid()}.json"
 
-    def register(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    def register(self) -> bool:
+        """Write this node's entry; False (said once in the log) when the folder
+        is not fit for it (`private_dir_problem`): the node runs without it."""
+        problem = private_dir_problem(self.directory)
+        if problem is not None:
+            self.usable = False
+            log.warning(
+                "%s: not using the thread registry %s: %s — other nodes on this host are "
+                "not counted; remove it, or set XDG_RUNTIME_DIR to a folder of this user's",
+                self.name,
+                self.directory,
+                problem,
+            )
+            return False
         entry = {
             "pid": os.getpid(),
             "name": self.name,
             "threads": self.threads,
             "started": _process_started(os.getpid()) or time.time(),
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entry))
-        tmp.replace(self.path)
+        atomic_write_bytes(self.path, json.dumps(entry).encode(), mode=0o600)
+        return True
 
     def unregister(self) -> None:
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        if self.usable:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
     def others(self) -> list[dict[str, Any]]:
-        """The other live nodes registered on this host (stale files pruned)."""
+        """The other live nodes registered on this host (stale files pruned);
+        none when the folder is not this user's alone."""
+        if not self.usable:
+            return []
         found = []
         for path in sorted(self.directory.glob("*.json")):
             try:

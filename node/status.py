@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 CROSS_SITE = frozenset({"cross-site", "same-site"})
 STATUS_TOKEN_FILE = "status.token"  # under the state directory
 MIN_TOKEN_CHARS = 16  # as status.token
+MAX_TOKEN_CHARS = 512
+TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no whitespace
 BAD_HOST = "bad_host"
 BAD_ORIGIN = "bad_origin"
 # ASCII digits only: str.isdigit() is True for "²" and "١٢" too, which int()
@@ -211,13 +214,68 @@ def host_guard_middleware(
 # ----------------------------------------------------------------------------- token
 
 
+class TokenFileError(Exception):
+    """A token file this process keeps itself that it will not use: the
+    message says what is wrong with it."""
+
+
+OWN_TOKEN_FIX = (
+    "delete it (a new one is made at the next start), chmod 600 it if only you could "
+    "read it, or set status.token_file"
+)
+
+
+def token_problem(token: str) -> str | None:
+    """What makes `token` no plausible bearer token (None: nothing): a token
+    is 16 to 512 printable ASCII characters without whitespace, as
+    `secrets.token_urlsafe` and base64 write them."""
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"has fewer than {MIN_TOKEN_CHARS} characters"
+    if len(token) > MAX_TOKEN_CHARS:
+        return f"has more than {MAX_TOKEN_CHARS} characters"
+    if not TOKEN_TEXT.fullmatch(token):
+        return "holds characters other than printable ASCII without whitespace"
+    return None
+
+
+def read_own_token(path: Path) -> str:
+    """The token in a file this process made (0600) and keeps itself (a node's
+    STATE/status.token, a relay's status.token): refused (TokenFileError) if
+    it is a link, not a plain file, readable or writable by others, or holds
+    no plausible token: then someone else made, replaced or exposed it, and
+    the token may be known. (A status.token_file the operator names is theirs
+    to keep: a mounted secret is often a link.)"""
+    if path.is_symlink():
+        raise TokenFileError(f"{path} is a symbolic link")
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open
+        raise TokenFileError(f"{path} is not a plain file")
+    # no link swapped in since (O_NOFOLLOW), nor a FIFO (O_NONBLOCK; then S_ISREG)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise TokenFileError(f"{path} is not a plain file")
+        if mode & 0o077:
+            raise TokenFileError(f"{path} has mode {stat.S_IMODE(mode):o}: others may read it")
+        raw = fh.read(2 * MAX_TOKEN_CHARS)
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise TokenFileError(f"the token in {path} is not ASCII text") from None
+    problem = token_problem(token)
+    if problem is not None:
+        raise TokenFileError(f"the token in {path} {problem}")
+    return token
+
+
 def load_or_create_token(path: Path) -> str:
-    """The token kept in `path`, created (random, 0600) the first time. Two
-    processes starting at once on one folder get the same token: the file is
-    created only where absent, never replaced (p2pfl/files.py create_exclusive)."""
+    """The token kept in `path`, created (random, 0600) the first time, and
+    read back as `read_own_token` reads it. Two processes starting at once on
+    one folder get the same token: the file is created only where absent,
+    never replaced (p2pfl/files.py create_exclusive)."""
     if not os.path.lexists(path):
         create_exclusive(path, (secrets.token_urlsafe(32) + "\n").encode(), mode=0o600)
-    return path.read_text(encoding="utf-8").strip()
+    return read_own_token(path)
 
 
 def status_token(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
@@ -236,21 +294,23 @@ def status_token(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
     else:
         field, path = "node.state_dir", Path(cfg.node.state_dir) / STATUS_TOKEN_FILE
         try:
-            token = load_or_create_token(path)
-        except (OSError, UnicodeDecodeError) as exc:
+            return load_or_create_token(path)
+        except TokenFileError as exc:
+            raise ConfigError(config_path, field, str(exc), OWN_TOKEN_FIX) from None
+        except OSError as exc:
             raise ConfigError(
                 config_path,
                 field,
                 f"cannot keep the status token in {path}: {exc}",
                 "make the state directory writable, or set status.token_file",
             ) from None
-    if len(token) < MIN_TOKEN_CHARS:
+    problem = token_problem(token)
+    if problem is not None:
         raise ConfigError(
             config_path,
             field,
-            f"the status token in {path} has fewer than {MIN_TOKEN_CHARS} characters",
-            "write a longer random token (e.g. `head -c 32 /dev/urandom | base64`) or delete "
-            "STATE/status.token to let the node create one",
+            f"the status token in {path} {problem}",
+            "write a random token (e.g. `head -c 32 /dev/urandom | base64`) into it",
         )
     return token
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,79 @@ def test_the_registry_ignores_gone_and_reused_pids(tmp_path: Path) -> None:
     assert not (tmp_path / "999999.json").exists()  # pruned
     me.unregister()
     assert not me.path.exists()
+
+
+def _hostile_registry(tmp_path: Path, kind: str) -> Path:
+    """A registry folder another local account controls, as /tmp/p2pfl-node-<uid>
+    can be (any account may create that name first)."""
+    if kind == "owned_by_another_user":
+        if os.geteuid() != 0:
+            pytest.skip("making a folder of another user's needs root")
+        import pwd
+
+        folder = tmp_path / "theirs"
+        folder.mkdir(mode=0o755)
+        nobody = pwd.getpwnam("nobody")
+        os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+        return folder
+    if kind == "world_writable":
+        folder = tmp_path / "open"
+        folder.mkdir()
+        folder.chmod(0o777)  # no sticky bit: fs.protected_symlinks does not apply
+        return folder
+    (tmp_path / "target").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    return tmp_path / "link"
+
+
+@pytest.mark.parametrize("kind", ["world_writable", "owned_by_another_user", "a_symbolic_link"])
+def test_a_registry_folder_others_control_is_not_used_nor_written_through(
+    tmp_path: Path, kind: str, caplog
+) -> None:
+    """The review's attack: links planted in the registry folder at the names
+    a node writes made it overwrite a file of the attacker's choosing (its
+    status token). Such a folder is refused, said once, and the node goes on
+    without it: no file written, none read, none removed."""
+    victim = tmp_path / "status.token"
+    victim.write_text("SECRET-TOKEN-kept-0600\n")
+    victim.chmod(0o600)
+    folder = _hostile_registry(tmp_path, kind)
+    real = folder.resolve()
+    for name in (f"{os.getpid()}.tmp", f".{os.getpid()}.json.tmp", f"{os.getpid()}.json"):
+        os.symlink(victim, real / name)
+    (real / f"{os.getppid()}.json").write_text(  # an entry the check must not read
+        json.dumps({"pid": os.getppid(), "name": "planted", "threads": 64, "started": 1.0})
+    )
+    before = sorted(p.name for p in real.iterdir())
+    me = HostThreads("a", 2, folder, cores=4)
+    with caplog.at_level("WARNING", logger="node.resources"):
+        assert me.register() is False
+        report = me.check()
+        me.unregister()
+    assert victim.read_text() == "SECRET-TOKEN-kept-0600\n"
+    assert sorted(p.name for p in real.iterdir()) == before
+    assert report["nodes_on_host"] == 1 and report["threads_on_host"] == 2
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "not using the thread registry" in warning and str(folder) in warning
+
+
+def test_the_registry_folder_is_made_private_and_its_entry_written_without_following_links(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "p2pfl-node-test"
+    me = HostThreads("a", 2, folder, cores=4)
+    assert me.register() is True
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(me.path.stat().st_mode) == 0o600
+    me.unregister()
+    # a link at the temporary name (made by this user's own mistake, or before
+    # the folder was checked) is refused, never written through
+    victim = tmp_path / "victim"
+    victim.write_text("kept")
+    (folder / f".{os.getpid()}.json.tmp").symlink_to(victim)
+    with pytest.raises(OSError):
+        me.register()
+    assert victim.read_text() == "kept"
 
 
 def _federation(tmp_path: Path, threads: int | None):

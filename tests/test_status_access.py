@@ -257,6 +257,60 @@ def test_a_configured_token_wins_and_a_short_or_missing_token_file_is_a_config_e
         status_token(site_config(tmp_path, token_file="absent"))
 
 
+def _planted_token(path: Path, how: str) -> None:
+    """STATE/status.token as someone else could have left it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if how == "a_symbolic_link":
+        elsewhere = path.parent.parent / "planted.token"
+        elsewhere.write_text("p" * 43 + "\n")
+        elsewhere.chmod(0o600)
+        path.symlink_to(elsewhere)
+        return
+    content = {
+        "readable_by_others": "t" * 43,
+        "whitespace_inside": "t" * 20 + " " + "t" * 20,
+        "control_characters": "t" * 20 + "\x1b[2J" + "t" * 20,
+        "too_long": "t" * 513,
+        "too_short": "t" * 15,
+        "not_ascii": "t" * 20 + "\u00e9" * 10,
+    }[how]
+    path.write_bytes(content.encode() + b"\n")
+    path.chmod(0o644 if how == "readable_by_others" else 0o600)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "a_symbolic_link",
+        "readable_by_others",
+        "whitespace_inside",
+        "control_characters",
+        "too_long",
+        "too_short",
+        "not_ascii",
+    ],
+)
+def test_a_state_token_file_someone_else_made_or_exposed_is_refused(tmp_path: Path, how: str):
+    """STATE/status.token was read whatever it was: a link to a token whoever
+    made it knows, a file others may read, or text no node ever writes. Now
+    refused at start with what to do (the relay's own file is read the same
+    way: node/status.py read_own_token)."""
+    from node.status import load_or_create_token, status_token
+    from p2pfl.config import ConfigError
+
+    path = tmp_path / "state" / "status.token"
+    _planted_token(path, how)
+    with pytest.raises(ConfigError, match="node.state_dir: .*status.token") as caught:
+        status_token(site_config(tmp_path))
+    message = str(caught.value)
+    assert "chmod 600" in message and "delete it" in message, message
+    assert "t" * 20 not in message and "p" * 20 not in message  # the token is not shown
+    if how != "a_symbolic_link":
+        path.unlink()
+        made = load_or_create_token(path)  # deleted: a fresh one is made and read back
+        assert status_token(site_config(tmp_path)) == made
+
+
 def test_the_dashboard_url_carries_the_token_in_its_fragment() -> None:
     from node.status import dashboard_url
 

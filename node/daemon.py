@@ -43,7 +43,13 @@ from node.resources import (
     freeze_startup_heap,
     registry_dir,
 )
-from node.status import config_status_app, dashboard_url, start_status_server
+from node.status import (
+    config_status_app,
+    dashboard_banner,
+    dashboard_url,
+    start_status_server,
+    token_location,
+)
 from node.telemetry import Telemetry
 from node.tls import client_ssl_context, server_ssl_context
 from node.transport import MessageServer
@@ -235,15 +241,23 @@ class Node:
                 raise UserError(
                     f"status.port {self.cfg.status.port}: cannot bind ({exc.strerror}) — choose another port or set status.enabled: false"
                 ) from None
-            # The token goes to the operator's terminal (stderr) only, never to
-            # node.log, which other local accounts may be able to read.
-            url = dashboard_url(self.cfg.status.host, self.status_port, token)
-            print(f"{self.name}: dashboard {url}", file=sys.stderr, flush=True)
+            # The token goes to the operator's terminal only, never to node.log
+            # nor to a stderr that is the journal or a log collector.
+            where = token_location(self.cfg, self.config_path or "<config>")
+            banner = dashboard_banner(
+                self.name,
+                self.cfg.status.host,
+                self.status_port,
+                token,
+                where,
+                terminal=_is_terminal(sys.stderr),
+            )
+            print(banner, file=sys.stderr, flush=True)
             log.info(
-                "%s: dashboard %s (token in %s or the status settings)",
+                "%s: dashboard %s (token in %s)",
                 self.name,
                 dashboard_url(self.cfg.status.host, self.status_port, None),
-                self.state_dir / "status.token",
+                where,
             )
         if self.relays.start_tunnels(self.server if self.peer_port is not None else None):
             self._spawn(self._watch_relays(), "relays")
@@ -414,6 +428,14 @@ def uncapped_peers(cfg: SiteConfig, roster: Roster) -> list[str]:
     return sorted(
         c.name for c in roster.cards() if c.name != cfg.node.name and c.max_samples is None
     )
+
+
+def _is_terminal(stream: Any) -> bool:
+    """True when `stream` is a terminal (closed or missing: not one)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _now() -> float:

@@ -322,6 +322,27 @@ def dashboard_url(host: str, port: int, token: str | None) -> str:
     return f"http://{shown}:{port}/" + (f"#token={token}" if token else "")
 
 
+def token_location(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
+    """Where a site's status token is, in words: never the token itself."""
+    if cfg.status.token:
+        return f"status.token in {config_path}"
+    if cfg.status.token_file:
+        return str(cfg.status.token_file)
+    return f"{Path(cfg.node.state_dir) / STATUS_TOKEN_FILE} (readable by this user only)"
+
+
+def dashboard_banner(
+    name: str, host: str, port: int, token: str, where: str, *, terminal: bool
+) -> str:
+    """The line a node prints on stderr at start. With the token in the URL
+    only when stderr is a terminal (an operator opens it from there): under
+    systemd, docker or Kubernetes stderr goes to the journal and to log
+    collectors, which others read; there the line says where the token is."""
+    if terminal:
+        return f"{name}: dashboard {dashboard_url(host, port, token)}"
+    return f"{name}: dashboard {dashboard_url(host, port, None)} (token in {where})"
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 

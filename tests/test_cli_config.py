@@ -129,6 +129,17 @@ def edit(path: Path, fn) -> Path:
     return path
 
 
+def test_check_does_not_print_an_inline_status_token(federation, capsys):
+    """`p2pfl-node check` printed the whole config, an inline status.token in
+    clear: its output goes to terminals, CI logs and support tickets."""
+    token = "inline-status-token-0123456789abcdef"
+    path = edit(federation / "a" / "site.yaml", lambda d: d["status"].update(token=token))
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert token not in out
+    assert yaml.safe_load(out.split("# ")[0])["status"]["token"] == "<set: not shown>"
+
+
 BAD = {
     "unknown_key": (lambda d: d["node"].update(colour="red"), "node.colour", "unknown key"),
     "wrong_type": (lambda d: d["training"].update(epochs="many"), "training.epochs", "integer"),

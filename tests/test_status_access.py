@@ -319,6 +319,49 @@ def test_the_dashboard_url_carries_the_token_in_its_fragment() -> None:
     assert dashboard_url("127.0.0.1", 8002, None) == "http://127.0.0.1:8002/"
 
 
+def test_the_dashboard_banner_has_the_token_only_for_a_terminal() -> None:
+    from node.status import dashboard_banner
+
+    where = "state/status.token (readable by this user only)"
+    on_tty = dashboard_banner("a", "0.0.0.0", 8000, "abc" * 8, where, terminal=True)
+    assert on_tty == f"a: dashboard http://127.0.0.1:8000/#token={'abc' * 8}"
+    logged = dashboard_banner("a", "0.0.0.0", 8000, "abc" * 8, where, terminal=False)
+    assert logged == f"a: dashboard http://127.0.0.1:8000/ (token in {where})"
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["journal", "terminal"])
+def test_a_node_prints_its_status_token_only_to_a_terminal(
+    tmp_path: Path, capsys, monkeypatch, terminal: bool
+) -> None:
+    """The node printed `dashboard http://...#token=...` to stderr whatever it
+    was: under systemd, docker or Kubernetes that is the journal or a log
+    collector, which others read. A real node (in this process; its stderr
+    is not a terminal unless the test says so) prints the token to a terminal
+    only, and otherwise where the token is."""
+    from inproc_util import InProcessFederation
+
+    import node.daemon
+    from node.provision import provision
+
+    monkeypatch.setattr(node.daemon, "_is_terminal", lambda stream: terminal)
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "probe", "rounds": 1},
+        overrides={"node": {"startup_wait_s": 1}},
+        per_site={"a": {"status": {"token_file": None}}},
+    )
+    with InProcessFederation(plans[:1]):
+        pass
+    token_file = plans[0].config_path.parent / "state" / "status.token"
+    token = token_file.read_text().strip()
+    printed = capsys.readouterr().err
+    assert (token in printed) is terminal, printed
+    assert f"dashboard http://127.0.0.1:{plans[0].status_port}/" in printed
+    if not terminal:
+        assert f"(token in {token_file} (readable by this user only))" in printed
+
+
 def _token_in_child(path: str, barrier: Any, out: Any) -> None:
     from node.status import load_or_create_token
 

@@ -345,5 +345,15 @@ def config_schema() -> dict[str, Any]:
     return SiteConfig.model_json_schema()
 
 
+# What `p2pfl-node check` shows in place of an inline status token.
+MASKED = "<set: not shown>"
+
+
 def dump_config(cfg: SiteConfig) -> str:
-    return yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False)
+    """The config as YAML, for a person to read. An inline status.token is
+    masked: this goes to terminals, CI logs and support tickets, and the
+    token opens the status endpoint."""
+    data = json.loads(cfg.model_dump_json())
+    if data["status"].get("token"):
+        data["status"]["token"] = MASKED
+    return yaml.safe_dump(data, sort_keys=False)

@@ -29,7 +29,8 @@ from pathlib import Path
 from aiohttp import web
 
 from node.faults import FaultPlan
-from node.logsetup import JsonFormatter, quiet_http_parser_refusals
+from node.listen import ConnectionGate, bound_port, serve_app
+from node.logsetup import JsonFormatter, quiet_network_noise
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.prometheus import Exposition
 from node.relay import RelayServer
@@ -47,6 +48,7 @@ from node.status import (
     token_problem,
 )
 from node.tls import server_ssl_context
+from node.transport import SERVER_KEEPALIVE_S
 from p2pfl.config import ConfigError, RelayConfig, parse_hostport
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import IdentityError, Roster
@@ -230,19 +232,27 @@ class RelayProcess:
         ssl_context = server_ssl_context(str(tls.cert), str(tls.key), str(tls.ca)) if tls else None
         app = web.Application(client_max_size=cfg.wire.max_message_bytes)
         self.server.add_routes(app)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
+        # as a site's peer port: a cap, a header deadline, a short keep-alive (node/listen.py)
+        gate = ConnectionGate(
+            cfg.transport.max_connections, cfg.relay.read_idle_timeout_s, self.server._count
+        )
         try:
-            await web.TCPSite(
-                self._runner, host, port, ssl_context=ssl_context, backlog=512
-            ).start()
+            self._runner = await serve_app(
+                app,
+                host,
+                port,
+                gate=gate,
+                keepalive_s=SERVER_KEEPALIVE_S,
+                ssl_context=ssl_context,
+                backlog=512,
+                handler_cancellation=True,
+            )
         except OSError as exc:
-            await self._runner.cleanup()
             raise UserError(
                 f"{self.config_path}: relay.listen {cfg.relay.listen}: cannot bind "
                 f"({exc.strerror}) — stop the process using that port or choose another one"
             ) from None
-        self.port = next((int(a[1]) for a in self._runner.addresses if isinstance(a, tuple)), port)
+        self.port = bound_port(self._runner, port)
         scheme = "https" if ssl_context else "http"
         via = [c.name for c in self.server.roster.cards() if cfg.relay.name in c.via]
         log.info(
@@ -263,7 +273,7 @@ class RelayProcess:
             )
             try:
                 self._status_runner, self.status_port = await start_status_server(
-                    status_app, cfg.status.host, cfg.status.port
+                    status_app, cfg.status.host, cfg.status.port, on_refused=self.server._count
                 )
             except OSError as exc:
                 await self.stop()
@@ -322,8 +332,7 @@ def configure_relay_logging(cfg: RelayConfig, level: str | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(fmt)
     root.addHandler(handler)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    logging.getLogger("aiohttp.server").addFilter(quiet_http_parser_refusals)
+    quiet_network_noise()
 
 
 def serve_relay(cfg: RelayConfig, config_path: Path | str, level: str | None = None) -> int:

@@ -29,6 +29,11 @@ Origin is not the Host it was sent to, or that the browser marks cross-site
 (Sec-Fetch-Site). Both refusals are counted with the message rejections.
 /healthz stays open to any Host and needs no token: probes send the pod's IP
 or a Service name, and its answer is the constant "ok".
+
+The port holds at most STATUS_MAX_CONNECTIONS connections, each closed when
+its request's headers take longer than STATUS_HEADER_TIMEOUT_S or it idles
+STATUS_KEEPALIVE_S (node/listen.py; counted as rejections too): silent
+connections held the node's file descriptors for an hour before.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from typing import Any
 from aiohttp import web
 from yarl import URL
 
+from node.listen import ConnectionGate, bound_port, serve_app
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.telemetry import Telemetry
 from p2pfl.config import ConfigError, SiteConfig, is_loopback
@@ -80,6 +86,11 @@ MAX_TOKEN_CHARS = 512
 TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no whitespace
 BAD_HOST = "bad_host"
 BAD_ORIGIN = "bad_origin"
+# Connections to the status port (node/listen.py): a dashboard polls every 2 s
+# on one or two, Prometheus scrapes on one.
+STATUS_MAX_CONNECTIONS = 64
+STATUS_HEADER_TIMEOUT_S = 10.0
+STATUS_KEEPALIVE_S = 15.0
 # ASCII digits only: str.isdigit() is True for "²" and "١٢" too, which int()
 # refuses (a 500 with a traceback) or reads as 12.
 PORT_DIGITS = re.compile(r"[0-9]{1,5}")
@@ -459,30 +470,34 @@ def config_status_app(
 
 
 async def start_status_server(
-    app: web.Application, host: str, port: int
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    on_refused: Callable[[str], None] | None = None,
+    max_connections: int = STATUS_MAX_CONNECTIONS,
+    header_timeout_s: float = STATUS_HEADER_TIMEOUT_S,
+    keepalive_s: float = STATUS_KEEPALIVE_S,
 ) -> tuple[web.AppRunner, int]:
     """Serve `app` on host:port (0 = any free port); returns the runner and the bound port.
 
-    Refuses a non-loopback address without a token (config.StatusSection checks
-    the same; this is the second lock on the door). Stop with `await runner.cleanup()`.
+    At most `max_connections` at once, each closed when its request's headers
+    take longer than `header_timeout_s` or it idles `keepalive_s`
+    (node/listen.py); a connection refused so is counted by `on_refused`
+    (default: the app's telemetry, as its other refusals). Refuses a
+    non-loopback address without a token (config.StatusSection checks the
+    same; this is the second lock on the door). Stop with `await runner.cleanup()`.
     """
     if not is_loopback(host) and not app.get(TOKEN_REQUIRED_KEY, False):
         raise ValueError(
             f"status endpoint on non-loopback address {host!r} needs a bearer token; "
             "create the app with token=... or bind to 127.0.0.1"
         )
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
-    bound_port = port
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            bound_port = int(address[1])
-            break
-    logger.info("status endpoint listening on http://%s:%d/", host, bound_port)
-    return runner, bound_port
+    if on_refused is None:
+        telemetry = app.get(TELEMETRY_KEY)
+        on_refused = telemetry.record_rejection if telemetry is not None else lambda reason: None
+    gate = ConnectionGate(max_connections, header_timeout_s, on_refused)
+    runner = await serve_app(app, host, port, gate=gate, keepalive_s=keepalive_s)
+    port = bound_port(runner, port)
+    logger.info("status endpoint listening on http://%s:%d/", host, port)
+    return runner, port

@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.payload import Payload
 
 from node.link import Uplink, uplink_for
+from node.listen import ConnectionGate, bound_port, serve_app
 from p2pfl.config import TransportSection
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 
 MESSAGE_PATH = "/p2pfl/v1/message"
 READ_CHUNK = 1 << 20
+# How long a client keeps an idle connection to a peer (node/transport_client.py),
+# and a server (10 s more: a server that closes first races a request the
+# client sends on it, which then fails and is retried).
+CLIENT_KEEPALIVE_S = 30.0
+SERVER_KEEPALIVE_S = CLIENT_KEEPALIVE_S + 10.0
 
 # HTTP status per rejection reason (4xx: the sender's problem, do not retry blindly).
 STATUS_FOR_REASON = {
@@ -231,15 +237,25 @@ class MessageServer:
         return app
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> int:
-        self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context, backlog=512)
-        await site.start()
-        for address in self.runner.addresses:
-            if isinstance(address, tuple):
-                self.port = int(address[1])
-                break
-        return self.port or port
+        """Listen: at most transport.max_connections at once, each with
+        read_idle_timeout_s to send its request's headers (node/listen.py)."""
+        gate = ConnectionGate(
+            self.cfg.max_connections,
+            self.cfg.read_idle_timeout_s,
+            lambda reason: self.on_reject(reason, None),
+        )
+        self.runner = await serve_app(
+            self.app(),
+            host,
+            port,
+            gate=gate,
+            keepalive_s=SERVER_KEEPALIVE_S,
+            ssl_context=ssl_context,
+            backlog=512,
+            handler_cancellation=True,
+        )
+        self.port = bound_port(self.runner, port)
+        return self.port
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -30,7 +30,7 @@ import aiohttp
 
 from node.link import Uplink, uplink_for
 from node.relay_wire import RELAY_MESSAGE_PATH
-from node.transport import MESSAGE_PATH, ChunksPayload, RejectHook
+from node.transport import CLIENT_KEEPALIVE_S, MESSAGE_PATH, ChunksPayload, RejectHook
 from p2pfl.config import TransportSection, parse_hostport
 from p2pfl.secure.wire import OutgoingMessage
 from p2pfl.text import MAX_REASON_CHARS, one_line
@@ -168,7 +168,7 @@ class MessageClient:
                 limit=64,
                 limit_per_host=8,
                 ssl=self.ssl_context if self.ssl_context is not None else False,
-                keepalive_timeout=30,
+                keepalive_timeout=CLIENT_KEEPALIVE_S,
             )
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         return self._session

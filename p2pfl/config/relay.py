@@ -132,6 +132,13 @@ class RelayWireSection(Section):
 
 
 class RelayTransportSection(Section):
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="connections relay.listen holds at once (at most half the process's "
+        "file-descriptor limit); one more is closed at once (connection_limit). A site's "
+        "WebSocket is one, a sender opens up to 8",
+    )
     tls: TLSSection | None = Field(
         None,
         description="mutual TLS with the federation's CA (as the sites'): the relay then "

@@ -453,6 +453,13 @@ class TransportSection(Section):
     max_held_per_peer: int = Field(
         16, ge=1, description="requests one peer may have held open at once; more are refused"
     )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        description="connections the peer port holds at once (at most half the process's "
+        "file-descriptor limit); one more is closed at once (connection_limit). A peer opens "
+        "up to 8",
+    )
     min_upload_bytes_per_s: float = Field(
         65536.0,
         gt=0,

@@ -12,20 +12,21 @@ process's limit the node could no longer write its checkpoints nor answer
 - at most `limit` connections at once (`ConnectionGate`, never more than half
   the process's descriptor limit). One more takes the place of the connection
   that has waited longest for its first request's headers, or, when every
-  place holds a request, a keep-alive connection or a TLS handshake, it is
-  closed as soon as it is accepted; either is counted `connection_limit`;
+  place holds a request or a keep-alive connection, it is closed as soon as
+  it is made; either is counted `connection_limit`;
 - a connection must deliver its first request's headers within
-  `header_timeout_s` of being accepted (a TLS handshake included), else it is
-  closed, counted `headers_too_slow`;
+  `header_timeout_s`, else it is closed, counted `headers_too_slow`;
 - an idle keep-alive connection is closed after `keepalive_s`, and so is one
   that starts a next request and does not finish its headers by then
   (aiohttp's keep-alive timer). A request's body has its own limits
   (node/transport.py); a request being answered, a request held open and a
   relay's WebSocket are not idle.
 
-The gate counts from the accept, before a TLS handshake: a handshake that
-never ends is given up after `header_timeout_s` (ssl_handshake_timeout), and
-its place freed then.
+With TLS, a connection counts (and its header deadline runs) from the end of
+its handshake: a handshake that fails tells the application nothing, so one
+counted from the accept would hold a place until its deadline, and a
+stranger's failed handshakes could keep the port full. A handshake itself is
+given `header_timeout_s` (asyncio's default is 60 s).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def descriptor_budget(limit: int) -> int:
 
 class ConnectionGate:
     """At most `limit` connections at once on one port, each given
-    `header_timeout_s` from its accept to deliver its first request's headers;
-    beyond either it is closed, and `on_refused(reason)` counts it."""
+    `header_timeout_s` to deliver its first request's headers; beyond either
+    it is closed, and `on_refused(reason)` counts it."""
 
     def __init__(
         self, limit: int, header_timeout_s: float, on_refused: Callable[[str], None]
@@ -63,8 +64,8 @@ class ConnectionGate:
         self.header_timeout_s = header_timeout_s
         self.on_refused = on_refused
         self.open = 0
-        # aiohttp's handler of each open connection -> its _Gated, until its
-        # first request's headers are in
+        # aiohttp's handler of each counted connection still waiting for its
+        # first request's headers -> its _Gated, oldest first
         self._waiting: dict[Any, _Gated] = {}
 
     def serve(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
@@ -79,43 +80,34 @@ class ConnectionGate:
             return make_request(message, payload, protocol, *args)
 
         server.request_factory = request_factory  # read by each handler it makes
+        return lambda: _Gated(self, server())
 
-        def factory() -> asyncio.Protocol:
-            if self.open >= self.limit and not self._evict_oldest():
-                self.on_refused(CONNECTION_LIMIT)
-                return _Refused()
-            handler = server()
-            gated = _Gated(self, handler)
-            self._waiting[handler] = gated
-            return gated
-
-        return factory
+    def admit(self, gated: _Gated) -> bool:
+        """Count a connection just made (after its TLS handshake, if any); False
+        when the port is full and no connection gives up its place to it."""
+        if self.open >= self.limit and not self._evict_oldest():
+            self.on_refused(CONNECTION_LIMIT)
+            return False
+        self.open += 1
+        self._waiting[gated.inner] = gated
+        return True
 
     def _evict_oldest(self) -> bool:
         """Make room for a new connection by closing the one that has waited
         longest for its first request's headers: an honest client sends them
         at once, so a flood of connections that send nothing pushes out its
-        own, not theirs. False when every place is taken by a request, a
-        keep-alive connection or a TLS handshake (its socket is not this
-        gate's to close: asyncio gives it up at the deadline)."""
-        for gated in self._waiting.values():
-            if gated.transport is not None and gated.counted:
-                self.on_refused(CONNECTION_LIMIT)
-                gated.transport.abort()
-                gated._uncount()  # its place is the new connection's
-                return True
-        return False
+        own, not theirs. False when every place holds a request or a
+        keep-alive connection."""
+        oldest = next(iter(self._waiting.values()), None)
+        if oldest is None:
+            return False
+        self.on_refused(CONNECTION_LIMIT)
+        oldest.close()
+        return True
 
-    def _release(self, gated: _Gated) -> None:
+    def release(self, gated: _Gated) -> None:
         self._waiting.pop(gated.inner, None)
         self.open -= 1
-
-
-class _Refused(asyncio.Protocol):
-    """A connection beyond the limit: closed at once, nothing read."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()  # type: ignore[attr-defined]
 
 
 class _Gated(asyncio.Protocol):
@@ -127,12 +119,21 @@ class _Gated(asyncio.Protocol):
         self.gate = gate
         self.inner = inner
         self.transport: asyncio.Transport | None = None
-        self.made = False  # aiohttp's protocol was told of the connection
+        self.counted = False  # holds one of the gate's places
+        self.told = False  # aiohttp's protocol was told of the connection
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        if not self.gate.admit(self):
+            transport.abort()  # type: ignore[attr-defined]
+            return
         self.counted = True
-        gate.open += 1
-        self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            gate.header_timeout_s, self._too_slow
+        self.timer = asyncio.get_running_loop().call_later(
+            self.gate.header_timeout_s, self._too_slow
         )
+        self.told = True
+        self.inner.connection_made(transport)
 
     def headers_in(self) -> None:
         if self.timer is not None:
@@ -142,28 +143,24 @@ class _Gated(asyncio.Protocol):
     def _too_slow(self) -> None:
         self.timer = None
         self.gate.on_refused(HEADERS_TOO_SLOW)
-        if self.transport is not None:
-            self.transport.abort()  # connection_lost frees its place
-        else:  # a TLS handshake still going on: asyncio gives it up at this deadline too
-            self._uncount()
+        self.close()
 
-    def _uncount(self) -> None:
+    def close(self) -> None:
+        """Abort the connection and give its place up now (its connection_lost
+        comes later)."""
+        self.headers_in()
         if self.counted:
             self.counted = False
-            self.gate._release(self)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        if not self.counted:  # its handshake ended after its deadline
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        self.made = True
-        self.inner.connection_made(transport)
+            self.gate.release(self)
+        if self.transport is not None:
+            self.transport.abort()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.headers_in()
-        self._uncount()
-        if self.made:
+        if self.counted:
+            self.counted = False
+            self.gate.release(self)
+        if self.told:
             self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

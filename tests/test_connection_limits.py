@@ -229,3 +229,54 @@ def test_a_port_never_holds_more_than_half_the_descriptor_limit(limit: int) -> N
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     gate = ConnectionGate(limit, 1.0, lambda reason: None)
     assert gate.limit == (limit if soft == resource.RLIM_INFINITY else min(limit, soft // 2))
+
+
+async def test_with_tls_failed_and_stalled_handshakes_hold_no_place(codecs, tmp_path) -> None:
+    """A handshake that fails tells the server's application nothing: counted
+    from the accept, 20 strangers' failed handshakes would have held every
+    place of a 4-connection port until their deadline. Counted from the
+    handshake's end, they hold none: peers with certificates still get all 4.
+    A handshake that never goes on is given up at the header deadline
+    (asyncio's own default: 60 s)."""
+    import ssl
+
+    from test_tls import make_pki
+
+    from node.tls import client_ssl_context, server_ssl_context
+
+    make_pki(tmp_path, ["alice", "bob"])
+    pki = {n: str(tmp_path / n) for n in ("alice.crt", "alice.key", "bob.crt", "bob.key", "ca.pem")}
+    refused: list[str] = []
+    cfg = TransportSection(max_connections=4, read_idle_timeout_s=1.0)
+    server = MessageServer(codecs["alice"], cfg, None, lambda reason, who: refused.append(reason))
+    ssl_context = server_ssl_context(pki["alice.crt"], pki["alice.key"], pki["ca.pem"])
+    port = await server.start("127.0.0.1", 0, ssl_context)
+    stranger = ssl.create_default_context(cafile=pki["ca.pem"])  # no certificate of its own
+    peer = client_ssl_context(pki["bob.crt"], pki["bob.key"], pki["ca.pem"])
+    writers = []
+    try:
+        for _ in range(20):
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=stranger)
+                writer.write(HALF_A_REQUEST)
+                await writer.drain()
+                writers.append(writer)
+            except (ssl.SSLError, ConnectionError):
+                pass
+        stalled = socket.create_connection(("127.0.0.1", port))  # TCP only: no ClientHello
+        stalled.setblocking(False)
+        for _ in range(4):
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=peer, server_hostname="localhost"
+            )
+            writer.write(HALF_A_REQUEST)
+            writers.append(writer)
+        await asyncio.sleep(0.3)
+        assert CONNECTION_LIMIT not in refused, refused
+        assert await wait_until(lambda: refused.count(HEADERS_TOO_SLOW) == 4, 4), refused
+        assert await wait_until(lambda: closed_by_server(stalled), 4)
+        stalled.close()
+    finally:
+        for writer in writers:
+            writer.close()
+        await server.stop()

@@ -121,6 +121,7 @@ class _Gated(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.counted = False  # holds one of the gate's places
         self.told = False  # aiohttp's protocol was told of the connection
+        self.headers = False  # its first request's headers are in
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -136,14 +137,22 @@ class _Gated(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def headers_in(self) -> None:
+        self.headers = True
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
     def _too_slow(self) -> None:
+        # Once more round the loop first: after a stall of the event loop, the
+        # headers may be in, their request made by the step of aiohttp's task
+        # that data_received (run just before this) woke for the next round.
         self.timer = None
-        self.gate.on_refused(HEADERS_TOO_SLOW)
-        self.close()
+        asyncio.get_running_loop().call_soon(self._cut_if_still_waiting)
+
+    def _cut_if_still_waiting(self) -> None:
+        if not self.headers and self.counted:
+            self.gate.on_refused(HEADERS_TOO_SLOW)
+            self.close()
 
     def close(self) -> None:
         """Abort the connection and give its place up now (its connection_lost

@@ -109,6 +109,39 @@ async def test_half_open_requests_to_the_status_port_are_capped_and_cut_off() ->
         await runner.cleanup()
 
 
+async def test_headers_in_when_a_stalled_event_loop_wakes_are_not_cut_off() -> None:
+    """The node's event loop blocked (a collection, a slow step) past a
+    connection's header deadline while the headers arrived: on waking, the
+    deadline and the bytes are due in the same round of the loop, and the
+    request is answered, not cut off."""
+    telemetry = Telemetry("a")
+    app = create_status_app(telemetry, node_name="a", protocol_name="probe", token=None)
+    runner, port = await start_status_server(app, "127.0.0.1", 0, header_timeout_s=0.2)
+    try:
+        s = socket.create_connection(("127.0.0.1", port))
+        await asyncio.sleep(0.05)  # accepted: its deadline runs
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        time.sleep(0.4)  # the loop stalls past the deadline
+        s.setblocking(False)
+        answer = b""
+
+        def answered() -> bool:
+            nonlocal answer
+            try:
+                chunk = s.recv(65536)
+            except (BlockingIOError, ConnectionResetError):
+                return False
+            answer += chunk
+            return not chunk
+
+        assert await wait_until(answered, 3)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert HEADERS_TOO_SLOW not in telemetry.status_json("a", "probe")["rejected"]
+        s.close()
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_idle_keep_alive_connection_to_the_status_port_is_closed() -> None:
     """After a whole request and its answer, a connection that says nothing
     more is closed after the keep-alive time (aiohttp's default: an hour)."""

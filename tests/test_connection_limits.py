@@ -313,3 +313,36 @@ async def test_with_tls_failed_and_stalled_handshakes_hold_no_place(codecs, tmp_
         for writer in writers:
             writer.close()
         await server.stop()
+
+
+async def test_a_relays_port_caps_its_connections_and_cuts_off_slow_headers(tmp_path) -> None:
+    """relay.listen, where sites and their peers connect: the same gate,
+    transport.max_connections and relay.read_idle_timeout_s, refusals counted
+    with the relay's own."""
+    from test_relay import make_roster, write_relay_yaml
+
+    from node.provision import free_ports
+    from node.relay_status import RelayProcess
+    from p2pfl.config import load_relay_config
+    from p2pfl.secure.identity import LocalIdentity, Roster
+
+    ids = {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "d", "f")}
+    make_roster(ids).save(tmp_path / "roster.yaml")
+    (port,) = free_ports(1)
+    path = write_relay_yaml(
+        tmp_path / "r1",
+        {"name": "r1", "listen": f"127.0.0.1:{port}", "read_idle_timeout_s": 1.0},
+        transport={"max_connections": 4},
+        status={"enabled": False},
+    )
+    relay = RelayProcess(load_relay_config(path), Roster.load(tmp_path / "roster.yaml"), path)
+    await relay.start()
+    socks = half_open(port, 8)
+    try:
+        assert await wait_until(lambda: all(map(closed_by_server, socks)), 4)
+        refusals = relay.server.snapshot()["refusals"]
+        assert refusals == {CONNECTION_LIMIT: 4, HEADERS_TOO_SLOW: 4}, refusals
+    finally:
+        for s in socks:
+            s.close()
+        await relay.stop()

@@ -305,7 +305,8 @@ def test_genbuffer_sample_writes_no_refused_buffer(tmp_path, capsys, site0):
 
 def _provisioned_site(tmp_path: Path, parts: Path) -> Path:
     """Site 0's site.yaml as `p2pfl-node provision` writes it, before the node ever
-    ran: provision creates the state dir with the umask's bits (0755 under 022)."""
+    ran, its state dir opened to 0755 as an older provision left it (today's
+    makes it 0700): genbuffer must tighten it itself."""
     from node.provision import provision
 
     (plan,) = provision(
@@ -319,7 +320,9 @@ def _provisioned_site(tmp_path: Path, parts: Path) -> Path:
             "genbuffer": {"lpips_backbone": "random", "device": "cpu", "holdout_min_images": 4},
         },
     )
-    assert stat.S_IMODE((plan.config_path.parent / "state").stat().st_mode) == 0o755
+    state = plan.config_path.parent / "state"
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700  # provision's own
+    state.chmod(0o755)
     return plan.config_path
 
 

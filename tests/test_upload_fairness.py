@@ -13,6 +13,7 @@ B. A push is counted delivered only once the receiver acted on its id: a copy
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -261,9 +262,18 @@ async def test_a_push_whose_sender_hangs_up_during_the_spool_write_is_still_queu
     inbound = make_inbound(tmp_path, alice)
     real = inbound.spool.persist
 
+    writing, release = threading.Event(), threading.Event()
+
     def slow_persist(msg_id: str, frame: Any) -> Any:
-        time.sleep(0.5)  # a slow fsync on a loaded disk
+        writing.set()
+        release.wait(10)  # a slow fsync on a loaded disk, as long as the test needs
         return real(msg_id, frame)
+
+    async def until(condition: Any) -> None:  # events, not sleeps: a loaded machine
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert condition()
 
     inbound.spool.persist = slow_persist  # type: ignore[method-assign]
     server = MessageServer(alice, TransportSection(), inbound.on_frame, lambda r, s: None)
@@ -275,7 +285,7 @@ async def test_a_push_whose_sender_hangs_up_during_the_spool_write_is_still_queu
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(head.encode() + frame)
         await writer.drain()
-        await asyncio.sleep(0.2)
+        await until(writing.is_set)
         writer.close()  # the sender hangs up while the node writes the spool
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(head.encode() + frame)  # its resend, at once
@@ -283,9 +293,9 @@ async def test_a_push_whose_sender_hangs_up_during_the_spool_write_is_still_queu
         early = await asyncio.wait_for(read_reply(reader), 10)
         writer.close()
         assert (early.status, early.reason) == (409, "in_progress")
-        await asyncio.sleep(0.8)  # the write has finished
+        release.set()  # the write finishes
         queue = inbound.inboxes.get("probe")
-        assert inbound.spool.has(msg_id.hex()) and queue.qsize() == 1
+        await until(lambda: inbound.spool.has(msg_id.hex()) and queue.qsize() == 1)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(head.encode() + frame)
         await writer.drain()

@@ -263,7 +263,7 @@ class CompressedExchange(PlainExchange):
             copy, term = await ctx.run_blocking(self.reconstruct, reply["state"], reference, base)
         except CompressionRefused as exc:
             return self.refuse(ctx, peer, exc.reason, str(exc))
-        except (RuntimeError, ValueError, IndexError) as exc:  # a case the checks missed
+        except Exception as exc:  # noqa: BLE001 - a case the checks missed: the peer's, refused
             return self.refuse(ctx, peer, "malformed", f"{type(exc).__name__}: {exc}"[:80])
         self.bytes_received += payload_nbytes(reply["state"])
         self.dense_received += dense_nbytes(reference)
@@ -540,6 +540,10 @@ class CompressedGradientExchange(GradientExchange):
             log.warning("%s: compressed gradient from %s refused (%s)", ctx.me, peer, exc)
             ctx.reject(peer, f"compression_{exc.reason}")
             return None
+        except Exception as exc:  # noqa: BLE001 - a case the checks missed: the peer's, refused
+            log.warning("%s: compressed gradient from %s refused (%r)", ctx.me, peer, exc)
+            ctx.reject(peer, "compression_malformed")
+            return None
 
     @property
     def residual(self) -> dict[str, Tensor] | None:
@@ -560,11 +564,17 @@ async def relayed_model(
     no error feedback: each hop rounds afresh) as a dense state in `reference`'s
     dtypes for `admit`, or None: refused and counted as `compression_<reason>`."""
     try:
+        if not isinstance(payload, dict):
+            raise CompressionRefused("malformed", "not a map")
         if payload.get("compression") != fmt.setting:
             raise CompressionRefused("mismatch", f"format {payload.get('compression')!r}"[:60])
         delta = await ctx.run_blocking(decode_state, payload.get("model"), reference, fmt, True)
+        return add(zeros_like(reference), delta)
     except CompressionRefused as exc:
         log.warning("%s: compressed relay from %s refused (%s)", ctx.me, sender, exc)
         ctx.reject(sender, f"compression_{exc.reason}")
         return None
-    return add(zeros_like(reference), delta)
+    except Exception as exc:  # noqa: BLE001 - a case the checks missed: the sender's, refused
+        log.warning("%s: compressed relay from %s refused (%r)", ctx.me, sender, exc)
+        ctx.reject(sender, "compression_malformed")
+        return None

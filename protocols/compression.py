@@ -185,7 +185,9 @@ def decompress_tensor(item: Any, shape: tuple[int, ...], kinds: frozenset[str]) 
     if not isinstance(item, dict):
         raise CompressionRefused("malformed", "a float entry must be a compressed map")
     kind = item.get(FORMAT_KEY)
-    if kind not in kinds:
+    # Its type first: a list or a map (unhashable) in `kinds` raised TypeError,
+    # which no caller caught, and the protocol failed (review, wire finding 1).
+    if not isinstance(kind, str) or kind not in kinds:
         raise CompressionRefused("mismatch", f"{shown(kind)}, expected {'/'.join(sorted(kinds))}")
     declared = item.get("shape")
     if not isinstance(declared, list) or not all(
@@ -321,7 +323,11 @@ def entries_of(payload: Any, reference: dict[str, Tensor]) -> list[tuple[str, in
         if name not in floats or name in seen:
             raise CompressionRefused("key_mismatch", repr(name)[:40])
         seen.add(name)
-        if not isinstance(shape, list) or shape != list(floats[name].shape):
+        if (
+            not isinstance(shape, list)
+            or not all(type(d) is int for d in shape)  # a tensor here compares as a tensor
+            or shape != list(floats[name].shape)
+        ):
             raise CompressionRefused("shape_mismatch", f"{name}: {shape!r}"[:60])
         size = floats[name].numel()
         out.append((name, start, start + size))
@@ -334,7 +340,23 @@ def decode_state(
 ) -> dict[str, Tensor]:
     """The dense update a payload stands for, float entries in float32 and
     shaped as `reference`'s (non-float entries as sent, for `checks.admit`);
-    CompressionRefused with the first problem found."""
+    CompressionRefused with the first problem found, and nothing else.
+
+    Every field's type is checked before use; a case those checks missed
+    (a TypeError of torch or numpy on a peer's structure) is still refused as
+    `malformed` here, so a caller catching CompressionRefused holds whatever a
+    peer sends: one unhashable `$q` once failed the whole protocol."""
+    try:
+        return _decode_state(payload, reference, fmt, keyframe)
+    except CompressionRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a peer's payload: refused, never fatal
+        raise CompressionRefused("malformed", f"{type(exc).__name__}: {exc}"[:80]) from None
+
+
+def _decode_state(
+    payload: Any, reference: dict[str, Tensor], fmt: Format, keyframe: bool
+) -> dict[str, Tensor]:
     entries = entries_of(payload, reference)
     raw = payload.get("raw")
     others = {k for k, v in reference.items() if not v.is_floating_point()}

@@ -5,6 +5,7 @@ a reason and counted, and a small federation compressed end to end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -19,12 +20,15 @@ from p2pfl.secure.tensors import dumps, loads
 from protocols.compressed_exchange import (
     CompressedExchange,
     CompressedGradientExchange,
+    relayed_model,
     topk_term,
 )
 from protocols.compression import (
     BLOCK,
+    CompressionRefused,
     ErrorFeedback,
     compress_state,
+    decode_state,
     dense,
     parse,
     quantize_int8,
@@ -231,6 +235,16 @@ def bad_replies() -> list[tuple[str, str, Any, str]]:
         ("raw missing", "int8", tamper(i8, raw={}), "key_mismatch"),
         ("raw not a tensor", "int8", tamper(i8, raw={"n": 3}), "malformed"),
         ("not a map", "int8", {**i8, "state": [1, 2]}, "malformed"),
+        # unhashable kinds: `kind not in kinds` raised TypeError and failed the protocol
+        ("kind a list", "int8", tamper(i8, **{"$q": ["int8b"]}), "mismatch"),
+        ("kind a map", "topk:0.01", tamper(tk, **{"$q": {"x": 1}}), "mismatch"),
+        ("shape a map", "int8", tamper(i8, shape={"n": N}), "malformed"),
+        (
+            "entry shape of tensors",
+            "int8",
+            tamper(i8, entries=[["w", [torch.tensor([20, 31]), 31]], ["b", [5]]]),
+            "shape_mismatch",
+        ),
         ("ref not held", "int8", {**i8, "ref": 12345}, "bad_ref"),
         ("id missing", "int8", {**i8, "id": None}, "malformed"),
     ]
@@ -310,6 +324,44 @@ def test_a_gradient_in_another_format_or_with_nan_is_refused() -> None:
             torch.testing.assert_close(got.terms[0].state["w"], grads["w"], atol=1e-2, rtol=1e-2)
         else:
             assert got.terms == [] and ctx.rejected == [("p", reason)]
+
+
+HOSTILE_VALUES = [["x"], {"x": 1}, None, "x", 1.5, -1, True, torch.ones(2, 2), [torch.ones(2)]]
+
+
+@pytest.mark.parametrize("setting", ["fp16", "int8", "topk:0.1"])
+def test_decode_state_refuses_any_field_of_any_type_and_raises_nothing_else(setting: str) -> None:
+    """Every field of an honest payload replaced by values of every other type:
+    decode_state raises CompressionRefused, nothing else (a TypeError once
+    escaped every caller and failed the protocol)."""
+    fmt = parse(setting)
+    for keyframe in (True, False):
+        payload = compress_state(OWN, fmt, keyframe=keyframe)
+        for field in [*payload, "index", "mask", "block"]:
+            for value in HOSTILE_VALUES:
+                bad = loads(dumps({**payload, field: value}))
+                with contextlib.suppress(CompressionRefused):
+                    decode_state(bad, OWN, fmt, keyframe=keyframe)
+
+
+def test_an_unhashable_format_in_a_gradient_or_a_feder_relay_is_refused_and_counted() -> None:
+    """The gradient exchange and FedER's relayed model caught CompressionRefused
+    only: a `$q` that is a map escaped them as a TypeError."""
+    grads = {"w": torch.randn(300), "b": torch.randn(4)}
+    payload = compress_state(grads, parse("int8"))
+    payload["$q"] = {"x": 1}
+    reply = {"round": 1, "step": 1, "batch_size": 8, "format": "int8", "grad": payload}
+    rx = CompressedGradientExchange(compression="int8", keep=8, timeout=1.0, max_norm_ratio=100.0, max_weight_ratio=16.0)  # fmt: skip
+    ctx = Ctx(lambda q: reply)
+    got = asyncio.run(rx.collect(ctx, (1, 1), grads, 8.0, ["p"], 1))  # type: ignore[arg-type]
+    assert got.terms == [] and ctx.rejected == [("p", "compression_mismatch")]
+
+    push = loads(dumps({"round": 1, "buffer_hash": "x", "compression": "int8", "model": payload}))
+    ctx = Ctx()
+    assert asyncio.run(relayed_model(ctx, "p", push, grads, parse("int8"))) is None  # type: ignore[arg-type]
+    assert ctx.rejected == [("p", "compression_mismatch")]
+    assert asyncio.run(relayed_model(ctx, "p", [1], grads, parse("int8"))) is None  # type: ignore[arg-type]
+    assert ctx.rejected[-1] == ("p", "compression_malformed")
 
 
 # ---------------------------------------------------------------------- per-pair copies

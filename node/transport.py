@@ -376,6 +376,11 @@ class MessageServer:
             status, body = await self.on_frame(received)
         except (WireError, Rejection) as exc:
             return self._refuse(exc.reason, exc.detail, sender, header)
+        except Exception as exc:  # noqa: BLE001 - a verified peer's frame: refused, counted
+            # A case the checks missed (a decoder's RuntimeError once made a 500
+            # with a logged traceback and nothing counted): one line, a reason.
+            log.warning("%s from %s: handling failed: %r", header.kind[:64], sender, exc)
+            return self._refuse("handler_error", type(exc).__name__, sender, header)
         if body is None:  # taken: acknowledged with this node's signature (p2pfl/secure/wire.py)
             return web.json_response(
                 {"ok": True, "ack": self.codec.sign_ack(header, "ok")}, status=status

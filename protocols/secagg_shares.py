@@ -74,7 +74,12 @@ def open_shares(session: Session, me: str, u2: list[str], body: MaskBody) -> Non
         key = share_key(session.c_private, session.keys[v][0], context, v, me)
         try:
             decoded = tensors.decode(unseal(key, ciphertext, context))
-        except tensors.CodecError:
+        except SecAggError:
+            raise
+        except Exception:  # noqa: BLE001 - the dealer's bytes: its fault, never this holder's
+            # tensors.decode promises CodecError, but anything else a sealed share
+            # raises must still blame the dealer (`bad_share`), not fail this
+            # holder's handler (`handler_error`) as a RuntimeError once did.
             raise SecAggError("bad_share", f"share from {v} undecodable") from None
         share = parse(SealedShare, decoded)
         place = [h for h in session.u1 if h != v].index(me) + 1

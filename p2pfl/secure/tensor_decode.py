@@ -44,6 +44,11 @@ _CONTAINER_UNITS = 8
 _SCALAR_UNITS = 3
 _STRING_UNITS = 6
 _TENSOR_UNITS = 32
+# The most elements a tensor map may span: its data is one bin32 (< 2**32 bytes),
+# so no honest tensor has more. Bounded for the product of its dims with a zero
+# counted as one too: [2**40-1, 2**40-1, 0] holds no element, matches 0 data
+# bytes, and its strides overflowed torch (a RuntimeError, not a CodecError).
+MAX_ELEMENTS = 1 << 32
 
 
 class _Reader:
@@ -209,7 +214,10 @@ def _decode_tensor(r: _Reader) -> torch.Tensor:
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in shape
+        )
+        or math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS  # Python ints: no overflow
     ):
         raise CodecError("bad_shape", repr(shape)[:60])
     _expect_key(r, "pad")
@@ -259,8 +267,11 @@ def decode(
         obj = _decode(r, 0)
     except CodecError:
         raise
-    except (ValueError, TypeError, OverflowError, RecursionError, struct.error) as exc:
-        raise CodecError("malformed", f"{type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the promise above: CodecError, nothing else
+        # ValueError, struct.error, RecursionError, and whatever torch or numpy
+        # raise on a case the checks missed (a RuntimeError once failed a pull
+        # and made a push a 500 with nothing counted).
+        raise CodecError("malformed", f"{type(exc).__name__}: {exc}"[:200]) from None
     if r.pos != r.end:
         raise CodecError("trailing_bytes", f"{r.end - r.pos} bytes after the payload")
     return obj

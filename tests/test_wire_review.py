@@ -1,0 +1,181 @@
+"""The wire review's findings (red-team pass on answers, error bodies and
+request encodings): each test sends what the review sent, scaled down where the
+defect scales linearly, against the real code, and checks the node refuses it
+with a reason, counts it, and goes on."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgpack
+import pytest
+from aiohttp import ClientSession
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from node.faults import FaultPlan
+from node.inbound import Inbound
+from node.queues import Inboxes, Journal, ReplayMarks, Spool
+from node.telemetry import Telemetry
+from node.transport import MESSAGE_PATH, MessageServer
+from p2pfl.config import TransportSection
+from p2pfl.secure import tensor_decode, tensors
+from p2pfl.secure.tensors import CodecError
+from p2pfl.secure.wire import WireCodec
+
+FED = "fed-test"
+BIG = 2**40 - 1
+
+
+def tensor_map(shape: list[int], data: bytes = b"") -> bytes:
+    """A tensor map as the codec lays it out ($t, shape, pad, data)."""
+    return msgpack.packb(
+        {"$t": "float32", "shape": shape, "pad": b"", "data": data}, use_bin_type=True
+    )
+
+
+def make_inbound(tmp_path: Path, receiver: WireCodec, kinds: set[str]) -> Inbound:
+    cfg = SimpleNamespace(
+        transport=TransportSection(request_timeout_s=2.0), wire=SimpleNamespace(encryption=False)
+    )
+    inbound = Inbound(
+        name=receiver.identity.name,
+        cfg=cfg,  # type: ignore[arg-type]
+        codec=receiver,
+        spool=Spool(tmp_path / "spool"),
+        journal=Journal(tmp_path / "journal.jsonl"),
+        inboxes=Inboxes(4),
+        telemetry=Telemetry(receiver.identity.name),
+        membership=None,  # type: ignore[arg-type]
+        faults=FaultPlan(None),
+        marks=ReplayMarks(tmp_path / "marks.json", 5.0, 300.0),
+        count_sent=lambda *a: None,
+        stopping=asyncio.Event(),
+    )
+    inbound.accept_kinds(kinds)
+    return inbound
+
+
+def raw_frame(sender: WireCodec, kind: str, to: str, payload: bytes) -> bytes:
+    """A signed frame whose payload is `payload` as it is (not re-encoded)."""
+    original = tensors.encode
+    tensors.encode = lambda p: (  # type: ignore[assignment]
+        tensors.Encoded([payload], len(payload)) if p is None else original(p)
+    )
+    try:
+        return sender.encode(kind, to, None).to_bytes()
+    finally:
+        tensors.encode = original  # type: ignore[assignment]
+
+
+# ------------------------------------------------- finding 2: zero-element tensors
+
+
+@pytest.mark.parametrize("shape", [[BIG, BIG, 0], [2**32, 2**32, 0], [0, 2**33], [2**33]])
+def test_a_tensor_whose_dims_overflow_is_refused_as_bad_shape(shape: list[int]) -> None:
+    """[2**40-1, 2**40-1, 0] holds no element and matches 0 data bytes: it
+    passed the size check and torch.empty raised RuntimeError (stride overflow)."""
+    with pytest.raises(CodecError) as caught:
+        tensors.decode(bytearray(tensor_map(shape)))
+    assert caught.value.reason == "bad_shape"
+
+
+def test_honest_empty_tensors_still_decode() -> None:
+    for shape in ([0], [0, 5], [3, 0, 7], [1 << 16, 0]):
+        assert list(tensors.decode(bytearray(tensor_map(shape))).shape) == shape
+
+
+def test_decode_raises_codec_error_whatever_fails_inside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensors.decode promises CodecError only: a torch error the checks miss is one."""
+
+    def broken(r: Any) -> Any:
+        raise RuntimeError("Stride calculation overflowed")
+
+    monkeypatch.setattr(tensor_decode, "_decode_tensor", broken)
+    with pytest.raises(CodecError) as caught:
+        tensors.decode(bytearray(tensor_map([2, 2], bytes(16))))
+    assert caught.value.reason == "malformed"
+
+
+async def test_a_pushed_overflowing_tensor_is_refused_and_counted_not_a_500(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    inbound = make_inbound(tmp_path, alice, {"model"})
+    server = MessageServer(alice, TransportSection(), inbound.on_frame, inbound.on_reject)
+    port = await server.start("127.0.0.1", 0, None)
+    # {"round": 1, "state": <the tensor map>}: 84 bytes
+    body = b"\x82" + msgpack.packb("round") + b"\x01" + msgpack.packb("state")
+    body += tensor_map([BIG, BIG, 0])
+    try:
+        async with ClientSession() as session:
+            url = f"http://127.0.0.1:{port}{MESSAGE_PATH}"
+            async with session.post(url, data=raw_frame(bob, "model", "alice", body)) as resp:
+                status, answer = resp.status, await resp.json()
+    finally:
+        await server.stop()
+    assert status == 422 and answer["reason"] == "payload_schema", (status, answer)
+    assert inbound.telemetry._rejections.get("payload_schema") == 1
+    assert list((tmp_path / "spool").glob("*.frame")) == []
+
+
+async def test_a_handler_that_raises_is_answered_and_counted_not_a_traceback(
+    identities: Any, roster: Any
+) -> None:
+    """Whatever the node's handler raises on a verified frame is a counted refusal."""
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    rejected: list[tuple[str, str | None]] = []
+
+    async def on_frame(incoming: Any) -> Any:
+        raise RuntimeError("a case nobody thought of")
+
+    server = MessageServer(
+        alice, TransportSection(), on_frame, lambda r, s: rejected.append((r, s))
+    )
+    port = await server.start("127.0.0.1", 0, None)
+    try:
+        async with ClientSession() as session:
+            frame = bob.encode("model", "alice", {"x": 1}).to_bytes()
+            async with session.post(f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame) as resp:
+                status, answer = resp.status, await resp.json()
+    finally:
+        await server.stop()
+    assert status == 500 and answer["reason"] == "handler_error"
+    assert rejected == [("handler_error", "bob")]
+
+
+def test_a_dealer_share_that_breaks_the_decoder_blames_the_dealer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sealed share whose plaintext is the overflowing tensor (and any decoder
+    failure) is the dealer's `bad_share`, not the holder's `handler_error`."""
+    from protocols import secagg_shares
+    from protocols.secagg_primitives import SecAggError, seal, share_key
+
+    dealer, holder = X25519PrivateKey.generate(), X25519PrivateKey.generate()
+
+    def public(key: X25519PrivateKey) -> bytes:
+        return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    context = b"ctx"
+    session = SimpleNamespace(
+        context=context, c_private=holder, keys={"v": (public(dealer),)}, u1=["me", "v"], held={}
+    )
+    sealed = seal(share_key(dealer, public(holder), context, "v", "me"), tensor_map([BIG, BIG, 0]), context)  # fmt: skip
+    body = SimpleNamespace(shares={"v": sealed}, commitments={})
+    with pytest.raises(SecAggError) as caught:
+        secagg_shares.open_shares(session, "me", ["me", "v"], body)  # type: ignore[arg-type]
+    assert caught.value.reason == "bad_share"
+
+    def broken(buf: Any) -> Any:
+        raise RuntimeError("not a CodecError")
+
+    monkeypatch.setattr(secagg_shares.tensors, "decode", broken)
+    with pytest.raises(SecAggError) as caught:
+        secagg_shares.open_shares(session, "me", ["me", "v"], body)  # type: ignore[arg-type]
+    assert caught.value.reason == "bad_share"

@@ -76,12 +76,15 @@ IN_PROGRESS = "in_progress"
 
 
 def ack_of(body: bytes) -> Any:
-    """The `ack` signature of an acknowledgement's JSON body, or None."""
+    """The `ack` signature of an acknowledgement's JSON body, or None. The body
+    is whoever answered's (a relay, anyone on the path): b"[" * 60000, within
+    ACK_LIMIT, raised RecursionError out of json.loads and failed the push."""
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return None
-    return obj.get("ack") if isinstance(obj, dict) else None
+    ack = obj.get("ack") if isinstance(obj, dict) else None
+    return ack if isinstance(ack, str) else None
 
 
 @dataclass(kw_only=True, eq=False)

@@ -14,7 +14,8 @@ between relays and then keeps using the one that works. The relay answers with
 the final receiver's own answer, so an acknowledgement stays end to end.
 
 Answers are read with the limits requests are read with (`MessageClient`), and
-a refusal's reason is read from its JSON body (`reason_of_response`).
+a refusal's reason is read from its JSON body (`reason_of_response`): at most
+`ERROR_BODY_LIMIT` bytes of it, a string reason only.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ from p2pfl.text import MAX_REASON_CHARS, one_line
 
 # The most an answer to a push or a heartbeat may be: a few bytes of JSON.
 ACK_LIMIT = 64 * 1024
+# The most of an error answer (any status but 200) that is read and parsed: its
+# JSON reason is a few bytes. A 128 MiB 404 body was read and json-parsed on
+# the event loop and logged whole (wire review, finding 9); past this the
+# connection is dropped and the answer keeps its status, without a reason.
+ERROR_BODY_LIMIT = 4 * 1024
 RETRYABLE = {429, 500, 502, 503, 504}
 # Answers after which a relayed link tries its next relay: the relay is gone or
 # unhealthy (500, 502 relay_lost, 504), or the peer is not connected to it (503
@@ -273,7 +279,14 @@ class MessageClient:
         async with session.post(
             url, data=ChunksPayload(message.chunks, self.uplink), timeout=client_timeout
         ) as resp:
-            return resp.status, await self._read_body(resp, limit)
+            if resp.status == 200:
+                return resp.status, await self._read_body(resp, limit)
+            try:  # a refusal: its status is the answer, its body a few bytes of reason
+                return resp.status, await self._read_body(resp, ERROR_BODY_LIMIT)
+            except ResponseRefused as exc:
+                if self.on_reject is not None:
+                    self.on_reject(exc.reason, link.name)
+                return resp.status, b""
 
     async def _read_body(self, resp: aiohttp.ClientResponse, limit: int | None) -> bytes:
         limit = self.max_message_bytes if limit is None else min(limit, self.max_message_bytes)
@@ -298,11 +311,16 @@ class MessageClient:
 
 
 def _reason_of(body: bytes) -> str | None:
-    """The `reason` of a refusal's JSON body, as one short printable line: a
-    relay or anyone on a link without TLS writes it, and it is logged."""
+    """The `reason` string of a refusal's JSON body, as one short printable
+    line; None for anything else. A peer (or a relay, or anyone on a link
+    without TLS) writes this body: b"[" * 60000 raised RecursionError out of
+    json.loads and failed the protocol, a reason that was a 64 MiB list was
+    logged whole, and one with newlines forged lines of node.log."""
+    if len(body) > ERROR_BODY_LIMIT:
+        return None
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return None
     reason = obj.get("reason") if isinstance(obj, dict) else None
     return one_line(reason, MAX_REASON_CHARS) if isinstance(reason, str) and reason else None

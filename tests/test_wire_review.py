@@ -6,25 +6,29 @@ with a reason, counts it, and goes on."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import msgpack
 import pytest
-from aiohttp import ClientSession
+from aiohttp import ClientSession, web
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from node.faults import FaultPlan
 from node.inbound import Inbound
-from node.queues import Inboxes, Journal, ReplayMarks, Spool
+from node.outbound import Outbound, ack_of
+from node.queues import Inboxes, Journal, Outbox, ReplayMarks, Spool
 from node.telemetry import Telemetry
 from node.transport import MESSAGE_PATH, MessageServer
+from node.transport_client import MessageClient, reason_of_response
 from p2pfl.config import TransportSection
 from p2pfl.secure import tensor_decode, tensors
 from p2pfl.secure.tensors import CodecError
 from p2pfl.secure.wire import WireCodec
+from protocols.base import PeerUnavailable
 
 FED = "fed-test"
 BIG = 2**40 - 1
@@ -179,3 +183,114 @@ def test_a_dealer_share_that_breaks_the_decoder_blames_the_dealer(
     with pytest.raises(SecAggError) as caught:
         secagg_shares.open_shares(session, "me", ["me", "v"], body)  # type: ignore[arg-type]
     assert caught.value.reason == "bad_share"
+
+
+# ------------------------------------------------- finding 3: error and ack bodies
+
+
+class HostilePeer:
+    """An HTTP endpoint that answers every POST with `status` and `body`
+    (a peer, or a relay standing in front of one)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self.body = status, body
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> HostilePeer:
+        async def answer(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=self.body, status=self.status, content_type="application/json")
+
+        app = web.Application(client_max_size=1 << 24)
+        app.router.add_post(MESSAGE_PATH, answer)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+def make_outbound(tmp_path: Path, me: WireCodec, port: int, rejected: list[Any]) -> Outbound:
+    tcfg = TransportSection(request_timeout_s=2.0, retries=0)
+    client = MessageClient(tcfg, None, on_reject=lambda r, p: rejected.append((r, p)))
+    client.set_peer("bob", f"127.0.0.1:{port}")
+    return Outbound(
+        name=me.identity.name,
+        cfg=SimpleNamespace(transport=tcfg, wire=SimpleNamespace(encryption=False)),  # type: ignore[arg-type]
+        codec=me,
+        client=client,
+        outbox=Outbox(tmp_path / "outbox"),
+        peers=None,  # type: ignore[arg-type]
+        telemetry=Telemetry(me.identity.name),
+        marks=ReplayMarks(tmp_path / "marks.json", 5.0, 300.0),
+        current_round=lambda: 1,
+    )
+
+
+NESTED = b"[" * 60_000  # within ACK_LIMIT (64 KiB): json.loads raised RecursionError
+
+
+@pytest.mark.parametrize("status", [503, 404, 429])
+async def test_a_nested_json_refusal_makes_the_peer_unavailable_not_a_crash(
+    tmp_path: Path, identities: Any, roster: Any, status: int
+) -> None:
+    alice = WireCodec(identities["alice"], roster, FED)
+    rejected: list[Any] = []
+    async with HostilePeer(status, NESTED) as peer:
+        out = make_outbound(tmp_path, alice, peer.port, rejected)
+        try:
+            with pytest.raises(PeerUnavailable):
+                await out.request("bob", "model", {"round": 1}, 1.0)
+        finally:
+            await out.client.close()
+    # counted as a refusal of a body too long for an error answer; not read whole
+    assert ("oversize", "bob") in rejected
+
+
+async def test_a_nested_json_acknowledgement_is_not_a_crash(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    alice = WireCodec(identities["alice"], roster, FED)
+    async with HostilePeer(200, NESTED) as peer:
+        out = make_outbound(tmp_path, alice, peer.port, [])
+        try:
+            with pytest.raises(PeerUnavailable) as caught:
+                await out.send_push("bob", "probe", {"x": 1}, 1)
+        finally:
+            await out.client.close()
+    assert caught.value.reason == "ack_unverified"
+    assert out.telemetry._rejections.get("ack_unverified") == 1
+
+
+async def test_a_big_error_body_is_not_read_whole_nor_parsed(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    """A 404 of {"reason": [0, 0, ...]} (scaled down to 2 MiB from the review's
+    128 MiB): at most ERROR_BODY_LIMIT of it is read, it is counted, and the
+    reason the node logs is the status, not the body."""
+    alice = WireCodec(identities["alice"], roster, FED)
+    body = b'{"reason":[' + b"0," * (1 << 20) + b"0]}"
+    rejected: list[Any] = []
+    async with HostilePeer(404, body) as peer:
+        out = make_outbound(tmp_path, alice, peer.port, rejected)
+        try:
+            with pytest.raises(PeerUnavailable) as caught:
+                await out.request("bob", "model", {"round": 1}, 1.0)
+        finally:
+            await out.client.close()
+    assert caught.value.reason == "http_404"
+    assert rejected == [("oversize", "bob")]
+
+
+def test_only_a_short_string_reason_is_taken_from_a_refusal() -> None:
+    assert reason_of_response(503, b'{"reason": "queue_full"}') == "queue_full"
+    assert reason_of_response(503, b'{"reason": [0, 1]}') == "http_503"
+    assert reason_of_response(503, b'{"reason": {"a": 1}}') == "http_503"
+    assert reason_of_response(503, NESTED[:4000]) == "http_503"
+    assert len(reason_of_response(503, json.dumps({"reason": "x" * 3000}).encode())) <= 120
+    assert ack_of(NESTED) is None and ack_of(b'{"ack": [1]}') is None

@@ -47,14 +47,13 @@ from node.membership import HEARTBEAT, Membership
 from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX
 from node.queues import Inboxes, Journal, ReplayMarks, Spool, unlink_all
 from node.telemetry import Telemetry
-from node.transport import IncomingFrame, Rejection
+from node.transport import OFF_LOOP_BYTES, IncomingFrame, Rejection
 from p2pfl.config import SiteConfig
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 from protocols.base import Handler, NotReady, Offers, Received
 
 log = logging.getLogger(__name__)
 
-OFF_LOOP_BYTES = 256 * 1024  # payloads at least this large are opened in a worker thread
 MAX_WAIT_S = 3600.0  # the longest `_wait_s` a request may carry (then capped by the config)
 BUILTIN_KINDS = frozenset({HEARTBEAT})
 

@@ -50,6 +50,10 @@ READ_CHUNK = 1 << 20
 # client sends on it, which then fails and is retried).
 CLIENT_KEEPALIVE_S = 30.0
 SERVER_KEEPALIVE_S = CLIENT_KEEPALIVE_S + 10.0
+# Payloads at least this large are opened (decrypted, decoded, checked finite)
+# in a worker thread, not on the event loop: pushes and requests
+# (node/inbound.py) and answers to this node's requests (node/outbound.py).
+OFF_LOOP_BYTES = 256 * 1024
 
 # HTTP status per rejection reason (4xx: the sender's problem, do not retry blindly).
 STATUS_FOR_REASON = {

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import msgpack
 import pytest
+import torch
 from aiohttp import ClientSession, web
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -22,7 +24,7 @@ from node.inbound import Inbound
 from node.outbound import Outbound, ack_of
 from node.queues import Inboxes, Journal, Outbox, ReplayMarks, Spool
 from node.telemetry import Telemetry
-from node.transport import MESSAGE_PATH, MessageServer
+from node.transport import MESSAGE_PATH, OFF_LOOP_BYTES, MessageServer
 from node.transport_client import MessageClient, reason_of_response
 from p2pfl.config import TransportSection
 from p2pfl.secure import tensor_decode, tensors
@@ -294,3 +296,35 @@ def test_only_a_short_string_reason_is_taken_from_a_refusal() -> None:
     assert reason_of_response(503, NESTED[:4000]) == "http_503"
     assert len(reason_of_response(503, json.dumps({"reason": "x" * 3000}).encode())) <= 120
     assert ack_of(NESTED) is None and ack_of(b'{"ack": [1]}') is None
+
+
+# ------------------------------------------------- finding 4: answers off the loop
+
+
+@pytest.mark.parametrize(("elements", "off_loop"), [(16, False), (OFF_LOOP_BYTES // 4 + 1, True)])
+async def test_a_large_answer_is_opened_off_the_event_loop(
+    tmp_path: Path, identities: Any, roster: Any, elements: int, off_loop: bool
+) -> None:
+    """A 61 MiB answer stalled the loop 4 s (the review's); here only which
+    thread opens it is checked: at OFF_LOOP_BYTES or more, not the loop's."""
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    answer = {"round": 1, "num_train": 3, "state": {"w": torch.ones(elements)}}
+    frame = bob.encode("resp:model", "alice", answer).to_bytes()
+    opened_in: list[int] = []
+    original = alice.open_payload
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        opened_in.append(threading.get_ident())
+        return original(*args, **kw)
+
+    alice.open_payload = spy  # type: ignore[method-assign]
+    async with HostilePeer(200, frame) as peer:
+        out = make_outbound(tmp_path, alice, peer.port, [])
+        try:
+            got = await out.request("bob", "model", {"round": 1}, 2.0)
+        finally:
+            await out.client.close()
+    assert got["state"]["w"].numel() == elements
+    assert len(opened_in) == 1
+    assert (opened_in[0] != threading.get_ident()) == off_loop

@@ -473,10 +473,11 @@ class WireCodec:
             ) from None
         return obj
 
-    def decode(
-        self, frame: bytes | bytearray | memoryview, *, require_finite: bool = False
-    ) -> Delivered:
-        """Verify and decode a whole frame held in memory."""
+    def verify_frame(self, frame: bytes | bytearray | memoryview) -> tuple[Header, memoryview]:
+        """decode's first half: the verified header of a whole frame held in
+        memory (its id reserved) and a view of its payload, not yet opened. A
+        caller may then open a large payload in a worker thread (`open_payload`
+        touches no shared state) and `release` the header on `digest_mismatch`."""
         if len(frame) > self.max_message_bytes:
             raise WireError("oversize", f"{len(frame)} bytes exceeds the limit")
         view = memoryview(frame)
@@ -486,11 +487,17 @@ class WireCodec:
         header_bytes = view[PREFIX_LEN : PREFIX_LEN + n]
         signature = view[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN]
         header = self.verify_header(header_bytes, signature, total_len=len(view))
-        payload = view[PREFIX_LEN + n + SIG_LEN :]
+        return header, view[PREFIX_LEN + n + SIG_LEN :]
+
+    def decode(
+        self, frame: bytes | bytearray | memoryview, *, require_finite: bool = False
+    ) -> Delivered:
+        """Verify and decode a whole frame held in memory."""
+        header, payload = self.verify_frame(frame)
         try:
             obj = self.open_payload(header, payload, require_finite=require_finite)
         except WireError as exc:
             if exc.reason == "digest_mismatch":
                 self.release(header)
             raise
-        return Delivered(header, obj, len(view))
+        return Delivered(header, obj, len(frame))

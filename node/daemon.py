@@ -151,7 +151,9 @@ class Node:
             stopping=self.stopping,
         )
         # Only the protocol's kinds are accepted, from the first message on (issue 28).
-        self.inbound.accept_kinds(self.protocol.message_kinds())
+        self.inbound.accept_kinds(
+            self.protocol.message_kinds(), pushes=self.protocol.pushed_kinds()
+        )
         self.client.on_reject = self.telemetry.record_rejection
         self.server = MessageServer(
             self.codec, cfg.transport, self.inbound.on_frame, self.inbound.on_reject

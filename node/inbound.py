@@ -20,8 +20,15 @@ Bounds against a hostile peer (issue 28):
 - only the message kinds this node's protocol declares (`Protocol.message_kinds`,
   registered by the daemon at start with `accept_kinds`), the kinds it serves or
   reads, and heartbeats are accepted; any other kind is refused `unknown_kind`
-  before it is spooled, queued or counted per kind, and a restart deletes (and
-  counts) spooled pushes of kinds no longer registered;
+  before it is spooled, queued or counted per kind;
+- a push only of a kind the protocol reads from an inbox (`Protocol.pushed_kinds`,
+  the `pushes` of `accept_kinds`, or an inbox it made); a push of a kind it only
+  serves ("model" to FedAVGP2P) is refused `push_not_accepted` before it is
+  opened or spooled: nothing would ever read, checkpoint or delete it. A restart
+  deletes (and counts) spooled pushes of kinds no longer taken as pushes;
+- a restart queues at most `inbox_size` spooled pushes of a kind, the newest;
+  the older ones are deleted (logged, counted `queue_full`) rather than the
+  node failing to start on a full queue;
 - the numbers a request or heartbeat carries for the node itself (`_wait_s`,
   `round`) pass a pydantic schema with finite bounds, else `payload_schema`;
 - a peer may have `transport.max_held_per_peer` requests held open at once;
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -105,6 +113,7 @@ class Inbound:
     # message id -> header timestamp, for the journal
     _spool_ts: dict[str, int] = field(default_factory=dict, init=False)
     _kinds: set[str] = field(default_factory=set, init=False)  # accept_kinds
+    _pushes: set[str] = field(default_factory=set, init=False)  # accept_kinds(pushes=)
     _held: dict[str, int] = field(default_factory=dict, init=False)  # sender -> requests held
     _keeping: set[str] = field(default_factory=set, init=False)  # pushes being spooled
 
@@ -112,9 +121,20 @@ class Inbound:
         self.handlers[kind] = handler
         self.offers.offered(kind)
 
-    def accept_kinds(self, kinds: set[str] | frozenset[str]) -> None:
-        """Register the kinds the protocol pushes and serves (before any arrives)."""
+    def accept_kinds(
+        self, kinds: set[str] | frozenset[str], pushes: set[str] | frozenset[str] = frozenset()
+    ) -> None:
+        """Register the kinds the protocol pushes and serves (before any arrives),
+        and among them `pushes`, those it reads from an inbox: only those are
+        taken as pushes (the others are requested and served)."""
         self._kinds.update(kinds)
+        self._kinds.update(pushes)
+        self._pushes.update(pushes)
+
+    def accepts_push(self, kind: str) -> bool:
+        """A kind the protocol reads pushes of: registered as pushed, or an
+        inbox the protocol made (ctx.inbox)."""
+        return kind in self._pushes or kind in self.inboxes.queues
 
     def known_kind(self, kind: str) -> bool:
         """Heartbeats, registered kinds, kinds with a handler or an inbox the protocol made."""
@@ -134,6 +154,12 @@ class Inbound:
         kind = header.kind
         if not self.known_kind(kind):
             raise Rejection("unknown_kind", kind[:64])
+        if (
+            kind != HEARTBEAT
+            and not kind.startswith(REQUEST_PREFIX)
+            and not self.accepts_push(kind)
+        ):
+            raise Rejection("push_not_accepted", f"{kind[:64]} is requested, not pushed")
         try:
             await self.marks.cover(header.sender, header.timestamp_ms)
         except OSError as exc:
@@ -298,8 +324,13 @@ class Inbound:
             self.journal.append(missing)
         for msg_id, ts in self.journal.ids.items():
             self.codec.replay.add(bytes.fromhex(msg_id), ts)
-        count = 0
-        for path in self.spool.pending():
+        # Newest first, so that a kind with more spooled pushes than its inbox
+        # holds keeps its newest (the inbox bounds pushes not yet consumed, the
+        # spool those not yet checkpointed: FedER consumes and refuses old-round
+        # relays at once, so more can be spooled than fit); queued oldest first.
+        kept: dict[str, list[Received]] = {}
+        dropped: dict[str, int] = {}
+        for path in reversed(self.spool.pending()):
             msg_id = path.stem
             if msg_id in self.journal:
                 path.unlink(missing_ok=True)
@@ -308,34 +339,55 @@ class Inbound:
                 frame = bytearray(path.read_bytes())
                 n = self.codec.header_length(frame[:PREFIX_LEN])
                 header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
-                payload = self.codec.open_payload(
-                    header, memoryview(frame)[PREFIX_LEN + n + SIG_LEN :], require_finite=True
-                )
+                if self.accepts_push(header.kind) and len(kept.get(header.kind, ())) >= (
+                    self.inboxes.maxsize or sys.maxsize
+                ):
+                    payload = None  # not queued: not opened either
+                else:
+                    payload = self.codec.open_payload(
+                        header, memoryview(frame)[PREFIX_LEN + n + SIG_LEN :], require_finite=True
+                    )
             except WireError as exc:
                 log.warning(
                     "%s: spooled %s unreadable (%s); moved aside", self.name, path.name, exc.reason
                 )
                 path.rename(path.with_suffix(".corrupt"))
                 continue
-            if not self.known_kind(header.kind):
+            if not self.accepts_push(header.kind):
                 # no protocol of this node reads that kind: it would stay spooled for good
                 log.warning(
-                    "%s: spooled %s is of kind %r, not registered; deleted",
+                    "%s: spooled %s is of kind %r, not taken as a push; deleted",
                     self.name,
                     path.name,
                     header.kind[:64],
                 )
-                self.telemetry.record_rejection("unknown_kind", header.sender)
-                path.unlink(missing_ok=True)
+                reason = "push_not_accepted" if self.known_kind(header.kind) else "unknown_kind"
+                self.telemetry.record_rejection(reason, header.sender)
+                self.spool.remove(msg_id)
+                continue
+            self.codec.replay.add(header.msg_id, header.timestamp_ms)  # a resend is a replay
+            if payload is None:
+                dropped[header.kind] = dropped.get(header.kind, 0) + 1
+                self.telemetry.record_rejection("queue_full", header.sender)
                 self.spool.remove(msg_id)
                 continue
             self._spool_ts[msg_id] = header.timestamp_ms
-            self.codec.replay.add(header.msg_id, header.timestamp_ms)  # a resend is a replay
-            self.inboxes.get(header.kind).put_nowait(
+            kept.setdefault(header.kind, []).append(
                 Received(header.sender, header.kind, header.round, payload, msg_id)
             )
-            count += 1
-        return count
+        for kind, count in dropped.items():
+            log.warning(
+                "%s: %d older spooled pushes of kind %r did not fit its inbox (%d); deleted",
+                self.name,
+                count,
+                kind[:64],
+                self.inboxes.maxsize,
+            )
+        for kind, received in kept.items():
+            queue = self.inboxes.get(kind)
+            for item in reversed(received):
+                queue.put_nowait(item)
+        return sum(len(received) for received in kept.values())
 
     def consumed_records(self, consumed: list[Received]) -> list[dict[str, Any]]:
         """What the checkpoint and then the journal keep of each consumed push."""

@@ -81,6 +81,7 @@ STATUS_FOR_REASON = {
     "truncated": 400,
     "storage_error": 503,
     "unknown_kind": 404,  # no protocol of this node sends or serves that kind
+    "push_not_accepted": 404,  # a kind this node serves and requests, never reads as a push
     "too_many_held": 429,  # the peer already has transport.max_held_per_peer requests held open
     "too_many_uploads": 429,  # the peer's uploads in progress already reserve its share
     "upload_too_slow": 408,  # slower than transport.min_upload_bytes_per_s

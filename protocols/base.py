@@ -244,11 +244,21 @@ class Protocol(ABC):
     # A node accepts only these (and heartbeats): node/inbound.py.
     kinds: ClassVar[tuple[str, ...]] = ()
     kind_prefixes: ClassVar[tuple[str, ...]] = ()
+    # The kinds among `kinds` that arrive as pushes, which the protocol reads
+    # from an inbox (ctx.inbox); the others it only serves and requests. A push
+    # of any other kind is refused before it is spooled: a "model" pushed to
+    # FedAVGP2P was spooled, queued in an inbox nobody reads and never deleted.
+    push_kinds: ClassVar[tuple[str, ...]] = ()
 
     def message_kinds(self) -> frozenset[str]:
         """Every kind this protocol's messages may carry: a finite set, so an
         unknown kind from the network cannot open a queue of its own."""
         return frozenset(self.kinds) | {p + k for p in self.kind_prefixes for k in self.kinds}
+
+    def pushed_kinds(self) -> frozenset[str]:
+        """The kinds of `message_kinds` a node takes as pushes (`push_kinds`)."""
+        pushed = self.push_kinds
+        return frozenset(pushed) | {p + k for p in self.kind_prefixes for k in pushed}
 
     @abstractmethod
     async def run(self, ctx: RoundContext) -> None:

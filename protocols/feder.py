@@ -201,6 +201,7 @@ class FedER(RoundLoop[FedERParams]):
     # Alg. 1: receive the predecessor's model and buffer, take its model, then train.
     phases = ("exchange", "aggregate", "train")
     kinds = (RELAY_KIND, BUFFER_KIND)
+    push_kinds = (RELAY_KIND,)  # the relay is pushed; a buffer is only served and pulled
 
     def __init__(self, params: FedERParams) -> None:
         super().__init__(params)

@@ -26,6 +26,7 @@ PROBE_KIND = "probe"
 class Probe(RoundLoop[ProbeParams]):
     phases = ("exchange",)  # no model: nothing to train, merge or evaluate
     kinds = (PROBE_KIND,)
+    push_kinds = (PROBE_KIND,)  # sent with ctx.send, read from ctx.inbox
 
     def __init__(self, params: ProbeParams) -> None:
         super().__init__(params)

@@ -71,6 +71,12 @@ class Staged(Protocol):
             for kind in stage.loop.message_kinds()
         )
 
+    def pushed_kinds(self) -> frozenset[str]:
+        """Every stage's pushed kinds, each under its stage's prefix."""
+        return frozenset(
+            stage.prefix + kind for stage in self.stages(None) for kind in stage.loop.pushed_kinds()
+        )
+
     async def run(self, ctx: RoundContext) -> None:
         stages = self.stages(ctx.config)
         saved = ctx.restore() or {}

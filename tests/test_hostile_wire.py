@@ -69,7 +69,7 @@ def make_inbound(tmp_path: Path, receiver: WireCodec, **transport: Any) -> Inbou
         stopping=asyncio.Event(),
     )
     if hasattr(inbound, "accept_kinds"):
-        inbound.accept_kinds({"probe", "model"})
+        inbound.accept_kinds({"probe", "model"}, pushes={"probe"})
     return inbound
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +34,7 @@ from p2pfl.secure.wire import WireCodec
 from protocols.base import PeerUnavailable
 
 FED = "fed-test"
+INBOX = 4  # transport.inbox_size in these tests
 BIG = 2**40 - 1
 
 
@@ -43,7 +45,9 @@ def tensor_map(shape: list[int], data: bytes = b"") -> bytes:
     )
 
 
-def make_inbound(tmp_path: Path, receiver: WireCodec, kinds: set[str]) -> Inbound:
+def make_inbound(
+    tmp_path: Path, receiver: WireCodec, kinds: set[str], pushes: set[str] | None = None
+) -> Inbound:
     cfg = SimpleNamespace(
         transport=TransportSection(request_timeout_s=2.0), wire=SimpleNamespace(encryption=False)
     )
@@ -53,7 +57,7 @@ def make_inbound(tmp_path: Path, receiver: WireCodec, kinds: set[str]) -> Inboun
         codec=receiver,
         spool=Spool(tmp_path / "spool"),
         journal=Journal(tmp_path / "journal.jsonl"),
-        inboxes=Inboxes(4),
+        inboxes=Inboxes(INBOX),
         telemetry=Telemetry(receiver.identity.name),
         membership=None,  # type: ignore[arg-type]
         faults=FaultPlan(None),
@@ -61,7 +65,7 @@ def make_inbound(tmp_path: Path, receiver: WireCodec, kinds: set[str]) -> Inboun
         count_sent=lambda *a: None,
         stopping=asyncio.Event(),
     )
-    inbound.accept_kinds(kinds)
+    inbound.accept_kinds(kinds, pushes=pushes or set())
     return inbound
 
 
@@ -111,7 +115,7 @@ async def test_a_pushed_overflowing_tensor_is_refused_and_counted_not_a_500(
 ) -> None:
     alice = WireCodec(identities["alice"], roster, FED)
     bob = WireCodec(identities["bob"], roster, FED)
-    inbound = make_inbound(tmp_path, alice, {"model"})
+    inbound = make_inbound(tmp_path, alice, {"probe"}, pushes={"probe"})
     server = MessageServer(alice, TransportSection(), inbound.on_frame, inbound.on_reject)
     port = await server.start("127.0.0.1", 0, None)
     # {"round": 1, "state": <the tensor map>}: 84 bytes
@@ -120,7 +124,7 @@ async def test_a_pushed_overflowing_tensor_is_refused_and_counted_not_a_500(
     try:
         async with ClientSession() as session:
             url = f"http://127.0.0.1:{port}{MESSAGE_PATH}"
-            async with session.post(url, data=raw_frame(bob, "model", "alice", body)) as resp:
+            async with session.post(url, data=raw_frame(bob, "probe", "alice", body)) as resp:
                 status, answer = resp.status, await resp.json()
     finally:
         await server.stop()
@@ -328,3 +332,91 @@ async def test_a_large_answer_is_opened_off_the_event_loop(
     assert got["state"]["w"].numel() == elements
     assert len(opened_in) == 1
     assert (opened_in[0] != threading.get_ident()) == off_loop
+
+
+# ------------------------------------------------- finding 5: pushes of served kinds
+
+
+async def post_frame(port: int, frame: bytes) -> tuple[int, dict[str, Any]]:
+    url = f"http://127.0.0.1:{port}{MESSAGE_PATH}"
+    async with ClientSession() as session, session.post(url, data=frame) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_a_push_of_a_kind_the_node_only_serves_is_refused_before_it_is_spooled(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    """FedAVGP2P serves "model" and never reads a "model" inbox: such pushes
+    were spooled and queued for good (256 x 512 MiB), and queued again at restart."""
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    inbound = make_inbound(tmp_path, alice, {"model", "secagg"})  # FedAVGP2P's: no pushes
+    server = MessageServer(alice, TransportSection(), inbound.on_frame, inbound.on_reject)
+    port = await server.start("127.0.0.1", 0, None)
+    try:
+        for i in range(3):
+            frame = bob.encode("model", "alice", {"state": torch.zeros(1000), "i": i}).to_bytes()
+            status, answer = await post_frame(port, frame)
+            assert (status, answer["reason"]) == (404, "push_not_accepted")
+    finally:
+        await server.stop()
+    assert inbound.telemetry._rejections.get("push_not_accepted") == 3
+    assert list((tmp_path / "spool").glob("*")) == []
+    assert inbound.inboxes.queues == {}
+    # the kind is still requested and served: a request for it is not refused as a push
+    assert inbound.known_kind("req:model")
+
+
+def test_each_protocol_declares_which_of_its_kinds_are_pushed() -> None:
+    import protocols
+    from p2pfl.config import protocol_names
+
+    expected = {
+        "fedavgp2p": set(),
+        "fedsgdp2p": set(),
+        "probe": {"probe"},
+        "feder": {"feder"},
+        "ssfl": set(),
+        "fedperl": set(),
+    }
+    for name in protocol_names():
+        proto = protocols.create(name)
+        assert proto.pushed_kinds() <= proto.message_kinds(), name
+        if name in expected:
+            assert proto.pushed_kinds() == expected[name], name
+    chained = {"finetune": {"name": "fedsgdp2p"}}
+    assert protocols.create("fedbeit", **chained).pushed_kinds() == set()
+
+
+def spool_pushes(spool: Spool, sender: WireCodec, kind: str, n: int) -> list[str]:
+    """n pushes spooled oldest first (distinct mtimes), as a crash leaves them."""
+    ids = []
+    for i in range(n):
+        msg = sender.encode(kind, "alice", {"i": i})
+        path = spool.persist(msg.header.id_hex, msg.to_bytes())
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+        ids.append(msg.header.id_hex)
+    return ids
+
+
+def test_a_restart_with_more_spooled_pushes_than_the_inbox_holds_starts(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    """recover() re-queued every spooled push with put_nowait: QueueFull, and the
+    node did not start until the spool was cleaned by hand. Now the newest
+    inbox_size are queued, oldest first; the older ones are deleted and counted."""
+    bob = WireCodec(identities["bob"], roster, FED)
+    spool = Spool(tmp_path / "spool")
+    ids = spool_pushes(spool, bob, "feder", INBOX + 3)
+    served = spool_pushes(spool, bob, "model", 2)  # left by a node before this fix
+    alice = WireCodec(identities["alice"], roster, FED)
+    inbound = make_inbound(tmp_path, alice, {"feder", "buffer", "model"}, pushes={"feder"})
+    assert inbound.recover([]) == INBOX
+    queue = inbound.inboxes.get("feder")
+    queued = [queue.get_nowait().payload["i"] for _ in range(queue.qsize())]
+    assert queued == [3, 4, 5, 6]  # the newest, in the order they came
+    assert sorted(p.stem for p in (tmp_path / "spool").glob("*.frame")) == sorted(ids[3:])
+    assert not any(inbound.spool.has(m) for m in ids[:3] + served)
+    assert inbound.telemetry._rejections.get("queue_full") == 3
+    assert inbound.telemetry._rejections.get("push_not_accepted") == 2
+

@@ -189,7 +189,9 @@ def unencrypted_injection(m: RawPeer, victim: NodeProcess, rounds: int) -> dict[
     """Victim runs with `wire.encryption: true`; roster member m sends a correctly
     signed but unencrypted push, request and heartbeat (expect each refused,
     e.g. `encryption_required`). The same three encrypted are the control: the
-    victim must take those, or the refusals say nothing about encryption."""
+    victim must take those, or the refusals say nothing about encryption. (A
+    FedAVGP2P victim takes no push of any kind: its encrypted push control is
+    refused `push_not_accepted`, a check made after the one for encryption.)"""
     inputs = {
         # a kind the FedAVGP2P victim declares (it refuses others, unknown_kind)
         "push": ("model", probe_payload("m", rounds)),
@@ -208,7 +210,7 @@ def unencrypted_injection(m: RawPeer, victim: NodeProcess, rounds: int) -> dict[
         control[label] = ok.brief()
     parts = {k: v["outcome"] for k, v in rows.items()}
     evidence = {"unencrypted": rows, "encrypted_control": control}
-    if not all(c["status"] == 200 for c in control.values()):
+    if not all(c["status"] == 200 or c["reason"] == "push_not_accepted" for c in control.values()):
         return inconclusive("2", "the victim refused the encrypted control too", **evidence)
     return verdict(combine(parts), "2", f"{parts}", **evidence)
 

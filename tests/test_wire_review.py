@@ -420,3 +420,74 @@ def test_a_restart_with_more_spooled_pushes_than_the_inbox_holds_starts(
     assert inbound.telemetry._rejections.get("queue_full") == 3
     assert inbound.telemetry._rejections.get("push_not_accepted") == 2
 
+
+# ------------------------------------------------- finding 6: declared-size allocation
+
+
+class Trickle:
+    """A stream (aiohttp StreamReader's methods MessageServer uses) that yields
+    `chunks` and then ends."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = list(chunks)
+
+    async def readany(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def at_eof(self) -> bool:
+        return not self.chunks
+
+    async def read(self, n: int = -1) -> bytes:
+        return await self.readany()
+
+
+async def test_a_declared_payload_size_is_not_allocated_before_its_bytes_arrive(
+    identities: Any, roster: Any
+) -> None:
+    """A 216-byte header declaring 512 MiB made the endpoint zero-fill 512 MiB on
+    the loop before one payload byte came (0.3-1 s each); scaled to 64 MiB here,
+    and the peak of Python allocations is what is checked."""
+    import dataclasses
+    import tracemalloc
+
+    from p2pfl.secure.wire import PREFIX_LEN
+
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    frame = bob.encode("probe", "alice", {"x": 1}).to_bytes()
+    n = alice.header_length(frame[:PREFIX_LEN])
+    rest = frame[PREFIX_LEN:]
+    header = dataclasses.replace(
+        alice.verify_header(frame[PREFIX_LEN : PREFIX_LEN + n], rest[n : n + 64]),
+        payload_len=64 << 20,
+    )
+    server = MessageServer(alice, TransportSection(), lambda f: None, lambda r, s: None)  # type: ignore[arg-type,return-value]
+    tracemalloc.start()
+    try:
+        answer = await server._receive(Trickle([bytes(1000)]), frame[:PREFIX_LEN], rest[: n + 64], header)  # type: ignore[arg-type]  # fmt: skip
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(answer, web.Response) and answer.status == 400  # truncated
+    assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB allocated for 1,000 bytes received"
+
+
+async def test_a_payload_streamed_in_pieces_is_still_received_whole(
+    identities: Any, roster: Any
+) -> None:
+    from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN
+
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    frame = bob.encode("probe", "alice", {"w": torch.arange(100_000.0)}).to_bytes()
+    n = alice.header_length(frame[:PREFIX_LEN])
+    head = frame[PREFIX_LEN : PREFIX_LEN + n + SIG_LEN]
+    header = alice.verify_header(head[:n], head[n:], total_len=len(frame))
+    body = frame[PREFIX_LEN + n + SIG_LEN :]
+    pieces = [body[i : i + 7919] for i in range(0, len(body), 7919)]
+    server = MessageServer(alice, TransportSection(), lambda f: None, lambda r, s: None)  # type: ignore[arg-type,return-value]
+    got = await server._receive(Trickle(pieces), frame[:PREFIX_LEN], head, header)  # type: ignore[arg-type]
+    assert not isinstance(got, web.Response)
+    assert bytes(got.frame) == frame
+    payload = alice.open_payload(got.header, got.payload, digest=got.digest)
+    assert torch.equal(payload["w"], torch.arange(100_000.0))

@@ -76,7 +76,7 @@ from node.relay_wire import (
     send_message,
     unpack_reply,
 )
-from node.transport import STATUS_FOR_REASON
+from node.transport import STATUS_FOR_REASON, content_encoding
 from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import MAGIC, MAX_HEADER, PREFIX_LEN, SIG_LEN, VERSION, Header, WireError
@@ -292,6 +292,8 @@ class RelayServer:
     async def handle_message(self, request: web.Request) -> web.StreamResponse:
         if self._closing:
             return self._refuse("relay_closing")
+        if encoding := content_encoding(request):  # never inflated, never streamed on
+            return self._refuse("encoding_not_accepted", encoding)
         length = request.content_length
         if length is not None and length > self.max_message_bytes:
             return self._refuse("oversize", f"{length} bytes")

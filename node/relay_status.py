@@ -246,6 +246,7 @@ class RelayProcess:
                 ssl_context=ssl_context,
                 backlog=512,
                 handler_cancellation=True,
+                auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
             )
         except OSError as exc:
             raise UserError(

@@ -84,6 +84,7 @@ STATUS_FOR_REASON = {
     "storage_error": 503,
     "unknown_kind": 404,  # no protocol of this node sends or serves that kind
     "push_not_accepted": 404,  # a kind this node serves and requests, never reads as a push
+    "encoding_not_accepted": 415,  # a body sent with a Content-Encoding (gzip, ...): not inflated
     "too_many_held": 429,  # the peer already has transport.max_held_per_peer requests held open
     "too_many_uploads": 429,  # the peer's uploads in progress already reserve its share
     "upload_too_slow": 408,  # slower than transport.min_upload_bytes_per_s
@@ -167,6 +168,22 @@ async def answer_bytes(response: web.Response) -> bytes:
     if isinstance(body, bytes | bytearray | memoryview):
         return bytes(body)
     raise TypeError(f"unexpected answer body {type(body).__name__}")
+
+
+def content_encoding(request: web.BaseRequest) -> str | None:
+    """The request's Content-Encoding unless it is none or `identity`: such a
+    body is refused before it is read (`encoding_not_accepted`). aiohttp's
+    server inflated gzip bodies by default: ~64 KiB on the wire became 64 MiB
+    read and hashed here, or streamed down a site's tunnel by a relay (~1,000x,
+    wire review finding 7). The runners also turn inflation off
+    (`auto_decompress=False`), so what is read is never more than what came."""
+    codings = [
+        coding.strip().lower()
+        for value in request.headers.getall("Content-Encoding", [])
+        for coding in value.split(",")
+    ]
+    foreign = [c for c in codings if c not in ("", "identity")]
+    return ",".join(foreign)[:40] if foreign else None
 
 
 def _reject(reason: str, detail: str = "", ack: str | None = None) -> web.Response:
@@ -260,6 +277,7 @@ class MessageServer:
             ssl_context=ssl_context,
             backlog=512,
             handler_cancellation=True,
+            auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
         )
         self.port = bound_port(self.runner, port)
         return self.port
@@ -288,6 +306,8 @@ class MessageServer:
         if self.isolated and request.transport is not None:
             request.transport.abort()  # simulated partition: no answer at all
             raise web.HTTPServiceUnavailable()
+        if encoding := content_encoding(request):
+            return self._refuse("encoding_not_accepted", encoding)
         return await self.receive(request.content, request.content_length)
 
     async def receive(self, stream: Any, length: int | None) -> web.Response:

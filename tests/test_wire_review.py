@@ -491,3 +491,83 @@ async def test_a_payload_streamed_in_pieces_is_still_received_whole(
     assert bytes(got.frame) == frame
     payload = alice.open_payload(got.header, got.payload, digest=got.digest)
     assert torch.equal(payload["w"], torch.arange(100_000.0))
+
+
+# ------------------------------------------------- finding 7: encoded request bodies
+
+
+def gzip_frame(sender: WireCodec, to: str, zeros: int) -> bytes:
+    """A signed frame of `zeros` zero bytes of payload (header: encrypted),
+    gzip-compressed: ~1,000x smaller on the wire than what it inflates to."""
+    import dataclasses
+    import gzip
+    import hashlib
+
+    payload = bytes(zeros)
+    msg = sender.encode("probe", to, {"x": 1})
+    header = dataclasses.replace(
+        msg.header,
+        encrypted=True,
+        payload_len=len(payload),
+        payload_sha256=hashlib.sha256(payload).digest(),
+    ).pack()
+    frame = b"P2FL" + len(header).to_bytes(4, "big") + header + sender.identity.sign(header)
+    return gzip.compress(frame + payload, 6)
+
+
+async def test_a_gzip_encoded_push_is_refused_unread(identities: Any, roster: Any) -> None:
+    """aiohttp inflated Content-Encoding: gzip bodies: 64 KiB sent, 64 MiB read
+    and hashed. Scaled to 4 MiB: refused 415 before a byte of it is handled."""
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    seen: list[int] = []
+    rejected: list[tuple[str, str | None]] = []
+
+    async def on_frame(frame: Any) -> Any:
+        seen.append(len(frame.payload))
+        return 200, None
+
+    server = MessageServer(
+        alice, TransportSection(), on_frame, lambda r, s: rejected.append((r, s))
+    )
+    port = await server.start("127.0.0.1", 0, None)
+    body = gzip_frame(bob, "alice", 4 << 20)
+    try:
+        for coding in ("gzip", "identity, gzip", "br"):
+            url = f"http://127.0.0.1:{port}{MESSAGE_PATH}"
+            async with (
+                ClientSession() as session,
+                session.post(url, data=body, headers={"Content-Encoding": coding}) as resp,
+            ):
+                status, answer = resp.status, await resp.json()
+            assert (status, answer["reason"]) == (415, "encoding_not_accepted"), coding
+        # `identity` is no encoding: an honest frame with it still goes through
+        frame = bob.encode("probe", "alice", {"x": 1}).to_bytes()
+        async with (
+            ClientSession() as session,
+            session.post(url, data=frame, headers={"Content-Encoding": "identity"}) as resp,
+        ):
+            assert resp.status == 200
+    finally:
+        await server.stop()
+    assert len(seen) == 1  # only the honest frame reached the node
+    assert rejected == [("encoding_not_accepted", None)] * 3
+
+
+async def test_a_relay_refuses_a_gzip_encoded_frame_instead_of_streaming_it_inflated() -> None:
+    from test_relay_stream_review import MAX, relay_and_site
+
+    from node.relay_wire import RELAY_MESSAGE_PATH
+
+    async with relay_and_site() as env:
+        body = gzip_frame(env["codecs"]["a"], "b", MAX - 4096)
+        before = env["tunnel"].bytes_in
+        url = f"http://127.0.0.1:{env['port']}{RELAY_MESSAGE_PATH}"
+        async with (
+            ClientSession() as session,
+            session.post(url, data=body, headers={"Content-Encoding": "gzip"}) as resp,
+        ):
+            status, answer = resp.status, await resp.json()
+        assert (status, answer["reason"]) == (415, "encoding_not_accepted")
+        assert env["relay"].refusals.get("encoding_not_accepted") == 1
+        assert env["tunnel"].bytes_in == before  # nothing went down b's tunnel

@@ -34,8 +34,9 @@ Bounds against a hostile peer (issue 28):
 - a peer may have `transport.max_held_per_peer` requests held open at once;
   one more is refused `too_many_held` (the upload reservation is not held
   while they wait: node/transport.py);
-- payloads of `OFF_LOOP_BYTES` or more are opened (decrypted, decoded,
-  checked finite) in a worker thread, not on the event loop.
+- payloads of `OFF_LOOP_BYTES` (16 KiB, node/transport.py) or more are opened
+  (decrypted, decoded, checked finite) in a worker thread, not on the event
+  loop: heartbeats and requests too.
 """
 
 from __future__ import annotations

@@ -571,3 +571,34 @@ async def test_a_relay_refuses_a_gzip_encoded_frame_instead_of_streaming_it_infl
         assert (status, answer["reason"]) == (415, "encoding_not_accepted")
         assert env["relay"].refusals.get("encoding_not_accepted") == 1
         assert env["tunnel"].bytes_in == before  # nothing went down b's tunnel
+
+
+# ------------------------------------------------- heartbeats and requests on the loop
+
+
+async def test_a_heartbeat_or_request_of_many_small_items_is_opened_off_the_loop(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    """Heartbeats of just under 256 KiB of fixints (262,000 list items, inside
+    the decoding budget) were decoded on the loop, 0.1-0.25 s each; scaled to
+    32 KiB here, and only the thread that opens them is checked."""
+    from test_hostile_wire import incoming
+
+    from node.membership import HEARTBEAT
+
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    inbound = make_inbound(tmp_path, alice, {"model"})
+    opened_in: list[int] = []
+    original = alice.open_payload
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        opened_in.append(threading.get_ident())
+        return original(*args, **kw)
+
+    alice.open_payload = spy  # type: ignore[method-assign]
+    for kind in (HEARTBEAT, "req:model"):
+        frame = bob.encode(kind, "alice", {"round": 1, "junk": [0] * (32 << 10)}).to_bytes()
+        await inbound._open(incoming(alice, frame))
+    assert len(opened_in) == 2 and threading.get_ident() not in opened_in
+    assert OFF_LOOP_BYTES <= 16 << 10

@@ -91,6 +91,7 @@ STATUS_FOR_REASON = {
     "too_many_held": 429,  # the peer already has transport.max_held_per_peer requests held open
     "too_many_uploads": 429,  # the peer's uploads in progress already reserve its share
     "upload_too_slow": 408,  # slower than transport.min_upload_bytes_per_s
+    "answer_too_slow": 408,  # (counted only) an answer its requester did not read in time
 }
 # Refusals after which the message had no effect and its honest sender may send
 # the very same frame again: its replay reservation is given back (WireCodec.release).
@@ -311,7 +312,29 @@ class MessageServer:
             raise web.HTTPServiceUnavailable()
         if encoding := content_encoding(request):
             return self._refuse("encoding_not_accepted", encoding)
-        return await self.receive(request.content, request.content_length)
+        response = await self.receive(request.content, request.content_length)
+        return await self._answer(request, response)
+
+    async def _answer(self, request: web.Request, response: web.Response) -> web.Response:
+        """Write the answer here, under a deadline: read_idle_timeout_s + its size
+        at min_upload_bytes_per_s, as the relay does (`answer_too_slow`). A peer
+        that asks for a model on many connections and never reads the answers
+        held a sealed copy of the model per connection for as long as it kept
+        them open; now its connection is aborted and the copy dropped."""
+        body = response.body
+        size = body.size if isinstance(body, Payload) else len(body or b"")
+        limit = self.cfg.read_idle_timeout_s + (size or 0) / self.cfg.min_upload_bytes_per_s
+        try:
+            async with asyncio.timeout(limit):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            self.on_reject("answer_too_slow", None)
+            if request.transport is not None:
+                request.transport.abort()  # drops the unsent bytes (close() would flush them)
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass  # the requester hung up: nothing to write to, as when aiohttp writes it
+        return response  # aiohttp finds it written, or the connection gone
 
     async def receive(self, stream: Any, length: int | None) -> web.Response:
         """One frame from `stream` (aiohttp's StreamReader, or a relay tunnel's

@@ -602,3 +602,42 @@ async def test_a_heartbeat_or_request_of_many_small_items_is_opened_off_the_loop
         await inbound._open(incoming(alice, frame))
     assert len(opened_in) == 2 and threading.get_ident() not in opened_in
     assert OFF_LOOP_BYTES <= 16 << 10
+
+
+# ------------------------------------------------- unread answers
+
+
+async def test_an_answer_its_requester_never_reads_is_dropped_after_a_deadline(
+    identities: Any, roster: Any
+) -> None:
+    """A peer that asks on many connections and never reads held a sealed copy
+    of the answer per connection for as long as it kept them open; now the
+    endpoint writes under read_idle_timeout_s + size at min_upload_bytes_per_s,
+    as the relay does (`answer_too_slow`), and aborts the connection."""
+    import socket
+
+    alice = WireCodec(identities["alice"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    rejected: list[tuple[str, str | None]] = []
+    answer = [bytes(32 << 20)]  # more than the kernel's socket buffers hold
+
+    async def on_frame(frame: Any) -> Any:
+        return 200, answer
+
+    cfg = TransportSection(read_idle_timeout_s=0.5, min_upload_bytes_per_s=1 << 30)
+    server = MessageServer(alice, cfg, on_frame, lambda r, s: rejected.append((r, s)))
+    port = await server.start("127.0.0.1", 0, None)
+    frame = bob.encode("req:model", "alice", {"round": 1}).to_bytes()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        head = f"POST {MESSAGE_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n\r\n"
+        sock.sendall(head.encode() + frame)  # and never reads
+        for _ in range(100):
+            if rejected:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        sock.close()
+        await server.stop()
+    assert rejected == [("answer_too_slow", None)]

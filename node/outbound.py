@@ -65,11 +65,13 @@ ASK_AGAIN = (
     "rate_limited",
     "queue_full",
     "before_restart",
+    "below_replay_floor",
     "in_progress",
     "too_many_uploads",
 )
-# The peer restarted since this message's timestamp: encode it again, it was not taken.
-SEND_AGAIN = "before_restart"
+# The peer restarted since this message's timestamp, or its replay cache's floor
+# is above it: encode it again with a fresh timestamp, it was not taken.
+SEND_AGAIN = frozenset({"before_restart", "below_replay_floor"})
 SEND_AGAIN_PAUSE_S = 0.25
 # A copy of this id is still arriving or being handled at the peer: not delivered
 # (yet), send it again with backoff.
@@ -173,7 +175,7 @@ class Outbound:
                 pause = SEND_AGAIN_PAUSE_S + random.uniform(
                     0, min(t.backoff_max_s, t.backoff_base_s * 2 ** (busy - 1))
                 )
-            elif reason == SEND_AGAIN:
+            elif reason in SEND_AGAIN:
                 pause = SEND_AGAIN_PAUSE_S
             else:
                 raise PeerUnavailable(entry.peer, reason)
@@ -187,7 +189,9 @@ class Outbound:
                 entry.peer,
                 "as a copy of it is in progress"
                 if reason == IN_PROGRESS
-                else "as stamped before its restart",
+                else "as stamped before its restart"
+                if reason == "before_restart"
+                else "as stamped at or below its replay floor",
             )
             await asyncio.sleep(pause)
 
@@ -256,7 +260,7 @@ class Outbound:
                 try:
                     return await self._open_response(peer, kind, body)
                 except WireError as exc:
-                    if exc.reason != SEND_AGAIN:
+                    if exc.reason not in SEND_AGAIN:
                         raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
                     reason = exc.reason  # our restart floor: ask again for a fresh answer
                     await asyncio.sleep(
@@ -266,7 +270,7 @@ class Outbound:
             reason = reason_of_response(status, body)
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
-            if reason == SEND_AGAIN:  # answered at once: pause, not a busy loop
+            if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop
                 await asyncio.sleep(min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
     async def _open_response(self, peer: str, kind: str, body: bytes) -> Any:

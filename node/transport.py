@@ -73,6 +73,7 @@ STATUS_FOR_REASON = {
     "replayed": 409,  # this node finished with that id: the sender may count it delivered
     "in_progress": 409,  # a copy of that id is still arriving or being handled: ask again later
     "before_restart": 425,  # maybe a replay from before our restart: send again, freshly stamped
+    "below_replay_floor": 425,  # stamped at or below the evicted ids' floor: send again, fresh
     "encryption_required": 403,
     "digest_mismatch": 400,
     "decryption_failed": 400,

@@ -204,6 +204,20 @@ def test_reason_replayed(codecs):
     reject(codecs["bob"], frame, "replayed")
 
 
+def test_reason_below_replay_floor(codecs):
+    # The replay cache evicted an id stamped `now`: anything stamped at or before
+    # it that the cache does not hold may be a replay of it (refused, but not
+    # acknowledged as `replayed`: it may as well be a fresh message).
+    now = int(time.time() * 1000)
+    bob = codecs["bob"]
+    bob.replay.floor_ms = now
+    reject(
+        bob,
+        codecs["alice"].encode("heartbeat", "bob", {}, timestamp_ms=now).to_bytes(),
+        "below_replay_floor",
+    )
+
+
 def test_reason_before_restart(codecs):
     # The node's restart floor for alice (node/queues.py ReplayMarks): anything
     # she stamped at or before it may have been accepted before the restart.

@@ -641,3 +641,55 @@ async def test_an_answer_its_requester_never_reads_is_dropped_after_a_deadline(
         sock.close()
         await server.stop()
     assert rejected == [("answer_too_slow", None)]
+
+
+# ------------------------------------------------- the replay cache's floor
+
+
+async def test_a_fresh_push_under_a_raised_replay_floor_is_not_acknowledged_as_delivered(
+    tmp_path: Path, identities: Any, roster: Any
+) -> None:
+    """carol stamps heartbeats 290 s ahead until the replay cache evicts one:
+    the floor then covers every sender's clock. bob's fresh push was refused
+    `replayed` with alice's signed acknowledgement, counted delivered by bob,
+    and lost. Now it is refused `below_replay_floor` (no acknowledgement) and
+    bob's send fails visibly; an id alice holds is still `replayed`."""
+    import time
+
+    from node.membership import HEARTBEAT
+
+    alice = WireCodec(identities["alice"], roster, FED, replay_cache_size=16)
+    carol = WireCodec(identities["carol"], roster, FED)
+    bob = WireCodec(identities["bob"], roster, FED)
+    taken: list[str] = []
+
+    async def on_frame(frame: Any) -> Any:
+        taken.append(frame.header.sender)
+        return 200, None
+
+    server = MessageServer(alice, TransportSection(rate_limit_per_s=1e6), on_frame, lambda r, s: None)  # fmt: skip
+    port = await server.start("127.0.0.1", 0, None)
+    ahead = int(time.time() * 1000) + 290_000
+    rejected: list[Any] = []
+    out = make_outbound(tmp_path, bob, port, rejected)
+    out.client.set_peer("alice", f"127.0.0.1:{port}")
+    try:
+        first = carol.encode(HEARTBEAT, "alice", {}, timestamp_ms=ahead).to_bytes()
+        for i in range(17):  # one more than the cache holds: one of carol's is evicted
+            frame = first if i == 0 else carol.encode(HEARTBEAT, "alice", {}, timestamp_ms=ahead + i).to_bytes()  # fmt: skip
+            assert (await post_frame(port, frame))[0] == 200
+        assert alice.replay.floor_ms >= ahead
+        push = bob.encode("probe", "alice", {"x": 1})
+        status, answer = await post_frame(port, push.to_bytes())
+        assert (status, answer["reason"]) == (425, "below_replay_floor")
+        assert "ack" not in answer
+        with pytest.raises(PeerUnavailable) as caught:
+            await out.send_push("alice", "probe", {"x": 1}, 1)
+        assert caught.value.reason == "below_replay_floor"
+        # an id alice does hold is still a replay, acknowledged as one
+        status, answer = await post_frame(port, frame)  # carol's last, sent again
+        assert (status, answer["reason"]) == (409, "replayed") and "ack" in answer
+    finally:
+        await out.client.close()
+        await server.stop()
+    assert "bob" not in taken

@@ -13,12 +13,18 @@ so tampering is caught before decryption; the header stays clear and signed.
 
 Checks, in order, each a `WireError` reason: oversize, undecodable_header,
 unsupported_version, wrong_federation, unknown_sender, wrong_recipient,
-bad_signature, stale_timestamp, replayed, before_restart, encryption_required,
+bad_signature, stale_timestamp, replayed, below_replay_floor, before_restart,
+encryption_required,
 digest_mismatch, decryption_failed, payload_schema. Nothing else escapes
 `WireCodec`.
 
-Replay: within a run the replay cache refuses an id seen before (and, once
-full, everything stamped at or before the ids it had to drop). Across a
+Replay: within a run the replay cache refuses an id seen before (`replayed`)
+and, once full, everything stamped at or before the ids it had to drop
+(`below_replay_floor`: not an id the node holds, so not acknowledged as one;
+the sender sends it again freshly stamped, as after `before_restart`. A
+roster member stamping ahead of the clock raised that floor for every sender,
+and an honest sender's fresh push was refused `replayed` with the signed
+acknowledgement, counted delivered and lost: wire review). Across a
 restart the cache is empty, so the node hands the codec a floor per sender
 (`restart_floor`, the high-water marks node/queues.py `ReplayMarks` persisted
 ahead of time): a message from S stamped at or below floor[S] may have been
@@ -86,6 +92,7 @@ REASONS = (
     "bad_signature",
     "stale_timestamp",
     "replayed",
+    "below_replay_floor",
     "before_restart",
     "encryption_required",
     "digest_mismatch",
@@ -192,6 +199,11 @@ class ReplayCache:
 
     def seen(self, msg_id: bytes, timestamp_ms: int) -> bool:
         return msg_id in self._ids or timestamp_ms <= self.floor_ms
+
+    def holds(self, msg_id: bytes) -> bool:
+        """Whether this id itself is held (a replay, or a copy in progress), not
+        merely stamped at or below the floor."""
+        return msg_id in self._ids
 
     def reserve(self, msg_id: bytes, timestamp_ms: int) -> bool:
         """Check-and-insert in one step (no await in between): True if the id was
@@ -405,8 +417,20 @@ class WireCodec:
                 "stale_timestamp",
                 f"{(now_ms - header.timestamp_ms) / 1000:.0f} s off this node's clock",
             )
-        if self.replay.seen(header.msg_id, header.timestamp_ms):
+        if self.replay.holds(header.msg_id):
             raise WireError("replayed", header.id_hex)
+        if self.replay.seen(header.msg_id, header.timestamp_ms):
+            # At or below the floor of evicted ids, but not an id held: maybe a
+            # replay of an evicted one, maybe a fresh message stamped behind a
+            # sender that stamps ahead. Refused without the `replayed`
+            # acknowledgement (which counts as delivered); the sender stamps it
+            # again, and a push this node did take is then answered from its
+            # spool or journal (node/inbound.py).
+            raise WireError(
+                "below_replay_floor",
+                f"stamped {self.replay.floor_ms - header.timestamp_ms} ms at or before the "
+                "replay cache's floor; send it again with a fresh timestamp",
+            )
         floor = max(self.restart_floor.get(header.sender, 0), self.restart_floor_all)
         if header.timestamp_ms <= floor:
             raise WireError(

@@ -44,8 +44,9 @@ def say(line: str = "") -> None:
 
 def show_dashboards(plans: list[SitePlan]) -> None:
     say("live dashboards (while the nodes run):")
+    terminal = sys.stdout.isatty()  # the token only for a terminal, not a log file
     for plan in plans:
-        say(f"  {plan.name}: {plan.dashboard_url()}")
+        say(f"  {plan.name}: {plan.dashboard_url(with_token=terminal)}")
 
 
 def closing_table(results: dict[str, Any]) -> list[str]:

@@ -215,10 +215,13 @@ def cmd_provision(args: argparse.Namespace) -> int:
         f"training.threads: {threads_per_site(len(names))} per site "
         f"({len(names)} sites on this machine's {available_cores()} cores)"
     )
+    # the token in the URL only for a terminal: provisioning from a script or CI
+    # writes its stdout to logs others read (a second review)
+    terminal = sys.stdout.isatty()
     for plan in plans:
         print(
             f"  {plan.name}: p2pfl-node --config {plan.config_path}   (peer port {plan.port}, "
-            f"dashboard {plan.dashboard_url()}, token in {plan.token_file})"
+            f"dashboard {plan.dashboard_url(with_token=terminal)}, token in {plan.token_file})"
         )
     for relay in plans.relays:
         print(

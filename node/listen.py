@@ -18,7 +18,11 @@ process's limit the node could no longer write its checkpoints nor answer
   `header_timeout_s`, else it is closed, counted `headers_too_slow`;
 - an idle keep-alive connection is closed after `keepalive_s`, and so is one
   that starts a next request and does not finish its headers by then
-  (aiohttp's keep-alive timer). A request's body has its own limits
+  (aiohttp's keep-alive timer); a refusal (any status of 400 or more) on the
+  peer and relay ports, and every answer of the status port, closes its
+  connection (`close_after`), so a stranger cannot hold a place with a cheap
+  request before each keep-alive runs out (a second review did, with 1024
+  connections). A request's body has its own limits
   (node/transport.py); a request being answered, a request held open and a
   relay's WebSocket are not idle.
 
@@ -218,10 +222,22 @@ async def serve_app(
     keepalive_s: float,
     ssl_context: Any = None,
     backlog: int = 128,
+    close_after: Callable[[web.StreamResponse], bool] | None = None,
     **runner_options: Any,
 ) -> web.AppRunner:
     """Serve `app` on host:port (0: any free port) through `gate`; the runner
-    (its `addresses` name the bound port; stop with `await runner.cleanup()`)."""
+    (its `addresses` name the bound port; stop with `await runner.cleanup()`).
+    A response `close_after` accepts closes its connection (no keep-alive): a
+    place of the gate is not held by a client that sends a cheap request before
+    each keep-alive runs out (a second review held every place of a port, and
+    /healthz with them, that way)."""
+    if close_after is not None:
+
+        async def closing(request: web.Request, response: web.StreamResponse) -> None:
+            if close_after(response):
+                response.force_close()
+
+        app.on_response_prepare.append(closing)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=keepalive_s, **runner_options)
     await runner.setup()
     site = GatedSite(runner, host, port, ssl_context=ssl_context, backlog=backlog, gate=gate)
@@ -231,6 +247,11 @@ async def serve_app(
         await runner.cleanup()
         raise
     return runner
+
+
+def refused(response: web.StreamResponse) -> bool:
+    """A peer or relay port's `close_after`: a refusal (status 400 or more)."""
+    return response.status >= 400
 
 
 def bound_port(runner: web.AppRunner, default: int) -> int:

@@ -97,11 +97,13 @@ class SitePlan:
     def status_token(self) -> str | None:
         return self.token_file.read_text(encoding="utf-8").strip() if self.token_file else None
 
-    def dashboard_url(self) -> str:
-        """The site's dashboard on this machine, with its token in the URL fragment."""
+    def dashboard_url(self, with_token: bool = True) -> str:
+        """The site's dashboard on this machine, with its token in the URL
+        fragment (`with_token`; printed only to a terminal: node/cli.py)."""
         from node.status import dashboard_url
 
-        return dashboard_url("127.0.0.1", self.status_port, self.status_token())
+        token = self.status_token() if with_token else None
+        return dashboard_url("127.0.0.1", self.status_port, token)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 from aiohttp import web
 
 from node.faults import FaultPlan
-from node.listen import ConnectionGate, bound_port, serve_app
+from node.listen import ConnectionGate, bound_port, refused, serve_app
 from node.logsetup import JsonFormatter, quiet_network_noise
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.prometheus import Exposition
@@ -43,6 +43,7 @@ from node.status import (
     HostGuard,
     TokenFileError,
     bearer_auth_middleware,
+    inside,
     load_or_create_token,
     start_status_server,
     token_problem,
@@ -64,9 +65,15 @@ def relay_status_token(cfg: RelayConfig, config_path: Path | str) -> tuple[str, 
     `config_path`, created with a random token (0600) the first time."""
     if cfg.status.token:
         return cfg.status.token, None
-    if cfg.status.token_file is not None:
+    own_folder = None if str(config_path).startswith("<") else Path(config_path).parent
+    if cfg.status.token_file is not None and (
+        own_folder is None or not inside(Path(cfg.status.token_file), own_folder)
+    ):
         field, path, create = "status.token_file", Path(cfg.status.token_file), False
         fix = "write the token into it"
+    elif cfg.status.token_file is not None:  # in the relay's own folder: its own file
+        field, path, create = "status.token_file", Path(cfg.status.token_file), True
+        fix = "make the relay's folder writable, or set status.token_file"
     elif str(config_path).startswith("<"):  # no relay.yaml to keep it beside
         raise ConfigError(
             config_path, "status.token", "no status token", "set status.token or token_file"
@@ -247,6 +254,7 @@ class RelayProcess:
                 backlog=512,
                 handler_cancellation=True,
                 auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
+                close_after=refused,  # a refusal ends its connection (node/listen.py)
             )
         except OSError as exc:
             raise UserError(

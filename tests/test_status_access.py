@@ -405,3 +405,29 @@ def test_two_processes_creating_the_token_at_once_agree_on_one(tmp_path: Path) -
         assert len(set(tokens)) == 1 and tokens[0] == target.read_text().strip()
         assert stat.S_IMODE(target.stat().st_mode) == 0o600
         assert [p.name for p in target.parent.iterdir()] == ["status.token"]
+
+
+def test_a_token_file_in_the_state_dir_is_read_as_the_nodes_own(tmp_path) -> None:
+    """provision names `status.token_file: state/status.token`: a second
+    review found that path read with no check at all (mode 644, a link to a
+    file others wrote). A token file in the state dir is the node's own, and a
+    token file of another account is refused wherever it is kept."""
+    import os
+
+    from node.status import TokenFileError, read_own_token, status_token
+    from p2pfl.config.errors import ConfigError
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    token_file = state / "status.token"
+    token_file.write_text("A" * 32 + "\n")
+    token_file.chmod(0o644)
+    cfg = site_config(tmp_path, token_file="state/status.token")
+    with pytest.raises(ConfigError, match="others may read it"):
+        status_token(cfg)
+    token_file.chmod(0o600)
+    assert status_token(cfg) == "A" * 32
+    if os.getuid() == 0:  # another account's file: root can make one
+        os.chown(token_file, 12345, 12345)
+        with pytest.raises(TokenFileError, match="belongs to uid 12345"):
+            read_own_token(token_file)

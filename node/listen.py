@@ -18,11 +18,13 @@ process's limit the node could no longer write its checkpoints nor answer
   `header_timeout_s`, else it is closed, counted `headers_too_slow`;
 - an idle keep-alive connection is closed after `keepalive_s`, and so is one
   that starts a next request and does not finish its headers by then
-  (aiohttp's keep-alive timer); a refusal (any status of 400 or more) on the
-  peer and relay ports, and every answer of the status port, closes its
-  connection (`close_after`), so a stranger cannot hold a place with a cheap
-  request before each keep-alive runs out (a second review did, with 1024
-  connections). A request's body has its own limits
+  (aiohttp's keep-alive timer); every answer of the status port closes its
+  connection (`close_after`), so a local client cannot hold its places with
+  a cheap request before each keep-alive runs out (a second review did). On
+  the peer and relay ports the same holds only up to `max_connections`
+  (16384 by default, at most half the descriptor limit): closing after each
+  refusal there cost honest peers their connection on every `not_ready` and
+  `rate_limited`, and broke pipelined floods' accounting. A request's body has its own limits
   (node/transport.py); a request being answered, a request held open and a
   relay's WebSocket are not idle.
 
@@ -247,11 +249,6 @@ async def serve_app(
         await runner.cleanup()
         raise
     return runner
-
-
-def refused(response: web.StreamResponse) -> bool:
-    """A peer or relay port's `close_after`: a refusal (status 400 or more)."""
-    return response.status >= 400
 
 
 def bound_port(runner: web.AppRunner, default: int) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 from aiohttp import web
 
 from node.faults import FaultPlan
-from node.listen import ConnectionGate, bound_port, refused, serve_app
+from node.listen import ConnectionGate, bound_port, serve_app
 from node.logsetup import JsonFormatter, quiet_network_noise
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.prometheus import Exposition
@@ -254,7 +254,6 @@ class RelayProcess:
                 backlog=512,
                 handler_cancellation=True,
                 auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
-                close_after=refused,  # a refusal ends its connection (node/listen.py)
             )
         except OSError as exc:
             raise UserError(

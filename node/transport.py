@@ -39,7 +39,7 @@ from aiohttp import web
 from aiohttp.payload import Payload
 
 from node.link import Uplink, uplink_for
-from node.listen import ConnectionGate, bound_port, refused, serve_app
+from node.listen import ConnectionGate, bound_port, serve_app
 from p2pfl.config import TransportSection
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 
@@ -283,7 +283,6 @@ class MessageServer:
             backlog=512,
             handler_cancellation=True,
             auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
-            close_after=refused,  # only a roster peer's accepted message keeps its connection
         )
         self.port = bound_port(self.runner, port)
         return self.port

@@ -362,22 +362,3 @@ async def test_a_cheap_request_cannot_keep_a_place_of_the_status_port() -> None:
         writer.close()
     finally:
         await runner.cleanup()
-
-
-async def test_a_refusal_on_the_peer_port_closes_its_connection(codecs) -> None:
-    """A stranger's request (here an unknown path: 404) is answered and its
-    connection closed, so strangers cannot keep the peer port's places with
-    requests that cost them nothing; a roster peer's accepted message keeps its
-    connection (not tested here: it needs a signed frame)."""
-    server = MessageServer(codecs["alice"], TransportSection(), None, lambda r, w: None)
-    port = await server.start("127.0.0.1", 0, None)
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /nothing HTTP/1.1\r\nHost: a\r\n\r\n")
-        started = time.monotonic()
-        answer = await asyncio.wait_for(reader.read(), 5)
-        assert answer.startswith(b"HTTP/1.1 404")
-        assert time.monotonic() - started < 2  # at once, not after the keep-alive
-        writer.close()
-    finally:
-        await server.stop()

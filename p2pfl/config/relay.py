@@ -133,7 +133,7 @@ class RelayWireSection(Section):
 
 class RelayTransportSection(Section):
     max_connections: int = Field(
-        1024,
+        16384,
         ge=1,
         description="connections relay.listen holds at once (at most half the process's "
         "file-descriptor limit); one more is closed at once (connection_limit). A site's "

@@ -454,11 +454,12 @@ class TransportSection(Section):
         16, ge=1, description="requests one peer may have held open at once; more are refused"
     )
     max_connections: int = Field(
-        1024,
+        16384,
         ge=1,
         description="connections the peer port holds at once (at most half the process's "
         "file-descriptor limit); one more is closed at once (connection_limit). A peer opens "
-        "up to 8",
+        "up to 8. High by default: a stranger can hold a place by asking something before "
+        "each keep-alive ends, so the cap is what it must open",
     )
     min_upload_bytes_per_s: float = Field(
         65536.0,

@@ -279,7 +279,7 @@ def test_check_says_how_many_colluders_the_sums_need() -> None:
     """`p2pfl-node check`'s lines: the fewest colluders over every sum size
     answered (a requester picks it), with a warning at one."""
     from p2pfl.config import FedAvgP2PParams
-    from p2pfl.config.protocols import secagg_colluders_needed, secagg_guarantee_lines
+    from p2pfl.config.secagg_guarantees import secagg_colluders_needed, secagg_guarantee_lines
 
     assert [secagg_colluders_needed(n, None) for n in range(2, 12)] == [
         1,

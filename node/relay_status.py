@@ -29,7 +29,7 @@ from pathlib import Path
 from aiohttp import web
 
 from node.faults import FaultPlan
-from node.listen import ConnectionGate, bound_port, serve_app
+from node.listen import ConnectionGate, bound_port
 from node.logsetup import JsonFormatter, quiet_network_noise
 from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.prometheus import Exposition
@@ -49,7 +49,7 @@ from node.status import (
     token_problem,
 )
 from node.tls import server_ssl_context
-from node.transport import SERVER_KEEPALIVE_S
+from node.transport import serve_peer_port
 from p2pfl.config import ConfigError, RelayConfig, parse_hostport
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import IdentityError, Roster
@@ -244,17 +244,7 @@ class RelayProcess:
             cfg.transport.max_connections, cfg.relay.read_idle_timeout_s, self.server._count
         )
         try:
-            self._runner = await serve_app(
-                app,
-                host,
-                port,
-                gate=gate,
-                keepalive_s=SERVER_KEEPALIVE_S,
-                ssl_context=ssl_context,
-                backlog=512,
-                handler_cancellation=True,
-                auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
-            )
+            self._runner = await serve_peer_port(app, host, port, gate, ssl_context)
         except OSError as exc:
             raise UserError(
                 f"{self.config_path}: relay.listen {cfg.relay.listen}: cannot bind "

@@ -223,6 +223,30 @@ class TokenBucket:
         return False
 
 
+async def serve_peer_port(
+    app: web.Application,
+    host: str,
+    port: int,
+    gate: ConnectionGate,
+    ssl_context: ssl.SSLContext | None,
+) -> web.AppRunner:
+    """A site's peer port, or a relay's listen port (which peers reach the
+    same way): the gate's cap and header deadline, a keep-alive a little
+    longer than the client pool's, handlers cancelled when their client
+    leaves, and no body inflated (a gzip body is refused, unread)."""
+    return await serve_app(
+        app,
+        host,
+        port,
+        gate=gate,
+        keepalive_s=SERVER_KEEPALIVE_S,
+        ssl_context=ssl_context,
+        backlog=512,
+        handler_cancellation=True,
+        auto_decompress=False,
+    )
+
+
 class MessageServer:
     """The receiving side of the transport."""
 
@@ -273,17 +297,7 @@ class MessageServer:
             self.cfg.read_idle_timeout_s,
             lambda reason: self.on_reject(reason, None),
         )
-        self.runner = await serve_app(
-            self.app(),
-            host,
-            port,
-            gate=gate,
-            keepalive_s=SERVER_KEEPALIVE_S,
-            ssl_context=ssl_context,
-            backlog=512,
-            handler_cancellation=True,
-            auto_decompress=False,  # a gzip body is not inflated: it is refused, unread
-        )
+        self.runner = await serve_peer_port(self.app(), host, port, gate, ssl_context)
         self.port = bound_port(self.runner, port)
         return self.port
 

@@ -166,3 +166,92 @@ def test_the_same_request_sent_twice_at_once_is_answered_once(phase: str) -> Non
     assert refused and refused[0] in {"session_reused", "out_of_order", "unknown_session"}
     counted = {r["reason"] for r in fed.network.rejections if r["node"] == "alice"}
     assert f"secagg_{refused[0]}" in counted
+
+
+SESSION_FIELDS = ["contributors", "weight_scale", "round", "max_round", "purpose", "ring", "steps"]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(field=st.sampled_from(SESSION_FIELDS), value=HOSTILE)
+def test_every_hostile_session_field_is_refused_with_a_reason_and_opens_nothing(
+    field: str, value: Any
+) -> None:
+    """The session's own fields of Round 0, which this node reads before any
+    key: the weight unit (a review's W = 2^40 isolated a card-less site), the
+    contributor list and its size (secagg_min_contributors: a sum of two with
+    one accomplice gives the other's model). alice has a roster card and
+    answers sums of 3 or more. Whatever the value: an answer or a counted
+    refusal with a reason, and no session left open after a refusal."""
+    fed = Federation()
+    alice = fed.contributors["alice"]
+    alice.max_weight, alice.min_sum = 20.0, 3
+    query = {
+        "session": SESSION,
+        "phase": "advertise",
+        "contributors": CONTRIBUTORS,
+        "round": 3,
+        "max_round": 3,
+        "purpose": "model",
+        "body": {},
+        field: value,
+    }
+    reply = asyncio.run(
+        asyncio.wait_for(fed.ctxs[REQUESTER].request("alice", "secagg", query, 2.0), 10)
+    )
+    assert isinstance(reply, dict)
+    if "refused" in reply:
+        assert isinstance(reply["refused"], str) and reply["refused"]
+        counted = [r for r in fed.network.rejections if r["node"] == "alice"]
+        assert counted and all(r["reason"].startswith("secagg_") for r in counted), counted
+        assert not alice.sessions
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"weight_scale": 20.0 * 4096 * 2}, "weight_scale_too_large"),
+        ({"weight_scale": float("nan")}, "bad_request"),
+        ({"weight_scale": -1.0}, "bad_request"),
+        ({"weight_scale": 2.0**41}, "bad_request"),
+        ({"contributors": ["alice", "bob"]}, "sum_too_small"),
+        ({"contributors": ["alice", "alice", "bob"]}, "bad_contributors"),
+        ({"contributors": []}, "bad_request"),
+    ],
+    ids=[
+        "W past 2^12 x card",
+        "W NaN",
+        "W negative",
+        "W past 2^40",
+        "a sum of 2",
+        "repeated",
+        "empty",
+    ],
+)
+def test_each_session_field_this_node_checks_is_refused_by_name_even_twice_at_once(
+    change: dict[str, Any], reason: str
+) -> None:
+    """Named refusals, each sent twice at the same moment: both refused with
+    the reason, both counted, nothing opened."""
+    fed = Federation()
+    alice = fed.contributors["alice"]
+    alice.max_weight, alice.min_sum = 20.0, 3
+    query = {
+        "session": SESSION,
+        "phase": "advertise",
+        "contributors": CONTRIBUTORS,
+        "round": 3,
+        "max_round": 3,
+        "purpose": "model",
+        "body": {},
+        **change,
+    }
+
+    async def twice() -> list[Any]:
+        ask = fed.ctxs[REQUESTER].request
+        return await asyncio.gather(*(ask("alice", "secagg", dict(query), 2.0) for _ in range(2)))
+
+    replies = asyncio.run(twice())
+    assert replies == [{"refused": reason}] * 2
+    counted = [r["reason"] for r in fed.network.rejections if r["node"] == "alice"]
+    assert counted == [f"secagg_{reason}"] * 2
+    assert not alice.sessions

@@ -185,8 +185,8 @@ def provision(
         # The state dir and its keys folder are this account's alone from the
         # start (0700): `genbuffer` may write private images there before the
         # node's first run, which used to be what tightened it (a review).
-        make_private_dir(out / name / "state" / "keys")
         make_private_dir(out / name / "state")
+        make_private_dir(out / name / "state" / "keys")
         identity.save(out / name / "state" / "keys")
         card = identity.card(f"{hosts.get(name, LOOPBACK)}:{port}")
         if name in behind:  # outbound-only: reached through any of the relays

@@ -197,6 +197,11 @@ class SecureExchange:
                 # Nobody masked yet: a fresh session without those that did not answer.
                 chosen = retry
 
+    def sum_size(self, k: int) -> int:
+        """How many of the ranking a sum asks for: the protocol's k neighbours,
+        but never fewer than `min_contributors`, which the contributors answer."""
+        return max(k, self.min_contributors)
+
     def weight_scale(self, ctx: RoundContext, chosen: list[str], purpose: str) -> float:
         """The sum's weight unit W (the ring holds w/W <= 1): a purpose's fixed
         weight, else the most a chosen contributor may claim."""
@@ -357,8 +362,7 @@ class SecureExchange:
         """The secure sum of the first k of `ranking` (at least
         `min_contributors` of them), as one term."""
         round_no = int(key)
-        wanted = max(k, self.min_contributors)
-        result = await self.sum_of(ctx, round_no, own, ranking[:wanted], purpose="model")
+        result = await self.sum_of(ctx, round_no, own, ranking[: self.sum_size(k)], purpose="model")
         sums = [] if result is None else [result]
         return self.collected(ctx, round_no, sums, own, own_weight, k)
 
@@ -395,7 +399,7 @@ class AsyncSecureExchange(SecureExchange):
         round's timeout has passed (no new session after it; each session's
         requests get the time left)."""
         round_no = int(key)
-        k = max(k, self.min_contributors)
+        k = self.sum_size(k)
         chosen, queue = list(ranking[:k]), list(ranking[k:])
         sessions, skipped, result = 0, 0, None
         # no new session after 2 x timeout (a plain pull's bound), each session's

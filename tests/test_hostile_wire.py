@@ -11,6 +11,7 @@ import math
 import threading
 import time
 import tracemalloc
+from collections.abc import Collection
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,7 +50,15 @@ def incoming(receiver: WireCodec, frame: bytes) -> IncomingFrame:
     return IncomingFrame(header, bytearray(frame), offset, hashlib.sha256(frame[offset:]).digest())
 
 
-def make_inbound(tmp_path: Path, receiver: WireCodec, **transport: Any) -> Inbound:
+def make_inbound(
+    tmp_path: Path,
+    receiver: WireCodec,
+    kinds: Collection[str] = ("probe", "model"),
+    pushes: Collection[str] = ("probe",),
+    **transport: Any,
+) -> Inbound:
+    """An Inbound of `receiver` that takes `kinds`, `pushes` of them as pushes
+    (tests/test_wire_review.py uses it too)."""
     cfg = SimpleNamespace(
         transport=TransportSection(**{"request_timeout_s": 2.0, **transport}),
         wire=SimpleNamespace(encryption=False),
@@ -68,8 +77,7 @@ def make_inbound(tmp_path: Path, receiver: WireCodec, **transport: Any) -> Inbou
         count_sent=lambda *a: None,
         stopping=asyncio.Event(),
     )
-    if hasattr(inbound, "accept_kinds"):
-        inbound.accept_kinds({"probe", "model"}, pushes={"probe"})
+    inbound.accept_kinds(set(kinds), pushes=set(pushes))
     return inbound
 
 

@@ -19,11 +19,10 @@ import torch
 from aiohttp import ClientSession, web
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from test_hostile_wire import make_inbound
 
-from node.faults import FaultPlan
-from node.inbound import Inbound
 from node.outbound import Outbound, ack_of
-from node.queues import Inboxes, Journal, Outbox, ReplayMarks, Spool
+from node.queues import Outbox, ReplayMarks, Spool
 from node.telemetry import Telemetry
 from node.transport import MESSAGE_PATH, OFF_LOOP_BYTES, MessageServer
 from node.transport_client import MessageClient, reason_of_response
@@ -43,30 +42,6 @@ def tensor_map(shape: list[int], data: bytes = b"") -> bytes:
     return msgpack.packb(
         {"$t": "float32", "shape": shape, "pad": b"", "data": data}, use_bin_type=True
     )
-
-
-def make_inbound(
-    tmp_path: Path, receiver: WireCodec, kinds: set[str], pushes: set[str] | None = None
-) -> Inbound:
-    cfg = SimpleNamespace(
-        transport=TransportSection(request_timeout_s=2.0), wire=SimpleNamespace(encryption=False)
-    )
-    inbound = Inbound(
-        name=receiver.identity.name,
-        cfg=cfg,  # type: ignore[arg-type]
-        codec=receiver,
-        spool=Spool(tmp_path / "spool"),
-        journal=Journal(tmp_path / "journal.jsonl"),
-        inboxes=Inboxes(INBOX),
-        telemetry=Telemetry(receiver.identity.name),
-        membership=None,  # type: ignore[arg-type]
-        faults=FaultPlan(None),
-        marks=ReplayMarks(tmp_path / "marks.json", 5.0, 300.0),
-        count_sent=lambda *a: None,
-        stopping=asyncio.Event(),
-    )
-    inbound.accept_kinds(kinds, pushes=pushes or set())
-    return inbound
 
 
 def raw_frame(sender: WireCodec, kind: str, to: str, payload: bytes) -> bytes:
@@ -350,7 +325,7 @@ async def test_a_push_of_a_kind_the_node_only_serves_is_refused_before_it_is_spo
     were spooled and queued for good (256 x 512 MiB), and queued again at restart."""
     alice = WireCodec(identities["alice"], roster, FED)
     bob = WireCodec(identities["bob"], roster, FED)
-    inbound = make_inbound(tmp_path, alice, {"model", "secagg"})  # FedAVGP2P's: no pushes
+    inbound = make_inbound(tmp_path, alice, {"model", "secagg"}, ())  # FedAVGP2P's: no pushes
     server = MessageServer(alice, TransportSection(), inbound.on_frame, inbound.on_reject)
     port = await server.start("127.0.0.1", 0, None)
     try:
@@ -588,7 +563,7 @@ async def test_a_heartbeat_or_request_of_many_small_items_is_opened_off_the_loop
 
     alice = WireCodec(identities["alice"], roster, FED)
     bob = WireCodec(identities["bob"], roster, FED)
-    inbound = make_inbound(tmp_path, alice, {"model"})
+    inbound = make_inbound(tmp_path, alice, {"model"}, ())
     opened_in: list[int] = []
     original = alice.open_payload
 

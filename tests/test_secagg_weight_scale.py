@@ -52,25 +52,28 @@ def steps_for(ring: int) -> dict[str, float] | None:
     return dict.fromkeys(narrow_entries(ring, sizes), 2.0**-26)
 
 
-@pytest.mark.parametrize("ring", [32, 16])
-def test_a_huge_weight_unit_does_not_isolate_the_card_less_site(ring: int) -> None:
-    network, requester = federation(ring, {"alice": 500})  # bob has no card
-
-    async def attack() -> object:
-        return await secure_sum(
+def sum_of_both(requester: object, weight_scale: float, ring: int = 32) -> object:
+    """The requester's secure sum of alice and bob at the unit it picks."""
+    return asyncio.run(
+        secure_sum(
             requester,
             ["alice", "bob"],
             round_no=1,
             max_round=2,
             reference=model(3),
             timeout=5.0,
-            weight_scale=2.0**40,
+            weight_scale=weight_scale,
             ring=ring,
             steps=steps_for(ring),
         )
+    )
 
+
+@pytest.mark.parametrize("ring", [32, 16])
+def test_a_huge_weight_unit_does_not_isolate_the_card_less_site(ring: int) -> None:
+    network, requester = federation(ring, {"alice": 500})  # bob has no card
     with pytest.raises(SecAggError) as err:  # alice refuses: no sum of one is left
-        asyncio.run(attack())
+        sum_of_both(requester, 2.0**40, ring)
     assert err.value.reason == "too_few"
     refused = [(r["node"], r["peer"], r["reason"]) for r in network.rejections]
     assert ("alice", "mallory", "secagg_weight_scale_too_large") in refused
@@ -79,17 +82,7 @@ def test_a_huge_weight_unit_does_not_isolate_the_card_less_site(ring: int) -> No
 def test_the_largest_unit_a_carded_site_accepts_counts_both_alike() -> None:
     """At W = 2^12 x alice's card, both sit on the floor: the sum is their mean."""
     network, requester = federation(32, {"alice": 500})
-    got = asyncio.run(
-        secure_sum(
-            requester,
-            ["alice", "bob"],
-            round_no=1,
-            max_round=2,
-            reference=model(3),
-            timeout=5.0,
-            weight_scale=500 / MIN_WEIGHT_SHARE,
-        )
-    )
+    got = sum_of_both(requester, 500 / MIN_WEIGHT_SHARE)
     assert got.contributors == ["alice", "bob"]
     a, b = model(1), model(2)
     for key in a:

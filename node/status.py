@@ -255,7 +255,8 @@ def read_own_token(path: Path) -> str:
     it is a link, not a plain file, readable or writable by others, or holds
     no plausible token: then someone else made, replaced or exposed it, and
     the token may be known. (A status.token_file the operator names is theirs
-    to keep: a mounted secret is often a link.)"""
+    to keep: a mounted secret is often a link, unless it lies in the state
+    dir: `inside`.)"""
     if path.is_symlink():
         raise TokenFileError(f"{path} is a symbolic link")
     if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open
@@ -263,14 +264,14 @@ def read_own_token(path: Path) -> str:
     # no link swapped in since (O_NOFOLLOW), nor a FIFO (O_NONBLOCK; then S_ISREG)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fh.fileno()).st_mode
+        found = os.fstat(fh.fileno())
+        mode = found.st_mode
         if not stat.S_ISREG(mode):
             raise TokenFileError(f"{path} is not a plain file")
         if mode & 0o077:
             raise TokenFileError(f"{path} has mode {stat.S_IMODE(mode):o}: others may read it")
-        owner = os.fstat(fh.fileno()).st_uid
-        if owner != os.getuid():  # planted in a folder someone else made first
-            raise TokenFileError(f"{path} belongs to uid {owner}, not to this account")
+        if found.st_uid != os.getuid():  # planted in a folder someone else made first
+            raise TokenFileError(f"{path} belongs to uid {found.st_uid}, not to this account")
         raw = fh.read(2 * MAX_TOKEN_CHARS)
     try:
         token = raw.decode("ascii").strip()

@@ -370,3 +370,17 @@ def test_only_the_command_being_run_imports_its_feature():
         assert f"    {command} " in listing, command
     assert "predict" in listing
     assert "--min-per-site" in seen[-1]["help"]  # partition's own arguments
+
+
+def test_the_demo_prints_no_token_to_a_stdout_that_is_not_a_terminal(tmp_path, capsys) -> None:
+    """`make demo`'s dashboard lines, as provision's: the URL with its token
+    only for a terminal (a CI log or a redirected file is read by others)."""
+    from bench.demo import show_dashboards
+    from node.provision import provision
+
+    plans = provision(tmp_path / "fed", ["a", "b"], protocol={"name": "probe"})
+    show_dashboards(list(plans))
+    printed = capsys.readouterr().out
+    tokens = [plan.status_token() for plan in plans]
+    assert all(token and token not in printed for token in tokens), printed
+    assert printed.count("http://127.0.0.1:") == 2

@@ -56,7 +56,7 @@ from node.transport import MessageServer
 from node.transport_client import MessageClient
 from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
-from p2pfl.files import make_private_dir
+from p2pfl.files import make_private_dir, open_append
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 from protocols.base import FAILED
@@ -77,8 +77,7 @@ class Node:
         self.name = cfg.node.name
         self.identity = identity
         self.config_path = config_path
-        state = Path(cfg.node.state_dir)
-        state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        state = make_private_dir(cfg.node.state_dir)
         self.state_dir = state
         self.faults = FaultPlan.from_env()
         self.codec = WireCodec(
@@ -194,7 +193,7 @@ class Node:
         self._status_runner: Any = None
         self.status_port: int | None = None
         self.peer_port: int | None = None
-        self._metrics_file = open(state / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in stop()
+        self._metrics_file = open_append(state / "metrics.jsonl")  # closed in stop()
         self.host_threads: HostThreads | None = None  # registered once the node runs
         self.telemetry.mark_startup("node_created")
 
@@ -476,8 +475,9 @@ async def serve(node: Node) -> int:
 def run_node(
     cfg: SiteConfig, roster: Roster, identity: LocalIdentity, *, config_path: Path | None = None
 ) -> int:
+    Path(cfg.node.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    configure_logging(cfg)  # first, so that node.log says where the folder cannot be made private
     make_private_dir(cfg.node.state_dir)  # keys, spool and logs: this account's only
-    configure_logging(cfg)
     if cfg.training.threads:
         import torch
 

@@ -27,7 +27,7 @@ from typing import Any
 from node.evaluate import WHICH_MODELS, read_checkpointed
 from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
-from p2pfl.files import atomic_write_text
+from p2pfl.files import PUBLIC_FILE, atomic_write_text
 from p2pfl.learning.dp import DEFAULT_DELTA
 from p2pfl.learning.dp_recipe import recipe_settings
 from p2pfl.learning.export import FORMATS, Architecture, ExportError, write_package
@@ -338,8 +338,11 @@ def run_export(args: argparse.Namespace) -> int:
     card = model_card(
         cfg, site, which, model_round, evaluation, cross, description["files"], choice
     )
-    atomic_write_text(args.out / "model_card.json", json.dumps(card, indent=2) + "\n")
-    atomic_write_text(args.out / "model_card.md", card_markdown(card))
+    # the card goes with the package the operator asked to share
+    atomic_write_text(
+        args.out / "model_card.json", json.dumps(card, indent=2) + "\n", mode=PUBLIC_FILE
+    )
+    atomic_write_text(args.out / "model_card.md", card_markdown(card), mode=PUBLIC_FILE)
     summary = {
         "out": str(args.out),
         "formats": list(description["files"]),

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2pfl.files import append_lines, atomic_write_bytes, atomic_write_json
+from p2pfl.files import PRIVATE_DIR, append_lines, atomic_write_bytes, atomic_write_json
 from p2pfl.secure import tensors
 from protocols.base import Received
 
@@ -86,8 +86,8 @@ def unlink_all(paths: list[Path]) -> None:
 
 
 def _open_dir(directory: Path) -> Path:
-    """Create the folder and drop the temp files a crash left half-written in it."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Create the folder (0700) and drop the temp files a crash left half-written in it."""
+    directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     for stale in directory.glob(".*.tmp"):
         stale.unlink(missing_ok=True)
     return directory
@@ -260,7 +260,7 @@ class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3) -> None:
         self.dir = directory
         self.keep = keep
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         self._seq = max((self._number(p) for p in self.dir.glob("ckpt-*.bin")), default=0)
 
     @staticmethod

@@ -3,15 +3,23 @@
 A file written here is whole or absent after a crash: the bytes go to a
 temporary file in the same folder, which is flushed and fsynced, renamed over
 the target, and the folder itself is fsynced so the rename survives a power cut.
+
+Every file is created PRIVATE_FILE (0600) unless its caller asks for another
+mode: what a node keeps (checkpoints, spool, outbox, journal, metrics, the DP
+ledger, encoders) holds its model or what was derived from its private images,
+and the 0700 state directory alone cannot be relied on (a mount the node does
+not own stays as it is: `make_private_dir`). What the operator asks to share
+(an export, a public card) says PUBLIC_FILE where it is written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
+import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,10 @@ Chunk = bytes | bytearray | memoryview
 # images): readable by this account only, whatever the umask.
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
+# What the operator asked to share (an export, a public card): readable by anyone.
+PUBLIC_FILE = 0o644
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,11 +46,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(
-    path: Path | str, data: Chunk | Iterable[Chunk], *, mode: int = 0o644
+    path: Path | str, data: Chunk | Iterable[Chunk], *, mode: int = PRIVATE_FILE
 ) -> Path:
     """Write `data` (one buffer or an iterable of chunks) to `path` atomically;
-    the file is created with permission bits `mode` (0o600 for private keys).
-    Parent folders are created."""
+    the file is created with permission bits `mode` (PRIVATE_FILE unless the
+    caller says otherwise), whatever the umask. Parent folders are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -60,7 +72,7 @@ def atomic_write_bytes(
     return path
 
 
-def create_exclusive(path: Path | str, data: Chunk, *, mode: int = 0o644) -> bool:
+def create_exclusive(path: Path | str, data: Chunk, *, mode: int = PRIVATE_FILE) -> bool:
     """Create `path` holding `data`, whole, unless it exists: True when this
     call created it. Safe against a concurrent creator: the bytes go to a
     temporary file of this call's own and are linked into place (link(2)
@@ -88,25 +100,38 @@ def create_exclusive(path: Path | str, data: Chunk, *, mode: int = 0o644) -> boo
         os.unlink(tmp)
 
 
-def append_lines(path: Path | str, lines: Iterable[str]) -> None:
+def open_append(path: Path | str, *, mode: int = PRIVATE_FILE) -> io.TextIOWrapper:
+    """A log opened for appending, created with permission bits `mode`
+    whatever the umask (a file an older version left wider is narrowed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, mode)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)
+        return open(fd, "a", encoding="utf-8", closefd=True)  # noqa: SIM115 - the caller's
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def append_lines(path: Path | str, lines: Iterable[str], *, mode: int = PRIVATE_FILE) -> None:
     """Append whole lines to a log and fsync: what returned survives a crash
-    (a SIGKILL right after included)."""
-    with open(path, "a", encoding="utf-8") as fh:
+    (a SIGKILL right after included). The file is created `mode`."""
+    with open_append(path, mode=mode) as fh:
         for line in lines:
             fh.write(line + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def atomic_write_text(path: Path | str, text: str, *, mode: int = 0o644) -> Path:
+def atomic_write_text(path: Path | str, text: str, *, mode: int = PRIVATE_FILE) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"), mode=mode)
 
 
-def atomic_write_json(path: Path | str, obj: Any, *, mode: int = 0o644) -> Path:
+def atomic_write_json(path: Path | str, obj: Any, *, mode: int = PRIVATE_FILE) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2), mode=mode)
 
 
-def atomic_torch_save(obj: Any, path: Path | str, *, mode: int = 0o644) -> Path:
+def atomic_torch_save(obj: Any, path: Path | str, *, mode: int = PRIVATE_FILE) -> Path:
     """`torch.save` to `path` atomically (read back with weights_only=True);
     `mode` PRIVATE_FILE for weights trained on a site's private data."""
     import torch  # the secure half imports this module too, without torch
@@ -116,7 +141,9 @@ def atomic_torch_save(obj: Any, path: Path | str, *, mode: int = 0o644) -> Path:
     return atomic_write_bytes(path, buffer.getbuffer(), mode=mode)
 
 
-def atomic_savefig(figure: Any, path: Path | str, *, mode: int = 0o644, **kwargs: Any) -> Path:
+def atomic_savefig(
+    figure: Any, path: Path | str, *, mode: int = PRIVATE_FILE, **kwargs: Any
+) -> Path:
     """A matplotlib figure's `savefig` to `path` atomically, with permission bits
     `mode`: rendered in memory first, because savefig onto a path creates the file
     with the umask's bits and a figure of private images must never exist, even for
@@ -127,14 +154,38 @@ def atomic_savefig(figure: Any, path: Path | str, *, mode: int = 0o644, **kwargs
     return atomic_write_bytes(path, buffer.getbuffer(), mode=mode)
 
 
+_WARNED_DIRS: set[str] = set()  # make_private_dir warns once per folder and process
+
+
 def make_private_dir(path: Path | str) -> Path:
     """Create `path` (and its parents) and make it PRIVATE_DIR: a folder that
     already exists, made by `p2pfl-node provision` or an older version with the
     umask's bits (0755), is tightened too, so what goes in is this account's only.
-    A folder this account does not own (a mount) is left as it is: the files in it
-    are still created PRIVATE_FILE by their writers."""
+    A folder this account cannot tighten (a mount it does not own, such as a
+    Kubernetes volume root under fsGroup) is left as it is, with a WARNING once
+    naming it and its mode: other accounts may list it. The files written
+    through this module are created PRIVATE_FILE all the same."""
     path = Path(path)
     path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
+    why = ""
+    try:
         path.chmod(PRIVATE_DIR)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    try:
+        info = path.stat()
+    except OSError:
+        return path
+    if stat.S_IMODE(info.st_mode) & 0o077 and str(path) not in _WARNED_DIRS:
+        _WARNED_DIRS.add(str(path))
+        log.warning(
+            "%s is mode %04o (owner uid %d) and cannot be made %04o%s: other accounts may "
+            "list or enter it; the files this node writes in it are created %04o",
+            path,
+            stat.S_IMODE(info.st_mode),
+            info.st_uid,
+            PRIVATE_DIR,
+            f" ({why})" if why else "",
+            PRIVATE_FILE,
+        )
     return path

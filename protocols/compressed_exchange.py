@@ -367,7 +367,7 @@ class CompressedExchange(PlainExchange):
         if self.path is None or folder is None:
             return
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             named = [(copy_file_name(side, peer, cid), state) for side, peer, cid, state in copies]
             wanted = {name for name, _ in named}
             # only the copies in use stay referenced here (their files go below)

@@ -434,3 +434,41 @@ def test_provision_makes_each_state_dir_private_from_the_start(tmp_path):
         for folder in ("state", "state/keys"):
             mode = stat.S_IMODE((tmp_path / "fed" / site / folder).stat().st_mode)
             assert mode == 0o700, (site, folder, oct(mode))
+
+
+def test_after_a_run_every_file_in_the_state_dir_is_0600_under_umask_022(tmp_path):
+    """Review finding 3: checkpoints (the model), journal, metrics and the other
+    queues came out 0644 under the usual umask, protected only by a 0700 state
+    folder the node cannot always enforce (a mount it does not own). Two real
+    nodes run two probe rounds in this process under umask 022: every file
+    they leave is 0600, every folder 0700."""
+    import os
+    import stat
+
+    from inproc_util import InProcessFederation
+
+    old = os.umask(0o022)
+    try:
+        plans = provision(
+            tmp_path / "fed",
+            ["a", "b"],
+            protocol={"name": "probe", "rounds": 2},
+            overrides={**FAST, "node": {"startup_wait_s": 5}},
+        )
+        with InProcessFederation(plans) as fed:
+            assert fed.wait_all_exit(60) == {"a": 0, "b": 0}
+    finally:
+        os.umask(old)
+    for site in ("a", "b"):
+        state = tmp_path / "fed" / site / "state"
+        found = {
+            str(p.relative_to(state)): stat.S_IMODE(p.stat().st_mode) for p in state.rglob("*")
+        }
+        for name in ("journal.jsonl", "metrics.jsonl", "checkpoints/ckpt-00000002.bin"):
+            assert name in found, (site, sorted(found))
+        wrong = {
+            name: oct(mode)
+            for name, mode in found.items()
+            if mode != (0o700 if (state / name).is_dir() else 0o600)
+        }
+        assert not wrong, (site, wrong)

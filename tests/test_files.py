@@ -76,3 +76,136 @@ def test_private_folders_are_tightened_and_figures_and_weights_keep_their_mode(t
     for path in private.iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert (private / "grid.png").read_bytes().startswith(b"\x89PNG")
+
+
+def _modes(root):
+    return {
+        str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_every_file_a_node_keeps_is_created_0600_under_umask_022(tmp_path, monkeypatch):
+    """Review finding 3: the model, the queues, the logs and the DP ledger were
+    created 0644 (or with the umask), so a state folder the node cannot make
+    0700 (a volume root it does not own) let any account read the weights.
+    Each writer of the state directory is called here, directly, in a folder
+    left 0755 as such a mount stays; every file must come out 0600."""
+    import asyncio
+    import json
+    import time
+
+    import torch
+
+    from node.queues import (
+        Checkpoints,
+        Journal,
+        Outbox,
+        OutboxEntry,
+        ReplayMarks,
+        Spool,
+    )
+    from p2pfl.config.sections import DPSection
+    from p2pfl.files import append_lines, open_append
+    from p2pfl.learning.dp import DPTraining
+    from p2pfl.learning.mae import save_encoder
+    from p2pfl.learning.mae_site import save_image_grid
+    from p2pfl.learning.tokenizer import save_tokenizer
+    from protocols.compressed_exchange import CompressedExchange
+    from protocols.exchange import ServedModels
+
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, 0o755)
+    previous = os.umask(0o022)
+    try:
+        Spool(state / "spool").persist("ab" * 16, b"P2FL frame bytes")
+        Outbox(state / "outbox").add(
+            OutboxEntry(b"\x01" * 16, "b", "relay", 3, {"w": torch.ones(4)}, 0.0)
+        )
+        Checkpoints(state / "checkpoints").save({"round": 3, "protocol": {"w": torch.ones(4)}})
+        Journal(state / "journal.jsonl").append([{"id": "ab" * 16, "ts": 1}])
+        with open_append(state / "metrics.jsonl") as fh:  # as Node opens it
+            fh.write(json.dumps({"round": 1}) + "\n")
+        append_lines(state / "faults.events.jsonl", ["{}"])
+        marks = ReplayMarks(state / "replay_marks.json", margin_s=1.0, clock_skew_s=300.0)
+        asyncio.run(marks.cover("b", int(time.time() * 1000)))
+        dp = DPTraining(DPSection(noise_multiplier=1.0), n_train=100, batch_size=10, total_steps=4)
+        dp.keep_ledger(state / "dp_ledger.json")
+        dp.step_taken()
+        exchange = CompressedExchange(
+            ServedModels(3),
+            compression="fp16",
+            max_staleness=1,
+            timeout=1.0,
+            max_norm_ratio=10.0,
+            max_weight_ratio=16.0,
+        )
+        exchange.path = state / "compression.safetensors"
+        exchange.write([("sent", "b", 1, {"w": torch.ones(4)})])
+        assert list((state / "compression.copies").iterdir())
+
+        class Encoder:
+            def encoder_state_dict(self):
+                return {"w": torch.ones(2)}
+
+        save_encoder(Encoder(), state / "pretrained_encoder.pt")
+        save_tokenizer(torch.nn.Linear(2, 2), state / "tokenizer.pt")
+        save_image_grid(state / "mae_reconstruction.png", [("x", lambda ax, row: None)], 1)
+    finally:
+        os.umask(previous)
+    modes = _modes(state)
+    assert len(modes) == 13, modes
+    assert all(mode == 0o600 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}
+    for folder in ("spool", "outbox", "checkpoints", "compression.copies"):
+        assert stat.S_IMODE((state / folder).stat().st_mode) == 0o700, folder
+    # A metrics file an older version left 0644 is narrowed when the node opens it.
+    os.chmod(state / "metrics.jsonl", 0o644)
+    open_append(state / "metrics.jsonl").close()
+    assert stat.S_IMODE((state / "metrics.jsonl").stat().st_mode) == 0o600
+
+
+def test_an_export_the_operator_asked_for_is_written_readable_on_purpose(tmp_path):
+    """Only what a caller names PUBLIC_FILE is 0644: the model card of an export
+    and a roster of public keys."""
+    from p2pfl.files import PUBLIC_FILE
+
+    previous = os.umask(0o077)
+    try:
+        atomic_write_text(tmp_path / "model_card.md", "card", mode=PUBLIC_FILE)
+        atomic_write_text(tmp_path / "private.json", "{}")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "model_card.md").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "private.json").stat().st_mode) == 0o600
+
+
+def test_a_folder_that_cannot_be_made_private_is_named_in_one_warning(
+    tmp_path, monkeypatch, caplog
+):
+    """A folder this account does not own (chmod refused, as on a volume root
+    under fsGroup) stays as it is, and the log says so once, with its mode."""
+    import pathlib
+
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    os.chmod(folder, 0o2775)
+
+    def refuse(self, mode, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "chmod", refuse)
+    with caplog.at_level("WARNING", logger="p2pfl.files"):
+        make_private_dir(folder)
+        make_private_dir(folder)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert str(folder) in warnings[0] and "mode 2775" in warnings[0], warnings[0]
+    assert "Operation not permitted" in warnings[0] and "0600" in warnings[0]
+    # a folder it can tighten says nothing
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="p2pfl.files"):
+        make_private_dir(tmp_path / "own")
+    assert not caplog.records

@@ -54,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from p2pfl.config import SiteConfig, TrainingSection, load_config
+from p2pfl.files import atomic_torch_save
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.models import SiameseNet
@@ -196,7 +197,7 @@ def _train_worker(
         samples=samples,
         seconds=time.perf_counter() - start,
     )
-    torch.save(
+    atomic_torch_save(  # the site's trained weights: 0600
         {
             "state": result.state,
             "optimizer": result.optimizer_state,

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from p2pfl.config import TrainingSection
+from p2pfl.files import atomic_savefig
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.data.loaders import MEAN, STD
 from p2pfl.learning.errors import TrainingError
@@ -188,7 +189,7 @@ def save_image_grid(
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)  # the site's own images: 0600
     plt.close(fig)
     return path
 

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from p2pfl.errors import UserError
-from p2pfl.files import atomic_write_bytes, atomic_write_text
+from p2pfl.files import PUBLIC_FILE, atomic_write_bytes, atomic_write_text
 
 ADDRESS_PLACEHOLDER = "HOST:PORT"
 
@@ -388,7 +388,7 @@ class Roster:
         if self.relays:
             doc["relays"] = [{"name": n, "address": a} for n, a in sorted(self.relays.items())]
         text = yaml.safe_dump(doc, sort_keys=False)
-        return atomic_write_text(path, text)
+        return atomic_write_text(path, text, mode=PUBLIC_FILE)  # public keys and addresses
 
 
 def load_card(path: Path) -> Card:

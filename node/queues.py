@@ -13,7 +13,9 @@ Each received push is delivered to the protocol once, tied to checkpoints:
      state and the ids it covers are on disk together or not at all. Then the
      ids are appended to `journal.jsonl` (fsynced) and their spool files are
      deleted. The journal is derived from the checkpoints (and kept as the
-     audit log of every processed id).
+     audit log of every processed id). A last line torn by a crash is cut
+     at the next open (p2pfl/files.py `open_append`), so what is appended
+     after a restart is never glued onto it.
   4. After a crash the node restores its last checkpoint, appends the ids that
      checkpoint names to the journal where a crash between the two writes left
      them out, counts every journaled id as already seen (their spool files
@@ -73,7 +75,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2pfl.files import PRIVATE_DIR, append_lines, atomic_write_bytes, atomic_write_json
+from p2pfl.files import (
+    PRIVATE_DIR,
+    append_lines,
+    atomic_write_bytes,
+    atomic_write_json,
+    cut_torn_tail,
+)
 from p2pfl.secure import tensors
 from protocols.base import Received
 
@@ -137,6 +145,9 @@ class Journal:
         self.path = path
         self.remember = remember
         self.ids: OrderedDict[str, int] = OrderedDict()
+        # A torn last line after a crash is cut now, before anything is appended:
+        # glued onto it, the next id would be lost from the journal for good.
+        cut_torn_tail(path)
         if path.exists():
             with open(path, encoding="utf-8") as fh:
                 for line in fh:
@@ -144,7 +155,8 @@ class Journal:
                         entry = json.loads(line)
                         self._remember(entry["id"], int(entry.get("ts", 0)))
                     except (ValueError, KeyError, TypeError):
-                        continue  # a torn last line after a crash
+                        log.warning("%s: unreadable journal line skipped", path)
+                        continue
 
     def _remember(self, msg_id: str, ts: int) -> None:
         self.ids[msg_id] = ts

@@ -209,3 +209,24 @@ def test_a_folder_that_cannot_be_made_private_is_named_in_one_warning(
     with caplog.at_level("WARNING", logger="p2pfl.files"):
         make_private_dir(tmp_path / "own")
     assert not caplog.records
+
+
+def test_an_append_after_a_torn_last_line_starts_a_line_of_its_own(tmp_path, caplog):
+    """Review finding 4: an append glued onto the fragment a crash left made the
+    new entry unreadable too. The fragment (here longer than the block the tail
+    is searched in) is cut back to the last newline, durably and logged."""
+    from p2pfl.files import TAIL_BLOCK, append_lines, cut_torn_tail, open_append
+
+    log = tmp_path / "journal.jsonl"
+    log.write_text('{"id": 1}\n' + '{"id": 2, "pad": "' + "x" * (2 * TAIL_BLOCK))
+    with caplog.at_level("WARNING", logger="p2pfl.files"):
+        append_lines(log, ['{"id": 3}'])
+    assert log.read_text().splitlines() == ['{"id": 1}', '{"id": 3}']
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert f"cut {2 * TAIL_BLOCK + 18} bytes" in message and '{"id": 2, "pad"' in message
+    # a whole log is left alone; a log of one torn line is emptied
+    assert cut_torn_tail(log) == 0 and cut_torn_tail(tmp_path / "absent") == 0
+    (tmp_path / "m.jsonl").write_text('{"round": 1')
+    with open_append(tmp_path / "m.jsonl") as fh:
+        fh.write('{"round": 2}\n')
+    assert (tmp_path / "m.jsonl").read_text() == '{"round": 2}\n'

@@ -280,9 +280,11 @@ class Node:
             self.relays.publish()
 
     def reload_roster(self) -> None:
-        """SIGHUP: the roster again, for the relay this site serves too."""
+        """SIGHUP: the roster again, for the relay this site serves too; pushes
+        queued from sites it no longer lists are dropped (node/inbound.py)."""
         self.membership.reload_roster()
         self.relays.set_roster(self.membership.roster)
+        self.inbound.drop_unlisted()
 
     async def _watch_threads(self) -> None:
         """Register this node's training threads on the host and check, every few

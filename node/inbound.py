@@ -8,7 +8,9 @@
   acknowledged. Each checkpoint carries the ids of the pushes the protocol
   consumed; then they are journaled and their spool files dropped; after a
   restart the spooled pushes neither checkpointed nor journaled are queued
-  again (see node/queues.py for the whole scheme).
+  again if their signed header still passes against the roster of that start
+  (see node/queues.py for the whole scheme); a roster reload drops the queued
+  pushes of the sites it removed.
 
 Before any of that, the sender's replay mark is on disk at or above the
 message's timestamp (node/queues.py `ReplayMarks`), so a message this node
@@ -310,7 +312,10 @@ class Inbound:
         """At start: the ids the latest checkpoint consumed (`checkpointed`) are
         journaled if a crash left them out; journaled ids count as seen (a resend
         is a replay, their spool files are dropped), and every other spooled push
-        is queued again. Returns how many were."""
+        is queued again if it still passes `WireCodec.verify_origin` against the
+        roster, federation and name of this start (a site removed from the
+        roster, or a key rotated out, while it was spooled: deleted and counted
+        under the check's reason). Returns how many were queued."""
         missing = [
             e
             for e in checkpointed
@@ -340,6 +345,29 @@ class Inbound:
                 frame = bytearray(path.read_bytes())
                 n = self.codec.header_length(frame[:PREFIX_LEN])
                 header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
+            except WireError as exc:
+                log.warning(
+                    "%s: spooled %s unreadable (%s); moved aside", self.name, path.name, exc.reason
+                )
+                self.spool.set_aside(msg_id)
+                continue
+            try:
+                signature = frame[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN]
+                self.codec.verify_origin(header, frame[PREFIX_LEN : PREFIX_LEN + n], signature)
+            except WireError as exc:
+                # Verified when it came, but no longer by this start's roster
+                # (a revoked site), federation or name: never delivered.
+                log.warning(
+                    "%s: spooled %s from %r no longer passes the checks (%s); deleted",
+                    self.name,
+                    path.name,
+                    header.sender[:64],
+                    exc.reason,
+                )
+                self.telemetry.record_rejection(exc.reason, header.sender)
+                self.spool.remove(msg_id)
+                continue
+            try:
                 if self.accepts_push(header.kind) and len(kept.get(header.kind, ())) >= (
                     self.inboxes.maxsize or sys.maxsize
                 ):
@@ -352,7 +380,7 @@ class Inbound:
                 log.warning(
                     "%s: spooled %s unreadable (%s); moved aside", self.name, path.name, exc.reason
                 )
-                path.rename(path.with_suffix(".corrupt"))
+                self.spool.set_aside(msg_id)
                 continue
             if not self.accepts_push(header.kind):
                 # no protocol of this node reads that kind: it would stay spooled for good
@@ -389,6 +417,29 @@ class Inbound:
             for item in reversed(received):
                 queue.put_nowait(item)
         return sum(len(received) for received in kept.values())
+
+    def drop_unlisted(self) -> int:
+        """After a roster reload: the pushes queued from sites the roster no
+        longer lists are taken out of their inboxes before the protocol sees
+        them, their spool files deleted (a restart would not queue them either),
+        each counted `unknown_sender`. Returns how many."""
+        roster = self.codec.roster
+        count = 0
+        for kind, queue in self.inboxes.queues.items():
+            for item in queue.discard(lambda r: r.sender not in roster):
+                count += 1
+                self._spool_ts.pop(item.msg_id, None)
+                self.spool.remove(item.msg_id)
+                self.telemetry.record_rejection("unknown_sender", item.sender)
+                log.warning(
+                    "%s: queued %s push %s from %r dropped: no longer in the roster",
+                    self.name,
+                    kind[:64],
+                    item.msg_id,
+                    item.sender[:64],
+                )
+            self.telemetry.set_queue_depth(kind, queue.qsize())
+        return count
 
     def consumed_records(self, consumed: list[Received]) -> list[dict[str, Any]]:
         """What the checkpoint and then the journal keep of each consumed push."""

@@ -9,7 +9,8 @@ receives feed the peer table (node/peers.py) and the telemetry. With
 other message: it carries the gossiped metadata (per-class F1, model
 statistics, FedPerl's feature vectors). A peer that
 (re)joins is answered at once. On SIGHUP the roster file is read again: sites
-no longer listed are refused from then on, new ones are linked.
+no longer listed are refused from then on (and their queued pushes dropped:
+node/inbound.py `drop_unlisted`), new ones are linked.
 """
 
 from __future__ import annotations

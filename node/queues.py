@@ -70,7 +70,8 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,27 @@ def unlink_all(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
+# Unreadable spool or outbox files are moved aside (`.corrupt`) for a person to
+# look at; only the newest few are kept, so a disk fault or a hostile copy
+# cannot fill the state directory with them over many restarts.
+KEEP_CORRUPT = 16
+
+
 def _open_dir(directory: Path) -> Path:
-    """Create the folder (0700) and drop the temp files a crash left half-written in it."""
+    """Create the folder (0700), drop the temp files a crash left half-written
+    in it and all but the newest KEEP_CORRUPT files moved aside."""
     directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     for stale in directory.glob(".*.tmp"):
         stale.unlink(missing_ok=True)
+    aside = sorted(directory.glob("*.corrupt"), key=lambda p: p.stat().st_mtime)
+    if len(aside) > KEEP_CORRUPT:
+        unlink_all(aside[:-KEEP_CORRUPT])
+        log.warning(
+            "%s: deleted %d older unreadable files moved aside (the newest %d kept)",
+            directory,
+            len(aside) - KEEP_CORRUPT,
+            KEEP_CORRUPT,
+        )
     return directory
 
 
@@ -125,6 +142,13 @@ class Spool:
     def remove(self, msg_id: str) -> None:
         self._ids.discard(msg_id)
         self.path(msg_id).unlink(missing_ok=True)
+
+    def set_aside(self, msg_id: str) -> None:
+        """An unreadable frame: renamed `.corrupt` (the newest KEEP_CORRUPT are
+        kept across starts) and no longer held: a resend is taken afresh."""
+        self._ids.discard(msg_id)
+        path = self.path(msg_id)
+        path.rename(path.with_suffix(".corrupt"))
 
     def forget(self, msg_ids: list[str]) -> list[Path]:
         """Drop ids from the spool at once and return their files, for the caller
@@ -190,6 +214,19 @@ class TrackedQueue(asyncio.Queue):  # type: ignore[type-arg]
         item = super()._get()
         self._consumed.append(item)
         return item
+
+    def discard(self, drop: Callable[[Received], bool]) -> list[Received]:
+        """Take the queued items `drop` picks out of the inbox, unconsumed (the
+        protocol never sees them); returns them."""
+        items: deque[Received] = self._queue  # asyncio.Queue's own store
+        gone = [item for item in items if drop(item)]
+        if gone:
+            kept = [item for item in items if not drop(item)]
+            items.clear()
+            items.extend(kept)
+            for _ in gone:
+                self.task_done()
+        return gone
 
 
 @dataclass

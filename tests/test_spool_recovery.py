@@ -1,6 +1,7 @@
-"""What a node reads back at a restart, attacked (persistence review, finding
-4): a journal or metrics line torn by a crash must not swallow the next
-entry.
+"""What a node reads back at a restart, attacked (persistence review, findings
+4 and 8): a journal or metrics line torn by a crash must not swallow the
+next entry, and a push spooled from a site the roster no longer lists must
+not be delivered after a restart or a roster reload.
 
 The receiver is the daemon's own `node.daemon.Node`, built on a provisioned
 site and never started: a frame goes through `Inbound.on_frame` as the
@@ -14,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from node.daemon import Node
 from node.metricslog import read_metrics
 from node.provision import provision
+from node.queues import KEEP_CORRUPT
 from node.transport import IncomingFrame
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
@@ -103,6 +107,17 @@ def queued(node: Node) -> list[str]:
     return [r.sender for r in list(inbox._queue)]
 
 
+def rejected(node: Node) -> dict[str, Any]:
+    status = node.telemetry.status_json(node.name, "probe")
+    return {"rejected": status["rejected"], "by_peer": status["rejected_by_peer"]}
+
+
+def remove_from_roster(fed: Path, name: str) -> None:
+    path = fed / "roster.yaml"
+    roster = Roster.load(path)
+    Roster([c for c in roster.cards() if c.name != name], path, roster.relays).save()
+
+
 # --------------------------------------------------------------------------- finding 4
 
 
@@ -161,3 +176,95 @@ def test_a_torn_metrics_row_does_not_swallow_the_next_round(tmp_path):
     rows = read_metrics(metrics)
     assert [(r["round"], r["dp_epsilon"]) for r in rows] == [(1, 0.5), (2, 0.75)]
     assert all(json.loads(line) for line in metrics.read_text().splitlines())
+
+
+# --------------------------------------------------------------------------- finding 8
+
+
+@pytest.mark.parametrize("encryption", [False, True], ids=["clear", "encrypted"])
+def test_a_push_spooled_from_a_site_removed_before_the_restart_is_not_delivered(
+    tmp_path, encryption
+):
+    """c's push is verified, spooled and acknowledged; c is then removed from
+    the roster (revoked) and b restarts. Without the re-check the push was
+    delivered to the protocol (encryption off), or renamed .corrupt and kept
+    for good (encryption on). Now it is deleted and counted; a's is delivered."""
+    fed = federation(tmp_path, encryption=encryption)
+    spool = fed / "b" / "state" / "spool"
+    first = start(fed)
+    assert deliver(first, push(sender(fed, "c"), "b")) == 200
+    assert deliver(first, push(sender(fed, "a"), "b")) == 200
+    assert sorted(queued(first)) == ["a", "c"] and len(list(spool.glob("*.frame"))) == 2
+    crash(first)
+
+    remove_from_roster(fed, "c")
+    second = start(fed)
+    assert queued(second) == ["a"]
+    assert len(list(spool.glob("*.frame"))) == 1
+    assert not list(spool.glob("*.corrupt"))
+    seen = rejected(second)
+    assert seen["rejected"] == {"unknown_sender": 1} and seen["by_peer"] == {"c": 1}, seen
+    crash(second)
+
+
+def test_a_spooled_push_whose_signature_no_longer_verifies_is_not_delivered(tmp_path):
+    """The same check covers a site whose card now carries another key (its
+    old one compromised and rotated out): the spooled frame's signature is
+    checked again against the roster of this start."""
+    fed = federation(tmp_path)
+    first = start(fed)
+    assert deliver(first, push(sender(fed, "a"), "b")) == 200
+    crash(first)
+    path = fed / "roster.yaml"
+    roster = Roster.load(path)
+    fresh = LocalIdentity.generate("a").card(roster["a"].address)
+    Roster([fresh if c.name == "a" else c for c in roster.cards()], path, roster.relays).save()
+    second = start(fed)
+    assert queued(second) == []
+    assert rejected(second)["rejected"] == {"bad_signature": 1}
+    assert not list((fed / "b" / "state" / "spool").iterdir())
+    crash(second)
+
+
+def test_a_roster_reload_drops_the_queued_pushes_of_a_removed_site(tmp_path):
+    """SIGHUP with c removed: c's pushes still waiting in the inbox are taken
+    out before the protocol sees them, their spool files deleted and counted;
+    what the protocol already took stays taken."""
+    fed = federation(tmp_path)
+    node = start(fed)
+    c, a = sender(fed, "c"), sender(fed, "a")
+    assert deliver(node, push(c, "b")) == 200
+    node.inboxes.get(KIND).get_nowait()  # consumed before the reload
+    for frame in (push(c, "b"), push(a, "b"), push(c, "b")):
+        assert deliver(node, frame) == 200
+    assert queued(node) == ["c", "a", "c"]
+    remove_from_roster(fed, "c")
+    node.reload_roster()
+    assert queued(node) == ["a"]
+    assert node.inboxes.get(KIND).qsize() == 1 and len(node.inboxes.consumed) == 1
+    assert len(list((fed / "b" / "state" / "spool").glob("*.frame"))) == 2  # a's and the taken
+    seen = rejected(node)
+    assert seen["rejected"] == {"unknown_sender": 2} and seen["by_peer"] == {"c": 2}, seen
+    assert deliver(node, push(c, "b")) == "unknown_sender"
+    crash(node)
+
+
+def test_unreadable_spool_and_outbox_leftovers_are_capped(tmp_path):
+    """Frames moved aside (.corrupt) were never cleaned up: each start now keeps
+    the newest KEEP_CORRUPT of each folder."""
+    fed = federation(tmp_path)
+    state = fed / "b" / "state"
+    for folder in ("spool", "outbox"):
+        (state / folder).mkdir(parents=True, exist_ok=True)
+        for i in range(KEEP_CORRUPT + 5):
+            path = state / folder / f"{i:032x}.corrupt"
+            path.write_bytes(b"junk")
+            os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    (state / "spool" / f"{'ff' * 16}.frame").write_bytes(b"not a frame")
+    node = start(fed)
+    spool = sorted(p.name for p in (state / "spool").glob("*.corrupt"))
+    outbox = sorted(p.name for p in (state / "outbox").glob("*.corrupt"))
+    assert len(outbox) == KEEP_CORRUPT and outbox[0] == f"{5:032x}.corrupt"  # the newest kept
+    assert len(spool) == KEEP_CORRUPT + 1 and f"{'ff' * 16}.corrupt" in spool  # this start's
+    assert not node.spool.has("ff" * 16)  # moved aside: a resend is taken afresh
+    crash(node)

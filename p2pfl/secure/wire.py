@@ -399,18 +399,7 @@ class WireCodec:
             header = Header.unpack(header_bytes)
         if header.payload_len + PREFIX_LEN + len(header_bytes) + SIG_LEN > self.max_message_bytes:
             raise WireError("oversize", f"payload of {header.payload_len} bytes exceeds the limit")
-        if header.version != VERSION:
-            raise WireError(
-                "unsupported_version", f"version {header.version}, this node speaks {VERSION}"
-            )
-        if header.federation != self.federation:
-            raise WireError("wrong_federation", f"{header.federation!r}")
-        if header.sender not in self.roster:
-            raise WireError("unknown_sender", f"{header.sender!r} is not in the roster")
-        if header.recipient != self.identity.name:
-            raise WireError("wrong_recipient", f"addressed to {header.recipient!r}")
-        if not self.roster[header.sender].verify(bytes(signature), bytes(header_bytes)):
-            raise WireError("bad_signature", f"from {header.sender!r}")
+        self.verify_origin(header, header_bytes, signature)
         now_ms = int(time.time() * 1000)
         if abs(now_ms - header.timestamp_ms) > self.clock_skew_ms:
             raise WireError(
@@ -448,6 +437,27 @@ class WireCodec:
         if not self.replay.reserve(header.msg_id, header.timestamp_ms):
             raise WireError("replayed", header.id_hex)
         return header
+
+    def verify_origin(
+        self, header: Header, header_bytes: bytes | memoryview, signature: bytes | memoryview
+    ) -> None:
+        """Checks 3-7: the version, this federation, a sender the roster lists
+        now, this node as the recipient and the sender's signature over the
+        header (no replay state is touched). What a frame spooled before a
+        restart or a roster reload must still pass to be delivered
+        (node/inbound.py): its timestamp and id were checked when it came."""
+        if header.version != VERSION:
+            raise WireError(
+                "unsupported_version", f"version {header.version}, this node speaks {VERSION}"
+            )
+        if header.federation != self.federation:
+            raise WireError("wrong_federation", f"{header.federation!r}")
+        if header.sender not in self.roster:
+            raise WireError("unknown_sender", f"{header.sender!r} is not in the roster")
+        if header.recipient != self.identity.name:
+            raise WireError("wrong_recipient", f"addressed to {header.recipient!r}")
+        if not self.roster[header.sender].verify(bytes(signature), bytes(header_bytes)):
+            raise WireError("bad_signature", f"from {header.sender!r}")
 
     def release(self, header: Header) -> None:
         """Give back the replay reservation of a message that had no effect and that

@@ -28,7 +28,7 @@ from node.evaluate import WHICH_MODELS, read_checkpointed
 from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
 from p2pfl.files import PUBLIC_FILE, atomic_write_text
-from p2pfl.learning.dp import DEFAULT_DELTA
+from p2pfl.learning.dp import DEFAULT_DELTA, LEDGER, ledger_epsilon, read_ledger
 from p2pfl.learning.dp_recipe import recipe_settings
 from p2pfl.learning.export import FORMATS, Architecture, ExportError, write_package
 from p2pfl.learning.metrics import classification_report
@@ -88,29 +88,53 @@ def privacy_settings(cfg: SiteConfig, model_round: int | None) -> dict[str, Any]
 
 
 def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
-    """training.dp's (ε, δ) from the node's metrics.jsonl: ε of the exported
-    model (spent up to its round) and ε the site has spent in all (every model
-    it sent is covered by the latter). None without training.dp."""
+    """training.dp's (ε, δ): ε of the exported model (spent up to its round,
+    from the node's metrics.jsonl) and ε the site has spent in all, which every
+    model it sent is covered by. The latter comes from STATE/dp_ledger.json,
+    fsynced at every private step before anything computed from it can leave
+    the site, or from metrics.jsonl where that says more; metrics.jsonl is
+    written only at the end of a round, so a node killed after it served a
+    round's model and before that row is one round behind (review finding 2).
+    Refused (ExportError) when the ledger cannot be read: the spent ε would be
+    unknown. None without training.dp."""
     dp = cfg.training.dp
     if dp is None:
         return None
-    path = Path(cfg.node.state_dir) / "metrics.jsonl"
+    state = Path(cfg.node.state_dir)
+    delta = dp.delta if dp.delta is not None else DEFAULT_DELTA
+    path = state / "metrics.jsonl"
     rows = [r for r in read_metrics(path) if isinstance(r.get("dp_epsilon"), (int, float))]
-    if not rows:
+    ledger = state / LEDGER
+    try:
+        history = read_ledger(ledger)
+    except FileNotFoundError:
+        if rows:
+            raise ExportError(
+                f"training.dp: the privacy ledger {ledger} is missing although {path} records ε: "
+                "the ε this site spent is unknown, so no model card is written — restore the file"
+            ) from None
         raise ExportError(
-            f"training.dp is set but {path} records no ε (dp_epsilon): run the node first"
-        )
+            f"training.dp is set but {ledger} records no private step: run the node first"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ExportError(
+            f"training.dp: the privacy ledger {ledger} cannot be read ({exc}): the ε this site "
+            "spent is unknown, so no model card is written — restore the file"
+        ) from None
+    total = max([ledger_epsilon(history, delta)] + [float(r["dp_epsilon"]) for r in rows])
     at_model = [r for r in rows if model_round is not None and r.get("round") == model_round]
-    last = rows[-1]
+    last = rows[-1] if rows else {}
+    sigma, q = (history[-1][0], history[-1][1]) if history else (float("nan"), float("nan"))
     return {
-        "epsilon": float(at_model[-1]["dp_epsilon"]) if at_model else float(last["dp_epsilon"]),
-        "epsilon_site_total": float(last["dp_epsilon"]),
-        "delta": dp.delta if dp.delta is not None else DEFAULT_DELTA,
-        "noise_multiplier": float(last.get("dp_noise_multiplier", float("nan"))),
+        # a model whose round metrics.jsonl does not record: at most what the site spent
+        "epsilon": float(at_model[-1]["dp_epsilon"]) if at_model else total,
+        "epsilon_site_total": total,
+        "delta": delta,
+        "noise_multiplier": float(last.get("dp_noise_multiplier", sigma)),
         "max_grad_norm": dp.max_grad_norm,
         "target_epsilon": dp.target_epsilon,
         "accountant": "Opacus RDP, Poisson sampling at rate expected batch / train images",
-        "sample_rate": float(last.get("dp_sample_rate", float("nan"))),
+        "sample_rate": float(last.get("dp_sample_rate", q)),
         "recipe": recipe_settings(cfg.training),
     }
 
@@ -303,6 +327,7 @@ def run_export(args: argparse.Namespace) -> int:
     cross = _cross_site(args.cross_site)
     found = read_checkpointed(cfg, args.config, args.which)
     state, model_round, choice = found.state, found.round, found.choice
+    dp_spent(cfg, model_round)  # an unknown ε is refused before any file is written
     # `best` is the site's choice on validation: say which model that was
     which = f"best ({found.which})" if args.which == "best" else args.which
     site = LocalSite.from_config(cfg)

@@ -286,6 +286,110 @@ def test_export_without_a_checkpoint_says_so_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "pkg" / "model.json").exists()
 
 
+def dp_site(tmp_path: Path) -> tuple[Path, Path]:
+    """A provisioned DP site with a checkpoint of its initial model (round 2),
+    no training run: (its site.yaml, its state directory)."""
+    from node.queues import Checkpoints
+
+    provision(
+        tmp_path / "fed",
+        ["solo"],
+        protocol={"name": "fedavgp2p", "rounds": 2},
+        overrides={**FAST, "model": {"name": "small_cnn_gn"}},
+        per_site={"solo": {"training": {**FAST["training"], "dp": {"target_epsilon": 4.0}}}},
+    )
+    config = tmp_path / "fed" / "solo" / "site.yaml"
+    site = LocalSite.from_config(load_config(config))
+    state = tmp_path / "fed" / "solo" / "state"
+    Checkpoints(state / "checkpoints").save(
+        {"round": 2, "protocol": {"model": site.state_dict(), "round": 2}}
+    )
+    return config, state
+
+
+SIGMA, RATE = 1.1, 0.05
+
+
+def export_latest(config: Path, out: Path) -> int:
+    args = ["--config", str(config), "--out", str(out), "--format", "safetensors"]
+    return main(["export", *args, "--which", "latest"])
+
+
+def epsilon(steps: int) -> float:
+    from p2pfl.learning.dp import DEFAULT_DELTA, ledger_epsilon
+
+    return ledger_epsilon([(SIGMA, RATE, steps)], DEFAULT_DELTA)
+
+
+def write_spent(state: Path, ledger_steps: int, metrics_steps: list[int]) -> None:
+    (state / "dp_ledger.json").write_text(json.dumps({"history": [[SIGMA, RATE, ledger_steps]]}))
+    rows = [
+        {"round": r + 1, "dp_epsilon": epsilon(n), "dp_noise_multiplier": SIGMA}
+        | {"dp_sample_rate": RATE}
+        for r, n in enumerate(metrics_steps)
+    ]
+    (state / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_the_card_states_the_ledgers_epsilon_when_the_node_died_before_the_rounds_row(
+    tmp_path, capsys
+):
+    """Review finding 2: the ledger is fsynced at every private step, before
+    the round's model is offered; metrics.jsonl gets the round's row only at
+    the end of the round. A node killed between the two leaves a ledger of 2
+    rounds (8 steps) and metrics of round 1: the card said ε(4 steps) spent
+    by the site in all, though round 2's model had left it."""
+    config, state = dp_site(tmp_path)
+    write_spent(state, 8, [4])
+    out = tmp_path / "pkg"
+    assert export_latest(config, out) == 0
+    capsys.readouterr()
+    dp = json.loads((out / "model_card.json").read_text())["privacy"]["differential_privacy"]
+    assert epsilon(4) < epsilon(8)
+    assert dp["epsilon_site_total"] == pytest.approx(epsilon(8))
+    assert dp["epsilon"] == pytest.approx(epsilon(8))  # round 2 has no row: at most the total
+    card = (out / "model_card.md").read_text()
+    assert f"ε = {epsilon(8):.2f} spent by the site in all" in card, card
+
+
+def test_the_card_takes_the_larger_of_ledger_and_metrics(tmp_path):
+    from node.export import dp_spent
+
+    config, state = dp_site(tmp_path)
+    write_spent(state, 4, [4, 8])  # a ledger behind the metrics: the metrics' figure
+    dp = dp_spent(load_config(config), 1)
+    assert dp is not None
+    assert dp["epsilon"] == pytest.approx(epsilon(4))  # the exported model's round
+    assert dp["epsilon_site_total"] == pytest.approx(epsilon(8))
+
+
+@pytest.mark.parametrize(
+    ("ledger", "said"),
+    [
+        ("{", "cannot be read"),
+        ('{"history": [[1.1, "x", 8]]}', "cannot be read"),
+        (None, "missing"),
+    ],
+    ids=["torn", "wrong", "missing"],
+)
+def test_an_unreadable_privacy_ledger_refuses_the_export_in_one_line(
+    tmp_path, capsys, ledger, said
+):
+    """Without the ledger the ε the site spent is unknown: no card, and no
+    package either (refused before any file is written)."""
+    config, state = dp_site(tmp_path)
+    write_spent(state, 8, [4])
+    if ledger is None:
+        (state / "dp_ledger.json").unlink()
+    else:
+        (state / "dp_ledger.json").write_text(ledger)
+    out = tmp_path / "pkg"
+    assert export_latest(config, out) == 2
+    err = capsys.readouterr().err
+    assert "privacy ledger" in err and said in err and err.count("\n") == 1, err
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_predict_without_a_package_says_so(tmp_path, capsys):
     assert main(["predict", "--model", str(tmp_path), str(tmp_path)]) == 2
     assert "no model.json" in capsys.readouterr().err

@@ -30,6 +30,7 @@ anyone who sees what it sent, peers included.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,33 @@ from p2pfl.files import atomic_write_json
 from p2pfl.learning.errors import TrainingError
 
 DEFAULT_DELTA = 1e-5
+# STATE/dp_ledger.json (protocols/rounds.py keeps it): every private step, before it is used
+LEDGER = "dp_ledger.json"
+
+
+def read_ledger(path: Path) -> list[tuple[float, float, int]]:
+    """The (noise multiplier, sample rate, steps) a privacy ledger records;
+    OSError or ValueError when it cannot be read."""
+    try:
+        saved = json.loads(path.read_text())["history"]
+        history = [(float(s), float(q), int(n)) for s, q, n in saved]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a privacy ledger ({type(exc).__name__}: {exc})") from None
+    if not all(math.isfinite(s) and s >= 0 and 0 <= q <= 1 and n >= 0 for s, q, n in history):
+        raise ValueError("a step's noise multiplier, sample rate or count is out of range")
+    return history
+
+
+def ledger_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    """ε at `delta` of every step `history` records (0 before the first)."""
+    from opacus.accountants import RDPAccountant
+
+    spent = [(s, q, n) for s, q, n in history if n > 0]
+    if not spent:
+        return 0.0
+    accountant = RDPAccountant()
+    accountant.history = spent
+    return float(accountant.get_epsilon(delta=delta))
 
 
 def unsupported_layers(model: nn.Module) -> list[str]:
@@ -192,9 +220,8 @@ class DPTraining:
         if path is None or not path.exists():
             return
         try:
-            saved = json.loads(path.read_text())["history"]
-            history = [(float(s), float(q), int(n)) for s, q, n in saved]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            history = read_ledger(path)
+        except (OSError, ValueError) as exc:
             raise TrainingError(
                 "dp_ledger_unreadable",
                 f"training.dp: the privacy ledger {path} cannot be read ({exc}); the spent budget "

@@ -116,8 +116,19 @@ def sample_buffer(
     }
 
 
-def verify_buffer(buffer: object, *, num_classes: int | None = None) -> SyntheticBuffer:
-    """Check a received buffer's schema and hash; returns it typed, or raises SyntheticBufferError."""
+def verify_buffer(
+    buffer: object,
+    *,
+    num_classes: int | None = None,
+    image_shape: tuple[int, int, int] | None = None,
+    max_images: int | None = None,
+) -> SyntheticBuffer:
+    """Check a received buffer's schema and hash; returns it typed, or raises SyntheticBufferError.
+
+    `image_shape` (C, H, W): every image must have exactly that shape (a
+    receiver passes its own buffer's, what its generator makes), else
+    `buffer_shape`. `max_images`: the buffer must hold 1 to that many images,
+    else `buffer_count`. Both are checked before anything reads the pixels."""
     if not isinstance(buffer, dict) or set(buffer) != {"images", "labels", "content_hash"}:
         raise SyntheticBufferError(
             "buffer_schema", "a buffer is a dict with exactly images, labels, content_hash"
@@ -126,6 +137,15 @@ def verify_buffer(buffer: object, *, num_classes: int | None = None) -> Syntheti
     if not isinstance(images, Tensor) or images.dtype != torch.uint8 or images.ndim != 4:
         raise SyntheticBufferError(
             "buffer_schema", "images must be a uint8 tensor shaped (N, C, H, W)"
+        )
+    if max_images is not None and not 1 <= images.shape[0] <= max_images:
+        raise SyntheticBufferError(
+            "buffer_count", f"{images.shape[0]} images, expected 1 to {max_images}"
+        )
+    if image_shape is not None and tuple(images.shape[1:]) != tuple(image_shape):
+        raise SyntheticBufferError(
+            "buffer_shape",
+            f"images of shape {tuple(images.shape[1:])}, expected (C, H, W) = {tuple(image_shape)}",
         )
     if (
         not isinstance(labels, Tensor)
@@ -151,10 +171,16 @@ def buffer_to_bytes(buffer: SyntheticBuffer) -> bytes:
 
 
 def buffer_from_bytes(
-    data: bytes | bytearray | memoryview, *, num_classes: int | None = None
+    data: bytes | bytearray | memoryview,
+    *,
+    num_classes: int | None = None,
+    image_shape: tuple[int, int, int] | None = None,
+    max_images: int | None = None,
 ) -> SyntheticBuffer:
     try:
         decoded = loads(data)
     except CodecError as exc:
         raise SyntheticBufferError("buffer_decode", f"not a tensor-codec payload: {exc}") from None
-    return verify_buffer(decoded, num_classes=num_classes)
+    return verify_buffer(
+        decoded, num_classes=num_classes, image_shape=image_shape, max_images=max_images
+    )

@@ -29,7 +29,14 @@ decoded (refusals counted as `compression_<reason>`) before those checks.
 
 Buffers travel once: a buffer is named by its content hash, and a node sends
 only the hash to a peer that already acknowledged that buffer (the peer keeps
-every buffer it received, and can pull one it lost).
+the buffers it received, and can pull one it lost). A received buffer must have
+this node's own buffer's image shape (C, H, W: what its generator makes) and 1
+to MAX_BUFFER_FACTOR x `buffer_size` images; it is verified and turned into the
+classifier's replay images (off the event loop) before the relay is taken, so a
+buffer that cannot be trained on is a counted refusal (`relay_buffer_<reason>`),
+never a failure in `fit`. A node keeps at most MAX_KEPT_BUFFERS buffers, the
+latest of each sender (the least recently received goes first): that bounds
+memory, checkpoints and FedER-A's replay.
 
 Variants (Sec. 4.4): FedER-A shares buffers only (each node trains its own model
 on its data plus every buffer received so far); FedER-B relays models like FedER
@@ -39,9 +46,11 @@ but trains on synthetic images only (its own buffer plus the received one).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +58,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from genbuffer.buffer import verify_buffer
 from genbuffer.config import GenbufferSection
+from genbuffer.errors import SyntheticBufferError
 from genbuffer.gate import GateDecision, PrivacyGateRefused, gate_status
 from genbuffer.progress import TrainingProgress
 from p2pfl.config import FedERParams
@@ -72,6 +83,12 @@ log = logging.getLogger(__name__)
 RELAY_KIND = "feder"  # model and/or buffer pushed to the successor
 BUFFER_KIND = "buffer"  # pull a buffer by hash (when a relay carried only the hash)
 EARLY_RELAYS = 4  # relays of later rounds kept for their round
+# A peer's buffer holds 1 to MAX_BUFFER_FACTOR x protocol.buffer_size images
+# (buffer_size is meant to be federation-wide: the factor leaves room, no more).
+MAX_BUFFER_FACTOR = 2
+# Received buffers kept (in memory and in every checkpoint), the latest of each
+# sender; FedER-A replays all of them: at most 16 x 2 x buffer_size images.
+MAX_KEPT_BUFFERS = 16
 
 
 # ---------------------------------------------------------------------- successors
@@ -94,18 +111,53 @@ def ring_successor(ring: list[str], me: str, alive: set[str]) -> list[str]:
 # ---------------------------------------------------------------------- buffers
 
 
+def replay_images(buffer: dict[str, Any], image_size: int, channels: int) -> np.ndarray:
+    """A uint8 buffer (N,C,H,W) as the classifier's images: uint8 (N, size, size, channels)."""
+    images = buffer["images"].permute(0, 2, 3, 1).contiguous().numpy()
+    return convert_images(images, image_size, channels)
+
+
 def buffer_training_tensors(
     buffers: list[dict[str, Any]], image_size: int, channels: int
 ) -> tuple[Tensor, Tensor]:
     """uint8 synthetic buffers (N,C,H,W) -> normalised float images at the classifier's size."""
-    xs, ys = [], []
-    for buffer in buffers:
-        images = buffer["images"].permute(0, 2, 3, 1).contiguous().numpy()
-        xs.append(to_float_tensor(convert_images(images, image_size, channels)))
-        ys.append(buffer["labels"].long())
+    xs = [to_float_tensor(replay_images(buffer, image_size, channels)) for buffer in buffers]
+    ys = [buffer["labels"].long() for buffer in buffers]
     if not xs:
         return torch.zeros(0, channels, image_size, image_size), torch.zeros(0, dtype=torch.long)
     return torch.cat(xs), torch.cat(ys)
+
+
+def checked_buffer(
+    buffer: object,
+    *,
+    num_classes: int | None,
+    image_shape: tuple[int, int, int] | None,
+    max_images: int,
+    image_size: int,
+    channels: int,
+) -> tuple[dict[str, Any], np.ndarray]:
+    """A received buffer verified (schema, count, shape, labels, hash) and its
+    replay images (`replay_images`), or SyntheticBufferError with the reason:
+    whatever goes wrong making the images is `buffer_unusable`. Blocking."""
+    checked = verify_buffer(
+        buffer, num_classes=num_classes, image_shape=image_shape, max_images=max_images
+    )
+    try:
+        images = replay_images(dict(checked), image_size, channels)
+    except Exception as exc:  # noqa: BLE001 - a case the checks missed: the sender's, refused
+        raise SyntheticBufferError("buffer_unusable", f"no replay images ({exc!r})"[:200]) from None
+    return dict(checked), images
+
+
+@dataclass
+class Relay:
+    """A relay that passed every check: what taking it stores and trains on."""
+
+    msg: Received  # its payload's "model" is the decoded model
+    digest: str  # the buffer it names, verified to be `buffer`'s hash
+    buffer: dict[str, Any]  # verified
+    images: np.ndarray  # the buffer as the classifier's images (replay_images)
 
 
 def make_buffer(
@@ -208,6 +260,9 @@ class FedER(RoundLoop[FedERParams]):
         self.variant = params.name  # feder | feder_a | feder_b
         self.own_buffer: dict[str, Any] | None = None
         self.buffers: dict[str, dict[str, Any]] = {}  # received, by content hash
+        self.buffer_of: dict[str, str] = {}  # sender -> hash of its latest buffer, oldest first
+        self.replay: dict[str, np.ndarray] = {}  # hash -> the buffer as classifier images
+        self.image_size, self.channels = 0, 0  # the classifier's input (setup)
         self.sent_buffers: dict[str, set[str]] = {}  # peer -> hashes it acknowledged
         self.last_received_hash: str | None = None  # the buffer replayed until a new one comes
         self.num_classes: int | None = None
@@ -318,57 +373,100 @@ class FedER(RoundLoop[FedERParams]):
             if msg.round != r:
                 self.hold_or_refuse(ctx, msg, r)
                 continue
-            if await self.accept(ctx, msg, reference):
-                return msg
+            relay = await self.accept(ctx, msg, reference)
+            if relay is not None:
+                return self.take(relay)
             self.refused += 1
 
-    async def accept(self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor]) -> bool:
-        from genbuffer.buffer import verify_buffer
-        from genbuffer.errors import SyntheticBufferError
-
+    async def accept(
+        self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor]
+    ) -> Relay | None:
+        """Every check of a relay, or None: refused and counted (`relay_<reason>`,
+        `compression_<reason>`). Nothing is stored: `take` does that."""
         p = msg.payload
         if not isinstance(p, dict) or not isinstance(p.get("buffer_hash"), str):
             log.warning("%s: malformed relay from %s", ctx.me, msg.sender)
             ctx.reject(msg.sender, "relay_malformed")
-            return False
+            return None
+        model = p.get("model")
         if self.relays_model and self.compression.lossy:
-            p["model"] = await relayed_model(ctx, msg.sender, p, reference, self.compression)
-            if p["model"] is None:
-                return False
+            model = await relayed_model(ctx, msg.sender, p, reference, self.compression)
+            if model is None:
+                return None
         if self.relays_model and not admit(
             ctx,
             msg.sender,
             "relay",
-            p.get("model"),
+            model,
             reference,
             max_norm_ratio=self.params.max_norm_ratio,
             where=f" round {ctx.round}",
         ):
-            return False
+            return None
         digest = p["buffer_hash"]
         buffer = p.get("buffer")
-        if buffer is None and digest not in self.buffers:
-            try:  # a buffer we should have but lost: pull it once
-                buffer = await ctx.request(
-                    msg.sender, BUFFER_KIND, {"hash": digest}, self.params.round_timeout_s
-                )
-            except PeerUnavailable:
-                log.warning("%s: buffer %s from %s unavailable", ctx.me, digest[:12], msg.sender)
-        if buffer is not None:
+        if buffer is None and digest in self.buffers:  # one this node verified and keeps
+            buffer_checked, images = self.buffers[digest], self.replay[digest]
+        else:
+            if buffer is None:
+                try:  # a buffer we should have but lost: pull it once
+                    buffer = await ctx.request(
+                        msg.sender, BUFFER_KIND, {"hash": digest}, self.params.round_timeout_s
+                    )
+                except PeerUnavailable:
+                    log.warning(
+                        "%s: buffer %s from %s unavailable", ctx.me, digest[:12], msg.sender
+                    )
             try:
-                checked = verify_buffer(buffer, num_classes=self.num_classes)
+                buffer_checked, images = await ctx.run_blocking(
+                    checked_buffer,
+                    buffer,
+                    num_classes=self.num_classes,
+                    image_shape=self.image_shape(),
+                    max_images=MAX_BUFFER_FACTOR * self.params.buffer_size,
+                    image_size=self.image_size,
+                    channels=self.channels,
+                )
             except SyntheticBufferError as exc:
                 log.warning("%s: buffer from %s rejected (%s)", ctx.me, msg.sender, exc)
                 ctx.reject(msg.sender, f"relay_{exc.reason}")
-                return False
-            self.buffers[checked["content_hash"]] = dict(checked)
-        return True
+                return None
+        payload = {**p, "model": model} if self.relays_model else p
+        return Relay(dataclasses.replace(msg, payload=payload), digest, buffer_checked, images)
+
+    def image_shape(self) -> tuple[int, int, int] | None:
+        """(C, H, W) of this site's own buffer: what a received one must have."""
+        if self.own_buffer is None:
+            return None
+        c, h, w = self.own_buffer["images"].shape[1:]
+        return int(c), int(h), int(w)
+
+    def take(self, relay: Relay) -> Received:
+        """Keep the relay's buffer (the sender's latest) and hand its message on."""
+        self.keep_buffer(relay.msg.sender, relay.digest, relay.buffer, relay.images)
+        return relay.msg
+
+    def keep_buffer(
+        self, sender: str, digest: str, buffer: dict[str, Any], images: np.ndarray
+    ) -> None:
+        """`sender`'s latest buffer; at most MAX_KEPT_BUFFERS senders' are kept
+        (the least recently received goes first), and no buffer no sender names."""
+        self.buffers[digest], self.replay[digest] = buffer, images
+        self.buffer_of.pop(sender, None)
+        self.buffer_of[sender] = digest
+        while len(self.buffer_of) > MAX_KEPT_BUFFERS:
+            del self.buffer_of[next(iter(self.buffer_of))]
+        named = set(self.buffer_of.values())
+        for stale in [h for h in self.buffers if h not in named]:
+            del self.buffers[stale]
+            self.replay.pop(stale, None)
 
     # ------------------------------------------------------------------ the round
 
     async def setup(self, ctx: RoundContext) -> Any:
         site = await ctx.run_blocking(build_site, ctx.config)
         self.num_classes = site.num_classes
+        self.image_size, self.channels = site.data.image_size, site.data.channels
         ctx.serve(BUFFER_KIND, self.serve_buffer)
         return site
 
@@ -400,8 +498,8 @@ class FedER(RoundLoop[FedERParams]):
         p = self.params
         if p.reset_optimizer:
             site.reset_optimizer()
-        replay = self.replay_buffers(self.last_received_hash)
-        rx, ry = buffer_training_tensors(replay, site.data.image_size, site.data.channels)
+        replay = self.replay_hashes(self.last_received_hash)
+        rx, ry = await ctx.run_blocking(self.replay_tensors, replay)
         if self.variant == "feder_b":  # synthetic-only: own buffer + received
             rx, ry = torch.cat([self.own_x, rx]), torch.cat([self.own_y, ry])
             fit = await ctx.run_blocking(
@@ -417,12 +515,20 @@ class FedER(RoundLoop[FedERParams]):
         metrics.pop("per_class_f1", None)
         return metrics
 
-    def replay_buffers(self, last_received: str | None) -> list[dict[str, Any]]:
-        if self.variant == "feder_a":  # every buffer received so far
-            return [self.buffers[h] for h in sorted(self.buffers)]
-        if last_received is not None and last_received in self.buffers:
-            return [self.buffers[last_received]]
+    def replay_hashes(self, last_received: str | None) -> list[str]:
+        if self.variant == "feder_a":  # every buffer kept (MAX_KEPT_BUFFERS at most)
+            return sorted(self.replay)
+        if last_received is not None and last_received in self.replay:
+            return [last_received]
         return []
+
+    def replay_tensors(self, hashes: list[str]) -> tuple[Tensor, Tensor]:
+        """The kept buffers' replay images as normalised floats, and their labels."""
+        if not hashes:
+            size = self.image_size
+            return torch.zeros(0, self.channels, size, size), torch.zeros(0, dtype=torch.long)
+        x = to_float_tensor(np.concatenate([self.replay[h] for h in hashes]))
+        return x, torch.cat([self.buffers[h]["labels"].long() for h in hashes])
 
     # ------------------------------------------------------------------ before federation, resume
 
@@ -440,6 +546,28 @@ class FedER(RoundLoop[FedERParams]):
         self.own_x, self.own_y = buffer_training_tensors(
             [self.own_buffer], site.data.image_size, site.data.channels
         )
+        if self.buffers:  # resumed: the kept buffers' replay images, each checked again
+            await ctx.run_blocking(self.restore_replay)
+
+    def restore_replay(self) -> None:
+        """The replay images of the buffers a checkpoint kept, made again; one
+        that fails today's checks (a checkpoint of an older version) is dropped."""
+        kept: dict[str, tuple[dict[str, Any], np.ndarray]] = {}
+        for digest, buffer in self.buffers.items():
+            try:
+                kept[digest] = checked_buffer(
+                    buffer,
+                    num_classes=self.num_classes,
+                    image_shape=self.image_shape(),
+                    max_images=MAX_BUFFER_FACTOR * self.params.buffer_size,
+                    image_size=self.image_size,
+                    channels=self.channels,
+                )
+            except SyntheticBufferError as exc:
+                log.warning("checkpointed buffer %s dropped (%s)", digest[:12], exc)
+        self.buffers = {h: kept[h][0] for h in kept}
+        self.replay = {h: kept[h][1] for h in kept}
+        self.buffer_of = {s: h for s, h in self.buffer_of.items() if h in kept}
 
     async def prepare(self, ctx: RoundContext, site: Any) -> None:
         ctx.set_phase("generator")
@@ -485,10 +613,17 @@ class FedER(RoundLoop[FedERParams]):
             **super().checkpoint_state(round_no, site),
             "own_buffer": self.own_buffer,
             "buffers": self.buffers,
+            "buffer_of": [[sender, h] for sender, h in self.buffer_of.items()],  # oldest first
             "sent_buffers": {peer: sorted(h) for peer, h in self.sent_buffers.items()},
         }
 
     def load_extra(self, saved: dict[str, Any]) -> None:
         self.own_buffer = saved["own_buffer"]
-        self.buffers = dict(saved["buffers"])
+        buffers = dict(saved["buffers"])
+        # A checkpoint of before buffers were kept per sender: each its own "sender".
+        pairs = saved.get("buffer_of") or [[h, h] for h in buffers]
+        self.buffer_of = {str(s): str(h) for s, h in pairs if h in buffers}
+        while len(self.buffer_of) > MAX_KEPT_BUFFERS:
+            del self.buffer_of[next(iter(self.buffer_of))]
+        self.buffers = {h: buffers[h] for h in buffers if h in set(self.buffer_of.values())}
         self.sent_buffers = {peer: set(hashes) for peer, hashes in saved["sent_buffers"].items()}

@@ -357,3 +357,214 @@ def test_a_relay_of_another_round_is_refused_not_taken(tmp_path: Path) -> None:
     assert [(r["peer"], r["reason"]) for r in network.rejections] == [
         ("mallory", "relay_wrong_round")
     ]
+
+
+# ---------------------------------------------------------------------- relay intake (hostile)
+
+
+def _buffer_of(images: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+    from genbuffer.buffer import buffer_content_hash
+
+    y = torch.arange(len(images), dtype=torch.int64) % 2 if labels is None else labels
+    return {"images": images, "labels": y, "content_hash": buffer_content_hash(images, y)}
+
+
+def _victim_config(tmp_path: Path, rounds: int = 1, **protocol: object):
+    parts = tmp_path / "parts"
+    if not parts.exists():
+        partition_dataset("digits", 2, "iid", parts, seed=0)
+    (cfg,) = simulation_configs(
+        [str(parts / "site_0.npz")],
+        names=["victim"],
+        protocol={
+            "name": "feder",
+            "rounds": rounds,
+            "initial_epochs": 0,
+            "round_timeout_s": 1.0,
+            **protocol,
+        },
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+    )
+    return cfg
+
+
+def _run_victim(cfg, pushes: list, members: tuple[str, ...] = ("mallory",)):
+    """`members` join the roster and play no protocol; `pushes` (sender, round,
+    payload) reach the victim's inbox, in order, before it starts; then it runs."""
+    from protocols.feder import RELAY_KIND, FedER
+
+    network = InMemoryNetwork(inline_train=True)
+    victim = FedER(cfg.protocol)  # type: ignore[arg-type]
+    victim.own_buffer = _buffer()  # 8 images (1, 8, 8): no generator to train
+    peers = {name: network.join(name) for name in members}
+
+    async def scenario() -> None:
+        ctx = network.join("victim", cfg)
+        for sender, round_no, payload in pushes:
+            await peers[sender].send("victim", RELAY_KIND, payload, round_no)
+        await victim.run(ctx)
+
+    asyncio.run(scenario())
+    records = {r["round"]: r for r in network.records if r["node"] == "victim"}
+    rejected = [(r["peer"], r["reason"]) for r in network.rejections]
+    return victim, records, rejected
+
+
+def _relay(model: dict, buffer: dict | None, round_no: int = 1, **extra: object) -> dict:
+    digest = buffer["content_hash"] if buffer is not None else "0" * 64
+    return {"round": round_no, "buffer_hash": digest, "buffer": buffer, "model": model, "num_train": 9, **extra}  # fmt: skip
+
+
+def _model(cfg) -> dict:
+    from protocols.site import build_site
+
+    return build_site(cfg).state_dict()
+
+
+def test_verify_buffer_checks_the_image_count_and_shape_before_the_pixels() -> None:
+    from genbuffer.buffer import verify_buffer
+    from genbuffer.errors import SyntheticBufferError
+
+    good = _buffer(images=8, size=8)
+    assert verify_buffer(good, num_classes=2, image_shape=(1, 8, 8), max_images=8)
+    cases = {
+        "buffer_count": [_buffer(images=9), _buffer_of(torch.zeros(0, 1, 8, 8, dtype=torch.uint8))],
+        "buffer_shape": [
+            _buffer_of(torch.zeros(4, 0, 8, 8, dtype=torch.uint8)),  # no channel
+            _buffer_of(torch.zeros(4, 1, 0, 0, dtype=torch.uint8)),  # no pixel
+            _buffer_of(torch.zeros(4, 1, 1, 1, dtype=torch.uint8)),  # 1x1: upsampled x64
+            _buffer_of(torch.zeros(4, 3, 8, 8, dtype=torch.uint8)),  # another channel count
+            _buffer_of(torch.zeros(4, 1, 8, 16, dtype=torch.uint8)),  # not square
+        ],
+    }
+    for reason, buffers in cases.items():
+        for buffer in buffers:
+            with pytest.raises(SyntheticBufferError) as err:
+                verify_buffer(buffer, num_classes=2, image_shape=(1, 8, 8), max_images=8)
+            assert err.value.reason == reason, (reason, buffer["images"].shape)
+    # the count and shape come first: a bad hash of a wrong shape says shape
+    bad = {**_buffer_of(torch.zeros(4, 1, 1, 1, dtype=torch.uint8)), "content_hash": "x"}
+    with pytest.raises(SyntheticBufferError) as err:
+        verify_buffer(bad, image_shape=(1, 8, 8), max_images=8)
+    assert err.value.reason == "buffer_shape"
+
+
+@pytest.mark.parametrize(
+    ("images", "reason"),
+    [
+        ((64, 0, 8, 8), "relay_buffer_shape"),  # crashed fit: the protocol FAILED, uncounted
+        ((64, 1, 0, 0), "relay_buffer_shape"),
+        ((1000, 1, 1, 1), "relay_buffer_shape"),  # 1x1 px: x64 bytes once upsampled
+        ((64, 3, 8, 8), "relay_buffer_shape"),  # not this site's generator's shape
+        ((2 * 512 + 1, 1, 8, 8), "relay_buffer_count"),  # more than 2 x buffer_size
+    ],
+)
+def test_a_buffer_the_classifier_cannot_train_on_is_refused_counted_and_never_converted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, images: tuple, reason: str
+) -> None:
+    """F1: a buffer of 0 channels or 0x0 px passed `accept` and raised in `fit`
+    (the protocol FAILED, nothing counted); one of 1x1 px was upsampled to the
+    classifier's size (a 0.9 MB push became a 1.6 GB tensor). Now the shape
+    (the site's own buffer's) and count (<= 2 x buffer_size) are checked before
+    any pixel is converted, the relay is refused with a reason and counted, and
+    the node trains its own model on, over the rounds that follow too."""
+    import protocols.feder as feder
+
+    converted: list[tuple] = []
+    real = feder.convert_images
+    monkeypatch.setattr(
+        feder, "convert_images", lambda x, *a: converted.append(x.shape) or real(x, *a)
+    )
+    cfg = _victim_config(tmp_path, rounds=2)
+    hostile = _buffer_of(torch.zeros(images, dtype=torch.uint8))
+    _, records, rejected = _run_victim(cfg, [("mallory", 1, _relay(_model(cfg), hostile))])
+    assert rejected == [("mallory", reason)]
+    assert records[1]["received"] == 0 and records[1]["relays_refused"] == 1
+    assert records[1]["replayed_images"] == 0 and set(records) == {1, 2}  # it went on
+    assert all(shape[0] == 8 for shape in converted), converted  # only its own buffer's
+
+
+def test_a_buffer_whose_replay_images_cannot_be_made_is_a_counted_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever making the replay images raises happens in `accept`, off the
+    event loop, and is the sender's refusal (`relay_buffer_unusable`), not a
+    failure of the protocol in `fit`."""
+    import protocols.feder as feder
+
+    real = feder.replay_images
+
+    def fragile(buffer: dict, size: int, channels: int):
+        if len(buffer["images"]) == 7:
+            raise ValueError("matmul: Input operand 1 has a mismatch")
+        return real(buffer, size, channels)
+
+    monkeypatch.setattr(feder, "replay_images", fragile)
+    cfg = _victim_config(tmp_path)
+    odd = _buffer(images=7)
+    _, records, rejected = _run_victim(cfg, [("mallory", 1, _relay(_model(cfg), odd))])
+    assert rejected == [("mallory", "relay_buffer_unusable")]
+    assert records[1]["received"] == 0 and records[1]["relays_refused"] == 1
+
+
+def test_an_honest_buffer_is_replayed_from_the_images_made_at_intake(tmp_path: Path) -> None:
+    cfg = _victim_config(tmp_path)
+    buffer = _buffer(images=8)
+    victim, records, rejected = _run_victim(cfg, [("mallory", 1, _relay(_model(cfg), buffer))])
+    assert rejected == [] and records[1]["received"] == 1
+    assert records[1]["replayed_images"] == 8
+    assert victim.replay[buffer["content_hash"]].shape == (8, 8, 8, 1)  # N, H, W, C
+
+
+def test_kept_buffers_are_bounded_per_sender_and_in_all_also_through_a_checkpoint() -> None:
+    """FedER-A replays every buffer it keeps, and every checkpoint holds them: a
+    sender's new buffer replaces its old one, and at most MAX_KEPT_BUFFERS
+    senders' are kept (the least recently received goes first). A checkpoint of
+    an older version, with more, is cut to the bound, and a kept buffer that
+    fails today's checks is dropped on resume instead of failing `fit`."""
+    from p2pfl.config import FedERParams
+    from protocols.feder import MAX_KEPT_BUFFERS, FedER, replay_images
+
+    node = FedER(FedERParams(name="feder_a"))
+    node.own_buffer, node.num_classes, node.image_size, node.channels = _buffer(), 2, 8, 1
+
+    def keep(sender: str) -> str:
+        buffer = _buffer()
+        node.keep_buffer(sender, buffer["content_hash"], buffer, replay_images(buffer, 8, 1))
+        return buffer["content_hash"]
+
+    first = keep("s0")
+    keep("s0")  # s0's new buffer replaces its first
+    assert first not in node.buffers and len(node.buffers) == 1
+    hashes = [keep(f"s{i}") for i in range(1, MAX_KEPT_BUFFERS + 5)]
+    assert len(node.buffers) == len(node.replay) == len(node.buffer_of) == MAX_KEPT_BUFFERS
+    assert set(node.buffers) == set(hashes[-MAX_KEPT_BUFFERS:])
+    assert node.replay_hashes(None) == sorted(hashes[-MAX_KEPT_BUFFERS:])
+    x, y = node.replay_tensors(node.replay_hashes(None))
+    assert x.shape == (8 * MAX_KEPT_BUFFERS, 1, 8, 8) and len(y) == len(x)
+
+    # an older checkpoint: every buffer ever received, no senders, one of them unusable
+    old = {h: node.buffers[h] for h in node.buffers}
+    broken = _buffer_of(torch.zeros(4, 0, 8, 8, dtype=torch.uint8))
+    extra = [_buffer() for _ in range(3)] + [broken]
+    old.update({b["content_hash"]: b for b in extra})
+    resumed = FedER(FedERParams(name="feder_a"))
+    resumed.num_classes, resumed.image_size, resumed.channels = 2, 8, 1
+    resumed.load_extra({"own_buffer": _buffer(), "buffers": old, "sent_buffers": {}})
+    assert len(resumed.buffers) == MAX_KEPT_BUFFERS  # the latest ones
+    assert broken["content_hash"] in resumed.buffers
+    resumed.restore_replay()
+    assert broken["content_hash"] not in resumed.buffers
+    assert len(resumed.buffers) == len(resumed.replay) == MAX_KEPT_BUFFERS - 1
+    assert set(resumed.buffer_of.values()) == set(resumed.buffers)
+    again = FedER(FedERParams(name="feder_a"))
+    saved = {
+        "own_buffer": resumed.own_buffer,
+        "buffers": resumed.buffers,
+        "buffer_of": [[s, h] for s, h in resumed.buffer_of.items()],
+        "sent_buffers": {},
+    }
+    again.load_extra(saved)
+    assert again.buffer_of == resumed.buffer_of and set(again.buffers) == set(resumed.buffers)

@@ -150,6 +150,13 @@ def checked_buffer(
     return dict(checked), images
 
 
+def is_sha256(value: object) -> bool:
+    """A buffer's name: a SHA-256 in lower-case hex (what buffer_content_hash gives)."""
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
 @dataclass
 class Relay:
     """A relay that passed every check: what taking it stores and trains on."""
@@ -384,7 +391,7 @@ class FedER(RoundLoop[FedERParams]):
         """Every check of a relay, or None: refused and counted (`relay_<reason>`,
         `compression_<reason>`). Nothing is stored: `take` does that."""
         p = msg.payload
-        if not isinstance(p, dict) or not isinstance(p.get("buffer_hash"), str):
+        if not isinstance(p, dict) or not is_sha256(p.get("buffer_hash")):
             log.warning("%s: malformed relay from %s", ctx.me, msg.sender)
             ctx.reject(msg.sender, "relay_malformed")
             return None
@@ -413,10 +420,25 @@ class FedER(RoundLoop[FedERParams]):
                     buffer = await ctx.request(
                         msg.sender, BUFFER_KIND, {"hash": digest}, self.params.round_timeout_s
                     )
-                except PeerUnavailable:
+                except PeerUnavailable as exc:
                     log.warning(
-                        "%s: buffer %s from %s unavailable", ctx.me, digest[:12], msg.sender
+                        "%s: relay from %s refused: its buffer %s is unavailable (%s)",
+                        ctx.me,
+                        msg.sender,
+                        digest[:12],
+                        exc.reason,
                     )
+                    ctx.reject(msg.sender, "relay_buffer_unavailable")
+                    return None
+            if isinstance(buffer, dict) and buffer.get("content_hash") != digest:
+                log.warning(
+                    "%s: relay from %s refused: it names buffer %s and brings another",
+                    ctx.me,
+                    msg.sender,
+                    digest[:12],
+                )
+                ctx.reject(msg.sender, "relay_buffer_mismatch")
+                return None
             try:
                 buffer_checked, images = await ctx.run_blocking(
                     checked_buffer,

@@ -390,15 +390,18 @@ def _victim_config(tmp_path: Path, rounds: int = 1, **protocol: object):
     return cfg
 
 
-def _run_victim(cfg, pushes: list, members: tuple[str, ...] = ("mallory",)):
-    """`members` join the roster and play no protocol; `pushes` (sender, round,
-    payload) reach the victim's inbox, in order, before it starts; then it runs."""
-    from protocols.feder import RELAY_KIND, FedER
+def _run_victim(cfg, pushes: list, members: tuple[str, ...] = ("mallory",), serves=None):
+    """`members` join the roster and play no protocol (`serves`: the buffer
+    handler of each that has one); `pushes` (sender, round, payload) reach the
+    victim's inbox, in order, before it starts; then it runs."""
+    from protocols.feder import BUFFER_KIND, RELAY_KIND, FedER
 
     network = InMemoryNetwork(inline_train=True)
     victim = FedER(cfg.protocol)  # type: ignore[arg-type]
     victim.own_buffer = _buffer()  # 8 images (1, 8, 8): no generator to train
     peers = {name: network.join(name) for name in members}
+    for name, handler in (serves or {}).items():
+        peers[name].serve(BUFFER_KIND, handler)
 
     async def scenario() -> None:
         ctx = network.join("victim", cfg)
@@ -568,3 +571,49 @@ def test_kept_buffers_are_bounded_per_sender_and_in_all_also_through_a_checkpoin
     }
     again.load_extra(saved)
     assert again.buffer_of == resumed.buffer_of and set(again.buffers) == set(resumed.buffers)
+
+
+def test_a_relay_whose_buffer_cannot_be_obtained_or_is_another_than_named_is_refused(
+    tmp_path: Path,
+) -> None:
+    """F4: a relay naming a buffer this node does not hold, with none attached
+    and none served, was taken anyway (the round trained on no replay), and the
+    hash a relay names was never compared with the buffer it brings. Each is now
+    a counted refusal, and nothing of the relay is kept."""
+    cfg = _victim_config(tmp_path)
+    model, buffer, other = _model(cfg), _buffer(), _buffer()
+    cases = {
+        "relay_buffer_unavailable": _relay(model, None, buffer_hash=buffer["content_hash"]),
+        "relay_buffer_mismatch": _relay(model, buffer, buffer_hash=other["content_hash"]),
+        "relay_malformed": _relay(model, buffer, buffer_hash=buffer["content_hash"][:12]),
+    }
+    for reason, payload in cases.items():
+        victim, records, rejected = _run_victim(cfg, [("mallory", 1, payload)])
+        assert rejected == [("mallory", reason)], reason
+        assert records[1]["received"] == 0 and records[1]["replayed_images"] == 0
+        assert victim.buffers == {} and victim.last_received_hash is None
+
+
+def test_a_buffer_named_by_hash_is_pulled_checked_and_must_be_the_one_named(
+    tmp_path: Path,
+) -> None:
+    """A relay carrying only the hash makes the node pull the buffer from the
+    sender: the buffer served is checked like an attached one and must be the
+    one the relay named."""
+    cfg = _victim_config(tmp_path)
+    model, buffer, other = _model(cfg), _buffer(), _buffer()
+    relay = _relay(model, None, buffer_hash=buffer["content_hash"])
+
+    async def serve(requester: str, query: dict) -> dict:
+        return buffer
+
+    async def serve_other(requester: str, query: dict) -> dict:
+        return other
+
+    victim, records, rejected = _run_victim(cfg, [("mallory", 1, relay)], serves={"mallory": serve})
+    assert rejected == [] and records[1]["received"] == 1 and records[1]["replayed_images"] == 8
+    assert set(victim.buffers) == {buffer["content_hash"]}
+    _, records, rejected = _run_victim(
+        cfg, [("mallory", 1, relay)], serves={"mallory": serve_other}
+    )
+    assert rejected == [("mallory", "relay_buffer_mismatch")] and records[1]["received"] == 0

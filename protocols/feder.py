@@ -17,6 +17,13 @@ the next alive one in the ring. Or a random alive peer (asynchronous: arrivals
 queue), or the selection heuristic. A node that receives nothing keeps training
 the model it holds.
 
+Intake: in a ring a node takes a relay only from its ring predecessor, the
+nearest member before it that it does not hold dead (the mirror of the sender's
+skip; `relay_not_predecessor` otherwise); with the other successors, from any
+member. Either way one relay per sender per round (`relay_duplicate`), none of
+an earlier round (`relay_wrong_round`), and one of the next EARLY_RELAYS rounds
+only after every check, held for its round, one per sender.
+
 The relayed model replaces the receiver's own, so it must fit that model: the
 same keys, shapes and dtypes, finite values, and an L2 norm at most
 `max_norm_ratio` times the receiver's current model's. A relay that fails this
@@ -82,7 +89,8 @@ log = logging.getLogger(__name__)
 
 RELAY_KIND = "feder"  # model and/or buffer pushed to the successor
 BUFFER_KIND = "buffer"  # pull a buffer by hash (when a relay carried only the hash)
-EARLY_RELAYS = 4  # relays of later rounds kept for their round
+EARLY_RELAYS = 4  # a relay of round r+1..r+4 is checked and held for its round, one per sender
+LIVENESS_POLL_S = 0.5  # how often a relay waiting on its predecessor's death is looked at again
 # A peer's buffer holds 1 to MAX_BUFFER_FACTOR x protocol.buffer_size images
 # (buffer_size is meant to be federation-wide: the factor leaves room, no more).
 MAX_BUFFER_FACTOR = 2
@@ -106,6 +114,21 @@ def ring_successor(ring: list[str], me: str, alive: set[str]) -> list[str]:
     i = ring.index(me)
     after = ring[i + 1 :] + ring[:i]
     return [n for n in after if n in alive]
+
+
+def ring_predecessors(ring: list[str], me: str, alive: set[str]) -> list[str]:
+    """Who may relay to `me`, the mirror of `ring_successor`: the members before
+    `me` in ring order, nearest first, up to and including the first one in
+    `alive` (those skipped are the ones `me` holds dead, as a sender skips a
+    dead successor)."""
+    i = ring.index(me)
+    before = ring[:i][::-1] + ring[i + 1 :][::-1]
+    out: list[str] = []
+    for name in before:
+        out.append(name)
+        if name in alive:
+            break
+    return out
 
 
 # ---------------------------------------------------------------------- buffers
@@ -274,7 +297,7 @@ class FedER(RoundLoop[FedERParams]):
         self.last_received_hash: str | None = None  # the buffer replayed until a new one comes
         self.num_classes: int | None = None
         self.refused = 0  # relays refused this round
-        self.early: list[Received] = []  # relays of later rounds, from a predecessor ahead of us
+        self.early: dict[str, Relay] = {}  # sender -> its checked relay of a later round
         self.compression = parse(params.compression)  # how the relayed model travels
 
     @property
@@ -341,49 +364,146 @@ class FedER(RoundLoop[FedERParams]):
             return peer, model_bytes, self.own_buffer["images"].numel() if needs_buffer else 0
         return None, 0, 0
 
-    def hold_or_refuse(self, ctx: RoundContext, msg: Received, r: int) -> None:
-        """A relay of another round than `r`: kept for its round if later (a
-        predecessor ahead of us; a few at most), else refused and counted."""
-        if msg.round > r and len(self.early) < EARLY_RELAYS:
-            self.early.append(msg)
-            return
+    def sender_status(self, ctx: RoundContext, sender: str, round_no: int) -> str:
+        """Whether this node takes a relay of `round_no` from `sender`: "ok";
+        "wait" (a ring member farther back than the predecessor: "ok" once the
+        members between are dead to this node); "no" (not a member)."""
+        roster = ctx.roster()
+        if sender == ctx.me or sender not in roster:
+            return "no"
+        if self.params.successor != "ring":
+            return "ok"  # any member may be chosen: docs/threat-model.md says what that allows
+        ring = derive_ring(roster, ctx.config.federation.seed, round_no)
+        alive = {p.name for p in ctx.peers()}
+        return "ok" if sender in ring_predecessors(ring, ctx.me, alive) else "wait"
+
+    def refuse(self, ctx: RoundContext, msg: Received, reason: str, r: int) -> None:
         log.warning(
-            "%s: relay of round %d from %s refused in round %d", ctx.me, msg.round, msg.sender, r
+            "%s: relay of round %d from %s refused in round %d (%s)",
+            ctx.me,
+            msg.round,
+            msg.sender,
+            r,
+            reason,
         )
-        ctx.reject(msg.sender, "relay_wrong_round")
+        ctx.reject(msg.sender, reason)
         self.refused += 1
+
+    async def hold_or_refuse(
+        self, ctx: RoundContext, msg: Received, r: int, reference: dict[str, Tensor]
+    ) -> None:
+        """A relay of another round than `r`: one of rounds r+1..r+EARLY_RELAYS
+        from that round's predecessor is checked now and held for its round, one
+        per sender; any other is refused and counted."""
+        if not r < msg.round <= r + EARLY_RELAYS:
+            self.refuse(ctx, msg, "relay_wrong_round", r)
+            return
+        held = self.early.get(msg.sender)
+        if held is not None:  # a sender gets one slot: it cannot pin them all
+            same = held.msg.round == msg.round
+            self.refuse(ctx, msg, "relay_duplicate" if same else "relay_wrong_round", r)
+            return
+        if self.sender_status(ctx, msg.sender, msg.round) != "ok":
+            self.refuse(ctx, msg, "relay_not_predecessor", r)
+            return
+        relay = await self.accept(ctx, msg, reference)
+        if relay is None:
+            self.refused += 1
+            return
+        self.early[msg.sender] = relay
 
     async def receive_relay(
         self, ctx: RoundContext, r: int, reference: dict[str, Tensor]
     ) -> Received | None:
-        """Alg. 1 'Receive M_i^{r-1}, B_i': the first valid arrival of round `r`
-        (extra ones stay queued). A relay of an earlier round is refused
-        (`relay_wrong_round`): stale or replayed, it must not replace this
-        round's; one of a later round is kept for that round (a few at most)."""
+        """Alg. 1 'Receive M_i^{r-1}, B_i': the first relay of round `r` that
+        passes every check from a sender this node takes one from (with
+        `successor: ring` its predecessor, `sender_status`), once per sender
+        (`relay_duplicate`). A relay from a ring member farther back waits while
+        the members between may be alive, and is refused (`relay_not_predecessor`)
+        when the round's relay is taken or the time is up. A relay of an earlier
+        round is refused (`relay_wrong_round`): stale or replayed, it must not
+        replace this round's; one of a later round goes to `hold_or_refuse`.
+        Extra relays stay queued."""
         inbox = ctx.inbox(RELAY_KIND)
-        pending = [m for m in self.early if m.round == r]
-        self.early = [m for m in self.early if m.round > r]
+        held: list[Received | Relay] = [x for x in self.early.values() if x.msg.round == r]
+        self.early = {s: x for s, x in self.early.items() if x.msg.round > r}
+        seen = {x.msg.sender for x in held}  # one relay per sender per round
+        waiting: dict[str, Received | Relay] = {}
         deadline = time.monotonic() + self.params.round_timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if not pending and remaining <= 0 and inbox.empty():
-                return None
-            if pending:
-                msg = pending.pop(0)
-            elif not inbox.empty():
-                msg = inbox.get_nowait()
-            else:
-                try:
-                    msg = await asyncio.wait_for(inbox.get(), remaining)
-                except TimeoutError:
-                    return None
-            if msg.round != r:
-                self.hold_or_refuse(ctx, msg, r)
+        taken: Received | None = None
+        while taken is None:
+            ready = [s for s in waiting if self.sender_status(ctx, s, r) == "ok"]
+            if held or ready:
+                item = held.pop(0) if held else waiting.pop(ready[0])
+                taken = await self.consider(ctx, item, r, reference, waiting)
                 continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 and inbox.empty():
+                break
+            try:
+                if inbox.empty():
+                    wait = min(remaining, LIVENESS_POLL_S) if waiting else remaining
+                    msg = await asyncio.wait_for(inbox.get(), wait)
+                else:
+                    msg = inbox.get_nowait()
+            except TimeoutError:
+                continue
+            if msg.round != r:
+                await self.hold_or_refuse(ctx, msg, r, reference)
+            elif msg.sender in seen:
+                self.refuse(ctx, msg, "relay_duplicate", r)
+            else:
+                seen.add(msg.sender)
+                taken = await self.consider(ctx, msg, r, reference, waiting)
+        for item in waiting.values():
+            self.refuse(
+                ctx, item.msg if isinstance(item, Relay) else item, "relay_not_predecessor", r
+            )
+        return taken
+
+    async def consider(
+        self,
+        ctx: RoundContext,
+        item: Received | Relay,
+        r: int,
+        reference: dict[str, Tensor],
+        waiting: dict[str, Received | Relay],
+    ) -> Received | None:
+        """One relay of round `r`: taken (returned), set waiting, or refused and counted.
+        One held since it came early was checked then: its model is checked again
+        against this round's."""
+        msg = item.msg if isinstance(item, Relay) else item
+        status = self.sender_status(ctx, msg.sender, r)
+        if status == "wait":
+            waiting[msg.sender] = item
+            return None
+        if status == "no":
+            self.refuse(ctx, msg, "relay_not_predecessor", r)
+            return None
+        if isinstance(item, Relay):
+            relay = (
+                item if self.admits(ctx, msg.sender, msg.payload.get("model"), reference) else None
+            )
+        else:
             relay = await self.accept(ctx, msg, reference)
-            if relay is not None:
-                return self.take(relay)
+        if relay is None:
             self.refused += 1
+            return None
+        return self.take(relay)
+
+    def admits(
+        self, ctx: RoundContext, sender: str, model: Any, reference: dict[str, Tensor]
+    ) -> bool:
+        """The relayed model fits this node's (`protocols.checks.admit`); FedER-A relays none."""
+        return not self.relays_model or admit(
+            ctx,
+            sender,
+            "relay",
+            model,
+            reference,
+            max_norm_ratio=self.params.max_norm_ratio,
+            where=f" round {ctx.round}",
+        )
 
     async def accept(
         self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor]
@@ -400,15 +520,7 @@ class FedER(RoundLoop[FedERParams]):
             model = await relayed_model(ctx, msg.sender, p, reference, self.compression)
             if model is None:
                 return None
-        if self.relays_model and not admit(
-            ctx,
-            msg.sender,
-            "relay",
-            model,
-            reference,
-            max_norm_ratio=self.params.max_norm_ratio,
-            where=f" round {ctx.round}",
-        ):
+        if not self.admits(ctx, msg.sender, model, reference):
             return None
         digest = p["buffer_hash"]
         buffer = p.get("buffer")

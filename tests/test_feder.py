@@ -417,7 +417,8 @@ def _run_victim(cfg, pushes: list, members: tuple[str, ...] = ("mallory",), serv
 
 def _relay(model: dict, buffer: dict | None, round_no: int = 1, **extra: object) -> dict:
     digest = buffer["content_hash"] if buffer is not None else "0" * 64
-    return {"round": round_no, "buffer_hash": digest, "buffer": buffer, "model": model, "num_train": 9, **extra}  # fmt: skip
+    relay = {"round": round_no, "buffer_hash": digest, "buffer": buffer, "model": model}
+    return {**relay, "num_train": 9, **extra}
 
 
 def _model(cfg) -> dict:
@@ -617,3 +618,140 @@ def test_a_buffer_named_by_hash_is_pulled_checked_and_must_be_the_one_named(
         cfg, [("mallory", 1, relay)], serves={"mallory": serve_other}
     )
     assert rejected == [("mallory", "relay_buffer_mismatch")] and records[1]["received"] == 0
+
+
+def test_ring_predecessors_mirror_the_successor_a_sender_picks() -> None:
+    """Whatever members are dead, the member whose successor is `me` (in its own
+    view) is among `me`'s predecessors (in `me`'s view), and that list holds
+    exactly one member `me` considers alive: the last."""
+    from protocols.feder import ring_predecessors
+
+    names = [f"n{i}" for i in range(7)]
+    rng = np.random.default_rng(0)
+    for r in range(1, 40):
+        ring = derive_ring(names, seed=3, round_no=r)
+        live = {n for n in names if rng.random() < 0.7}
+        for me in names:
+            preds = ring_predecessors(ring, me, live - {me})
+            assert me not in preds and all(p not in live for p in preds[:-1])
+            for sender in live - {me}:
+                successor = ring_successor(ring, sender, live - {sender})
+                if successor and successor[0] == me:
+                    assert sender == preds[-1], (ring, live, me, sender, preds)
+    assert ring_predecessors(["a", "b", "c", "d"], "c", {"a", "b", "d"}) == ["b"]
+    assert ring_predecessors(["a", "b", "c", "d"], "c", {"a", "d"}) == ["b", "a"]
+    assert ring_predecessors(["a", "b", "c", "d"], "a", {"b", "c"}) == ["d", "c"]
+
+
+def _marked(model: dict, value: float) -> dict:
+    return {k: torch.full_like(v, value) if v.is_floating_point() else v for k, v in model.items()}
+
+
+def test_only_the_ring_predecessor_replaces_the_model_and_far_early_relays_hold_nothing(
+    tmp_path: Path,
+) -> None:
+    """F2: any member's relay of the round, if it came first, replaced the
+    node's model, every round, and the honest predecessor's was refused
+    `relay_wrong_round`, counted against it. Relays of round ~2^31 held the
+    four early slots for good. Now: only the ring predecessor's relay is taken
+    (`relay_not_predecessor` for the other), early relays only for the next
+    EARLY_RELAYS rounds, after the checks, one per sender."""
+    names = ["bob", "zed", "victim"]
+    for r in (1, 2):  # the rounds' rings: bob comes right before victim
+        ring = derive_ring(names, seed=0, round_no=r)
+        assert ring[ring.index("victim") - 1] == "bob", ring
+    cfg = _victim_config(tmp_path, rounds=2)
+    model, buffer = _model(cfg), _buffer()
+    evil, honest = _marked(model, 0.0123), _marked(model, 0.01)
+    far = 2**31 - 1
+    pushes = [("zed", far - i, _relay(evil, buffer, far - i)) for i in range(4)]
+    for r in (1, 2):  # zed first, every round, then the predecessor
+        pushes += [("zed", r, _relay(evil, buffer, r)), ("bob", r, _relay(honest, buffer, r))]
+    victim, records, rejected = _run_victim(cfg, pushes, members=("bob", "zed"))
+    assert victim.merged == [[1, [["bob", 1]]], [2, [["bob", 2]]]]
+    assert records[1]["received"] == records[2]["received"] == 1
+    assert victim.early == {}
+    assert ("bob", "relay_wrong_round") not in rejected
+    assert rejected.count(("zed", "relay_wrong_round")) == 4  # round 2^31-1...: not held
+    assert rejected.count(("zed", "relay_not_predecessor")) == 2
+    assert len(rejected) == 6
+
+
+def test_an_honest_predecessor_one_round_ahead_is_held_once_and_taken_in_its_round(
+    tmp_path: Path,
+) -> None:
+    """The predecessor's relay of round 2 arrives before its relay of round 1:
+    it is checked and held, and taken in round 2. A second relay of a held
+    round from the same sender is refused (`relay_duplicate`), and one of
+    another round too (one slot per sender). An early relay that fails a check
+    is refused at once, never held."""
+    cfg = _victim_config(tmp_path, rounds=2)
+    model, buffer = _model(cfg), _buffer()
+    huge = _marked(model, 1e3)
+    pushes = [
+        ("mallory", 2, _relay(model, buffer, 2)),
+        ("mallory", 2, _relay(model, buffer, 2)),  # the same round again
+        ("mallory", 3, _relay(model, buffer, 3)),  # it holds round 2's already
+        ("mallory", 1, _relay(model, buffer, 1)),
+    ]
+    victim, records, rejected = _run_victim(cfg, pushes)
+    assert records[1]["received"] == records[2]["received"] == 1
+    assert victim.merged == [[1, [["mallory", 1]]], [2, [["mallory", 2]]]]
+    assert rejected == [("mallory", "relay_duplicate"), ("mallory", "relay_wrong_round")]
+    victim, records, rejected = _run_victim(cfg, [("mallory", 2, _relay(huge, buffer, 2))])
+    assert rejected == [("mallory", "relay_huge_norm")] and records[1]["relays_refused"] == 1
+    assert records[2]["received"] == 0
+
+
+@pytest.mark.parametrize("dies", ["before", "during"])
+def test_a_relay_from_behind_a_dead_predecessor_is_taken(tmp_path: Path, dies: str) -> None:
+    """The sender skipped its dead successor (bob) and relayed to the next
+    alive, victim: victim takes it once it holds bob dead too, at once or, while
+    it still thinks bob alive, as soon as it learns otherwise in the round."""
+    from protocols.feder import RELAY_KIND, FedER
+
+    names = ["bob", "zed", "victim"]
+    ring = derive_ring(names, seed=0, round_no=1)
+    assert ring_successor(ring, "zed", {"victim"})[0] == "victim"
+    assert ring_successor(ring, "zed", {"bob", "victim"})[0] == "bob"
+    cfg = _victim_config(tmp_path, round_timeout_s=5.0)
+    network = InMemoryNetwork(inline_train=True)
+    victim = FedER(cfg.protocol)  # type: ignore[arg-type]
+    victim.own_buffer = _buffer()
+    network.join("bob")
+    zed = network.join("zed")
+    if dies == "before":
+        network.kill("bob")
+    relay = _relay(_model(cfg), _buffer())
+
+    async def scenario() -> float:
+        ctx = network.join("victim", cfg)
+        await zed.send("victim", RELAY_KIND, relay, 1)
+        task = asyncio.create_task(victim.run(ctx))
+        await asyncio.sleep(0.3)
+        if dies == "during":
+            network.kill("bob")
+        start = asyncio.get_running_loop().time()
+        await task
+        return asyncio.get_running_loop().time() - start
+
+    took = asyncio.run(scenario())
+    (record,) = [r for r in network.records if r["node"] == "victim"]
+    assert record["received"] == 1 and network.rejections == []
+    assert victim.merged == [[1, [["zed", 1]]]]
+    assert took < 4.0  # not the round's 5 s timeout
+
+
+def test_with_random_successors_each_sender_has_one_relay_per_round(tmp_path: Path) -> None:
+    """Any member may be chosen as successor (random, heuristic): a sender gets
+    one try per round, so a refused relay is not followed by another."""
+    cfg = _victim_config(tmp_path, successor="random")
+    model, buffer = _model(cfg), _buffer()
+    pushes = [
+        ("mallory", 1, _relay(_marked(model, 1e3), buffer)),  # refused: huge norm
+        ("mallory", 1, _relay(_marked(model, 0.0123), buffer)),  # a second try: refused
+        ("eve", 1, _relay(model, buffer)),
+    ]
+    victim, records, rejected = _run_victim(cfg, pushes, members=("mallory", "eve"))
+    assert victim.merged == [[1, [["eve", 1]]]]
+    assert rejected == [("mallory", "relay_huge_norm"), ("mallory", "relay_duplicate")]

@@ -298,6 +298,7 @@ class FedER(RoundLoop[FedERParams]):
         self.num_classes: int | None = None
         self.refused = 0  # relays refused this round
         self.early: dict[str, Relay] = {}  # sender -> its checked relay of a later round
+        self.waiting: dict[str, Received | Relay] = {}  # this round's, behind the predecessor
         self.compression = parse(params.compression)  # how the relayed model travels
 
     @property
@@ -428,14 +429,14 @@ class FedER(RoundLoop[FedERParams]):
         held: list[Received | Relay] = [x for x in self.early.values() if x.msg.round == r]
         self.early = {s: x for s, x in self.early.items() if x.msg.round > r}
         seen = {x.msg.sender for x in held}  # one relay per sender per round
-        waiting: dict[str, Received | Relay] = {}
+        waiting = self.waiting = {}  # sender -> its relay of round r, behind the predecessor
         deadline = time.monotonic() + self.params.round_timeout_s
         taken: Received | None = None
         while taken is None:
             ready = [s for s in waiting if self.sender_status(ctx, s, r) == "ok"]
             if held or ready:
                 item = held.pop(0) if held else waiting.pop(ready[0])
-                taken = await self.consider(ctx, item, r, reference, waiting)
+                taken = await self.consider(ctx, item, r, reference)
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0 and inbox.empty():
@@ -454,11 +455,12 @@ class FedER(RoundLoop[FedERParams]):
                 self.refuse(ctx, msg, "relay_duplicate", r)
             else:
                 seen.add(msg.sender)
-                taken = await self.consider(ctx, msg, r, reference, waiting)
+                taken = await self.consider(ctx, msg, r, reference)
         for item in waiting.values():
             self.refuse(
                 ctx, item.msg if isinstance(item, Relay) else item, "relay_not_predecessor", r
             )
+        waiting.clear()
         return taken
 
     async def consider(
@@ -467,7 +469,6 @@ class FedER(RoundLoop[FedERParams]):
         item: Received | Relay,
         r: int,
         reference: dict[str, Tensor],
-        waiting: dict[str, Received | Relay],
     ) -> Received | None:
         """One relay of round `r`: taken (returned), set waiting, or refused and counted.
         One held since it came early was checked then: its model is checked again
@@ -475,7 +476,7 @@ class FedER(RoundLoop[FedERParams]):
         msg = item.msg if isinstance(item, Relay) else item
         status = self.sender_status(ctx, msg.sender, r)
         if status == "wait":
-            waiting[msg.sender] = item
+            self.waiting[msg.sender] = item
             return None
         if status == "no":
             self.refuse(ctx, msg, "relay_not_predecessor", r)

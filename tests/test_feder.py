@@ -707,14 +707,16 @@ def test_an_honest_predecessor_one_round_ahead_is_held_once_and_taken_in_its_rou
 def test_a_relay_from_behind_a_dead_predecessor_is_taken(tmp_path: Path, dies: str) -> None:
     """The sender skipped its dead successor (bob) and relayed to the next
     alive, victim: victim takes it once it holds bob dead too, at once or, while
-    it still thinks bob alive, as soon as it learns otherwise in the round."""
+    it still thinks bob alive, as soon as it learns otherwise in the round (a
+    relay still waiting when the round's time is up is refused, so `received`
+    says which happened; no wall-clock bound)."""
     from protocols.feder import RELAY_KIND, FedER
 
     names = ["bob", "zed", "victim"]
     ring = derive_ring(names, seed=0, round_no=1)
     assert ring_successor(ring, "zed", {"victim"})[0] == "victim"
     assert ring_successor(ring, "zed", {"bob", "victim"})[0] == "bob"
-    cfg = _victim_config(tmp_path, round_timeout_s=5.0)
+    cfg = _victim_config(tmp_path, round_timeout_s=10.0)
     network = InMemoryNetwork(inline_train=True)
     victim = FedER(cfg.protocol)  # type: ignore[arg-type]
     victim.own_buffer = _buffer()
@@ -724,22 +726,20 @@ def test_a_relay_from_behind_a_dead_predecessor_is_taken(tmp_path: Path, dies: s
         network.kill("bob")
     relay = _relay(_model(cfg), _buffer())
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         ctx = network.join("victim", cfg)
         await zed.send("victim", RELAY_KIND, relay, 1)
         task = asyncio.create_task(victim.run(ctx))
         await asyncio.sleep(0.3)
         if dies == "during":
+            assert set(victim.waiting) == {"zed"}  # bob still looks alive
             network.kill("bob")
-        start = asyncio.get_running_loop().time()
         await task
-        return asyncio.get_running_loop().time() - start
 
-    took = asyncio.run(scenario())
+    asyncio.run(scenario())
     (record,) = [r for r in network.records if r["node"] == "victim"]
     assert record["received"] == 1 and network.rejections == []
     assert victim.merged == [[1, [["zed", 1]]]]
-    assert took < 4.0  # not the round's 5 s timeout
 
 
 def test_with_random_successors_each_sender_has_one_relay_per_round(tmp_path: Path) -> None:

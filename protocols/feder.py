@@ -525,7 +525,7 @@ class FedER(RoundLoop[FedERParams]):
             return None
         digest = p["buffer_hash"]
         buffer = p.get("buffer")
-        if buffer is None and digest in self.buffers:  # one this node verified and keeps
+        if buffer is None and digest in self.replay:  # one this node verified and keeps
             buffer_checked, images = self.buffers[digest], self.replay[digest]
         else:
             if buffer is None:

@@ -28,6 +28,15 @@ process's limit the node could no longer write its checkpoints nor answer
   (node/transport.py); a request being answered, a request held open and a
   relay's WebSocket are not idle.
 
+- at most `per_source` of those places per source address (an IPv6 source
+  by its /64, the block one host is usually given; loopback sources are not
+  capped: a local federation's nodes all come from 127.0.0.1). One more from
+  that source takes the place of that source's own connection that has waited
+  longest for its headers, else it is closed at once; either is counted
+  `source_connection_limit`. So one address that holds its places with slow
+  requests or keep-alive connections holds at most `per_source` of them, not
+  the port: other sources still get in.
+
 With TLS, a connection counts (and its header deadline runs) from the end of
 its handshake: a handshake that fails tells the application nothing, so one
 counted from the accept would hold a place until its deadline, and a
@@ -38,6 +47,7 @@ given `header_timeout_s` (asyncio's default is 60 s).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import resource
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +55,28 @@ from typing import Any
 from aiohttp import web
 
 CONNECTION_LIMIT = "connection_limit"
+SOURCE_CONNECTION_LIMIT = "source_connection_limit"
 HEADERS_TOO_SLOW = "headers_too_slow"
+
+
+def source_of(peername: Any, *, loopback_exempt: bool = True) -> str | None:
+    """The key a connection's source address is capped under: the IPv4
+    address, an IPv6 address's /64 (an IPv4-mapped one as its IPv4 address),
+    or None (not capped) for loopback sources when `loopback_exempt`, and for
+    anything that is not an IP address (a Unix socket)."""
+    if not isinstance(peername, tuple) or not peername or not isinstance(peername[0], str):
+        return None
+    try:
+        ip = ipaddress.ip_address(peername[0].split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if loopback_exempt and ip.is_loopback:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def descriptor_budget(limit: int) -> int:
@@ -59,20 +90,31 @@ def descriptor_budget(limit: int) -> int:
 
 
 class ConnectionGate:
-    """At most `limit` connections at once on one port, each given
+    """At most `limit` connections at once on one port, at most `per_source`
+    of them from one source address (None: no such cap), each given
     `header_timeout_s` to deliver its first request's headers; beyond either
     it is closed, and `on_refused(reason)` counts it."""
 
     def __init__(
-        self, limit: int, header_timeout_s: float, on_refused: Callable[[str], None]
+        self,
+        limit: int,
+        header_timeout_s: float,
+        on_refused: Callable[[str], None],
+        *,
+        per_source: int | None = None,
+        loopback_exempt: bool = True,
     ) -> None:
         self.limit = descriptor_budget(limit)
+        self.per_source = per_source
+        self.loopback_exempt = loopback_exempt
         self.header_timeout_s = header_timeout_s
         self.on_refused = on_refused
         self.open = 0
         # aiohttp's handler of each counted connection still waiting for its
         # first request's headers -> its _Gated, oldest first
         self._waiting: dict[Any, _Gated] = {}
+        self.by_source: dict[str, int] = {}  # source -> places it holds
+        self._waiting_by_source: dict[str, dict[Any, _Gated]] = {}  # the same, per source
 
     def serve(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
         """The protocol factory to listen with, in place of `server` itself."""
@@ -82,6 +124,7 @@ class ConnectionGate:
             # aiohttp parsed a request's headers on that connection
             gated = self._waiting.pop(protocol, None)
             if gated is not None:
+                self._unwait(gated)
                 gated.headers_in()
             return make_request(message, payload, protocol, *args)
 
@@ -90,30 +133,59 @@ class ConnectionGate:
 
     def admit(self, gated: _Gated) -> bool:
         """Count a connection just made (after its TLS handshake, if any); False
-        when the port is full and no connection gives up its place to it."""
+        when its source, or the port, is full and no connection gives up its
+        place to it."""
+        source = gated.source
+        if (
+            source is not None
+            and self.per_source is not None
+            and self.by_source.get(source, 0) >= self.per_source
+            and not self._evict_oldest(source)
+        ):
+            self.on_refused(SOURCE_CONNECTION_LIMIT)
+            return False
         if self.open >= self.limit and not self._evict_oldest():
             self.on_refused(CONNECTION_LIMIT)
             return False
         self.open += 1
         self._waiting[gated.inner] = gated
+        if source is not None:
+            self.by_source[source] = self.by_source.get(source, 0) + 1
+            self._waiting_by_source.setdefault(source, {})[gated.inner] = gated
         return True
 
-    def _evict_oldest(self) -> bool:
+    def _unwait(self, gated: _Gated) -> None:
+        waiting = self._waiting_by_source.get(gated.source or "")
+        if waiting is not None:
+            waiting.pop(gated.inner, None)
+            if not waiting:
+                del self._waiting_by_source[gated.source or ""]
+
+    def _evict_oldest(self, source: str | None = None) -> bool:
         """Make room for a new connection by closing the one that has waited
-        longest for its first request's headers: an honest client sends them
-        at once, so a flood of connections that send nothing pushes out its
-        own, not theirs. False when every place holds a request or a
-        keep-alive connection."""
-        oldest = next(iter(self._waiting.values()), None)
+        longest for its first request's headers (of `source`, if given): an
+        honest client sends them at once, so a flood of connections that send
+        nothing pushes out its own, not theirs. False when every place (of
+        that source) holds a request or a keep-alive connection."""
+        queue = self._waiting if source is None else self._waiting_by_source.get(source, {})
+        oldest = next(iter(queue.values()), None)
         if oldest is None:
             return False
-        self.on_refused(CONNECTION_LIMIT)
+        self.on_refused(CONNECTION_LIMIT if source is None else SOURCE_CONNECTION_LIMIT)
         oldest.close()
         return True
 
     def release(self, gated: _Gated) -> None:
         self._waiting.pop(gated.inner, None)
+        self._unwait(gated)
         self.open -= 1
+        source = gated.source
+        if source is not None:
+            left = self.by_source.get(source, 0) - 1
+            if left > 0:
+                self.by_source[source] = left
+            else:
+                self.by_source.pop(source, None)
 
 
 class _Gated(asyncio.Protocol):
@@ -129,9 +201,13 @@ class _Gated(asyncio.Protocol):
         self.told = False  # aiohttp's protocol was told of the connection
         self.headers = False  # its first request's headers are in
         self.timer: asyncio.TimerHandle | None = None
+        self.source: str | None = None  # the key its source address is capped under
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.source = source_of(
+            transport.get_extra_info("peername"), loopback_exempt=self.gate.loopback_exempt
+        )
         if not self.gate.admit(self):
             transport.abort()  # type: ignore[attr-defined]
             return

@@ -241,7 +241,10 @@ class RelayProcess:
         self.server.add_routes(app)
         # as a site's peer port: a cap, a header deadline, a short keep-alive (node/listen.py)
         gate = ConnectionGate(
-            cfg.transport.max_connections, cfg.relay.read_idle_timeout_s, self.server._count
+            cfg.transport.max_connections,
+            cfg.relay.read_idle_timeout_s,
+            self.server._count,
+            per_source=cfg.transport.max_connections_per_source,
         )
         try:
             self._runner = await serve_peer_port(app, host, port, gate, ssl_context)

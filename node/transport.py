@@ -296,6 +296,7 @@ class MessageServer:
             self.cfg.max_connections,
             self.cfg.read_idle_timeout_s,
             lambda reason: self.on_reject(reason, None),
+            per_source=self.cfg.max_connections_per_source,
         )
         self.runner = await serve_peer_port(self.app(), host, port, gate, ssl_context)
         self.port = bound_port(self.runner, port)

@@ -10,7 +10,9 @@
   restart the spooled pushes neither checkpointed nor journaled are queued
   again if their signed header still passes against the roster of that start
   (see node/queues.py for the whole scheme); a roster reload drops the queued
-  pushes of the sites it removed.
+  pushes of the sites it removed, and a push of such a site still arriving at
+  the reload is refused `unknown_sender` once spooled, before it is queued or
+  acknowledged.
 
 Before any of that, the sender's replay mark is on disk at or above the
 message's timestamp (node/queues.py `ReplayMarks`), so a message this node
@@ -304,6 +306,15 @@ class Inbound:
         header = incoming.header
         msg_id = header.id_hex
         await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
+        # The transport checked the sender against the roster before the payload
+        # streamed in; a reload (SIGHUP) since then may have removed it, and
+        # drop_unlisted ran too early for this push. Checked again here, on the
+        # event loop with no await before put_nowait, so no reload comes between.
+        if header.sender not in self.codec.roster:
+            self.spool.remove(msg_id)
+            raise Rejection(
+                "unknown_sender", f"{header.sender[:64]!r} left the roster while its push arrived"
+            )
         self._spool_ts[msg_id] = header.timestamp_ms
         queue.put_nowait(Received(header.sender, header.kind, header.round, payload, msg_id))
         self.telemetry.set_queue_depth(header.kind, queue.qsize())

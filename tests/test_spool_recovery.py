@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from node.queues import KEEP_CORRUPT
 from node.transport import IncomingFrame
 from p2pfl.config import load_config
 from p2pfl.secure.identity import LocalIdentity, Roster
-from p2pfl.secure.wire import PREFIX_LEN, Header, WireCodec, WireError
+from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
 
 KIND = "probe"
 
@@ -268,3 +269,90 @@ def test_unreadable_spool_and_outbox_leftovers_are_capped(tmp_path):
     assert len(spool) == KEEP_CORRUPT + 1 and f"{'ff' * 16}.corrupt" in spool  # this start's
     assert not node.spool.has("ff" * 16)  # moved aside: a resend is taken afresh
     crash(node)
+
+
+# --------------------------------------------------------------------------- second review
+
+
+class Streaming:
+    """A POST body as MessageServer reads it (aiohttp StreamReader's methods):
+    the signed header at once, the payload only when `go` is set, as a peer
+    that is still uploading."""
+
+    def __init__(self, frame: bytes) -> None:
+        n = int.from_bytes(frame[4:PREFIX_LEN], "big")
+        self.head, self.payload = (
+            frame[: PREFIX_LEN + n + SIG_LEN],
+            frame[PREFIX_LEN + n + SIG_LEN :],
+        )
+        self.go = asyncio.Event()
+        self.sent = False
+
+    async def readexactly(self, n: int) -> bytes:
+        part, self.head = self.head[:n], self.head[n:]
+        return part
+
+    async def readany(self) -> bytes:
+        await self.go.wait()
+        if self.sent:
+            return b""
+        self.sent = True
+        return self.payload
+
+    def at_eof(self) -> bool:
+        return self.sent
+
+    async def read(self, n: int = -1) -> bytes:
+        return await self.readany()
+
+
+@pytest.mark.parametrize("when", ["streaming", "spooling"])
+def test_a_push_arriving_across_the_reload_that_removes_its_sender_is_refused(tmp_path, when):
+    """Review 2, finding 2: the transport checks the sender before the payload
+    streams in, and the reload's purge (drop_unlisted) runs once. A push of c
+    whose payload was still arriving (or being written to the spool) when a
+    SIGHUP removed c was acknowledged, spooled and queued for the protocol.
+    Through the node's own MessageServer: now refused unknown_sender, counted,
+    no ack, nothing spooled or queued."""
+    fed = federation(tmp_path)
+    node = start(fed)
+    frame = push(sender(fed, "c"), "b")
+    stream = Streaming(frame)
+
+    def revoke() -> None:
+        remove_from_roster(fed, "c")
+        node.reload_roster()
+
+    async def run() -> Any:
+        loop = asyncio.get_running_loop()
+        if when == "spooling":  # the reload lands while the frame is fsynced off the loop
+            persist = node.spool.persist
+
+            def slow_persist(msg_id: str, data: Any) -> Any:
+                done = threading.Event()
+                loop.call_soon_threadsafe(lambda: (revoke(), done.set()))
+                assert done.wait(10)
+                return persist(msg_id, data)
+
+            node.spool.persist = slow_persist  # type: ignore[method-assign]
+            stream.go.set()
+            return await node.server.receive(stream, len(frame))
+        receiving = asyncio.create_task(node.server.receive(stream, len(frame)))
+        while not node.server._in_flight:  # header verified, payload not yet there
+            await asyncio.sleep(0.001)
+        revoke()
+        stream.go.set()
+        return await receiving
+
+    response = asyncio.run(run())
+    body = json.loads(response.body)
+    assert response.status == 403 and body["reason"] == "unknown_sender", body
+    assert "ack" not in body  # c is not told it was delivered
+    assert queued(node) == []
+    assert not list((fed / "b" / "state" / "spool").iterdir())
+    seen = rejected(node)
+    assert seen["rejected"] == {"unknown_sender": 1} and seen["by_peer"] == {"c": 1}, seen
+    crash(node)
+    again = start(fed)  # and nothing of it comes back at a restart
+    assert queued(again) == [] and rejected(again)["rejected"] == {}
+    crash(again)

@@ -51,6 +51,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -92,6 +93,14 @@ def _control(schema: type[BaseModel], payload: Any) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise WireError("payload_schema", f"{where}: {first['msg']}"[:120]) from None
+
+
+def _mtime(path: Path) -> float:
+    """When a spool file was written (infinity if it cannot be read)."""
+    try:
+        return float(path.stat().st_mtime)
+    except OSError:
+        return float("inf")
 
 
 @dataclass(kw_only=True, eq=False)
@@ -326,7 +335,9 @@ class Inbound:
         is queued again if it still passes `WireCodec.verify_origin` against the
         roster, federation and name of this start (a site removed from the
         roster, or a key rotated out, while it was spooled: deleted and counted
-        under the check's reason). Returns how many were queued."""
+        under the check's reason); a card's previous key counts as valid if it
+        was when the frame was signed (or spooled, if earlier). Returns how
+        many were queued."""
         missing = [
             e
             for e in checkpointed
@@ -364,7 +375,15 @@ class Inbound:
                 continue
             try:
                 signature = frame[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN]
-                self.codec.verify_origin(header, frame[PREFIX_LEN : PREFIX_LEN + n], signature)
+                # A key is judged valid or not when the frame was signed (its
+                # timestamp), or spooled if that was earlier (a sender whose clock
+                # runs ahead): a previous key's grace period that ended while the
+                # acknowledged push waited here must not delete it, its sender
+                # will not send it again (second review, finding 3).
+                signed = min(header.timestamp_ms / 1000, _mtime(path))
+                self.codec.verify_origin(
+                    header, frame[PREFIX_LEN : PREFIX_LEN + n], signature, now=signed
+                )
             except WireError as exc:
                 # Verified when it came, but no longer by this start's roster
                 # (a revoked site), federation or name: never delivered.

@@ -13,12 +13,14 @@ directory followed by the recovery `Node.start` runs. The sender is a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -356,3 +358,72 @@ def test_a_push_arriving_across_the_reload_that_removes_its_sender_is_refused(tm
     again = start(fed)  # and nothing of it comes back at a restart
     assert queued(again) == [] and rejected(again)["rejected"] == {}
     crash(again)
+
+
+def rotate_card(fed: Path, name: str, previous_valid_until: float | None) -> None:
+    """The roster's card of `name` with a new signing key; its old one stays as
+    the previous key until `previous_valid_until` (`keygen --rotate
+    --grace-hours`), or is dropped (None)."""
+    path = fed / "roster.yaml"
+    roster = Roster.load(path)
+    old = roster[name].card
+    new = LocalIdentity.generate(name).card(old.address)
+    new = dataclasses.replace(new, agreement_key=old.agreement_key)
+    if previous_valid_until is not None:
+        new = dataclasses.replace(
+            new,
+            previous_signing_key=old.signing_key,
+            previous_valid_until=previous_valid_until,
+        )
+    Roster([new if c.name == name else c for c in roster.cards()], path, roster.relays).save()
+
+
+DAY = 86400.0
+
+
+@pytest.mark.parametrize(
+    ("case", "kept"),
+    [
+        ("grace_ended_in_the_spool", True),
+        ("sender_clock_ahead", True),
+        ("old_key_dropped", False),
+        ("revoked_before_it_was_signed", False),
+    ],
+)
+def test_a_spooled_push_is_judged_by_the_key_valid_when_it_was_signed(
+    tmp_path, monkeypatch, case, kept
+):
+    """Review 2, finding 3: a signed the push with its previous key during the
+    grace period of a rotation (docs/operations.md), b verified, spooled and
+    acknowledged it; b restarted after the deadline and recover() checked the
+    key at the clock of the restart: bad_signature, deleted, lost for good (a
+    had its ack). Now the key is judged at the frame's signed timestamp (or
+    its spool time, if earlier: a sender whose clock runs ahead). A card that
+    no longer names the old key, or whose deadline came before the frame was
+    signed (a compromised key, `--grace-hours 0`), still refuses it."""
+    fed = federation(tmp_path)
+    now = time.time()
+    if case != "revoked_before_it_was_signed":  # b has the rotated card when the push comes
+        rotate_card(fed, "a", now + (60 if case == "sender_clock_ahead" else 2 * DAY))
+    first = start(fed)
+    a_old_key = sender(fed, "a")  # a's node still signs with its old key
+    ts = int((time.time() + (120 if case == "sender_clock_ahead" else 0)) * 1000)
+    assert deliver(first, push(a_old_key, "b", ts=ts)) == 200
+    crash(first)
+    if case == "old_key_dropped":
+        rotate_card(fed, "a", None)
+    elif case == "revoked_before_it_was_signed":  # revoked at once, 10 s before it was signed
+        rotate_card(fed, "a", ts / 1000 - 10)
+    # b restarts three days later, long after any grace period
+    later = SimpleNamespace(time=lambda: time.time() + 3 * DAY)
+    monkeypatch.setattr("p2pfl.secure.identity.time", later)
+    second = start(fed)
+    spooled = list((fed / "b" / "state" / "spool").glob("*.frame"))
+    if kept:
+        assert queued(second) == ["a"] and len(spooled) == 1
+        assert rejected(second)["rejected"] == {}
+    else:
+        assert queued(second) == [] and not spooled
+        seen = rejected(second)
+        assert seen["rejected"] == {"bad_signature": 1} and seen["by_peer"] == {"a": 1}, seen
+    crash(second)

@@ -439,13 +439,23 @@ class WireCodec:
         return header
 
     def verify_origin(
-        self, header: Header, header_bytes: bytes | memoryview, signature: bytes | memoryview
+        self,
+        header: Header,
+        header_bytes: bytes | memoryview,
+        signature: bytes | memoryview,
+        *,
+        now: float | None = None,
     ) -> None:
         """Checks 3-7: the version, this federation, a sender the roster lists
         now, this node as the recipient and the sender's signature over the
         header (no replay state is touched). What a frame spooled before a
         restart or a roster reload must still pass to be delivered
-        (node/inbound.py): its timestamp and id were checked when it came."""
+        (node/inbound.py): its timestamp and id were checked when it came.
+        `now` (unix seconds, default the clock): the moment at which a key with
+        a deadline (a card's previous signing key) must still have been valid;
+        a spooled frame gives the moment it was signed, so a grace period that
+        ended while it waited in the spool does not turn it away. A key the
+        roster no longer names verifies nothing, whatever `now`."""
         if header.version != VERSION:
             raise WireError(
                 "unsupported_version", f"version {header.version}, this node speaks {VERSION}"
@@ -456,7 +466,7 @@ class WireCodec:
             raise WireError("unknown_sender", f"{header.sender!r} is not in the roster")
         if header.recipient != self.identity.name:
             raise WireError("wrong_recipient", f"addressed to {header.recipient!r}")
-        if not self.roster[header.sender].verify(bytes(signature), bytes(header_bytes)):
+        if not self.roster[header.sender].verify(bytes(signature), bytes(header_bytes), now):
             raise WireError("bad_signature", f"from {header.sender!r}")
 
     def release(self, header: Header) -> None:

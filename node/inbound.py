@@ -368,10 +368,7 @@ class Inbound:
                 n = self.codec.header_length(frame[:PREFIX_LEN])
                 header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
             except WireError as exc:
-                log.warning(
-                    "%s: spooled %s unreadable (%s); moved aside", self.name, path.name, exc.reason
-                )
-                self.spool.set_aside(msg_id)
+                self._set_aside(path, exc.reason, None)  # its sender is unknown
                 continue
             try:
                 signature = frame[PREFIX_LEN + n : PREFIX_LEN + n + SIG_LEN]
@@ -407,10 +404,7 @@ class Inbound:
                         header, memoryview(frame)[PREFIX_LEN + n + SIG_LEN :], require_finite=True
                     )
             except WireError as exc:
-                log.warning(
-                    "%s: spooled %s unreadable (%s); moved aside", self.name, path.name, exc.reason
-                )
-                self.spool.set_aside(msg_id)
+                self._set_aside(path, exc.reason, header.sender)  # verified just above
                 continue
             if not self.accepts_push(header.kind):
                 # no protocol of this node reads that kind: it would stay spooled for good
@@ -447,6 +441,15 @@ class Inbound:
             for item in reversed(received):
                 queue.put_nowait(item)
         return sum(len(received) for received in kept.values())
+
+    def _set_aside(self, path: Path, why: str, sender: str | None) -> None:
+        """An acknowledged push that can no longer be read (a disk fault, a
+        hostile copy): moved aside `.corrupt` for a person to look at, and
+        counted `spool_unreadable` (under its sender when the header says who)
+        on /status and /metrics, since it is never delivered."""
+        log.warning("%s: spooled %s unreadable (%s); moved aside", self.name, path.name, why)
+        self.telemetry.record_rejection("spool_unreadable", sender)
+        self.spool.set_aside(path.stem)
 
     def drop_unlisted(self) -> int:
         """After a roster reload: the pushes queued from sites the roster no

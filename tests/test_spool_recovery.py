@@ -427,3 +427,35 @@ def test_a_spooled_push_is_judged_by_the_key_valid_when_it_was_signed(
         seen = rejected(second)
         assert seen["rejected"] == {"bad_signature": 1} and seen["by_peer"] == {"a": 1}, seen
     crash(second)
+
+
+@pytest.mark.parametrize("encryption", [False, True], ids=["clear", "encrypted"])
+def test_spooled_pushes_moved_aside_as_unreadable_are_counted(tmp_path, encryption):
+    """Review 2, finding 6: an acknowledged push that a restart cannot read
+    (its header torn, or its payload altered on disk) is moved aside .corrupt
+    and never delivered, but only a log line said so. Now each is counted
+    `spool_unreadable` on /status and /metrics, under its sender when its
+    header verified; a readable push beside them is still delivered."""
+    fed = federation(tmp_path, encryption=encryption)
+    spool = fed / "b" / "state" / "spool"
+    first = start(fed)
+    frames = [push(sender(fed, "a"), "b"), push(sender(fed, "c"), "b")]
+    for frame in frames:
+        assert deliver(first, frame) == 200
+    crash(first)
+    altered = spool / f"{frame_id(frames[0])}.frame"
+    data = bytearray(altered.read_bytes())
+    data[-3] ^= 0xFF  # the payload: the signed header still verifies
+    altered.write_bytes(bytes(data))
+    (spool / f"{'ee' * 16}.frame").write_bytes(b"\x00" * 7)  # not even a header
+
+    second = start(fed)
+    assert queued(second) == ["c"]
+    assert sorted(p.name for p in spool.glob("*.corrupt")) == sorted(
+        [f"{'ee' * 16}.corrupt", f"{frame_id(frames[0])}.corrupt"]
+    )
+    seen = rejected(second)
+    assert seen["rejected"] == {"spool_unreadable": 2} and seen["by_peer"] == {"a": 1}, seen
+    metrics = second.telemetry.prometheus_text(second.name)
+    assert 'p2pfl_rejected_total{node="b",reason="spool_unreadable"} 2.0' in metrics
+    crash(second)

@@ -56,7 +56,7 @@ from node.transport import MessageServer
 from node.transport_client import MessageClient
 from p2pfl.config import SiteConfig, parse_hostport
 from p2pfl.errors import UserError
-from p2pfl.files import make_private_dir, open_append
+from p2pfl.files import make_private_dir, make_private_tree, open_append
 from p2pfl.secure.identity import LocalIdentity, Roster
 from p2pfl.secure.wire import WireCodec
 from protocols.base import FAILED
@@ -77,7 +77,9 @@ class Node:
         self.name = cfg.node.name
         self.identity = identity
         self.config_path = config_path
-        state = make_private_dir(cfg.node.state_dir)
+        # 0700 folders, no group or other bits on any file: also what a version
+        # before the 0600 files left (its checkpoints are never rewritten)
+        state = make_private_tree(cfg.node.state_dir)
         self.state_dir = state
         self.faults = FaultPlan.from_env()
         self.codec = WireCodec(

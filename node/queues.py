@@ -77,11 +77,11 @@ from pathlib import Path
 from typing import Any
 
 from p2pfl.files import (
-    PRIVATE_DIR,
     append_lines,
     atomic_write_bytes,
     atomic_write_json,
     cut_torn_tail,
+    make_private_dir,
 )
 from p2pfl.secure import tensors
 from protocols.base import Received
@@ -101,9 +101,9 @@ KEEP_CORRUPT = 16
 
 
 def _open_dir(directory: Path) -> Path:
-    """Create the folder (0700), drop the temp files a crash left half-written
+    """Create the folder or make it 0700, drop the temp files a crash left half-written
     in it and all but the newest KEEP_CORRUPT files moved aside."""
-    directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    make_private_dir(directory)  # 0755 when an older version made it
     for stale in directory.glob(".*.tmp"):
         stale.unlink(missing_ok=True)
     aside = sorted(directory.glob("*.corrupt"), key=lambda p: p.stat().st_mtime)
@@ -309,7 +309,7 @@ class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3) -> None:
         self.dir = directory
         self.keep = keep
-        self.dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        make_private_dir(self.dir)  # 0755 when an older version made it
         self._seq = max((self._number(p) for p in self.dir.glob("ckpt-*.bin")), default=0)
 
     @staticmethod

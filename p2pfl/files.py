@@ -240,3 +240,51 @@ def make_private_dir(path: Path | str) -> Path:
             PRIVATE_FILE,
         )
     return path
+
+
+def make_private_tree(path: Path | str) -> Path:
+    """`make_private_dir(path)`, then everything under it this account's only,
+    once: each folder with group or other bits becomes PRIVATE_DIR and each
+    regular file loses its group and other bits (`mode & ~0o077`). For a state
+    directory written by a version before the files were created PRIVATE_FILE
+    (0644 checkpoints, encoders, spooled frames in 0755 folders): a file is
+    otherwise narrowed only when it is rewritten, and the last checkpoints of a
+    finished run never are. Links are neither followed nor changed. What cannot
+    be changed (a mount or a file this account does not own) is named in one
+    WARNING line, with its mode and owner."""
+    root = make_private_dir(path)
+    stuck: list[str] = []
+
+    def unreadable(exc: OSError) -> None:
+        stuck.append(f"{exc.filename} (cannot be listed: {exc.strerror or exc})")
+
+    for folder, dirs, files in os.walk(root, onerror=unreadable):
+        for name in dirs + files:
+            entry = os.path.join(folder, name)
+            try:
+                info = os.lstat(entry)
+            except OSError:
+                continue  # gone meanwhile
+            mode = stat.S_IMODE(info.st_mode)
+            if not mode & 0o077:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                wanted = PRIVATE_DIR
+            elif stat.S_ISREG(info.st_mode):
+                wanted = mode & ~0o077
+            else:
+                continue  # a link (not followed), a socket or a pipe
+            try:
+                os.chmod(entry, wanted)  # lstat said it is no link
+            except OSError as exc:
+                stuck.append(f"{entry} ({mode:04o}, uid {info.st_uid}: {exc.strerror or exc})")
+    if stuck:
+        shown = "; ".join(stuck[:5]) + (f"; and {len(stuck) - 5} more" if len(stuck) > 5 else "")
+        log.warning(
+            "%s: %d entries cannot be made this account's only, other accounts may read "
+            "or list them: %s",
+            root,
+            len(stuck),
+            shown,
+        )
+    return root

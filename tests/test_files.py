@@ -16,6 +16,7 @@ from p2pfl.files import (
     atomic_write_json,
     atomic_write_text,
     make_private_dir,
+    make_private_tree,
 )
 
 
@@ -230,3 +231,93 @@ def test_an_append_after_a_torn_last_line_starts_a_line_of_its_own(tmp_path, cap
     with open_append(tmp_path / "m.jsonl") as fh:
         fh.write('{"round": 2}\n')
     assert (tmp_path / "m.jsonl").read_text() == '{"round": 2}\n'
+
+
+def test_a_state_dir_of_an_older_version_is_made_private_file_by_file(
+    tmp_path, monkeypatch, caplog
+):
+    """Review 2, finding 4: make_private_dir tightened only the state root and
+    the queues' mkdir(exist_ok=True) never changed an existing folder, so the
+    0644 checkpoints, encoder and spooled frames an older version left in 0755
+    folders stayed readable after the upgrade. One walk at start narrows every
+    folder to 0700 and every file to mode & ~0o077; a link is neither followed
+    nor changed; what cannot be changed is named in one WARNING line."""
+    from node.queues import Checkpoints, Spool
+
+    state = tmp_path / "state"
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("not the node's")
+    os.chmod(outside, 0o644)
+    tree = {
+        "checkpoints": 0o755,
+        "checkpoints/ckpt-00000007.bin": 0o644,
+        "compression": 0o775,
+        "compression/copy.safetensors": 0o664,
+        "pretrained_encoder.pt": 0o644,
+        "tokenizer": 0o755,
+        "tokenizer/deep": 0o711,
+        "tokenizer/deep/vocab.json": 0o640,
+        "run.sh": 0o755,
+        "already.bin": 0o600,
+        "mounted": 0o2775,
+        "mounted/shared.bin": 0o644,
+        "foreign.bin": 0o644,
+    }
+    for name, mode in tree.items():
+        path = state / name
+        if name.endswith((".bin", ".pt", ".json", ".safetensors", ".sh")):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, mode)
+    os.chmod(state, 0o755)
+    (state / "link.txt").symlink_to(outside)
+    (state / "linkdir").symlink_to(tmp_path)
+    refused = {str(state / "mounted"), str(state / "foreign.bin")}
+    chmod = os.chmod
+
+    def some_not_ours(path, mode, **kwargs):  # chmod as a non-owner gets it
+        if str(path) in refused:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return chmod(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "chmod", some_not_ours)
+    with caplog.at_level("WARNING", logger="p2pfl.files"):
+        make_private_tree(state)
+    monkeypatch.undo()
+    expected = {
+        "checkpoints": 0o700,
+        "checkpoints/ckpt-00000007.bin": 0o600,
+        "compression": 0o700,
+        "compression/copy.safetensors": 0o600,
+        "pretrained_encoder.pt": 0o600,
+        "tokenizer": 0o700,
+        "tokenizer/deep": 0o700,
+        "tokenizer/deep/vocab.json": 0o600,
+        "run.sh": 0o700,
+        "already.bin": 0o600,
+        "mounted": 0o2775,  # refused: named below
+        "mounted/shared.bin": 0o600,
+        "foreign.bin": 0o644,  # refused: named below
+    }
+    found = {name: stat.S_IMODE((state / name).stat().st_mode) for name in expected}
+    assert found == expected, {k: oct(v) for k, v in found.items()}
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o644  # the link was not followed
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "2 entries" in warnings[0] and "Operation not permitted" in warnings[0]
+    assert f"{state / 'mounted'} (2775" in warnings[0], warnings[0]
+    assert f"{state / 'foreign.bin'} (0644" in warnings[0], warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="p2pfl.files"):
+        make_private_tree(state)  # nothing left to change: nothing said
+    assert not caplog.records
+
+    # the queues tighten their own folder too, not only create it
+    for folder, opener in (("spool2", Spool), ("checkpoints2", Checkpoints)):
+        (state / folder).mkdir(mode=0o755)
+        os.chmod(state / folder, 0o755)
+        opener(state / folder)
+        assert stat.S_IMODE((state / folder).stat().st_mode) == 0o700, folder

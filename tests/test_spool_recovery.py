@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -459,3 +460,43 @@ def test_spooled_pushes_moved_aside_as_unreadable_are_counted(tmp_path, encrypti
     metrics = second.telemetry.prometheus_text(second.name)
     assert 'p2pfl_rejected_total{node="b",reason="spool_unreadable"} 2.0' in metrics
     crash(second)
+
+
+def test_an_upgraded_node_leaves_nothing_of_the_older_version_readable(tmp_path):
+    """Review 2, finding 4, as the review ran it: the state directory of a
+    version before the 0600 files (umask 022: 0755 folders, 0644 checkpoint,
+    encoder, compression copy, spooled frame) and the upgraded node started on
+    it. Nothing under the state directory keeps a group or other bit."""
+    from node.queues import Checkpoints
+
+    fed = federation(tmp_path)
+    state = fed / "b" / "state"
+    old = os.umask(0o022)
+    try:
+        for folder in ("checkpoints", "spool", "outbox", "compression"):
+            (state / folder).mkdir(exist_ok=True)
+            (state / folder).chmod(0o755)
+        Checkpoints(state / "checkpoints").save({"round": 7, "protocol": {}, "consumed": []})
+        frame = push(sender(fed, "a"), "b")
+        written = {
+            "checkpoints/ckpt-00000001.bin": None,
+            f"spool/{frame_id(frame)}.frame": frame,
+            "pretrained_encoder.pt": b"weights",
+            "compression/copy.safetensors": b"a model copy",
+        }
+        for name, data in written.items():
+            if data is not None:
+                (state / name).write_bytes(data)
+            (state / name).chmod(0o644)
+    finally:
+        os.umask(old)
+    node = start(fed)
+    assert queued(node) == ["a"]  # the spooled frame is still delivered
+    crash(node)
+    wide = {
+        str(p.relative_to(state)): oct(stat.S_IMODE(p.lstat().st_mode))
+        for p in state.rglob("*")
+        if stat.S_IMODE(p.lstat().st_mode) & 0o077
+    }
+    assert wide == {}, wide
+    assert all((state / name).exists() for name in written)

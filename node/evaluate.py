@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +79,14 @@ KEPT_MODELS = {
 class Checkpointed:
     """A model read from the node's last checkpoint: its weights, the round it
     is the model of, which model it is (`best` resolved to personal or
-    federated) and the site's personalization choice (None before it)."""
+    federated), the site's personalization choice (None before it) and the
+    checkpoint's whole protocol state (its round, dp_history, ...)."""
 
     state: dict[str, torch.Tensor]
     round: int | None
     which: str
     choice: dict[str, Any] | None
+    saved: dict[str, Any] = field(default_factory=dict)
 
 
 def read_checkpointed(cfg: SiteConfig, path: Path, which: str = "latest") -> Checkpointed:
@@ -103,7 +105,7 @@ def read_checkpointed(cfg: SiteConfig, path: Path, which: str = "latest") -> Che
     if which == "best":  # the model the site reports: chosen on its validation split
         which = "personal" if (choice or {}).get("reported") == "personal" else "federated"
     if which not in KEPT_MODELS:
-        return Checkpointed(saved["model"], _round_of(saved), which, choice)
+        return Checkpointed(saved["model"], _round_of(saved), which, choice, saved)
     keys, missing, hint = KEPT_MODELS[which]
     entry = _dict_at(saved, keys)
     if entry is None or not isinstance(entry.get("model"), dict):
@@ -113,7 +115,7 @@ def read_checkpointed(cfg: SiteConfig, path: Path, which: str = "latest") -> Che
             f"the last checkpoint in {cfg.node.state_dir}/checkpoints keeps {missing}",
             hint,
         )
-    return Checkpointed(entry["model"], _round_of(entry), which, choice)
+    return Checkpointed(entry["model"], _round_of(entry), which, choice, saved)
 
 
 def checkpointed_model(

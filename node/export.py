@@ -28,7 +28,13 @@ from node.evaluate import WHICH_MODELS, read_checkpointed
 from node.metricslog import read_metrics
 from p2pfl.config import SiteConfig, load_config
 from p2pfl.files import PUBLIC_FILE, atomic_write_text
-from p2pfl.learning.dp import DEFAULT_DELTA, LEDGER, ledger_epsilon, read_ledger
+from p2pfl.learning.dp import (
+    DEFAULT_DELTA,
+    LEDGER,
+    checked_history,
+    ledger_epsilon,
+    read_ledger,
+)
 from p2pfl.learning.dp_recipe import recipe_settings
 from p2pfl.learning.export import FORMATS, Architecture, ExportError, write_package
 from p2pfl.learning.metrics import classification_report
@@ -76,42 +82,52 @@ def class_counts(site: LocalSite) -> dict[str, dict[str, int]]:
     return out
 
 
-def privacy_settings(cfg: SiteConfig, model_round: int | None) -> dict[str, Any]:
+def privacy_settings(cfg: SiteConfig, dp: dict[str, Any] | None) -> dict[str, Any]:
+    """The card's privacy section; `dp` is `dp_spent`'s."""
     protocol = cfg.protocol
     return {
         "payload_encryption": bool(cfg.wire.encryption),
         "mutual_tls": getattr(cfg.transport, "tls", None) is not None,
         "secure_aggregation": bool(getattr(protocol, "secure_aggregation", False)),
-        "differential_privacy": dp_spent(cfg, model_round),
+        "differential_privacy": dp,
         "what_left_the_site": _what_left(protocol.name),
     }
 
 
-def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
-    """training.dp's (ε, δ): ε of the exported model (spent up to its round,
-    from the node's metrics.jsonl) and ε the site has spent in all, which every
-    model it sent is covered by. The latter comes from STATE/dp_ledger.json,
-    fsynced at every private step before anything computed from it can leave
-    the site, or from metrics.jsonl where that says more; metrics.jsonl is
-    written only at the end of a round, so a node killed after it served a
-    round's model and before that row is one round behind (review finding 2).
-    Refused (ExportError) when the ledger cannot be read: the spent ε would be
-    unknown. None without training.dp."""
+def dp_spent(
+    cfg: SiteConfig, model_round: int | None, saved: dict[str, Any]
+) -> dict[str, Any] | None:
+    """training.dp's (ε, δ): ε of the exported model (the model of
+    `model_round`, from the checkpoint whose protocol state is `saved`; spent
+    up to its round, from the node's metrics.jsonl) and ε the site has spent in
+    all, which every model it sent is covered by. The latter is the largest of
+    STATE/dp_ledger.json (fsynced at every private step before anything
+    computed from it can leave the site), the checkpoint's own `dp_history`
+    and metrics.jsonl; metrics.jsonl is written only at the end of a round, so
+    a node killed after it served a round's model and before that row is one
+    round behind (review finding 2).
+
+    Refused (ExportError): a checkpoint that records no private step (trained,
+    at least partly, without training.dp: no guarantee to state, review 2,
+    finding 1), and a ledger or history that cannot be read (the spent ε
+    would be unknown). None without training.dp."""
     dp = cfg.training.dp
     if dp is None:
         return None
     state = Path(cfg.node.state_dir)
     delta = dp.delta if dp.delta is not None else DEFAULT_DELTA
+    trained, trained_steps = _checkpoint_history(saved)
     path = state / "metrics.jsonl"
-    rows = [r for r in read_metrics(path) if isinstance(r.get("dp_epsilon"), (int, float))]
+    rows = [r for r in read_metrics(path) if _number(r.get("dp_epsilon")) is not None]
     ledger = state / LEDGER
     try:
         history = read_ledger(ledger)
     except FileNotFoundError:
-        if rows:
+        if rows or trained_steps:
             raise ExportError(
-                f"training.dp: the privacy ledger {ledger} is missing although {path} records ε: "
-                "the ε this site spent is unknown, so no model card is written — restore the file"
+                f"training.dp: the privacy ledger {ledger} is missing although {path} or the "
+                "checkpoint records private steps: the ε this site spent is unknown, so no model "
+                "card is written — restore the file"
             ) from None
         raise ExportError(
             f"training.dp is set but {ledger} records no private step: run the node first"
@@ -121,13 +137,18 @@ def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
             f"training.dp: the privacy ledger {ledger} cannot be read ({exc}): the ε this site "
             "spent is unknown, so no model card is written — restore the file"
         ) from None
-    total = max([ledger_epsilon(history, delta)] + [float(r["dp_epsilon"]) for r in rows])
+    total = max(
+        [ledger_epsilon(history, delta)]
+        + ([ledger_epsilon(trained, delta)] if trained is not None else [])
+        + [float(r["dp_epsilon"]) for r in rows]
+    )
     at_model = [r for r in rows if model_round is not None and r.get("round") == model_round]
+    # a model whose round metrics.jsonl does not record: at most what the site spent
+    epsilon = float(at_model[-1]["dp_epsilon"]) if at_model else total
     last = rows[-1] if rows else {}
     sigma, q = (history[-1][0], history[-1][1]) if history else (float("nan"), float("nan"))
     return {
-        # a model whose round metrics.jsonl does not record: at most what the site spent
-        "epsilon": float(at_model[-1]["dp_epsilon"]) if at_model else total,
+        "epsilon": epsilon,
         "epsilon_site_total": total,
         "delta": delta,
         "noise_multiplier": float(last.get("dp_noise_multiplier", sigma)),
@@ -137,6 +158,42 @@ def dp_spent(cfg: SiteConfig, model_round: int | None) -> dict[str, Any] | None:
         "sample_rate": float(last.get("dp_sample_rate", q)),
         "recipe": recipe_settings(cfg.training),
     }
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _checkpoint_history(
+    saved: dict[str, Any],
+) -> tuple[list[tuple[float, float, int]] | None, int]:
+    """The checkpoint's privacy history (None for a checkpoint of before the
+    ledger, which records only `dp_steps`) and how many private steps it
+    records; ExportError for a checkpoint trained without training.dp, as
+    `dp_resume_unprivate` refuses to resume it, or one whose history cannot
+    be read."""
+    raw, steps = saved.get("dp_history"), saved.get("dp_steps")
+    where = f"the checkpoint of round {saved.get('round')}"
+    if raw is None and steps is None:
+        raise ExportError(
+            f"training.dp is set but {where} was trained without it (it records no private "
+            "step): its model carries no privacy guarantee, so no card states one — export "
+            "with training.dp taken out of site.yaml (the card then says none), or train "
+            "afresh under it"
+        )
+    try:
+        if raw is None:
+            count = _number(steps)
+            if count is None or count < 0:
+                raise ValueError(f"dp_steps {steps!r}")
+            return None, int(count)
+        trained = checked_history(raw)
+    except ValueError as exc:
+        raise ExportError(
+            f"training.dp: the privacy history of {where} cannot be read ({exc}): the ε of its "
+            "model is unknown, so no model card is written"
+        ) from None
+    return trained, sum(n for _, _, n in trained)
 
 
 def _what_left(protocol: str) -> str:
@@ -175,7 +232,9 @@ def model_card(
     cross_site: dict[str, Any] | None,
     files: dict[str, Any],
     choice: dict[str, Any] | None = None,
+    dp: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The card; `dp` is `dp_spent`'s (None: no differential privacy)."""
     return {
         "site": cfg.node.name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -208,7 +267,7 @@ def model_card(
         "evaluation_this_site": evaluation,
         "evaluation_cross_site": cross_site,
         "personalization": choice,
-        "privacy": privacy_settings(cfg, model_round),
+        "privacy": privacy_settings(cfg, dp),
         "limitations": [
             "Evaluated on this site's own test split; other sites' images may differ "
             "(scanner, population, protocol).",
@@ -327,7 +386,8 @@ def run_export(args: argparse.Namespace) -> int:
     cross = _cross_site(args.cross_site)
     found = read_checkpointed(cfg, args.config, args.which)
     state, model_round, choice = found.state, found.round, found.choice
-    dp_spent(cfg, model_round)  # an unknown ε is refused before any file is written
+    # an unknown ε, or a model trained partly in the clear, is refused before any file is written
+    dp = dp_spent(cfg, model_round, found.saved)
     # `best` is the site's choice on validation: say which model that was
     which = f"best ({found.which})" if args.which == "best" else args.which
     site = LocalSite.from_config(cfg)
@@ -361,7 +421,7 @@ def run_export(args: argparse.Namespace) -> int:
             extra={"site": cfg.node.name, "which": which, "round": model_round},
         )
     card = model_card(
-        cfg, site, which, model_round, evaluation, cross, description["files"], choice
+        cfg, site, which, model_round, evaluation, cross, description["files"], choice, dp
     )
     # the card goes with the package the operator asked to share
     atomic_write_text(

@@ -286,28 +286,41 @@ def test_export_without_a_checkpoint_says_so_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "pkg" / "model.json").exists()
 
 
-def dp_site(tmp_path: Path) -> tuple[Path, Path]:
-    """A provisioned DP site with a checkpoint of its initial model (round 2),
-    no training run: (its site.yaml, its state directory)."""
+SIGMA, RATE = 1.1, 0.05
+TRAINED = "trained"  # dp_site's default: the checkpoint's history is SIGMA, RATE for its steps
+
+
+def dp_site(
+    tmp_path: Path, round_no: int = 2, steps: int = 8, history: Any = TRAINED
+) -> tuple[Path, Path]:
+    """A provisioned DP site with a checkpoint of its initial model, no
+    training run: (its site.yaml, its state directory). The checkpoint is what
+    RoundLoop.checkpoint_state writes after round `round_no` of a private run,
+    `steps` private steps in (its dp_steps and dp_history); `history` another
+    dp_history, None for a round trained without training.dp."""
     from node.queues import Checkpoints
 
     provision(
         tmp_path / "fed",
         ["solo"],
-        protocol={"name": "fedavgp2p", "rounds": 2},
+        protocol={"name": "fedavgp2p", "rounds": 10},
         overrides={**FAST, "model": {"name": "small_cnn_gn"}},
         per_site={"solo": {"training": {**FAST["training"], "dp": {"target_epsilon": 4.0}}}},
     )
     config = tmp_path / "fed" / "solo" / "site.yaml"
     site = LocalSite.from_config(load_config(config))
     state = tmp_path / "fed" / "solo" / "state"
-    Checkpoints(state / "checkpoints").save(
-        {"round": 2, "protocol": {"model": site.state_dict(), "round": 2}}
-    )
+    if history == TRAINED:
+        history = [[SIGMA, RATE, steps]]
+    protocol = {
+        "protocol": "fedavgp2p",
+        "round": round_no,
+        "model": site.state_dict(),
+        "dp_steps": None if history is None else sum(n for _, _, n in history),
+        "dp_history": history,
+    }
+    Checkpoints(state / "checkpoints").save({"round": round_no, "protocol": protocol})
     return config, state
-
-
-SIGMA, RATE = 1.1, 0.05
 
 
 def export_latest(config: Path, out: Path) -> int:
@@ -322,45 +335,107 @@ def epsilon(steps: int) -> float:
 
 
 def write_spent(state: Path, ledger_steps: int, metrics_steps: list[int]) -> None:
+    """The ledger of `ledger_steps` steps and one metrics row per round, as
+    RoundLoop writes them."""
     (state / "dp_ledger.json").write_text(json.dumps({"history": [[SIGMA, RATE, ledger_steps]]}))
     rows = [
-        {"round": r + 1, "dp_epsilon": epsilon(n), "dp_noise_multiplier": SIGMA}
-        | {"dp_sample_rate": RATE}
+        {"round": r + 1, "dp_epsilon": epsilon(n), "dp_steps": float(n)}
+        | {"dp_noise_multiplier": SIGMA, "dp_sample_rate": RATE}
         for r, n in enumerate(metrics_steps)
     ]
     (state / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def card_dp(out: Path) -> dict[str, Any]:
+    return json.loads((out / "model_card.json").read_text())["privacy"]["differential_privacy"]
 
 
 def test_the_card_states_the_ledgers_epsilon_when_the_node_died_before_the_rounds_row(
     tmp_path, capsys
 ):
     """Review finding 2: the ledger is fsynced at every private step, before
-    the round's model is offered; metrics.jsonl gets the round's row only at
-    the end of the round. A node killed between the two leaves a ledger of 2
-    rounds (8 steps) and metrics of round 1: the card said ε(4 steps) spent
-    by the site in all, though round 2's model had left it."""
-    config, state = dp_site(tmp_path)
+    the round's model is offered; metrics.jsonl gets the round's row and the
+    checkpoint comes only at the end of the round. A node killed between the
+    two leaves a ledger of 2 rounds (8 steps), and the row and checkpoint of
+    round 1: the card said ε(4 steps) spent by the site in all, though round
+    2's model had left it. The exported model is round 1's: ε(4) for it."""
+    config, state = dp_site(tmp_path, round_no=1, steps=4)
     write_spent(state, 8, [4])
     out = tmp_path / "pkg"
     assert export_latest(config, out) == 0
     capsys.readouterr()
-    dp = json.loads((out / "model_card.json").read_text())["privacy"]["differential_privacy"]
+    dp = card_dp(out)
     assert epsilon(4) < epsilon(8)
     assert dp["epsilon_site_total"] == pytest.approx(epsilon(8))
-    assert dp["epsilon"] == pytest.approx(epsilon(8))  # round 2 has no row: at most the total
+    assert dp["epsilon"] == pytest.approx(epsilon(4))
     card = (out / "model_card.md").read_text()
     assert f"ε = {epsilon(8):.2f} spent by the site in all" in card, card
 
 
 def test_the_card_takes_the_larger_of_ledger_and_metrics(tmp_path):
+    """A ledger behind the metrics (restored from an older backup): the
+    metrics' figure for the total; the exported model is still priced by its
+    own steps."""
     from node.export import dp_spent
 
-    config, state = dp_site(tmp_path)
-    write_spent(state, 4, [4, 8])  # a ledger behind the metrics: the metrics' figure
-    dp = dp_spent(load_config(config), 1)
+    config, state = dp_site(tmp_path, round_no=1, steps=4)
+    write_spent(state, 4, [4, 8])
+    saved = {"round": 1, "dp_steps": 4, "dp_history": [[SIGMA, RATE, 4]]}
+    dp = dp_spent(load_config(config), 1, saved)
     assert dp is not None
     assert dp["epsilon"] == pytest.approx(epsilon(4))  # the exported model's round
     assert dp["epsilon_site_total"] == pytest.approx(epsilon(8))
+
+
+def test_a_checkpoint_trained_partly_without_dp_gets_no_dp_card(tmp_path, capsys):
+    """Review 2, finding 1: rounds 1-5 under training.dp, then training.dp
+    taken out and rounds 6-10 trained in the clear on the same checkpoint,
+    then training.dp put back. The node refuses to resume it
+    (dp_resume_unprivate), but export read only the ledger and metrics and
+    wrote "DP-SGD, ε = 2.00 for this model". Now refused in one line, before
+    any file is written, because the checkpoint records no private step."""
+    config, state = dp_site(tmp_path, round_no=10, history=None)
+    write_spent(state, 20, [4, 8, 12, 16, 20])
+    with open(state / "metrics.jsonl", "a") as fh:  # the clear rounds: no dp_* keys
+        for r in range(6, 11):
+            fh.write(json.dumps({"round": r, "macro_f1": 0.5}) + "\n")
+    out = tmp_path / "pkg"
+    assert export_latest(config, out) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint of round 10 was trained without it" in err, err
+    assert "no privacy guarantee" in err and err.count("\n") == 1, err
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "history", ["junk", [[1.1, 0.05]], [[float("nan"), 0.05, 4]]], ids=["text", "pair", "nan"]
+)
+def test_a_checkpoint_whose_privacy_history_is_unreadable_refuses_in_one_line(
+    tmp_path, capsys, history
+):
+    config, state = dp_site(tmp_path, history=[[SIGMA, RATE, 8]])
+    from node.export import dp_spent
+    from p2pfl.learning.export import ExportError
+
+    write_spent(state, 8, [4, 8])
+    with pytest.raises(ExportError) as caught:
+        dp_spent(load_config(config), 2, {"round": 2, "dp_steps": 8, "dp_history": history})
+    assert "privacy history of the checkpoint of round 2 cannot be read" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_checkpoints_own_history_counts_in_the_sites_total(tmp_path, capsys):
+    """Review 2, finding 1: the checkpoint's dp_history was never read. A
+    ledger restored from an older backup (4 steps) and a metrics.jsonl lost
+    with the old disk made the card state ε(4) for a model of 12 steps."""
+    config, state = dp_site(tmp_path, round_no=3, steps=12)
+    write_spent(state, 4, [])
+    out = tmp_path / "pkg"
+    assert export_latest(config, out) == 0
+    capsys.readouterr()
+    dp = card_dp(out)
+    assert dp["epsilon_site_total"] == pytest.approx(epsilon(12))
+    assert dp["epsilon"] == pytest.approx(epsilon(12))
 
 
 @pytest.mark.parametrize(

@@ -54,9 +54,18 @@ def read_ledger(path: Path) -> list[tuple[float, float, int]]:
     OSError or ValueError when it cannot be read."""
     try:
         saved = json.loads(path.read_text())["history"]
-        history = [(float(s), float(q), int(n)) for s, q, n in saved]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a privacy ledger ({type(exc).__name__}: {exc})") from None
+    return checked_history(saved)
+
+
+def checked_history(saved: Any) -> list[tuple[float, float, int]]:
+    """A privacy history as a ledger or a checkpoint's `dp_history` records it:
+    (noise multiplier, sample rate, steps) each; ValueError when it is not one."""
+    try:
+        history = [(float(s), float(q), int(n)) for s, q, n in saved]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not a privacy history ({type(exc).__name__}: {exc})") from None
     if not all(math.isfinite(s) and s >= 0 and 0 <= q <= 1 and n >= 0 for s, q, n in history):
         raise ValueError("a step's noise multiplier, sample rate or count is out of range")
     return history

@@ -32,6 +32,7 @@ from p2pfl.learning.dp import (
     DEFAULT_DELTA,
     LEDGER,
     checked_history,
+    history_prefix,
     ledger_epsilon,
     read_ledger,
 )
@@ -97,15 +98,23 @@ def privacy_settings(cfg: SiteConfig, dp: dict[str, Any] | None) -> dict[str, An
 def dp_spent(
     cfg: SiteConfig, model_round: int | None, saved: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """training.dp's (ε, δ): ε of the exported model (the model of
-    `model_round`, from the checkpoint whose protocol state is `saved`; spent
-    up to its round, from the node's metrics.jsonl) and ε the site has spent in
-    all, which every model it sent is covered by. The latter is the largest of
-    STATE/dp_ledger.json (fsynced at every private step before anything
-    computed from it can leave the site), the checkpoint's own `dp_history`
-    and metrics.jsonl; metrics.jsonl is written only at the end of a round, so
-    a node killed after it served a round's model and before that row is one
-    round behind (review finding 2).
+    """training.dp's (ε, δ) for the card, both at the δ of this site.yaml: ε
+    of the exported model (the model of `model_round`, from the checkpoint
+    whose protocol state is `saved`) and ε the site has spent in all, which
+    every model it sent is covered by. Both are computed from the privacy
+    history, never taken from a metrics row as they stand: a row's ε is at the
+    δ of the run that wrote it (review 2, finding 5), and counts only where
+    that δ (`dp_delta`, absent before it was written) is no smaller than this
+    one, as a lower bound.
+
+    The site's total is the largest of STATE/dp_ledger.json (fsynced at every
+    private step before anything computed from it can leave the site), the
+    checkpoint's own `dp_history` and those rows; metrics.jsonl is written
+    only at the end of a round, so a node killed after it served a round's
+    model and before that row is one round behind (review finding 2). The
+    model's ε is that of the steps it was trained with: the checkpoint's
+    history, cut at its round's `dp_steps` for a model of an earlier round (the
+    total where no row says how many).
 
     Refused (ExportError): a checkpoint that records no private step (trained,
     at least partly, without training.dp: no guarantee to state, review 2,
@@ -137,14 +146,15 @@ def dp_spent(
             f"training.dp: the privacy ledger {ledger} cannot be read ({exc}): the ε this site "
             "spent is unknown, so no model card is written — restore the file"
         ) from None
+    bounds = [r for r in rows if _lower_bound(r, delta)]
     total = max(
         [ledger_epsilon(history, delta)]
         + ([ledger_epsilon(trained, delta)] if trained is not None else [])
-        + [float(r["dp_epsilon"]) for r in rows]
+        + [float(r["dp_epsilon"]) for r in bounds]
     )
-    at_model = [r for r in rows if model_round is not None and r.get("round") == model_round]
-    # a model whose round metrics.jsonl does not record: at most what the site spent
-    epsilon = float(at_model[-1]["dp_epsilon"]) if at_model else total
+    epsilon = _model_epsilon(
+        model_round, saved, trained, trained_steps, history, rows, bounds, delta, total
+    )
     last = rows[-1] if rows else {}
     sigma, q = (history[-1][0], history[-1][1]) if history else (float("nan"), float("nan"))
     return {
@@ -158,6 +168,14 @@ def dp_spent(
         "sample_rate": float(last.get("dp_sample_rate", q)),
         "recipe": recipe_settings(cfg.training),
     }
+
+
+def _lower_bound(row: dict[str, Any], delta: float) -> bool:
+    """Whether a metrics row's ε bounds ε at `delta` from below: its run's δ
+    was no smaller (a row of before `dp_delta` was written counts, which can
+    only overstate)."""
+    at = _number(row.get("dp_delta"))
+    return at is None or at >= delta
 
 
 def _number(value: Any) -> float | None:
@@ -194,6 +212,40 @@ def _checkpoint_history(
             "model is unknown, so no model card is written"
         ) from None
     return trained, sum(n for _, _, n in trained)
+
+
+def _model_epsilon(
+    model_round: int | None,
+    saved: dict[str, Any],
+    trained: list[tuple[float, float, int]] | None,
+    trained_steps: int,
+    history: list[tuple[float, float, int]],
+    rows: list[dict[str, Any]],
+    bounds: list[dict[str, Any]],
+    delta: float,
+    total: float,
+) -> float:
+    """ε at `delta` of the model of `model_round`: the steps it was trained
+    with, as the checkpoint's history (or the ledger) prices them; `total`
+    where the steps are unknown (at most what the site spent)."""
+    if model_round is None:
+        return total
+    steps: int | None = None
+    if model_round == saved.get("round"):
+        steps = trained_steps
+    else:
+        counted = [_number(r.get("dp_steps")) for r in rows if r.get("round") == model_round]
+        if counted and counted[-1] is not None and counted[-1] >= 0:
+            steps = int(counted[-1])
+    if steps is None:
+        return total
+    source = trained if trained is not None and trained_steps >= steps else history
+    try:
+        epsilon = ledger_epsilon(history_prefix(source, steps), delta)
+    except ValueError:  # neither records that many steps
+        return total
+    at_model = [float(r["dp_epsilon"]) for r in bounds if r.get("round") == model_round]
+    return min(total, max([epsilon] + at_model))
 
 
 def _what_left(protocol: str) -> str:

@@ -136,6 +136,7 @@ class RoundLoop(Protocol, Generic[P]):
             dp = getattr(site, "dp", None)
             if dp is not None:  # training.dp: ε spent so far (Opacus's RDP accountant)
                 rnd.log["dp_epsilon"] = dp.epsilon
+                rnd.log["dp_delta"] = dp.delta  # what dp_epsilon is at (export reads it)
                 rnd.log["dp_steps"] = float(dp.steps)
                 rnd.log["dp_noise_multiplier"] = dp.noise_multiplier
                 rnd.log["dp_sample_rate"] = dp.sample_rate

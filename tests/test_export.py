@@ -86,6 +86,7 @@ def test_the_privacy_a_site_spent_is_in_metrics_status_and_prometheus(trained):
     dp = DP_STATUS["status"]["training"]["dp"]
     assert dp["epsilon"] == pytest.approx(rows[1]["dp_epsilon"])
     assert dp["steps"] == rows[1]["dp_steps"] == 8  # 2 rounds x 4 steps
+    assert rows[0]["dp_delta"] == rows[1]["dp_delta"] == 1e-5  # what each row's ε is at
     assert dp["target_epsilon"] == 4.0 and dp["delta"] == 1e-5
     recipe = DP_STATUS["status"]["training"]["recipe"]  # the recipe in effect, on /status
     assert recipe["sampling"] == "poisson" and recipe["sample_rate"] == pytest.approx(
@@ -328,18 +329,23 @@ def export_latest(config: Path, out: Path) -> int:
     return main(["export", *args, "--which", "latest"])
 
 
-def epsilon(steps: int) -> float:
+def epsilon(steps: int, delta: float | None = None) -> float:
     from p2pfl.learning.dp import DEFAULT_DELTA, ledger_epsilon
 
-    return ledger_epsilon([(SIGMA, RATE, steps)], DEFAULT_DELTA)
+    return ledger_epsilon([(SIGMA, RATE, steps)], DEFAULT_DELTA if delta is None else delta)
 
 
-def write_spent(state: Path, ledger_steps: int, metrics_steps: list[int]) -> None:
+def write_spent(
+    state: Path, ledger_steps: int, metrics_steps: list[int], delta: float | None = None
+) -> None:
     """The ledger of `ledger_steps` steps and one metrics row per round, as
-    RoundLoop writes them."""
+    RoundLoop writes them, of a run at `delta` (default δ)."""
+    from p2pfl.learning.dp import DEFAULT_DELTA
+
+    delta = DEFAULT_DELTA if delta is None else delta
     (state / "dp_ledger.json").write_text(json.dumps({"history": [[SIGMA, RATE, ledger_steps]]}))
     rows = [
-        {"round": r + 1, "dp_epsilon": epsilon(n), "dp_steps": float(n)}
+        {"round": r + 1, "dp_epsilon": epsilon(n, delta), "dp_delta": delta, "dp_steps": float(n)}
         | {"dp_noise_multiplier": SIGMA, "dp_sample_rate": RATE}
         for r, n in enumerate(metrics_steps)
     ]
@@ -436,6 +442,60 @@ def test_the_checkpoints_own_history_counts_in_the_sites_total(tmp_path, capsys)
     dp = card_dp(out)
     assert dp["epsilon_site_total"] == pytest.approx(epsilon(12))
     assert dp["epsilon"] == pytest.approx(epsilon(12))
+
+
+@pytest.mark.parametrize("run_delta", [1e-3, 1e-7], ids=["larger", "smaller"])
+def test_the_models_epsilon_is_at_the_delta_the_card_names(tmp_path, capsys, run_delta):
+    """Review 2, finding 5: the model's ε was its round's metrics row, computed
+    at the δ of the run that wrote it, but labelled with the δ of the
+    site.yaml given to export (train at δ = 1e-3, export at 1e-5: the card said
+    0.90 where the model's ε is 1.67). Now both figures are computed from the
+    privacy history at the card's δ, for the steps each covers."""
+    import yaml
+
+    from node.export import dp_spent
+
+    config, state = dp_site(tmp_path, round_no=3, steps=12)
+    write_spent(state, 12, [4, 8, 12], delta=run_delta)
+    doc = yaml.safe_load(config.read_text())
+    doc["training"]["dp"]["delta"] = 1e-5  # changed after the run, before the export
+    config.write_text(yaml.safe_dump(doc))
+    saved = {"round": 3, "dp_steps": 12, "dp_history": [[SIGMA, RATE, 12]]}
+    dp = dp_spent(load_config(config), 2, saved)  # the best model, of round 2
+    assert dp is not None and dp["delta"] == 1e-5
+    assert dp["epsilon"] == pytest.approx(epsilon(8, 1e-5))
+    assert dp["epsilon_site_total"] == pytest.approx(epsilon(12, 1e-5))
+    out = tmp_path / "pkg"
+    assert export_latest(config, out) == 0  # the latest model, of round 3
+    capsys.readouterr()
+    assert card_dp(out)["epsilon"] == pytest.approx(epsilon(12, 1e-5))
+    assert f"ε = {epsilon(12, 1e-5):.2f} at δ = 1e-05" in (out / "model_card.md").read_text()
+
+
+def test_a_model_of_an_earlier_round_is_priced_at_the_noise_of_its_own_steps(tmp_path):
+    """A site.yaml changed between two starts: 4 steps at σ 1.1, then 8 at
+    σ 3.0. The model of round 1 was trained with the first 4 only."""
+    from node.export import dp_spent
+    from p2pfl.learning.dp import DEFAULT_DELTA, ledger_epsilon
+
+    history = [[SIGMA, RATE, 4], [3.0, RATE, 8]]
+    config, state = dp_site(tmp_path, round_no=3, history=history)
+    (state / "dp_ledger.json").write_text(json.dumps({"history": history}))
+    rows = [
+        {"round": r, "dp_epsilon": 0.1, "dp_delta": DEFAULT_DELTA, "dp_steps": n}
+        for r, n in ((1, 4), (2, 8), (3, 12))
+    ]
+    (state / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    saved = {"round": 3, "dp_steps": 12, "dp_history": history}
+    first = dp_spent(load_config(config), 1, saved)
+    second = dp_spent(load_config(config), 2, saved)
+    assert first is not None and second is not None
+    assert first["epsilon"] == pytest.approx(epsilon(4))
+    expected = ledger_epsilon([(SIGMA, RATE, 4), (3.0, RATE, 4)], DEFAULT_DELTA)
+    assert second["epsilon"] == pytest.approx(expected)
+    assert first["epsilon_site_total"] == pytest.approx(
+        ledger_epsilon([(SIGMA, RATE, 4), (3.0, RATE, 8)], DEFAULT_DELTA)
+    )
 
 
 @pytest.mark.parametrize(

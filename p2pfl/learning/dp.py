@@ -71,6 +71,24 @@ def checked_history(saved: Any) -> list[tuple[float, float, int]]:
     return history
 
 
+def history_prefix(
+    history: list[tuple[float, float, int]], steps: int
+) -> list[tuple[float, float, int]]:
+    """The first `steps` private steps `history` records, at the price each was
+    paid at (what a model of an earlier round was trained with); ValueError
+    when it records fewer."""
+    out, left = [], steps
+    for sigma, q, n in history:
+        if left <= 0:
+            break
+        take = min(n, left)
+        out.append((sigma, q, take))
+        left -= take
+    if left > 0:
+        raise ValueError(f"the history records {steps - left} of {steps} steps")
+    return out
+
+
 def ledger_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     """ε at `delta` of every step `history` records (0 before the first)."""
     from opacus.accountants import RDPAccountant

@@ -6,8 +6,9 @@ own, the same similarity matrix the papers' server would:
 - feature vector F_m = ((mu_0, sigma_0), ..., (mu_l, sigma_l)): mean and
   unbiased std of every averaged state-dict entry (p2pfl.learning.state.feature_vector;
   FedPerl journal Sec. 2.3.1, MICCAI Sec. 2.2 "Building communities");
-- each column min-max normalised across the nodes, then cosine similarity
-  (protocols/similarity.py);
+- each column clipped to its median +- 20 MADs, then min-max normalised
+  across the nodes, then cosine similarity (protocols/similarity.py); a
+  vector with a non-finite entry or one beyond 1e6 is left out;
 - the top T peers by similarity, never itself, never a negative (or
   undefined) similarity; ties broken by name so every run picks alike;
 - a policy on the top T (journal Sec. 2.3.5): static (all T), validation
@@ -28,7 +29,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from protocols.similarity import cosine_matrix, normalise_columns
+from protocols.similarity import cosine_matrix, normalise_columns, vector_problem
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,13 @@ class SimilarityMatrix:
     values: NDArray[np.float64]
 
     def row(self, name: str) -> dict[str, float]:
-        """Similarity of `name` to every other node."""
+        """Similarity of `name` to every other node (a non-finite one left out)."""
         i = self.names.index(name)
-        return {n: float(self.values[i, j]) for j, n in enumerate(self.names) if n != name}
+        return {
+            n: float(self.values[i, j])
+            for j, n in enumerate(self.names)
+            if n != name and math.isfinite(float(self.values[i, j]))
+        }
 
 
 def similarity_matrix(
@@ -67,11 +72,11 @@ def similarity_matrix(
     dropped = sorted(set(usable) - set(names))
     if dropped:
         log.warning("feature vectors of %s have another length; left out", dropped)
-    matrix = np.array([usable[n] for n in names], dtype=np.float64)
-    if not np.isfinite(matrix).all():
-        finite_rows = np.isfinite(matrix).all(axis=1)
-        names = [n for n, ok in zip(names, finite_rows, strict=True) if ok]
-        matrix = matrix[finite_rows]
+    unusable = sorted(n for n in names if vector_problem(usable[n]) is not None)
+    if unusable:
+        log.warning("feature vectors of %s are not finite or out of range; left out", unusable)
+        names = [n for n in names if n not in unusable]
+    matrix = np.array([usable[n] for n in names], dtype=np.float64).reshape(len(names), common)
     if normalise and len(names) > 0:
         matrix = normalise_columns(matrix)
     return SimilarityMatrix(names, cosine_matrix(matrix))

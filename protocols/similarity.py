@@ -6,20 +6,86 @@ same way, so their cosines would all be close to 1: each column (feature) is
 first min-max normalised across the nodes, as FedPerl's public reference code
 does (a constant column becomes 1), then compared by cosine,
 omega_mk = F_m . F_k / (|F_m| |F_k|) (FedPerl journal Sec. 2.3.1; DFU Eq. 3).
+
+The vectors are what peers claim about themselves, so no single row may set
+a column's scale: a finite 1e308 overflowed the span (NaN rows, and a FedPerl
+node whose /status could not be written stopped training), and one vector far
+out squashed every honest value of its column to about 0 (communities off for
+everyone). Two guards, both attacked in tests/test_communities.py:
+
+- a vector with an entry beyond MAX_FEATURE_ABS (means and stds of model
+  weights are never near it) is refused where it is read (`vector_problem`);
+- before min-max, each column is clipped to its median +- CLIP_MADS scaled
+  median absolute deviations (`clip_columns`): a row far out is pulled in to
+  that bound. The bound is wide, so honest vectors keep today's similarities:
+  on six to ten perturbed small_cnn models nothing was clipped; a site six
+  times farther from the rest than they are from each other is pulled in a
+  little (similarities move by up to 0.03). A column where more than half
+  the nodes agree exactly (MAD 0) is not clipped.
+
+What is left (docs/threat-model.md): a row just inside the bound still
+stretches its column's span, so a peer can flatten the others' similarities
+toward each other and reorder near ties; it can no longer make them NaN or 0.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import NDArray
 
+MAX_FEATURE_ABS = 1e6  # a gossiped mean or std beyond this is refused
+CLIP_MADS = 20.0  # columns clipped to median +- this many scaled MADs before min-max
+_MAD_TO_SIGMA = 1.4826  # MAD x this estimates a normal column's standard deviation
+ECHO_REL_TOL = 1e-9  # a peer vector this close to mine, entry by entry, is an echo
+ECHO_ABS_TOL = 1e-12
+
+
+def vector_problem(vector: list[float]) -> str | None:
+    """Why a peer's gossiped vector cannot be compared (None if it can): a
+    non-finite entry, or one beyond MAX_FEATURE_ABS."""
+    if not all(math.isfinite(x) for x in vector):
+        return "non_finite"
+    if any(abs(x) > MAX_FEATURE_ABS for x in vector):
+        return "out_of_range"
+    return None
+
+
+def is_echo(theirs: list[float], mine: list[float]) -> bool:
+    """Whether a peer's vector equals this node's own within float tolerance:
+    a peer that sends each node its own vector back (heartbeats are encoded
+    per recipient) would be every node's most similar peer. Honest vectors of
+    models trained apart never agree to 1e-9."""
+    return (
+        bool(mine)
+        and len(theirs) == len(mine)
+        and all(
+            math.isclose(a, b, rel_tol=ECHO_REL_TOL, abs_tol=ECHO_ABS_TOL)
+            for a, b in zip(theirs, mine, strict=True)
+        )
+    )
+
+
+def clip_columns(matrix: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Each column clipped to median +- CLIP_MADS x 1.4826 x MAD: one row (or a
+    minority) can no longer set the column's span."""
+    median = np.median(matrix, axis=0)
+    scale = _MAD_TO_SIGMA * np.median(np.abs(matrix - median), axis=0)
+    spread = CLIP_MADS * scale
+    clipped = np.clip(matrix, median - spread, median + spread)
+    return np.where(scale > 0, clipped, matrix)
+
 
 def normalise_columns(vectors: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Min-max normalise each column (feature) across the rows (nodes); a
-    constant column becomes all ones (the reference code's convention)."""
+    """Min-max normalise each column (feature) across the rows (nodes), after
+    clipping its outliers (`clip_columns`); a constant column becomes all ones
+    (the reference code's convention). Rows must be finite."""
     matrix = np.asarray(vectors, dtype=np.float64)
     if matrix.ndim != 2:
         raise ValueError(f"expected a nodes x features matrix, got shape {matrix.shape}")
+    if matrix.size:
+        matrix = clip_columns(matrix)
     low = matrix.min(axis=0)
     span = matrix.max(axis=0) - low
     out = np.ones_like(matrix)
@@ -41,12 +107,16 @@ def cosine_matrix(matrix: NDArray[np.float64]) -> NDArray[np.float64]:
 
 def cosine_to_first(vectors: list[list[float]], *, normalise: bool) -> list[float | None]:
     """cos(vectors[0], vectors[j]) for every j >= 1 (columns min-max normalised
-    over all the vectors first when `normalise`); None where either vector is zero."""
+    over all the vectors first when `normalise`); None where either vector is
+    zero or the cosine is not a finite number."""
     matrix = np.asarray(vectors, dtype=np.float64)
     if normalise and len(vectors) > 1:
         matrix = normalise_columns(matrix)
     norms = np.linalg.norm(matrix, axis=1)
     sims = cosine_matrix(matrix)
-    return [
-        float(sims[0, j]) if norms[0] > 0 and norms[j] > 0 else None for j in range(1, len(vectors))
-    ]
+    out: list[float | None] = []
+    for j in range(1, len(vectors)):
+        value = float(sims[0, j])
+        usable = norms[0] > 0 and norms[j] > 0 and math.isfinite(value)
+        out.append(value if usable else None)
+    return out

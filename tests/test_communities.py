@@ -154,3 +154,92 @@ def test_a_small_pool_joins_the_last_entry_described() -> None:
     vector = feature_vector({"fc.weight": weight, "fc.bias": bias})
     both = torch.cat([weight.flatten(), bias]).double()
     assert vector == pytest.approx([float(both.mean()), float(both.std())])
+
+
+# ---------------------------------------------------------------------- hostile vectors
+# Feature vectors are what peers claim about themselves (reviews of 2026-12:
+# a finite 1e308 overflowed min-max into NaN rows; one far-out vector squashed
+# every honest similarity to 0 and switched communities off).
+
+
+def honest_vectors(n: int = 6) -> dict[str, list[float]]:
+    """Feature vectors of n small_cnn models trained apart (perturbed copies)."""
+    from p2pfl.learning.models import create_model
+
+    torch.manual_seed(0)
+    out = {}
+    for i in range(n):
+        model = create_model("small_cnn", num_classes=2, in_chans=1, image_size=28)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05 * (i + 1))
+        out[f"site{i}"] = feature_vector(model.state_dict())
+    return out
+
+
+def plain_min_max_rows(vectors: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """The similarities as computed before the fix (min-max, no clipping)."""
+    names = sorted(vectors)
+    matrix = np.array([vectors[n] for n in names])
+    low, span = matrix.min(0), matrix.max(0) - matrix.min(0)
+    norm = np.ones_like(matrix)
+    norm[:, span > 0] = (matrix[:, span > 0] - low[span > 0]) / span[span > 0]
+    sim = cosine_matrix(norm)
+    return {a: {b: sim[i, j] for j, b in enumerate(names) if b != a} for i, a in enumerate(names)}
+
+
+def test_honest_similarities_are_those_of_plain_min_max() -> None:
+    vectors = honest_vectors()
+    before = plain_min_max_rows(vectors)
+    matrix = similarity_matrix(vectors)
+    for name in vectors:
+        assert matrix.row(name) == pytest.approx(before[name], abs=1e-12)
+
+
+def test_huge_finite_vectors_are_left_out_instead_of_turning_rows_nan() -> None:
+    vectors = honest_vectors()
+    width = len(vectors["site0"])
+    attacked = dict(vectors)
+    attacked["zed"] = [1.7e308 if j % 2 else -1.7e308 for j in range(width)]
+    attacked["zed2"] = [-x for x in attacked["zed"]]
+    attacked["one"] = [1e308] * width
+    matrix = similarity_matrix(attacked)
+    assert set(matrix.names) == set(vectors)  # all three left out
+    assert np.isfinite(matrix.values).all()
+    assert matrix.row("site0") == pytest.approx(similarity_matrix(vectors).row("site0"))
+
+
+def test_a_far_vector_within_the_bound_can_no_longer_squash_the_others_to_zero() -> None:
+    vectors = honest_vectors()
+    width = len(vectors["site0"])
+    for far in ([1e6] * width, [-1e6] * width, [1e6 if j % 2 else -1e6 for j in range(width)]):
+        row = similarity_matrix({**vectors, "zed": far}).row("site0")
+        assert all(math.isfinite(v) for v in row.values())
+        honest = [row[n] for n in vectors if n != "site0"]
+        assert min(honest) > 0.1  # before: all 0.0 for a 1e308; 0.03 for a 1e6
+        top = top_t(row, 2, exclude="site0")
+        assert top[0] == "site1" and "zed" not in top  # before: ["site1", "zed"] for +1e6
+        # The stated limit: within the bound it still moves the others'
+        # similarities (flattened toward 1, or the farthest honest peer down).
+
+
+def test_clipping_bounds_a_column_at_its_median_plus_minus_twenty_mads() -> None:
+    column = np.array([[1.0], [2.0], [3.0], [4.0], [1e6]])
+    clipped = normalise_columns(column)[:, 0]
+    # median 3, MAD 1 -> the far value is pulled in to 3 + 20 x 1.4826
+    assert clipped[-1] == 1.0
+    assert clipped[:4] == pytest.approx((np.array([1, 2, 3, 4]) - 1) / (3 + 20 * 1.4826 - 1))
+    # a column where most nodes agree exactly (MAD 0) is left as it is
+    assert normalise_columns(np.array([[5.0], [5.0], [5.0], [6.0]]))[:, 0].tolist() == [
+        0.0,
+        0.0,
+        0.0,
+        1.0,
+    ]
+
+
+def test_a_non_finite_similarity_is_left_out_of_a_row() -> None:
+    from protocols.communities import SimilarityMatrix
+
+    matrix = SimilarityMatrix(["a", "b", "c"], np.array([[1, np.nan, 0.5], [0, 1, 0], [0, 0, 1.0]]))
+    assert matrix.row("a") == {"c": 0.5}

@@ -159,6 +159,7 @@ class FedAvgP2P(RoundLoop[FedAvgP2PParams]):
             seed=ctx.config.federation.seed,
             my_meta=self.gossip,
             history=self.selection_history,
+            reject=ctx.reject,
         )
 
     async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:

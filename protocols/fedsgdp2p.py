@@ -155,6 +155,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
                 seed=ctx.config.federation.seed,
                 my_meta=self.gossip,
                 history=self.selection_history,
+                reject=ctx.reject,
             )
             # The neighbours' batch sizes are claims: capped (roster, median ratio).
             got = await self.exchanger.collect(ctx, (r, step), grad, float(len(y)), ranking, k)

@@ -12,6 +12,18 @@ What peers gossip (`ctx.publish`) and the heuristics read from `PeerInfo.meta`:
   "f1"          per-class F1 of the peer's model on its validation split (H2, H3)
   "model_stats" FedPerl-style (mean, std) per state-dict entry (H3, vector=model_stats)
   "recent"      the peer's n most recent neighbours (H1)
+
+These are claims a peer makes about itself, and a heartbeat is encoded per
+recipient, so a hostile peer can tell each node something else. What no honest
+node could send is refused, counted through `select(reject=...)` once per
+peer, reason and round, and the peer ranked as one without a vector (after the
+scored ones): an F1 outside [0, 1] (`gossip_f1_range`; 1e300 made a liar the
+most "dissimilar" peer of every node), model statistics beyond 1e6
+(`gossip_stats_range`), and a vector equal to this node's own within float
+tolerance (`gossip_echo`: sent back to each node, its own vector made the
+sender every node's most similar peer). A peer that lies within these bounds
+(a near copy of each node's vector) still ranks itself where it likes under
+f1 and cosine: docs/threat-model.md states it; `random` reads no claim.
 """
 
 from __future__ import annotations
@@ -21,12 +33,14 @@ import logging
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 from p2pfl.config import SelectionSection
 from protocols.base import PeerInfo
-from protocols.similarity import cosine_to_first
+from protocols.similarity import MAX_FEATURE_ABS, cosine_to_first, is_echo
+
+Reject = Callable[[str, str], None]  # (peer, reason): RoundContext.reject
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +80,9 @@ class Heuristic(ABC):
 
     name: ClassVar[str]
     n: int = 0
+    # (peer, reason) refused by the ranking under way; those counted this round
+    _refused: list[tuple[str, str]]
+    _counted: tuple[int, set[tuple[str, str]]] = (-1, set())
 
     def keep_out_recent(self, n: int) -> None:
         if n < 0:
@@ -83,18 +100,39 @@ class Heuristic(ABC):
         my_meta: Mapping[str, Any] | None = None,
         history: Sequence[Sequence[str]] = (),
         step: int = 0,
+        reject: Reject | None = None,
     ) -> list[str]:
         """Every candidate's name (never `me`), most preferred first; take [:k]
         for this round and walk on for fallbacks. `history` holds this node's
-        chosen neighbours per past round (oldest first)."""
+        chosen neighbours per past round (oldest first). A peer whose gossip is
+        refused is passed to `reject` with the reason, once per round (FedSGDP2P
+        ranks at every step)."""
         pool = sorted((c for c in candidates if c.name != me), key=lambda c: c.name)
         if not pool:
             return []
         rng = seeded_rng(seed, me, round_no, step)
+        self._refused = []
         ranking = self.rank(me, pool, rng, dict(my_meta or {}), history, k)
+        self._count_refusals(round_no, reject)
         ranking = recent_last(ranking, history, self.n)  # GetNeighbors(.., without=client.last)
         log.debug("%s round %d: %s ranks %s (k=%d)", me, round_no, self.name, ranking, k)
         return ranking
+
+    def refuse(self, peer: str, reason: str) -> None:
+        """`peer`'s gossip is not used by this ranking (see the module docstring)."""
+        self._refused.append((peer, reason))
+
+    def _count_refusals(self, round_no: int, reject: Reject | None) -> None:
+        refused, self._refused = self._refused, []
+        if round_no != self._counted[0]:
+            self._counted = (round_no, set())
+        for peer, reason in refused:
+            if (peer, reason) in self._counted[1]:
+                continue
+            self._counted[1].add((peer, reason))
+            log.warning("%s: gossip of %s not used for ranking (%s)", self.name, peer, reason)
+            if reject is not None:
+                reject(peer, reason)
 
     @abstractmethod
     def rank(
@@ -182,11 +220,43 @@ def _vector(meta: Mapping[str, Any], key: str) -> list[float] | None:
         return None
     try:
         vec = [float(x) for x in value]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if not all(math.isfinite(x) for x in vec):
         return None
     return vec
+
+
+def claim_problem(key: str, vector: list[float]) -> str | None:
+    """Why a peer's finite `key` vector is one no honest node sends (None if it
+    is not): an F1 outside [0, 1], model statistics beyond MAX_FEATURE_ABS."""
+    if key == F1_KEY and any(not 0.0 <= x <= 1.0 for x in vector):
+        return "gossip_f1_range"
+    if key == MODEL_STATS_KEY and any(abs(x) > MAX_FEATURE_ABS for x in vector):
+        return "gossip_stats_range"
+    return None
+
+
+def peer_vectors(
+    heuristic: Heuristic, pool: list[PeerInfo], key: str, mine: list[float]
+) -> dict[str, list[float]]:
+    """The `key` vectors of the peers in `pool` that can be scored against
+    `mine`: those of another length are left out as before (not yet
+    published, another model); out-of-range claims and echoes of `mine` are
+    refused (`heuristic.refuse`)."""
+    out: dict[str, list[float]] = {}
+    for peer in pool:
+        theirs = _vector(peer.meta, key)
+        if theirs is None or len(theirs) != len(mine):
+            continue
+        problem = claim_problem(key, theirs)
+        if problem is None and is_echo(theirs, mine):
+            problem = "gossip_echo"
+        if problem is not None:
+            heuristic.refuse(peer.name, problem)
+            continue
+        out[peer.name] = theirs
+    return out
 
 
 def _rank_by_score(
@@ -227,10 +297,8 @@ class F1Selection(Heuristic):
         mine = _vector(my_meta, F1_KEY)
         scores: dict[str, float] = {}
         if mine is not None:
-            for peer in pool:
-                theirs = _vector(peer.meta, F1_KEY)
-                if theirs is not None and len(theirs) == len(mine):
-                    scores[peer.name] = sum(abs(a - b) for a, b in zip(mine, theirs, strict=True))
+            for name, theirs in peer_vectors(self, pool, F1_KEY, mine).items():
+                scores[name] = sum(abs(a - b) for a, b in zip(mine, theirs, strict=True))
         return _rank_by_score(pool, scores, rng, highest_first=self.prefer == "dissimilar")
 
 
@@ -266,11 +334,7 @@ class CosineSelection(Heuristic):
         mine = _vector(my_meta, key)
         scores: dict[str, float] = {}
         if mine is not None:
-            vectors = {me: mine}
-            for peer in pool:
-                theirs = _vector(peer.meta, key)
-                if theirs is not None and len(theirs) == len(mine):
-                    vectors[peer.name] = theirs
+            vectors = {me: mine, **peer_vectors(self, pool, key, mine)}
             names = list(vectors)
             cosines = cosine_to_first(
                 [vectors[name] for name in names], normalise=self.vector == "model_stats"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from p2pfl.config import SelectionSection
@@ -136,7 +138,7 @@ def test_f1_and_cosine_put_the_latest_neighbours_last() -> None:
     # DFU Alg. 7-10: GetNeighbors(c, without=client.last, metric=ndc)
     mine = {"f1": [1.0, 0.0]}
     peers = [
-        peer("twin", f1=[1.0, 0.0]),
+        peer("twin", f1=[1.0, 0.05]),  # (an exact copy of mine is refused as an echo)
         peer("near", f1=[0.9, 0.2]),
         peer("far", f1=[0.0, 1.0]),
         peer("mid", f1=[0.5, 0.5]),
@@ -183,3 +185,184 @@ def test_unknown_heuristic_names_the_known_ones() -> None:
         selection.create("nearest")
     with pytest.raises(ValueError, match="prefer"):
         selection.create("f1", prefer="sideways")
+
+
+# ---------------------------------------------------------------------- lying peers
+# A review (2026-12) made a hostile peer every honest node's first choice under
+# every scoring heuristic: F1 scores of 1e300, or each victim's own vector sent
+# back to it (heartbeats are encoded per recipient).
+
+K_CLASSES = 10
+HONEST = [f"h{i}" for i in range(8)]
+
+
+def federation_meta() -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    import random
+
+    rng = random.Random(0)
+    f1 = {n: [rng.uniform(0.5, 0.95) for _ in range(K_CLASSES)] for n in HONEST}
+    stats = {n: [rng.gauss(0, 0.05) for _ in range(40)] for n in HONEST}
+    return f1, stats
+
+
+def first_choices(
+    heuristic: selection.Heuristic, hostile: object, refused: list[tuple[str, str]]
+) -> list[str]:
+    f1, stats = federation_meta()
+    out = []
+    for me in HONEST:
+        peers = [peer(n, f1=f1[n], model_stats=stats[n]) for n in HONEST if n != me]
+        peers.append(peer("evil", **hostile(me, f1, stats)))  # type: ignore[operator]
+        ranking = copy.deepcopy(heuristic).select(  # one heuristic per node
+            me,
+            peers,
+            2,
+            round_no=5,
+            seed=1,
+            my_meta={"f1": f1[me], "model_stats": stats[me]},
+            reject=lambda p, r: refused.append((p, r)),
+        )
+        out.append(ranking[0])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heuristic", "hostile", "reason"),
+    [
+        (
+            selection.create("f1", n=0),
+            lambda me, f1, stats: {"f1": [1e300] * K_CLASSES},
+            "gossip_f1_range",
+        ),
+        (
+            selection.create("f1", n=0),
+            lambda me, f1, stats: {"f1": [-1.0] * K_CLASSES},
+            "gossip_f1_range",
+        ),
+        (
+            selection.create("f1", prefer="similar", n=0),
+            lambda me, f1, stats: {"f1": list(f1[me])},
+            "gossip_echo",
+        ),
+        (
+            selection.create("cosine", n=0),
+            lambda me, f1, stats: {"f1": list(f1[me])},
+            "gossip_echo",
+        ),
+        (
+            selection.create("cosine", vector="model_stats", n=0),
+            lambda me, f1, stats: {"model_stats": list(stats[me])},
+            "gossip_echo",
+        ),
+        (
+            selection.create("cosine", vector="model_stats", prefer="dissimilar", n=0),
+            lambda me, f1, stats: {"model_stats": [1e9] * 40},
+            "gossip_stats_range",
+        ),
+    ],
+)
+def test_a_peer_lying_out_of_range_or_echoing_is_nobodys_first_choice_and_is_counted(
+    heuristic: selection.Heuristic, hostile: object, reason: str
+) -> None:
+    refused: list[tuple[str, str]] = []
+    firsts = first_choices(heuristic, hostile, refused)
+    assert "evil" not in firsts  # before: evil was the first choice of all 8
+    assert refused == [("evil", reason)] * len(HONEST)  # counted by every node, once
+
+
+def test_refused_gossip_is_counted_once_per_round_however_often_a_node_ranks() -> None:
+    """FedSGDP2P ranks its neighbours at every step of a round."""
+    h = selection.create("f1")
+    refused: list[tuple[str, str]] = []
+    peers = [peer("a", f1=[0.5, 0.5]), peer("evil", f1=[2.0, 0.5])]
+    for round_no in (1, 2):
+        for step in range(1, 6):
+            ranking = h.select(
+                "me",
+                peers,
+                1,
+                round_no=round_no,
+                step=step,
+                seed=0,
+                my_meta={"f1": [0.9, 0.9]},
+                reject=lambda p, r: refused.append((p, r)),
+            )
+            assert ranking == ["a", "evil"]  # refused: ranked as a peer without a vector
+    assert refused == [("evil", "gossip_f1_range")] * 2
+
+
+def test_honest_rankings_are_unchanged_by_the_checks() -> None:
+    """No refusal touches honest vectors: every node's ranking is the plain
+    score order (F1 distance; cosine, of min-max normalised statistics)."""
+    import numpy as np
+
+    from protocols.similarity import cosine_matrix
+
+    f1, stats = federation_meta()
+    refused: list[tuple[str, str]] = []
+
+    def ranking(h: selection.Heuristic, me: str) -> list[str]:
+        peers = [peer(n, f1=f1[n], model_stats=stats[n]) for n in HONEST if n != me]
+        mine = {"f1": f1[me], "model_stats": stats[me]}
+        return h.select(
+            me,
+            peers,
+            2,
+            round_no=3,
+            seed=4,
+            my_meta=mine,
+            reject=lambda p, r: refused.append((p, r)),
+        )
+
+    for me in HONEST:
+        others = [n for n in HONEST if n != me]
+        ndc = {n: sum(abs(a - b) for a, b in zip(f1[me], f1[n], strict=True)) for n in others}
+        assert ranking(selection.create("f1", n=0), me) == sorted(others, key=lambda n: -ndc[n])
+        matrix = np.array([stats[n] for n in [me, *others]])
+        low, span = matrix.min(0), matrix.max(0) - matrix.min(0)
+        cos = cosine_matrix((matrix - low) / span)[0, 1:]
+        expected = [n for _, n in sorted(zip(-cos, others, strict=True))]
+        assert ranking(selection.create("cosine", vector="model_stats", n=0), me) == expected
+    assert refused == []
+
+
+def test_a_near_copy_of_my_vector_still_ranks_first_the_stated_limit() -> None:
+    """What is not fixed (docs/threat-model.md): the scoring heuristics rank by
+    what peers claim; a copy of my vector off by more than float tolerance is
+    not an echo, and the liar is still my most similar peer."""
+    f1, _ = federation_meta()
+    refused: list[tuple[str, str]] = []
+    firsts = first_choices(
+        selection.create("cosine", n=0),
+        lambda me, f1, stats: {"f1": [min(1.0, x + 1e-6) for x in f1[me]]},
+        refused,
+    )
+    assert firsts == ["evil"] * len(HONEST) and refused == []
+    # `random` reads no claim: evil is first about 1 in 8 times, like anyone
+    rand = selection.create("random")
+    firsts = [
+        rand.select("h0", [peer(n) for n in [*HONEST[1:], "evil"]], 1, round_no=r, seed=0)[0]
+        for r in range(800)
+    ]
+    assert 60 < firsts.count("evil") < 140
+
+
+def test_fedavgp2p_counts_refused_gossip_through_its_context() -> None:
+    from types import SimpleNamespace
+
+    from protocols.fedavgp2p import FedAvgP2P
+
+    rejected: list[tuple[str, str]] = []
+    ctx = SimpleNamespace(
+        me="me",
+        config=SimpleNamespace(federation=SimpleNamespace(seed=0)),
+        peers=lambda: [peer("a", f1=[0.2, 0.3]), peer("evil", f1=[0.9, 0.9])],
+        reject=lambda p, r: rejected.append((p, r)),
+    )
+    node = SimpleNamespace(
+        heuristic=selection.create("f1", prefer="similar", n=0),
+        gossip={"f1": [0.9, 0.9]},
+        selection_history=[],
+    )
+    assert FedAvgP2P.rank_neighbours(node, ctx, 1, 1) == ["a", "evil"]  # type: ignore[arg-type]
+    assert rejected == [("evil", "gossip_echo")]

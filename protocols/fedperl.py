@@ -30,6 +30,7 @@ asked once per model.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -43,11 +44,13 @@ from protocols.exchange import Collected
 from protocols.rounds import Round
 from protocols.secagg import SecureSum
 from protocols.secure_exchange import SecureExchange, secure_exchange_for
+from protocols.similarity import is_echo, vector_problem
 from protocols.ssfl import SSFL
 
 log = logging.getLogger(__name__)
 
 ANON_PURPOSE = "anon"  # a sum for the anonymized peer only: every model weighs 1 (Eq. 4)
+VAL_ACCURACY_POLICIES = ("validation", "gated_validation")  # the policies that read it
 
 
 # ---------------------------------------------------------------------- FedPerl
@@ -76,18 +79,42 @@ class FedPerl(SSFL):
     # ------------------------------------------------------------------ requester side
 
     def similarities(self, ctx: RoundContext) -> dict[str, float]:
-        """My row of W from the feature vectors gossiped by the alive peers."""
+        """My row of W from the feature vectors gossiped by the alive peers.
+
+        A vector is a peer's claim about itself, sent to each node apart: one
+        that is not a list of numbers, has a non-finite entry or one beyond
+        1e6 (`gossip_features_range`: a finite 1e308 overflowed the
+        normalisation into NaN rows, and the node stopped training), or
+        equals mine within float tolerance (`gossip_echo`: sent back to each
+        node, its own vector made the sender everyone's most similar peer) is
+        refused and counted, once per round."""
         vectors: dict[str, list[float]] = {}
         mine = self.gossip.get(communities.FEATURES_KEY)
+        own: list[float] = []
         if isinstance(mine, dict):
-            vectors[ctx.me] = list(mine.get("vector") or [])
+            own = list(mine.get("vector") or [])
+            vectors[ctx.me] = own
         for peer in ctx.peers():
             entry = peer.meta.get(communities.FEATURES_KEY)
-            if isinstance(entry, dict) and isinstance(entry.get("vector"), list):
-                try:
-                    vectors[peer.name] = [float(x) for x in entry["vector"]]
-                except (TypeError, ValueError):
-                    log.warning("%s: unusable feature vector from %s", ctx.me, peer.name)
+            if not isinstance(entry, dict) or entry.get("vector") is None:
+                continue  # not published (yet)
+            problem = None
+            theirs: list[float] = []
+            try:
+                if not isinstance(entry["vector"], list):
+                    raise TypeError("not a list")
+                theirs = [float(x) for x in entry["vector"]]
+            except (TypeError, ValueError, OverflowError):
+                problem = "gossip_features_malformed"
+            if problem is None and vector_problem(theirs) is not None:
+                problem = "gossip_features_range"
+            if problem is None and is_echo(theirs, own):
+                problem = "gossip_echo"
+            if problem is not None:
+                log.warning("%s: feature vector of %s refused (%s)", ctx.me, peer.name, problem)
+                ctx.reject(peer.name, problem)
+                continue
+            vectors[peer.name] = theirs
         matrix = communities.similarity_matrix(vectors)
         if ctx.me not in matrix.names:
             return {}
@@ -108,13 +135,33 @@ class FedPerl(SSFL):
         inputs = communities.PolicyInputs(
             similarities=similarities,
             my_val_accuracy=self.gossip.get(communities.VAL_ACCURACY_KEY),
-            peer_val_accuracy={
-                x.name: float(x.meta[communities.VAL_ACCURACY_KEY])
-                for x in ctx.peers()
-                if isinstance(x.meta.get(communities.VAL_ACCURACY_KEY), int | float)
-            },
+            peer_val_accuracy=self.peer_val_accuracies(ctx)
+            if p.policy in VAL_ACCURACY_POLICIES
+            else {},
         )
         return ranked, communities.apply_policy(p.policy, ranked, inputs, p.rho)
+
+    def peer_val_accuracies(self, ctx: RoundContext) -> dict[str, float]:
+        """The validation accuracies the peers gossip, for the policies that
+        read them. An accuracy is in [0, 1]: any other number (a peer's claim
+        of 1e9 passed every gate) is refused, counted as
+        `gossip_val_accuracy_range`, and the peer counts as one without a
+        figure (it passes no gate)."""
+        out: dict[str, float] = {}
+        for peer in ctx.peers():
+            value = peer.meta.get(communities.VAL_ACCURACY_KEY)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                ok = False
+            else:
+                ok = math.isfinite(float(value)) and 0.0 <= float(value) <= 1.0
+            if not ok:
+                log.warning("%s: validation accuracy of %s refused", ctx.me, peer.name)
+                ctx.reject(peer.name, "gossip_val_accuracy_range")
+                continue
+            out[peer.name] = float(value)
+        return out
 
     async def peer_learning(
         self, ctx: RoundContext, site: LocalSite, round_no: int, own: dict[str, Tensor]
@@ -210,4 +257,9 @@ class FedPerl(SSFL):
 
 
 def round_sim(value: float | None) -> float | None:
-    return None if value is None else round(float(value), 4)
+    """A similarity as /status and the gossip show it: None where there is
+    none, or where it is not a finite number (JSON has no NaN: /status refused
+    a community holding one, and the node stopped training)."""
+    if value is None or not math.isfinite(float(value)):
+        return None
+    return round(float(value), 4)

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensor_util import tensors_in
@@ -421,3 +422,156 @@ def test_local_baselines_report_f1_and_calibration(sources: list[str]) -> None:
         assert len(result.records) == 4
         assert all(0.0 <= r["macro_f1"] <= 1.0 and 0.0 <= r["ece"] <= 1.0 for r in result.records)
     assert all(r["mask_rate"] == 0.0 for r in local_supervised(cfgs).records)
+
+
+# ---------------------------------------------------------------------- hostile gossip
+# Reviews of 2026-12: a peer sending each node its own feature vector back was
+# the most similar peer (and anonymized-peer contributor) of every node; two
+# peers gossiping finite +-1.7e308 made similarities NaN, /status refused the
+# community and the node stopped training; a val_accuracy of 1e9 passed every gate.
+
+
+class GossipContext:
+    """What FedPerl's community step reads of a RoundContext, with a real
+    Telemetry behind set_community (it refuses NaN, as /status must)."""
+
+    def __init__(self, me: str, peers: dict[str, dict[str, Any]]) -> None:
+        from types import SimpleNamespace
+
+        from node.telemetry import Telemetry
+        from protocols.base import PeerInfo
+
+        self.me = me
+        self.config = SimpleNamespace(federation=SimpleNamespace(seed=0))
+        self._peers = [PeerInfo(n, "alive", meta=m) for n, m in sorted(peers.items())]
+        self.telemetry = Telemetry(me)
+        self.rejected: list[tuple[str, str]] = []
+        self.published: dict[str, Any] = {}
+
+    def peers(self) -> list[Any]:
+        return list(self._peers)
+
+    def reject(self, peer: str, reason: str) -> None:
+        self.rejected.append((peer, reason))
+
+    def publish(self, key: str, value: Any) -> None:
+        self.published[key] = value
+
+    def set_community(self, community: dict[str, Any]) -> None:
+        self.telemetry.set_community(community)
+
+
+def honest_features(n: int = 6) -> dict[str, list[float]]:
+    from p2pfl.learning.models import create_model
+    from p2pfl.learning.state import feature_vector
+
+    torch.manual_seed(0)
+    out = {}
+    for i in range(n):
+        model = create_model("small_cnn", num_classes=2, in_chans=1, image_size=28)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05 * (i + 1))
+        out[f"site{i}"] = feature_vector(model.state_dict())
+    return out
+
+
+def fedperl_node(me: str, own: list[float], **params: Any) -> FedPerl:
+    node = create("fedperl", **params)
+    assert isinstance(node, FedPerl)
+    node.gossip[FEATURES_KEY] = {"round": 3, "vector": own}
+    return node
+
+
+def test_a_peer_echoing_each_nodes_own_vector_joins_no_community_and_is_counted() -> None:
+    honest = honest_features()
+    for me, own in honest.items():
+        peers = {n: {FEATURES_KEY: {"round": 3, "vector": v}} for n, v in honest.items() if n != me}
+        peers["zed"] = {FEATURES_KEY: {"round": 3, "vector": list(own)}}  # my own, sent back
+        ctx = GossipContext(me, peers)
+        node = fedperl_node(me, own, top_t=2, policy="gated_similarity")
+        sims = node.similarities(ctx)  # type: ignore[arg-type]
+        ranked, chosen = node.choose_peers(ctx, 11, sims)  # type: ignore[arg-type]
+        assert "zed" not in sims and "zed" not in ranked  # before: top-1 of all 6, sim 1.0
+        assert ctx.rejected == [("zed", "gossip_echo")]
+
+
+def test_extreme_feature_vectors_are_refused_and_the_node_keeps_training() -> None:
+    """demo4 of the review: two colluders, finite +-1.7e308 in two columns,
+    fewer honest peers than top_t (so the community is filled at random)."""
+    width = 8
+    mine = [0.01 * i for i in range(width)]
+    e1 = [0.0] * width
+    e1[0], e1[1] = 1.7e308, -1.7e308
+    e2 = [-x for x in e1]
+    peers = {
+        "h1": {FEATURES_KEY: {"vector": [0.012 * i for i in range(width)]}},
+        "e1": {FEATURES_KEY: {"vector": e1}},
+        "e2": {FEATURES_KEY: {"vector": e2}},
+        "e3": {FEATURES_KEY: {"vector": [1e300, "x"]}},
+        "e4": {FEATURES_KEY: {"vector": "not a list"}},
+    }
+    ctx = GossipContext("me", peers)
+    node = fedperl_node("me", mine, top_t=2, warmup_rounds=20)
+    sims = node.similarities(ctx)  # type: ignore[arg-type]
+    assert set(sims) == {"h1"} and all(np.isfinite(list(sims.values())))
+    # peer_learning publishes the community and shows it on /status: no NaN, no exception
+    out = asyncio.run(node.peer_learning(ctx, None, 11, {}))  # type: ignore[arg-type]
+    assert out == {"anon_contributors": 0.0}  # warm-up
+    shown = ctx.telemetry.status_json("me", "fedperl")["community"]
+    assert shown["similarity"]["h1"] is not None
+    assert all(v is None or np.isfinite(v) for v in shown["similarity"].values())
+    assert sorted(ctx.rejected) == sorted(
+        [
+            ("e1", "gossip_features_range"),
+            ("e2", "gossip_features_range"),
+            ("e3", "gossip_features_malformed"),
+            ("e4", "gossip_features_malformed"),
+        ]
+        * 2  # similarities() above, then peer_learning's own call: once per round
+    )
+
+
+def test_a_nan_similarity_is_shown_as_none() -> None:
+    from protocols.fedperl import round_sim
+
+    assert round_sim(float("nan")) is None and round_sim(float("inf")) is None
+    assert round_sim(0.123456) == 0.1235 and round_sim(None) is None
+
+
+@pytest.mark.parametrize("claim", [1e9, -0.5, float("nan"), float("inf"), "0.9", True])
+def test_a_validation_accuracy_outside_0_1_passes_no_gate_and_is_counted(claim: Any) -> None:
+    honest = honest_features(3)
+    peers = {
+        "site1": {FEATURES_KEY: {"vector": honest["site1"]}, "val_accuracy": 0.9},
+        "liar": {FEATURES_KEY: {"vector": honest["site2"]}, "val_accuracy": claim},
+    }
+    ctx = GossipContext("site0", peers)
+    node = fedperl_node("site0", honest["site0"], top_t=2, policy="gated_validation", rho=0.5)
+    ranked, chosen = node.choose_peers(ctx, 11, node.similarities(ctx))  # type: ignore[arg-type]
+    assert sorted(ranked) == ["liar", "site1"] and chosen == ["site1"]
+    assert ctx.rejected == [("liar", "gossip_val_accuracy_range")]
+    # the policies that do not read it do not count it
+    static = fedperl_node("site0", honest["site0"], top_t=2, policy="static")
+    ctx.rejected.clear()
+    static.choose_peers(ctx, 11, static.similarities(ctx))  # type: ignore[arg-type]
+    assert ctx.rejected == []
+
+
+def test_a_near_copy_of_a_nodes_vector_still_joins_its_community_the_stated_limit() -> None:
+    """Not fixed (docs/threat-model.md): a vector off from the node's own in
+    one entry by more than float tolerance is no echo; the sender is its most similar peer
+    and, in the community, steers the anonymized peer within the norm bound."""
+    honest = honest_features()
+    captured = 0
+    for me, own in honest.items():
+        peers = {n: {FEATURES_KEY: {"vector": v}} for n, v in honest.items() if n != me}
+        copy = list(own)
+        copy[0] *= 1 + 1e-6  # one entry off by more than float tolerance
+        peers["zed"] = {FEATURES_KEY: {"vector": copy}}
+        ctx = GossipContext(me, peers)
+        node = fedperl_node(me, own, top_t=2)
+        ranked, _ = node.choose_peers(ctx, 11, node.similarities(ctx))  # type: ignore[arg-type]
+        captured += ranked[0] == "zed"
+        assert ctx.rejected == []
+    assert captured == len(honest)

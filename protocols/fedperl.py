@@ -76,6 +76,14 @@ class FedPerl(SSFL):
         self.community_sum: SecureSum | None = None  # secure mode: also a FedAVGP2P term
         self.community_asked: list[str] = []  # who was asked for this round's anonymized peer
 
+    def gossip_read(self, ctx: RoundContext) -> frozenset[str]:
+        """Every FedPerl node reads the feature vectors; the validation
+        policies read the validation accuracy too."""
+        read = {communities.FEATURES_KEY}
+        if self.params.policy in VAL_ACCURACY_POLICIES:
+            read.add(communities.VAL_ACCURACY_KEY)
+        return super().gossip_read(ctx) | read
+
     # ------------------------------------------------------------------ requester side
 
     def similarities(self, ctx: RoundContext) -> dict[str, float]:

@@ -327,10 +327,12 @@ class RoundLoop(Protocol, Generic[P]):
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
         """The round's logged metrics (test, and val_* where the site has a val
-        split); also refreshes the gossip the heuristics read (per-class F1 on
-        val, model statistics)."""
+        split); also refreshes the gossip the configured heuristic reads
+        (per-class F1 on val, or model statistics; nothing under random)."""
         metrics = await ctx.run_blocking(evaluate_site, site)
-        stats = await ctx.run_blocking(site.model_stats_vector)
+        stats: list[float] = []  # computed only where the heuristic reads it
+        if selection.MODEL_STATS_KEY in self.gossip_read(ctx):
+            stats = await ctx.run_blocking(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
         return metrics
 
@@ -382,7 +384,12 @@ class RoundLoop(Protocol, Generic[P]):
             site.load_optimizer_state(saved["optimizer"])
         self.selection_history = [list(x) for x in saved.get("selection_history", [])]
         self.merged = [list(x) for x in saved.get("merged", [])]
-        self.gossip = dict(saved.get("gossip", {}))
+        read = self.gossip_read(ctx)  # a checkpoint of another heuristic may hold more
+        self.gossip = {
+            key: value
+            for key, value in dict(saved.get("gossip", {})).items()
+            if key not in self.gossip_gated or key in read
+        }
         if dp is not None:  # the privacy already spent stays spent, at its own price
             dp.restore(history)
         # a checkpoint of before training.select_by chose by macro-F1
@@ -429,15 +436,46 @@ class RoundLoop(Protocol, Generic[P]):
         self.gossip[key] = value
         ctx.publish(key, value)
 
+    def gossip_read(self, ctx: RoundContext) -> frozenset[str]:
+        """The keys of `gossip_gated` that some node reads under this site's
+        `selection` (and protocol): only those are published. The sites of a
+        federation share these sections; a peer whose heuristic reads a key
+        this site does not publish ranks it as a peer without a vector.
+
+        Per-class F1 shows which classes a site's validation split lacks (an
+        absent class scores 0.0 every round) and, over rounds, narrows down
+        per-class counts: it went to every roster member under every
+        heuristic, `random` included, which never reads it (a review, 2026-12)."""
+        section = ctx.config.selection
+        read: set[str] = set()
+        if section.name == "f1" or (section.name == "cosine" and section.vector == "f1"):
+            read.add(selection.F1_KEY)
+        if section.name == "cosine" and section.vector == "model_stats":
+            read.add(selection.MODEL_STATS_KEY)
+        if section.name == "n_latest":
+            read.add(selection.RECENT_KEY)
+        return frozenset(read)
+
+    # The gossip keys published only where `gossip_read` says they are read.
+    gossip_gated: ClassVar[frozenset[str]] = frozenset(
+        {selection.F1_KEY, selection.MODEL_STATS_KEY, selection.RECENT_KEY}
+    )
+
     def update_gossip(
         self, ctx: RoundContext, per_class_f1: list[float] | None, stats: list[float]
     ) -> None:
-        """What the F1 and cosine heuristics read: per-class F1 on val, model statistics."""
-        if per_class_f1 is not None:
+        """What the F1 and cosine heuristics read (per-class F1 on val, model
+        statistics), each published only where the configured heuristic reads it."""
+        read = self.gossip_read(ctx)
+        if per_class_f1 is not None and selection.F1_KEY in read:
             self.publish(ctx, selection.F1_KEY, [float(x) for x in per_class_f1])
-        self.publish(ctx, selection.MODEL_STATS_KEY, [float(x) for x in stats])
+        if selection.MODEL_STATS_KEY in read:
+            self.publish(ctx, selection.MODEL_STATS_KEY, [float(x) for x in stats])
 
     def update_recent(self, ctx: RoundContext) -> None:
-        """H1: the n most recent neighbours, gossiped for the others' overlap test."""
+        """H1: the n most recent neighbours, gossiped for the others' overlap test
+        (only under n_latest, the one heuristic that reads them)."""
+        if selection.RECENT_KEY not in self.gossip_read(ctx):
+            return
         recent = selection.recent_neighbours(self.selection_history, ctx.config.selection.n)
         self.publish(ctx, selection.RECENT_KEY, recent)

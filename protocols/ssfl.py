@@ -3,13 +3,14 @@ Bdair et al., MICCAI 2021, and the journal version). Every node, every round r:
 
   1. fit: FixMatch on its labeled + unlabeled images (Eq. 2-3, p2pfl/learning/semisup.py),
      Adam rebuilt every round as in the reference code
-  2. publish its feature vector F_m (p2pfl.learning.state.feature_vector) of the model
-     it just trained, and offer that model to FedAVGP2P neighbours
+  2. offer the model it just trained to FedAVGP2P neighbours (FedPerl also
+     publishes its feature vector F_m, p2pfl.learning.state.feature_vector)
   3. FedAVGP2P: pull k = round(c * (N - 1)) neighbours' round-r models and take
      the mean weighted by their image counts (labeled + unlabeled, Eq. 1's w_j;
      claims capped as in FedAVGP2P), or a robust variant (`protocol.aggregation`:
      median, trimmed_mean, norm_clip; the default mean is Eq. 1)
-  4. evaluate (macro-F1, ECE on test; accuracy on val), gossip, log, checkpoint
+  4. evaluate (macro-F1, ECE on test; accuracy on val), gossip what is read, log,
+     checkpoint
 
 FedPerl (protocols/fedperl.py) adds peer learning between 2 and 3.
 """
@@ -26,10 +27,10 @@ from p2pfl.learning.evaluate import CALIBRATION_KEYS, evaluate_site
 from p2pfl.learning.semisup import fixmatch_epoch, peer_model_from_state
 from p2pfl.learning.state import feature_vector
 from p2pfl.learning.train import LocalSite
-from protocols import communities
+from protocols import communities, selection
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
-from protocols.rounds import Round
+from protocols.rounds import Round, RoundLoop
 
 
 def num_images(site: LocalSite) -> int:
@@ -42,6 +43,8 @@ class SSFL(FedAvgP2P):
     """FixMatch locally + FedAVGP2P between rounds (the SSFL-P2P baseline)."""
 
     params: SSFLParams  # type: ignore[assignment]
+    # Published only where read (FedPerl.gossip_read): SSFL itself reads neither.
+    gossip_gated = RoundLoop.gossip_gated | {communities.FEATURES_KEY, communities.VAL_ACCURACY_KEY}
 
     def __init__(self, params: SSFLParams) -> None:
         super().__init__(params)  # type: ignore[arg-type]
@@ -106,12 +109,14 @@ class SSFL(FedAvgP2P):
 
     async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
         assert rnd.own is not None
-        # 2. Feature vector of the freshly trained model (journal Sec. 2.3.1).
-        self.publish(
-            ctx,
-            communities.FEATURES_KEY,
-            {"round": rnd.number, "vector": feature_vector(rnd.own)},
-        )
+        # 2. Feature vector of the freshly trained model (journal Sec. 2.3.1),
+        # for FedPerl's communities (SSFL, T = 0, reads none: nothing published).
+        if communities.FEATURES_KEY in self.gossip_read(ctx):
+            self.publish(
+                ctx,
+                communities.FEATURES_KEY,
+                {"round": rnd.number, "vector": feature_vector(rnd.own)},
+            )
         # 2a-b. FedPerl: communities and the anonymized peer for round r + 1.
         rnd.log.update(await self.peer_learning(ctx, site, rnd.number, rnd.own))
         # 3. FedAVGP2P between rounds: the global knowledge.
@@ -126,11 +131,15 @@ class SSFL(FedAvgP2P):
     # ------------------------------------------------------------------ 4. evaluate
 
     async def evaluate_round(self, ctx: RoundContext, site: Any) -> dict[str, Any]:
-        """Macro-F1 and ECE on test, accuracy on val; gossip F1, model statistics
-        and the val accuracy the gated policies read."""
+        """Macro-F1 and ECE on test, accuracy on val; gossip what is read: per-class
+        F1 or model statistics (the heuristic), the val accuracy (FedPerl's
+        validation policies)."""
         metrics = await ctx.run_blocking(evaluate_site, site, CALIBRATION_KEYS)
-        stats = await ctx.run_blocking(site.model_stats_vector)
+        stats: list[float] = []  # computed only where the heuristic reads it
+        if selection.MODEL_STATS_KEY in self.gossip_read(ctx):
+            stats = await ctx.run_blocking(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
-        if metrics.get("val_accuracy") is not None:
+        read = self.gossip_read(ctx)
+        if metrics.get("val_accuracy") is not None and communities.VAL_ACCURACY_KEY in read:
             self.publish(ctx, communities.VAL_ACCURACY_KEY, float(metrics["val_accuracy"]))
         return {name: float(v) for name, v in metrics.items() if v is not None}

@@ -1,0 +1,129 @@
+"""A node gossips a key only where some node's configured heuristic or protocol
+reads it (a review, 2026-12: per-class F1, which shows which classes a site's
+validation split lacks, went to every roster member under every heuristic,
+`random` included, which never reads it)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from p2pfl.config import SelectionSection
+from protocols import create
+from protocols.communities import FEATURES_KEY, VAL_ACCURACY_KEY
+from protocols.rounds import RoundLoop
+from protocols.selection import F1_KEY, MODEL_STATS_KEY, RECENT_KEY
+
+
+class Recorder:
+    """The parts of a RoundContext gossip goes through."""
+
+    def __init__(self, selection: SelectionSection, saved: dict[str, Any] | None = None) -> None:
+        self.me = "me"
+        self.config = SimpleNamespace(selection=selection)
+        self.published: dict[str, Any] = {}
+        self._saved = saved
+
+    def publish(self, key: str, value: Any) -> None:
+        self.published[key] = value
+
+    def restore(self) -> dict[str, Any] | None:
+        return self._saved
+
+
+def gossiped(protocol: RoundLoop[Any], section: SelectionSection) -> set[str]:
+    ctx = Recorder(section)
+    protocol.selection_history = [["a"], ["b"]]
+    protocol.update_gossip(ctx, [0.9, 0.0, 0.8], [0.1, 0.2])  # type: ignore[arg-type]
+    protocol.update_recent(ctx)  # type: ignore[arg-type]
+    return set(ctx.published)
+
+
+@pytest.mark.parametrize(
+    ("section", "expected"),
+    [
+        (SelectionSection(name="random"), set()),
+        (SelectionSection(name="n_latest"), {RECENT_KEY}),
+        (SelectionSection(name="f1"), {F1_KEY}),
+        (SelectionSection(name="cosine"), {F1_KEY}),  # vector: f1 is the default
+        (SelectionSection(name="cosine", vector="model_stats"), {MODEL_STATS_KEY}),
+    ],
+)
+def test_each_heuristic_gets_what_it_reads_and_nothing_else(
+    section: SelectionSection, expected: set[str]
+) -> None:
+    staged = create("fedmae")  # Fed-MAE's pre-training stage is a RoundLoop of its own
+    stages = [s.loop for s in staged.stages(None)]  # type: ignore[attr-defined]
+    for protocol in [create(n) for n in ("fedavgp2p", "fedsgdp2p", "ssfl", "fedperl")] + stages:
+        assert isinstance(protocol, RoundLoop)
+        assert gossiped(protocol, section) == expected, type(protocol).__name__
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "extra"),
+    [
+        ("ssfl", {}, set()),  # T = 0: no communities, nobody reads the feature vector
+        ("fedperl", {"policy": "static"}, {FEATURES_KEY}),
+        ("fedperl", {"policy": "gated_similarity"}, {FEATURES_KEY}),
+        ("fedperl", {"policy": "validation"}, {FEATURES_KEY, VAL_ACCURACY_KEY}),
+        ("fedperl", {"policy": "gated_validation"}, {FEATURES_KEY, VAL_ACCURACY_KEY}),
+    ],
+)
+def test_ssfl_and_fedperl_publish_their_own_keys_only_where_read(
+    name: str, params: dict[str, Any], extra: set[str]
+) -> None:
+    protocol = create(name, **params)
+    assert isinstance(protocol, RoundLoop)
+    read = protocol.gossip_read(Recorder(SelectionSection(name="random")))  # type: ignore[arg-type]
+    assert read == extra
+
+
+def test_a_resumed_node_stops_gossiping_what_its_heuristic_no_longer_reads() -> None:
+    """A checkpoint written under f1 (or before this fix) holds per-class F1:
+    resumed under random, it is not published again."""
+    protocol = create("fedavgp2p", rounds=5)
+    assert isinstance(protocol, RoundLoop)
+    protocol.personal = SimpleNamespace(restore=lambda *a, **k: None)  # type: ignore[assignment]
+    saved = {
+        "protocol": "fedavgp2p",
+        "round": 2,
+        "model": {},
+        "optimizer": None,
+        "select_by": "macro_f1",
+        "gossip": {F1_KEY: [0.9, 0.0], MODEL_STATS_KEY: [0.1], RECENT_KEY: ["a"], "other": 1},
+    }
+    site = SimpleNamespace(load_state_dict=lambda s: None, load_optimizer_state=lambda s: None)
+    ctx = Recorder(SelectionSection(name="random"), saved)
+    assert protocol.resume(ctx, site) == 3  # type: ignore[arg-type]
+    assert ctx.published == {"other": 1} and protocol.gossip == {"other": 1}
+    ctx = Recorder(SelectionSection(name="f1"), saved)
+    protocol.resume(ctx, site)  # type: ignore[arg-type]
+    assert ctx.published == {F1_KEY: [0.9, 0.0], "other": 1}
+
+
+def test_an_ssfl_federation_gossips_no_class_mix_and_no_feature_vector(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """End to end on the in-memory network: what an observer (any roster
+    member) sees of SSFL sites under the default heuristic."""
+    from p2pfl.learning.data.partition import partition_dataset
+    from protocols.memory import InMemoryNetwork, simulate, simulation_configs
+
+    out = tmp_path_factory.mktemp("digits2ssl")
+    partition_dataset("digits", 2, "dirichlet:1.0", out, label_fraction=0.3, seed=0)
+    cfgs = simulation_configs(
+        [str(out / f"site_{i}.npz") for i in range(2)],
+        names=["site0", "site1"],
+        protocol={"name": "ssfl", "rounds": 1, "round_timeout_s": 5.0},
+        data={"image_size": 8, "augment": "weak"},
+        training={"batch_size": 32, "device": "cpu", "max_steps_per_epoch": 2},
+    )
+    network = InMemoryNetwork(inline_train=True)
+    result = asyncio.run(simulate(cfgs, network=network))
+    assert result.errors == {}
+    seen = {p.name: p.meta for p in network.join("observer").peers()}
+    for meta in seen.values():
+        assert not {F1_KEY, MODEL_STATS_KEY, RECENT_KEY, FEATURES_KEY, VAL_ACCURACY_KEY} & set(meta)

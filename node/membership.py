@@ -158,7 +158,10 @@ class Membership:
     # ------------------------------------------------------------------ roster
     def _link_roster(self) -> None:
         """Link every roster site but us; unlink sites the roster no longer lists.
-        A site with no address is linked through the relays its card names."""
+        A site with no address is linked through the relays its card names.
+        The telemetry learns the roster too: peers' gossiped edges and choices
+        may name no other site."""
+        self.telemetry.set_roster(self.roster.names())
         for name in list(self.client.links):
             if name not in self.roster:
                 self.client.remove_peer(name)

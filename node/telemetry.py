@@ -34,6 +34,7 @@ from node.telemetry_records import (
     edge_dict,
     valid_entries,
 )
+from p2pfl.text import one_line
 
 # The phases of a round: the first of them marks the first round's start.
 ROUND_PHASES = ("train", "exchange", "aggregate")
@@ -55,6 +56,13 @@ RECEIVED = "received"
 # A rejected message's claimed sender is unverified: bound how many we track apart.
 _MAX_REJECTING_PEERS = 256
 _OTHER_PEER = "<other>"
+
+
+def _clean_name(name: str) -> str | None:
+    """A site name as a peer's gossip gave it, if it is one a roster could
+    hold and /peers may show as it is: printable ASCII, at most MAX_NAME_CHARS
+    (None otherwise: a right-to-left override or an escape in a shown name)."""
+    return name if one_line(name, MAX_NAME_CHARS) == name else None
 
 
 def _json_copy(value: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +100,7 @@ class Telemetry:
         self._rejections_by_peer: dict[str, int] = {}
         self._choices: dict[tuple[str, str], int] = {}
         self._remote_choices: dict[str, dict[tuple[str, str], int]] = {}
+        self._roster: frozenset[str] | None = None  # set_roster; None: me and known peers
         self._queue_depths: dict[str, int] = {}
         self._peers: dict[str, PeerGauge] = {}
         self._community: dict[str, Any] = {}
@@ -131,13 +140,18 @@ class Telemetry:
             stats.last = now
 
     def record_rejection(self, reason: str, peer: str | None = None) -> None:
-        """A message refused with a reason code; `peer` is the claimed sender, if any."""
+        """A message refused with a reason code; `peer` is the claimed sender, if
+        any: unverified (a stranger can send junk in a roster site's name), so
+        /status and the dashboard show it as claimed, as printable ASCII."""
         with self._lock:
             self._rejections[reason] = self._rejections.get(reason, 0) + 1
             if peer is None:
                 return
+            if len(peer) > MAX_NAME_CHARS:
+                peer = _OTHER_PEER
+            peer = one_line(peer, MAX_NAME_CHARS)
             if peer not in self._rejections_by_peer and (
-                len(self._rejections_by_peer) >= _MAX_REJECTING_PEERS or len(peer) > MAX_NAME_CHARS
+                len(self._rejections_by_peer) >= _MAX_REJECTING_PEERS
             ):
                 peer = _OTHER_PEER
             self._rejections_by_peer[peer] = self._rejections_by_peer.get(peer, 0) + 1
@@ -165,28 +179,67 @@ class Telemetry:
                 if chooser == self.me
             ]
 
+    def set_roster(self, names: list[str]) -> None:
+        """The federation's sites (this one included): the only names a peer's
+        gossiped edges and choices may name. Until it is set, the known names
+        are this node's and those of the peers `set_peer` was given."""
+        with self._lock:
+            self._roster = frozenset(names) | {self.me}
+            for peer in list(self._remote_edges):
+                if peer not in self._roster:
+                    del self._remote_edges[peer]
+            for peer in list(self._remote_choices):
+                if peer not in self._roster:
+                    del self._remote_choices[peer]
+
+    def _known_names(self) -> frozenset[str]:
+        with self._lock:
+            if self._roster is not None:
+                return self._roster
+            return frozenset(self._peers) | {self.me}
+
     def merge_remote_edges(self, peer_name: str, edges: list[dict[str, Any]]) -> int:
         """Replace what `peer_name` last reported about its own edges.
 
         Counts are cumulative, so a new report replaces the old one. A peer
-        speaks only for edges it is an end of; other or malformed entries are
-        dropped. Returns how many edges were kept.
+        speaks only for edges it is an end of whose other end is a roster site
+        (a printable name) other than this node: this node's own edges are
+        what it measured itself, never a peer's word (a peer claimed 10^18
+        messages on one). Other or malformed entries are dropped, and only the
+        first 2 x roster entries are looked at (an honest peer has at most
+        that many edges). Returns how many edges were kept.
         """
+        known = self._known_names()
         kept: dict[tuple[str, str], EdgeStats] = {}
-        for edge in valid_entries(RemoteEdge, edges, peer_name, "edge"):
-            if peer_name not in (edge.source, edge.target) or edge.source == edge.target:
+        if peer_name not in known or peer_name == self.me:
+            return 0
+        for edge in valid_entries(RemoteEdge, edges, peer_name, "edge", 2 * len(known)):
+            ends = (edge.source, edge.target)
+            other = edge.target if edge.source == peer_name else edge.source
+            if peer_name not in ends or other == peer_name or other == self.me:
                 continue
-            kept[(edge.source, edge.target)] = EdgeStats(edge.messages, edge.bytes, edge.last)
+            if other not in known or _clean_name(other) is None:
+                continue
+            kept[ends] = EdgeStats(edge.messages, edge.bytes, edge.last)
         with self._lock:
             self._remote_edges[peer_name] = kept
         return len(kept)
 
     def merge_remote_choices(self, peer_name: str, choices: list[dict[str, Any]]) -> int:
-        """Replace `peer_name`'s reported choices (only those it made itself)."""
+        """Replace `peer_name`'s reported choices: only those it made itself, of
+        roster sites (printable names) other than itself; at most the first
+        roster-many entries are looked at."""
+        known = self._known_names()
         kept: dict[tuple[str, str], int] = {}
-        for choice in valid_entries(RemoteChoice, choices, peer_name, "choice"):
-            if choice.chooser == peer_name:
-                kept[(choice.chooser, choice.chosen)] = choice.count
+        if peer_name not in known or peer_name == self.me:
+            return 0
+        for choice in valid_entries(RemoteChoice, choices, peer_name, "choice", len(known)):
+            chosen = choice.chosen
+            if choice.chooser != peer_name or chosen == peer_name:
+                continue
+            if chosen not in known or _clean_name(chosen) is None:
+                continue
+            kept[(peer_name, chosen)] = choice.count
         with self._lock:
             self._remote_choices[peer_name] = kept
         return len(kept)
@@ -353,13 +406,20 @@ class Telemetry:
     def peer_graph(self) -> dict[str, Any]:
         """The /peers document: nodes, directed edges, who-chose-whom counts.
 
-        An edge seen by both of its ends is counted by each; the larger count
-        wins (the receiver may have refused some of what the sender sent).
+        This node's edges are what it measured. An edge between two other
+        sites is what they report (each only of edges it is an end of); seen
+        by both ends, the larger count wins (the receiver may have refused
+        some of what the sender sent). Every name is a roster site's.
         """
         with self._lock:
-            edges: dict[tuple[str, str], EdgeStats] = {}
-            for reported in [self._edges, *self._remote_edges.values()]:
+            edges: dict[tuple[str, str], EdgeStats] = {
+                key: EdgeStats(stats.messages, stats.bytes, stats.last)
+                for key, stats in self._edges.items()
+            }
+            for reported in self._remote_edges.values():
                 for key, stats in reported.items():
+                    if self.me in key:
+                        continue  # never a peer's word on this node's own edges
                     best = edges.get(key)
                     if best is None:
                         edges[key] = EdgeStats(stats.messages, stats.bytes, stats.last)

@@ -83,11 +83,16 @@ GossipEntry = TypeVar("GossipEntry", RemoteEdge, RemoteChoice)
 
 
 def valid_entries(
-    model: type[GossipEntry], entries: list[Any], peer_name: str, what: str
+    model: type[GossipEntry],
+    entries: list[Any],
+    peer_name: str,
+    what: str,
+    limit: int = MAX_REMOTE_EDGES_PER_PEER,
 ) -> Iterator[GossipEntry]:
-    """The entries of a peer's gossip that validate as `model` (at most
-    MAX_REMOTE_EDGES_PER_PEER of them); malformed ones are dropped."""
-    for raw in entries[:MAX_REMOTE_EDGES_PER_PEER]:
+    """The entries of a peer's gossip that validate as `model` (at most the
+    first `limit` entries, never more than MAX_REMOTE_EDGES_PER_PEER, are
+    looked at); malformed ones are dropped."""
+    for raw in entries[: min(limit, MAX_REMOTE_EDGES_PER_PEER)]:
         try:
             yield model.model_validate(raw)
         except ValidationError as error:

@@ -376,27 +376,27 @@ async def test_dashboard_is_self_contained_and_locked_to_its_origin(serve: Serve
 
 def test_remote_edges_are_limited_to_the_reporting_peer_and_validated() -> None:
     telemetry = Telemetry("a")
+    telemetry.set_roster(["a", "b", "c", "d"])
     telemetry.record_received("b", "model", 100)
     kept = telemetry.merge_remote_edges(
         "b",
         [
-            {"source": "b", "target": "a", "messages": 3, "bytes": 300, "last": 5.0},
+            {"source": "b", "target": "c", "messages": 3, "bytes": 300, "last": 5.0},
             {"source": "c", "target": "d", "messages": 9, "bytes": 9, "last": 5.0},  # not b's edge
-            {"source": "b", "target": "c", "messages": -1, "bytes": 9},  # negative count
-            {"source": "b", "target": "c"},  # fields missing
+            {"source": "b", "target": "d", "messages": -1, "bytes": 9},  # negative count
+            {"source": "b", "target": "d"},  # fields missing
             "not a dict",
         ],
     )
     assert kept == 1
     edges = {(e["source"], e["target"]): e for e in telemetry.peer_graph()["edges"]}
-    assert set(edges) == {("b", "a")}
-    # Both ends count b -> a; the larger count wins (a may have refused some).
-    assert (edges[("b", "a")]["messages"], edges[("b", "a")]["bytes"]) == (3, 300)
+    assert set(edges) == {("b", "a"), ("b", "c")}
+    assert (edges[("b", "c")]["messages"], edges[("b", "c")]["bytes"]) == (3, 300)
     # A newer report replaces the older one.
-    telemetry.merge_remote_edges("b", [{"source": "b", "target": "c", "messages": 1, "bytes": 1}])
+    telemetry.merge_remote_edges("b", [{"source": "b", "target": "d", "messages": 1, "bytes": 1}])
     assert {(e["source"], e["target"]) for e in telemetry.peer_graph()["edges"]} == {
         ("b", "a"),
-        ("b", "c"),
+        ("b", "d"),
     }
     telemetry.merge_remote_choices(
         "b",
@@ -407,14 +407,106 @@ def test_remote_edges_are_limited_to_the_reporting_peer_and_validated() -> None:
 
 def test_local_edges_round_trip_through_a_peers_merge() -> None:
     sender = Telemetry("a")
-    sender.record_sent("b", "model", 10)
-    sender.record_choice("a", ["b"])
+    sender.record_sent("c", "model", 10)
+    sender.record_choice("a", ["c"])
     receiver = Telemetry("b")
+    receiver.set_roster(["a", "b", "c"])
     assert receiver.merge_remote_edges("a", sender.local_edges()) == 1
     assert receiver.merge_remote_choices("a", sender.local_choices()) == 1
     graph = receiver.peer_graph()
-    assert [(e["source"], e["target"], e["messages"]) for e in graph["edges"]] == [("a", "b", 1)]
-    assert graph["choices"] == [{"chooser": "a", "chosen": "b", "count": 1}]
+    assert [(e["source"], e["target"], e["messages"]) for e in graph["edges"]] == [("a", "c", 1)]
+    assert graph["choices"] == [{"chooser": "a", "chosen": "c", "count": 1}]
+
+
+# ---- a roster peer's gossip about the graph (a review, 2026-12: 4098 invented
+# nodes with bidi overrides and escapes, and this node's own edge shown as 10^18)
+
+
+def spoofed_telemetry() -> Telemetry:
+    telemetry = Telemetry("me")
+    telemetry.set_roster(["me", "evil", "b", "c"])
+    telemetry.set_peer("evil", "alive", 3, "train", NOW)
+    telemetry.record_sent("evil", "resp:model", 1000)  # what this node really sent
+    telemetry.record_received("b", "model", 500)
+    edges: list[dict[str, Any]] = [
+        {"source": "me", "target": "evil", "messages": 10**18, "bytes": 10**18, "last": 1e9},
+        {"source": "b", "target": "me", "messages": 10**18, "bytes": 10**18},  # not evil's
+        {"source": "evil", "target": "b", "messages": 2, "bytes": 20},  # a real roster edge
+        {"source": "evil", "target": "b\u202e", "messages": 1, "bytes": 1},
+    ]
+    edges += [
+        {"source": "evil", "target": f"hospital-{i:04d}\u202e\x1b[31m", "messages": 1, "bytes": 1}
+        for i in range(4095)
+    ]
+    telemetry.merge_remote_edges("evil", edges)
+    telemetry.merge_remote_choices(
+        "evil",
+        [
+            {"chooser": "evil", "chosen": "c", "count": 3},
+            {"chooser": "evil", "chosen": "St. Elsewhere <b>(fine)</b>\n", "count": 99},
+            {"chooser": "evil", "chosen": "c\x1b", "count": 99},
+        ],
+    )
+    return telemetry
+
+
+def test_a_peer_cannot_invent_sites_or_put_control_characters_on_peers() -> None:
+    graph = spoofed_telemetry().peer_graph()
+    assert {n["id"] for n in graph["nodes"]} == {"me", "evil", "b", "c"}  # before: 4098
+    assert len(json.dumps(graph)) < 2000  # before: about 725 KB
+    assert {(e["source"], e["target"]) for e in graph["edges"]} == {
+        ("me", "evil"),
+        ("b", "me"),
+        ("evil", "b"),
+    }
+    assert graph["choices"] == [{"chooser": "evil", "chosen": "c", "count": 3}]
+
+
+def test_a_peer_cannot_replace_what_this_node_measured_on_its_own_edges() -> None:
+    edges = {(e["source"], e["target"]): e for e in spoofed_telemetry().peer_graph()["edges"]}
+    assert (edges[("me", "evil")]["messages"], edges[("me", "evil")]["bytes"]) == (1, 1000)
+    assert edges[("b", "me")]["messages"] == 1  # before: 10^18 for me -> evil
+
+
+def test_only_a_rosters_first_entries_of_a_peers_gossip_are_validated() -> None:
+    """An honest peer has at most 2 x roster edges: a flood of 4096 entries is
+    not validated one by one on the event loop."""
+    from unittest import mock
+
+    from node import telemetry_records
+
+    telemetry = Telemetry("me")
+    telemetry.set_roster(["me", "evil", "b", "c"])
+    flood = [{"source": "evil", "target": "b", "messages": 1, "bytes": 1}] * 4096
+    with mock.patch.object(
+        telemetry_records.RemoteEdge,
+        "model_validate",
+        wraps=telemetry_records.RemoteEdge.model_validate,
+    ) as validate:
+        telemetry.merge_remote_edges("evil", flood)
+    assert validate.call_count == 8
+
+
+def test_a_site_the_roster_no_longer_lists_leaves_the_graph() -> None:
+    telemetry = Telemetry("me")
+    telemetry.set_roster(["me", "gone", "b"])
+    telemetry.merge_remote_edges(
+        "gone", [{"source": "gone", "target": "b", "messages": 1, "bytes": 1}]
+    )
+    telemetry.set_roster(["me", "b"])
+    assert telemetry.peer_graph()["edges"] == []
+    assert (
+        telemetry.merge_remote_edges(
+            "gone", [{"source": "gone", "target": "b", "messages": 1, "bytes": 1}]
+        )
+        == 0
+    )
+
+
+def test_claimed_senders_of_rejected_messages_are_kept_printable() -> None:
+    telemetry = Telemetry("a")
+    telemetry.record_rejection("bad_signature", "hospital-b\u202e\x1b[31m")
+    assert telemetry.status_json("a", "x")["rejected_by_peer"] == {"hospital-b??[31m": 1}
 
 
 def test_metric_history_is_bounded_and_keeps_the_latest() -> None:

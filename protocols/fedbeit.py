@@ -49,6 +49,7 @@ from p2pfl.learning.tokenizer import VQTokenizer, load_tokenizer, save_tokenizer
 from protocols.base import RoundContext
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.fedmae import PRETRAIN_STAGE, FedMAEError, finetune_stage, split_metrics
+from protocols.rounds import Round
 from protocols.stages import Stage, Staged
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,27 @@ class TokenizerStage(FedAvgP2P):
         if round_no == self.params.rounds:
             return len(ctx.roster()) - 1
         return super().neighbours_wanted(ctx, round_no)
+
+    async def aggregate(self, ctx: RoundContext, site: Any, rnd: Round) -> None:
+        """FedAVGP2P's merge, then the codebook counters the merge left that no
+        honest tokenizer holds (negative, vanishing: a crafted peer model within
+        the norm bound) are reset, logged and counted as `tokenizer_bad_counts`
+        against each peer merged this round (a merge, or a secure sum, cannot
+        tell whose model did it)."""
+        await super().aggregate(ctx, site, rnd)
+        reset = await ctx.run_blocking(site.tokenizer.reset_implausible_counts)
+        if reset:
+            peers = sorted({peer for peer, _ in rnd.merged})
+            log.warning(
+                "%s round %d: the merged tokenizer held %d codebook counters no honest "
+                "tokenizer holds (negative or vanishing); reset them (merged: %s)",
+                ctx.me,
+                rnd.number,
+                reset,
+                ", ".join(peers),
+            )
+            for peer in peers:
+                ctx.reject(peer, "tokenizer_bad_counts")
 
     async def setup(self, ctx: RoundContext) -> Any:
         site = await ctx.run_blocking(build_tokenizer_site, ctx.config, self.beit)

@@ -49,6 +49,13 @@ from p2pfl.files import atomic_torch_save
 from p2pfl.learning.models import ModelError, read_weights_file
 
 RESIDUAL_BLOCKS = 2
+# A merged codebook counter below this share of the mean count, or below
+# MIN_COUNT, is refused (reset_implausible_counts). An honest one stays above
+# restart_share (0.03) of the mean, and above restart_share x (1 - decay) x
+# tokens per step / codebook_size: 7e-6 for one 196-patch image a step and
+# 8192 codes.
+VANISHING_COUNT = 1e-6
+MIN_COUNT = 1e-9
 
 
 class _Residual(nn.Module):
@@ -163,10 +170,16 @@ class VQTokenizer(nn.Module):
         sums = torch.zeros_like(self.ema_sum).index_add_(0, ids, flat)
         self.ema_count.mul_(self.decay).add_(counts, alpha=1 - self.decay)
         self.ema_sum.mul_(self.decay).add_(sums, alpha=1 - self.decay)
-        used = self.ema_count > 0
+        # Dead before dividing: a count below the restart threshold is never a
+        # divisor. The threshold is at least what this step's own tokens give
+        # (an honest total is never less), so a merged count a peer drove to
+        # 3e-17, negative, or a negative total cannot make a code of 4e19.
+        total = float(self.ema_count.clamp_min(0).sum())
+        floor = 0.5 * (1 - self.decay) * ids.numel()  # under this step's share of any honest total
+        threshold = self.restart_share * max(total, floor) / self.codebook_size
+        dead = ~(self.ema_count >= threshold)  # NaN included
+        used = ~dead & (self.ema_count > 0)
         self.codebook[used] = self.ema_sum[used] / self.ema_count[used, None]
-        total = float(self.ema_count.sum())
-        dead = self.ema_count < self.restart_share * total / self.codebook_size
         n_dead = int(dead.sum())
         if n_dead:
             pick = torch.randint(
@@ -177,6 +190,25 @@ class VQTokenizer(nn.Module):
             self.codebook[dead] = fresh
             self.ema_sum[dead] = fresh * share
             self.ema_count[dead] = share
+
+    @torch.no_grad()
+    def reset_implausible_counts(self) -> int:
+        """Set to 0 every codebook counter no honest tokenizer, or average of
+        honest ones, holds: negative, not finite, or positive but below
+        VANISHING_COUNT x the mean count or MIN_COUNT (an honest count stays above about
+        restart_share x the mean, and above MIN_COUNT). A peer's model
+        within the norm bound and the weight cap could leave such counters
+        after the merge (tests/test_tokenizer_counts.py); at 0 the code is dead
+        and restarted at the next training step. Returns how many were reset."""
+        counts = self.ema_count
+        mean = float(counts.clamp_min(0).mean()) if counts.numel() else 0.0
+        vanishing = (counts > 0) & (counts < max(VANISHING_COUNT * mean, MIN_COUNT))
+        bad = ~torch.isfinite(counts) | (counts < 0) | vanishing
+        n_bad = int(bad.sum())
+        if n_bad:
+            counts[bad] = 0.0
+            self.ema_sum[bad] = 0.0
+        return n_bad
 
 
 def codebook_usage(tokens: Tensor, codebook_size: int) -> dict[str, float]:

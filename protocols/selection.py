@@ -80,9 +80,6 @@ class Heuristic(ABC):
 
     name: ClassVar[str]
     n: int = 0
-    # (peer, reason) refused by the ranking under way; those counted this round
-    _refused: list[tuple[str, str]]
-    _counted: tuple[int, set[tuple[str, str]]] = (-1, set())
 
     def keep_out_recent(self, n: int) -> None:
         if n < 0:
@@ -111,7 +108,7 @@ class Heuristic(ABC):
         if not pool:
             return []
         rng = seeded_rng(seed, me, round_no, step)
-        self._refused = []
+        self._refused: list[tuple[str, str]] = []  # (peer, reason) of this ranking
         ranking = self.rank(me, pool, rng, dict(my_meta or {}), history, k)
         self._count_refusals(round_no, reject)
         ranking = recent_last(ranking, history, self.n)  # GetNeighbors(.., without=client.last)
@@ -120,16 +117,19 @@ class Heuristic(ABC):
 
     def refuse(self, peer: str, reason: str) -> None:
         """`peer`'s gossip is not used by this ranking (see the module docstring)."""
-        self._refused.append((peer, reason))
+        self.__dict__.setdefault("_refused", []).append((peer, reason))
 
     def _count_refusals(self, round_no: int, reject: Reject | None) -> None:
-        refused, self._refused = self._refused, []
-        if round_no != self._counted[0]:
-            self._counted = (round_no, set())
+        """Log and pass on this ranking's refusals, each (peer, reason) once a round."""
+        refused, self._refused = self.__dict__.get("_refused", []), []
+        counted_round, counted = self.__dict__.get("_counted", (None, set()))
+        if counted_round != round_no:
+            counted = set()
+        self._counted: tuple[int, set[tuple[str, str]]] = (round_no, counted)
         for peer, reason in refused:
-            if (peer, reason) in self._counted[1]:
+            if (peer, reason) in counted:
                 continue
-            self._counted[1].add((peer, reason))
+            counted.add((peer, reason))
             log.warning("%s: gossip of %s not used for ranking (%s)", self.name, peer, reason)
             if reject is not None:
                 reject(peer, reason)

@@ -6,7 +6,7 @@ own, the same similarity matrix the papers' server would:
 - feature vector F_m = ((mu_0, sigma_0), ..., (mu_l, sigma_l)): mean and
   unbiased std of every averaged state-dict entry (p2pfl.learning.state.feature_vector;
   FedPerl journal Sec. 2.3.1, MICCAI Sec. 2.2 "Building communities");
-- each column clipped to its median +- 20 MADs, then min-max normalised
+- each column clipped to its median +- 50 MADs (over its distinct values), then min-max normalised
   across the nodes, then cosine similarity (protocols/similarity.py); a
   vector with a non-finite entry or one beyond 1e6 is left out;
 - the top T peers by similarity, never itself, never a negative (or

@@ -19,11 +19,14 @@ node could send is refused, counted through `select(reject=...)` once per
 peer, reason and round, and the peer ranked as one without a vector (after the
 scored ones): an F1 outside [0, 1] (`gossip_f1_range`; 1e300 made a liar the
 most "dissimilar" peer of every node), model statistics beyond 1e6
-(`gossip_stats_range`), and a vector equal to this node's own within float
-tolerance (`gossip_echo`: sent back to each node, its own vector made the
-sender every node's most similar peer). A peer that lies within these bounds
-(a near copy of each node's vector) still ranks itself where it likes under
-f1 and cosine: docs/threat-model.md states it; `random` reads no claim.
+(`gossip_stats_range`), and an F1 vector equal to this node's own within
+float tolerance (`gossip_echo`: sent back to each node, its own vector made
+the sender every node's most similar peer). Model statistics equal to mine
+are not refused: they describe the merged model, and nodes that merged the
+same neighbours hold the same one. A peer that lies within these bounds (a
+near copy of each node's F1, any copy of its statistics) still ranks itself
+where it likes under f1 and cosine: docs/threat-model.md states it; `random`
+reads no claim.
 """
 
 from __future__ import annotations
@@ -242,15 +245,15 @@ def peer_vectors(
 ) -> dict[str, list[float]]:
     """The `key` vectors of the peers in `pool` that can be scored against
     `mine`: those of another length are left out as before (not yet
-    published, another model); out-of-range claims and echoes of `mine` are
-    refused (`heuristic.refuse`)."""
+    published, another model); out-of-range claims and F1 echoes of `mine`
+    are refused (`heuristic.refuse`)."""
     out: dict[str, list[float]] = {}
     for peer in pool:
         theirs = _vector(peer.meta, key)
         if theirs is None or len(theirs) != len(mine):
             continue
         problem = claim_problem(key, theirs)
-        if problem is None and is_echo(theirs, mine):
+        if problem is None and key == F1_KEY and is_echo(theirs, mine):
             problem = "gossip_echo"
         if problem is not None:
             heuristic.refuse(peer.name, problem)

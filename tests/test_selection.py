@@ -250,11 +250,6 @@ def first_choices(
             "gossip_echo",
         ),
         (
-            selection.create("cosine", vector="model_stats", n=0),
-            lambda me, f1, stats: {"model_stats": list(stats[me])},
-            "gossip_echo",
-        ),
-        (
             selection.create("cosine", vector="model_stats", prefer="dissimilar", n=0),
             lambda me, f1, stats: {"model_stats": [1e9] * 40},
             "gossip_stats_range",
@@ -329,12 +324,22 @@ def test_honest_rankings_are_unchanged_by_the_checks() -> None:
 def test_a_near_copy_of_my_vector_still_ranks_first_the_stated_limit() -> None:
     """What is not fixed (docs/threat-model.md): the scoring heuristics rank by
     what peers claim; a copy of my vector off by more than float tolerance is
-    not an echo, and the liar is still my most similar peer."""
+    not an echo, and the liar is still my most similar peer; under cosine on
+    model statistics an exact copy is not refused either."""
     f1, _ = federation_meta()
     refused: list[tuple[str, str]] = []
     firsts = first_choices(
         selection.create("cosine", n=0),
         lambda me, f1, stats: {"f1": [min(1.0, x + 1e-6) for x in f1[me]]},
+        refused,
+    )
+    assert firsts == ["evil"] * len(HONEST) and refused == []
+    # Under cosine on model statistics even an exact echo is not refused: the
+    # statistics are of the merged model, and nodes that merged the same
+    # neighbours hold the same one (an honest equal vector is common).
+    firsts = first_choices(
+        selection.create("cosine", vector="model_stats", n=0),
+        lambda me, f1, stats: {"model_stats": list(stats[me])},
         refused,
     )
     assert firsts == ["evil"] * len(HONEST) and refused == []
@@ -366,3 +371,18 @@ def test_fedavgp2p_counts_refused_gossip_through_its_context() -> None:
     )
     assert FedAvgP2P.rank_neighbours(node, ctx, 1, 1) == ["a", "evil"]  # type: ignore[arg-type]
     assert rejected == [("evil", "gossip_echo")]
+
+
+def test_an_honest_peer_with_my_very_model_statistics_is_scored_not_refused() -> None:
+    """Two nodes that merged the same neighbours hold the same merged model."""
+    refused: list[tuple[str, str]] = []
+    mine = {"model_stats": [1.0, 1.0, 5.0, 5.0]}
+    peers = [
+        peer("mutual", model_stats=[1.0, 1.0, 5.0, 5.0]),
+        peer("other", model_stats=[2.0, 3.0, 1.0, 0.0]),
+    ]
+    h = selection.create("cosine", vector="model_stats", n=0)
+    ranking = h.select(
+        "me", peers, 1, round_no=1, seed=0, my_meta=mine, reject=lambda p, r: refused.append((p, r))
+    )
+    assert ranking == ["mutual", "other"] and refused == []

@@ -6,8 +6,9 @@ protocol published and its traffic edges and choices (a node whose protocol
 failed says so at once, with its error's kind); the heartbeats it
 receives feed the peer table (node/peers.py) and the telemetry. With
 `wire.encryption` each heartbeat is encrypted to its recipient, like every
-other message: it carries the gossiped metadata (per-class F1, model
-statistics, FedPerl's feature vectors). A peer that
+other message: it carries the gossiped metadata (per-class F1 or model
+statistics where the heuristic reads them, FedPerl's feature vectors;
+docs/threat-model.md says what each reveals). A peer that
 (re)joins is answered at once. On SIGHUP the roster file is read again: sites
 no longer listed are refused from then on (and their queued pushes dropped:
 node/inbound.py `drop_unlisted`), new ones are linked.

@@ -59,23 +59,33 @@ SOURCE_CONNECTION_LIMIT = "source_connection_limit"
 HEADERS_TOO_SLOW = "headers_too_slow"
 
 
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052: an IPv4 client behind a translator
+
+
 def source_of(peername: Any, *, loopback_exempt: bool = True) -> str | None:
     """The key a connection's source address is capped under: the IPv4
-    address, an IPv6 address's /64 (an IPv4-mapped one as its IPv4 address),
-    or None (not capped) for loopback sources when `loopback_exempt`, and for
-    anything that is not an IP address (a Unix socket)."""
+    address (also for an IPv4-mapped or NAT64 IPv6 address, which carries
+    one), an IPv6 address's /64 (the block one host is usually given; a
+    link-local one with its interface), or None (not capped) for loopback
+    sources when `loopback_exempt`, and for anything that is not an IP
+    address (a Unix socket)."""
     if not isinstance(peername, tuple) or not peername or not isinstance(peername[0], str):
         return None
+    address, _, scope = peername[0].partition("%")
     try:
-        ip = ipaddress.ip_address(peername[0].split("%", 1)[0])
+        ip = ipaddress.ip_address(address)
     except ValueError:
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip in NAT64:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     if loopback_exempt and ip.is_loopback:
         return None
     if isinstance(ip, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+        block = f"{int(ip) >> 64:016x}/64"  # the /64, without building a network object
+        return f"{block}%{scope}" if ip.is_link_local and scope else block
     return str(ip)
 
 

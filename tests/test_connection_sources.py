@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import pytest
 from aiohttp import web
 
 from node.listen import (
@@ -29,11 +30,15 @@ HALF_A_REQUEST = b"GET /x HTTP/1.1\r\nHost: loc"
 
 def test_sources_are_addresses_ipv6_by_its_64_and_loopback_is_exempt() -> None:
     assert source_of(("10.1.2.3", 5000)) == "10.1.2.3"
-    assert source_of(("2001:db8:1:2::7", 5000, 0, 0)) == "2001:db8:1:2::/64"
-    assert source_of(("2001:db8:1:2:ffff::9", 1, 0, 0)) == "2001:db8:1:2::/64"
-    assert source_of(("2001:db8:1:3::7", 1, 0, 0)) == "2001:db8:1:3::/64"
+    a = source_of(("2001:db8:1:2::7", 5000, 0, 0))
+    assert a is not None and a == source_of(("2001:db8:1:2:ffff::9", 1, 0, 0))  # one /64
+    assert a != source_of(("2001:db8:1:3::7", 1, 0, 0))
     assert source_of(("::ffff:10.1.2.3", 1, 0, 0)) == "10.1.2.3"  # IPv4-mapped
-    assert source_of(("fe80::1%eth0", 1, 0, 2)) == "fe80::/64"
+    assert source_of(("64:ff9b::a01:203", 1, 0, 0)) == "10.1.2.3"  # NAT64 (RFC 6052)
+    assert source_of(("64:ff9b::a01:204", 1, 0, 0)) == "10.1.2.4"  # not one key for all
+    # link-local: the same /64 on two interfaces is two sources
+    assert source_of(("fe80::1%eth0", 1, 0, 2)) != source_of(("fe80::1%eth1", 1, 0, 3))
+    assert source_of(("fe80::1%eth0", 1, 0, 2)) == source_of(("fe80::2%eth0", 1, 0, 2))
     assert source_of(("127.0.0.1", 1)) is None
     assert source_of(("::1", 1, 0, 0)) is None
     assert source_of(("::ffff:127.0.0.1", 1, 0, 0)) is None
@@ -155,3 +160,16 @@ async def test_a_source_at_its_cap_pushes_out_its_own_silent_connection_first() 
             w.close()
     finally:
         await runner.cleanup()
+
+
+def test_the_cap_is_on_by_default_and_null_turns_it_off() -> None:
+    """Behind a proxy or load balancer that hides the peers' addresses every
+    peer comes from one source: such a site sets the cap to null."""
+    from p2pfl.config import TransportSection
+    from p2pfl.config.relay import RelayTransportSection
+
+    assert TransportSection().max_connections_per_source == 256
+    assert TransportSection(max_connections_per_source=None).max_connections_per_source is None
+    assert RelayTransportSection(max_connections_per_source=None).max_connections_per_source is None
+    with pytest.raises(ValueError):
+        TransportSection(max_connections_per_source=0)

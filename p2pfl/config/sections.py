@@ -461,13 +461,15 @@ class TransportSection(Section):
         "up to 8. High by default: a stranger can hold a place by asking something before "
         "each keep-alive ends, so the cap is what it must open",
     )
-    max_connections_per_source: int = Field(
+    max_connections_per_source: int | None = Field(
         256,
         ge=1,
         description="of those, connections one source address holds at once (an IPv6 one by "
         "its /64; loopback sources are not capped); one more pushes out that source's own "
         "oldest connection still waiting for its headers, else it is closed at once "
-        "(source_connection_limit). A peer opens up to 8; a relay forwards for its sites",
+        "(source_connection_limit). A peer opens up to 8. null: no such cap, for a peer port "
+        "behind a proxy or load balancer that hides the peers' addresses (then every peer "
+        "comes from the proxy's)",
     )
     min_upload_bytes_per_s: float = Field(
         65536.0,

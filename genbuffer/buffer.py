@@ -11,7 +11,7 @@ mode and seed always give the same buffer on the same device type.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, TypedDict
 
 import numpy as np
@@ -116,24 +116,21 @@ def sample_buffer(
     }
 
 
-def verify_buffer(
+def check_buffer_layout(
     buffer: object,
     *,
-    num_classes: int | None = None,
     image_shape: tuple[int, int, int] | None = None,
     max_images: int | None = None,
-) -> SyntheticBuffer:
-    """Check a received buffer's schema and hash; returns it typed, or raises SyntheticBufferError.
-
-    `image_shape` (C, H, W): every image must have exactly that shape (a
-    receiver passes its own buffer's, what its generator makes), else
-    `buffer_shape`. `max_images`: the buffer must hold 1 to that many images,
-    else `buffer_count`. Both are checked before anything reads the pixels."""
+    channels: Collection[int] | None = None,
+    sides: Collection[int] | None = None,
+) -> None:
+    """The checks of `verify_buffer` that read no pixel: the schema, the image
+    count and the image shape (cheap, whatever the buffer's size)."""
     if not isinstance(buffer, dict) or set(buffer) != {"images", "labels", "content_hash"}:
         raise SyntheticBufferError(
             "buffer_schema", "a buffer is a dict with exactly images, labels, content_hash"
         )
-    images, labels, digest = buffer["images"], buffer["labels"], buffer["content_hash"]
+    images, labels = buffer["images"], buffer["labels"]
     if not isinstance(images, Tensor) or images.dtype != torch.uint8 or images.ndim != 4:
         raise SyntheticBufferError(
             "buffer_schema", "images must be a uint8 tensor shaped (N, C, H, W)"
@@ -142,10 +139,20 @@ def verify_buffer(
         raise SyntheticBufferError(
             "buffer_count", f"{images.shape[0]} images, expected 1 to {max_images}"
         )
-    if image_shape is not None and tuple(images.shape[1:]) != tuple(image_shape):
+    shape = tuple(int(n) for n in images.shape[1:])
+    if image_shape is not None and shape != tuple(image_shape):
         raise SyntheticBufferError(
             "buffer_shape",
-            f"images of shape {tuple(images.shape[1:])}, expected (C, H, W) = {tuple(image_shape)}",
+            f"images of shape {shape}, expected (C, H, W) = {tuple(image_shape)}",
+        )
+    c, h, w = shape
+    if channels is not None and c not in channels:
+        raise SyntheticBufferError(
+            "buffer_shape", f"images of {c} channels, expected one of {sorted(channels)}"
+        )
+    if sides is not None and not (h == w and h in sides):
+        raise SyntheticBufferError(
+            "buffer_shape", f"images of {h}x{w} px, expected square, a side in {sorted(sides)}"
         )
     if (
         not isinstance(labels, Tensor)
@@ -155,6 +162,31 @@ def verify_buffer(
         raise SyntheticBufferError(
             "buffer_schema", "labels must be an int64 tensor with one label per image"
         )
+
+
+def verify_buffer(
+    buffer: object,
+    *,
+    num_classes: int | None = None,
+    image_shape: tuple[int, int, int] | None = None,
+    max_images: int | None = None,
+    channels: Collection[int] | None = None,
+    sides: Collection[int] | None = None,
+) -> SyntheticBuffer:
+    """Check a received buffer's schema and hash; returns it typed, or raises SyntheticBufferError.
+
+    `image_shape` (C, H, W): every image must have exactly that shape, else
+    `buffer_shape`; `channels` and `sides`: bounds instead of one shape (C one
+    of `channels`, H == W one of `sides`; what a FedER receiver passes, the
+    federation's bounds, since sites may make buffers of different shapes).
+    `max_images`: the buffer must hold 1 to that many images, else
+    `buffer_count`. All are checked before anything reads the pixels
+    (`check_buffer_layout`)."""
+    check_buffer_layout(
+        buffer, image_shape=image_shape, max_images=max_images, channels=channels, sides=sides
+    )
+    assert isinstance(buffer, dict)
+    images, labels, digest = buffer["images"], buffer["labels"], buffer["content_hash"]
     if len(labels) and (
         labels.min() < 0 or (num_classes is not None and labels.max() >= num_classes)
     ):

@@ -36,14 +36,17 @@ decoded (refusals counted as `compression_<reason>`) before those checks.
 
 Buffers travel once: a buffer is named by its content hash, and a node sends
 only the hash to a peer that already acknowledged that buffer (the peer keeps
-the buffers it received, and can pull one it lost). A received buffer must have
-this node's own buffer's image shape (C, H, W: what its generator makes) and 1
-to MAX_BUFFER_FACTOR x `buffer_size` images; it is verified and turned into the
-classifier's replay images (off the event loop) before the relay is taken, so a
-buffer that cannot be trained on is a counted refusal (`relay_buffer_<reason>`),
-never a failure in `fit`. A node keeps at most MAX_KEPT_BUFFERS buffers, the
-latest of each sender (the least recently received goes first): that bounds
-memory, checkpoints and FedER-A's replay.
+the buffers it received, and can pull one it lost). Sites choose their
+generator's resolution and channels and their `buffer_size` each for itself,
+so a received buffer must be within the federation's bounds, not like this
+node's own: C in BUFFER_CHANNELS, H = W in BUFFER_SIDES, 1 to MAX_BUFFER_IMAGES
+images. It is verified and turned into the classifier's replay images (resized
+to its input, off the event loop) before the relay is taken, so a buffer that
+cannot be trained on is a counted refusal (`relay_buffer_<reason>`), never a
+failure in `fit`. A node keeps at most MAX_KEPT_BUFFERS buffers, the latest of
+each sender (the least recently received goes first): that bounds memory
+(MAX_KEPT_BUFFERS x MAX_BUFFER_IMAGES images at the classifier's input),
+checkpoints and FedER-A's replay.
 
 Variants (Sec. 4.4): FedER-A shares buffers only (each node trains its own model
 on its data plus every buffer received so far); FedER-B relays models like FedER
@@ -91,11 +94,20 @@ RELAY_KIND = "feder"  # model and/or buffer pushed to the successor
 BUFFER_KIND = "buffer"  # pull a buffer by hash (when a relay carried only the hash)
 EARLY_RELAYS = 4  # a relay of round r+1..r+4 is checked and held for its round, one per sender
 LIVENESS_POLL_S = 0.5  # how often a relay waiting on its predecessor's death is looked at again
-# A peer's buffer holds 1 to MAX_BUFFER_FACTOR x protocol.buffer_size images
-# (buffer_size is meant to be federation-wide: the factor leaves room, no more).
-MAX_BUFFER_FACTOR = 2
+# What a received buffer may be, federation-wide: sites set genbuffer.resolution,
+# genbuffer.channels, their generator and protocol.buffer_size each for itself,
+# so a receiver checks these bounds, not its own buffer's shape, and resizes the
+# images to its classifier's input. Channels: what convert_images converts
+# (grey, RGB, RGBA); sides: a generator's (a power of two, 16 to 256) and 8 px,
+# the smallest classifier input; at most MAX_BUFFER_IMAGES images (also the
+# most protocol.buffer_size may be).
+BUFFER_CHANNELS = (1, 3, 4)
+BUFFER_SIDES = (8, 16, 32, 64, 128, 256)
+MAX_BUFFER_IMAGES = 2048
+CONVERT_CHUNK = 256  # images resized at a time: bounds the float copy convert_images makes
 # Received buffers kept (in memory and in every checkpoint), the latest of each
-# sender; FedER-A replays all of them: at most 16 x 2 x buffer_size images.
+# sender; FedER-A replays all of them: at most 16 x MAX_BUFFER_IMAGES images at
+# the classifier's input size.
 MAX_KEPT_BUFFERS = 16
 
 
@@ -135,9 +147,20 @@ def ring_predecessors(ring: list[str], me: str, alive: set[str]) -> list[str]:
 
 
 def replay_images(buffer: dict[str, Any], image_size: int, channels: int) -> np.ndarray:
-    """A uint8 buffer (N,C,H,W) as the classifier's images: uint8 (N, size, size, channels)."""
-    images = buffer["images"].permute(0, 2, 3, 1).contiguous().numpy()
-    return convert_images(images, image_size, channels)
+    """A uint8 buffer (N,C,H,W) as the classifier's images: uint8 (N, size, size, channels),
+    resized CONVERT_CHUNK images at a time (the float copy of a chunk, not of the buffer)."""
+    images = buffer["images"]
+    chunks = [
+        convert_images(
+            images[i : i + CONVERT_CHUNK].permute(0, 2, 3, 1).contiguous().numpy(),
+            image_size,
+            channels,
+        )
+        for i in range(0, len(images), CONVERT_CHUNK)
+    ]
+    if not chunks:
+        return np.zeros((0, image_size, image_size, channels), dtype=np.uint8)
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
 
 
 def buffer_training_tensors(
@@ -151,21 +174,25 @@ def buffer_training_tensors(
     return torch.cat(xs), torch.cat(ys)
 
 
+BUFFER_BOUNDS: dict[str, Any] = {
+    "max_images": MAX_BUFFER_IMAGES,
+    "channels": BUFFER_CHANNELS,
+    "sides": BUFFER_SIDES,
+}
+
+
 def checked_buffer(
     buffer: object,
     *,
     num_classes: int | None,
-    image_shape: tuple[int, int, int] | None,
-    max_images: int,
     image_size: int,
     channels: int,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """A received buffer verified (schema, count, shape, labels, hash) and its
-    replay images (`replay_images`), or SyntheticBufferError with the reason:
-    whatever goes wrong making the images is `buffer_unusable`. Blocking."""
-    checked = verify_buffer(
-        buffer, num_classes=num_classes, image_shape=image_shape, max_images=max_images
-    )
+    """A received buffer verified (schema, count and shape within the
+    federation's bounds, labels, hash) and its replay images at the
+    classifier's input (`replay_images`), or SyntheticBufferError with the
+    reason: whatever goes wrong making the images is `buffer_unusable`. Blocking."""
+    checked = verify_buffer(buffer, num_classes=num_classes, **BUFFER_BOUNDS)
     try:
         images = replay_images(dict(checked), image_size, channels)
     except Exception as exc:  # noqa: BLE001 - a case the checks missed: the sender's, refused
@@ -557,8 +584,6 @@ class FedER(RoundLoop[FedERParams]):
                     checked_buffer,
                     buffer,
                     num_classes=self.num_classes,
-                    image_shape=self.image_shape(),
-                    max_images=MAX_BUFFER_FACTOR * self.params.buffer_size,
                     image_size=self.image_size,
                     channels=self.channels,
                 )
@@ -568,13 +593,6 @@ class FedER(RoundLoop[FedERParams]):
                 return None
         payload = {**p, "model": model} if self.relays_model else p
         return Relay(dataclasses.replace(msg, payload=payload), digest, buffer_checked, images)
-
-    def image_shape(self) -> tuple[int, int, int] | None:
-        """(C, H, W) of this site's own buffer: what a received one must have."""
-        if self.own_buffer is None:
-            return None
-        c, h, w = self.own_buffer["images"].shape[1:]
-        return int(c), int(h), int(w)
 
     def take(self, relay: Relay) -> Received:
         """Keep the relay's buffer (the sender's latest) and hand its message on."""
@@ -693,8 +711,6 @@ class FedER(RoundLoop[FedERParams]):
                 kept[digest] = checked_buffer(
                     buffer,
                     num_classes=self.num_classes,
-                    image_shape=self.image_shape(),
-                    max_images=MAX_BUFFER_FACTOR * self.params.buffer_size,
                     image_size=self.image_size,
                     channels=self.channels,
                 )

@@ -461,8 +461,13 @@ def test_verify_buffer_checks_the_image_count_and_shape_before_the_pixels() -> N
         ((64, 0, 8, 8), "relay_buffer_shape"),  # crashed fit: the protocol FAILED, uncounted
         ((64, 1, 0, 0), "relay_buffer_shape"),
         ((1000, 1, 1, 1), "relay_buffer_shape"),  # 1x1 px: x64 bytes once upsampled
-        ((64, 3, 8, 8), "relay_buffer_shape"),  # not this site's generator's shape
-        ((2 * 512 + 1, 1, 8, 8), "relay_buffer_count"),  # more than 2 x buffer_size
+        ((64, 2, 8, 8), "relay_buffer_shape"),  # no channel count convert_images knows
+        ((64, 17, 8, 8), "relay_buffer_shape"),
+        ((64, 1, 8, 16), "relay_buffer_shape"),  # not square
+        ((64, 1, 12, 12), "relay_buffer_shape"),  # not a power of two
+        ((64, 1, 4, 4), "relay_buffer_shape"),  # below 8 px
+        ((4, 1, 512, 512), "relay_buffer_shape"),  # above 256 px
+        ((2048 + 1, 1, 8, 8), "relay_buffer_count"),  # more than MAX_BUFFER_IMAGES
     ],
 )
 def test_a_buffer_the_classifier_cannot_train_on_is_refused_counted_and_never_converted(
@@ -471,9 +476,13 @@ def test_a_buffer_the_classifier_cannot_train_on_is_refused_counted_and_never_co
     """F1: a buffer of 0 channels or 0x0 px passed `accept` and raised in `fit`
     (the protocol FAILED, nothing counted); one of 1x1 px was upsampled to the
     classifier's size (a 0.9 MB push became a 1.6 GB tensor). Now the shape
-    (the site's own buffer's) and count (<= 2 x buffer_size) are checked before
+    (within the federation's bounds: 1, 3 or 4 channels, square, a power of two
+    from 8 to 256 px) and count (at most MAX_BUFFER_IMAGES) are checked before
     any pixel is converted, the relay is refused with a reason and counted, and
     the node trains its own model on, over the rounds that follow too."""
+    from protocols.feder import MAX_BUFFER_IMAGES
+
+    assert MAX_BUFFER_IMAGES == 2048
     import protocols.feder as feder
 
     converted: list[tuple] = []
@@ -755,3 +764,51 @@ def test_with_random_successors_each_sender_has_one_relay_per_round(tmp_path: Pa
     victim, records, rejected = _run_victim(cfg, pushes, members=("mallory", "eve"))
     assert victim.merged == [[1, [["eve", 1]]]]
     assert rejected == [("mallory", "relay_huge_norm"), ("mallory", "relay_duplicate")]
+
+
+# ---------------------------------------------------------------------- buffers of other sites (R4)
+
+
+def test_buffers_of_differently_configured_honest_sites_are_resized_not_refused(
+    tmp_path: Path,
+) -> None:
+    """R4: a received buffer had to match the receiver's own (C, H, W) and at
+    most 2 x its own buffer_size, though genbuffer.resolution and .channels, a
+    loaded generator and protocol.buffer_size are each site's own settings:
+    every relay from a differently configured honest site was refused, every
+    round. Within the federation's bounds a buffer is now taken and resized to
+    the classifier's input, as before the first fixes; buffer_size itself is
+    capped at what every peer takes."""
+    from pydantic import ValidationError
+
+    from p2pfl.config import FedERParams
+
+    cfg = _victim_config(tmp_path, buffer_size=8)  # victim's own buffer: (8, 1, 8, 8)
+    model = _model(cfg)
+    cases = {
+        "peer genbuffer.resolution 16": (8, 1, 16, 16),
+        "peer buffer_size 32": (32, 1, 8, 8),
+        "peer RGB generator": (8, 3, 8, 8),
+        "peer RGBA generator, buffer_size 2048": (2048, 4, 16, 16),
+        "peer genbuffer.resolution 256": (4, 3, 256, 256),
+    }
+    for label, shape in cases.items():
+        buffer = _buffer_of(torch.randint(0, 256, shape, dtype=torch.uint8))
+        victim, records, rejected = _run_victim(cfg, [("mallory", 1, _relay(model, buffer))])
+        assert rejected == [] and records[1]["received"] == 1, label
+        assert victim.replay[buffer["content_hash"]].shape == (shape[0], 8, 8, 1), label
+        assert records[1]["replayed_images"] == shape[0], label
+    FedERParams(name="feder", buffer_size=2048)
+    with pytest.raises(ValidationError):
+        FedERParams(name="feder", buffer_size=2049)
+
+
+def test_replay_images_are_made_in_chunks_like_the_whole_buffer_at_once() -> None:
+    """The classifier's images are made CONVERT_CHUNK images at a time (the float
+    copy convert_images makes is a chunk's, not a 2048 x 256 px buffer's)."""
+    from p2pfl.learning.data.loaders import convert_images
+    from protocols.feder import CONVERT_CHUNK, replay_images
+
+    buffer = _buffer_of(torch.randint(0, 256, (2 * CONVERT_CHUNK + 3, 3, 16, 16)).to(torch.uint8))
+    whole = convert_images(buffer["images"].permute(0, 2, 3, 1).contiguous().numpy(), 8, 1)
+    assert np.array_equal(replay_images(buffer, 8, 1), whole)

@@ -399,7 +399,12 @@ class FedERParams(BaseParams):
     """FedER relay (Alg. 1) and its privacy-enhanced variants (Sec. 4.4)."""
 
     name: Literal["feder", "feder_a", "feder_b"]
-    buffer_size: int = Field(512, ge=1, description="synthetic images per buffer (paper: 512)")
+    buffer_size: int = Field(
+        512,
+        ge=1,
+        le=2048,  # protocols.feder.MAX_BUFFER_IMAGES: what every peer takes
+        description="synthetic images per buffer (paper: 512; at most 2048, what a peer takes)",
+    )
     buffer_per_class: Literal["balanced", "prior"] = "balanced"
     lambda_: float = Field(
         0.5,

@@ -18,11 +18,16 @@ queue), or the selection heuristic. A node that receives nothing keeps training
 the model it holds.
 
 Intake: in a ring a node takes a relay only from its ring predecessor, the
-nearest member before it that it does not hold dead (the mirror of the sender's
-skip; `relay_not_predecessor` otherwise); with the other successors, from any
-member. Either way one relay per sender per round (`relay_duplicate`), none of
-an earlier round (`relay_wrong_round`), and one of the next EARLY_RELAYS rounds
-only after every check, held for its round, one per sender.
+nearest member before it that it holds alive (`ctx.peers()`: a suspect, unknown
+or failed member counts as gone, the mirror of the sender's skip;
+`relay_not_predecessor` otherwise); with the other successors, from any member.
+Either way one relay per sender per round (`relay_duplicate`), none of an
+earlier round (`relay_wrong_round`). One of the next EARLY_RELAYS rounds is held
+for its round after the checks that cost nothing (its sender is that round's
+predecessor, its buffer's count and shape are within bounds), one per round in
+a ring, one per sender otherwise; all other checks, and any pull of its
+buffer, run in its own round. Intake ends at the round's deadline, and a pull
+never runs past it (nor past `round_timeout_s`).
 
 The relayed model replaces the receiver's own, so it must fit that model: the
 same keys, shapes and dtypes, finite values, and an L2 norm at most
@@ -68,7 +73,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from genbuffer.buffer import verify_buffer
+from genbuffer.buffer import check_buffer_layout, verify_buffer
 from genbuffer.config import GenbufferSection
 from genbuffer.errors import SyntheticBufferError
 from genbuffer.gate import GateDecision, PrivacyGateRefused, gate_status
@@ -92,7 +97,7 @@ log = logging.getLogger(__name__)
 
 RELAY_KIND = "feder"  # model and/or buffer pushed to the successor
 BUFFER_KIND = "buffer"  # pull a buffer by hash (when a relay carried only the hash)
-EARLY_RELAYS = 4  # a relay of round r+1..r+4 is checked and held for its round, one per sender
+EARLY_RELAYS = 4  # a relay of round r+1..r+4 is held, and checked in full in its round
 LIVENESS_POLL_S = 0.5  # how often a relay waiting on its predecessor's death is looked at again
 # What a received buffer may be, federation-wide: sites set genbuffer.resolution,
 # genbuffer.channels, their generator and protocol.buffer_size each for itself,
@@ -324,8 +329,8 @@ class FedER(RoundLoop[FedERParams]):
         self.last_received_hash: str | None = None  # the buffer replayed until a new one comes
         self.num_classes: int | None = None
         self.refused = 0  # relays refused this round
-        self.early: dict[str, Relay] = {}  # sender -> its checked relay of a later round
-        self.waiting: dict[str, Received | Relay] = {}  # this round's, behind the predecessor
+        self.early: list[Received] = []  # relays of rounds r+1..r+4, held (hold_or_refuse)
+        self.waiting: dict[str, Received] = {}  # this round's, behind the predecessor
         self.compression = parse(params.compression)  # how the relayed model travels
 
     @property
@@ -394,8 +399,10 @@ class FedER(RoundLoop[FedERParams]):
 
     def sender_status(self, ctx: RoundContext, sender: str, round_no: int) -> str:
         """Whether this node takes a relay of `round_no` from `sender`: "ok";
-        "wait" (a ring member farther back than the predecessor: "ok" once the
-        members between are dead to this node); "no" (not a member)."""
+        "wait" (a ring member farther back than the predecessor: "ok" once no
+        member between is alive to this node, `ctx.peers()`: a suspect, unknown
+        or failed member counts as gone, as it does for a sender picking its
+        successor); "no" (not a member)."""
         roster = ctx.roster()
         if sender == ctx.me or sender not in roster:
             return "no"
@@ -417,28 +424,63 @@ class FedER(RoundLoop[FedERParams]):
         ctx.reject(msg.sender, reason)
         self.refused += 1
 
-    async def hold_or_refuse(
-        self, ctx: RoundContext, msg: Received, r: int, reference: dict[str, Tensor]
-    ) -> None:
+    @staticmethod
+    def unfit_to_hold(msg: Received) -> str | None:
+        """The refusal of a relay any check that costs nothing sees (it names a
+        buffer; a buffer it brings is the one named, within the count and shape
+        bounds), or None. No pixel is read, no model touched, nothing awaited."""
+        p = msg.payload
+        if not isinstance(p, dict) or not is_sha256(p.get("buffer_hash")):
+            return "relay_malformed"
+        buffer = p.get("buffer")
+        if buffer is None:
+            return None
+        if isinstance(buffer, dict) and buffer.get("content_hash") != p["buffer_hash"]:
+            return "relay_buffer_mismatch"
+        try:
+            check_buffer_layout(buffer, **BUFFER_BOUNDS)
+        except SyntheticBufferError as exc:
+            return f"relay_{exc.reason}"
+        return None
+
+    def hold_or_refuse(self, ctx: RoundContext, msg: Received, r: int) -> None:
         """A relay of another round than `r`: one of rounds r+1..r+EARLY_RELAYS
-        from that round's predecessor is checked now and held for its round, one
-        per sender; any other is refused and counted."""
-        if not r < msg.round <= r + EARLY_RELAYS:
+        from that round's predecessor is held for its round after the checks
+        that cost nothing (`unfit_to_hold`); every other check, and any pull of
+        its buffer, runs in its own round, so no relay of another round spends
+        this round's time. With `successor: ring` one relay is held per round,
+        from its predecessor (an honest sender may precede this node in several
+        of those rounds); with the other successors, where any member may send,
+        one per sender, so no sender pins them all. Any other is refused and
+        counted."""
+        m = msg.round
+        if not r < m <= r + EARLY_RELAYS:
             self.refuse(ctx, msg, "relay_wrong_round", r)
             return
-        held = self.early.get(msg.sender)
-        if held is not None:  # a sender gets one slot: it cannot pin them all
-            same = held.msg.round == msg.round
-            self.refuse(ctx, msg, "relay_duplicate" if same else "relay_wrong_round", r)
+        if any(x.sender == msg.sender and x.round == m for x in self.early):
+            self.refuse(ctx, msg, "relay_duplicate", r)
             return
-        if self.sender_status(ctx, msg.sender, msg.round) != "ok":
+        if self.sender_status(ctx, msg.sender, m) != "ok":
             self.refuse(ctx, msg, "relay_not_predecessor", r)
             return
-        relay = await self.accept(ctx, msg, reference)
-        if relay is None:
-            self.refused += 1
+        reason = self.unfit_to_hold(msg)
+        if reason is not None:
+            self.refuse(ctx, msg, reason, r)
             return
-        self.early[msg.sender] = relay
+        if self.params.successor == "ring":
+            rival = next((x for x in self.early if x.round == m), None)
+            if rival is not None:
+                if self.sender_status(ctx, rival.sender, m) == "ok":
+                    self.refuse(ctx, msg, "relay_wrong_round", r)  # the round's slot is taken
+                    return
+                # A nearer member is alive again: the one held is no longer the
+                # round's predecessor (in its round it would only wait), this one is.
+                self.early.remove(rival)
+                self.refuse(ctx, rival, "relay_not_predecessor", r)
+        elif any(x.sender == msg.sender for x in self.early):
+            self.refuse(ctx, msg, "relay_wrong_round", r)  # its one slot is taken
+            return
+        self.early.append(msg)
 
     async def receive_relay(
         self, ctx: RoundContext, r: int, reference: dict[str, Tensor]
@@ -451,23 +493,26 @@ class FedER(RoundLoop[FedERParams]):
         when the round's relay is taken or the time is up. A relay of an earlier
         round is refused (`relay_wrong_round`): stale or replayed, it must not
         replace this round's; one of a later round goes to `hold_or_refuse`.
-        Extra relays stay queued."""
+        Intake ends at the round's deadline (`round_timeout_s` after it began),
+        whatever is still queued, and no pull runs past it: relays still queued
+        stay for the next round (which refuses or holds them), held ones of this
+        round not yet looked at are refused (`relay_wrong_round`)."""
         inbox = ctx.inbox(RELAY_KIND)
-        held: list[Received | Relay] = [x for x in self.early.values() if x.msg.round == r]
-        self.early = {s: x for s, x in self.early.items() if x.msg.round > r}
-        seen = {x.msg.sender for x in held}  # one relay per sender per round
+        held = [x for x in self.early if x.round == r]
+        self.early = [x for x in self.early if x.round > r]
+        seen = {x.sender for x in held}  # one relay per sender per round
         waiting = self.waiting = {}  # sender -> its relay of round r, behind the predecessor
         deadline = time.monotonic() + self.params.round_timeout_s
         taken: Received | None = None
         while taken is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             ready = [s for s in waiting if self.sender_status(ctx, s, r) == "ok"]
             if held or ready:
-                item = held.pop(0) if held else waiting.pop(ready[0])
-                taken = await self.consider(ctx, item, r, reference)
+                msg = held.pop(0) if held else waiting.pop(ready[0])
+                taken = await self.consider(ctx, msg, r, reference, deadline)
                 continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 and inbox.empty():
-                break
             try:
                 if inbox.empty():
                     wait = min(remaining, LIVENESS_POLL_S) if waiting else remaining
@@ -477,43 +522,37 @@ class FedER(RoundLoop[FedERParams]):
             except TimeoutError:
                 continue
             if msg.round != r:
-                await self.hold_or_refuse(ctx, msg, r, reference)
+                self.hold_or_refuse(ctx, msg, r)
             elif msg.sender in seen:
                 self.refuse(ctx, msg, "relay_duplicate", r)
             else:
                 seen.add(msg.sender)
-                taken = await self.consider(ctx, msg, r, reference)
-        for item in waiting.values():
-            self.refuse(
-                ctx, item.msg if isinstance(item, Relay) else item, "relay_not_predecessor", r
-            )
+                taken = await self.consider(ctx, msg, r, reference, deadline)
+        for msg in held:  # the round's relay was taken, or its time ran out, first
+            self.refuse(ctx, msg, "relay_wrong_round", r)
+        for msg in waiting.values():
+            self.refuse(ctx, msg, "relay_not_predecessor", r)
         waiting.clear()
         return taken
 
     async def consider(
         self,
         ctx: RoundContext,
-        item: Received | Relay,
+        msg: Received,
         r: int,
         reference: dict[str, Tensor],
+        deadline: float,
     ) -> Received | None:
-        """One relay of round `r`: taken (returned), set waiting, or refused and counted.
-        One held since it came early was checked then: its model is checked again
-        against this round's."""
-        msg = item.msg if isinstance(item, Relay) else item
+        """One relay of round `r` (also one held since it came early): taken
+        (returned), set waiting, or refused and counted."""
         status = self.sender_status(ctx, msg.sender, r)
         if status == "wait":
-            self.waiting[msg.sender] = item
+            self.waiting[msg.sender] = msg
             return None
         if status == "no":
             self.refuse(ctx, msg, "relay_not_predecessor", r)
             return None
-        if isinstance(item, Relay):
-            relay = (
-                item if self.admits(ctx, msg.sender, msg.payload.get("model"), reference) else None
-            )
-        else:
-            relay = await self.accept(ctx, msg, reference)
+        relay = await self.accept(ctx, msg, reference, deadline)
         if relay is None:
             self.refused += 1
             return None
@@ -534,10 +573,12 @@ class FedER(RoundLoop[FedERParams]):
         )
 
     async def accept(
-        self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor]
+        self, ctx: RoundContext, msg: Received, reference: dict[str, Tensor], deadline: float
     ) -> Relay | None:
         """Every check of a relay, or None: refused and counted (`relay_<reason>`,
-        `compression_<reason>`). Nothing is stored: `take` does that."""
+        `compression_<reason>`). Nothing is stored: `take` does that. A buffer
+        it names and does not bring is pulled until `deadline` at the latest
+        (the round's) and for at most `round_timeout_s`."""
         p = msg.payload
         if not isinstance(p, dict) or not is_sha256(p.get("buffer_hash")):
             log.warning("%s: malformed relay from %s", ctx.me, msg.sender)
@@ -556,10 +597,11 @@ class FedER(RoundLoop[FedERParams]):
             buffer_checked, images = self.buffers[digest], self.replay[digest]
         else:
             if buffer is None:
-                try:  # a buffer we should have but lost: pull it once
-                    buffer = await ctx.request(
-                        msg.sender, BUFFER_KIND, {"hash": digest}, self.params.round_timeout_s
-                    )
+                try:  # a buffer we should have but lost: pull it once, within the round
+                    timeout = min(self.params.round_timeout_s, deadline - time.monotonic())
+                    if timeout <= 0:
+                        raise PeerUnavailable(msg.sender, "the round's time is up")
+                    buffer = await ctx.request(msg.sender, BUFFER_KIND, {"hash": digest}, timeout)
                 except PeerUnavailable as exc:
                     log.warning(
                         "%s: relay from %s refused: its buffer %s is unavailable (%s)",

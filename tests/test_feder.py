@@ -369,13 +369,14 @@ def _buffer_of(images: torch.Tensor, labels: torch.Tensor | None = None) -> dict
     return {"images": images, "labels": y, "content_hash": buffer_content_hash(images, y)}
 
 
-def _victim_config(tmp_path: Path, rounds: int = 1, **protocol: object):
+def _victim_config(tmp_path: Path, rounds: int = 1, seed: int = 0, **protocol: object):
     parts = tmp_path / "parts"
     if not parts.exists():
         partition_dataset("digits", 2, "iid", parts, seed=0)
     (cfg,) = simulation_configs(
         [str(parts / "site_0.npz")],
         names=["victim"],
+        seed=seed,
         protocol={
             "name": "feder",
             "rounds": rounds,
@@ -679,36 +680,37 @@ def test_only_the_ring_predecessor_replaces_the_model_and_far_early_relays_hold_
     victim, records, rejected = _run_victim(cfg, pushes, members=("bob", "zed"))
     assert victim.merged == [[1, [["bob", 1]]], [2, [["bob", 2]]]]
     assert records[1]["received"] == records[2]["received"] == 1
-    assert victim.early == {}
+    assert victim.early == []
     assert ("bob", "relay_wrong_round") not in rejected
     assert rejected.count(("zed", "relay_wrong_round")) == 4  # round 2^31-1...: not held
     assert rejected.count(("zed", "relay_not_predecessor")) == 2
     assert len(rejected) == 6
 
 
-def test_an_honest_predecessor_one_round_ahead_is_held_once_and_taken_in_its_round(
+def test_an_honest_predecessor_rounds_ahead_is_held_and_taken_in_each_round(
     tmp_path: Path,
 ) -> None:
-    """The predecessor's relay of round 2 arrives before its relay of round 1:
-    it is checked and held, and taken in round 2. A second relay of a held
-    round from the same sender is refused (`relay_duplicate`), and one of
-    another round too (one slot per sender). An early relay that fails a check
-    is refused at once, never held."""
-    cfg = _victim_config(tmp_path, rounds=2)
+    """The ring predecessor (of every round: two members) relays rounds 2 and 3
+    before round 1: both are held, one per round, and taken in their rounds. A
+    second relay of a held round from the same sender is refused
+    (`relay_duplicate`). An early relay is checked in full in its own round:
+    one that fails a check there is refused and counted then."""
+    cfg = _victim_config(tmp_path, rounds=3)
     model, buffer = _model(cfg), _buffer()
     huge = _marked(model, 1e3)
     pushes = [
         ("mallory", 2, _relay(model, buffer, 2)),
         ("mallory", 2, _relay(model, buffer, 2)),  # the same round again
-        ("mallory", 3, _relay(model, buffer, 3)),  # it holds round 2's already
+        ("mallory", 3, _relay(model, buffer, 3)),  # another round: held too
         ("mallory", 1, _relay(model, buffer, 1)),
     ]
     victim, records, rejected = _run_victim(cfg, pushes)
-    assert records[1]["received"] == records[2]["received"] == 1
-    assert victim.merged == [[1, [["mallory", 1]]], [2, [["mallory", 2]]]]
-    assert rejected == [("mallory", "relay_duplicate"), ("mallory", "relay_wrong_round")]
+    assert [records[r]["received"] for r in (1, 2, 3)] == [1, 1, 1]
+    assert victim.merged == [[r, [["mallory", r]]] for r in (1, 2, 3)]
+    assert rejected == [("mallory", "relay_duplicate")]
     victim, records, rejected = _run_victim(cfg, [("mallory", 2, _relay(huge, buffer, 2))])
-    assert rejected == [("mallory", "relay_huge_norm")] and records[1]["relays_refused"] == 1
+    assert rejected == [("mallory", "relay_huge_norm")]
+    assert records[1]["relays_refused"] == 0 and records[2]["relays_refused"] == 1
     assert records[2]["received"] == 0
 
 
@@ -766,7 +768,132 @@ def test_with_random_successors_each_sender_has_one_relay_per_round(tmp_path: Pa
     assert rejected == [("mallory", "relay_huge_norm"), ("mallory", "relay_duplicate")]
 
 
-# ---------------------------------------------------------------------- buffers of other sites (R4)
+# ---------------------------------------------------------------------- second review (R1-R5)
+
+
+def _predecessor(names: list[str], seed: int, round_no: int) -> str:
+    from protocols.feder import ring_predecessors
+
+    ring = derive_ring(names, seed=seed, round_no=round_no)
+    (pred,) = ring_predecessors(ring, "victim", set(names) - {"victim"})
+    return pred
+
+
+@pytest.mark.parametrize("queued", [0, 12])
+def test_early_relays_never_pull_in_another_round_so_queueing_them_stalls_nothing(
+    tmp_path: Path, queued: int
+) -> None:
+    """R1: a relay of round r+1..r+4 was checked in full on arrival, buffer
+    pull included: each naming a buffer its sender never serves blocked round
+    r's exchange for round_timeout_s while the honest predecessor's relay
+    waited in the inbox (k of them: k x the timeout; 256 x 120 s with the
+    defaults). Now an early relay is held after the checks that cost nothing,
+    one per round, and pulls only in its own round, within that round's time:
+    however many mallory queues, round 1 takes bob's relay at once and round 2
+    ends by its deadline."""
+    timeout = 1.5
+    names = ["bob", "mallory", "victim"]
+    assert _predecessor(names, 4, 1) == "bob" and _predecessor(names, 4, 2) == "mallory"
+    cfg = _victim_config(tmp_path, rounds=2, seed=4, round_timeout_s=timeout)
+    model, good = _model(cfg), _buffer()
+    pushes = [  # round 2 relays naming buffers nobody serves, before bob's of round 1
+        ("mallory", 2, _relay(model, None, 2, buffer_hash=f"{i:064x}")) for i in range(queued)
+    ]
+    pushes.append(("bob", 1, _relay(model, good, 1)))
+    victim, records, rejected = _run_victim(cfg, pushes, members=("bob", "mallory"))
+    assert records[1]["received"] == 1 and victim.merged[0] == [1, [["bob", 1]]]
+    assert records[1]["exchange_s"] < timeout / 2, records[1]  # nothing pulled in round 1
+    assert records[2]["exchange_s"] < timeout + 1.0, records[2]  # its pull ends by the deadline
+    assert records[2]["received"] == 0
+    expected = [("mallory", "relay_duplicate")] * (queued - 1)
+    if queued:
+        expected.append(("mallory", "relay_buffer_unavailable"))  # pulled in round 2
+    assert rejected == expected
+
+
+def test_a_pull_never_outlasts_the_round_and_intake_ends_at_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """R1: a pull waited round_timeout_s wherever in the round it began (a relay
+    that became ready late stretched the round to 2 x the timeout), and the
+    intake loop ran on after the deadline while the inbox held anything. Now a
+    pull ends by the round's deadline, and intake ends there too: what is
+    still queued is refused by the next round (`relay_wrong_round`), counted."""
+    from protocols.feder import RELAY_KIND, FedER
+
+    timeout = 3.0
+    names = ["bob", "zed", "victim"]
+    ring = derive_ring(names, seed=0, round_no=1)
+    assert ring_successor(ring, "zed", {"bob", "victim"})[0] == "bob"  # zed -> bob -> victim
+    cfg = _victim_config(tmp_path, rounds=2, round_timeout_s=timeout)
+    network = InMemoryNetwork(inline_train=True)
+    victim = FedER(cfg.protocol)  # type: ignore[arg-type]
+    victim.own_buffer = _buffer()
+    network.join("bob")
+    zed = network.join("zed")  # serves no buffer: its pull waits until it is cut off
+    model = _model(cfg)
+
+    async def scenario() -> None:
+        ctx = network.join("victim", cfg)
+        # zed's relay waits behind bob; its buffer must be pulled
+        await zed.send("victim", RELAY_KIND, _relay(model, None, 1, buffer_hash="1" * 64), 1)
+        task = asyncio.create_task(victim.run(ctx))
+        while set(victim.waiting) != {"zed"} and not task.done():
+            await asyncio.sleep(0.01)  # the round began; zed's relay waits behind bob
+        await asyncio.sleep(timeout / 2)
+        network.kill("bob")  # zed's relay is ready: its pull may use what is left
+        while victim.waiting and not task.done():
+            await asyncio.sleep(0.01)
+        for _ in range(20):  # queued behind the pull: still there at the deadline
+            await zed.send("victim", RELAY_KIND, _relay(model, _buffer(), 1), 1)
+        await task
+
+    asyncio.run(scenario())
+    records = {r["round"]: r for r in network.records if r["node"] == "victim"}
+    assert records[1]["exchange_s"] < timeout + 0.7, records[1]  # was ~1.5 x the timeout
+    assert records[1]["received"] == 0
+    rejected = [(r["peer"], r["reason"]) for r in network.rejections]
+    assert rejected[0] == ("zed", "relay_buffer_unavailable")
+    assert rejected[1:] == [("zed", "relay_wrong_round")] * 20  # in round 2, counted
+    assert records[2]["relays_refused"] == 20
+
+
+def test_a_ring_holds_one_early_relay_per_round_not_per_sender(tmp_path: Path) -> None:
+    """R3: one early slot per sender refused an honest sender that precedes
+    the node in two of the next rounds (`relay_wrong_round`, counted against
+    it; the node trained that round alone). In a ring one relay is held per
+    round, from that round's predecessor; another member's relay for a round
+    is refused on arrival (`relay_not_predecessor`) and takes no slot."""
+    names = ["bob", "carol", "victim"]
+    assert [_predecessor(names, 4, r) for r in (1, 2, 3)] == ["bob", "carol", "carol"]
+    cfg = _victim_config(tmp_path, rounds=3, seed=4)
+    model, buffer = _model(cfg), _buffer()
+    pushes = [
+        ("bob", 2, _relay(model, buffer, 2)),  # not round 2's predecessor
+        ("carol", 2, _relay(model, buffer, 2)),  # honest and fast: rounds 2 and 3 sent
+        ("carol", 3, _relay(model, buffer, 3)),
+        ("bob", 1, _relay(model, buffer, 1)),  # honest and late
+    ]
+    victim, records, rejected = _run_victim(cfg, pushes, members=("bob", "carol"))
+    assert [records[r]["received"] for r in (1, 2, 3)] == [1, 1, 1]
+    assert victim.merged == [[1, [["bob", 1]]], [2, [["carol", 2]]], [3, [["carol", 3]]]]
+    assert rejected == [("bob", "relay_not_predecessor")]
+
+
+def test_with_random_successors_a_sender_holds_one_early_relay(tmp_path: Path) -> None:
+    """Where any member may send (`successor: random` or `heuristic`), early
+    relays are held one per sender, so no member pins more than one slot."""
+    cfg = _victim_config(tmp_path, rounds=3, successor="random")
+    model, buffer = _model(cfg), _buffer()
+    pushes = [
+        ("mallory", 2, _relay(model, buffer, 2)),
+        ("mallory", 3, _relay(model, buffer, 3)),  # its one slot is taken
+        ("eve", 3, _relay(model, buffer, 3)),
+        ("eve", 1, _relay(model, buffer, 1)),
+    ]
+    victim, records, rejected = _run_victim(cfg, pushes, members=("mallory", "eve"))
+    assert victim.merged == [[1, [["eve", 1]]], [2, [["mallory", 2]]], [3, [["eve", 3]]]]
+    assert rejected == [("mallory", "relay_wrong_round")]
 
 
 def test_buffers_of_differently_configured_honest_sites_are_resized_not_refused(

@@ -939,3 +939,44 @@ def test_replay_images_are_made_in_chunks_like_the_whole_buffer_at_once() -> Non
     buffer = _buffer_of(torch.randint(0, 256, (2 * CONVERT_CHUNK + 3, 3, 16, 16)).to(torch.uint8))
     whole = convert_images(buffer["images"].permute(0, 2, 3, 1).contiguous().numpy(), 8, 1)
     assert np.array_equal(replay_images(buffer, 8, 1), whole)
+
+
+def test_a_held_early_relay_survives_a_restart(tmp_path: Path) -> None:
+    """R5: a relay held for a later round left the inbox, so the end-of-round
+    checkpoint counted its push as consumed (journaled, never requeued), but
+    the relay itself was not saved: a node restarted after round 1 lost its
+    round-2 relay and trained that round alone. The checkpoint now keeps held
+    relays, and the restarted node takes it in its round, checked in full."""
+    from protocols.feder import RELAY_KIND, FedER
+
+    cfg1 = _victim_config(tmp_path, rounds=1)
+    cfg2 = _victim_config(tmp_path, rounds=2)
+    model, buffer = _model(cfg1), _buffer()
+    network = InMemoryNetwork(inline_train=True)
+    mallory = network.join("mallory")  # the ring predecessor (two members)
+
+    async def first() -> None:
+        ctx = network.join("victim", cfg1)
+        await mallory.send("victim", RELAY_KIND, _relay(model, buffer, 2), 2)
+        await mallory.send("victim", RELAY_KIND, _relay(model, buffer, 1), 1)
+        victim = FedER(cfg1.protocol)  # type: ignore[arg-type]
+        victim.own_buffer = _buffer()
+        await victim.run(ctx)
+
+    asyncio.run(first())
+    saved = network.saved_state("victim")
+    assert saved is not None
+    held = [(x["sender"], x["round"]) for x in saved.get("early", [])]
+
+    async def restarted() -> FedER:
+        ctx = network.join("victim", cfg2)  # a new process: empty inboxes
+        victim = FedER(cfg2.protocol)  # type: ignore[arg-type]
+        await victim.run(ctx)
+        return victim
+
+    victim = asyncio.run(restarted())
+    records = {r["round"]: r for r in network.records if r["node"] == "victim"}
+    assert records[2]["received"] == 1 and network.rejections == []
+    assert victim.merged[-1] == [2, [["mallory", 2]]] and victim.early == []
+    assert held == [("mallory", 2)]
+    assert network.saved_state("victim")["early"] == []  # type: ignore[index]

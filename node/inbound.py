@@ -68,6 +68,8 @@ from protocols.base import Handler, NotReady, Offers, Received
 
 log = logging.getLogger(__name__)
 
+SENDER_SHARE_MIN = 8  # pushes of one kind one sender may always hold
+
 MAX_WAIT_S = 3600.0  # the longest `_wait_s` a request may carry (then capped by the config)
 BUILTIN_KINDS = frozenset({HEARTBEAT})
 
@@ -278,6 +280,16 @@ class Inbound:
         return f"{event}:{kind}" + (f":{step}" if isinstance(step, str) else "")
 
     # ------------------------------------------------------------------ pushes
+    def sender_share(self) -> int:
+        """How many pushes of one kind one sender may hold in its inbox (queued,
+        or being spooled): an equal share of `transport.inbox_size` among the
+        other roster members, at least SENDER_SHARE_MIN. Past it the push is
+        refused `queue_full` (503, which the sender retries): one member that
+        floods a kind the protocol reads slowly (FedER reads relays between
+        trainings) no longer fills the inbox its honest peers need."""
+        others = max(1, len(self.codec.roster.names()) - 1)
+        return max(SENDER_SHARE_MIN, self.inboxes.maxsize // others)
+
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
         msg_id = header.id_hex
@@ -286,9 +298,15 @@ class Inbound:
         if self.spool.has(msg_id) or msg_id in self.journal:
             return 200, None  # a retry of something we already hold (after a restart)
         queue = self.inboxes.get(header.kind)
-        if not queue.has_room():
-            raise Rejection("queue_full", header.kind)
-        queue.reserved += 1
+        share = self.sender_share()
+        if not queue.has_room(header.sender, share):
+            detail = (
+                f"{header.kind}: {header.sender[:64]!r} holds its share ({share})"
+                if queue.has_room()
+                else header.kind
+            )
+            raise Rejection("queue_full", detail)
+        queue.reserve(header.sender)
         try:
             payload = await self._open(incoming)
             # Spooled and queued together, even if the sender hangs up meanwhile:
@@ -299,7 +317,7 @@ class Inbound:
             keep.add_done_callback(lambda _: self._keeping.discard(msg_id))
             await asyncio.shield(keep)
         finally:
-            queue.reserved -= 1
+            queue.unreserve(header.sender)
         log.debug(
             "%s: spooled and acknowledged %s %s from %s",
             self.name,

@@ -70,7 +70,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,19 +199,48 @@ class Journal:
 
 
 class TrackedQueue(asyncio.Queue):  # type: ignore[type-arg]
-    """An inbox that notes which messages the protocol has taken."""
+    """An inbox that notes which messages the protocol has taken, and how
+    many each sender holds in it (queued, or reserved while being spooled)."""
 
     def __init__(self, kind: str, maxsize: int, consumed: list[Received]) -> None:
         super().__init__(maxsize=maxsize)
         self.kind = kind
         self.reserved = 0
         self._consumed = consumed
+        self.queued_by: Counter[str] = Counter()
+        self.reserved_by: Counter[str] = Counter()
 
-    def has_room(self) -> bool:
-        return self.maxsize <= 0 or self.qsize() + self.reserved < self.maxsize
+    def has_room(self, sender: str | None = None, share: int | None = None) -> bool:
+        """Room for one more: in the queue, and (given `sender` and `share`)
+        within that sender's share of it."""
+        if self.maxsize > 0 and self.qsize() + self.reserved >= self.maxsize:
+            return False
+        if sender is None or share is None:
+            return True
+        return self.queued_by[sender] + self.reserved_by[sender] < share
+
+    def reserve(self, sender: str) -> None:
+        self.reserved += 1
+        self.reserved_by[sender] += 1
+
+    def unreserve(self, sender: str) -> None:
+        self.reserved -= 1
+        self.reserved_by[sender] -= 1
+        if self.reserved_by[sender] <= 0:
+            del self.reserved_by[sender]
+
+    def _put(self, item: Received) -> None:  # called by put() and put_nowait()
+        super()._put(item)
+        self.queued_by[item.sender] += 1
+
+    def _taken(self, item: Received) -> None:
+        self.queued_by[item.sender] -= 1
+        if self.queued_by[item.sender] <= 0:
+            del self.queued_by[item.sender]
 
     def _get(self) -> Received:  # called by get() and get_nowait()
         item = super()._get()
+        self._taken(item)
         self._consumed.append(item)
         return item
 
@@ -224,7 +253,8 @@ class TrackedQueue(asyncio.Queue):  # type: ignore[type-arg]
             kept = [item for item in items if not drop(item)]
             items.clear()
             items.extend(kept)
-            for _ in gone:
+            for item in gone:
+                self._taken(item)
                 self.task_done()
         return gone
 

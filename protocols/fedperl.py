@@ -116,6 +116,14 @@ class FedPerl(SSFL):
                 problem = "gossip_features_malformed"
             if problem is None and vector_problem(theirs) is not None:
                 problem = "gossip_features_range"
+            # Kept here though selection dropped its F1 echo refusal: there
+            # honest vectors collide (per-class F1 takes few values; merged
+            # models are shared), so it refused honest twins. A feature vector
+            # is the mean and std of each entry of the model a site has just
+            # trained on its own images, before merging; two honest sites'
+            # never agree to 1e-9, so this refuses no honest peer. It stops
+            # only the exact echo: a copy off by 1e-6 passes (the stated limit,
+            # docs/threat-model.md).
             if problem is None and is_echo(theirs, own):
                 problem = "gossip_echo"
             if problem is not None:

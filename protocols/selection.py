@@ -18,13 +18,16 @@ recipient, so a hostile peer can tell each node something else. What no honest
 node could send is refused, counted through `select(reject=...)` once per
 peer, reason and round, and the peer ranked as one without a vector (after the
 scored ones): an F1 outside [0, 1] (`gossip_f1_range`; 1e300 made a liar the
-most "dissimilar" peer of every node), model statistics beyond 1e6
-(`gossip_stats_range`), and an F1 vector equal to this node's own within
-float tolerance (`gossip_echo`: sent back to each node, its own vector made
-the sender every node's most similar peer). Model statistics equal to mine
-are not refused: they describe the merged model, and nodes that merged the
-same neighbours hold the same one. A peer that lies within these bounds (a
-near copy of each node's F1, any copy of its statistics) still ranks itself
+most "dissimilar" peer of every node) and model statistics beyond 1e6
+(`gossip_stats_range`). A vector equal to mine is not refused, F1 or
+statistics: honest ones collide (two sites perfect on their validation
+splits both send [1.0] * K; two that predict only the majority class of the
+same prevalence p both send [2p / (1 + p), 0]; nodes that merged the same
+neighbours hold the same merged model). An F1 echo refusal (`gossip_echo`,
+added after a review of 2026-12) was dropped after a later review: it ranked
+such an honest twin, the most similar peer, last and counted it as lying,
+while a liar's copy off by 1e-6 passed it. A peer that lies within the
+ranges (a copy of each node's vector, exact or near) still ranks itself
 where it likes under f1 and cosine: docs/threat-model.md states it; `random`
 reads no claim.
 """
@@ -41,7 +44,7 @@ from typing import Any, ClassVar, Literal
 
 from p2pfl.config import SelectionSection
 from protocols.base import PeerInfo
-from protocols.similarity import MAX_FEATURE_ABS, cosine_to_first, is_echo
+from protocols.similarity import MAX_FEATURE_ABS, cosine_to_first
 
 Reject = Callable[[str, str], None]  # (peer, reason): RoundContext.reject
 
@@ -245,16 +248,15 @@ def peer_vectors(
 ) -> dict[str, list[float]]:
     """The `key` vectors of the peers in `pool` that can be scored against
     `mine`: those of another length are left out as before (not yet
-    published, another model); out-of-range claims and F1 echoes of `mine`
-    are refused (`heuristic.refuse`)."""
+    published, another model); out-of-range claims are refused
+    (`heuristic.refuse`). A vector equal to `mine` is scored like any other:
+    honest F1 vectors take few values and collide (module docstring)."""
     out: dict[str, list[float]] = {}
     for peer in pool:
         theirs = _vector(peer.meta, key)
         if theirs is None or len(theirs) != len(mine):
             continue
         problem = claim_problem(key, theirs)
-        if problem is None and key == F1_KEY and is_echo(theirs, mine):
-            problem = "gossip_echo"
         if problem is not None:
             heuristic.refuse(peer.name, problem)
             continue

@@ -59,8 +59,10 @@ def vector_problem(vector: list[float]) -> str | None:
 def is_echo(theirs: list[float], mine: list[float]) -> bool:
     """Whether a peer's vector equals this node's own within float tolerance:
     a peer that sends each node its own vector back (heartbeats are encoded
-    per recipient) would be every node's most similar peer. Honest vectors of
-    models trained apart never agree to 1e-9."""
+    per recipient) would be every node's most similar peer. Only for vectors
+    of models trained apart (FedPerl's feature vectors), which honest sites
+    never share to 1e-9; not for per-class F1 or merged-model statistics,
+    which honest sites do share (protocols/selection.py)."""
     return (
         bool(mine)
         and len(theirs) == len(mine)

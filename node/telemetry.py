@@ -53,8 +53,12 @@ def process_launch_time(wall_clock: Callable[[], float] = time.time) -> float:
 SENT = "sent"
 RECEIVED = "received"
 
-# A rejected message's claimed sender is unverified: bound how many we track apart.
-_MAX_REJECTING_PEERS = 256
+# A refused message's claimed sender is counted per roster site when it names
+# one (at most one entry per site), and otherwise under its claimed name in a
+# table of its own, at most this many names, the rest under _OTHER_PEER: one
+# shared table of 256 let a stranger's 256 made-up names push every later
+# refusal of a roster peer into _OTHER_PEER (a review).
+_MAX_STRANGER_NAMES = 256
 _OTHER_PEER = "<other>"
 
 
@@ -97,7 +101,8 @@ class Telemetry:
         self._edges: dict[tuple[str, str], EdgeStats] = {}
         self._remote_edges: dict[str, dict[tuple[str, str], EdgeStats]] = {}
         self._rejections: dict[str, int] = {}
-        self._rejections_by_peer: dict[str, int] = {}
+        self._rejections_by_peer: dict[str, int] = {}  # roster sites only
+        self._rejections_by_stranger: dict[str, int] = {}  # names no roster holds
         self._choices: dict[tuple[str, str], int] = {}
         self._remote_choices: dict[str, dict[tuple[str, str], int]] = {}
         self._roster: frozenset[str] | None = None  # set_roster; None: me and known peers
@@ -140,21 +145,32 @@ class Telemetry:
             stats.last = now
 
     def record_rejection(self, reason: str, peer: str | None = None) -> None:
-        """A message refused with a reason code; `peer` is the claimed sender, if
-        any: unverified (a stranger can send junk in a roster site's name), so
-        /status and the dashboard show it as claimed, as printable ASCII."""
+        """A message refused with a reason code; `peer` is the sender it claimed,
+        if any. A name on the roster is counted for that site
+        (`rejected_by_peer`, one entry per site: a refused frame's name is
+        unverified, so a stranger can still get a roster site blamed, as
+        /status and the dashboard say). Any other name is a stranger's claim:
+        counted apart (`rejected_by_stranger`, printable ASCII, at most
+        _MAX_STRANGER_NAMES names and the rest under <other>), so made-up
+        names never crowd out a roster site's refusals."""
         with self._lock:
             self._rejections[reason] = self._rejections.get(reason, 0) + 1
             if peer is None:
                 return
-            if len(peer) > MAX_NAME_CHARS:
-                peer = _OTHER_PEER
-            peer = one_line(peer, MAX_NAME_CHARS)
-            if peer not in self._rejections_by_peer and (
-                len(self._rejections_by_peer) >= _MAX_REJECTING_PEERS
-            ):
-                peer = _OTHER_PEER
-            self._rejections_by_peer[peer] = self._rejections_by_peer.get(peer, 0) + 1
+            if peer in self._names_locked() and _clean_name(peer) is not None:
+                self._rejections_by_peer[peer] = self._rejections_by_peer.get(peer, 0) + 1
+            else:
+                self._count_stranger(peer, 1)
+
+    def _count_stranger(self, peer: str, count: int) -> None:
+        """Under the lock: `count` refusals claimed by `peer`, a name no roster holds."""
+        if len(peer) > MAX_NAME_CHARS:
+            peer = _OTHER_PEER
+        peer = one_line(peer, MAX_NAME_CHARS)
+        table = self._rejections_by_stranger
+        if peer not in table and len(table) >= _MAX_STRANGER_NAMES:
+            peer = _OTHER_PEER
+        table[peer] = table.get(peer, 0) + count
 
     def record_choice(self, chooser: str, chosen: list[str]) -> None:
         """`chooser` picked `chosen` as neighbours this round (who-chose-whom matrix)."""
@@ -191,12 +207,21 @@ class Telemetry:
             for peer in list(self._remote_choices):
                 if peer not in self._roster:
                     del self._remote_choices[peer]
+            # A site no longer listed keeps its count, now among the strangers.
+            for peer in list(self._rejections_by_peer):
+                if peer not in self._roster:
+                    self._count_stranger(peer, self._rejections_by_peer.pop(peer))
 
     def _known_names(self) -> frozenset[str]:
         with self._lock:
-            if self._roster is not None:
-                return self._roster
-            return frozenset(self._peers) | {self.me}
+            return self._names_locked()
+
+    def _names_locked(self) -> frozenset[str]:
+        """Under the lock: the roster, or until it is set this node and the
+        peers `set_peer` was given."""
+        if self._roster is not None:
+            return self._roster
+        return frozenset(self._peers) | {self.me}
 
     def merge_remote_edges(self, peer_name: str, edges: list[dict[str, Any]]) -> int:
         """Replace what `peer_name` last reported about its own edges.
@@ -364,6 +389,7 @@ class Telemetry:
                 "rejected": dict(sorted(self._rejections.items())),
                 "rejected_total": sum(self._rejections.values()),
                 "rejected_by_peer": dict(sorted(self._rejections_by_peer.items())),
+                "rejected_by_stranger": dict(sorted(self._rejections_by_stranger.items())),
                 "messages": self._traffic_summary("messages"),
                 "bytes": self._traffic_summary("bytes"),
                 "queues": dict(sorted(self._queue_depths.items())),

@@ -187,6 +187,14 @@ async def test_dashboard_shows_a_failed_peer_and_why() -> None:
     assert "1 failed" in dom  # the peers tile counts it
 
 
+async def test_dashboard_shows_roster_sites_and_strangers_apart_in_the_rejections() -> None:
+    telemetry = four_node_telemetry()  # mallory is on no roster; b is
+    telemetry.record_rejection("gossip_f1_range", "b")
+    dom = await dashboard_dom(telemetry, "fedavgp2p")
+    assert "Roster sites named as sender (claimed, unverified): b (1)" in dom
+    assert "Names on no roster (claimed, unverified): mallory (1)" in dom
+
+
 async def test_dashboard_shows_the_privacy_a_site_spent() -> None:
     telemetry = four_node_telemetry()
     dom = await dashboard_dom(telemetry, "fedavgp2p")

@@ -228,5 +228,6 @@ def test_sighup_reloads_rotated_cards_and_refuses_a_removed_site_at_once(tmp_pat
         st = node.status()
         assert st is not None
         assert st["rejected"]["unknown_sender"] == 2
-        assert st["rejected_by_peer"]["b"] >= 2
+        assert st["rejected_by_stranger"]["b"] >= 2  # b is on no roster now
+        assert "b" not in st["rejected_by_peer"]
         assert node.running

@@ -113,7 +113,11 @@ def queued(node: Node) -> list[str]:
 
 def rejected(node: Node) -> dict[str, Any]:
     status = node.telemetry.status_json(node.name, "probe")
-    return {"rejected": status["rejected"], "by_peer": status["rejected_by_peer"]}
+    return {
+        "rejected": status["rejected"],
+        "by_peer": status["rejected_by_peer"],  # roster sites
+        "by_stranger": status["rejected_by_stranger"],  # names no roster holds (c, removed)
+    }
 
 
 def remove_from_roster(fed: Path, name: str) -> None:
@@ -207,7 +211,7 @@ def test_a_push_spooled_from_a_site_removed_before_the_restart_is_not_delivered(
     assert len(list(spool.glob("*.frame"))) == 1
     assert not list(spool.glob("*.corrupt"))
     seen = rejected(second)
-    assert seen["rejected"] == {"unknown_sender": 1} and seen["by_peer"] == {"c": 1}, seen
+    assert seen["rejected"] == {"unknown_sender": 1} and seen["by_stranger"] == {"c": 1}, seen
     crash(second)
 
 
@@ -248,7 +252,7 @@ def test_a_roster_reload_drops_the_queued_pushes_of_a_removed_site(tmp_path):
     assert node.inboxes.get(KIND).qsize() == 1 and len(node.inboxes.consumed) == 1
     assert len(list((fed / "b" / "state" / "spool").glob("*.frame"))) == 2  # a's and the taken
     seen = rejected(node)
-    assert seen["rejected"] == {"unknown_sender": 2} and seen["by_peer"] == {"c": 2}, seen
+    assert seen["rejected"] == {"unknown_sender": 2} and seen["by_stranger"] == {"c": 2}, seen
     assert deliver(node, push(c, "b")) == "unknown_sender"
     crash(node)
 
@@ -354,7 +358,7 @@ def test_a_push_arriving_across_the_reload_that_removes_its_sender_is_refused(tm
     assert queued(node) == []
     assert not list((fed / "b" / "state" / "spool").iterdir())
     seen = rejected(node)
-    assert seen["rejected"] == {"unknown_sender": 1} and seen["by_peer"] == {"c": 1}, seen
+    assert seen["rejected"] == {"unknown_sender": 1} and seen["by_stranger"] == {"c": 1}, seen
     crash(node)
     again = start(fed)  # and nothing of it comes back at a restart
     assert queued(again) == [] and rejected(again)["rejected"] == {}

@@ -131,7 +131,8 @@ async def test_status_reports_round_phase_peers_metrics_rejections_and_traffic(
     assert doc["metrics_round"] == 2
     assert doc["rejected"] == {"bad_signature": 2, "replay": 1}
     assert doc["rejected_total"] == 3
-    assert doc["rejected_by_peer"] == {"mallory": 2}
+    assert doc["rejected_by_peer"] == {}  # mallory is on no roster: a stranger's claim
+    assert doc["rejected_by_stranger"] == {"mallory": 2}
     assert doc["messages"]["sent"] == {"total": 4, "by_kind": {"heartbeat": 1, "model": 3}}
     assert doc["messages"]["received"] == {"total": 3, "by_kind": {"heartbeat": 2, "model": 1}}
     assert doc["bytes"]["sent"] == {"total": 3040, "by_kind": {"heartbeat": 40, "model": 3000}}
@@ -506,7 +507,7 @@ def test_a_site_the_roster_no_longer_lists_leaves_the_graph() -> None:
 def test_claimed_senders_of_rejected_messages_are_kept_printable() -> None:
     telemetry = Telemetry("a")
     telemetry.record_rejection("bad_signature", "hospital-b\u202e\x1b[31m")
-    assert telemetry.status_json("a", "x")["rejected_by_peer"] == {"hospital-b??[31m": 1}
+    assert telemetry.status_json("a", "x")["rejected_by_stranger"] == {"hospital-b??[31m": 1}
 
 
 def test_metric_history_is_bounded_and_keeps_the_latest() -> None:
@@ -543,7 +544,60 @@ def test_unverified_senders_of_rejected_messages_cannot_grow_memory_without_boun
     telemetry = Telemetry("a")
     for i in range(1000):
         telemetry.record_rejection("unknown_sender", f"forged-{i}")
-    by_peer = telemetry.status_json("a", "x")["rejected_by_peer"]
-    assert len(by_peer) <= 257
-    assert sum(by_peer.values()) == 1000
-    assert by_peer["<other>"] == 1000 - 256
+    by_stranger = telemetry.status_json("a", "x")["rejected_by_stranger"]
+    assert len(by_stranger) <= 257
+    assert sum(by_stranger.values()) == 1000
+    assert by_stranger["<other>"] == 1000 - 256
+
+
+def test_strangers_made_up_names_never_crowd_out_a_roster_peers_refusals() -> None:
+    """A review's flood: 300 made-up sender names (one unauthenticated frame
+    each; the transport books the claimed name before the signature check)
+    filled the one table of 256 names, and a roster peer's later refusals,
+    its gossip ranges included, were booked under <other>."""
+    telemetry = Telemetry("me")
+    telemetry.set_roster(["me", "liar", "honest"])
+    for i in range(300):
+        telemetry.record_rejection("unknown_sender", f"stranger-{i:03d}")
+    for _ in range(5):
+        telemetry.record_rejection("gossip_f1_range", "liar")
+    telemetry.record_rejection("tokenizer_bad_counts", "honest")
+    doc = telemetry.status_json("me", "x")
+    assert doc["rejected_by_peer"] == {"liar": 5, "honest": 1}
+    strangers = doc["rejected_by_stranger"]
+    assert len(strangers) == 257 and strangers["<other>"] == 300 - 256
+    assert "liar" not in strangers and "honest" not in strangers
+    assert doc["rejected"] == {
+        "unknown_sender": 300,
+        "gossip_f1_range": 5,
+        "tokenizer_bad_counts": 1,
+    }
+
+
+def test_a_site_removed_from_the_roster_keeps_its_refusals_among_the_strangers() -> None:
+    telemetry = Telemetry("me")
+    telemetry.set_roster(["me", "b", "c"])
+    telemetry.record_rejection("bad_signature", "b")
+    telemetry.record_rejection("bad_signature", "c")
+    telemetry.set_roster(["me", "c"])  # the federation removed b
+    telemetry.record_rejection("unknown_sender", "b")
+    doc = telemetry.status_json("me", "x")
+    assert doc["rejected_by_peer"] == {"c": 1}  # bounded by the roster
+    assert doc["rejected_by_stranger"] == {"b": 2}
+    # a site added later is counted as a roster site from then on; what was
+    # claimed in its name before stays a stranger's claim
+    telemetry.record_rejection("unknown_sender", "d")
+    telemetry.set_roster(["me", "c", "d"])
+    telemetry.record_rejection("replay", "d")
+    doc = telemetry.status_json("me", "x")
+    assert doc["rejected_by_peer"] == {"c": 1, "d": 1}
+    assert doc["rejected_by_stranger"] == {"b": 2, "d": 1}
+
+
+def test_before_the_roster_is_set_known_peers_count_as_roster_sites() -> None:
+    telemetry = Telemetry("a")
+    telemetry.set_peer("b", "alive", round_no=1, phase="train", last_seen=NOW)
+    telemetry.record_rejection("replay", "b")
+    telemetry.record_rejection("replay", "zed")
+    doc = telemetry.status_json("a", "x")
+    assert (doc["rejected_by_peer"], doc["rejected_by_stranger"]) == ({"b": 1}, {"zed": 1})

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 FEATURES_KEY = "fedperl_features"  # gossiped: {"round": r, "vector": [...]}
 VAL_ACCURACY_KEY = "val_accuracy"  # gossiped: validation accuracy of the last evaluation
-COMMUNITY_KEY = "community"  # gossiped: this node's chosen peers (observability)
+COMMUNITY_KEY = "community"  # no longer gossiped (none read it); dropped from old checkpoints
 
 Policy = Literal["static", "validation", "gated_validation", "gated_similarity"]
 POLICIES: tuple[str, ...] = ("static", "validation", "gated_validation", "gated_similarity")

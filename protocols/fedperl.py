@@ -60,6 +60,10 @@ class FedPerl(SSFL):
     """SSFL-P2P + communities + anonymized peer learning (T >= 1)."""
 
     params: FedPerlParams  # type: ignore[assignment]
+    # The community (top T, chosen, similarities) was gossiped, and no node,
+    # dashboard or bench read it: gated and never read (`gossip_read`), it is
+    # not published, nor republished from a checkpoint of before.
+    gossip_gated = SSFL.gossip_gated | {communities.COMMUNITY_KEY}
     purpose_weights: ClassVar[dict[str, float]] = {
         ANON_PURPOSE: 1.0
     }  # Eq. 4: the plain mean of the T models
@@ -193,8 +197,7 @@ class FedPerl(SSFL):
             "similarity": {name: round_sim(similarities.get(name)) for name in ranked},
             "policy": p.policy,
         }
-        self.publish(ctx, communities.COMMUNITY_KEY, community)
-        ctx.set_community(community)
+        ctx.set_community(community)  # /status only: no node reads it from the gossip
         self.community_sum, self.community_asked = None, []
         if round_no < max(p.warmup_rounds, 1) or round_no >= p.rounds:
             return {"anon_contributors": 0.0}  # warm-up (or nothing left to train)
@@ -273,7 +276,7 @@ class FedPerl(SSFL):
 
 
 def round_sim(value: float | None) -> float | None:
-    """A similarity as /status and the gossip show it: None where there is
+    """A similarity as /status shows it: None where there is
     none, or where it is not a finite number (JSON has no NaN: /status refused
     a community holding one, and the node stopped training)."""
     if value is None or not math.isfinite(float(value)):

@@ -13,7 +13,7 @@ import pytest
 
 from p2pfl.config import SelectionSection
 from protocols import create
-from protocols.communities import FEATURES_KEY, VAL_ACCURACY_KEY
+from protocols.communities import COMMUNITY_KEY, FEATURES_KEY, VAL_ACCURACY_KEY
 from protocols.rounds import RoundLoop
 from protocols.selection import F1_KEY, MODEL_STATS_KEY, RECENT_KEY
 
@@ -102,6 +102,34 @@ def test_a_resumed_node_stops_gossiping_what_its_heuristic_no_longer_reads() -> 
     ctx = Recorder(SelectionSection(name="f1"), saved)
     protocol.resume(ctx, site)  # type: ignore[arg-type]
     assert ctx.published == {F1_KEY: [0.9, 0.0], "other": 1}
+
+
+@pytest.mark.parametrize("policy", ["static", "validation"])
+def test_fedperl_never_gossips_its_community_not_even_from_an_old_checkpoint(
+    policy: str,
+) -> None:
+    """FedPerl published its community (top T, chosen, similarities) and no
+    node, dashboard or bench read it (a review): it is not read under any
+    heuristic, and a checkpoint of before, which holds it, does not bring it
+    back at a resume."""
+    protocol = create("fedperl", rounds=5, policy=policy)
+    assert isinstance(protocol, RoundLoop)
+    for name in ("random", "n_latest", "f1", "cosine"):
+        assert COMMUNITY_KEY not in protocol.gossip_read(Recorder(SelectionSection(name=name)))  # type: ignore[arg-type]
+    protocol.personal = SimpleNamespace(restore=lambda *a, **k: None)  # type: ignore[assignment]
+    saved = {
+        "protocol": "fedperl",
+        "round": 2,
+        "model": {},
+        "optimizer": None,
+        "select_by": "macro_f1",
+        "gossip": {COMMUNITY_KEY: {"top_t": ["a", "b"]}, FEATURES_KEY: {"vector": [0.1]}},
+    }
+    site = SimpleNamespace(load_state_dict=lambda s: None, load_optimizer_state=lambda s: None)
+    ctx = Recorder(SelectionSection(name="random"), saved)
+    assert protocol.resume(ctx, site) == 3  # type: ignore[arg-type]
+    assert ctx.published == {FEATURES_KEY: {"vector": [0.1]}}
+    assert COMMUNITY_KEY not in protocol.gossip
 
 
 def test_an_ssfl_federation_gossips_no_class_mix_and_no_feature_vector(

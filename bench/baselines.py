@@ -107,6 +107,16 @@ def _rounds(configs: Sequence[SiteConfig], rounds: int | None) -> int:
     return max(cfg.protocol.rounds for cfg in configs)
 
 
+def own_loss(cfg: SiteConfig) -> SiteConfig:
+    """`cfg` for a model that is not averaged across sites: under
+    training.logit_adjustment `federated` it trains with the class-weighted
+    loss, as a node's own models do (p2pfl/learning/personal.py)."""
+    if cfg.training.logit_adjustment != "federated":
+        return cfg
+    training = cfg.training.model_copy(update={"logit_adjustment": False})
+    return cfg.model_copy(update={"training": training})
+
+
 def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> BaselineResult:
     """Each site alone for `rounds` (default: the protocol's) x training.epochs epochs."""
     start = time.perf_counter()
@@ -115,7 +125,7 @@ def standalone(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> B
     final_states: dict[str, dict[str, Any]] = {}
     best_states: dict[str, dict[str, Any]] = {}
     for cfg in configs:
-        site = build_site(cfg)
+        site = build_site(own_loss(cfg))
         best = BestModel()
         for r in range(1, total + 1):
             _schedule([site], r, total)
@@ -192,7 +202,7 @@ def pooled(configs: Sequence[SiteConfig], *, rounds: int | None = None) -> Basel
     latest model and with the best one."""
     start = time.perf_counter()
     total = _rounds(configs, rounds)
-    sites = [build_site(cfg) for cfg in configs]
+    sites = [build_site(own_loss(cfg)) for cfg in configs]
     first = sites[0]
     data = dataclasses.replace(
         first.data,

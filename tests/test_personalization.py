@@ -508,6 +508,46 @@ def test_balanced_softmax_adds_the_log_prior_in_training_only(tmp_path):
     assert torch.allclose(log_class_prior(counts, 3).exp(), torch.tensor([1 / 7, 4 / 7, 2 / 7]))
 
 
+def test_logit_adjustment_federated_leaves_a_sites_own_models_their_class_weighted_loss(
+    tmp_path, monkeypatch
+):
+    """`logit_adjustment: federated` (FedRoD's split): the federated model's
+    training adds the log prior; the personal models' steps (fine-tuning,
+    trained alone, ditto) use the site's class weights, as with it off; the
+    standalone and pooled baselines train as with it off too."""
+    from bench.baselines import own_loss
+
+    cfg = digits_config(tmp_path, logit_adjustment="federated")
+    plain = digits_config(tmp_path / "plain")
+    site, reference = site_of(cfg), site_of(plain)
+    assert site.log_prior is not None and site.class_weight is None
+    # the weights the site would train with, logit adjustment off (None where
+    # its split is balanced enough to need none)
+    if reference.class_weight is None:
+        assert site.site_class_weight is None
+    else:
+        assert torch.allclose(site.site_class_weight, reference.class_weight)
+    seen: list[Any] = []
+    original = LocalSite.loss
+
+    def spy(self, x, y, weight="site"):
+        seen.append(weight)
+        return original(self, x, y, weight)
+
+    monkeypatch.setattr(LocalSite, "loss", spy)
+    personal = Personalization(cfg.training, site)
+    optimizer = torch.optim.SGD(site.model.parameters(), lr=0.0)
+    personal._steps(site, optimizer)
+    assert seen and all(w is site.site_class_weight for w in seen)
+    seen.clear()
+    site.train_epochs()  # the federated model's own training
+    assert seen and all(w == "site" for w in seen)
+    assert own_loss(cfg).training.logit_adjustment is False
+    assert own_loss(plain) is plain
+    with pytest.raises(ValueError):
+        TrainingSection(logit_adjustment="personal")
+
+
 # ---------------------------------------------------------------- real daemons, export
 
 

@@ -307,12 +307,15 @@ class TrainingSection(Section):
         "non-private baseline of the same recipe",
     )
     dp_recipe: DPRecipeSection = DPRecipeSection()
-    logit_adjustment: bool = Field(
+    logit_adjustment: bool | Literal["federated"] = Field(
         False,
         description="balanced softmax (Ren et al. 2020; as FedLC, Zhang et al. 2022, for label "
         "skew): train on logits + log(site class prior), predict with the plain logits, so the "
         "federated model is not pulled towards each site's majority class; replaces "
-        "class_weighted's weights when on",
+        "class_weighted's weights when on. federated: only the models that are averaged (the "
+        "federated model), while a site's own models (fine-tuned, trained alone, ditto) keep "
+        "the class-weighted loss, as FedRoD (Chen & Chao 2022) trains its generic and "
+        "personalized models",
     )
     personalization: PersonalizationSection = PersonalizationSection()
     select_by: Literal["macro_f1", "balanced_loss"] = Field(

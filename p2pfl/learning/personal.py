@@ -220,11 +220,18 @@ class Personalization:
         """One round's (or one epoch's) local steps of the module as it is now."""
         site.model.train()
         losses: list[float] = []
+        # logit_adjustment: federated trains only the federated model with balanced
+        # softmax; a site's own models keep its class-weighted loss (FedRoD)
+        weight: Any = (
+            getattr(site, "site_class_weight", None)
+            if getattr(site.training, "logit_adjustment", False) == "federated"
+            else "site"
+        )
         for x, y in Trainer.training_batches(site, site.training.epochs):
             x = site._augment(x)
             y = y.to(site.device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss = site.loss(x, y)
+            loss = site.loss(x, y, weight)
             if extra is not None:
                 loss = loss + extra()
             loss.backward()

@@ -86,6 +86,9 @@ class LocalSite(Trainer):
             if self.class_weighting["applied"]
             else None
         )
+        # the site's own loss weights, kept for the personal models when only the
+        # federated model trains with balanced softmax (logit_adjustment: federated)
+        self.site_class_weight = self.class_weight
         self.log_prior = (
             log_class_prior(data.class_counts("train"), data.num_classes).to(self.device)
             if training.logit_adjustment

@@ -76,13 +76,21 @@ def source_of(peername: Any, *, loopback_exempt: bool = True) -> str | None:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return None
+    # loopback as received: ::1, 127.0.0.0/8, or IPv4-mapped 127.x (a NAT64
+    # address never comes from this host)
+    if loopback_exempt and (
+        ip.is_loopback
+        or (
+            isinstance(ip, ipaddress.IPv6Address)
+            and bool(ip.ipv4_mapped and ip.ipv4_mapped.is_loopback)
+        )
+    ):
+        return None
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
-        elif ip in NAT64:
+        elif ip in NAT64:  # only the well-known /96 prefix is unpacked
             ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    if loopback_exempt and ip.is_loopback:
-        return None
     if isinstance(ip, ipaddress.IPv6Address):
         block = f"{int(ip) >> 64:016x}/64"  # the /64, without building a network object
         return f"{block}%{scope}" if ip.is_link_local and scope else block

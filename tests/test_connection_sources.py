@@ -42,6 +42,7 @@ def test_sources_are_addresses_ipv6_by_its_64_and_loopback_is_exempt() -> None:
     assert source_of(("127.0.0.1", 1)) is None
     assert source_of(("::1", 1, 0, 0)) is None
     assert source_of(("::ffff:127.0.0.1", 1, 0, 0)) is None
+    assert source_of(("64:ff9b::7f00:1", 1, 0, 0)) == "127.0.0.1"  # not loopback as received
     assert source_of(("127.0.0.2", 1), loopback_exempt=False) == "127.0.0.2"
     assert source_of("/run/sock") is None  # a Unix socket
     assert source_of(None) is None

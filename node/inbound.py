@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership
 from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX
-from node.queues import Inboxes, Journal, ReplayMarks, Spool, unlink_all
+from node.queues import Inboxes, Journal, ReplayMarks, Reservation, Spool, unlink_all
 from node.telemetry import Telemetry
 from node.transport import OFF_LOOP_BYTES, IncomingFrame, Rejection
 from p2pfl.config import SiteConfig
@@ -306,18 +306,26 @@ class Inbound:
                 else header.kind
             )
             raise Rejection("queue_full", detail)
-        queue.reserve(header.sender)
+        slot = queue.reserve(header.sender)
+        keep: asyncio.Future[None] | None = None
         try:
             payload = await self._open(incoming)
             # Spooled and queued together, even if the sender hangs up meanwhile:
             # a push on disk but not in its queue would answer the retry 200 and
             # never reach the protocol (found by the second red-team pass).
             self._keeping.add(msg_id)
-            keep = asyncio.ensure_future(self._keep(incoming, payload, queue))
-            keep.add_done_callback(lambda _: self._keeping.discard(msg_id))
+            keep = asyncio.ensure_future(self._keep(incoming, payload, queue, slot))
+            keep.add_done_callback(lambda done: self._kept(msg_id, slot, done))
             await asyncio.shield(keep)
         finally:
-            queue.unreserve(header.sender)
+            # Once _keep runs, the place is its to give back (when it queues the
+            # push, or fails): a hang-up here cancels this handler only, and the
+            # place given back now counted nowhere while the push was still being
+            # written, so a sender that hung up on each push held more than its
+            # share, and an honest push admitted meanwhile found the queue full
+            # after it was spooled (review 4, R1).
+            if keep is None:
+                slot.release()
         log.debug(
             "%s: spooled and acknowledged %s %s from %s",
             self.name,
@@ -329,22 +337,58 @@ class Inbound:
             self.faults.on_progress(header.round, "acked", own=False)  # drill: crash after an ack
         return 200, None
 
-    async def _keep(self, incoming: IncomingFrame, payload: Any, queue: Any) -> None:
+    async def _keep(
+        self, incoming: IncomingFrame, payload: Any, queue: Any, slot: Reservation
+    ) -> None:
+        """Spool the push, then queue it in place of its reservation `slot`; a
+        push that cannot be queued is removed from the spool and refused, never
+        acknowledged nor left there to answer a resend 200."""
         header = incoming.header
         msg_id = header.id_hex
-        await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
-        # The transport checked the sender against the roster before the payload
-        # streamed in; a reload (SIGHUP) since then may have removed it, and
-        # drop_unlisted ran too early for this push. Checked again here, on the
-        # event loop with no await before put_nowait, so no reload comes between.
-        if header.sender not in self.codec.roster:
-            self.spool.remove(msg_id)
-            raise Rejection(
-                "unknown_sender", f"{header.sender[:64]!r} left the roster while its push arrived"
-            )
-        self._spool_ts[msg_id] = header.timestamp_ms
-        queue.put_nowait(Received(header.sender, header.kind, header.round, payload, msg_id))
-        self.telemetry.set_queue_depth(header.kind, queue.qsize())
+        try:
+            await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
+            # The transport checked the sender against the roster before the payload
+            # streamed in; a reload (SIGHUP) since then may have removed it, and
+            # drop_unlisted ran too early for this push. Checked again here, on the
+            # event loop with no await before put_nowait, so no reload comes between.
+            if header.sender not in self.codec.roster:
+                self.spool.remove(msg_id)
+                raise Rejection(
+                    "unknown_sender",
+                    f"{header.sender[:64]!r} left the roster while its push arrived",
+                )
+            # The reserved place becomes the queued one in this step (no await).
+            slot.release()
+            try:
+                queue.put_nowait(
+                    Received(header.sender, header.kind, header.round, payload, msg_id)
+                )
+            except asyncio.QueueFull:
+                # Not expected while every push holds its place until here; if it
+                # happens, the spooled copy must go: kept, it would answer the
+                # sender's resend 200 and never reach the protocol in this run.
+                log.warning(
+                    "%s: %s %s from %r spooled but its inbox is full; removed, refused",
+                    self.name,
+                    header.kind[:64],
+                    msg_id,
+                    header.sender[:64],
+                )
+                self.spool.remove(msg_id)
+                raise Rejection("queue_full", header.kind[:64]) from None
+            self._spool_ts[msg_id] = header.timestamp_ms
+            self.telemetry.set_queue_depth(header.kind, queue.qsize())
+        finally:
+            slot.release()  # its error paths (spool write, roster): given back once
+
+    def _kept(self, msg_id: str, slot: Reservation, keep: asyncio.Future[None]) -> None:
+        """A push's _keep ended: its id may arrive again, its place is given back
+        (already, unless the task was cancelled before it ran), and an error is
+        read here too, since a sender that hung up leaves no handler to read it."""
+        self._keeping.discard(msg_id)
+        slot.release()
+        if not keep.cancelled() and (exc := keep.exception()) is not None:
+            log.debug("%s: keeping %s failed: %r", self.name, msg_id, exc)
 
     def recover(self, checkpointed: list[dict[str, Any]]) -> int:
         """At start: the ids the latest checkpoint consumed (`checkpointed`) are

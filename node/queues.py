@@ -198,6 +198,28 @@ class Journal:
             self._remember(entry["id"], int(entry.get("ts", 0)))
 
 
+class Reservation:
+    """A place held in a TrackedQueue for one push while it is spooled. It is
+    given back once, however many paths call `release`: the step that queues
+    the push (it becomes the push's place in the queue there, with no await
+    between), an error path of that spooling, or the handler if the spooling
+    never began. Released when the sender hung up instead, the place counted
+    nowhere while the push was still being written, and a sender that hung up
+    on every push held more than its share (review 4, R1)."""
+
+    __slots__ = ("queue", "sender", "held")
+
+    def __init__(self, queue: TrackedQueue, sender: str) -> None:
+        self.queue = queue
+        self.sender = sender
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.queue.unreserve(self.sender)
+
+
 class TrackedQueue(asyncio.Queue):  # type: ignore[type-arg]
     """An inbox that notes which messages the protocol has taken, and how
     many each sender holds in it (queued, or reserved while being spooled)."""
@@ -219,9 +241,12 @@ class TrackedQueue(asyncio.Queue):  # type: ignore[type-arg]
             return True
         return self.queued_by[sender] + self.reserved_by[sender] < share
 
-    def reserve(self, sender: str) -> None:
+    def reserve(self, sender: str) -> Reservation:
+        """Hold a place for a push of `sender` being spooled; given back by the
+        returned Reservation's `release`, in the step that queues the push."""
         self.reserved += 1
         self.reserved_by[sender] += 1
+        return Reservation(self, sender)
 
     def unreserve(self, sender: str) -> None:
         self.reserved -= 1

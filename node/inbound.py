@@ -30,9 +30,11 @@ Bounds against a hostile peer (issue 28):
   serves ("model" to FedAVGP2P) is refused `push_not_accepted` before it is
   opened or spooled: nothing would ever read, checkpoint or delete it. A restart
   deletes (and counts) spooled pushes of kinds no longer taken as pushes;
-- a restart queues at most `inbox_size` spooled pushes of a kind, the newest;
-  the older ones are deleted (logged, counted `queue_full`) rather than the
-  node failing to start on a full queue;
+- one sender holds at most its share of a kind's inbox (`sender_share`),
+  queued or being spooled; past it its pushes are refused `queue_full`;
+- a restart queues at most `inbox_size` spooled pushes of a kind, and at most
+  a sender's share of them, the newest; the older ones are deleted (logged,
+  counted `queue_full`) rather than the node failing to start on a full queue;
 - the numbers a request or heartbeat carries for the node itself (`_wait_s`,
   `round`) pass a pydantic schema with finite bounds, else `payload_schema`;
 - a peer may have `transport.max_held_per_peer` requests held open at once;
@@ -418,7 +420,13 @@ class Inbound:
         # holds keeps its newest (the inbox bounds pushes not yet consumed, the
         # spool those not yet checkpointed: FedER consumes and refuses old-round
         # relays at once, so more can be spooled than fit); queued oldest first.
+        # And each sender keeps at most its share of a kind (`sender_share`), as
+        # a live push would: else one sender's many spooled pushes, newer than an
+        # honest one already acknowledged, took the whole inbox and the honest
+        # push was deleted (review 4, R3).
+        share = self.sender_share()
         kept: dict[str, list[Received]] = {}
+        kept_by: dict[tuple[str, str], int] = {}
         dropped: dict[str, int] = {}
         for path in reversed(self.spool.pending()):
             msg_id = path.stem
@@ -457,8 +465,9 @@ class Inbound:
                 self.spool.remove(msg_id)
                 continue
             try:
-                if self.accepts_push(header.kind) and len(kept.get(header.kind, ())) >= (
-                    self.inboxes.maxsize or sys.maxsize
+                if self.accepts_push(header.kind) and (
+                    len(kept.get(header.kind, ())) >= (self.inboxes.maxsize or sys.maxsize)
+                    or kept_by.get((header.kind, header.sender), 0) >= share
                 ):
                     payload = None  # not queued: not opened either
                 else:
@@ -490,13 +499,16 @@ class Inbound:
             kept.setdefault(header.kind, []).append(
                 Received(header.sender, header.kind, header.round, payload, msg_id)
             )
+            kept_by[header.kind, header.sender] = kept_by.get((header.kind, header.sender), 0) + 1
         for kind, count in dropped.items():
             log.warning(
-                "%s: %d older spooled pushes of kind %r did not fit its inbox (%d); deleted",
+                "%s: %d older spooled pushes of kind %r did not fit its inbox (%d) or "
+                "their sender's share of it (%d); deleted",
                 self.name,
                 count,
                 kind[:64],
                 self.inboxes.maxsize,
+                share,
             )
         for kind, received in kept.items():
             queue = self.inboxes.get(kind)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -322,3 +323,38 @@ def test_a_push_refused_before_it_is_queued_gives_its_place_back_once(tmp_path) 
         node.trainer.shutdown(wait=False)
     assert counts == [(0, {})] * 6
     assert inbox.qsize() == 0 and not list(node.spool.pending())
+
+
+def test_a_restart_keeps_at_most_a_senders_share_of_its_spooled_pushes(tmp_path) -> None:
+    """R3: a's push, acknowledged, then 20 newer ones from c, all spooled (the
+    protocol consumed c's and no checkpoint followed). The restart keeps c's
+    newest 8 (its share) and a's, and deletes and counts c's 12 older ones.
+    Before, it kept the newest 16 whoever sent them: c held the whole inbox
+    and a's acknowledged push was deleted, never delivered."""
+    fed = federation(tmp_path)
+    node = Node(*site(fed, "b"))
+    share = node.inbound.sender_share()
+    flooder, honest = sender(fed, "c"), sender(fed, "a")
+    t0 = time.time() - 100
+    ids: list[str] = []
+    for i, codec in enumerate([honest] + [flooder] * (INBOX + 4)):
+        incoming = push(node, codec)
+        path = node.spool.persist(incoming.header.id_hex, incoming.frame)
+        os.utime(path, (t0 + i, t0 + i))  # spooled in this order
+        ids.append(incoming.header.id_hex)
+    node.trainer.shutdown(wait=False)
+
+    again = Node(*site(fed, "b"))  # the restart
+    again.inbound.accept_kinds({KIND}, pushes={KIND})
+    try:
+        assert again.inbound.recover([]) == share + 1
+        inbox = again.inboxes.get(KIND)
+        assert dict(inbox.queued_by) == {"a": 1, "c": share}
+        assert [r.msg_id for r in inbox._queue] == [ids[0]] + ids[-share:]  # oldest first
+        assert again.spool.has(ids[0])
+        assert sorted(p.stem for p in again.spool.pending()) == sorted([ids[0]] + ids[-share:])
+        counted = again.telemetry._rejections_by_peer
+        assert again.telemetry._rejections == {"queue_full": INBOX + 4 - share}
+        assert counted == {"c": INBOX + 4 - share}
+    finally:
+        again.trainer.shutdown(wait=False)

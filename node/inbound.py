@@ -284,11 +284,14 @@ class Inbound:
     # ------------------------------------------------------------------ pushes
     def sender_share(self) -> int:
         """How many pushes of one kind one sender may hold in its inbox (queued,
-        or being spooled): an equal share of `transport.inbox_size` among the
-        other roster members, at least SENDER_SHARE_MIN. Past it the push is
-        refused `queue_full` (503, which the sender retries): one member that
-        floods a kind the protocol reads slowly (FedER reads relays between
-        trainings) no longer fills the inbox its honest peers need."""
+        or being spooled, even after their sender hung up): an equal share of
+        `transport.inbox_size` among the other roster members, at least
+        SENDER_SHARE_MIN; `recover` keeps at most as many of a sender's spooled
+        pushes at a restart. Past it the push is refused `queue_full` (503,
+        which the sender's outbox sends again with backoff until the push's
+        deadline, node/outbound.py): one member that floods a kind the protocol
+        reads slowly (FedER reads relays between trainings) no longer fills the
+        inbox its honest peers need."""
         others = max(1, len(self.codec.roster.names()) - 1)
         return max(SENDER_SHARE_MIN, self.inboxes.maxsize // others)
 

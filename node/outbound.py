@@ -25,6 +25,14 @@ receiver (cut off, or `digest_mismatch`), and then ours is taken. So a push is
 counted delivered only once the receiver acted on its id (issue 28, red-team
 review: an observer could otherwise make a push vanish).
 
+A 503 `queue_full` (the receiver's inbox for that kind is full, or this node
+holds its share of it: node/inbound.py `sender_share`) is sent again the same
+way, with backoff and the same id, until the push's deadline: the receiver
+took nothing and says "later". Before, the entry was deleted after the
+client's own 4 retries (about 3 s), each of which counted toward the peer's
+circuit breaker, so one refused push opened it (review 4, R2); the client now
+hands the refusal back at once, uncounted (node/transport_client.py).
+
 A push counts as delivered only with the receiver's signed acknowledgement of
 its id (p2pfl/secure/wire.py `sign_ack`): an answer 200 without one, from a
 relay or anyone on the path, is refused `ack_unverified` and counted.
@@ -76,6 +84,9 @@ SEND_AGAIN_PAUSE_S = 0.25
 # A copy of this id is still arriving or being handled at the peer: not delivered
 # (yet), send it again with backoff.
 IN_PROGRESS = "in_progress"
+# The peer's inbox for the kind, or this node's share of it, is full (503, after
+# the client's own retries): not taken, send it again with backoff (same id).
+QUEUE_FULL = "queue_full"
 
 
 def ack_of(body: bytes) -> Any:
@@ -123,7 +134,7 @@ class Outbound:
 
     async def _deliver(self, entry: OutboxEntry, *, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or self.cfg.transport.request_timeout_s)
-        busy = 0  # answers `in_progress` so far
+        busy = 0  # answers `in_progress` or `queue_full` so far
         while True:
             # A fresh timestamp on every encoding, the same id: see the module docstring.
             message = self.codec.encode(
@@ -139,9 +150,11 @@ class Outbound:
                 status, body = await self.client.post(
                     entry.peer, message, timeout=max(0.05, remaining), answer_limit=ACK_LIMIT
                 )
+                reason = reason_of_response(status, body)
             except TransportError as exc:
-                raise PeerUnavailable(entry.peer, exc.reason) from None
-            reason = reason_of_response(status, body)
+                if exc.reason != QUEUE_FULL:
+                    raise PeerUnavailable(entry.peer, exc.reason) from None
+                status, body, reason = exc.status or 503, b"", exc.reason
             if status == 200 or (status == 409 and reason == "replayed"):
                 outcome = "ok" if status == 200 else "replayed"
                 if not self.codec.verify_ack(entry.peer, entry.msg_id, outcome, ack_of(body)):
@@ -169,7 +182,7 @@ class Outbound:
                     entry.round,
                 )
                 return
-            if reason == IN_PROGRESS:
+            if reason in (IN_PROGRESS, QUEUE_FULL):
                 busy += 1
                 t = self.cfg.transport
                 pause = SEND_AGAIN_PAUSE_S + random.uniform(
@@ -189,6 +202,8 @@ class Outbound:
                 entry.peer,
                 "as a copy of it is in progress"
                 if reason == IN_PROGRESS
+                else "as its inbox (or this node's share of it) is full"
+                if reason == QUEUE_FULL
                 else "as stamped before its restart"
                 if reason == "before_restart"
                 else "as stamped at or below its replay floor",

@@ -13,6 +13,11 @@ timeout, 502/503) moves it to the next before the backoff, so a node fails over
 between relays and then keeps using the one that works. The relay answers with
 the final receiver's own answer, so an acknowledgement stays end to end.
 
+A 503 `queue_full` is the peer saying "later" (its inbox, or this sender's
+share of it, is full), not a failure: it neither counts toward the breaker nor
+moves a relayed link to its next relay, and it is not retried here but raised
+to the caller, which knows how long its message may wait (node/outbound.py).
+
 Answers are read with the limits requests are read with (`MessageClient`), and
 a refusal's reason is read from its JSON body (`reason_of_response`): at most
 `ERROR_BODY_LIMIT` bytes of it, a string reason only.
@@ -48,6 +53,13 @@ RETRYABLE = {429, 500, 502, 503, 504}
 # unhealthy (500, 502 relay_lost, 504), or the peer is not connected to it (503
 # not_connected). Not 429: a rate limit is the sender's own to wait out.
 FAILOVER = RETRYABLE - {429}
+# The reason of a 503 that is the peer's own "later" (its inbox, or the share of
+# it a sender may hold, is full; a relay's frames in flight to it): raised to the
+# caller at once (node/outbound.py sends a push again with backoff until its
+# deadline), neither a breaker failure nor a failover. Counted as failures, one
+# push refused 5 times opened the peer's circuit for breaker_reset_s, and the
+# client's 5 tries in about 3 s were all the push got (review 4, R2).
+LATER = "queue_full"
 
 
 class ResponseRefused(Exception):
@@ -247,6 +259,12 @@ class MessageClient:
                 return status, body
             if status:
                 last_reason = _reason_of(body) or f"http_{status}"
+            if status == 503 and last_reason == LATER:
+                # The peer answered, and says "later": up, so neither a breaker
+                # failure nor a reason to leave the relay that reached it; and not
+                # retried here, the caller knows how long its message may wait.
+                link.breaker.success()
+                raise TransportError(peer, LATER, status)
             if not status or status in FAILOVER:
                 link.fail_over(url)
             link.breaker.failure(

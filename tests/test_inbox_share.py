@@ -41,12 +41,12 @@ KIND = "probe"
 INBOX = 16  # with a, b, c: two others, a share of 8 each
 
 
-def federation(tmp_path: Path) -> Path:
+def federation(tmp_path: Path, **transport: Any) -> Path:
     provision(
         tmp_path / "fed",
         ["a", "b", "c"],
         protocol={"name": "probe", "rounds": 1},
-        overrides={"transport": {"inbox_size": INBOX}},
+        overrides={"transport": {"inbox_size": INBOX, **transport}},
     )
     return tmp_path / "fed"
 

@@ -164,6 +164,29 @@ async def test_a_refusal_of_the_receiver_is_final_and_does_not_fail_over(codecs)
         await client.close()
 
 
+async def test_queue_full_through_a_relay_is_handed_back_at_once_without_failing_over(codecs):
+    """Review 4, R2: a 503 `queue_full` is the receiver's (or its relay's)
+    "later": raised to the caller after one attempt (node/outbound.py sends a
+    push again until its deadline), without moving to the next relay, and not
+    a breaker failure: the link answered (failures counted before are reset)."""
+    message = codecs["alice"].encode("probe", "bob", {"x": 1}, round=1)
+    client = MessageClient(transport(retries=3, breaker_failures=3), None)
+    try:
+        async with Endpoint(503, "queue_full") as busy, Endpoint(200) as other:
+            client.set_relayed_peer("bob", [f"127.0.0.1:{busy.port}", f"127.0.0.1:{other.port}"])
+            link = client.links["bob"]
+            link.breaker.failures = 2  # one more failure would open it
+            for _ in range(3):
+                with pytest.raises(TransportError) as err:
+                    await client.post("bob", message)
+                assert (err.value.reason, err.value.status) == ("queue_full", 503)
+            assert len(busy.bodies) == 3 and not other.bodies
+            assert link.url.endswith(f":{busy.port}{RELAY_MESSAGE_PATH}")
+            assert (link.breaker.failures, client.breaker_open("bob")) == (0, False)
+    finally:
+        await client.close()
+
+
 async def test_every_relay_down_is_a_transport_error_not_a_hang(codecs):
     ports = free_ports(2)
     message = codecs["alice"].encode("probe", "bob", {"x": 1}, round=1)

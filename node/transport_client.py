@@ -260,10 +260,14 @@ class MessageClient:
             if status:
                 last_reason = _reason_of(body) or f"http_{status}"
             if status == 503 and last_reason == LATER:
-                # The peer answered, and says "later": up, so neither a breaker
-                # failure nor a reason to leave the relay that reached it; and not
+                # "Later": from the peer, or from a relay whose own slots for it are
+                # full (node/relay.py, node/relay_tunnel.py say it too, unsigned).
+                # Not a breaker failure, nor a success that would close an open
+                # breaker (a relay answering for a hung peer would keep it
+                # closed); the next attempt goes to the next relay, if any, so a
+                # congested relay does not hold the link (review 5); and not
                 # retried here, the caller knows how long its message may wait.
-                link.breaker.success()
+                link.fail_over(url)
                 raise TransportError(peer, LATER, status)
             if not status or status in FAILOVER:
                 link.fail_over(url)

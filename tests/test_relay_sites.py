@@ -164,11 +164,15 @@ async def test_a_refusal_of_the_receiver_is_final_and_does_not_fail_over(codecs)
         await client.close()
 
 
-async def test_queue_full_through_a_relay_is_handed_back_at_once_without_failing_over(codecs):
-    """Review 4, R2: a 503 `queue_full` is the receiver's (or its relay's)
-    "later": raised to the caller after one attempt (node/outbound.py sends a
-    push again until its deadline), without moving to the next relay, and not
-    a breaker failure: the link answered (failures counted before are reset)."""
+async def test_queue_full_is_handed_back_at_once_and_the_next_try_takes_the_next_relay(codecs):
+    """Review 4, R2 and review 5: a 503 `queue_full` is the receiver's "later",
+    or a relay's whose own slots for it are full: raised to the caller after
+    one attempt (node/outbound.py sends a push again until its deadline), and
+    the next attempt goes to the next relay, so a congested relay does not
+    hold the link (review 5: every send stayed on it, 0 of 20 delivered while
+    the other relay was idle). Not a breaker failure, and no success either:
+    a breaker opened before stays open (a relay answering for a hung peer
+    must not keep closing it)."""
     message = codecs["alice"].encode("probe", "bob", {"x": 1}, round=1)
     client = MessageClient(transport(retries=3, breaker_failures=3), None)
     try:
@@ -176,13 +180,30 @@ async def test_queue_full_through_a_relay_is_handed_back_at_once_without_failing
             client.set_relayed_peer("bob", [f"127.0.0.1:{busy.port}", f"127.0.0.1:{other.port}"])
             link = client.links["bob"]
             link.breaker.failures = 2  # one more failure would open it
-            for _ in range(3):
-                with pytest.raises(TransportError) as err:
-                    await client.post("bob", message)
-                assert (err.value.reason, err.value.status) == ("queue_full", 503)
-            assert len(busy.bodies) == 3 and not other.bodies
-            assert link.url.endswith(f":{busy.port}{RELAY_MESSAGE_PATH}")
-            assert (link.breaker.failures, client.breaker_open("bob")) == (0, False)
+            with pytest.raises(TransportError) as err:
+                await client.post("bob", message)
+            assert (err.value.reason, err.value.status) == ("queue_full", 503)
+            assert len(busy.bodies) == 1 and not other.bodies
+            assert link.url.endswith(f":{other.port}{RELAY_MESSAGE_PATH}")
+            assert link.breaker.failures == 2  # neither counted nor reset
+            delivered = [(await client.post("bob", message))[0] for _ in range(5)]
+            assert delivered == [200] * 5 and len(busy.bodies) == 1
+    finally:
+        await client.close()
+
+
+async def test_queue_full_leaves_an_open_breaker_open(codecs):
+    message = codecs["alice"].encode("probe", "bob", {"x": 1}, round=1)
+    client = MessageClient(transport(retries=3, breaker_failures=1), None)
+    try:
+        async with Endpoint(503, "queue_full") as busy:
+            client.set_relayed_peer("bob", [f"127.0.0.1:{busy.port}"])
+            client.links["bob"].breaker.failure(time.monotonic(), 1, 60.0)
+            assert client.breaker_open("bob")
+            with pytest.raises(TransportError) as err:
+                await client.post("bob", message, probe=True)  # heartbeats pass it
+            assert err.value.reason == "queue_full"
+            assert client.breaker_open("bob")  # still open
     finally:
         await client.close()
 

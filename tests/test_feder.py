@@ -481,10 +481,10 @@ def test_a_buffer_the_classifier_cannot_train_on_is_refused_counted_and_never_co
     from 8 to 256 px) and count (at most MAX_BUFFER_IMAGES) are checked before
     any pixel is converted, the relay is refused with a reason and counted, and
     the node trains its own model on, over the rounds that follow too."""
-    from protocols.feder import MAX_BUFFER_IMAGES
+    from protocols.feder_buffers import MAX_BUFFER_IMAGES
 
     assert MAX_BUFFER_IMAGES == 2048
-    import protocols.feder as feder
+    import protocols.feder_buffers as feder
 
     converted: list[tuple] = []
     real = feder.convert_images
@@ -506,7 +506,7 @@ def test_a_buffer_whose_replay_images_cannot_be_made_is_a_counted_refusal(
     """Whatever making the replay images raises happens in `accept`, off the
     event loop, and is the sender's refusal (`relay_buffer_unusable`), not a
     failure of the protocol in `fit`."""
-    import protocols.feder as feder
+    import protocols.feder_buffers as feder
 
     real = feder.replay_images
 
@@ -539,7 +539,8 @@ def test_kept_buffers_are_bounded_per_sender_and_in_all_also_through_a_checkpoin
     an older version, with more, is cut to the bound, and a kept buffer that
     fails today's checks is dropped on resume instead of failing `fit`."""
     from p2pfl.config import FedERParams
-    from protocols.feder import MAX_KEPT_BUFFERS, FedER, replay_images
+    from protocols.feder import MAX_KEPT_BUFFERS, FedER
+    from protocols.feder_buffers import replay_images
 
     node = FedER(FedERParams(name="feder_a"))
     node.own_buffer, node.num_classes, node.image_size, node.channels = _buffer(), 2, 8, 1
@@ -934,7 +935,7 @@ def test_replay_images_are_made_in_chunks_like_the_whole_buffer_at_once() -> Non
     """The classifier's images are made CONVERT_CHUNK images at a time (the float
     copy convert_images makes is a chunk's, not a 2048 x 256 px buffer's)."""
     from p2pfl.learning.data.loaders import convert_images
-    from protocols.feder import CONVERT_CHUNK, replay_images
+    from protocols.feder_buffers import CONVERT_CHUNK, replay_images
 
     buffer = _buffer_of(torch.randint(0, 256, (2 * CONVERT_CHUNK + 3, 3, 16, 16)).to(torch.uint8))
     whole = convert_images(buffer["images"].permute(0, 2, 3, 1).contiguous().numpy(), 8, 1)

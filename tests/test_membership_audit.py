@@ -178,7 +178,7 @@ async def test_gan_training_progress_reaches_the_status_phase(tmp_path, monkeypa
     the node shows the last line as its phase on /status."""
     import genbuffer.train
     from p2pfl.learning.data import load_site_data
-    from protocols.feder import make_buffer
+    from protocols.feder_buffers import make_buffer
     from protocols.site import build_site
 
     parts = tmp_path / "parts"

@@ -417,7 +417,7 @@ def test_switching_the_gate_off_is_explicit_and_loud(tmp_path, caplog, parts):
     import logging
 
     from genbuffer.gate import gate_status
-    from protocols.feder import make_buffer
+    from protocols.feder_buffers import make_buffer
     from protocols.site import build_site
 
     configs = _feder_configs(tmp_path, parts)

@@ -402,7 +402,7 @@ class FedERParams(BaseParams):
     buffer_size: int = Field(
         512,
         ge=1,
-        le=2048,  # protocols.feder.MAX_BUFFER_IMAGES: what every peer takes
+        le=2048,  # protocols.feder_buffers.MAX_BUFFER_IMAGES: what every peer takes
         description="synthetic images per buffer (paper: 512; at most 2048, what a peer takes)",
     )
     buffer_per_class: Literal["balanced", "prior"] = "balanced"

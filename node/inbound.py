@@ -70,7 +70,7 @@ from protocols.base import Handler, NotReady, Offers, Received
 
 log = logging.getLogger(__name__)
 
-SENDER_SHARE_MIN = 8  # pushes of one kind one sender may always hold
+SENDER_SHARE_MIN = 8  # pushes of one kind one sender may hold (half a smaller inbox)
 
 MAX_WAIT_S = 3600.0  # the longest `_wait_s` a request may carry (then capped by the config)
 BUILTIN_KINDS = frozenset({HEARTBEAT})
@@ -286,14 +286,16 @@ class Inbound:
         """How many pushes of one kind one sender may hold in its inbox (queued,
         or being spooled, even after their sender hung up): an equal share of
         `transport.inbox_size` among the other roster members, at least
-        SENDER_SHARE_MIN; `recover` keeps at most as many of a sender's spooled
+        SENDER_SHARE_MIN and at most half the inbox; `recover` keeps at most as many of a sender's spooled
         pushes at a restart. Past it the push is refused `queue_full` (503,
         which the sender's outbox sends again with backoff until the push's
         deadline, node/outbound.py): one member that floods a kind the protocol
         reads slowly (FedER reads relays between trainings) no longer fills the
         inbox its honest peers need."""
         others = max(1, len(self.codec.roster.names()) - 1)
-        return max(SENDER_SHARE_MIN, self.inboxes.maxsize // others)
+        size = self.inboxes.maxsize
+        # never more than half the inbox, so no one sender fills a small one
+        return min(max(SENDER_SHARE_MIN, size // others), max(1, size // 2))
 
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header

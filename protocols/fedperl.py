@@ -118,6 +118,11 @@ class FedPerl(SSFL):
                 theirs = [float(x) for x in entry["vector"]]
             except (TypeError, ValueError, OverflowError):
                 problem = "gossip_features_malformed"
+            if problem is None and (not theirs or (own and len(theirs) != len(own))):
+                # the same model everywhere: another length is no honest vector,
+                # and the most common length decides the matrix (communities.py),
+                # so longer vectors from colluders would leave this node out
+                problem = "gossip_features_length"
             if problem is None and vector_problem(theirs) is not None:
                 problem = "gossip_features_range"
             # Kept here though selection dropped its F1 echo refusal: there

@@ -220,17 +220,28 @@ class NLatestSelection(Heuristic):
         return [p.name for p in sorted(pool, key=lambda p: (overlap(p), tiebreak[p.name]))]
 
 
-def _vector(meta: Mapping[str, Any], key: str) -> list[float] | None:
+def _vector(meta: Mapping[str, Any], key: str) -> list[float] | str | None:
+    """A peer's `key` vector; None where it published none; else, where it is
+    no vector of finite numbers (NaN, inf, strings, booleans, a dict), the
+    reason it is refused (`gossip_<f1|stats>_malformed`)."""
     value = meta.get(key)
+    if value is None:
+        return None
+    malformed = f"gossip_{'f1' if key == F1_KEY else 'stats'}_malformed"
     if not isinstance(value, list | tuple) or not value:
-        return None
-    try:
-        vec = [float(x) for x in value]
-    except (TypeError, ValueError, OverflowError):
-        return None
+        return malformed
+    if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in value):
+        return malformed
+    vec = [float(x) for x in value]
     if not all(math.isfinite(x) for x in vec):
-        return None
+        return malformed
     return vec
+
+
+def _own_vector(meta: Mapping[str, Any], key: str) -> list[float] | None:
+    """This node's own `key` vector, or None where it has no usable one yet."""
+    vec = _vector(meta, key)
+    return vec if isinstance(vec, list) else None
 
 
 def claim_problem(key: str, vector: list[float]) -> str | None:
@@ -254,6 +265,9 @@ def peer_vectors(
     out: dict[str, list[float]] = {}
     for peer in pool:
         theirs = _vector(peer.meta, key)
+        if isinstance(theirs, str):
+            heuristic.refuse(peer.name, theirs)
+            continue
         if theirs is None or len(theirs) != len(mine):
             continue
         problem = claim_problem(key, theirs)
@@ -299,7 +313,7 @@ class F1Selection(Heuristic):
         self.keep_out_recent(n)
 
     def rank(self, me, pool, rng, my_meta, history, k):  # type: ignore[no-untyped-def]
-        mine = _vector(my_meta, F1_KEY)
+        mine = _own_vector(my_meta, F1_KEY)
         scores: dict[str, float] = {}
         if mine is not None:
             for name, theirs in peer_vectors(self, pool, F1_KEY, mine).items():
@@ -336,7 +350,7 @@ class CosineSelection(Heuristic):
 
     def rank(self, me, pool, rng, my_meta, history, k):  # type: ignore[no-untyped-def]
         key = F1_KEY if self.vector == "f1" else MODEL_STATS_KEY
-        mine = _vector(my_meta, key)
+        mine = _own_vector(my_meta, key)
         scores: dict[str, float] = {}
         if mine is not None:
             vectors = {me: mine, **peer_vectors(self, pool, key, mine)}

@@ -533,6 +533,30 @@ def test_extreme_feature_vectors_are_refused_and_the_node_keeps_training() -> No
     )
 
 
+def test_vectors_of_another_length_are_refused_so_colluders_cannot_drop_mine() -> None:
+    """Review 6: the similarity matrix keeps the most common length, so two
+    colluders sending vectors one entry longer than the honest ones (mine and
+    h1's) left this node out of its own matrix (no similarities at all) and
+    nothing was counted; an empty vector was dropped silently too."""
+    width = 8
+    mine = [0.01 * i for i in range(width)]
+    peers = {
+        "h1": {FEATURES_KEY: {"vector": [0.012 * i for i in range(width)]}},
+        "c1": {FEATURES_KEY: {"vector": [0.02 * i for i in range(width + 1)]}},
+        "c2": {FEATURES_KEY: {"vector": [0.03 * i for i in range(width + 1)]}},
+        "c3": {FEATURES_KEY: {"vector": []}},
+    }
+    ctx = GossipContext("me", peers)
+    node = fedperl_node("me", mine, top_t=2, warmup_rounds=20)
+    sims = node.similarities(ctx)  # type: ignore[arg-type]
+    assert set(sims) == {"h1"}
+    assert sorted(ctx.rejected) == [
+        ("c1", "gossip_features_length"),
+        ("c2", "gossip_features_length"),
+        ("c3", "gossip_features_length"),
+    ]
+
+
 def test_a_nan_similarity_is_shown_as_none() -> None:
     from protocols.fedperl import round_sim
 

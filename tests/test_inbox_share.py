@@ -358,3 +358,21 @@ def test_a_restart_keeps_at_most_a_senders_share_of_its_spooled_pushes(tmp_path)
         assert counted == {"c": INBOX + 4 - share}
     finally:
         again.trainer.shutdown(wait=False)
+
+
+def test_no_one_sender_holds_more_than_half_of_a_small_inbox(tmp_path) -> None:
+    """Review 6: with `transport.inbox_size` 8 the floor of 8 was the whole
+    inbox, so one member filled it alone."""
+    provision(
+        tmp_path / "fed",
+        ["a", "b", "c", "d", "e"],
+        protocol={"name": "probe", "rounds": 1},
+        overrides={"transport": {"inbox_size": 8}},
+    )
+    fed = tmp_path / "fed"
+    node = Node(*site(fed, "b"))
+    assert node.inbound.sender_share() == 4
+    flooder, honest = sender(fed, "c"), sender(fed, "a")
+    assert [deliver(node, flooder) for _ in range(6)] == [200] * 4 + ["queue_full"] * 2
+    assert deliver(node, honest) == 200
+    node.trainer.shutdown(wait=False)

@@ -246,6 +246,29 @@ def first_choices(
             lambda me, f1, stats: {"model_stats": [1e9] * 40},
             "gossip_stats_range",
         ),
+        # review 6: vectors that are no vector of finite numbers were dropped
+        # uncounted, and strings were scored as numbers (first choice of all 8)
+        *[
+            (
+                selection.create("f1", n=0),
+                lambda me, f1, stats, v=v: {"f1": v},
+                "gossip_f1_malformed",
+            )
+            for v in (
+                ["0.9"] * K_CLASSES,
+                [float("nan")] * K_CLASSES,
+                [float("inf")] * K_CLASSES,
+                [True] * K_CLASSES,
+                [],
+                {"a": 1.0},
+                "0.9",
+            )
+        ],
+        (
+            selection.create("cosine", vector="model_stats", prefer="dissimilar", n=0),
+            lambda me, f1, stats: {"model_stats": [float("-inf")] * 40},
+            "gossip_stats_malformed",
+        ),
     ],
 )
 def test_a_peer_lying_out_of_range_is_nobodys_first_choice_and_is_counted(

@@ -238,7 +238,10 @@ class Telemetry:
         kept: dict[tuple[str, str], EdgeStats] = {}
         if peer_name not in known or peer_name == self.me:
             return 0
-        for edge in valid_entries(RemoteEdge, edges, peer_name, "edge", 2 * len(known)):
+        valid, dropped = valid_entries(RemoteEdge, edges, peer_name, "edge", 2 * len(known))
+        if dropped:
+            self.record_rejection("gossip_edges_malformed", peer_name)
+        for edge in valid:
             ends = (edge.source, edge.target)
             other = edge.target if edge.source == peer_name else edge.source
             if peer_name not in ends or other == peer_name or other == self.me:
@@ -258,7 +261,10 @@ class Telemetry:
         kept: dict[tuple[str, str], int] = {}
         if peer_name not in known or peer_name == self.me:
             return 0
-        for choice in valid_entries(RemoteChoice, choices, peer_name, "choice", len(known)):
+        valid, dropped = valid_entries(RemoteChoice, choices, peer_name, "choice", len(known))
+        if dropped:
+            self.record_rejection("gossip_choices_malformed", peer_name)
+        for choice in valid:
             chosen = choice.chosen
             if choice.chooser != peer_name or chosen == peer_name:
                 continue

@@ -6,7 +6,6 @@ untrusted input, validated here entry by entry and bounded in number.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,6 +56,13 @@ class MetricPoint:
     values: dict[str, float]
 
 
+# Bounds of a gossiped count and time: no honest node sends more (2^53, exact
+# in a float; a Unix time before the year 2286), and with "the larger count
+# wins" a peer claiming 2^63 - 1 messages took over an edge (review 6).
+MAX_GOSSIP_COUNT = 2**53
+MAX_GOSSIP_TIME = 1e10
+
+
 class RemoteEdge(BaseModel):
     """One edge as a peer gossips it (untrusted input, so validated)."""
 
@@ -64,9 +70,9 @@ class RemoteEdge(BaseModel):
 
     source: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     target: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    messages: int = Field(ge=0)
-    bytes: int = Field(ge=0)
-    last: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    messages: int = Field(ge=0, le=MAX_GOSSIP_COUNT)
+    bytes: int = Field(ge=0, le=MAX_GOSSIP_COUNT)
+    last: float = Field(0.0, ge=0.0, le=MAX_GOSSIP_TIME, allow_inf_nan=False)
 
 
 class RemoteChoice(BaseModel):
@@ -76,7 +82,7 @@ class RemoteChoice(BaseModel):
 
     chooser: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     chosen: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    count: int = Field(ge=0)
+    count: int = Field(ge=0, le=MAX_GOSSIP_COUNT)
 
 
 GossipEntry = TypeVar("GossipEntry", RemoteEdge, RemoteChoice)
@@ -88,15 +94,19 @@ def valid_entries(
     peer_name: str,
     what: str,
     limit: int = MAX_REMOTE_EDGES_PER_PEER,
-) -> Iterator[GossipEntry]:
+) -> tuple[list[GossipEntry], int]:
     """The entries of a peer's gossip that validate as `model` (at most the
     first `limit` entries, never more than MAX_REMOTE_EDGES_PER_PEER, are
-    looked at); malformed ones are dropped."""
+    looked at), and how many were malformed (dropped; the caller counts them)."""
+    valid: list[GossipEntry] = []
+    dropped = 0
     for raw in entries[: min(limit, MAX_REMOTE_EDGES_PER_PEER)]:
         try:
-            yield model.model_validate(raw)
+            valid.append(model.model_validate(raw))
         except ValidationError as error:
+            dropped += 1
             logger.debug("dropping malformed %s from %s: %s", what, peer_name, error)
+    return valid, dropped
 
 
 def edge_dict(key: tuple[str, str], stats: EdgeStats) -> dict[str, Any]:

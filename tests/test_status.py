@@ -488,6 +488,30 @@ def test_only_a_rosters_first_entries_of_a_peers_gossip_are_validated() -> None:
     assert validate.call_count == 8
 
 
+def test_malformed_or_impossible_gossiped_edges_and_choices_are_counted() -> None:
+    """Review 6: malformed entries were dropped uncounted, and a claim of
+    2^63 - 1 messages (or a `last` of 1e308) on an edge between two other
+    sites replaced the honest end's count ("the larger count wins")."""
+    telemetry = Telemetry("me")
+    telemetry.set_roster(["me", "evil", "b", "c"])
+    honest = {"source": "b", "target": "c", "messages": 10, "bytes": 100, "last": 1.0}
+    telemetry.merge_remote_edges("b", [honest])
+    hostile = [
+        {"source": "evil", "target": "b", "messages": 2**63 - 1, "bytes": 1},
+        {"source": "evil", "target": "c", "messages": 1, "bytes": 1, "last": 1e308},
+        {"source": "evil", "target": "b", "messages": -1, "bytes": 1},
+        {"source": "evil", "target": "b", "messages": float("nan"), "bytes": 1},
+        "not an edge",
+    ]
+    assert telemetry.merge_remote_edges("evil", hostile) == 0
+    assert telemetry.merge_remote_choices("evil", [{"chooser": "evil", "count": "x"}]) == 0
+    status = telemetry.status_json("me", "probe")
+    assert status["rejected"] == {"gossip_choices_malformed": 1, "gossip_edges_malformed": 1}
+    assert status["rejected_by_peer"] == {"evil": 2}
+    edges = {(e["source"], e["target"]): e for e in telemetry.peer_graph()["edges"]}
+    assert edges[("b", "c")]["messages"] == 10
+
+
 def test_a_site_the_roster_no_longer_lists_leaves_the_graph() -> None:
     telemetry = Telemetry("me")
     telemetry.set_roster(["me", "gone", "b"])

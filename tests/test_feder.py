@@ -981,3 +981,26 @@ def test_a_held_early_relay_survives_a_restart(tmp_path: Path) -> None:
     assert victim.merged[-1] == [2, [["mallory", 2]]] and victim.early == []
     assert held == [("mallory", 2)]
     assert network.saved_state("victim")["early"] == []  # type: ignore[index]
+
+
+@pytest.mark.parametrize("case", ["labels", "labels_negative", "hash"])
+def test_a_relayed_buffer_with_labels_out_of_range_or_bytes_off_its_hash_is_refused(
+    tmp_path: Path, case: str
+) -> None:
+    """Review 6: the threat model's promises that a relayed buffer's labels are
+    below the class count and its bytes match its hash had no intake test."""
+    cfg = _victim_config(tmp_path, rounds=2)
+    images = torch.zeros((8, 1, 8, 8), dtype=torch.uint8)
+    if case == "hash":
+        hostile = _buffer_of(images)
+        hostile["images"] = images + 1  # the bytes changed after hashing
+        reason = "relay_buffer_hash"
+    else:
+        bad = 7 if case == "labels" else -1  # digits here: a 2-site split of 10 classes
+        labels = torch.full((8,), bad, dtype=torch.int64)
+        labels[0] = 0
+        hostile = _buffer_of(images, labels if case == "labels_negative" else labels + 1000)
+        reason = "relay_buffer_labels"
+    _, records, rejected = _run_victim(cfg, [("mallory", 1, _relay(_model(cfg), hostile))])
+    assert rejected == [("mallory", reason)]
+    assert records[1]["received"] == 0 and set(records) == {1, 2}  # it went on

@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from p2pfl.config.errors import config_error
 from p2pfl.config.sections import (
+    MAX_CONNECTIONS_PER_SOURCE,
     FederationSection,
     LoggingSection,
     Section,
@@ -139,14 +140,7 @@ class RelayTransportSection(Section):
         "file-descriptor limit); one more is closed at once (connection_limit). A site's "
         "WebSocket is one, a sender opens up to 8",
     )
-    max_connections_per_source: int | None = Field(
-        256,
-        ge=1,
-        description="of those, connections one source address holds at once (an IPv6 one by "
-        "its /64; loopback sources are not capped); one more pushes out that source's own "
-        "oldest connection still waiting for its headers, else it is closed at once "
-        "(source_connection_limit). null: no such cap (behind a proxy that hides addresses)",
-    )
+    max_connections_per_source: int | None = MAX_CONNECTIONS_PER_SOURCE
     tls: TLSSection | None = Field(
         None,
         description="mutual TLS with the federation's CA (as the sites'): the relay then "

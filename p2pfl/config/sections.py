@@ -430,6 +430,19 @@ class TLSSection(Section):
     ca: Path = Field(description="CA bundle used to verify peers' certificates")
 
 
+# transport.max_connections_per_source, of the sites' and the relay's ports alike
+MAX_CONNECTIONS_PER_SOURCE = Field(
+    256,
+    ge=1,
+    description="of those, connections one source address holds at once (an IPv6 one by "
+    "its /64; loopback sources are not capped); one more pushes out that source's own "
+    "oldest connection still waiting for its headers, else it is closed at once "
+    "(source_connection_limit). A peer opens up to 8. null: no such cap, for a port "
+    "behind a proxy or load balancer that hides the peers' addresses (then every peer "
+    "comes from the proxy's)",
+)
+
+
 class TransportSection(Section):
     connect_timeout_s: float = Field(5.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
@@ -464,16 +477,7 @@ class TransportSection(Section):
         "up to 8. High by default: a stranger can hold a place by asking something before "
         "each keep-alive ends, so the cap is what it must open",
     )
-    max_connections_per_source: int | None = Field(
-        256,
-        ge=1,
-        description="of those, connections one source address holds at once (an IPv6 one by "
-        "its /64; loopback sources are not capped); one more pushes out that source's own "
-        "oldest connection still waiting for its headers, else it is closed at once "
-        "(source_connection_limit). A peer opens up to 8. null: no such cap, for a peer port "
-        "behind a proxy or load balancer that hides the peers' addresses (then every peer "
-        "comes from the proxy's)",
-    )
+    max_connections_per_source: int | None = MAX_CONNECTIONS_PER_SOURCE
     min_upload_bytes_per_s: float = Field(
         65536.0,
         gt=0,

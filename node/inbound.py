@@ -282,11 +282,11 @@ class Inbound:
         return f"{event}:{kind}" + (f":{step}" if isinstance(step, str) else "")
 
     # ------------------------------------------------------------------ pushes
-    def sender_share(self) -> int:
+    def sender_share(self, *, at_most_half: bool = True) -> int:
         """How many pushes of one kind one sender may hold in its inbox (queued,
         or being spooled, even after their sender hung up): an equal share of
         `transport.inbox_size` among the other roster members, at least
-        SENDER_SHARE_MIN and at most half the inbox; `recover` keeps at most as many of a sender's spooled
+        SENDER_SHARE_MIN and, for a live push, at most half the inbox; `recover` keeps at most as many of a sender's spooled
         pushes at a restart. Past it the push is refused `queue_full` (503,
         which the sender's outbox sends again with backoff until the push's
         deadline, node/outbound.py): one member that floods a kind the protocol
@@ -294,8 +294,10 @@ class Inbound:
         inbox its honest peers need."""
         others = max(1, len(self.codec.roster.names()) - 1)
         size = self.inboxes.maxsize
-        # never more than half the inbox, so no one sender fills a small one
-        return min(max(SENDER_SHARE_MIN, size // others), max(1, size // 2))
+        share = max(SENDER_SHARE_MIN, size // others)
+        # live, never more than half the inbox, so no one sender fills a small
+        # one; at a restart (`recover`) not: what is spooled was acknowledged
+        return min(share, max(1, size // 2)) if at_most_half else share
 
     async def _on_push(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header
@@ -425,11 +427,11 @@ class Inbound:
         # holds keeps its newest (the inbox bounds pushes not yet consumed, the
         # spool those not yet checkpointed: FedER consumes and refuses old-round
         # relays at once, so more can be spooled than fit); queued oldest first.
-        # And each sender keeps at most its share of a kind (`sender_share`), as
-        # a live push would: else one sender's many spooled pushes, newer than an
+        # And each sender keeps at most its share of a kind (`sender_share`, not
+        # capped at half the inbox: these were acknowledged): else one sender's many spooled pushes, newer than an
         # honest one already acknowledged, took the whole inbox and the honest
         # push was deleted (review 4, R3).
-        share = self.sender_share()
+        share = self.sender_share(at_most_half=False)
         kept: dict[str, list[Received]] = {}
         kept_by: dict[tuple[str, str], int] = {}
         dropped: dict[str, int] = {}

@@ -206,3 +206,46 @@ def test_two_cheap_review_scenarios_report_verdicts_their_evidence_supports(tmp_
             row["status"] == 200 or row["status"] >= 500 or not row["counted"]
         ), huge
     print(json.dumps({n: e["outcome"] for n, e in found.items()}))
+
+
+def test_a_junk_share_index_leaves_the_requesters_sum_correct_to_the_ring_step():
+    """secagg_bad_share_index against the real Contributors and requester: a
+    holder revealing a negative index, then junk under index 1, is counted and
+    skipped, and both sums come out right. Its tolerance was the 32-bit ring's
+    step only when the session's weight unit is 1: before the scenario set it,
+    the unbounded default W made every honest sum 'wrong' (1.3e-4 off), and the
+    bench reported a hole that was not there."""
+    from bench.attacks.secagg import bad_share_index
+
+    found = bad_share_index()
+    assert found["outcome"] == "refused", found
+    assert {row["sum"] for row in found["sums"].values()} == {"correct"}
+    assert "secagg_bad_share" in found["counted_against_liar"]
+
+
+@pytest.mark.slow
+def test_the_scenarios_that_drive_the_real_requester_or_restart_a_victim_are_conclusive(
+    tmp_path, capsys
+):
+    """The attacker's WireContext plays the part of a RoundContext that
+    secure_sum uses, and the replay scenario's victim reads no pushes of the
+    kind it serves: both drifted from the code they attack (a renamed keyword,
+    a new `sample_caps`, pushes of served kinds refused) and reported a hole as
+    'harness error' or 'did not take the legitimate frames'. Each must now
+    reach a verdict its evidence supports."""
+    out = tmp_path / "attacks"
+    result = last_json(
+        capsys,
+        ["bench.attacks", "--scenarios", "fedperl_subset_difference,replay_after_restart"]
+        + ["--out", str(out), "--timeout", "240"],
+    )
+    found = result["attacks"]
+    assert set(found) == {"fedperl_subset_difference", "replay_after_restart"}
+    for name, entry in found.items():
+        assert not entry.get("inconclusive"), (name, entry)
+        assert entry["outcome"] in ("refused", "neutralised"), (name, entry)
+    replay = found["replay_after_restart"]
+    assert replay["push_not_read_by_victim"] is True
+    assert {row["outcome"] for row in replay["resent_after_restart"].values()} == {"refused"}
+    subsets = found["fedperl_subset_difference"]
+    assert subsets["outcome"] == "neutralised", subsets  # the claimed dropout leaves noise

@@ -42,7 +42,7 @@ class Sum:
 
 class WireContext:
     """The part of a RoundContext that `secure_sum` uses (`me`, `request`,
-    `reject`, `train`), played by a RawPeer. It records every contributor's
+    `reject`, `sample_caps`, `train`), played by a RawPeer. It records every contributor's
     answer per phase (`answers`), and withholds the masked inputs of
     `withheld` from `secure_sum` (as if they never arrived) while keeping them
     (`kept`) with what peeling them needs: the advertised keys, U2, the
@@ -72,7 +72,7 @@ class WireContext:
             self.u2 = list(body["u2"])
         async with self.one_at_a_time:
             reply, payload = await asyncio.to_thread(
-                self.attacker.request, peer, kind, query, round=query["round"], wait_s=timeout
+                self.attacker.request, peer, kind, query, round_no=query["round"], wait_s=timeout
             )
         record = self.answers.setdefault(peer, {})
         if not reply.accepted or not isinstance(payload, dict) or "refused" in payload:
@@ -94,6 +94,15 @@ class WireContext:
 
     def reject(self, peer: str, reason: str) -> None:
         self.rejected.append((peer, reason))
+
+    def sample_caps(self) -> dict[str, int]:
+        """The roster cards' max_samples, as a daemon's context reads them
+        (`secure_sum` sizes its weight unit W from them)."""
+        return {
+            card.name: card.max_samples
+            for card in self.attacker.codec.roster.cards()
+            if card.max_samples is not None
+        }
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kwargs)

@@ -101,6 +101,9 @@ def bad_share_index(contributors: int = 9) -> dict[str, Any]:
                         max_round=round_,
                         reference={"w": torch.zeros(8)},
                         timeout=5.0,
+                        # every weight is 1: W = 1 keeps the ring's resolution
+                        # 2^-20 of each value, so "correct" can mean 1e-5
+                        weight_scale=1.0,
                     ),
                     timeout=60,
                 )

@@ -250,7 +250,13 @@ def replay_after_restart(
     first = {k: legit.post(victim.name, f).brief() for k, f in captured.items()}
     resend = {k: legit.post(victim.name, f).brief() for k, f in captured.items()}
     evidence: dict[str, Any] = {"first_delivery": first, "resent_before_restart": resend}
-    if not all(r["status"] == 200 for r in first.values()):
+    # Since 091d02c a FedAVGP2P node takes no pushes of the kind it serves
+    # ("model"): refused push_not_accepted before anything is spooled. That
+    # push must then stay refused after the restart too; the request and the
+    # heartbeat must have been taken.
+    push_refused = first["push"]["status"] == 404 and first["push"]["reason"] == "push_not_accepted"
+    evidence["push_not_read_by_victim"] = push_refused
+    if not all(r["status"] == 200 for k, r in first.items() if not (k == "push" and push_refused)):
         return inconclusive("3", "the victim did not take the legitimate frames", **evidence)
     victim.kill()
     victim.start()

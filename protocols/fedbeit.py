@@ -274,4 +274,4 @@ class FedBEiT(Staged):
         )
         pretrain = Stage(PRETRAIN_STAGE, BEiTPretraining(p), int(p.rounds))
         first = [] if supplied or not p.tokenizer_rounds else [tokenizer]
-        return [*first, pretrain, *finetune_stage(p.finetune, p.encoder_out, p.secure_aggregation)]
+        return [*first, pretrain, *finetune_stage(p.finetune, p.encoder_out, p)]

@@ -35,6 +35,7 @@ from typing import Any
 
 import protocols
 from p2pfl.config import FedMAEParams, SiteConfig
+from p2pfl.config.protocols import secure_finetune_update
 from p2pfl.learning.data import SiteData
 from p2pfl.learning.mae import MaskedAutoencoder, create_mae, save_encoder
 from p2pfl.learning.mae_site import MAESite, save_reconstruction_grid
@@ -159,25 +160,32 @@ class FedMAE(Staged):
     def stages(self, config: SiteConfig | None) -> list[Stage]:
         p = self.params
         pretrain = Stage(PRETRAIN_STAGE, MAEPretraining(p), int(p.rounds), wrap=False)
-        return [pretrain, *finetune_stage(p.finetune, p.encoder_out, p.secure_aggregation)]
+        return [pretrain, *finetune_stage(p.finetune, p.encoder_out, p)]
 
 
-def finetune_stage(finetune: Any, encoder_out: str, secure: bool = False) -> list[Stage]:
+def finetune_stage(finetune: Any, encoder_out: str, parent: Any = None) -> list[Stage]:
     """Stage 2 (none without `protocol.finetune`): that protocol, run from the
     encoder the pre-training stage wrote (`model.pretrained_from`). With the
-    pre-training's `secure` aggregation, the stage's own: configuration makes
-    the section inherit it, and this holds it for params made in code too
-    (`model_copy`, assignment), which skip that validation."""
+    pre-training's (`parent`'s) secure aggregation, the stage's own, and its
+    collusion bounds where the section leaves them unset
+    (`secure_finetune_update`): configuration makes the section inherit them,
+    and this holds it for params made in code too (`model_copy`, assignment),
+    which skip that validation."""
     if finetune is None:
         return []
-    if secure and not getattr(finetune, "secure_aggregation", False):
+    if getattr(parent, "secure_aggregation", False):
         if "secure_aggregation" not in type(finetune).model_fields:
             raise FedMAEError(
                 "insecure_finetune",
                 f"secure_aggregation covers the fine-tuning stage, and {finetune.name} serves "
                 "its exchanges in the clear",
             )
-        finetune = finetune.model_copy(update={"secure_aggregation": True})
+        try:
+            update = secure_finetune_update(parent, finetune)
+        except ValueError as exc:
+            raise FedMAEError("insecure_finetune", str(exc)) from None
+        if update:
+            finetune = finetune.model_copy(update=update)
 
     def config(ctx: RoundContext) -> SiteConfig:
         encoder = ctx.artifact(encoder_out)

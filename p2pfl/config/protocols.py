@@ -11,7 +11,7 @@ protocols/.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -330,15 +330,42 @@ class _PreTraining(_ModelAveraging):
                 "per-step gradients in the clear: fine-tune with fedavgp2p, ssfl or fedperl, or "
                 "turn secure_aggregation off"
             )
-        if not finetune.secure_aggregation:
-            if "secure_aggregation" in finetune.model_fields_set:
-                raise ValueError(
-                    "secure_aggregation: true covers the fine-tuning stage too, but finetune says "
-                    "secure_aggregation: false; remove it (the stage inherits true) or turn both off"
-                )
+        if not finetune.secure_aggregation and "secure_aggregation" in finetune.model_fields_set:
+            raise ValueError(
+                "secure_aggregation: true covers the fine-tuning stage too, but finetune says "
+                "secure_aggregation: false; remove it (the stage inherits true) or turn both off"
+            )
+        update = secure_finetune_update(self, finetune)
+        if update:
             given = finetune.model_dump(exclude_unset=True)
-            self.finetune = type(finetune).model_validate({**given, "secure_aggregation": True})
+            self.finetune = type(finetune).model_validate({**given, **update})
         return self
+
+
+def secure_finetune_update(parent: Any, finetune: Any) -> dict[str, Any]:
+    """What a fine-tuning section inherits from a pre-training with
+    `secure_aggregation`: the flag, and the collusion bounds it leaves unset
+    (`secagg_min_contributors`, `secagg_threshold`). Only the flag was
+    inherited, so a federation that set secagg_min_contributors: 4 (three
+    colluders needed) answered sums of two in fine-tuning, where one colluder
+    and the requester peeled a model (a review, 2026-11-28). A section that
+    sets a smaller minimum than the pre-training's is refused (ValueError)."""
+    update: dict[str, Any] = {}
+    if not getattr(finetune, "secure_aggregation", False):
+        update["secure_aggregation"] = True
+    given = finetune.model_fields_set
+    least = int(getattr(parent, "secagg_min_contributors", 2))
+    if "secagg_min_contributors" in given and finetune.secagg_min_contributors < least:
+        raise ValueError(
+            f"finetune.secagg_min_contributors {finetune.secagg_min_contributors} is below the "
+            f"pre-training's {least}: secure aggregation's collusion bound covers both stages; "
+            "remove it (the stage inherits it) or raise it"
+        )
+    for name in ("secagg_min_contributors", "secagg_threshold"):
+        value = getattr(parent, name, None)
+        if name not in given and value is not None and getattr(finetune, name, None) != value:
+            update[name] = value
+    return update
 
 
 class FedMAEParams(_PreTraining):

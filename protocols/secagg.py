@@ -268,6 +268,9 @@ class Contributor:
         self.seen: dict[str, OrderedDict[str, None]] = {}  # requester -> session ids opened
         # (requester, model round) -> the model masked for it; outlives a restart
         self.ledger = ContributionLedger(ledger_path, ctx.me)
+        # the last model clipped and its copy, shared by every session over it (each
+        # Round 0 made its own: a requester's 16 open sessions held 16 copies)
+        self.clip: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     async def serve(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
         """The `secagg` handler: the phase's answer or {"refused": reason}."""
@@ -390,7 +393,7 @@ class Contributor:
         if self.max_weight is not None:
             floor = min(floor, self.max_weight)
         weight = max(weight, floor)
-        clipped = await asyncio.to_thread(clip_state, state, self.clip_norm)
+        clipped = await self._clipped(state)
         if not await asyncio.to_thread(
             fits_ring, clipped, weight / request.weight_scale, len(group), ring=request.ring
         ):
@@ -582,6 +585,11 @@ class Contributor:
             return self.ctx.pair_secret(peer, context + b"|auth")
         except PeerUnavailable:
             raise SecAggError("unknown_contributor", peer) from None
+
+    async def _clipped(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self.clip is None or self.clip[0] is not state:
+            self.clip = (state, await asyncio.to_thread(clip_state, state, self.clip_norm))
+        return self.clip[1]
 
     def _forget_before(self, round_no: int) -> None:
         self.ledger.forget_before(round_no)

@@ -112,8 +112,9 @@ wraparound, int32 on the wire: the bytes of a float32 model), so every mask
 cancels exactly. Weights are in the session's unit W (`weight_scale`, bound
 into the context): a contributor caps its weight at W, raises it to W / 2^12
 if lighter (up to its roster card: no W rounds a model out), and masks w/W and
-w/W * x, every entry within (2^31 - 1) // |U| in fixed point or it refuses
-(`out_of_range`, before it deals a share), so the sum of U3 never wraps.
+w/W * x, every entry within (2^31 - 1) // n in fixed point at w/W = 1, n the
+roster's other sites, or it refuses (`out_of_range`, before it deals a
+share: one answer whatever W and |U|), so the sum of U3 never wraps.
 
 Narrow rings: with protocol.compression fp16 / int8, the entries of 1,024
 values or more (not the smaller ones, not the weight) are masked in a 16- /
@@ -394,12 +395,12 @@ class Contributor:
             floor = min(floor, self.max_weight)
         weight = max(weight, floor)
         clipped = await self._clipped(state)
-        if not await asyncio.to_thread(
-            fits_ring, clipped, weight / request.weight_scale, len(group), ring=request.ring
-        ):
-            raise SecAggError(
-                "out_of_range", f"an entry of my model does not fit a sum of {len(group)}"
-            )
+        # Fits at full weight in the largest sum of this roster, or no sum: one answer
+        # to every request. Against the request's w/W and size, a requester searching
+        # W over these refusals read w x max|x| to five digits (a review, 2026-11-28).
+        most = min(max(len(self.ctx.roster()) - 1, len(group)), MAX_CONTRIBUTORS)
+        if not await asyncio.to_thread(fits_ring, clipped, 1.0, most, ring=request.ring):
+            raise SecAggError("out_of_range", f"an entry of my model does not fit a sum of {most}")
         self._forget_before(model_round - self.keep_rounds)
         if freshest:
             # A new asynchronous session from this requester supersedes its earlier

@@ -308,7 +308,8 @@ class _PreTraining(_ModelAveraging):
         None,
         description="a protocol section (e.g. {name: fedavgp2p, rounds: 10}) run after pre-training, "
         "starting from the pre-trained encoder; with secure_aggregation it inherits "
-        "secure_aggregation: true",
+        "secure_aggregation: true, and secagg_min_contributors and secagg_threshold where unset "
+        "(a smaller secagg_min_contributors is refused)",
     )
 
     @model_validator(mode="after")

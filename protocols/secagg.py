@@ -85,9 +85,9 @@ Rules every contributor enforces (the requester is not trusted):
   - it is in U and R is not; U is at least MIN_SUM roster members;
   - a session id is answered once per round of the protocol, in order, and
     never opened twice (the last MAX_SEEN_SESSIONS ids per requester);
-  - ONE MASKED INPUT PER (requester, model version): once a contributor has
-    masked its model of round m for R, it refuses any other session of R over
-    that model. A contributor that drops out after masking is handled inside
+  - ONE MASKED INPUT PER (requester, model): once a contributor has masked a
+    model for R, it refuses any other session of R over that model (its
+    digest, whatever round it is served as, within the rounds it keeps). A contributor that drops out after masking is handled inside
     the session; one that drops out before anybody masked can be left out of
     a fresh session (`SecAggError.unmasked`);
   - t >= floor(2h/3) + 1 for the h = |U| - 1 other contributors of U (and >=
@@ -378,7 +378,7 @@ class Contributor:
         while len(seen) > MAX_SEEN_SESSIONS:
             seen.popitem(last=False)
         digest = await self.ledger.digest(model_round, state)
-        if self.ledger.masked(requester, model_round) == digest:
+        if self.ledger.holds(requester, digest):
             raise masked_already(request.purpose, model_round)
         if not float(weight) > 0:  # no training data: nothing to add to anybody's sum
             raise SecAggError("no_weight", "my model has no weight")
@@ -480,7 +480,7 @@ class Contributor:
     async def _mask(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "share", "mask")
-        if self.ledger.masked(session.requester, session.model_round) == session.digest:
+        if self.ledger.holds(session.requester, session.digest):
             raise masked_already(session.request.purpose, session.model_round)
         body = parse(MaskBody, raw)
         if body is None:

@@ -1,7 +1,8 @@
 """A contributor's ledger: which model it masked for which requester.
 
-One masked input per (requester, model version): a requester that obtained
-two sums over the same model could subtract them (protocols/secagg.py's
+One masked input per (requester, model), the model known by its digest
+whatever round it is served as: a requester that obtained two sums over the
+same model could subtract them (protocols/secagg.py's
 rules). The ledger outlives a restart, so a node that retrains or re-serves
 a round after a crash does not mask it into a second sum of the same
 requester; an unreadable ledger makes the node refuse to contribute at all
@@ -67,6 +68,12 @@ class ContributionLedger:
     def masked(self, requester: str, model_round: int) -> str | None:
         """The digest of the model of `model_round` masked for `requester`, if any."""
         return self.contributed.get((requester, model_round))
+
+    def holds(self, requester: str, digest: str) -> bool:
+        """Whether this model is in one of `requester`'s sums, under any round: a
+        model served unchanged in two rounds went into two sums of one requester
+        when only its round was looked up (a review, 2026-11-28)."""
+        return any(r == requester and d == digest for (r, _), d in self.contributed.items())
 
     def record(self, requester: str, model_round: int, digest: str) -> None:
         """From now on this model is in one sum of this requester's, and in no other."""

@@ -287,15 +287,15 @@ async def test_a_weight_unit_too_large_to_keep_a_model_raises_its_weight_instead
     alice = sites.exchanges["alice"].contributor
     assert alice is not None
     alice.max_weight = 10.0
-    sites.put("alice", 6, 1.0, 20)
-    sites.put("bob", 6, 3.0, 20)
+    sites.put("alice", 6, 1.5, 20)  # new models: each model goes into one sum
+    sites.put("bob", 6, 3.5, 20)
     with pytest.raises(SecAggError) as err:
         await freshest_sum(6)
     assert err.value.reason == "too_few"
     assert any(reason == "secagg_weight_scale_too_large" for _, reason in sites.counted())
     sites.network.rejections.clear()
     # a model of no weight (a site without training data) joins no sum, uncounted
-    sites.put("bob", 7, 3.0, 0)
+    sites.put("bob", 7, 3.25, 0)
     assert await raw(sites, "bob", ["alice", "bob"], at_round=7) == {"refused": "no_weight"}
     assert sites.counted() == []
 

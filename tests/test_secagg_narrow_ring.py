@@ -78,9 +78,13 @@ class Federation:
     def ask(self, members: list[str], reference: dict[str, torch.Tensor], **kw: Any) -> Any:
         kw.setdefault("weight_scale", max(self.weights.values()))
         kw.setdefault("ring", self.ring)
-        # each sum of a test its own model round: a contributor masks one model
-        # for one requester once
+        # each sum of a test its own model round, over a ledger that holds no
+        # sum yet: a contributor masks one model (known by its digest, whatever
+        # its round) for one requester once, and these tests sum the same
+        # models again to test the ring
         self.asked = getattr(self, "asked", -1) + 1
+        for contributor in self.contributors.values():
+            contributor.ledger.contributed.clear()
         return asyncio.run(
             secure_sum(
                 self.ctxs[REQUESTER],

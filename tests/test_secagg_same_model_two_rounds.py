@@ -1,0 +1,68 @@
+"""One masked input per (requester, model), whatever round the model is served as.
+
+Found by a review (2026-11-28): the ledger looked a model up by its round, so
+a site that served the same model in two rounds (a round that trained and
+merged nothing) put it into two sums of one requester, over different partners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from protocols.exchange import ServedModels
+from protocols.memory import InMemoryNetwork
+from protocols.secagg import SecAggError, secure_sum
+from protocols.secure_exchange import SecureExchange
+
+OPTIONS = dict(max_staleness=1, timeout=5.0, max_norm_ratio=10.0, max_weight_ratio=16.0)
+
+
+def two_sums(second_model_changes: bool) -> list[object]:
+    async def run() -> list[object]:
+        network = InMemoryNetwork()
+        exchanges = {}
+        for name in ("v", "a", "b"):
+            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
+            exchanges[name].start(network.join(name))
+        torch.manual_seed(0)
+        frozen = {"w": torch.randn(8)}
+        exchanges["v"].store.put(1, frozen, 10)
+        later = {"w": frozen["w"] + 1} if second_model_changes else frozen
+        exchanges["v"].store.put(2, later, 10)
+        for r in (1, 2):
+            exchanges["a"].store.put(r, {"w": torch.full((8,), float(r))}, 10)
+            exchanges["b"].store.put(r, {"w": torch.full((8,), float(-r))}, 10)
+        requester = network.join("r")
+        out: list[object] = []
+        for r, partner in ((1, "a"), (2, "b")):
+            try:
+                got = await secure_sum(
+                    requester,
+                    ["v", partner],
+                    round_no=r,
+                    max_round=r,
+                    reference={"w": torch.zeros(8)},
+                    timeout=2.0,
+                    weight_scale=10.0,
+                )
+                out.append(sorted(got.contributors))
+            except SecAggError as exc:
+                out.append(exc.reason)
+        refusals = [x["reason"] for x in network.rejections if x["peer"] == "r"]
+        return [*out, refusals]
+
+    return asyncio.run(run())
+
+
+def test_a_model_served_in_two_rounds_goes_into_one_sum_of_a_requester() -> None:
+    first, second, refusals = two_sums(second_model_changes=False)
+    assert first == ["a", "v"]
+    assert second == "too_few"  # v refused: nobody masked
+    assert refusals == ["secagg_already_contributed"]
+
+
+def test_a_new_model_of_the_next_round_still_joins_its_sum() -> None:
+    first, second, refusals = two_sums(second_model_changes=True)
+    assert first == ["a", "v"] and second == ["b", "v"] and refusals == []

@@ -213,6 +213,28 @@ def test_partition_counts_add_up_and_files_written(tmp_path: Path) -> None:
     assert site.num_classes == 10 and len(site.train) == counts[1].sum()
 
 
+def test_partition_copies_are_this_accounts_only_whatever_the_umask(tmp_path: Path) -> None:
+    """site_<i>.npz holds copies of the source's images: a review read a 0600
+    source's copies at 0644 in a 0755 folder (umask 022), open to every local account."""
+    import os
+    import stat
+
+    source = _write_npz(tmp_path / "private.npz")
+    source.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        partition_dataset(str(source), 2, "iid", tmp_path / "parts", seed=0)
+    finally:
+        os.umask(old)
+    out = tmp_path / "parts"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["partition.json", "partition.png", "site_0.npz", "site_1.npz"]
+    for path in out.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path.name
+    assert len(np.load(out / "site_1.npz")["train_images"]) == 30
+
+
 def test_global_test_gives_every_site_the_whole_test_split(tmp_path: Path) -> None:
     raw = read_source("digits")
     assert raw.test_images is not None and raw.val_labels is not None

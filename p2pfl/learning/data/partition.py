@@ -47,6 +47,7 @@ directory gets `partition.json` (per-site class counts) and `partition.png`
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import sys
@@ -57,6 +58,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from p2pfl.files import atomic_savefig, atomic_write_bytes, atomic_write_text, make_private_dir
 from p2pfl.learning.data.loaders import stratified_split
 from p2pfl.learning.data.sources import DataError, RawSplits, read_source
 
@@ -299,7 +301,7 @@ def _plot_distribution(
     if num_classes <= 20:
         ax.legend(title="class", fontsize="small", bbox_to_anchor=(1.02, 1), loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -350,8 +352,9 @@ def partition_dataset(
         eval_parts[split] = follow_class_shares(pair[1], train_counts, rng)
         if split == "test" and test == "global":
             eval_parts[split] = [np.arange(len(pair[1]), dtype=np.int64)] * sites
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    # copies of the source's images (and their labels): this account's only, whatever
+    # the umask or the source's own mode (a review read a 0600 source's copies at 0644)
+    out = make_private_dir(out)
     site_rows: list[dict[str, Any]] = []
     for site, train_idx in enumerate(train_parts):
         arrays: dict[str, np.ndarray] = {"class_names": np.array(raw.class_names)}
@@ -394,7 +397,9 @@ def partition_dataset(
                 if n and t < min_test_per_class
             }
             row.update(test_short_classes=short, test_minimum_met=not short)
-        np.savez_compressed(out / f"site_{site}.npz", **arrays)
+        packed = io.BytesIO()
+        np.savez_compressed(packed, **arrays)
+        atomic_write_bytes(out / f"site_{site}.npz", packed.getbuffer())
         site_rows.append(row)
     summary: dict[str, Any] = {
         "source": raw.source,
@@ -417,7 +422,7 @@ def partition_dataset(
         "per_site": site_rows,
         "chart": "partition.png",
     }
-    (out / "partition.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(out / "partition.json", json.dumps(summary, indent=2) + "\n")
     _plot_distribution(
         train_counts,
         raw.class_names,

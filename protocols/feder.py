@@ -91,6 +91,7 @@ from protocols.feder_buffers import (
     BUFFER_BOUNDS,
     buffer_training_tensors,
     checked_buffer,
+    gate_buffer,
     is_sha256,
     make_buffer,
 )
@@ -577,12 +578,15 @@ class FedER(RoundLoop[FedERParams]):
         """Before federation (a fresh start): G_j, B_j and M_j^0, logged as round 0."""
         if self.own_buffer is None:
             await self.prepare(ctx, site)
-        else:  # resumed: the buffer passed the gate before; show that decision again
-            from genbuffer.gate import read_decision
-
-            saved = read_decision(self.genbuffer_settings(ctx)[1])
-            if saved is not None and saved.get("buffer_hash") == self.own_buffer["content_hash"]:
-                ctx.set_privacy_gate(saved)
+        else:  # resumed: the checkpoint's buffer goes through today's gate, as in prepare
+            section, out_dir = self.genbuffer_settings(ctx)
+            seed = ctx.config.federation.seed + ctx.config.training.seed
+            decision = await ctx.run_blocking(
+                gate_buffer, self.own_buffer, site, section, out_dir, seed
+            )
+            ctx.set_privacy_gate(gate_status(decision))
+            if decision is not None and not decision.released:
+                raise PrivacyGateRefused(decision)  # the node reports why and stops
         assert self.own_buffer is not None
         self.own_x, self.own_y = buffer_training_tensors(
             [self.own_buffer], site.data.image_size, site.data.channels

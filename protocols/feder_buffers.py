@@ -118,7 +118,6 @@ def make_buffer(
     from genbuffer.audit import holdout_split
     from genbuffer.buffer import sample_buffer
     from genbuffer.checkpoint import load_generator
-    from genbuffer.gate import check_buffer
     from genbuffer.privacy import build_perceptual_distance
     from genbuffer.train import resolve_device, train_generator
     from genbuffer.trainer import label_prior
@@ -167,15 +166,48 @@ def make_buffer(
             seed=seed,
         )
     )
+    return buffer, gate_buffer(buffer, site, section, out_dir, seed, metric)
+
+
+def gate_buffer(
+    buffer: dict[str, Any],
+    site: LocalSite,
+    section: GenbufferSection,
+    out_dir: Path,
+    seed: int,
+    metric: Any = None,
+) -> GateDecision | None:
+    """The privacy gate's decision on `buffer` against this site's training images
+    (blocking; None, said loudly, when `genbuffer.privacy_gate` is off). Also run
+    on a buffer a checkpoint kept: a review restarted a node made with the gate
+    off, with the gate on, and its ungated buffer went on being shared unchecked."""
+    from genbuffer.audit import holdout_split
+    from genbuffer.gate import check_buffer
+    from genbuffer.privacy import build_perceptual_distance
+    from genbuffer.train import resolve_device
+
     if not section.privacy_gate:
         log.warning(
             "PRIVACY GATE OFF (genbuffer.privacy_gate: false): synthetic buffer %s leaves this "
             "site WITHOUT being checked against the site's own images",
             buffer["content_hash"][:12],
         )
-        return buffer, None
-    assert metric is not None
-    decision = check_buffer(
+        return None
+    if metric is None:
+        metric = build_perceptual_distance(
+            section.lpips_backbone,
+            section.lpips_weights,
+            min_size=section.lpips_min_size,
+            device=resolve_device(section.device),
+        )
+    data = site.data
+    members, holdout = holdout_split(
+        np.asarray(data.train_labels),
+        section.holdout_fraction,
+        section.holdout_min_images,
+        section.seed,
+    )
+    return check_buffer(
         buffer,
         data.train_uint8[members],
         metric,
@@ -184,4 +216,3 @@ def make_buffer(
         holdout_uint8=data.train_uint8[holdout],
         seed=seed,
     )
-    return buffer, decision

@@ -580,6 +580,7 @@ def test_feder_relays_a_compressed_model_and_refuses_a_bad_one(
         state_root=tmp_path / "state",
         data={"image_size": 8, "augment": "none"},
         training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+        genbuffer={"privacy_gate": False},  # the buffer below is made up, not a generator's
     )
     images = torch.randint(0, 256, (8, 1, 8, 8), dtype=torch.uint8)
     labels = torch.arange(8, dtype=torch.int64) % 2

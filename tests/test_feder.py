@@ -286,6 +286,7 @@ def test_a_relayed_model_must_fit_the_receivers_own(tmp_path: Path, scale: float
         state_root=tmp_path / "state",
         data={"image_size": 8, "augment": "none"},
         training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+        genbuffer={"privacy_gate": False},  # its buffer is made up, as in _victim_config
     )
     initial = build_site(cfg).state_dict()
     forged = {k: v * scale if v.is_floating_point() else v for k, v in initial.items()}
@@ -336,6 +337,7 @@ def test_a_relay_of_another_round_is_refused_not_taken(tmp_path: Path) -> None:
         state_root=tmp_path / "state",
         data={"image_size": 8, "augment": "none"},
         training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+        genbuffer={"privacy_gate": False},  # its buffer is made up, as in _victim_config
     )
     model = build_site(cfg).state_dict()
     network = InMemoryNetwork(inline_train=True)
@@ -387,6 +389,10 @@ def _victim_config(tmp_path: Path, rounds: int = 1, seed: int = 0, **protocol: o
         state_root=tmp_path / "state",
         data={"image_size": 8, "augment": "none"},
         training={"epochs": 1, "batch_size": 32, "lr": 0.003},
+        # the victim's buffer is made up (`_buffer`, no generator): a node that starts
+        # with a buffer puts it through the gate first (tests/test_privacy_gate.py),
+        # which these tests of the relay path leave out
+        genbuffer={"privacy_gate": False},
     )
     return cfg
 

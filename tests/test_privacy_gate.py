@@ -438,3 +438,60 @@ def test_switching_the_gate_off_is_explicit_and_loud(tmp_path, caplog, parts):
     # switched on, the same buffer is checked and the evidence written
     _, decision = make_buffer(config.protocol, site, config.genbuffer, tmp_path / "gb", seed=0)
     assert decision is not None and (tmp_path / "gb" / GATE_JSON).is_file()
+
+
+@pytest.mark.slow
+def test_a_restart_with_the_gate_on_checks_the_buffer_the_checkpoint_kept(tmp_path, site0):
+    """A review ran site 0 with `genbuffer.privacy_gate: false` (its buffer made by
+    a memoriser, checkpointed), then restarted it with the gate on: the resumed
+    node ran no gate and went on relaying, its ungated buffer still the one it
+    shares. Now the checkpoint's buffer goes through the gate again: refused, the
+    node stops before round 2's relay and /status says why."""
+    from genbuffer.gate import PrivacyGateRefused
+    from p2pfl.learning.data import load_site_data
+    from protocols.feder import RELAY_KIND, FedER
+
+    def config(rounds: int, gate: bool):
+        (c,) = simulation_configs(
+            [str(site0[0] / "site_0.npz")],
+            names=["victim"],
+            protocol={
+                "name": "feder",
+                "rounds": rounds,
+                "buffer_size": 64,
+                "initial_epochs": 0,
+                "round_timeout_s": 1.0,
+            },
+            state_root=tmp_path / "state",
+            data={"image_size": 16, "augment": "none"},
+            training={"epochs": 1, "batch_size": 16},
+            genbuffer={"lpips_backbone": "random", "device": "cpu", "privacy_gate": gate},
+        )
+        c.protocol.generator = str(
+            memorised_site0(site0, load_site_data(c.data, seed=0).train_uint8)
+        )
+        return c
+
+    network = InMemoryNetwork(inline_train=True)
+    peer = network.join("peer")
+    first = config(1, gate=False)
+    asyncio.run(FedER(first.protocol).run(network.join("victim", first)))
+    kept = network.saved_state("victim")["own_buffer"]["content_hash"]
+    assert network.privacy_gate["victim"]["enabled"] is False
+    assert [m.round for m in _drain(peer.inbox(RELAY_KIND))] == [1]
+
+    again = config(2, gate=True)
+    with pytest.raises(PrivacyGateRefused):
+        asyncio.run(FedER(again.protocol).run(network.join("victim", again)))
+    gate = network.privacy_gate["victim"]
+    assert gate["enabled"] is True and gate["released"] is False, gate
+    assert gate["buffer_hash"] == kept
+    assert read_decision(Path(again.node.state_dir) / "genbuffer")["buffer_hash"] == kept
+    assert _drain(peer.inbox(RELAY_KIND)) == []  # no round-2 relay left the site
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out

@@ -578,15 +578,17 @@ class FedER(RoundLoop[FedERParams]):
         """Before federation (a fresh start): G_j, B_j and M_j^0, logged as round 0."""
         if self.own_buffer is None:
             await self.prepare(ctx, site)
-        else:  # resumed: the checkpoint's buffer goes through today's gate, as in prepare
+        else:  # resumed: the checkpoint's buffer goes through today's gate, as in prepare,
+            # and is not served (serve_buffer) before the gate has released it
+            kept, self.own_buffer = self.own_buffer, None
             section, out_dir = self.genbuffer_settings(ctx)
             seed = ctx.config.federation.seed + ctx.config.training.seed
-            decision = await ctx.run_blocking(
-                gate_buffer, self.own_buffer, site, section, out_dir, seed
-            )
+            decision = await ctx.run_blocking(gate_buffer, kept, site, section, out_dir, seed)
             ctx.set_privacy_gate(gate_status(decision))
             if decision is not None and not decision.released:
                 raise PrivacyGateRefused(decision)  # the node reports why and stops
+            self.own_buffer = kept
+            ctx.offered(BUFFER_KIND)
         assert self.own_buffer is not None
         self.own_x, self.own_y = buffer_training_tensors(
             [self.own_buffer], site.data.image_size, site.data.channels

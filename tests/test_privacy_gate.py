@@ -446,9 +446,11 @@ def test_a_restart_with_the_gate_on_checks_the_buffer_the_checkpoint_kept(tmp_pa
     a memoriser, checkpointed), then restarted it with the gate on: the resumed
     node ran no gate and went on relaying, its ungated buffer still the one it
     shares. Now the checkpoint's buffer goes through the gate again: refused, the
-    node stops before round 2's relay and /status says why."""
+    node stops before round 2's relay, /status says why, and the buffer is not
+    served to a peer that asks for it by hash."""
     from genbuffer.gate import PrivacyGateRefused
     from p2pfl.learning.data import load_site_data
+    from protocols.base import NotReady
     from protocols.feder import RELAY_KIND, FedER
 
     def config(rounds: int, gate: bool):
@@ -481,8 +483,11 @@ def test_a_restart_with_the_gate_on_checks_the_buffer_the_checkpoint_kept(tmp_pa
     assert [m.round for m in _drain(peer.inbox(RELAY_KIND))] == [1]
 
     again = config(2, gate=True)
+    resumed = FedER(again.protocol)
     with pytest.raises(PrivacyGateRefused):
-        asyncio.run(FedER(again.protocol).run(network.join("victim", again)))
+        asyncio.run(resumed.run(network.join("victim", again)))
+    with pytest.raises(NotReady):  # a failed node still serves: not this buffer
+        asyncio.run(resumed.serve_buffer("peer", {"hash": kept}))
     gate = network.privacy_gate["victim"]
     assert gate["enabled"] is True and gate["released"] is False, gate
     assert gate["buffer_hash"] == kept

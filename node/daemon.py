@@ -30,7 +30,7 @@ import protocols
 from node.context import NodeContext, NodeState
 from node.faults import FaultPlan
 from node.inbound import Inbound
-from node.logsetup import configure_logging
+from node.logsetup import configure_logging, stderr_error
 from node.membership import Membership, Progress
 from node.outbound import Outbound
 from node.peers import PeerTable
@@ -191,6 +191,7 @@ class Node:
         self.protocol_done = False
         self.protocol_failed: str | None = None
         self.failed_kind = ""  # the class of the error that stopped the protocol
+        self.failed_line = ""  # why, as stderr may say it (logsetup.stderr_error)
         self._tasks: list[asyncio.Task[Any]] = []
         self._status_runner: Any = None
         self.status_port: int | None = None
@@ -366,6 +367,7 @@ class Node:
                 log.exception("%s: protocol %s failed", self.name, self.cfg.protocol.name)
             self.telemetry.set_error(self.protocol_failed)
             self.failed_kind = type(exc).__name__
+            self.failed_line = stderr_error(exc)
             self.ctx.set_phase(FAILED)
             self.inbound.gone.set()  # requests held open for what will never come: refused now
             self._spawn(self.membership.broadcast(), "hb-failed")  # peers know at once
@@ -471,7 +473,7 @@ async def serve(node: Node) -> int:
         waiter.cancel()
     await node.stop()
     if node.protocol_failed:  # the last line of the node's output says why it exits 1
-        first = (node.protocol_failed.splitlines() or [""])[0]
+        first = (node.failed_line.splitlines() or [""])[0]
         print(f"error: {first}", file=sys.stderr, flush=True)
     return 1 if node.protocol_failed else 0
 

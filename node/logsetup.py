@@ -1,6 +1,12 @@
 """Logging for a node process: plain or one JSON object a line (`logging.format`),
 to stderr and to `<state_dir>/node.log`, with aiohttp's and asyncio's noise
 turned down: what anyone who reaches a port can make them log, one line each.
+
+A record about a data file that cannot be used (a `DataError`, whose message
+names the file, and so often a patient: `DOE_JANE_MRN4471920.png`) goes whole
+to node.log (0600) only; stderr, which under systemd, docker or Kubernetes is
+a journal or a log collector that others read, gets the line with the error's
+kind and reason in place of the message, and no traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 from aiohttp.http_exceptions import HttpProcessingError
 
 from p2pfl.config import SiteConfig
+from p2pfl.learning.data.errors import DataError
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,12 +51,52 @@ def configure_logging(cfg: SiteConfig) -> None:
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
     path.chmod(0o600)  # peers' names, reasons and settings: this account's only
     for handler in (
-        logging.StreamHandler(),
+        StderrHandler(),
         logging.FileHandler(path, encoding="utf-8"),
     ):
         handler.setFormatter(fmt)
         root.addHandler(handler)
     quiet_network_noise()
+
+
+def _data_error(value: object) -> DataError | None:
+    """`value`, or the exception it was raised from, if it is a DataError."""
+    for _ in range(16):  # a chain of causes, never a cycle
+        if isinstance(value, DataError):
+            return value
+        if not isinstance(value, BaseException):
+            return None
+        value = value.__cause__ or value.__context__
+    return None
+
+
+def _withheld(error: DataError) -> str:
+    return f"<{type(error).__name__} {error.reason}: the file it names is in node.log>"
+
+
+def stderr_error(exc: BaseException) -> str:
+    """`Kind: message` of an error, for stderr: a DataError's message withheld."""
+    found = _data_error(exc)
+    return f"{type(exc).__name__}: {exc if found is None else _withheld(found)}"
+
+
+class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, without the data file a DataError names (module doc). The record
+    is copied, never changed: node.log's handler formats the same one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        raised = _data_error(record.exc_info[1]) if record.exc_info else None
+        if raised is not None or any(_data_error(a) for a in args):
+            fields = dict(record.__dict__, exc_info=None, exc_text=None)
+            if isinstance(record.args, tuple):
+                fields["args"] = tuple(
+                    _withheld(e) if (e := _data_error(a)) is not None else a for a in args
+                )
+            if raised is not None:
+                fields["msg"] = f"{record.msg} ({_withheld(raised)})"
+            record = logging.makeLogRecord(fields)
+        super().emit(record)
 
 
 def quiet_network_noise() -> None:

@@ -552,3 +552,26 @@ def test_scatternet_refuses_torchscript_in_one_line_and_leaves_no_file(tmp_path)
         )
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "b").exists()  # refused before anything was written
+
+
+def test_the_onnx_files_sha256_covers_its_weights(tmp_path):
+    """torch's exporter writes the weights beside model.onnx, in model.onnx.data,
+    which model.json did not hash: a review multiplied every weight there by -3
+    and `predict --runtime onnx` took the package (probabilities off by 0.4).
+    The weights are now inside model.onnx, and nothing else is written."""
+    import torch
+
+    from p2pfl.learning.export import Architecture, ExportError, Predictor, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("small_cnn", 1, 2, 16)
+    check = torch.rand(4, 1, 16, 16)
+    write_package(tmp_path, arch.build().state_dict(), arch, ["a", "b"], ["onnx"], check)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json", "model.onnx"]
+    Predictor(tmp_path, "onnx")  # reads back
+    model = tmp_path / "model.onnx"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the weights, which are most of the file
+    model.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="SHA-256 differs"):
+        Predictor(tmp_path, "onnx")

@@ -5,8 +5,9 @@ a node logged "training the genbuffer GAN on 908 images" and then nothing. A
 `TrainingProgress` is a `train_generator` progress callback that logs one line
 at the first iteration of every stage, then every `every_s` seconds and at the
 stage's end: stage, iteration / most iterations, the losses, the latest quality
-score and an ETA. The same line, shortened, goes to `on_phase`, which the FedER
-node shows as its phase on /status and the dashboard.
+score and an ETA. The same line, shortened and without the quality score, goes
+to `on_phase`, which the FedER node shows as its phase on /status and the
+dashboard, and which its heartbeats carry to every roster member.
 
 The ETA is for the stage's most iterations (stage 1 may stop earlier, on
 patience), at the speed measured in this stage by this process.
@@ -83,10 +84,8 @@ class TrainingProgress:
             speed,
             eta,
         )
-        self.last_line = (
-            f"generator: {phase} {done}/{total}"
-            + (f", quality {quality:.3g}" if quality is not None else "")
-            + f", ETA {eta}"
-        )
+        # the phase goes to every roster member in heartbeats: the quality score, a
+        # figure measured on this site's own images, stays in the log
+        self.last_line = f"generator: {phase} {done}/{total}, ETA {eta}"
         if self.on_phase is not None:
             self.on_phase(self.last_line)

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from p2pfl.files import atomic_savefig, atomic_write_bytes, atomic_write_text, make_private_dir
+from p2pfl.files import PRIVATE_DIR, atomic_savefig, atomic_write_bytes, atomic_write_text
 from p2pfl.learning.data.loaders import stratified_split
 from p2pfl.learning.data.sources import DataError, RawSplits, read_source
 
@@ -353,8 +353,10 @@ def partition_dataset(
         if split == "test" and test == "global":
             eval_parts[split] = [np.arange(len(pair[1]), dtype=np.int64)] * sites
     # copies of the source's images (and their labels): this account's only, whatever
-    # the umask or the source's own mode (a review read a 0600 source's copies at 0644)
-    out = make_private_dir(out)
+    # the umask or the source's own mode (a review read a 0600 source's copies at 0644);
+    # a folder that exists (`--out .`) keeps its mode, the files are 0600 all the same
+    out = Path(out)
+    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     site_rows: list[dict[str, Any]] = []
     for site, train_idx in enumerate(train_parts):
         arrays: dict[str, np.ndarray] = {"class_names": np.array(raw.class_names)}

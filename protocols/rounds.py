@@ -465,11 +465,16 @@ class RoundLoop(Protocol, Generic[P]):
         self, ctx: RoundContext, per_class_f1: list[float] | None, stats: list[float]
     ) -> None:
         """What the F1 and cosine heuristics read (per-class F1 on val, model
-        statistics), each published only where the configured heuristic reads it."""
+        statistics), each published only where the configured heuristic reads it.
+        Model statistics only after a round that merged a peer's model: after one
+        that merged none (its peers silent, a secure sum that failed) the model is
+        this site's own, and a review read its statistics in the gossip of a node
+        under secure aggregation; the last merged model's stay published."""
         read = self.gossip_read(ctx)
         if per_class_f1 is not None and selection.F1_KEY in read:
             self.publish(ctx, selection.F1_KEY, [float(x) for x in per_class_f1])
-        if selection.MODEL_STATS_KEY in read:
+        merged_any = bool(self.merged and self.merged[-1][1])
+        if selection.MODEL_STATS_KEY in read and merged_any:
             self.publish(ctx, selection.MODEL_STATS_KEY, [float(x) for x in stats])
 
     def update_recent(self, ctx: RoundContext) -> None:

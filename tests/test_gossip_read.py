@@ -37,6 +37,7 @@ class Recorder:
 def gossiped(protocol: RoundLoop[Any], section: SelectionSection) -> set[str]:
     ctx = Recorder(section)
     protocol.selection_history = [["a"], ["b"]]
+    protocol.merged = [[1, [["a", 1]]]]  # the round merged a peer's model
     protocol.update_gossip(ctx, [0.9, 0.0, 0.8], [0.1, 0.2])  # type: ignore[arg-type]
     protocol.update_recent(ctx)  # type: ignore[arg-type]
     return set(ctx.published)
@@ -155,3 +156,61 @@ def test_an_ssfl_federation_gossips_no_class_mix_and_no_feature_vector(
     seen = {p.name: p.meta for p in network.join("observer").peers()}
     for meta in seen.values():
         assert not {F1_KEY, MODEL_STATS_KEY, RECENT_KEY, FEATURES_KEY, VAL_ACCURACY_KEY} & set(meta)
+
+
+def test_a_round_that_merged_nothing_does_not_gossip_the_sites_own_model_stats() -> None:
+    """A review silenced both peers of a node under secure aggregation: its round
+    merged nothing, and the model statistics it gossiped to every roster member
+    were those of its own model, which secure aggregation shows to no one. The
+    last merged model's statistics stay published."""
+    section = SelectionSection(name="cosine", vector="model_stats")
+    protocol = create("fedavgp2p", secure_aggregation=True)
+    assert isinstance(protocol, RoundLoop)
+    ctx = Recorder(section)
+    protocol.merged = [[1, []]]  # round 1: no peer's model merged
+    protocol.update_gossip(ctx, None, [0.1, 0.2])  # type: ignore[arg-type]
+    assert MODEL_STATS_KEY not in ctx.published
+    protocol.merged.append([2, [["a", 2]]])
+    protocol.update_gossip(ctx, None, [0.3, 0.4])  # type: ignore[arg-type]
+    assert ctx.published[MODEL_STATS_KEY] == [0.3, 0.4]
+    protocol.merged.append([3, []])
+    protocol.update_gossip(ctx, None, [0.5, 0.6])  # type: ignore[arg-type]
+    assert ctx.published[MODEL_STATS_KEY] == [0.3, 0.4]  # round 2's, not round 3's own
+
+
+@pytest.mark.slow
+def test_a_secure_aggregation_node_whose_peers_are_silent_gossips_no_model_stats(tmp_path) -> None:
+    """The review's run: three in-memory sites under secure aggregation, two of them
+    silent; the third merges nothing, and publishes no model statistics."""
+    from p2pfl.learning.data.partition import partition_dataset
+    from protocols.memory import InMemoryNetwork, simulate, simulation_configs
+
+    partition_dataset("digits", 3, "iid", tmp_path / "parts", seed=0)
+    configs = simulation_configs(
+        [str(tmp_path / "parts" / f"site_{i}.npz") for i in range(3)],
+        protocol={
+            "name": "fedavgp2p",
+            "rounds": 1,
+            "fraction": 1.0,
+            "secure_aggregation": True,
+            "round_timeout_s": 2.0,
+        },
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={"epochs": 1, "batch_size": 32},
+        selection={"name": "cosine", "vector": "model_stats"},
+    )
+    network = InMemoryNetwork(inline_train=True)
+    names = [c.node.name for c in configs]
+
+    async def run() -> None:
+        task = asyncio.ensure_future(simulate(configs, network=network))
+        await asyncio.sleep(0)
+        for name in names[1:]:
+            network.silence(name)
+        await task
+
+    asyncio.run(run())
+    (record,) = [r for r in network.records if r["node"] == names[0]]
+    assert record["neighbours"] == 0
+    assert MODEL_STATS_KEY not in network._node(names[0]).meta

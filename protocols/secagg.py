@@ -269,9 +269,9 @@ class Contributor:
         self.seen: dict[str, OrderedDict[str, None]] = {}  # requester -> session ids opened
         # (requester, model round) -> the model masked for it; outlives a restart
         self.ledger = ContributionLedger(ledger_path, ctx.me)
-        # the last model clipped and its copy, shared by every session over it (each
-        # Round 0 made its own: a requester's 16 open sessions held 16 copies)
-        self.clip: tuple[dict[str, Any], dict[str, Any]] | None = None
+        # id(model) -> (model, its clipping): one per kept model, for every session and
+        # request in flight over it (one per session, or the last model's only, held 16)
+        self.clips: OrderedDict[int, tuple[dict[str, Any], asyncio.Future[Any]]] = OrderedDict()
 
     async def serve(self, requester: str, query: dict[str, Any]) -> dict[str, Any]:
         """The `secagg` handler: the phase's answer or {"refused": reason}."""
@@ -588,9 +588,21 @@ class Contributor:
             raise SecAggError("unknown_contributor", peer) from None
 
     async def _clipped(self, state: dict[str, Any]) -> dict[str, Any]:
-        if self.clip is None or self.clip[0] is not state:
-            self.clip = (state, await asyncio.to_thread(clip_state, state, self.clip_norm))
-        return self.clip[1]
+        """`state` clipped once for all who ask (the last keep_rounds + 1 kept)."""
+        key = id(state)
+        hit = self.clips.get(key)
+        if hit is None or hit[0] is not state:
+            job = asyncio.ensure_future(asyncio.to_thread(clip_state, state, self.clip_norm))
+            hit = self.clips[key] = (state, job)
+            while len(self.clips) > self.keep_rounds + 1:
+                self.clips.popitem(last=False)
+        self.clips.move_to_end(key)
+        try:
+            return await asyncio.shield(hit[1])
+        except Exception:
+            if self.clips.get(key) is hit:  # not kept: the next request tries again
+                del self.clips[key]
+            raise
 
     def _forget_before(self, round_no: int) -> None:
         self.ledger.forget_before(round_no)

@@ -101,3 +101,25 @@ def test_without_the_bound_the_pair_gives_the_model_what_the_minimum_is_for() ->
     """The control: at the default minimum of two, the same attack peels the
     model (so the test above can tell)."""
     assert peel(params(finetune={"name": "fedavgp2p"})) < 1e-5
+
+
+def test_a_fine_tuning_section_with_a_smaller_threshold_is_refused() -> None:
+    """A second review (2026-11-28): a smaller minimum was refused, a smaller
+    threshold accepted, so a sum of 6 needed 5 colluders in pre-training and
+    3 in fine-tuning (`secagg_colluders_needed`)."""
+    with pytest.raises(ValidationError, match="secagg_threshold 1 is below the pre-training's 5"):
+        params(
+            secagg_min_contributors=6,
+            secagg_threshold=5,
+            finetune={"name": "fedavgp2p", "secagg_threshold": 1},
+        )
+    with pytest.raises(ValidationError, match="secagg_threshold None is below"):
+        params(secagg_threshold=5, finetune={"name": "fedavgp2p", "secagg_threshold": None})
+    coded = params(secagg_threshold=5).model_copy(
+        update={"finetune": FedAvgP2PParams(name="fedavgp2p", secagg_threshold=2)}
+    )
+    with pytest.raises(FedMAEError, match="secagg_threshold 2 is below the pre-training's 5"):
+        finetune_stage(coded.finetune, coded.encoder_out, coded)
+    # equal or stricter stands; without a pre-training threshold any is the section's own
+    assert params(secagg_threshold=5, finetune={"name": "fedavgp2p", "secagg_threshold": 6})
+    assert params(finetune={"name": "fedavgp2p", "secagg_threshold": 2})

@@ -309,7 +309,7 @@ class _PreTraining(_ModelAveraging):
         description="a protocol section (e.g. {name: fedavgp2p, rounds: 10}) run after pre-training, "
         "starting from the pre-trained encoder; with secure_aggregation it inherits "
         "secure_aggregation: true, and secagg_min_contributors and secagg_threshold where unset "
-        "(a smaller secagg_min_contributors is refused)",
+        "(a smaller one is refused)",
     )
 
     @model_validator(mode="after")
@@ -350,7 +350,8 @@ def secure_finetune_update(parent: Any, finetune: Any) -> dict[str, Any]:
     inherited, so a federation that set secagg_min_contributors: 4 (three
     colluders needed) answered sums of two in fine-tuning, where one colluder
     and the requester peeled a model (a review, 2026-11-28). A section that
-    sets a smaller minimum than the pre-training's is refused (ValueError)."""
+    sets a smaller minimum or threshold than the pre-training's is refused
+    (ValueError; a smaller threshold was accepted: a second review)."""
     update: dict[str, Any] = {}
     if not getattr(finetune, "secure_aggregation", False):
         update["secure_aggregation"] = True
@@ -361,6 +362,13 @@ def secure_finetune_update(parent: Any, finetune: Any) -> dict[str, Any]:
             f"finetune.secagg_min_contributors {finetune.secagg_min_contributors} is below the "
             f"pre-training's {least}: secure aggregation's collusion bound covers both stages; "
             "remove it (the stage inherits it) or raise it"
+        )
+    top = getattr(parent, "secagg_threshold", None)
+    if "secagg_threshold" in given and top is not None and (finetune.secagg_threshold or 0) < top:
+        raise ValueError(
+            f"finetune.secagg_threshold {finetune.secagg_threshold} is below the pre-training's "
+            f"{top}: secure aggregation's collusion bound covers both stages; remove it (the "
+            "stage inherits it) or raise it"
         )
     for name in ("secagg_min_contributors", "secagg_threshold"):
         value = getattr(parent, name, None)

@@ -149,6 +149,7 @@ import hmac
 import logging
 import secrets as random_source
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -254,8 +255,10 @@ class Contributor:
         staleness_exponent: float | None = None,
         staleness_bound: int | None = None,
         ring: int = RING_BITS,
+        kept: Callable[[], dict[int, dict[str, Any]]] | None = None,
     ) -> None:
         self.ctx = ctx
+        self.kept = kept  # round -> model, every model `source` may still give
         self.ring = ring  # protocol.compression's ring: 32, 16 (fp16) or 8 (int8) bits
         self.staleness_exponent = staleness_exponent
         self.staleness_bound = staleness_bound
@@ -401,7 +404,7 @@ class Contributor:
         most = min(max(len(self.ctx.roster()) - 1, len(group)), MAX_CONTRIBUTORS)
         if not await asyncio.to_thread(fits_ring, clipped, 1.0, most, ring=request.ring):
             raise SecAggError("out_of_range", f"an entry of my model does not fit a sum of {most}")
-        self._forget_before(model_round - self.keep_rounds)
+        await self._forget_before(model_round - self.keep_rounds)
         if freshest:
             # A new asynchronous session from this requester supersedes its earlier
             # ones I have not masked in: it retries with other contributors when one
@@ -604,6 +607,8 @@ class Contributor:
                 del self.clips[key]
             raise
 
-    def _forget_before(self, round_no: int) -> None:
-        self.ledger.forget_before(round_no)
+    async def _forget_before(self, round_no: int) -> None:
+        kept = self.kept() if self.kept is not None else {}
+        served = frozenset([await self.ledger.digest(r, state) for r, state in kept.items()])
+        self.ledger.forget_before(round_no, served)
         self.sessions = {k: s for k, s in self.sessions.items() if s.model_round >= round_no}

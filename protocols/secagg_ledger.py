@@ -93,6 +93,11 @@ class ContributionLedger:
             self.digests[model_round] = cached
         return cached[1]
 
-    def forget_before(self, model_round: int) -> None:
-        self.contributed = {k: d for k, d in self.contributed.items() if k[1] >= model_round}
+    def forget_before(self, model_round: int, served: frozenset[str] = frozenset()) -> None:
+        """Drop the rows of models older than `model_round`, except a model still
+        `served` (digests): forgotten by round alone, a model kept unchanged for
+        longer went into a second sum of one requester (a review, 2026-11-28)."""
+        self.contributed = {
+            k: d for k, d in self.contributed.items() if k[1] >= model_round or d in served
+        }
         self.digests = {r: d for r, d in self.digests.items() if r >= model_round}

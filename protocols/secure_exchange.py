@@ -115,6 +115,7 @@ class SecureExchange:
             staleness_exponent=self.staleness_exponent,
             staleness_bound=self.staleness_bound,
             ring=self.ring,
+            kept=lambda: {r: kept["state"] for r, kept in self.store.models.items()},
         )
         ctx.serve(self.kind, self.contributor.serve)
 

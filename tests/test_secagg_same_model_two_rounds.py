@@ -66,3 +66,49 @@ def test_a_model_served_in_two_rounds_goes_into_one_sum_of_a_requester() -> None
 def test_a_new_model_of_the_next_round_still_joins_its_sum() -> None:
     first, second, refusals = two_sums(second_model_changes=True)
     assert first == ["a", "v"] and second == ["b", "v"] and refusals == []
+
+
+def test_a_model_kept_longer_than_the_ledgers_rounds_still_goes_into_one_sum() -> None:
+    """A second review (2026-11-28): the ledger forgot its rows by round, so a
+    model served unchanged for more rounds than the contributor keeps, once
+    ANY requester's sum moved the contributor past them, went into a second
+    sum of the requester it was already in."""
+
+    async def run() -> list[object]:
+        network = InMemoryNetwork()
+        exchanges = {}
+        for name in ("v", "a", "b"):
+            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
+            exchanges[name].start(network.join(name))
+        torch.manual_seed(0)
+        frozen = {"w": torch.randn(8)}
+        requester, honest = network.join("r"), network.join("c")
+        out: list[object] = []
+
+        async def ask(ctx: object, round_no: int, partner: str) -> object:
+            try:
+                got = await secure_sum(
+                    ctx,  # type: ignore[arg-type]
+                    ["v", partner],
+                    round_no=round_no,
+                    max_round=round_no,
+                    reference={"w": torch.zeros(8)},
+                    timeout=2.0,
+                    weight_scale=10.0,
+                )
+                return sorted(got.contributors)
+            except SecAggError as exc:
+                return exc.reason
+
+        for r in range(1, 6):
+            exchanges["v"].store.put(r, frozen, 10)
+            exchanges["a"].store.put(r, {"w": torch.full((8,), float(r))}, 10)
+            exchanges["b"].store.put(r, {"w": torch.full((8,), float(-r))}, 10)
+            if r == 1:
+                out.append(await ask(requester, 1, "a"))
+        out.append(await ask(honest, 5, "a"))  # an honest requester's sum of round 5
+        out.append(await ask(requester, 5, "b"))
+        out.append(await ask(requester, 3, "b"))
+        return out
+
+    assert asyncio.run(run()) == [["a", "v"], ["a", "v"], "too_few", "too_few"]

@@ -33,6 +33,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pydantic import ValidationError
+
 import protocols
 from p2pfl.config import FedMAEParams, SiteConfig
 from p2pfl.config.protocols import secure_finetune_update
@@ -180,12 +182,17 @@ def finetune_stage(finetune: Any, encoder_out: str, parent: Any = None) -> list[
                 f"secure_aggregation covers the fine-tuning stage, and {finetune.name} serves "
                 "its exchanges in the clear",
             )
+        # Validated, not `model_copy`'d: a section made in code must pass what a
+        # secure one passes in configuration (a copy ran asynchronous secure sums
+        # that weigh a stale model 10,201x less: a review, 2026-11-28).
         try:
             update = secure_finetune_update(parent, finetune)
+            finetune = type(finetune).model_validate({**finetune.model_dump(), **update})
+        except ValidationError as exc:
+            problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise FedMAEError("insecure_finetune", f"{finetune.name}: {problem}") from None
         except ValueError as exc:
             raise FedMAEError("insecure_finetune", str(exc)) from None
-        if update:
-            finetune = finetune.model_copy(update=update)
 
     def config(ctx: RoundContext) -> SiteConfig:
         encoder = ctx.artifact(encoder_out)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from p2pfl.config.protocols import FedAvgP2PParams, FedMAEParams
+from p2pfl.config.protocols import FedAvgP2PParams, FedMAEParams, FedPerlParams
 from protocols.fedmae import FedMAEError, finetune_stage
 from protocols.memory import InMemoryNetwork
 from protocols.secagg import SecAggError, secure_sum
@@ -123,3 +123,57 @@ def test_a_fine_tuning_section_with_a_smaller_threshold_is_refused() -> None:
     # equal or stricter stands; without a pre-training threshold any is the section's own
     assert params(secagg_threshold=5, finetune={"name": "fedavgp2p", "secagg_threshold": 6})
     assert params(finetune={"name": "fedavgp2p", "secagg_threshold": 2})
+
+
+def async_pair(p: FedMAEParams, stale: int) -> float:
+    """A requester alone, no colluder: the largest error of the mean of an
+    asynchronous secure sum of {fresh victim, one `stale` rounds behind}
+    against the victim's model, on the fine-tuning stage's real exchange."""
+
+    async def attack() -> float:
+        network = InMemoryNetwork()
+        torch.manual_seed(0)
+        models = {"victim": (100, torch.randn(4, 8)), "other": (100 - stale, torch.randn(4, 8))}
+        for name, (r, w) in models.items():
+            exchange = finetune_stage(p.finetune, p.encoder_out, p)[0].loop.exchanger
+            exchange.store.put(r, {"w": w}, 100)
+            exchange.start(network.join(name))
+        got = await secure_sum(
+            network.join("requester"),
+            ["other", "victim"],
+            round_no=100 - stale,
+            max_round=100,
+            reference={"w": torch.zeros(4, 8)},
+            timeout=3.0,
+            weight_scale=100.0,
+            purpose="freshest",
+            at_round=100,
+        )
+        return float((got.mean["w"] - models["victim"][1]).abs().max())
+
+    return asyncio.run(attack())
+
+
+def test_a_section_made_in_code_passes_what_configuration_asks_of_a_secure_one() -> None:
+    """A second review (2026-11-28): the stage inherited secure_aggregation by
+    `model_copy`, which runs no validator, so a section made in code with
+    asynchronous: true, staleness_bound: 100, staleness_exponent: 2 (valid
+    without secure aggregation) ran asynchronous secure sums that weigh a
+    stale model 10,201 times less than a fresh one (configuration refuses
+    more than 4): one sum of two gave the requester the fresh site's
+    fine-tuned model to 1e-3, no colluder needed. FedPerl's asynchronous
+    mode and top-k compression were built secure the same way."""
+    stale = FedAvgP2PParams(
+        name="fedavgp2p", rounds=2, asynchronous=True, staleness_bound=100, staleness_exponent=2.0
+    )
+    for section, refusal in (
+        (stale, "asynchronous secure sums weigh"),
+        (FedPerlParams(name="fedperl", rounds=2, asynchronous=True), "asynchronous cannot"),
+        (FedAvgP2PParams(name="fedavgp2p", rounds=2, compression="topk:0.1"), "top-k"),
+    ):
+        coded = params().model_copy(update={"finetune": section})
+        with pytest.raises(FedMAEError, match=refusal):
+            finetune_stage(coded.finetune, coded.encoder_out, coded)
+    # the control: within configuration's bound, the same sum is a mean of two
+    within = stale.model_copy(update={"staleness_bound": 3, "staleness_exponent": 0.5})
+    assert async_pair(params().model_copy(update={"finetune": within}), stale=3) > 0.5

@@ -22,6 +22,7 @@ from pydantic import TypeAdapter
 from torch import Tensor
 
 from p2pfl.files import atomic_write_text
+from p2pfl.learning.state import averaged_keys
 from protocols.secagg_messages import LedgerRow
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,14 @@ LEDGER = TypeAdapter(list[LedgerRow])
 
 
 def model_digest(state: dict[str, Tensor]) -> str:
-    """What identifies a model for the ledger: SHA-256 over every entry's name,
-    dtype, shape and bytes. A round retrained into another model, or a new job
-    in the same state directory, is another model."""
+    """What identifies a model for the ledger: SHA-256 over the name, dtype,
+    shape and bytes of every entry a secure sum adds (`averaged_keys`: the
+    floating-point ones). A round retrained into another model, or a new job
+    in the same state directory, is another model; one that differs only in a
+    counter no sum carries (BatchNorm's num_batches_tracked) is the same
+    model, since its sums would be the same (a second review, 2026-11-28)."""
     digest = hashlib.sha256()
-    for name in sorted(state):
+    for name in sorted(averaged_keys(state)):
         tensor = state[name].detach().to("cpu").contiguous().reshape(-1)
         digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())

@@ -112,3 +112,45 @@ def test_a_model_kept_longer_than_the_ledgers_rounds_still_goes_into_one_sum() -
         return out
 
     assert asyncio.run(run()) == [["a", "v"], ["a", "v"], "too_few", "too_few"]
+
+
+def test_a_model_that_differs_only_in_a_counter_no_sum_carries_is_the_same_model():
+    """Two rounds of v's model equal in every summed entry, differing only in
+    BatchNorm's num_batches_tracked (an integer no secure sum adds): their sums
+    would be the same, so the second sum of the same requester is refused.
+    The ledger's digest covered the counter too and let both in (a second
+    review, 2026-11-28)."""
+
+    async def run() -> list[object]:
+        network = InMemoryNetwork()
+        exchanges = {}
+        for name in ("v", "a", "b"):
+            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
+            exchanges[name].start(network.join(name))
+        torch.manual_seed(0)
+        w = torch.randn(8)
+        counter = "bn.num_batches_tracked"
+        exchanges["v"].store.put(1, {"w": w.clone(), counter: torch.tensor(5)}, 10)
+        exchanges["v"].store.put(2, {"w": w.clone(), counter: torch.tensor(6)}, 10)
+        for r in (1, 2):
+            exchanges["a"].store.put(r, {"w": torch.full((8,), 1.0), counter: torch.tensor(0)}, 10)
+            exchanges["b"].store.put(r, {"w": torch.full((8,), -1.0), counter: torch.tensor(0)}, 10)
+        requester = network.join("r")
+        out: list[object] = []
+        for r, partner in ((1, "a"), (2, "b")):
+            try:
+                got = await secure_sum(
+                    requester,
+                    ["v", partner],
+                    round_no=r,
+                    max_round=r,
+                    reference={"w": torch.zeros(8), counter: torch.tensor(0)},
+                    timeout=2.0,
+                    weight_scale=10.0,
+                )
+                out.append(sorted(got.contributors))
+            except SecAggError as exc:
+                out.append(exc.reason)
+        return out
+
+    assert asyncio.run(run()) == [["a", "v"], "too_few"]

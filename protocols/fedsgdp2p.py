@@ -137,10 +137,12 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
             t0 = time.perf_counter()
             grad = await ctx.run_blocking(site.compute_gradient, x, y)
             losses.append(site.last_loss if site.last_loss is not None else float("nan"))
-            # Under training.dp the realised Poisson batch size is not released (the
-            # accountant covers only the noised sum over the expected batch).
-            served_size = site.recipe.batch_size if site.dp is not None else len(y)
-            self.exchanger.offer(ctx, (r, step), grad, served_size)
+            # Under training.recipe dp the gradient is a sum over a Poisson batch
+            # divided by the expected batch, which is its weight: the realised size
+            # is never used (under training.dp the accountant covers only the noised
+            # sum, and an empty batch, weight 0, stopped a lone node: review r1).
+            own_size = float(site.recipe.batch_size if site.recipe is not None else len(y))
+            self.exchanger.offer(ctx, (r, step), grad, own_size)
             train_s += time.perf_counter() - t0
 
             # 2. Pull the neighbours' (r, s) gradients (Alg. 4 line 6).
@@ -158,7 +160,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
                 reject=ctx.reject,
             )
             # The neighbours' batch sizes are claims: capped (roster, median ratio).
-            got = await self.exchanger.collect(ctx, (r, step), grad, float(len(y)), ranking, k)
+            got = await self.exchanger.collect(ctx, (r, step), grad, own_size, ranking, k)
             for peer in got.capped:
                 capped[peer] = capped.get(peer, 0) + 1
             exchange_s += time.perf_counter() - t0
@@ -168,7 +170,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
             mean = aggregate_gradients(
                 p.aggregation,
                 [grad] + [t.state for t in got.terms],
-                [float(len(y))] + [t.weight for t in got.terms],
+                [own_size] + [t.weight for t in got.terms],
                 trim_ratio=p.trim_ratio,
                 clip_norm=p.clip_norm,
             )

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from node.cli import main
+from node.provision import provision
 from p2pfl.learning.data.partition import partition_dataset
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 
@@ -47,3 +49,27 @@ def test_fedsgdp2p_weighs_a_private_gradient_by_its_expected_batch_not_the_reali
     for record in result.records:
         assert record["steps"] == 120 and record["dp_steps"] == 120.0
         assert record["neighbours"] > 0.9  # each took the other's gradient, at weight 2
+
+
+@pytest.mark.parametrize("model", ["efficientnet_b0", "mobilenetv2_100"])
+def test_check_refuses_timm_batchnorm_subclasses_under_dp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    """timm's BatchNormAct2d subclasses BatchNorm2d; Opacus's validator checks
+    exact types, so before the review `check` said ok to training.dp on these
+    models and `run` failed in GradSampleModule's traceback. Their running
+    statistics would be computed on the training images without noise."""
+    provision(
+        tmp_path / "fed",
+        ["a"],
+        protocol={"name": "fedavgp2p", "rounds": 2},
+        overrides={
+            "model": {"name": model},
+            "data": {"image_size": 32},
+            "training": {"dp": {"noise_multiplier": 1.0}},
+        },
+    )
+    assert main(["check", "--config", str(tmp_path / "fed" / "a" / "site.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "model.name: training.dp: Opacus cannot compute per-sample gradients" in err
+    assert "BatchNormAct2d" in err and err.count("\n") == 1

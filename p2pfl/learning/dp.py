@@ -102,11 +102,24 @@ def ledger_epsilon(history: list[tuple[float, float, int]], delta: float) -> flo
 
 
 def unsupported_layers(model: nn.Module) -> list[str]:
-    """What Opacus cannot train privately in `model` (BatchNorm, ...), one line each."""
+    """What Opacus cannot train privately in `model`, one line each: what its
+    ModuleValidator refuses (BatchNorm, ...), every layer that keeps running
+    statistics (a subclass of BatchNorm, as timm's BatchNormAct2d, which the
+    validator's exact-type check passes: review r1), and what GradSampleModule
+    itself would refuse when it is attached (a trainable layer with buffers)."""
+    from opacus import GradSampleModule
     from opacus.validators import ModuleValidator
 
+    errors = [*ModuleValidator.validate(model, strict=False)]
+    errors += [
+        f"{name or type(model).__name__} ({type(module).__name__}) keeps running statistics "
+        "of the training images, which no noise covers"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+    ]
+    errors += GradSampleModule.validate(model, strict=False)
     # Opacus explains at length; the first sentence names the layer and the problem
-    return [str(e).split(". ")[0].strip() for e in ModuleValidator.validate(model, strict=False)]
+    return [str(e).split(". ")[0].strip() for e in errors]
 
 
 def refuse_unsupported(model: nn.Module, model_name: str) -> None:

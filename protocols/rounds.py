@@ -366,6 +366,8 @@ class RoundLoop(Protocol, Generic[P]):
             dp.keep_ledger(ctx.durable_file("dp_ledger.json"))
         saved = ctx.restore()
         if not saved or saved.get("protocol") != self.name:
+            if dp is not None:  # a ledger of a run killed before its first checkpoint
+                dp.replan(0)
             return 1
         history = saved.get("dp_history")
         if history is None and saved.get("dp_steps") is not None:  # a checkpoint before the ledger
@@ -390,8 +392,9 @@ class RoundLoop(Protocol, Generic[P]):
             for key, value in dict(saved.get("gossip", {})).items()
             if key not in self.gossip_gated or key in read
         }
-        if dp is not None:  # the privacy already spent stays spent, at its own price
-            dp.restore(history)
+        if dp is not None:  # the privacy already spent stays spent, at its own price,
+            dp.restore(history)  # and the rest of the run's noise is planned on top of it
+            dp.replan(sum(int(n) for _, _, n in history))
         # a checkpoint of before training.select_by chose by macro-F1
         chosen_by, by = saved.get("select_by", "macro_f1"), select_by(site)
         finished = int(saved["round"]) >= self.params.rounds  # nothing will be chosen again

@@ -229,7 +229,7 @@ class DPTraining:
 
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        return DPOptimizer(
+        self._optimizer = DPOptimizer(
             optimizer,
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.max_grad_norm,
@@ -238,6 +238,9 @@ class DPTraining:
             generator=self.noise_generator,
             secure_mode=True,
         )
+        return self._optimizer
+
+    _optimizer: Any = None  # the DPOptimizer `wrap` made last (its noise follows `replan`)
 
     def step_taken(self) -> None:
         """Account for one private optimizer step, durably (the ledger) before
@@ -279,6 +282,43 @@ class DPTraining:
             return  # the ledger is ahead of this record
         self.accountant = RDPAccountant()
         self.accountant.history = spent
+
+    def replan(self, done_steps: int) -> None:
+        """target_epsilon, at a start: the noise for the steps the run has left
+        (the planned ones less the `done_steps` of the rounds the checkpoint
+        holds) priced on top of every step already spent, so the target is
+        still met by the last planned round. Before review r1 the plan ignored
+        what was spent: a node killed between a round's training and its
+        checkpoint trains that round again, and ended above its target (2.19
+        for a target of 2). Unchanged where the current noise already meets
+        the target; TrainingError when the spent budget leaves no room."""
+        target = self.section.target_epsilon
+        remaining = self.total_steps - max(0, done_steps)
+        if target is None or self.steps == 0 or remaining <= 0:
+            return
+        spent = list(self.accountant.history)
+
+        def epsilon_at(sigma: float) -> float:
+            return ledger_epsilon([*spent, (sigma, self.sample_rate, remaining)], self.delta)
+
+        if epsilon_at(self.noise_multiplier) <= target:
+            return
+        low, high = self.noise_multiplier, max(2.0 * self.noise_multiplier, 1.0)
+        while epsilon_at(high) > target:
+            if high > 1e4:
+                raise TrainingError(
+                    "dp_budget_spent",
+                    f"training.dp.target_epsilon {target:g}: the {self.steps} private steps "
+                    f"already spent (ε {self.epsilon:.3f}) leave no room for the run's "
+                    f"{remaining} remaining steps — raise target_epsilon or train fewer rounds",
+                )
+            low, high = high, 2.0 * high
+        while epsilon_at(high) < target - 0.01 and high - low > 1e-6 * high:
+            mid = (low + high) / 2
+            low, high = (low, mid) if epsilon_at(mid) <= target else (mid, high)
+        self.noise_multiplier = high
+        if self._optimizer is not None:
+            self._optimizer.noise_multiplier = high
 
     @property
     def epsilon(self) -> float:

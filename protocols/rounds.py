@@ -34,6 +34,7 @@ from typing import Protocol as Structural
 
 from p2pfl.config import ConfigError
 from p2pfl.learning.best import BestModel
+from p2pfl.learning.dp import LEDGER, mark_unprivate
 from p2pfl.learning.errors import TrainingError
 from p2pfl.learning.evaluate import evaluate_site, select_by
 from p2pfl.learning.optimizer import lr_factor
@@ -363,7 +364,9 @@ class RoundLoop(Protocol, Generic[P]):
         round to run."""
         dp = getattr(site, "dp", None)
         if dp is not None:  # training.dp: every private step is on disk before it is used
-            dp.keep_ledger(ctx.durable_file("dp_ledger.json"))
+            dp.keep_ledger(ctx.durable_file(LEDGER))
+        else:  # a ledger here: what this run trains is not private, and it says so
+            mark_unprivate(ctx.durable_file(LEDGER))
         saved = ctx.restore()
         if not saved or saved.get("protocol") != self.name:
             if dp is not None:  # a ledger of a run killed before its first checkpoint

@@ -4,6 +4,7 @@ do with quantities the accountant does not cover."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from node.cli import main
 from node.provision import provision
 from p2pfl.config.sections import DPSection
 from p2pfl.learning.data.partition import partition_dataset
-from p2pfl.learning.dp import DPTraining
+from p2pfl.learning.dp import LEDGER, DPTraining, mark_unprivate
 from p2pfl.learning.errors import TrainingError
 from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
@@ -149,3 +150,83 @@ def test_a_resume_keeps_the_planned_noise_and_refuses_a_spent_budget() -> None:
     with pytest.raises(TrainingError) as caught:
         spent.replan(0)
     assert caught.value.reason == "dp_budget_spent"
+
+
+class KilledInRoundThree(FedAvgP2P):
+    async def exchange(self, ctx: Any, site: Any, rnd: Any) -> None:
+        if rnd.number == 3:
+            raise RuntimeError("killed after round 3's training")
+        await super().exchange(ctx, site, rnd)
+
+
+def test_a_run_without_dp_in_a_private_state_leaves_no_epsilon_to_claim(
+    two_sources: list[str], tmp_path: Path
+) -> None:
+    """Rounds 1-2 under training.dp; then training.dp is taken out and the node
+    is killed after round 3's training (a model trained in the clear was
+    offered, round 3 has no checkpoint); then training.dp is put back. Before
+    the review the third start resumed round 2's private checkpoint and
+    reported an ε as if every model sent had been private."""
+
+    def configs(private: bool, rounds: int) -> list[Any]:
+        training: dict[str, Any] = {
+            "device": "cpu",
+            "steps_per_round": 2,
+            "dp_recipe": {"batch_size": 100_000, "physical_batch_size": 1024, "epochs": 1},
+        }
+        if private:
+            training["dp"] = {"noise_multiplier": 1.0}
+        else:  # the same recipe in the clear (its optimizer's state resumes)
+            training["recipe"] = "dp"
+        return simulation_configs(
+            two_sources,
+            protocol={"name": "fedavgp2p", "rounds": rounds},
+            data={"image_size": 8, "augment": "none"},
+            model={"name": "small_cnn_gn"},
+            training=training,
+            state_root=tmp_path / "state",
+        )
+
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    assert asyncio.run(simulate(configs(True, 2), network=network)).errors == {}
+    clear = configs(False, 4)
+
+    async def killed() -> list[Any]:
+        contexts = [network.join(c.node.name, c) for c in clear]
+        runs = [
+            KilledInRoundThree(c.protocol).run(x)  # type: ignore[arg-type]
+            for c, x in zip(clear, contexts, strict=True)
+        ]
+        return await asyncio.gather(*runs, return_exceptions=True)
+
+    assert [type(e).__name__ for e in asyncio.run(killed())] == ["RuntimeError"] * 2
+    again = asyncio.run(simulate(configs(True, 4), network=network))
+    assert set(again.errors) == {"site0", "site1"}
+    for error in again.errors.values():
+        assert "trained without training.dp after these private steps" in str(error)
+    assert not [r for r in again.records if r["round"] >= 3]
+
+
+def test_export_states_no_epsilon_from_a_ledger_marked_unprivate(tmp_path: Path) -> None:
+    """What the start without training.dp marks, `export` refuses: no card
+    states an ε that leaves out a model trained in the clear."""
+    from node.export import dp_spent
+    from p2pfl.config import load_config
+    from p2pfl.errors import UserError
+
+    provision(
+        tmp_path / "fed",
+        ["a"],
+        protocol={"name": "fedavgp2p", "rounds": 2},
+        overrides={"model": {"name": "small_cnn_gn"}, "training": {"dp": {"target_epsilon": 4}}},
+    )
+    config = load_config(tmp_path / "fed" / "a" / "site.yaml", check_files=False)
+    ledger = Path(config.node.state_dir) / LEDGER
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    ledger.write_text(json.dumps({"history": [[1.0, 0.5, 4]]}))
+    saved = {"round": 1, "dp_steps": 4, "dp_history": [[1.0, 0.5, 4]]}
+    assert dp_spent(config, 1, saved) is not None  # the ledger as a private run leaves it
+    mark_unprivate(ledger)
+    with pytest.raises(UserError) as caught:
+        dp_spent(config, 1, saved)
+    assert "trained without training.dp after these private steps" in str(caught.value)

@@ -49,14 +49,47 @@ DEFAULT_DELTA = 1e-5
 LEDGER = "dp_ledger.json"
 
 
+# set in a ledger when the site trains without training.dp: what it sent then has no ε
+UNPRIVATE = "trained_without_dp"
+
+
+class LedgerUnprivate(ValueError):
+    """The ledger's site trained without training.dp after its private steps."""
+
+
 def read_ledger(path: Path) -> list[tuple[float, float, int]]:
     """The (noise multiplier, sample rate, steps) a privacy ledger records;
-    OSError or ValueError when it cannot be read."""
+    OSError or ValueError when it cannot be read, LedgerUnprivate when the
+    site trained without training.dp since (`mark_unprivate`)."""
     try:
-        saved = json.loads(path.read_text())["history"]
+        raw = json.loads(path.read_text())
+        saved = raw["history"]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a privacy ledger ({type(exc).__name__}: {exc})") from None
+    if raw.get(UNPRIVATE):
+        raise LedgerUnprivate(
+            "the site trained without training.dp after these private steps, and a model it "
+            "sent then is covered by no ε"
+        )
     return checked_history(saved)
+
+
+def mark_unprivate(path: Path | None) -> None:
+    """A start without training.dp where a privacy ledger is (`path`): the
+    ledger says so before anything is trained, so no later start under
+    training.dp, nor `export`, states an ε that leaves out a model trained in
+    the clear (review r1: a run without training.dp, killed after it served a
+    round's model and before its checkpoint, left the private checkpoint
+    before it to resume, and the ε reported then covered every model sent)."""
+    if path is None or not path.exists():
+        return
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = None
+    if not isinstance(raw, dict) or raw.get(UNPRIVATE):
+        return  # unreadable: refused as such under training.dp already
+    atomic_write_json(path, {**raw, UNPRIVATE: True})
 
 
 def checked_history(saved: Any) -> list[tuple[float, float, int]]:
@@ -264,6 +297,12 @@ class DPTraining:
             return
         try:
             history = read_ledger(path)
+        except LedgerUnprivate as exc:
+            raise TrainingError(
+                "dp_ledger_unprivate",
+                f"training.dp: {path}: {exc} — start from a fresh state directory to train "
+                "privately",
+            ) from None
         except (OSError, ValueError) as exc:
             raise TrainingError(
                 "dp_ledger_unreadable",

@@ -230,3 +230,24 @@ def test_export_states_no_epsilon_from_a_ledger_marked_unprivate(tmp_path: Path)
     with pytest.raises(UserError) as caught:
         dp_spent(config, 1, saved)
     assert "trained without training.dp after these private steps" in str(caught.value)
+
+
+def test_a_checkpoints_optimizer_state_of_another_optimizer_starts_afresh() -> None:
+    """training.dp trains with SGD; a node restarted with training.dp taken out
+    builds Adam, and before the review loaded SGD's state into it and stopped
+    at its first step on KeyError 'betas'."""
+    import torch
+
+    from p2pfl.learning.optimizer import export_optimizer_state, import_optimizer_state
+
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    import_optimizer_state(adam, export_optimizer_state(sgd))
+    adam.step()  # no KeyError
+    assert adam.param_groups[0]["betas"] == (0.9, 0.999)
+    again = torch.optim.SGD(model.parameters(), lr=0.5)
+    import_optimizer_state(again, export_optimizer_state(sgd))  # the same optimizer's: loaded
+    assert again.param_groups[0]["lr"] == 1.0

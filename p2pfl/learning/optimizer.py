@@ -5,6 +5,7 @@ checkpoints and data-parallel workers."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from p2pfl.config import TrainingSection
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(
@@ -62,7 +65,25 @@ def export_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def import_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Load what `export_optimizer_state` gave into `optimizer`."""
+    """Load what `export_optimizer_state` gave into `optimizer`; nothing when
+    it is another optimizer's state (its groups lack this one's settings: SGD's
+    under training.dp, resumed after training.dp was taken out, stopped Adam's
+    first step on KeyError 'betas', review r1), which starts afresh."""
+    groups = saved["param_groups"]
+    given = set().union(*map(set, groups)) if groups else set()
+    # a flag (bool or None) a newer torch added is filled in by torch itself
+    missing = sorted(
+        k
+        for k, v in optimizer.defaults.items()
+        if k not in given and not isinstance(v, bool | None)
+    )
+    if missing:
+        log.warning(
+            "the checkpoint's optimizer state is another optimizer's (it has no %s): "
+            "the optimizer starts afresh",
+            ", ".join(missing[:3]),
+        )
+        return
     restored = {
         "state": {int(pid): dict(entry) for pid, entry in saved["state"].items()},
         "param_groups": [dict(g) for g in saved["param_groups"]],

@@ -33,6 +33,9 @@ class Recorder:
     def restore(self) -> dict[str, Any] | None:
         return self._saved
 
+    def durable_file(self, name: str) -> None:
+        return None  # keeps nothing across restarts (no privacy ledger)
+
 
 def gossiped(protocol: RoundLoop[Any], section: SelectionSection) -> set[str]:
     ctx = Recorder(section)

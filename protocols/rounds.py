@@ -370,7 +370,7 @@ class RoundLoop(Protocol, Generic[P]):
         saved = ctx.restore()
         if not saved or saved.get("protocol") != self.name:
             if dp is not None:  # a ledger of a run killed before its first checkpoint
-                dp.replan(0)
+                dp.replan(dp.total_steps)
             return 1
         history = saved.get("dp_history")
         if history is None and saved.get("dp_steps") is not None:  # a checkpoint before the ledger
@@ -396,8 +396,8 @@ class RoundLoop(Protocol, Generic[P]):
             if key not in self.gossip_gated or key in read
         }
         if dp is not None:  # the privacy already spent stays spent, at its own price,
-            dp.restore(history)  # and the rest of the run's noise is planned on top of it
-            dp.replan(sum(int(n) for _, _, n in history))
+            dp.restore(history)  # and the rounds left have their noise planned on top of it
+            dp.replan(max(0, self.params.rounds - int(saved["round"])) * site.steps_per_round())
         # a checkpoint of before training.select_by chose by macro-F1
         chosen_by, by = saved.get("select_by", "macro_f1"), select_by(site)
         finished = int(saved["round"]) >= self.params.rounds  # nothing will be chosen again

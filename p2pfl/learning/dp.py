@@ -322,17 +322,17 @@ class DPTraining:
         self.accountant = RDPAccountant()
         self.accountant.history = spent
 
-    def replan(self, done_steps: int) -> None:
-        """target_epsilon, at a start: the noise for the steps the run has left
-        (the planned ones less the `done_steps` of the rounds the checkpoint
-        holds) priced on top of every step already spent, so the target is
-        still met by the last planned round. Before review r1 the plan ignored
-        what was spent: a node killed between a round's training and its
-        checkpoint trains that round again, and ended above its target (2.19
-        for a target of 2). Unchanged where the current noise already meets
-        the target; TrainingError when the spent budget leaves no room."""
+    def replan(self, remaining: int) -> None:
+        """target_epsilon, at a start: the noise for the `remaining` steps the
+        run has left (those of the rounds after the checkpoint's, not the
+        planned steps less those spent: a round trained again after a crash
+        is spent twice) priced on top of every step already spent, so the
+        target is still met by the last planned round. Before review r1 the
+        plan ignored what was spent: a node killed between a round's training
+        and its checkpoint trains that round again, and ended above its target
+        (2.19 for a target of 2). Unchanged where the current noise already
+        meets the target; TrainingError when the spent budget leaves no room."""
         target = self.section.target_epsilon
-        remaining = self.total_steps - max(0, done_steps)
         if target is None or self.steps == 0 or remaining <= 0:
             return
         spent = list(self.accountant.history)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +113,9 @@ class Card:
             signing_key=str(data["signing_key"]),
             agreement_key=str(data["agreement_key"]),
             previous_signing_key=data.get("previous_signing_key"),
-            previous_valid_until=data.get("previous_valid_until"),
+            previous_valid_until=_valid_until(
+                data.get("previous_valid_until"), f"{where} ({data['name']})"
+            ),
             max_samples=_max_samples(data.get("max_samples"), f"{where} ({data['name']})"),
             via=_via(data.get("via"), f"{where} ({data['name']})"),
         )
@@ -177,6 +180,21 @@ def _relays(raw: Any, where: str) -> dict[str, str]:
             raise IdentityError(f"{where}: relay {entry['name']!r} listed twice — keep one entry")
         out[entry["name"]] = entry["address"]
     return out
+
+
+def _valid_until(value: Any, where: str) -> float | None:
+    """A card's optional `previous_valid_until`: unix seconds, a finite number.
+    Anything else used to load and then break every signature check of the
+    site: a string (an ISO date) raised TypeError at each message, and `.nan`
+    or `.inf` kept the previous key valid for ever (a key review)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise IdentityError(
+            f"{where}: previous_valid_until must be unix seconds (a finite number, as "
+            f"`p2pfl-node keygen --rotate` writes it), got {value!r} — copy the rotated card again"
+        )
+    return float(value)
 
 
 def _max_samples(value: Any, where: str) -> int | None:

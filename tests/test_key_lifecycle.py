@@ -1,0 +1,86 @@
+"""The key lifecycle review (trust bootstrap): what a roster may say about a
+rotated key's grace period, and which private key files a node refuses to load.
+
+Real keys, real roster files, the real wire codec; nothing attacked is mocked.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from p2pfl.secure.identity import IdentityError, LocalIdentity, Roster, b64
+from p2pfl.secure.wire import WireCodec, WireError
+
+
+def rotated_roster(tmp_path: Path, until: object) -> tuple[Path, LocalIdentity, LocalIdentity]:
+    """A roster whose site `a` names `old`'s key as its previous one, valid `until`."""
+    old, new = LocalIdentity.generate("a"), LocalIdentity.generate("a")
+    new.agreement = old.agreement
+    card = new.card("127.0.0.1:7100").to_dict()
+    card.update(previous_signing_key=b64(old.signing_public), previous_valid_until=until)
+    path = tmp_path / "roster.yaml"
+    path.write_text(yaml.safe_dump({"sites": [card]}))
+    return path, old, new
+
+
+@pytest.mark.parametrize(
+    "until", ["2026-12-01", "tomorrow", True, [1.0], {"s": 1}, math.nan, math.inf, -math.inf]
+)
+def test_a_grace_deadline_that_is_not_finite_unix_seconds_is_refused_when_the_roster_loads(
+    tmp_path, until
+):
+    # Before: a string (an ISO date) loaded, then every signature check of the
+    # site raised TypeError out of the codec; .nan and .inf kept the previous
+    # key valid for ever; True was taken as 1 second after 1970.
+    path, _, _ = rotated_roster(tmp_path, until)
+    with pytest.raises(IdentityError, match="previous_valid_until must be unix seconds"):
+        Roster.load(path)
+
+
+def test_a_finite_grace_deadline_still_admits_the_previous_key_until_then(tmp_path):
+    now = time.time()
+    path, old, new = rotated_roster(tmp_path, int(now) + 3600)  # an int, as a hand edit gives
+    site = Roster.load(path)["a"]
+    assert site.verify(old.sign(b"m"), b"m", now) and site.verify(new.sign(b"m"), b"m", now)
+    assert not site.verify(old.sign(b"m"), b"m", now + 7200)
+    assert site.verify(new.sign(b"m"), b"m", now + 7200)
+
+
+def test_a_malformed_grace_deadline_is_refused_whole_and_the_loaded_roster_still_answers(tmp_path):
+    """The codec never sees such a roster: a reload (SIGHUP) that raises keeps the old one."""
+    path, old, _ = rotated_roster(tmp_path, time.time() + 3600)
+    me = LocalIdentity.generate("me")
+    doc = yaml.safe_load(path.read_text())
+    doc["sites"].append(me.card("127.0.0.1:7101").to_dict())
+    path.write_text(yaml.safe_dump(doc))
+    codec = WireCodec(me, Roster.load(path), "fed")
+    frame = WireCodec(old, Roster([old.card(), me.card()]), "fed").encode("probe", "me", {})
+    doc["sites"][0]["previous_valid_until"] = "2026-12-01"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(IdentityError):
+        Roster.load(path)
+    assert codec.decode(frame.to_bytes()).header.sender == "a"  # the old roster still answers
+
+
+def test_decode_with_the_roster_it_loaded_never_raises_past_the_codec(tmp_path):
+    """The check that used to escape as TypeError: a previous key with a
+    deadline, past and future, gives a verdict (accepted or bad_signature)."""
+    me = LocalIdentity.generate("me")
+    for until, expected in ((time.time() - 10, "bad_signature"), (time.time() + 600, "ok")):
+        path, old, _ = rotated_roster(tmp_path, until)
+        doc = yaml.safe_load(path.read_text())
+        doc["sites"].append(me.card("127.0.0.1:7101").to_dict())
+        path.write_text(yaml.safe_dump(doc))
+        codec = WireCodec(me, Roster.load(path), "fed")
+        frame = WireCodec(old, Roster([old.card(), me.card()]), "fed").encode("probe", "me", {})
+        try:
+            codec.decode(frame.to_bytes())
+            verdict = "ok"
+        except WireError as err:
+            verdict = err.reason
+        assert verdict == expected

@@ -7,12 +7,14 @@ Real keys, real roster files, the real wire codec; nothing attacked is mocked.
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from node.cli import main
 from p2pfl.secure.identity import IdentityError, LocalIdentity, Roster, b64
 from p2pfl.secure.wire import WireCodec, WireError
 
@@ -65,6 +67,69 @@ def test_a_malformed_grace_deadline_is_refused_whole_and_the_loaded_roster_still
     with pytest.raises(IdentityError):
         Roster.load(path)
     assert codec.decode(frame.to_bytes()).header.sender == "a"  # the old roster still answers
+
+
+# ----------------------------------------------------------------------------- key files
+
+
+def saved(tmp_path: Path) -> tuple[LocalIdentity, Path, Path]:
+    identity = LocalIdentity.generate("a")
+    sign, kex = identity.save(tmp_path / "keys")
+    return identity, sign, kex
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o666, 0o620, 0o602])
+def test_a_private_key_other_accounts_may_read_or_replace_is_refused(tmp_path, mode):
+    # Before: LocalIdentity.load read a 0666 signing key without a word.
+    _, sign, kex = saved(tmp_path)
+    for victim in (sign, kex):
+        os.chmod(victim, mode)
+        with pytest.raises(IdentityError, match=f"mode {mode:04o}"):
+            LocalIdentity.load("a", sign, kex)
+        os.chmod(victim, 0o600)
+
+
+def test_a_key_of_another_account_is_refused(tmp_path):
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+    _, sign, kex = saved(tmp_path)
+    os.chown(sign, 4321, 4321)  # an account that could rewrite it
+    with pytest.raises(IdentityError, match="belongs to uid 4321"):
+        LocalIdentity.load("a", sign, kex)
+
+
+def test_a_fifo_at_the_key_path_is_refused_not_waited_on(tmp_path):
+    _, sign, kex = saved(tmp_path)
+    sign.unlink()
+    os.mkfifo(sign, 0o600)
+    with pytest.raises(IdentityError, match="not a plain file"):
+        LocalIdentity.load("a", sign, kex)
+
+
+def test_what_the_shipped_deployments_make_still_loads(tmp_path):
+    """keygen's 0600 files, and a Kubernetes Secret volume: links to root's
+    0440 files, readable by the pod's fsGroup (deploy/k8s/base)."""
+    identity, sign, kex = saved(tmp_path)
+    assert LocalIdentity.load("a", sign, kex).signing_public == identity.signing_public
+    secret = tmp_path / "secret"
+    data = secret / "..2026_11_28_00_00_00.1"
+    data.mkdir(parents=True)
+    for src, name in ((sign, "sign.pem"), (kex, "kex.pem")):
+        (data / name).write_bytes(src.read_bytes())
+        os.chmod(data / name, 0o440)
+        (secret / name).symlink_to(Path(data.name) / name)
+    loaded = LocalIdentity.load("a", secret / "sign.pem", secret / "kex.pem")
+    assert loaded.agreement_public == identity.agreement_public
+
+
+def test_check_names_the_key_and_its_mode_in_one_line(tmp_path, capsys):
+    out = tmp_path / "fed"
+    assert main(["provision", "--out", str(out), "--sites", "a,b"]) == 0
+    os.chmod(out / "a" / "state" / "keys" / "a.sign.pem", 0o644)
+    capsys.readouterr()
+    assert main(["check", "--config", str(out / "a" / "site.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a.sign.pem" in err[0] and "0644" in err[0]
 
 
 def test_decode_with_the_roster_it_loaded_never_raises_past_the_codec(tmp_path):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,9 +267,34 @@ class LocalIdentity:
         return cls(name, signing, agreement)  # type: ignore[arg-type]
 
 
+def _key_file_problem(info: os.stat_result) -> str | None:
+    """Why a private key file with this (followed) stat may be known or
+    replaced by another account, or None. Others may neither read nor write
+    it, its group may not write it, and it belongs to this account or root.
+    Group read and a link stay allowed: a Kubernetes Secret volume
+    (deploy/k8s) is links to root-owned files, mode 0440 for the pod's fsGroup."""
+    mode = stat.S_IMODE(info.st_mode)
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a plain file"
+    if mode & 0o027:
+        return f"has mode {mode:04o}: other accounts may read or replace it"
+    if hasattr(os, "getuid") and info.st_uid not in (os.getuid(), 0):
+        return f"belongs to uid {info.st_uid}, not to this account or root"
+    return None
+
+
 def _load_private(path: Path, kind: type, what: str) -> Any:
     try:
-        data = Path(path).read_bytes()
+        # O_NONBLOCK: a FIFO planted at the name is refused, not waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            problem = _key_file_problem(os.fstat(fh.fileno()))
+            if problem is not None:
+                raise IdentityError(
+                    f"{path}: the {what} key {problem} — `chmod 600` it as the node's own "
+                    "user, or create a new key with `p2pfl-node keygen` if it may be known"
+                )
+            data = fh.read()
     except FileNotFoundError:
         raise IdentityError(
             f"{path}: {what} key not found — create it with `p2pfl-node keygen`"

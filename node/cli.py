@@ -30,6 +30,7 @@ from p2pfl.config.secagg_guarantees import secagg_guarantee_lines
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
+    Card,
     IdentityError,
     LocalIdentity,
     Roster,
@@ -146,6 +147,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     text = yaml.safe_dump(card.to_dict(), sort_keys=False)
     (out / f"{args.name}.card.yaml").write_text(text)
     print(f"# private keys (mode 0600, never share): {sign_path} {kex_path}", file=sys.stderr)
+    print(f"# fingerprint (read it to each peer by phone): {card.fingerprint()}", file=sys.stderr)
     print(
         f"# public card, also in {out / (args.name + '.card.yaml')} — send it to the other sites:",
         file=sys.stderr,
@@ -253,12 +255,16 @@ def cmd_roster(args: argparse.Namespace) -> int:
             card = dataclasses.replace(card, max_samples=args.max_samples)
         elif previous is not None and previous.max_samples is not None:
             card = dataclasses.replace(card, max_samples=previous.max_samples)
+        card, problem = _previous_key_checked(card, previous)
+        if problem:
+            return _user_error(f"{args.card}: {problem}")
         cards[card.name] = card
         Roster(list(cards.values()), path, relays=roster.relays).save(path)
         cap = f", max_samples {card.max_samples}" if card.max_samples is not None else ""
         print(
             f"{path}: {card.name} added ({len(cards)} sites{cap}); send SIGHUP to running nodes to reload"
         )
+        print(f"  fingerprint {card.fingerprint()}: confirm it with {card.name} by phone")
     elif args.roster_command == "remove":
         if args.name not in cards:
             return _user_error(
@@ -273,8 +279,28 @@ def cmd_roster(args: argparse.Namespace) -> int:
         for card in roster.cards():
             cap = f"\tmax_samples={card.max_samples}" if card.max_samples is not None else ""
             where = card.address if card.address else "via " + ",".join(card.via)
-            print(f"{card.name}\t{where}{cap}")
+            print(f"{card.name}\t{where}\t{card.fingerprint()}{cap}")
     return 0
+
+
+def _previous_key_checked(card: Card, listed: Card | None) -> tuple[Card, str | None]:
+    """A rotated card's `previous_signing_key` lets that key sign for the site
+    until `previous_valid_until`, so it must be a key this roster already
+    trusts for the site (its current or previous key); else a card swapped in
+    transit, with the real new key but the attacker's as the previous one,
+    let the attacker sign as the site for the whole grace period (a key
+    review). A site the roster does not list yet gets no grace key at all."""
+    if not card.previous_signing_key:
+        return card, None
+    if listed is None:
+        return dataclasses.replace(card, previous_signing_key=None, previous_valid_until=None), None
+    if card.previous_signing_key in (listed.signing_key, listed.previous_signing_key):
+        return card, None
+    return card, (
+        f"previous_signing_key is not a key the roster lists for {card.name!r}: the card was "
+        "altered, or the site rotated twice — confirm its fingerprint by phone, then "
+        f"`roster remove {card.name}` and add the card again (no grace period)"
+    )
 
 
 # ----------------------------------------------------------------------------- run

@@ -291,6 +291,10 @@ def run_rotate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(
+        f"# fingerprint (read it to each peer by phone): {rotated.card.fingerprint()}",
+        file=sys.stderr,
+    )
+    print(
         f"# peers accept both keys until {until}. Send this card (also in {rotated.card_path}) "
         "to every site; each runs `p2pfl-node roster add CARD` and reloads (SIGHUP). "
         "Then add it to your own roster and restart your node.",

@@ -6,6 +6,7 @@ Real keys, real roster files, the real wire codec; nothing attacked is mocked.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from node.cli import main
-from p2pfl.secure.identity import IdentityError, LocalIdentity, Roster, b64
+from p2pfl.secure.identity import IdentityError, LocalIdentity, Roster, b64, load_card
 from p2pfl.secure.wire import WireCodec, WireError
 
 
@@ -149,3 +150,104 @@ def test_decode_with_the_roster_it_loaded_never_raises_past_the_codec(tmp_path):
         except WireError as err:
             verdict = err.reason
         assert verdict == expected
+
+
+# ----------------------------------------------------------------------------- cards in transit
+
+
+def two_sites(tmp_path: Path) -> Path:
+    """a and b made by keygen; b's roster holds both cards; returns that roster."""
+    for n, port in (("a", 7100), ("b", 7101)):
+        assert (
+            main(
+                [
+                    "keygen",
+                    "--name",
+                    n,
+                    "--out",
+                    str(tmp_path / n),
+                    "--address",
+                    f"127.0.0.1:{port}",
+                ]
+            )
+            == 0
+        )
+    roster = tmp_path / "b" / "roster.yaml"
+    for n in ("a", "b"):
+        assert (
+            main(["roster", "add", str(tmp_path / n / f"{n}.card.yaml"), "--roster", str(roster)])
+            == 0
+        )
+    return roster
+
+
+def test_a_rotated_card_naming_a_stranger_as_its_previous_key_is_refused(tmp_path, capsys):
+    # Before: `roster add` took the swapped previous key, and b accepted a
+    # message mallory signed as `a` for the whole grace period.
+    roster = two_sites(tmp_path)
+    assert main(["keygen", "--rotate", "--name", "a", "--out", str(tmp_path / "a")]) == 0
+    mallory = LocalIdentity.generate("a")
+    card = yaml.safe_load((tmp_path / "a" / "a.card.yaml").read_text())
+    card["previous_signing_key"] = b64(mallory.signing_public)
+    (tmp_path / "evil.card.yaml").write_text(yaml.safe_dump(card))
+    before = roster.read_bytes()
+    capsys.readouterr()
+    assert main(["roster", "add", str(tmp_path / "evil.card.yaml"), "--roster", str(roster)]) == 2
+    assert "previous_signing_key is not a key the roster lists" in capsys.readouterr().err
+    assert roster.read_bytes() == before
+    b = LocalIdentity.load("b", tmp_path / "b" / "b.sign.pem", tmp_path / "b" / "b.kex.pem")
+    frame = WireCodec(mallory, Roster([mallory.card(), b.card()]), "fed").encode("probe", "b", {})
+    with pytest.raises(WireError, match="bad_signature"):
+        WireCodec(b, Roster.load(roster), "fed").decode(frame.to_bytes())
+    # the honest rotated card still goes in, with its grace key
+    assert (
+        main(["roster", "add", str(tmp_path / "a" / "a.card.yaml"), "--roster", str(roster)]) == 0
+    )
+    honest = load_card(tmp_path / "a" / "a.card.yaml").previous_signing_key
+    assert Roster.load(roster)["a"].card.previous_signing_key == honest
+
+
+def test_a_first_added_card_gets_no_grace_key(tmp_path):
+    """A site the roster never listed has no previous key anyone vouched for."""
+    roster = tmp_path / "roster.yaml"
+    keys = tmp_path / "a"
+    assert main(["keygen", "--name", "a", "--out", str(keys), "--address", "127.0.0.1:7100"]) == 0
+    assert main(["keygen", "--rotate", "--name", "a", "--out", str(keys)]) == 0
+    assert load_card_previous(keys / "a.card.yaml")
+    assert main(["roster", "add", str(keys / "a.card.yaml"), "--roster", str(roster)]) == 0
+    card = Roster.load(roster)["a"].card
+    assert card.previous_signing_key is None and card.previous_valid_until is None
+
+
+def load_card_previous(path: Path) -> str | None:
+    return yaml.safe_load(path.read_text()).get("previous_signing_key")
+
+
+def test_the_fingerprint_covers_the_agreement_key_and_every_cli_step_prints_it(tmp_path, capsys):
+    # Before: the docs had sites confirm the signing key alone by phone; a card
+    # with the real signing key and mallory's agreement key passed, and b's
+    # payloads encrypted to `a` opened with mallory's key.
+    a, mallory = LocalIdentity.generate("a"), LocalIdentity.generate("a")
+    real = a.card("127.0.0.1:7100")
+    swapped = dataclasses.replace(real, agreement_key=b64(mallory.agreement_public))
+    assert swapped.signing_key == real.signing_key
+    assert swapped.fingerprint() != real.fingerprint()
+    assert dataclasses.replace(real, name="b").fingerprint() != real.fingerprint()
+    assert dataclasses.replace(real, address="10.0.0.1:1").fingerprint() == real.fingerprint()
+    capsys.readouterr()
+    roster = two_sites(tmp_path)
+    printed = capsys.readouterr()
+    fp = Roster.load(roster)["a"].card.fingerprint()
+    assert f"fingerprint (read it to each peer by phone): {fp}" in printed.err  # keygen
+    assert f"fingerprint {fp}: confirm it with a" in printed.out  # roster add
+    assert main(["roster", "list", "--roster", str(roster)]) == 0
+    assert fp in capsys.readouterr().out
+    assert main(["keygen", "--rotate", "--name", "a", "--out", str(tmp_path / "a")]) == 0
+    rotated = load_card(tmp_path / "a" / "a.card.yaml").fingerprint()
+    assert rotated != fp and rotated in capsys.readouterr().err
+
+
+def test_the_provisioning_docs_say_to_confirm_the_fingerprint():
+    ops = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    step = ops[ops.index("3. **Exchange cards**") : ops.index("4. **Each site builds")]
+    assert "fingerprint" in step and "agreement" in step

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import math
 import os
 import stat
@@ -69,6 +70,18 @@ class Card:
     # Relays (roster `relays:` names) an outbound-only site keeps a connection to;
     # its messages are sent through one of them (node/relay_wire.py, issue 31).
     via: tuple[str, ...] = ()
+
+    def fingerprint(self) -> str:
+        """What two sites compare by a second channel (a phone call) before one
+        adds the other's card: SHA-256 over the name and both public keys, 32
+        hex digits in groups of 4. Comparing the signing key alone missed a
+        card swapped in transit with the attacker's agreement key, to which
+        every encrypted payload was then readable (a key review)."""
+        digest = hashlib.sha256(b"p2pfl-card-v1\0" + self.name.encode("utf-8") + b"\0")
+        digest.update(_unb64(self.signing_key, "signing_key", self.name))
+        digest.update(_unb64(self.agreement_key, "agreement_key", self.name))
+        hexed = digest.hexdigest()[:32]
+        return " ".join(hexed[i : i + 4] for i in range(0, 32, 4))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

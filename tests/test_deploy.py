@@ -394,7 +394,7 @@ def test_k8s_example_renders_and_validates_against_kubernetes_schemas(k8s_exampl
     assert kinds.count("StatefulSet") == 3 and kinds.count("NetworkPolicy") == 3
     assert kinds.count("ServiceMonitor") == 3
     assert (
-        kinds.count("Service") == 3 and kinds.count("Secret") == 3 and kinds.count("ConfigMap") == 6
+        kinds.count("Service") == 6 and kinds.count("Secret") == 3 and kinds.count("ConfigMap") == 6
     )
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {
         "p2pfl-example"
@@ -536,7 +536,7 @@ def test_k8s_prometheus_scrapes_each_site_with_that_sites_status_token(k8s_examp
         assert monitor["metadata"]["namespace"] == "p2pfl-example"
         selector = monitor["spec"]["selector"]["matchLabels"]
         chosen = [s for s in services if selects(selector, s["metadata"]["labels"])]
-        assert [s["metadata"]["name"] for s in chosen] == [f"{site}-p2pfl-node"]
+        assert [s["metadata"]["name"] for s in chosen] == [f"{site}-p2pfl-node-status"]
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["path"] == "/metrics"
         assert endpoint["port"] in {p["name"] for p in chosen[0]["spec"]["ports"]}

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +58,8 @@ from protocols.memory.ray_shard import (
     import_ray,
 )
 from protocols.memory.results import SimulationResult
+
+log = logging.getLogger(__name__)
 
 
 class ShardDied(RuntimeError):
@@ -376,6 +380,27 @@ def train_workers(cpus: float) -> int:
     return max(1, int(cpus))
 
 
+RAY_AUTH_ENV = "RAY_AUTH_MODE"
+
+
+def require_ray_auth() -> None:
+    """Token authentication for a Ray this process starts: Ray's GCS, raylet
+    and worker ports listen on every interface whatever address it is given,
+    and a Ray without token auth (before 2.52, or 2.52 by default) let a
+    stranger who reached this host join the simulation's cluster and run code
+    in it (a key review). Ray then makes its token (~/.ray/auth_token, 0600)
+    itself. An operator's explicit RAY_AUTH_MODE is kept, with a WARNING if it
+    turns authentication off."""
+    mode = os.environ.setdefault(RAY_AUTH_ENV, "token")
+    if mode.lower() != "token":
+        log.warning(
+            "%s=%s: the Ray this simulation starts accepts anyone who reaches its ports "
+            "(every interface of this host) and runs their code; unset it or set it to token",
+            RAY_AUTH_ENV,
+            mode,
+        )
+
+
 def local_cluster(
     nodes: int, *, cpus: int = 1, gpus: int = 0, object_store_mb: int = 300
 ) -> Callable[[], None]:
@@ -384,6 +409,7 @@ def local_cluster(
     ray = import_ray()
     from ray.cluster_utils import Cluster
 
+    require_ray_auth()
     node = {"num_cpus": cpus, "num_gpus": gpus, "object_store_memory": object_store_mb << 20}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
@@ -412,6 +438,7 @@ def connect(address: str | None, *, num_cpus: int | None = None) -> bool:
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if address is None:  # a Ray of its own, even when a cluster runs on this machine
         address, options["num_cpus"] = "local", num_cpus
+        require_ray_auth()
     ray.init(address=address, **options)
     return True
 

@@ -251,3 +251,25 @@ def test_the_provisioning_docs_say_to_confirm_the_fingerprint():
     ops = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     step = ops[ops.index("3. **Exchange cards**") : ops.index("4. **Each site builds")]
     assert "fingerprint" in step and "agreement" in step
+
+
+# ----------------------------------------------------------------------------- the roster file
+
+
+def test_a_roster_any_account_may_rewrite_is_refused(tmp_path):
+    # Before: a 0666 roster loaded at start and at every SIGHUP, node and
+    # relay alike: any account on the host could add a key or swap one.
+    path = tmp_path / "roster.yaml"
+    Roster([LocalIdentity.generate("a").card("127.0.0.1:7100")]).save(path)
+    os.chmod(path, 0o666)
+    with pytest.raises(IdentityError, match="mode 0666: any account on this host may rewrite"):
+        Roster.load(path)
+    os.chmod(path, 0o664)  # a group-shared admin folder under umask 002 stays usable
+    assert Roster.load(path).names() == ["a"]
+
+
+def test_a_roster_that_is_not_utf8_is_one_line_not_a_traceback(tmp_path):
+    path = tmp_path / "roster.yaml"
+    path.write_bytes(b"sites: [\xff\xfe]\n")
+    with pytest.raises(IdentityError, match="not UTF-8"):
+        Roster.load(path)

@@ -420,7 +420,17 @@ class Roster:
     def load(cls, path: Path) -> Roster:
         path = Path(path)
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+            with path.open("rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode
+                if stat.S_IMODE(mode) & 0o002:
+                    # whoever may rewrite the roster may add a key or swap one
+                    raise IdentityError(
+                        f"{path}: roster has mode {stat.S_IMODE(mode):04o}: any account on "
+                        "this host may rewrite it — `chmod o-w` it, and check what it lists"
+                    )
+                raw = yaml.safe_load(fh.read().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise IdentityError(f"{path}: roster is not UTF-8 text — fix its encoding") from None
         except FileNotFoundError:
             raise IdentityError(
                 f"{path}: roster not found — create it with `p2pfl-node provision` or `p2pfl-node roster add`"

@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import re
-import shutil
 import sys
 import time
 import urllib.error
@@ -30,6 +29,7 @@ import yaml
 
 from node.status import STATUS_TOKEN_FILE, load_or_create_token
 from p2pfl.errors import UserError
+from p2pfl.files import PUBLIC_FILE, atomic_write_bytes, atomic_write_text
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,
     Card,
@@ -254,15 +254,21 @@ def rotate_signing_key(
     kex_path = keys_dir / f"{name}.kex.pem"
     current = LocalIdentity.load(name, sign_path, kex_path)
     card_path = keys_dir / f"{name}.card.yaml"
+    published = load_card(card_path) if card_path.exists() else None
     if address is None:
-        address = load_card(card_path).address if card_path.exists() else ADDRESS_PLACEHOLDER
+        address = published.address if published is not None else ADDRESS_PLACEHOLDER
+    # The grace key is the one peers trust: the card's. It differs from the key
+    # on disk only when a rotation crashed between writing the new key and the
+    # new card; rotating from the unpublished key then left the published one
+    # without its grace period (a key review).
+    previous = published.signing_key if published is not None else b64(current.signing_public)
     now = time.time() if now is None else now
     retired_dir = keys_dir / "retired"
     retired_dir.mkdir(mode=0o700, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     retired = retired_dir / f"{name}.sign.{stamp}.pem"
-    shutil.copy2(sign_path, retired)  # copy first: a crash leaves the old key in place
-    os.chmod(retired, 0o600)
+    # copy first (a crash leaves the old key in place), 0600 from the start
+    atomic_write_bytes(retired, sign_path.read_bytes(), mode=0o600)
     rotated = LocalIdentity.generate(name)
     rotated.agreement = current.agreement
     rotated.save(keys_dir)
@@ -271,10 +277,11 @@ def rotate_signing_key(
         address,
         b64(rotated.signing_public),
         b64(rotated.agreement_public),
-        previous_signing_key=b64(current.signing_public),
+        previous_signing_key=previous,
         previous_valid_until=round(now + grace_hours * 3600.0, 3),
     )
-    card_path.write_text(yaml.safe_dump(card.to_dict(), sort_keys=False), encoding="utf-8")
+    text = yaml.safe_dump(card.to_dict(), sort_keys=False)
+    atomic_write_text(card_path, text, mode=PUBLIC_FILE)  # public: the card peers get
     return RotatedKey(card, card_path, sign_path, retired)
 
 

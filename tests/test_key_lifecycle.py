@@ -273,3 +273,36 @@ def test_a_roster_that_is_not_utf8_is_one_line_not_a_traceback(tmp_path):
     path.write_bytes(b"sites: [\xff\xfe]\n")
     with pytest.raises(IdentityError, match="not UTF-8"):
         Roster.load(path)
+
+
+# ----------------------------------------------------------------------------- rotation
+
+
+def test_a_rotation_rerun_after_a_crash_keeps_the_published_key_as_the_grace_key(
+    tmp_path, monkeypatch
+):
+    # Before: a crash after the new key was written and before the new card
+    # was (here: the card's YAML dump raises) left the old card; the rerun
+    # rotated from the never-published key and named it the previous one, so
+    # the key peers trusted lost its grace period.
+    import node.deploy as deploy
+
+    keys = tmp_path / "a"
+    assert main(["keygen", "--name", "a", "--out", str(keys), "--address", "127.0.0.1:7100"]) == 0
+    published = load_card(keys / "a.card.yaml").signing_key
+
+    def power_cut(*args, **kwargs):
+        raise OSError("power cut")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(deploy.yaml, "safe_dump", power_cut)
+        with pytest.raises(OSError, match="power cut"):
+            deploy.rotate_signing_key("a", keys, grace_hours=24)
+    assert load_card(keys / "a.card.yaml").signing_key == published  # the old card, whole
+    assert main(["keygen", "--rotate", "--name", "a", "--out", str(keys)]) == 0
+    card = load_card(keys / "a.card.yaml")
+    assert card.previous_signing_key == published
+    on_disk = LocalIdentity.load("a", keys / "a.sign.pem", keys / "a.kex.pem")
+    assert card.signing_key == b64(on_disk.signing_public)
+    for retired in (keys / "retired").iterdir():
+        assert retired.stat().st_mode & 0o077 == 0

@@ -306,3 +306,42 @@ def test_a_rotation_rerun_after_a_crash_keeps_the_published_key_as_the_grace_key
     assert card.signing_key == b64(on_disk.signing_public)
     for retired in (keys / "retired").iterdir():
         assert retired.stat().st_mode & 0o077 == 0
+
+
+# ----------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x by phone\r  fingerprint 0000 1111: confirm it with x",
+        "a\nb",
+        "\x1b[2Ka",
+        "",
+        "-a",
+        "a" * 65,
+        7,
+    ],
+)
+def test_a_card_whose_name_no_site_may_have_is_refused_before_anything_prints_it(
+    tmp_path, capsys, name
+):
+    # Before: `roster add` took a name with a carriage return and printed it
+    # raw; on a terminal the line read for the phone check showed a made-up
+    # fingerprint instead of the card's.
+    card = LocalIdentity.generate("x").card("127.0.0.1:7100").to_dict()
+    card["name"] = name
+    (tmp_path / "x.card.yaml").write_text(yaml.safe_dump(card))
+    roster = tmp_path / "roster.yaml"
+    capsys.readouterr()
+    assert main(["roster", "add", str(tmp_path / "x.card.yaml"), "--roster", str(roster)]) == 2
+    printed = capsys.readouterr()
+    assert "is not a site name" in printed.err and printed.out == "" and not roster.exists()
+    assert "\r" not in printed.err and "\n" not in printed.err.rstrip("\n")
+
+
+def test_roster_names_follow_the_config_name_rule():
+    from p2pfl.config.sections import NodeSection
+    from p2pfl.secure.identity import NAME_PATTERN
+
+    assert NodeSection.model_fields["name"].metadata[0].pattern == NAME_PATTERN

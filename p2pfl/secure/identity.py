@@ -16,6 +16,7 @@ import binascii
 import hashlib
 import math
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ from p2pfl.errors import UserError
 from p2pfl.files import PUBLIC_FILE, atomic_write_bytes, atomic_write_text
 
 ADDRESS_PLACEHOLDER = "HOST:PORT"
+# What `node.name` and `relay.name` may be (p2pfl/config: the same pattern): a
+# roster name outside it is no site or relay that can run, and a control
+# character in it rewrote what `roster add` printed (a key review).
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 class IdentityError(UserError):
@@ -110,6 +115,11 @@ class Card:
             raise IdentityError(
                 f"{where}: missing {', '.join(missing)} — copy the site's public card (p2pfl-node keygen prints it)"
             )
+        if not isinstance(data["name"], str) or not re.fullmatch(NAME_PATTERN, data["name"]):
+            raise IdentityError(
+                f"{where}: name {str(data['name'])[:80]!r} is not a site name (letters, digits, "
+                "'_', '.', '-', at most 64, as node.name) — check the card came from the site"
+            )
         unknown = set(data) - {
             "name",
             "address",
@@ -183,7 +193,7 @@ def _relays(raw: Any, where: str) -> dict[str, str]:
             not isinstance(entry, dict)
             or set(entry) != {"name", "address"}
             or not isinstance(entry["name"], str)
-            or not entry["name"]
+            or not re.fullmatch(NAME_PATTERN, entry["name"])
             or not isinstance(entry["address"], str)
             or not entry["address"]
         ):

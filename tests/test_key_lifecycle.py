@@ -345,3 +345,22 @@ def test_roster_names_follow_the_config_name_rule():
     from p2pfl.secure.identity import NAME_PATTERN
 
     assert NodeSection.model_fields["name"].metadata[0].pattern == NAME_PATTERN
+
+
+# ----------------------------------------------------------------------------- the TLS key
+
+
+def test_a_tls_private_key_others_may_read_or_replace_is_refused(tmp_path):
+    # Before: node/tls.py handed a 0666 key to ssl without a word.
+    from test_tls import make_pki
+
+    from node.tls import client_ssl_context, server_ssl_context
+
+    make_pki(tmp_path, ["a"])
+    cert, key, ca = (str(tmp_path / n) for n in ("a.crt", "a.key", "ca.pem"))
+    for context in (server_ssl_context, client_ssl_context):
+        context(cert, key, ca)  # 0600, as make_pki writes it
+        os.chmod(key, 0o644)
+        with pytest.raises(IdentityError, match="TLS private key .* mode 0644"):
+            context(cert, key, ca)
+        os.chmod(key, 0o600)

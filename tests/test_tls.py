@@ -17,17 +17,20 @@ from cryptography.x509.oid import NameOID
 from bench.localfed import LocalFederation
 from node.provision import provision
 from node.transport import MESSAGE_PATH
+from p2pfl.files import atomic_write_bytes
 
 pytestmark = pytest.mark.slow
 
 
 def _write_key(key, path: Path) -> None:
-    path.write_bytes(
+    """0600, as a node requires of a TLS private key (node/tls.py)."""
+    atomic_write_bytes(
+        path,
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
-        )
+        ),
     )
 
 

@@ -290,7 +290,7 @@ class LocalIdentity:
         return cls(name, signing, agreement)  # type: ignore[arg-type]
 
 
-def _key_file_problem(info: os.stat_result) -> str | None:
+def key_file_problem(info: os.stat_result) -> str | None:
     """Why a private key file with this (followed) stat may be known or
     replaced by another account, or None. Others may neither read nor write
     it, its group may not write it, and it belongs to this account or root.
@@ -311,7 +311,7 @@ def _load_private(path: Path, kind: type, what: str) -> Any:
         # O_NONBLOCK: a FIFO planted at the name is refused, not waited on
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as fh:
-            problem = _key_file_problem(os.fstat(fh.fileno()))
+            problem = key_file_problem(os.fstat(fh.fileno()))
             if problem is not None:
                 raise IdentityError(
                     f"{path}: the {what} key {problem} — `chmod 600` it as the node's own "

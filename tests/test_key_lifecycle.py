@@ -364,3 +364,16 @@ def test_a_tls_private_key_others_may_read_or_replace_is_refused(tmp_path):
         with pytest.raises(IdentityError, match="TLS private key .* mode 0644"):
             context(cert, key, ca)
         os.chmod(key, 0o600)
+
+
+def test_a_card_with_a_low_order_agreement_key_is_refused_when_the_roster_loads(tmp_path):
+    # Before: the roster loaded, and every encrypted frame from that member,
+    # and every encryption to it, raised ValueError out of the codec (whose
+    # contract is WireError only).
+    m = LocalIdentity.generate("m")
+    card = m.card("127.0.0.1:7100").to_dict()
+    card["agreement_key"] = b64(bytes(32))
+    path = tmp_path / "roster.yaml"
+    path.write_text(yaml.safe_dump({"sites": [card]}))
+    with pytest.raises(IdentityError, match="no key exchange works with"):
+        Roster.load(path)

@@ -401,6 +401,13 @@ class Roster:
             agreement = X25519PublicKey.from_public_bytes(
                 _unb64(card.agreement_key, "agreement_key", card.name)
             )
+            try:  # a low-order point (all zeros, ...) makes every exchange with it fail
+                X25519PrivateKey.generate().exchange(agreement)
+            except ValueError:
+                raise IdentityError(
+                    f"{path or 'roster'}: site {card.name!r} has an agreement_key no key "
+                    "exchange works with (a low-order point) — ask the site for its real card"
+                ) from None
             self.sites[card.name] = RosterSite(card, keys, agreement)
         where = path or "roster"
         clash = sorted(set(self.relays) & set(self.sites))

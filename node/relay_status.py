@@ -37,6 +37,7 @@ from node.relay import RelayServer
 from node.resources import freeze_startup_heap
 from node.status import (
     ANY_HOST_PATHS,
+    NAMED_TOKEN_FIX,
     OWN_TOKEN_FIX,
     STATUS_TOKEN_FILE,
     Handler,
@@ -45,6 +46,7 @@ from node.status import (
     bearer_auth_middleware,
     inside,
     load_or_create_token,
+    read_named_token,
     start_status_server,
     token_problem,
 )
@@ -84,9 +86,11 @@ def relay_status_token(cfg: RelayConfig, config_path: Path | str) -> tuple[str, 
     try:
         if create:  # its own file: node/status.py read_own_token's checks
             return load_or_create_token(path), path
-        token = path.read_text("utf-8").strip()
+        token = read_named_token(path)  # the operator's file: a mounted secret's checks
     except TokenFileError as exc:
-        raise ConfigError(config_path, field, str(exc), OWN_TOKEN_FIX) from None
+        raise ConfigError(
+            config_path, field, str(exc), OWN_TOKEN_FIX if create else NAMED_TOKEN_FIX
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(config_path, field, f"cannot read {path}: {exc}", fix) from None
     problem = token_problem(token)

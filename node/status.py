@@ -58,6 +58,7 @@ from node.prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from node.telemetry import Telemetry
 from p2pfl.config import ConfigError, SiteConfig, is_loopback
 from p2pfl.files import create_exclusive
+from p2pfl.secure.identity import key_file_problem
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +255,9 @@ def read_own_token(path: Path) -> str:
     STATE/status.token, a relay's status.token): refused (TokenFileError) if
     it is a link, not a plain file, readable or writable by others, or holds
     no plausible token: then someone else made, replaced or exposed it, and
-    the token may be known. (A status.token_file the operator names is theirs
-    to keep: a mounted secret is often a link, unless it lies in the state
-    dir: `inside`.)"""
+    the token may be known. (A status.token_file the operator names outside
+    the state dir, often a mounted secret and a link, is read by
+    `read_named_token`; one inside it is the node's own: `inside`.)"""
     if path.is_symlink():
         raise TokenFileError(f"{path} is a symbolic link")
     if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the open
@@ -281,6 +282,29 @@ def read_own_token(path: Path) -> str:
     if problem is not None:
         raise TokenFileError(f"the token in {path} {problem}")
     return token
+
+
+NAMED_TOKEN_FIX = (
+    "`chmod 600` it as the node's user (0440 for a mounted secret's group), and write a new "
+    "token into it if others could read it"
+)
+
+
+def read_named_token(path: Path) -> str:
+    """The token in a file the operator names outside the node's own folder (a
+    mounted secret): refused (TokenFileError) if others may read or write it,
+    its group may write it, it belongs to another account than this one or
+    root, or it is no plain file, as a private key is
+    (p2pfl/secure/identity.py `key_file_problem`: links and group read stay
+    allowed). It was read whatever its mode (a key review: a 0644 token file
+    served as the bearer token)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as fh:
+        problem = key_file_problem(os.fstat(fh.fileno()))
+        if problem is not None:
+            raise TokenFileError(f"{path} {problem}")
+        raw = fh.read(2 * MAX_TOKEN_CHARS)
+    return raw.decode("utf-8").strip()
 
 
 def inside(path: Path, folder: Path) -> bool:
@@ -316,7 +340,9 @@ def status_token(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
     if cfg.status.token_file and not inside(Path(cfg.status.token_file), state):
         field, path = "status.token_file", Path(cfg.status.token_file)
         try:
-            token = path.read_text(encoding="utf-8").strip()
+            token = read_named_token(path)
+        except TokenFileError as exc:
+            raise ConfigError(config_path, field, str(exc), NAMED_TOKEN_FIX) from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(
                 config_path, field, f"cannot read {path}: {exc}", "write the token into it"

@@ -377,3 +377,60 @@ def test_a_card_with_a_low_order_agreement_key_is_refused_when_the_roster_loads(
     path.write_text(yaml.safe_dump({"sites": [card]}))
     with pytest.raises(IdentityError, match="no key exchange works with"):
         Roster.load(path)
+
+
+# ----------------------------------------------------------------------------- named token files
+
+
+def named_token(tmp_path: Path, mode: int) -> Path:
+    token = tmp_path / "etc" / "status.token"
+    token.parent.mkdir(exist_ok=True)
+    token.write_text("s" * 43 + "\n")
+    os.chmod(token, mode)
+    return token
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620])
+def test_a_status_token_file_the_operator_names_that_others_may_read_is_refused(tmp_path, mode):
+    # Before: a token file outside the state dir (the docs' choice when the
+    # status port is not on loopback) was read whatever its mode: a 0644 one,
+    # readable by any account on the host, was served as the bearer token.
+    from node.provision import provision
+    from node.status import status_token
+    from p2pfl.config import ConfigError, load_config
+
+    token = named_token(tmp_path, mode)
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "fedavgp2p", "rounds": 1},
+        per_site={"a": {"status": {"token_file": str(token)}}},
+    )
+    cfg = load_config(plans[0].config_path)
+    with pytest.raises(ConfigError, match=f"mode {mode:04o}") as caught:
+        status_token(cfg, plans[0].config_path)
+    assert "s" * 43 not in str(caught.value)
+    os.chmod(token, 0o600)
+    assert status_token(cfg, plans[0].config_path) == "s" * 43
+    # a Kubernetes Secret: a link to a 0440 file the pod's group reads
+    os.chmod(token, 0o440)
+    link = tmp_path / "etc" / "link.token"
+    link.symlink_to(token.name)
+    cfg.status.token_file = link
+    assert status_token(cfg, plans[0].config_path) == "s" * 43
+
+
+def test_a_relay_refuses_a_named_status_token_file_others_may_read(tmp_path):
+    from test_relay import write_relay_yaml
+
+    from node.relay_status import relay_status_token
+    from p2pfl.config import ConfigError
+    from p2pfl.config.relay import load_relay_config
+
+    token = named_token(tmp_path, 0o644)
+    Roster([LocalIdentity.generate("a").card("127.0.0.1:7100")]).save(tmp_path / "roster.yaml")
+    path = write_relay_yaml(tmp_path / "r1", {"name": "r1"}, status={"token_file": str(token)})
+    with pytest.raises(ConfigError, match="mode 0644"):
+        relay_status_token(load_relay_config(path), path)
+    os.chmod(token, 0o600)
+    assert relay_status_token(load_relay_config(path), path) == ("s" * 43, token)

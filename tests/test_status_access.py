@@ -248,6 +248,7 @@ def test_a_configured_token_wins_and_a_short_or_missing_token_file_is_a_config_e
     assert status_token(site_config(tmp_path, token=TOKEN)) == TOKEN
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)  # others may not read it (tests/test_key_lifecycle.py)
     assert status_token(site_config(tmp_path, token_file="token")) == TOKEN
     assert not (tmp_path / "state" / "status.token").exists()
     token_file.write_text("short\n")

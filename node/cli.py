@@ -289,13 +289,19 @@ def _previous_key_checked(card: Card, listed: Card | None) -> tuple[Card, str | 
     trusts for the site (its current or previous key); else a card swapped in
     transit, with the real new key but the attacker's as the previous one,
     let the attacker sign as the site for the whole grace period (a key
-    review). A site the roster does not list yet gets no grace key at all."""
+    review). A site the roster does not list yet gets no grace key at all.
+    The key the roster already holds as previous keeps its deadline or an
+    earlier one: a card that named it again with a later deadline revived a
+    rotated-out (maybe stolen) key, and the fingerprint does not cover it."""
     if not card.previous_signing_key:
         return card, None
     if listed is None:
         return dataclasses.replace(card, previous_signing_key=None, previous_valid_until=None), None
-    if card.previous_signing_key in (listed.signing_key, listed.previous_signing_key):
+    if card.previous_signing_key == listed.signing_key:  # a fresh rotation
         return card, None
+    if card.previous_signing_key == listed.previous_signing_key:  # the same rotation again
+        until = min(card.previous_valid_until or 0.0, listed.previous_valid_until or 0.0)
+        return dataclasses.replace(card, previous_valid_until=until), None
     return card, (
         f"previous_signing_key is not a key the roster lists for {card.name!r}: the card was "
         "altered, or the site rotated twice — confirm its fingerprint by phone, then "

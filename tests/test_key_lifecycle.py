@@ -434,3 +434,39 @@ def test_a_relay_refuses_a_named_status_token_file_others_may_read(tmp_path):
         relay_status_token(load_relay_config(path), path)
     os.chmod(token, 0o600)
     assert relay_status_token(load_relay_config(path), path) == ("s" * 43, token)
+
+
+def test_a_card_cannot_extend_the_deadline_of_a_key_already_rotated_out(tmp_path):
+    # Before (with the check above): a card naming the roster's previous key
+    # again with a later deadline was taken, reviving a rotated-out key for
+    # whoever held it; the fingerprint does not cover the previous key.
+    roster = two_sites(tmp_path)
+    assert (
+        main(
+            [
+                "keygen",
+                "--rotate",
+                "--name",
+                "a",
+                "--out",
+                str(tmp_path / "a"),
+                "--grace-hours",
+                "0",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["roster", "add", str(tmp_path / "a" / "a.card.yaml"), "--roster", str(roster)]) == 0
+    )
+    listed = Roster.load(roster)["a"].card
+    card = listed.to_dict()
+    card["previous_valid_until"] = time.time() + 10 * 365 * 86400
+    (tmp_path / "evil.card.yaml").write_text(yaml.safe_dump(card))
+    assert main(["roster", "add", str(tmp_path / "evil.card.yaml"), "--roster", str(roster)]) == 0
+    kept = Roster.load(roster)["a"]
+    assert kept.card.previous_valid_until == listed.previous_valid_until < time.time()
+    old = LocalIdentity.load(
+        "a", next((tmp_path / "a" / "retired").iterdir()), tmp_path / "a" / "a.kex.pem"
+    )
+    assert not kept.verify(old.sign(b"m"), b"m")

@@ -295,13 +295,22 @@ def _previous_key_checked(card: Card, listed: Card | None) -> tuple[Card, str | 
     rotated-out (maybe stolen) key, and the fingerprint does not cover it."""
     if not card.previous_signing_key:
         return card, None
+    none = {"previous_signing_key": None, "previous_valid_until": None, "grace_signature": None}
     if listed is None:
-        return dataclasses.replace(card, previous_signing_key=None, previous_valid_until=None), None
+        return dataclasses.replace(card, **none), None
     if card.previous_signing_key == listed.signing_key:  # a fresh rotation
-        return card, None
+        if card.grace_signed():
+            return card, None
+        return card, (
+            "the grace period (previous_signing_key, previous_valid_until) is not signed by the "
+            "card's signing key: it was altered in transit, or made by hand — ask the site to "
+            "send the card `keygen --rotate` wrote"
+        )
     if card.previous_signing_key == listed.previous_signing_key:  # the same rotation again
         until = min(card.previous_valid_until or 0.0, listed.previous_valid_until or 0.0)
-        return dataclasses.replace(card, previous_valid_until=until), None
+        if until == card.previous_valid_until:
+            return card, None
+        return dataclasses.replace(card, previous_valid_until=until, grace_signature=None), None
     return card, (
         f"previous_signing_key is not a key the roster lists for {card.name!r}: the card was "
         "altered, or the site rotated twice — confirm its fingerprint by phone, then "

@@ -36,6 +36,7 @@ from p2pfl.secure.identity import (
     LocalIdentity,
     Roster,
     b64,
+    grace_message,
     load_card,
 )
 
@@ -280,6 +281,8 @@ def rotate_signing_key(
         previous_signing_key=previous,
         previous_valid_until=round(now + grace_hours * 3600.0, 3),
     )
+    # the deadline, signed by the new key the peers confirm by its fingerprint
+    card = replace(card, grace_signature=b64(rotated.sign(grace_message(card))))
     text = yaml.safe_dump(card.to_dict(), sort_keys=False)
     atomic_write_text(card_path, text, mode=PUBLIC_FILE)  # public: the card peers get
     return RotatedKey(card, card_path, sign_path, retired)

@@ -470,3 +470,29 @@ def test_a_card_cannot_extend_the_deadline_of_a_key_already_rotated_out(tmp_path
         "a", next((tmp_path / "a" / "retired").iterdir()), tmp_path / "a" / "a.kex.pem"
     )
     assert not kept.verify(old.sign(b"m"), b"m")
+
+
+def test_a_rotated_cards_deadline_altered_in_transit_is_refused(tmp_path, capsys):
+    # Before: the deadline was covered by nothing the sites confirm. A site
+    # rotated a stolen key with --grace-hours 0; the thief set the deadline
+    # ten years out on the card's way, the phoned fingerprint still matched,
+    # and the stolen key went on signing as the site.
+    roster = two_sites(tmp_path)
+    stolen = LocalIdentity.load("a", tmp_path / "a" / "a.sign.pem", tmp_path / "a" / "a.kex.pem")
+    rotate = ["keygen", "--rotate", "--name", "a", "--out", str(tmp_path / "a")]
+    assert main([*rotate, "--grace-hours", "0"]) == 0
+    sent = load_card(tmp_path / "a" / "a.card.yaml")
+    assert sent.grace_signed()
+    card = yaml.safe_load((tmp_path / "a" / "a.card.yaml").read_text())
+    card["previous_valid_until"] = time.time() + 10 * 365 * 86400
+    (tmp_path / "evil.card.yaml").write_text(yaml.safe_dump(card))
+    before = roster.read_bytes()
+    capsys.readouterr()
+    assert main(["roster", "add", str(tmp_path / "evil.card.yaml"), "--roster", str(roster)]) == 2
+    assert "not signed by the card's signing key" in capsys.readouterr().err
+    assert roster.read_bytes() == before
+    # the card as sent goes in, and the stolen key is refused at once
+    assert (
+        main(["roster", "add", str(tmp_path / "a" / "a.card.yaml"), "--roster", str(roster)]) == 0
+    )
+    assert not Roster.load(roster)["a"].verify(stolen.sign(b"m"), b"m")

@@ -75,6 +75,25 @@ class Card:
     # Relays (roster `relays:` names) an outbound-only site keeps a connection to;
     # its messages are sent through one of them (node/relay_wire.py, issue 31).
     via: tuple[str, ...] = ()
+    # The new signing key's signature over the grace key and its deadline
+    # (`grace_message`): the fingerprint, confirmed by phone, covers the new
+    # key, and through this signature the deadline a rotated card sets.
+    grace_signature: str | None = None
+
+    def grace_signed(self) -> bool:
+        """Whether `grace_signature` is this card's signing key's over its
+        previous key and deadline (False without either)."""
+        if not self.previous_signing_key or self.grace_signature is None:
+            return False
+        try:
+            signature = base64.b64decode(self.grace_signature, validate=True)
+            key = Ed25519PublicKey.from_public_bytes(
+                _unb64(self.signing_key, "signing_key", self.name)
+            )
+            key.verify(signature, grace_message(self))
+        except (binascii.Error, ValueError, TypeError, InvalidSignature, IdentityError):
+            return False
+        return True
 
     def fingerprint(self) -> str:
         """What two sites compare by a second channel (a phone call) before one
@@ -102,6 +121,8 @@ class Card:
             out["max_samples"] = self.max_samples
         if self.via:
             out["via"] = list(self.via)
+        if self.previous_signing_key and self.grace_signature:
+            out["grace_signature"] = self.grace_signature
         return out
 
     @classmethod
@@ -129,6 +150,7 @@ class Card:
             "previous_valid_until",
             "max_samples",
             "via",
+            "grace_signature",
         }
         if unknown:
             raise IdentityError(f"{where}: unknown keys {sorted(unknown)} — remove them")
@@ -143,6 +165,7 @@ class Card:
             ),
             max_samples=_max_samples(data.get("max_samples"), f"{where} ({data['name']})"),
             via=_via(data.get("via"), f"{where} ({data['name']})"),
+            grace_signature=_optional_str(data.get("grace_signature"), "grace_signature", where),
         )
         if card.address is None and not card.via:
             raise IdentityError(
@@ -154,6 +177,18 @@ class Card:
         if card.previous_signing_key:
             _unb64(card.previous_signing_key, "previous_signing_key", f"{where} ({card.name})")
         return card
+
+
+def grace_message(card: Card) -> bytes:
+    """What a rotated card's new signing key signs: its name, grace key and deadline."""
+    until = repr(float(card.previous_valid_until or 0.0))
+    return f"p2pfl-grace-v1\0{card.name}\0{card.previous_signing_key}\0{until}".encode()
+
+
+def _optional_str(value: Any, what: str, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise IdentityError(f"{where}: {what} must be text (base64), got {value!r}")
 
 
 def _address(value: Any, where: str) -> str | None:

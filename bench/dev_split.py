@@ -17,10 +17,13 @@ reported for every seed. The last line is one JSON object (the counts).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+
+from p2pfl.files import PRIVATE_DIR, atomic_write_bytes
 
 SPLITS = ("train", "val", "test")
 
@@ -83,8 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     with np.load(args.source) as data:
         source = {key: data[key] for key in data.files}
     copy = dev_copy(source, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.out, **copy)
+    # the source's images: this account's only, whatever the umask (a review read a
+    # 0600 source's copy at 0644); a folder that exists keeps its mode
+    args.out.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    packed = io.BytesIO()
+    np.savez_compressed(packed, **copy)
+    atomic_write_bytes(args.out, packed.getbuffer())
     print(json.dumps({"source": str(args.source), "out": str(args.out), "seed": args.seed,
                       "class_counts": counts(copy)}))  # fmt: skip
 

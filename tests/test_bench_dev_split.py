@@ -62,3 +62,23 @@ def test_a_source_without_a_val_split_is_refused_in_one_line(tmp_path) -> None:
         dev_split.main([str(tmp_path / "bare.npz"), "--out", str(tmp_path / "dev.npz")])
     with pytest.raises(SystemExit, match="no such file"):
         dev_split.main([str(tmp_path / "missing.npz"), "--out", str(tmp_path / "dev.npz")])
+
+
+def test_the_copy_is_this_accounts_only_whatever_the_umask(tmp_path) -> None:
+    """The copy holds the source's images: a review read a 0600 source's copy at
+    0644 in a 0755 folder (umask 022), open to every local account. The copy is
+    0600 and a folder made for it 0700 (one that exists keeps its mode)."""
+    import os
+    import stat
+
+    source(tmp_path / "src.npz")
+    (tmp_path / "src.npz").chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        dev_split.main(
+            [str(tmp_path / "src.npz"), "--out", str(tmp_path / "dev" / "a" / "dev.npz")]
+        )
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "dev" / "a" / "dev.npz").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "dev" / "a").stat().st_mode) == 0o700

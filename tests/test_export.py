@@ -575,3 +575,35 @@ def test_the_onnx_files_sha256_covers_its_weights(tmp_path):
     model.write_bytes(bytes(data))
     with pytest.raises(ExportError, match="SHA-256 differs"):
         Predictor(tmp_path, "onnx")
+
+
+def test_predict_refuses_an_onnx_whose_weights_are_in_an_unhashed_file(tmp_path):
+    """A package exported before the weights went inside model.onnx keeps them
+    in model.onnx.data, which model.json does not hash: a review multiplied
+    every weight there by -3 and `predict --runtime onnx` still took it. Such a
+    model.onnx is refused, and the bytes hashed are the bytes onnxruntime runs."""
+    import json
+
+    import numpy as np
+    import onnx
+    import torch
+
+    from p2pfl.learning.export import Architecture, ExportError, Predictor, sha256_of, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("small_cnn", 1, 2, 16)
+    write_package(
+        tmp_path, arch.build().state_dict(), arch, ["a", "b"], ["onnx"], torch.rand(4, 1, 16, 16)
+    )
+    model = tmp_path / "model.onnx"
+    # what the exporter wrote before: the weights beside model.onnx, model.json hashing model.onnx
+    onnx.save_model(
+        onnx.load(str(model)), str(model), save_as_external_data=True, location="model.onnx.data"
+    )
+    meta = json.loads((tmp_path / "model.json").read_text())
+    meta["files"]["onnx"]["sha256"] = sha256_of(model)
+    (tmp_path / "model.json").write_text(json.dumps(meta))
+    weights = tmp_path / "model.onnx.data"
+    weights.write_bytes((np.frombuffer(weights.read_bytes(), dtype=np.float32) * -3).tobytes())
+    with pytest.raises(ExportError, match="weights are in another file"):
+        Predictor(tmp_path, "onnx")

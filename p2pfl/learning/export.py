@@ -93,12 +93,14 @@ def torch_runner(net: nn.Module) -> Runner:
     return run
 
 
-def onnx_runner(path: Path) -> Runner:
+def onnx_runner(model: Path | bytes) -> Runner:
+    """onnxruntime on a model file, or on its bytes (what `Predictor` hashed)."""
     try:
         import onnxruntime as ort
     except ImportError:
         raise ExportError("ONNX needs onnxruntime: pip install onnxruntime") from None
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    source = model if isinstance(model, bytes) else str(model)
+    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
 
     def run(x: Tensor) -> np.ndarray:
         return np.asarray(session.run(None, {"image": x.numpy()})[0])
@@ -243,6 +245,25 @@ def _inline_weights(path: Path) -> None:
         (path.parent / name).unlink(missing_ok=True)
 
 
+def _refuse_external_weights(data: bytes, path: Path) -> None:
+    """A model.onnx whose weights are in another file (what the exporter wrote
+    before its weights were put inside it) is refused: model.json hashes
+    model.onnx alone, and a review changed every weight of such a package's
+    model.onnx.data without `predict` noticing."""
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf fails in many ways on bad bytes
+        raise ExportError(f"{path}: not an ONNX model ({type(exc).__name__})") from None
+    if any(uses_external_data(t) for t in _get_all_tensors(model)):
+        raise ExportError(
+            f"{path}: its weights are in another file, which {MODEL_JSON} does not hash "
+            "(a package of before 2026-11-28) — export it again"
+        )
+
+
 def _write_torchscript(net: WithSoftmax, path: Path, x: Tensor, arch: Architecture) -> Runner:
     sample = x[:1] if len(x) else torch.zeros(1, *x.shape[1:])
     with torch.no_grad():
@@ -300,15 +321,20 @@ class Predictor:
         path = self.dir / str(entry["file"])
         if not path.is_file():
             raise ExportError(f"{path}: missing (named in {MODEL_JSON})")
-        if sha256_of(path) != entry.get("sha256"):
+        # the bytes hashed are the bytes run (ONNX): no second read a writer could race
+        data = path.read_bytes() if self.runtime == "onnx" else b""
+        digest = hashlib.sha256(data).hexdigest() if data else sha256_of(path)
+        if digest != entry.get("sha256"):
             raise ExportError(
                 f"{path}: its SHA-256 differs from {MODEL_JSON}'s — the file was changed or "
                 "damaged after export; export it again"
             )
+        if self.runtime == "onnx":
+            _refuse_external_weights(data, path)
         self._run = (
             torch_runner(safetensors_model(self.arch, path))
             if self.runtime == "torch"
-            else onnx_runner(path)
+            else onnx_runner(data)
         )
 
     @property

@@ -472,14 +472,15 @@ class RoundLoop(Protocol, Generic[P]):
     ) -> None:
         """What the F1 and cosine heuristics read (per-class F1 on val, model
         statistics), each published only where the configured heuristic reads it.
-        Model statistics only after a round that merged a peer's model: after one
-        that merged none (its peers silent, a secure sum that failed) the model is
-        this site's own, and a review read its statistics in the gossip of a node
-        under secure aggregation; the last merged model's stay published."""
+        Both only after a round that merged a peer's model: after one that merged
+        none (its peers silent, a secure sum that failed) the model is this site's
+        own, and reviews read its statistics, then its per-class F1, in the gossip
+        of a node under secure aggregation; the last merged model's stay published
+        (the heuristics rank by them, and randomly before a node has its own)."""
         read = self.gossip_read(ctx)
-        if per_class_f1 is not None and selection.F1_KEY in read:
-            self.publish(ctx, selection.F1_KEY, [float(x) for x in per_class_f1])
         merged_any = bool(self.merged and self.merged[-1][1])
+        if per_class_f1 is not None and selection.F1_KEY in read and merged_any:
+            self.publish(ctx, selection.F1_KEY, [float(x) for x in per_class_f1])
         if selection.MODEL_STATS_KEY in read and merged_any:
             self.publish(ctx, selection.MODEL_STATS_KEY, [float(x) for x in stats])
 

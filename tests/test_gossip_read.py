@@ -217,3 +217,33 @@ def test_a_secure_aggregation_node_whose_peers_are_silent_gossips_no_model_stats
     (record,) = [r for r in network.records if r["node"] == names[0]]
     assert record["neighbours"] == 0
     assert MODEL_STATS_KEY not in network._node(names[0]).meta
+
+
+def test_a_round_that_merged_nothing_does_not_gossip_the_sites_own_f1() -> None:
+    """The model_stats review's attack on per-class F1: a node under secure
+    aggregation whose peers were silent gossiped the F1 of its own model (trained
+    on its images alone) to every roster member. F1 goes out only after a round
+    that merged a peer's model; the last merged model's stays published, and the
+    f1 heuristic ranks by it (most dissimilar first) as it did."""
+    from protocols.base import PeerInfo
+    from protocols.selection import F1Selection
+
+    section = SelectionSection(name="f1")
+    protocol = create("fedavgp2p", secure_aggregation=True)
+    assert isinstance(protocol, RoundLoop)
+    ctx = Recorder(section)
+    protocol.merged = [[1, []]]  # round 1: no peer's model merged
+    protocol.update_gossip(ctx, [0.9, 0.0, 0.8], [0.1])  # type: ignore[arg-type]
+    assert F1_KEY not in ctx.published
+    protocol.merged.append([2, [["a", 2]]])
+    protocol.update_gossip(ctx, [0.5, 0.5, 0.5], [0.1])  # type: ignore[arg-type]
+    assert ctx.published[F1_KEY] == [0.5, 0.5, 0.5]
+    protocol.merged.append([3, []])
+    protocol.update_gossip(ctx, [1.0, 0.0, 1.0], [0.1])  # type: ignore[arg-type]
+    assert ctx.published[F1_KEY] == [0.5, 0.5, 0.5]  # round 2's, not round 3's own
+    peers = [
+        PeerInfo(name="near", state="alive", meta={F1_KEY: [0.5, 0.5, 0.6]}),
+        PeerInfo(name="far", state="alive", meta={F1_KEY: [1.0, 0.0, 1.0]}),
+    ]
+    ranking = F1Selection(n=0).select("me", peers, 1, round_no=4, seed=0, my_meta=ctx.published)
+    assert ranking == ["far", "near"]

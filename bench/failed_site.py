@@ -34,7 +34,7 @@ import numpy as np
 
 from bench.federation.processes import run_processes
 from bench.federation.specs import RunSpec, partition
-from p2pfl.files import atomic_write_text
+from p2pfl.files import atomic_savez, atomic_write_text
 
 
 def _say(line: str) -> None:
@@ -48,7 +48,7 @@ def empty_site(like: Path, path: Path) -> Path:
         arrays = {k: data[k] for k in data.files}
     arrays["train_images"] = arrays["train_images"][:0]
     arrays["train_labels"] = arrays["train_labels"][:0]
-    np.savez(path, **arrays)
+    atomic_savez(path, arrays, compressed=False)  # the site's images: 0600 whatever the umask
     return path
 
 

@@ -49,6 +49,7 @@ from matplotlib.figure import Figure
 
 from bench.semisup_baselines import local_fixmatch, local_supervised
 from p2pfl.config import SiteConfig
+from p2pfl.files import PRIVATE_DIR, atomic_savez
 from protocols.communities import choice_frequencies
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.secagg import SECAGG_KIND
@@ -119,7 +120,7 @@ def build_sites(args: argparse.Namespace, seed: int, out: Path) -> list[str]:
         data = {k: archive[k] for k in archive.files}
     labels = {s: data[f"{s}_labels"].reshape(-1).astype(np.int64) for s in ("train", "val", "test")}
     pool = {c: rng.permutation(np.flatnonzero(labels["train"] == c)).tolist() for c in (0, 1)}
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     paths: list[str] = []
     for name, (_, size, share0) in SITES.items():
         n0 = int(round(size * share0))
@@ -135,16 +136,18 @@ def build_sites(args: argparse.Namespace, seed: int, out: Path) -> list[str]:
         val = _eval_indices(labels["val"], eval_share, args.val_size, rng)
         test = _eval_indices(labels["test"], eval_share, args.test_size, rng)
         path = out / f"{name}.npz"
-        np.savez_compressed(
+        atomic_savez(  # the source's images: 0600 whatever the umask
             path,
-            train_images=images[is_labeled],
-            train_labels=site_labels[is_labeled],
-            unlabeled_images=images[~is_labeled],
-            val_images=data["val_images"][val],
-            val_labels=labels["val"][val],
-            test_images=data["test_images"][test],
-            test_labels=labels["test"][test],
-            class_names=np.array(["normal", "pneumonia"]),
+            dict(
+                train_images=images[is_labeled],
+                train_labels=site_labels[is_labeled],
+                unlabeled_images=images[~is_labeled],
+                val_images=data["val_images"][val],
+                val_labels=labels["val"][val],
+                test_images=data["test_images"][test],
+                test_labels=labels["test"][test],
+                class_names=np.array(["normal", "pneumonia"]),
+            ),
         )
         paths.append(str(path))
     return paths

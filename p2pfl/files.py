@@ -192,6 +192,19 @@ def atomic_torch_save(obj: Any, path: Path | str, *, mode: int = PRIVATE_FILE) -
     return atomic_write_bytes(path, buffer.getbuffer(), mode=mode)
 
 
+def atomic_savez(
+    path: Path | str, arrays: dict[str, Any], *, compressed: bool = True, mode: int = PRIVATE_FILE
+) -> Path:
+    """`np.savez(_compressed)` of `arrays` to `path` atomically, PRIVATE_FILE unless
+    the caller says otherwise: a site's images copied anywhere are as private as
+    their source, whatever the umask (np.savez creates the file with its mode)."""
+    import numpy as np
+
+    buffer = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buffer, **arrays)
+    return atomic_write_bytes(path, buffer.getbuffer(), mode=mode)
+
+
 def atomic_savefig(
     figure: Any, path: Path | str, *, mode: int = PRIVATE_FILE, **kwargs: Any
 ) -> Path:

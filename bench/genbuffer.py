@@ -68,6 +68,12 @@ from genbuffer.progress import TrainingProgress  # noqa: E402
 from genbuffer.projection import audit_privacy, write_grid  # noqa: E402
 from genbuffer.train import resolve_device, train_generator  # noqa: E402
 from genbuffer.trainer import GanTrainer, prepare_images  # noqa: E402
+from p2pfl.files import (  # noqa: E402
+    PRIVATE_DIR,
+    atomic_savefig,
+    atomic_write_bytes,
+    atomic_write_text,
+)
 from p2pfl.learning.metrics import macro_f1  # noqa: E402
 from p2pfl.learning.models import create_model  # noqa: E402
 
@@ -218,7 +224,7 @@ def plot_quality(history: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_savefig(fig, path)  # 0600: a figure measured on the site's own images
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     # runs, and subnormal arithmetic is many times slower on x86; flushing them costs nothing.
     torch.set_flush_denormal(True)
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    # Every output (the generator's copies of the site's images, grids of them, figures
+    # measured on them) is this account's only, whatever the umask: a review read
+    # buffer.bin, quality.png and summary.json at 0644. A folder that exists keeps its mode.
+    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     t_start = time.perf_counter()
     data = np.load(args.data)
     train_u8, train_labels = site_share(data, args.share, args.seed)
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. Buffer and classifiers.
     generator, info = load_generator(result.generator_path, device)
     buffer = sample_buffer(generator, args.buffer_size, per_class="balanced", seed=args.seed)
-    (out / "buffer.bin").write_bytes(buffer_to_bytes(buffer))
+    atomic_write_bytes(out / "buffer.bin", buffer_to_bytes(buffer))
     synth_x = buffer["images"].float() / 127.5 - 1
     synth_y = buffer["labels"]
     rows = [synth_x[synth_y == c][:16] for c in range(num_classes)]
@@ -422,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "generator_stage": info.stage,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.model_dump().items()},
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     print(json.dumps(summary))
     return 0
 

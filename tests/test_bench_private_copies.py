@@ -52,3 +52,15 @@ def test_failed_site_empty_copy_is_this_accounts_only(tmp_path: Path) -> None:
     assert mode(empty) == 0o600
     with np.load(empty) as data:
         assert len(data["train_images"]) == 0 and len(data["val_images"]) == 2
+
+
+def test_genbuffer_bench_quality_figure_is_this_accounts_only(tmp_path: Path) -> None:
+    """bench.genbuffer's quality.png plots the GAN's quality score, a figure measured
+    on the site's own images (no longer in heartbeats); the review read it, with the
+    bench's buffer.bin (a generator's copies) and summary.json, at 0644. buffer.bin
+    and summary.json are written by the same calls (`atomic_write_*`, 0600)."""
+    from bench import genbuffer
+
+    history = [{"phase": "stage1", "iteration": i, "quality": 10.0 / (i + 1)} for i in range(3)]
+    under_umask_022(genbuffer.plot_quality, history, tmp_path / "quality.png")
+    assert mode(tmp_path / "quality.png") == 0o600

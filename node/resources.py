@@ -25,8 +25,9 @@ The folder's name in <tmp> is one any local account can create first. A
 node therefore makes it 0700 and uses it only if it is a folder (not a link)
 of its own user that no one else may write; otherwise it says so once and
 runs without the registry (its own threads only on /status). Its entry is
-written with O_NOFOLLOW (p2pfl/files.py): a link planted at the name is
-refused, never written through to the file it names (STATE/status.token).
+written through a temporary file created O_EXCL under a name no one can
+guess (p2pfl/files.py): a link planted at a name is never written through to
+the file it names (STATE/status.token).
 """
 
 from __future__ import annotations

@@ -53,21 +53,27 @@ def atomic_write_bytes(
     caller says otherwise), whatever the umask. Parent folders are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
-    # O_NOFOLLOW: a link planted at the temporary name (by anyone who can write
-    # the folder) is refused (ELOOP), never written through to its target
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    # O_EXCL (and a name no one can guess): the temporary file is always this call's
+    # own. A file or link planted at a fixed name by anyone who can write the folder
+    # (an existing --out keeps its mode) was opened and written: a review's other
+    # account owned the site copy that was renamed over the target, and read it.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        with os.fdopen(fd, "wb", closefd=False) as fh:
-            for chunk in chunks:
-                fh.write(chunk)
-            fh.flush()
-        os.fchmod(fd, mode)  # the umask may have narrowed what os.open created
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as fh:
+                for chunk in chunks:
+                    fh.write(chunk)
+                fh.flush()
+            os.fchmod(fd, mode)  # the umask may have narrowed what os.open created
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left behind
+        raise
     fsync_dir(path.parent)
     return path
 

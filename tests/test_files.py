@@ -20,10 +20,9 @@ from p2pfl.files import (
 )
 
 
-def test_a_write_is_whole_with_the_asked_mode_and_replaces_a_stale_temporary(tmp_path):
+def test_a_write_is_whole_with_the_asked_mode_and_leaves_no_temporary(tmp_path):
     target = tmp_path / "sub" / "key.pem"
     atomic_write_text(target, "old", mode=0o600)
-    (target.parent / ".key.pem.tmp").write_bytes(b"half a write before a crash")
     previous = os.umask(0o077)
     try:
         atomic_write_bytes(target, [b"new ", memoryview(b"bytes")], mode=0o644)
@@ -31,24 +30,50 @@ def test_a_write_is_whole_with_the_asked_mode_and_replaces_a_stale_temporary(tmp
         os.umask(previous)
     assert target.read_bytes() == b"new bytes"
     assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not narrowed by the umask
-    assert not (target.parent / ".key.pem.tmp").exists()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["key.pem"]
     atomic_write_json(target, {"a": 1}, mode=0o600)
     assert stat.S_IMODE(target.stat().st_mode) == 0o600 and '"a": 1' in target.read_text()
 
 
-def test_a_link_planted_at_the_temporary_name_is_refused_not_written_through(tmp_path):
+def test_a_link_or_file_planted_at_a_temporary_name_is_never_written(tmp_path):
+    """Anyone who can write the folder (an existing `partition --out` keeps its
+    mode) could plant the fixed temporary name: a link was refused, but a plain
+    0666 file of theirs was opened and written, and a review's other account
+    owned the site copy renamed over the target. The temporary file is now
+    created O_EXCL under a name no one can guess: what is planted is ignored."""
     secret = tmp_path / "elsewhere.txt"
     secret.write_text("not yours")
     os.chmod(secret, 0o600)
     folder = tmp_path / "state"
     folder.mkdir()
     (folder / ".status.token.tmp").symlink_to(secret)
-    with pytest.raises(OSError) as caught:
-        atomic_write_text(folder / "status.token", "token", mode=0o644)
-    assert caught.value.errno == errno.ELOOP
+    (folder / ".site_0.npz.tmp").write_bytes(b"")
+    os.chmod(folder / ".site_0.npz.tmp", 0o666)
+    atomic_write_text(folder / "status.token", "token", mode=0o644)
+    atomic_write_bytes(folder / "site_0.npz", b"images")
     assert secret.read_text() == "not yours"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
-    assert not (folder / "status.token").exists()
+    assert (folder / "status.token").read_text() == "token"
+    assert (folder / ".site_0.npz.tmp").read_bytes() == b""  # the planted file: untouched
+    assert (folder / "site_0.npz").read_bytes() == b"images"
+    assert (folder / "site_0.npz").stat().st_ino != (folder / ".site_0.npz.tmp").stat().st_ino
+    assert stat.S_IMODE((folder / "site_0.npz").stat().st_mode) == 0o600
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".site_0.npz.tmp",
+        ".status.token.tmp",
+        "site_0.npz",
+        "status.token",
+    ]
+
+
+def test_a_failed_write_leaves_no_temporary(tmp_path):
+    def chunks():
+        yield b"half"
+        raise RuntimeError("the source failed")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_bytes(tmp_path / "a.bin", chunks())
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_private_folders_are_tightened_and_figures_and_weights_keep_their_mode(tmp_path):

@@ -365,9 +365,11 @@ class Node:
                 log.error("%s: protocol %s failed: %s", self.name, self.cfg.protocol.name, exc)
             else:
                 log.exception("%s: protocol %s failed", self.name, self.cfg.protocol.name)
-            self.telemetry.set_error(self.protocol_failed)
             self.failed_kind = type(exc).__name__
             self.failed_line = stderr_error(exc)
+            # /status as stderr: the ServiceMonitor hands its token to Prometheus, and a
+            # review read a patient's file name there; node.log has the whole message
+            self.telemetry.set_error(self.failed_line)
             self.ctx.set_phase(FAILED)
             self.inbound.gone.set()  # requests held open for what will never come: refused now
             self._spawn(self.membership.broadcast(), "hb-failed")  # peers know at once

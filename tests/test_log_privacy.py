@@ -74,3 +74,35 @@ def test_a_data_error_names_the_patients_file_in_node_log_only(
     # the node's last stderr line on exit (node/daemon.py serve)
     assert PATIENT not in stderr_error(raised.value)
     assert stderr_error(ValueError("x")) == "ValueError: x"
+
+
+def test_status_withholds_the_patients_file_name_too(tmp_path: Path) -> None:
+    """/status's `error` said the whole message: the ServiceMonitor hands the status
+    token to Prometheus, and a review read DOE_JANE_MRN...png there from a real
+    node whose data folder held the file. It says what stderr says now."""
+    from inproc_util import InProcessFederation
+
+    from node.provision import provision
+    from p2pfl.learning.data.partition import partition_dataset
+
+    partition_dataset("digits", 1, "iid", tmp_path / "parts", seed=0)
+    source = _folder_with_a_patients_broken_file(tmp_path / "images")
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "c"],
+        protocol={"name": "fedavgp2p", "rounds": 1, "fraction": 1.0, "round_timeout_s": 5},
+        data_sources=[str(tmp_path / "parts" / "site_0.npz"), str(source)],
+        overrides={
+            "transport": {"heartbeat_s": 0.5, "suspect_after_s": 3.0, "dead_after_s": 6.0},
+            "node": {"exit_when_done": True, "startup_wait_s": 2},
+            "data": {"image_size": 8, "augment": "none"},
+            "training": {"max_steps_per_epoch": 1, "batch_size": 16, "threads": 1},
+        },
+    )
+    with InProcessFederation(plans) as fed:
+        status = fed["c"].wait_for(lambda s: bool(s.get("error")), 60, "c's failure")
+        fed.stop_all()
+    assert (
+        status["error"] == "DataError: <DataError corrupt_image: the file it names is in node.log>"
+    )
+    # (node.log keeps the whole message: the test above; an in-process node has none)

@@ -15,13 +15,17 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp.http_exceptions import HttpProcessingError
 
 from p2pfl.config import SiteConfig
-from p2pfl.learning.data.errors import DataError
+
+if TYPE_CHECKING:
+    from p2pfl.learning.data.errors import DataError
 
 
 class JsonFormatter(logging.Formatter):
@@ -60,9 +64,16 @@ def configure_logging(cfg: SiteConfig) -> None:
 
 
 def _data_error(value: object) -> DataError | None:
-    """`value`, or the exception it was raised from, if it is a DataError."""
+    """`value`, or the exception it was raised from, if it is a DataError.
+    The class is looked up where it was loaded, never imported here: the
+    relay logs through this module and imports neither torch nor numpy
+    (tests/test_relay_imports.py), which p2pfl.learning.data's package does.
+    A DataError exists only once that module was imported."""
+    errors = sys.modules.get("p2pfl.learning.data.errors")
+    if errors is None:
+        return None
     for _ in range(16):  # a chain of causes, never a cycle
-        if isinstance(value, DataError):
+        if isinstance(value, errors.DataError):
             return value
         if not isinstance(value, BaseException):
             return None

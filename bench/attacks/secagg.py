@@ -68,7 +68,9 @@ def bad_share_index(contributors: int = 9) -> dict[str, Any]:
         def model(wanted: int, newest: int, purpose: str) -> Any:
             if wanted > 9:
                 raise NotReady("later")
-            return wanted, states[name], 1.0
+            # each round's model is another model: a contributor's ledger
+            # refuses one model in two sums of one requester (by its digest)
+            return wanted, {"w": states[name]["w"] + wanted}, 1.0
 
         return model
 
@@ -108,7 +110,7 @@ def bad_share_index(contributors: int = 9) -> dict[str, Any]:
                     timeout=60,
                 )
             )
-            want = sum(states[n]["w"] for n in names) / len(names)
+            want = sum(states[n]["w"] + round_ for n in names) / len(names)
             ok = bool(torch.allclose(result.mean["w"], want, atol=1e-5))
             rows[f"index {idx}"] = {"sum": "correct" if ok else "wrong"}
         except SecAggError as exc:

@@ -405,6 +405,25 @@ class RosterSite:
         return False
 
 
+_P = 2**255 - 19
+# The y coordinates of the Ed25519 points of order 1, 2, 4 and 8 (libsodium's
+# list): Ed25519 verification (OpenSSL's too) accepts, for such a key, a
+# signature anyone can make (R the base point, S = 1, for 1 message in 8 at
+# worst), so a card naming one lets every stranger sign as that site.
+_Y8 = 0x7A03AC9277FDC74EC6CC392CFA53202A0F67100D760B3CBA4FD84D3D706A17C7
+_SMALL_ORDER_Y = frozenset({0, 1, _P - 1, _Y8, _P - _Y8})
+
+
+def _verify_key(text: str, what: str, name: str, path: Path | None) -> Ed25519PublicKey:
+    raw = _unb64(text, what, name)
+    if (int.from_bytes(raw, "little") & ((1 << 255) - 1)) % _P in _SMALL_ORDER_Y:
+        raise IdentityError(
+            f"{path or 'roster'}: site {name!r} has a {what} anyone can forge signatures for "
+            "(a small-order point) — ask the site for its real card"
+        )
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
 class Roster:
     """The federation's sites by name."""
 
@@ -421,18 +440,13 @@ class Roster:
                     f"{path or 'roster'}: site {card.name!r} listed twice — keep one entry"
                 )
             keys: list[tuple[Ed25519PublicKey, float | None]] = [
-                (
-                    Ed25519PublicKey.from_public_bytes(
-                        _unb64(card.signing_key, "signing_key", card.name)
-                    ),
-                    None,
-                )
+                (_verify_key(card.signing_key, "signing_key", card.name, path), None)
             ]
             if card.previous_signing_key:
-                raw = _unb64(card.previous_signing_key, "previous_signing_key", card.name)
-                keys.append(
-                    (Ed25519PublicKey.from_public_bytes(raw), card.previous_valid_until or 0.0)
+                key = _verify_key(
+                    card.previous_signing_key, "previous_signing_key", card.name, path
                 )
+                keys.append((key, card.previous_valid_until or 0.0))
             agreement = X25519PublicKey.from_public_bytes(
                 _unb64(card.agreement_key, "agreement_key", card.name)
             )
@@ -472,8 +486,15 @@ class Roster:
     def load(cls, path: Path) -> Roster:
         path = Path(path)
         try:
-            with path.open("rb") as fh:
+            # O_NONBLOCK: a FIFO at the name is refused, not waited on (it hung
+            # the start, and a SIGHUP froze the running node's loop: a key review)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
                 mode = os.fstat(fh.fileno()).st_mode
+                if not stat.S_ISREG(mode):
+                    raise IdentityError(
+                        f"{path}: roster is not a plain file — give the roster.yaml"
+                    )
                 if stat.S_IMODE(mode) & 0o002:
                     # whoever may rewrite the roster may add a key or swap one
                     raise IdentityError(
@@ -520,4 +541,8 @@ def load_card(path: Path) -> Card:
         ) from None
     except yaml.YAMLError:
         raise IdentityError(f"{path}: card is not valid YAML") from None
+    except UnicodeDecodeError:  # a traceback out of `roster add` (a key review)
+        raise IdentityError(f"{path}: card is not UTF-8 text — copy it again") from None
+    except OSError as exc:  # a folder, no read permission: also a traceback
+        raise IdentityError(f"{path}: cannot read the card ({exc.strerror})") from None
     return Card.from_dict(raw, str(path))

@@ -247,14 +247,17 @@ def cmd_roster(args: argparse.Namespace) -> int:
                 f"{args.card}: address is still {ADDRESS_PLACEHOLDER} — ask the site for its reachable HOST:PORT and edit the card"
             )
         # max_samples is the admin's word, not the site's: --max-samples sets it, a
-        # re-added card (a rotated key) keeps the one the roster had.
+        # re-added card (a rotated key) keeps the one the roster had, and the card's
+        # own is dropped (outside the fingerprint, it was kept: a cap of 1 written
+        # into the card in transit silenced the site's model, a key review).
         previous = cards.get(card.name)
         if args.max_samples is not None:
             if args.max_samples < 1:
                 return _user_error(f"--max-samples must be >= 1, got {args.max_samples}")
             card = dataclasses.replace(card, max_samples=args.max_samples)
-        elif previous is not None and previous.max_samples is not None:
-            card = dataclasses.replace(card, max_samples=previous.max_samples)
+        else:
+            kept = previous.max_samples if previous is not None else None
+            card = dataclasses.replace(card, max_samples=kept)
         card, problem = _previous_key_checked(card, previous)
         if problem:
             return _user_error(f"{args.card}: {problem}")

@@ -14,33 +14,42 @@ import ssl
 from p2pfl.secure.identity import IdentityError, key_file_problem
 
 
-def _check_key(key: str) -> None:
-    """IdentityError (exit 2, one line) for a TLS key others may read or replace."""
+def _load_chain(ctx: ssl.SSLContext, cert: str, key: str) -> None:
+    """Load `cert` and the key: IdentityError (exit 2, one line) for a key
+    others may read or replace. The checks run on the opened file, and ssl
+    reads that same file (/proc/self/fd/N): a stat of the name, then ssl
+    opening the name again, let a link swapped in between load a 0644 key
+    past the check (a key review). Links are followed: a Kubernetes Secret
+    is links to 0440 files."""
     try:
-        info = os.stat(key)  # followed: a Kubernetes Secret is links to 0440 files
+        fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return  # missing or unreadable: ssl says so itself
-    problem = key_file_problem(info)
-    if problem is not None:
-        raise IdentityError(
-            f"{key}: the TLS private key (transport.tls.key) {problem} — `chmod 600` it as the "
-            "node's own user, and have your CA issue a new one if it may be known"
-        )
+        ctx.load_cert_chain(cert, key)  # missing or unreadable: ssl says so itself
+        return
+    try:
+        problem = key_file_problem(os.fstat(fd))
+        if problem is not None:
+            raise IdentityError(
+                f"{key}: the TLS private key (transport.tls.key) {problem} — `chmod 600` it as "
+                "the node's own user, and have your CA issue a new one if it may be known"
+            )
+        opened = f"/proc/self/fd/{fd}"  # Linux; elsewhere the name, as before
+        ctx.load_cert_chain(cert, opened if os.path.exists(opened) else key)
+    finally:
+        os.close(fd)
 
 
 def server_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
     """Mutual TLS: peers must present a certificate signed by the federation's CA."""
-    _check_key(key)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
-    ctx.load_cert_chain(cert, key)
+    _load_chain(ctx, cert, key)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
 
 
 def client_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    _check_key(key)
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
-    ctx.load_cert_chain(cert, key)
+    _load_chain(ctx, cert, key)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx

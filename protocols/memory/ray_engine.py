@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -388,10 +389,16 @@ def require_ray_auth() -> None:
     and worker ports listen on every interface whatever address it is given,
     and a Ray without token auth (before 2.52, or 2.52 by default) let a
     stranger who reached this host join the simulation's cluster and run code
-    in it (a key review). Ray then makes its token (~/.ray/auth_token, 0600)
-    itself. An operator's explicit RAY_AUTH_MODE is kept, with a WARNING if it
-    turns authentication off."""
+    in it (a key review). The token is a fresh one in RAY_AUTH_TOKEN, which
+    Ray reads before any file and which the Ray processes this one starts
+    inherit (only this account and root may read a process's environment):
+    left to Ray, the token went to ~/.ray/auth_token by a plain open(), 0644
+    under umask 022, readable by every account on the host (a second key
+    review). An operator's RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH is kept, so
+    is an explicit RAY_AUTH_MODE, with a WARNING if it turns auth off."""
     mode = os.environ.setdefault(RAY_AUTH_ENV, "token")
+    if mode.lower() == "token" and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     if mode.lower() != "token":
         log.warning(
             "%s=%s: the Ray this simulation starts accepts anyone who reaches its ports "

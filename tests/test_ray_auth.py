@@ -14,6 +14,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from protocols.memory import ray_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +50,28 @@ def test_the_ray_extra_needs_a_ray_that_has_token_authentication():
     ]["ray"]
     (floor,) = [re.fullmatch(r"ray>=(\d+)\.(\d+)(?:\.\d+)?", spec) for spec in extra]
     assert floor is not None and (int(floor[1]), int(floor[2])) >= (2, 52)
+
+
+def test_the_token_is_in_the_environment_not_a_file_other_accounts_may_read(monkeypatch, tmp_path):
+    # Before: Ray wrote the token it generated to ~/.ray/auth_token by a plain
+    # open(): 0644 under umask 022, so any account on the host could join.
+    setup = pytest.importorskip("ray._private.authentication.authentication_token_setup")
+    from ray._raylet import AuthenticationTokenLoader
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    old = os.umask(0o022)
+    try:
+        ray_engine.require_ray_auth()
+        AuthenticationTokenLoader.instance().reset_cache()
+        setup.ensure_token_if_auth_enabled(None, create_token_if_missing=True)  # ray.init's
+    finally:
+        os.umask(old)
+        AuthenticationTokenLoader.instance().reset_cache()
+    assert not (tmp_path / ".ray" / "auth_token").exists()
+    token = os.environ["RAY_AUTH_TOKEN"]
+    assert len(token) == 64
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "the operator's")  # theirs is kept
+    ray_engine.require_ray_auth()
+    assert os.environ["RAY_AUTH_TOKEN"] == "the operator's"

@@ -106,6 +106,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from protocols.selection import neighbour_count
 
     cfg, roster, _ = load_site(Path(args.config))
+    _check_tls(cfg, Path(args.config))
     check_model_name(cfg, Path(args.config))
     check_dp(cfg, Path(args.config))
     print(dump_config(cfg), end="")
@@ -120,6 +121,28 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"
     )
     return 0
+
+
+def _check_tls(cfg: SiteConfig, path: Path) -> None:
+    """Load transport.tls as the node does (node/tls.py: the key files' checks,
+    then ssl): `check` passed a 0644 TLS key the node then refused (a key review)."""
+    import ssl
+
+    from node.tls import client_ssl_context, server_ssl_context
+
+    tls = cfg.transport.tls
+    if not tls:
+        return
+    for make in (server_ssl_context, client_ssl_context):
+        try:
+            make(str(tls.cert), str(tls.key), str(tls.ca))
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                path,
+                "transport.tls",
+                f"cannot load the TLS files: {exc}",
+                "give the PEM certificate, its private key and the federation CA",
+            ) from None
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

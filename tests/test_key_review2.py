@@ -166,3 +166,26 @@ def test_a_tls_key_swapped_right_after_its_check_is_not_what_ssl_loads(tmp_path,
         with pytest.raises(Exception) as caught:  # noqa: PT011 - the decoy's ssl error
             make(str(tmp_path / "a.crt"), str(link), str(tmp_path / "ca.pem"))
         assert not isinstance(caught.value, IdentityError)  # the decoy was checked and read
+
+
+def test_check_refuses_the_tls_key_the_node_would_refuse(tmp_path, capsys):
+    # Before: `p2pfl-node check` never loaded transport.tls and passed a 0644
+    # TLS key that the node then refused at start.
+    assert main(["provision", "--out", str(tmp_path / "fed"), "--sites", "a,b"]) == 0
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_pki(pki, ["a"])
+    site = tmp_path / "fed" / "a" / "site.yaml"
+    cfg = yaml.safe_load(site.read_text())
+    files = {"cert": pki / "a.crt", "key": pki / "a.key", "ca": pki / "ca.pem"}
+    cfg.setdefault("transport", {})["tls"] = {k: str(v) for k, v in files.items()}
+    site.write_text(yaml.safe_dump(cfg))
+    assert main(["check", "--config", str(site)]) == 0
+    os.chmod(pki / "a.key", 0o644)
+    capsys.readouterr()
+    assert main(["check", "--config", str(site)]) == 2
+    assert "mode 0644" in capsys.readouterr().err
+    os.chmod(pki / "a.key", 0o600)
+    (pki / "a.crt").write_text("not a certificate\n")
+    assert main(["check", "--config", str(site)]) == 2
+    assert "transport.tls" in capsys.readouterr().err

@@ -189,3 +189,13 @@ def test_check_refuses_the_tls_key_the_node_would_refuse(tmp_path, capsys):
     (pki / "a.crt").write_text("not a certificate\n")
     assert main(["check", "--config", str(site)]) == 2
     assert "transport.tls" in capsys.readouterr().err
+
+
+def test_a_roster_or_card_nested_too_deep_is_one_line(tmp_path):
+    # Before: RecursionError out of Roster.load (the relay's SIGHUP reload
+    # catches IdentityError only) and a traceback out of `roster add`.
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("sites: " + "[" * 5000 + "]" * 5000)
+    with pytest.raises(IdentityError, match="nests too deep"):
+        Roster.load(deep)
+    assert main(["roster", "add", str(deep), "--roster", str(tmp_path / "r.yaml")]) == 2

@@ -512,6 +512,8 @@ class Roster:
             raise IdentityError(
                 f"{path}: roster is not valid YAML ({str(exc).splitlines()[0]}) — fix its syntax"
             ) from None
+        except RecursionError:  # nesting deeper than the parser's stack
+            raise IdentityError(f"{path}: roster nests too deep to be a roster") from None
         except OSError as exc:
             raise IdentityError(f"{path}: cannot read roster ({exc.strerror})") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("sites"), list):
@@ -539,7 +541,7 @@ def load_card(path: Path) -> Card:
         raise IdentityError(
             f"{path}: card not found — ask the site for the output of `p2pfl-node keygen`"
         ) from None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # RecursionError: nested too deep
         raise IdentityError(f"{path}: card is not valid YAML") from None
     except UnicodeDecodeError:  # a traceback out of `roster add` (a key review)
         raise IdentityError(f"{path}: card is not UTF-8 text — copy it again") from None

@@ -75,3 +75,29 @@ def test_the_token_is_in_the_environment_not_a_file_other_accounts_may_read(monk
     monkeypatch.setenv("RAY_AUTH_TOKEN", "the operator's")  # theirs is kept
     ray_engine.require_ray_auth()
     assert os.environ["RAY_AUTH_TOKEN"] == "the operator's"
+
+
+def test_the_driver_sees_the_mode_and_token_its_ray_processes_get(monkeypatch, tmp_path):
+    # Before: Ray caches the mode and token at import; the env set afterwards
+    # reached the GCS (token mode) but not the driver (auth off, no token made),
+    # and the GCS died: "Token authentication is enabled but Ray couldn't find
+    # an authentication token" (a live start with ray 2.60).
+    pytest.importorskip("ray")
+    from ray._raylet import AuthenticationTokenLoader, Config, get_authentication_mode
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    Config.initialize("")  # what an earlier import of Ray cached
+    AuthenticationTokenLoader.instance().reset_cache()
+    disabled = get_authentication_mode()
+    try:
+        ray_engine.require_ray_auth()
+        assert get_authentication_mode() != disabled
+        loader = AuthenticationTokenLoader.instance()
+        assert loader.get_raw_token() == os.environ["RAY_AUTH_TOKEN"]
+    finally:
+        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            os.environ.pop(name, None)
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()

@@ -406,6 +406,15 @@ def require_ray_auth() -> None:
             RAY_AUTH_ENV,
             mode,
         )
+    # Ray caches the mode and the token at import: refresh both, as Ray's own
+    # _enable_token_auth does. Without it the driver kept auth off while the GCS
+    # it started had it on, and the GCS died for want of a token (a key review).
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # no Ray (or one without token auth): nothing cached
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def local_cluster(

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,28 @@ import pytest
 from protocols.memory import ray_engine
 
 REPO = Path(__file__).resolve().parents[1]
+RAY_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+@pytest.fixture(autouse=True)
+def ray_auth_restored() -> Iterator[None]:
+    """require_ray_auth sets RAY_AUTH_MODE and RAY_AUTH_TOKEN with setdefault
+    (monkeypatch.delenv of an unset name does not undo that) and refreshes
+    Ray's cached copies: put all of it back, or a later test's own Ray
+    (tests/test_ray_engine.py) starts in a mode its driver does not share."""
+    saved = {name: os.environ.get(name) for name in RAY_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:
+        return
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def test_a_ray_of_its_own_is_started_with_token_authentication(monkeypatch):
@@ -91,13 +114,6 @@ def test_the_driver_sees_the_mode_and_token_its_ray_processes_get(monkeypatch, t
     Config.initialize("")  # what an earlier import of Ray cached
     AuthenticationTokenLoader.instance().reset_cache()
     disabled = get_authentication_mode()
-    try:
-        ray_engine.require_ray_auth()
-        assert get_authentication_mode() != disabled
-        loader = AuthenticationTokenLoader.instance()
-        assert loader.get_raw_token() == os.environ["RAY_AUTH_TOKEN"]
-    finally:
-        for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
-            os.environ.pop(name, None)
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+    ray_engine.require_ray_auth()
+    assert get_authentication_mode() != disabled
+    assert AuthenticationTokenLoader.instance().get_raw_token() == os.environ["RAY_AUTH_TOKEN"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import stat
 
 from p2pfl.secure.identity import IdentityError, key_file_problem
 
@@ -39,9 +40,35 @@ def _load_chain(ctx: ssl.SSLContext, cert: str, key: str) -> None:
         os.close(fd)
 
 
+def _context(purpose: ssl.Purpose, ca: str) -> ssl.SSLContext:
+    """A context trusting the CA file `ca`, refused (IdentityError) if any
+    account on the host may rewrite it, as a roster is: whoever may adds a CA
+    of their own, and their certificate passes the handshake (a key review:
+    a 0666 CA file loaded). Checked on the opened file, which ssl reads."""
+    try:
+        fd = os.open(ca, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ssl.create_default_context(purpose, cafile=ca)  # ssl says what is wrong
+    try:
+        info = os.fstat(fd)
+        mode = stat.S_IMODE(info.st_mode)
+        if not stat.S_ISREG(info.st_mode) or mode & 0o002:
+            what = (
+                "is not a plain file" if not stat.S_ISREG(info.st_mode) else f"has mode {mode:04o}"
+            )
+            raise IdentityError(
+                f"{ca}: the federation CA (transport.tls.ca) {what}: any account on this host "
+                "may replace it and add a CA of its own — `chmod o-w` it, and check what it holds"
+            )
+        opened = f"/proc/self/fd/{fd}"
+        return ssl.create_default_context(purpose, cafile=opened if os.path.exists(opened) else ca)
+    finally:
+        os.close(fd)
+
+
 def server_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
     """Mutual TLS: peers must present a certificate signed by the federation's CA."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    ctx = _context(ssl.Purpose.CLIENT_AUTH, ca)
     _load_chain(ctx, cert, key)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -49,7 +76,7 @@ def server_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
 
 
 def client_ssl_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    ctx = _context(ssl.Purpose.SERVER_AUTH, ca)
     _load_chain(ctx, cert, key)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx

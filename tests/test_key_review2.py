@@ -199,3 +199,17 @@ def test_a_roster_or_card_nested_too_deep_is_one_line(tmp_path):
     with pytest.raises(IdentityError, match="nests too deep"):
         Roster.load(deep)
     assert main(["roster", "add", str(deep), "--roster", str(tmp_path / "r.yaml")]) == 2
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o646])
+def test_a_tls_ca_file_any_account_may_rewrite_is_refused(tmp_path, mode):
+    # Before: loaded as is; whoever rewrote it added a CA of their own, and
+    # their certificate then passed the peer port's handshake.
+    make_pki(tmp_path, ["a"])
+    files = [str(tmp_path / "a.crt"), str(tmp_path / "a.key"), str(tmp_path / "ca.pem")]
+    for make in (tls.server_ssl_context, tls.client_ssl_context):
+        make(*files)  # 0644: loads
+    os.chmod(tmp_path / "ca.pem", mode)
+    for make in (tls.server_ssl_context, tls.client_ssl_context):
+        with pytest.raises(IdentityError, match=f"CA .* has mode {mode:04o}"):
+            make(*files)

@@ -213,3 +213,23 @@ def test_a_tls_ca_file_any_account_may_rewrite_is_refused(tmp_path, mode):
     for make in (tls.server_ssl_context, tls.client_ssl_context):
         with pytest.raises(IdentityError, match=f"CA .* has mode {mode:04o}"):
             make(*files)
+
+
+@pytest.mark.parametrize("where", ["site", "relay"])
+def test_an_address_with_control_characters_is_refused(tmp_path, capsys, where):
+    # Before: a card's address (not in the fingerprint) loaded with a tab and
+    # ESC[8m, and `roster list` printed a made-up fingerprint and concealed
+    # the real one after it.
+    fake = "10.0.0.2:7000\t1111 2222 3333 4444 5555 6666 7777 8888\x1b[8m"
+    card = LocalIdentity.generate("b").card("10.0.0.2:7000").to_dict()
+    doc: dict[str, object] = {"sites": [card]}
+    if where == "site":
+        card["address"] = fake
+    else:
+        doc["relays"] = [{"name": "r1", "address": fake}]
+    path = tmp_path / "roster.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(IdentityError, match="address"):
+        Roster.load(path)
+    assert main(["roster", "list", "--roster", str(path)]) == 2
+    assert "\x1b" not in capsys.readouterr().out

@@ -37,6 +37,11 @@ ADDRESS_PLACEHOLDER = "HOST:PORT"
 # roster name outside it is no site or relay that can run, and a control
 # character in it rewrote what `roster add` printed (a key review).
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# An address (HOST:PORT, [IPv6]:PORT): printable ASCII, no space. It is not in
+# the fingerprint, and `roster list` prints it before the fingerprint: a tab and
+# an escape sequence in it showed a made-up fingerprint and hid the real one
+# (a second key review).
+ADDRESS_PATTERN = r"[\x21-\x7e]{1,300}"
 
 
 class IdentityError(UserError):
@@ -195,7 +200,7 @@ def _address(value: Any, where: str) -> str | None:
     """A card's `address`: HOST:PORT, or null for an outbound-only site."""
     if value is None:
         return None
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not re.fullmatch(ADDRESS_PATTERN, value):
         raise IdentityError(f"{where}: address must be HOST:PORT or null, got {value!r}")
     return value
 
@@ -230,7 +235,7 @@ def _relays(raw: Any, where: str) -> dict[str, str]:
             or not isinstance(entry["name"], str)
             or not re.fullmatch(NAME_PATTERN, entry["name"])
             or not isinstance(entry["address"], str)
-            or not entry["address"]
+            or not re.fullmatch(ADDRESS_PATTERN, entry["address"])
         ):
             raise IdentityError(
                 f"{where}: relays[{i}] must be a mapping with exactly a name and an address "

@@ -384,6 +384,19 @@ class RoundLoop(Protocol, Generic[P]):
                 "trained without it: its model carries no privacy guarantee — start from a "
                 "fresh state directory to train privately",
             )
+        if (  # its ledger deleted, or copied here without it: later steps and a mark are lost
+            dp is not None
+            and saved.get("dp_history")  # (one of before the ledger records only dp_steps)
+            and dp.ledger is not None
+            and not dp.ledger.exists()
+        ):
+            raise TrainingError(
+                "dp_ledger_missing",
+                f"training.dp: the checkpoint of round {saved.get('round')} records private "
+                f"steps but the privacy ledger {dp.ledger} is missing: what was spent (or "
+                "trained in the clear) after that checkpoint is unknown — restore the file or "
+                "start from a fresh state directory",
+            )
         site.load_state_dict(saved["model"])
         if saved.get("optimizer") is not None:
             site.load_optimizer_state(saved["optimizer"])

@@ -255,3 +255,33 @@ def test_a_checkpoints_optimizer_state_of_another_optimizer_starts_afresh() -> N
     again = torch.optim.SGD(model.parameters(), lr=0.5)
     import_optimizer_state(again, export_optimizer_state(sgd))  # the same optimizer's: loaded
     assert again.param_groups[0]["lr"] == 1.0
+
+
+def test_a_private_checkpoint_without_its_ledger_is_not_resumed(
+    two_sources: list[str], tmp_path: Path
+) -> None:
+    """The ledger deleted (a marked one, say, instead of the state directory
+    the refusal asks for) or a checkpoint copied into a state directory
+    without it: before review r1b training.dp resumed from the checkpoint's
+    own history, and after a run in the clear killed in round 3 reported
+    ε 16.5 at round 4 as if every model sent had been private."""
+    cfgs = simulation_configs(
+        two_sources[:1],
+        protocol={"name": "fedavgp2p", "rounds": 2},
+        data={"image_size": 8, "augment": "none"},
+        model={"name": "small_cnn_gn"},
+        training={
+            "device": "cpu",
+            "steps_per_round": 1,
+            "dp": {"noise_multiplier": 1.0},
+            "dp_recipe": {"batch_size": 100_000, "physical_batch_size": 1024, "epochs": 1},
+        },
+        state_root=tmp_path / "state",
+    )
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    assert asyncio.run(simulate(cfgs, network=network)).errors == {}
+    (ledger,) = (tmp_path / "ckpt").rglob(LEDGER)
+    ledger.unlink()
+    again = asyncio.run(simulate(cfgs, network=network))
+    assert "privacy ledger" in again.errors["site0"] and "is missing" in again.errors["site0"]
+

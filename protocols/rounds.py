@@ -365,9 +365,14 @@ class RoundLoop(Protocol, Generic[P]):
         dp = getattr(site, "dp", None)
         if dp is not None:  # training.dp: every private step is on disk before it is used
             dp.keep_ledger(ctx.durable_file(LEDGER))
-        else:  # a ledger here: what this run trains is not private, and it says so
-            mark_unprivate(ctx.durable_file(LEDGER))
         saved = ctx.restore()
+        finished = (  # nothing left to train: a restart that only serves the last model
+            bool(saved)
+            and saved.get("protocol") == self.name
+            and int(saved["round"]) >= self.params.rounds
+        )
+        if dp is None and not finished:  # a ledger here: what this run trains is not
+            mark_unprivate(ctx.durable_file(LEDGER))  # private, and it says so first
         if not saved or saved.get("protocol") != self.name:
             if dp is not None:  # a ledger of a run killed before its first checkpoint
                 dp.replan(dp.total_steps)
@@ -413,7 +418,6 @@ class RoundLoop(Protocol, Generic[P]):
             dp.replan(max(0, self.params.rounds - int(saved["round"])) * site.steps_per_round())
         # a checkpoint of before training.select_by chose by macro-F1
         chosen_by, by = saved.get("select_by", "macro_f1"), select_by(site)
-        finished = int(saved["round"]) >= self.params.rounds  # nothing will be chosen again
         if chosen_by == by or finished:
             self.best = BestModel.restore(saved.get("best"), federated=True)
             self.personal.restore(saved.get("personal"))

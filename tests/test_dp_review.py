@@ -285,3 +285,34 @@ def test_a_private_checkpoint_without_its_ledger_is_not_resumed(
     again = asyncio.run(simulate(cfgs, network=network))
     assert "privacy ledger" in again.errors["site0"] and "is missing" in again.errors["site0"]
 
+
+def test_a_finished_private_run_restarted_without_dp_keeps_its_ledger_unmarked(
+    two_sources: list[str], tmp_path: Path
+) -> None:
+    """A restart without training.dp after the last round trains nothing (it
+    serves the last private model): before review r1b it marked the ledger
+    all the same, and training.dp and `export` refused the private model."""
+
+    def configs(private: bool) -> list[Any]:
+        training: dict[str, Any] = {
+            "device": "cpu",
+            "steps_per_round": 1,
+            "dp_recipe": {"batch_size": 100_000, "physical_batch_size": 1024, "epochs": 1},
+        }
+        training.update({"dp": {"noise_multiplier": 1.0}} if private else {"recipe": "dp"})
+        return simulation_configs(
+            two_sources[:1],
+            protocol={"name": "fedavgp2p", "rounds": 1},
+            data={"image_size": 8, "augment": "none"},
+            model={"name": "small_cnn_gn"},
+            training=training,
+            state_root=tmp_path / "state",
+        )
+
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    assert asyncio.run(simulate(configs(True), network=network)).errors == {}
+    clear = asyncio.run(simulate(configs(False), network=network))
+    assert clear.errors == {} and clear.records == []  # nothing trained
+    (ledger,) = (tmp_path / "ckpt").rglob(LEDGER)
+    assert "trained_without_dp" not in json.loads(ledger.read_text())
+    assert asyncio.run(simulate(configs(True), network=network)).errors == {}

@@ -371,8 +371,10 @@ class RoundLoop(Protocol, Generic[P]):
             and saved.get("protocol") == self.name
             and int(saved["round"]) >= self.params.rounds
         )
-        if dp is None and not finished:  # a ledger here: what this run trains is not
-            mark_unprivate(ctx.durable_file(LEDGER))  # private, and it says so first
+        if dp is None and not (finished and saved.get("dp_history") is not None):
+            # a ledger here: what this run trains is not private, and it says so first
+            # (not a restart after the last round of a private run: it trains nothing)
+            mark_unprivate(ctx.durable_file(LEDGER))
         if not saved or saved.get("protocol") != self.name:
             if dp is not None:  # a ledger of a run killed before its first checkpoint
                 dp.replan(dp.total_steps)

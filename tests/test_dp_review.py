@@ -316,3 +316,20 @@ def test_a_finished_private_run_restarted_without_dp_keeps_its_ledger_unmarked(
     (ledger,) = (tmp_path / "ckpt").rglob(LEDGER)
     assert "trained_without_dp" not in json.loads(ledger.read_text())
     assert asyncio.run(simulate(configs(True), network=network)).errors == {}
+
+
+def test_a_ledger_restored_from_a_backup_keeps_the_mark_of_a_run_in_the_clear(
+    tmp_path: Path,
+) -> None:
+    """A start without training.dp on a damaged ledger could not mark it; the
+    refusal under training.dp asks to restore the file, and before review r1b
+    the restored copy read as private although a run in the clear came between."""
+    from p2pfl.learning.dp import LedgerUnprivate, read_ledger
+
+    ledger = tmp_path / LEDGER
+    backup = json.dumps({"history": [[1.0, 0.5, 4]]})
+    ledger.write_text(backup[:-5])  # damaged
+    mark_unprivate(ledger)  # the start without training.dp, which then trains
+    ledger.write_text(backup)  # restored
+    with pytest.raises(LedgerUnprivate):
+        read_ledger(ledger)

@@ -57,15 +57,24 @@ class LedgerUnprivate(ValueError):
     """The ledger's site trained without training.dp after its private steps."""
 
 
+def unprivate_marker(path: Path) -> Path:
+    """STATE/dp_ledger.unprivate beside the ledger `path`: the mark of
+    `mark_unprivate` that a ledger restored from a backup, or rewritten, keeps."""
+    return path.with_suffix(".unprivate")
+
+
 def read_ledger(path: Path) -> list[tuple[float, float, int]]:
     """The (noise multiplier, sample rate, steps) a privacy ledger records;
     OSError or ValueError when it cannot be read, LedgerUnprivate when the
     site trained without training.dp since (`mark_unprivate`)."""
-    try:
-        raw = json.loads(path.read_text())
-        saved = raw["history"]
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"not a privacy ledger ({type(exc).__name__}: {exc})") from None
+    if unprivate_marker(path).exists():
+        raw: Any = {UNPRIVATE: True}
+    else:
+        try:
+            raw = json.loads(path.read_text())
+            saved = raw["history"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a privacy ledger ({type(exc).__name__}: {exc})") from None
     if raw.get(UNPRIVATE):
         raise LedgerUnprivate(
             "the site trained without training.dp after these private steps, and a model it "
@@ -83,6 +92,9 @@ def mark_unprivate(path: Path | None) -> None:
     before it to resume, and the ε reported then covered every model sent)."""
     if path is None or not path.exists():
         return
+    # beside it too: before review r1b an unreadable ledger was left unmarked, and
+    # the copy restored from a backup (as dp_ledger_unreadable asks) read as private
+    atomic_write_json(unprivate_marker(path), {UNPRIVATE: True, "ledger": path.name})
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):

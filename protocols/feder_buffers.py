@@ -101,6 +101,32 @@ def is_sha256(value: object) -> bool:
     )
 
 
+def _perceptual_distance(section: GenbufferSection) -> Any:
+    """The LPIPS network of the privacy loss and the gate, as genbuffer.lpips_* say."""
+    from genbuffer.privacy import build_perceptual_distance
+    from genbuffer.train import resolve_device
+
+    return build_perceptual_distance(
+        section.lpips_backbone,
+        section.lpips_weights,
+        min_size=section.lpips_min_size,
+        device=resolve_device(section.device),
+    )
+
+
+def _members_and_holdout(site: LocalSite, section: GenbufferSection) -> tuple[Any, Any]:
+    """The indices of the training images the GAN may see, and of the holdout
+    the membership test compares them with (the same split every time)."""
+    from genbuffer.audit import holdout_split
+
+    return holdout_split(
+        np.asarray(site.data.train_labels),
+        section.holdout_fraction,
+        section.holdout_min_images,
+        section.seed,
+    )
+
+
 def make_buffer(
     params: FedERParams,
     site: LocalSite,
@@ -115,31 +141,19 @@ def make_buffer(
 
     Returns the buffer and the gate's decision (None when the gate is switched
     off); the caller must not share a buffer the gate refused."""
-    from genbuffer.audit import holdout_split
     from genbuffer.buffer import sample_buffer
     from genbuffer.checkpoint import load_generator
-    from genbuffer.privacy import build_perceptual_distance
     from genbuffer.train import resolve_device, train_generator
     from genbuffer.trainer import label_prior
 
     device = resolve_device(section.device)
     metric = None  # one LPIPS network for the privacy loss and the gate
     if not params.generator or section.privacy_gate:
-        metric = build_perceptual_distance(
-            section.lpips_backbone,
-            section.lpips_weights,
-            min_size=section.lpips_min_size,
-            device=device,
-        )
+        metric = _perceptual_distance(section)
     data = site.data
     # The membership test's holdout never reaches the GAN (a generator given by path must
     # have been trained the same way: `p2pfl-node genbuffer train` holds out the same images).
-    members, holdout = holdout_split(
-        np.asarray(data.train_labels),
-        section.holdout_fraction,
-        section.holdout_min_images,
-        section.seed,
-    )
+    members, _ = _members_and_holdout(site, section)
     if params.generator:
         generator_path = Path(params.generator)
     else:
@@ -181,10 +195,7 @@ def gate_buffer(
     (blocking; None, said loudly, when `genbuffer.privacy_gate` is off). Also run
     on a buffer a checkpoint kept: a review restarted a node made with the gate
     off, with the gate on, and its ungated buffer went on being shared unchecked."""
-    from genbuffer.audit import holdout_split
     from genbuffer.gate import check_buffer
-    from genbuffer.privacy import build_perceptual_distance
-    from genbuffer.train import resolve_device
 
     if not section.privacy_gate:
         log.warning(
@@ -194,19 +205,9 @@ def gate_buffer(
         )
         return None
     if metric is None:
-        metric = build_perceptual_distance(
-            section.lpips_backbone,
-            section.lpips_weights,
-            min_size=section.lpips_min_size,
-            device=resolve_device(section.device),
-        )
+        metric = _perceptual_distance(section)
     data = site.data
-    members, holdout = holdout_split(
-        np.asarray(data.train_labels),
-        section.holdout_fraction,
-        section.holdout_min_images,
-        section.seed,
-    )
+    members, holdout = _members_and_holdout(site, section)
     return check_buffer(
         buffer,
         data.train_uint8[members],

@@ -328,6 +328,26 @@ def load_or_create_token(path: Path) -> str:
     return read_own_token(path)
 
 
+def _warn_if_others_read(config_path: Path) -> None:
+    """An inline status.token is as private as the site.yaml that holds it: say
+    so loudly where other accounts may read that file (the systemd unit's
+    ConfigurationDirectoryMode 0755 leaves a site.yaml there at 0644 under the
+    usual umask: a review, 2026-11-28). A warning, not a refusal: a Kubernetes
+    ConfigMap is mounted 0644 in a pod where no other account runs."""
+    try:
+        mode = config_path.stat().st_mode
+    except OSError:
+        return  # "<config>", a config made in code
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        logger.warning(
+            "%s holds status.token inline and other accounts may read it (mode %04o): "
+            "move the token to status.token_file (chmod 600), or chmod 600 %s",
+            config_path,
+            stat.S_IMODE(mode),
+            config_path,
+        )
+
+
 def status_token(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
     """The status token of a site: status.token, else status.token_file, else
     STATE/status.token (created with a random token on the first start, then reused)."""
@@ -335,6 +355,7 @@ def status_token(cfg: SiteConfig, config_path: Path | str = "<config>") -> str:
         problem = token_problem(cfg.status.token)
         if problem is not None:
             raise ConfigError(config_path, "status.token", f"the token {problem}", OWN_TOKEN_FIX)
+        _warn_if_others_read(Path(config_path))
         return cfg.status.token
     state = Path(cfg.node.state_dir)
     if cfg.status.token_file and not inside(Path(cfg.status.token_file), state):

@@ -496,3 +496,34 @@ def test_a_rotated_cards_deadline_altered_in_transit_is_refused(tmp_path, capsys
         main(["roster", "add", str(tmp_path / "a" / "a.card.yaml"), "--roster", str(roster)]) == 0
     )
     assert not Roster.load(roster)["a"].verify(stolen.sign(b"m"), b"m")
+
+
+def test_an_inline_status_token_in_a_site_yaml_others_may_read_is_named_loudly(tmp_path, caplog):
+    """The systemd unit's configuration folder is 0755, so a site.yaml there is
+    0644 under the usual umask: an inline status.token in it is every local
+    account's (a review, 2026-11-28). The node says so, naming the file and
+    the fix, and says nothing once the file is the service's alone."""
+    from node.provision import provision
+    from node.status import status_token
+    from p2pfl.config import load_config
+
+    token = "t" * 43
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b"],
+        protocol={"name": "fedavgp2p", "rounds": 1},
+        per_site={"a": {"status": {"token": token}}},
+    )
+    path = plans[0].config_path
+    cfg = load_config(path, check_files=False)  # provision's token file is made at start
+    os.chmod(path, 0o644)
+    with caplog.at_level("WARNING", logger="node.status"):
+        assert status_token(cfg, path) == token
+    warned = [r.getMessage() for r in caplog.records if "status.token inline" in r.getMessage()]
+    assert len(warned) == 1 and "0644" in warned[0] and str(path) in warned[0]
+    assert token not in warned[0]
+    caplog.clear()
+    os.chmod(path, 0o600)
+    with caplog.at_level("WARNING", logger="node.status"):
+        assert status_token(cfg, path) == token
+    assert not [r for r in caplog.records if "status.token inline" in r.getMessage()]

@@ -235,6 +235,9 @@ class RotatedKey:
     retired_key: Path
 
 
+MAX_GRACE_HOURS = 24 * 366 * 10  # ten years: longer is no grace period
+
+
 def rotate_signing_key(
     name: str,
     keys_dir: Path,
@@ -248,8 +251,12 @@ def rotate_signing_key(
     valid until now + grace_hours, so peers that load it accept both keys meanwhile.
     The X25519 agreement key is kept: peers encrypt to it, and a card has no grace
     slot for it."""
-    if grace_hours < 0:
-        raise UserError(f"--grace-hours {grace_hours}: must be 0 or more")
+    # nan, inf or a deadline past a float's range: before, the key was replaced
+    # and the card written with a deadline every roster refuses (a third review)
+    if not (0 <= grace_hours <= MAX_GRACE_HOURS):
+        raise UserError(
+            f"--grace-hours {grace_hours}: must be a number of hours from 0 to {MAX_GRACE_HOURS}"
+        )
     keys_dir = Path(keys_dir)
     sign_path = keys_dir / f"{name}.sign.pem"
     kex_path = keys_dir / f"{name}.kex.pem"

@@ -11,8 +11,26 @@ from __future__ import annotations
 import os
 import ssl
 import stat
+from collections.abc import Callable
+from typing import TypeVar
 
 from p2pfl.secure.identity import IdentityError, key_file_problem
+
+T = TypeVar("T")
+
+
+def _ssl_loads(load: Callable[[], T], what: str) -> T:
+    """`load()`, with what ssl raises (a file missing, no PEM in it) turned
+    into one IdentityError line: `check` said so in a line, but `run` and a
+    relay let ssl.SSLError out of here as a traceback at start (a third key
+    review). ssl's messages name the file, never what it holds."""
+    try:
+        return load()
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise IdentityError(
+            f"transport.tls: cannot load {what} ({exc}) — give the PEM certificate, "
+            "its private key and the federation CA"
+        ) from None
 
 
 def _load_chain(ctx: ssl.SSLContext, cert: str, key: str) -> None:
@@ -24,8 +42,8 @@ def _load_chain(ctx: ssl.SSLContext, cert: str, key: str) -> None:
     is links to 0440 files."""
     try:
         fd = os.open(key, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        ctx.load_cert_chain(cert, key)  # missing or unreadable: ssl says so itself
+    except OSError:  # missing or unreadable: ssl says so itself
+        _ssl_loads(lambda: ctx.load_cert_chain(cert, key), f"{cert} and {key}")
         return
     try:
         problem = key_file_problem(os.fstat(fd))
@@ -35,7 +53,8 @@ def _load_chain(ctx: ssl.SSLContext, cert: str, key: str) -> None:
                 "the node's own user, and have your CA issue a new one if it may be known"
             )
         opened = f"/proc/self/fd/{fd}"  # Linux; elsewhere the name, as before
-        ctx.load_cert_chain(cert, opened if os.path.exists(opened) else key)
+        chosen = opened if os.path.exists(opened) else key
+        _ssl_loads(lambda: ctx.load_cert_chain(cert, chosen), f"{cert} and {key}")
     finally:
         os.close(fd)
 
@@ -48,7 +67,7 @@ def _context(purpose: ssl.Purpose, ca: str) -> ssl.SSLContext:
     try:
         fd = os.open(ca, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return ssl.create_default_context(purpose, cafile=ca)  # ssl says what is wrong
+        return _ssl_loads(lambda: ssl.create_default_context(purpose, cafile=ca), ca)
     try:
         info = os.fstat(fd)
         mode = stat.S_IMODE(info.st_mode)
@@ -61,7 +80,8 @@ def _context(purpose: ssl.Purpose, ca: str) -> ssl.SSLContext:
                 "may replace it and add a CA of its own — `chmod o-w` it, and check what it holds"
             )
         opened = f"/proc/self/fd/{fd}"
-        return ssl.create_default_context(purpose, cafile=opened if os.path.exists(opened) else ca)
+        chosen = opened if os.path.exists(opened) else ca
+        return _ssl_loads(lambda: ssl.create_default_context(purpose, cafile=chosen), ca)
     finally:
         os.close(fd)
 

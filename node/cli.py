@@ -327,6 +327,12 @@ def _previous_key_checked(card: Card, listed: Card | None) -> tuple[Card, str | 
     if card.previous_signing_key == listed.signing_key:  # a fresh rotation
         if card.grace_signed():
             return card, None
+        if card.grace_signature is None:  # an older keygen --rotate wrote none (a third review)
+            return card, (
+                "the card has no grace_signature: a p2pfl-node older than the signed grace "
+                "period wrote it, or it was altered in transit — confirm its fingerprint by "
+                f"phone, then `roster remove {card.name}` and add the card again (no grace period)"
+            )
         return card, (
             "the grace period (previous_signing_key, previous_valid_until) is not signed by the "
             "card's signing key: it was altered in transit, or made by hand — ask the site to "

@@ -5,6 +5,7 @@ Real keys, card and TLS files and the real CLI; nothing attacked is mocked.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -86,3 +87,32 @@ def test_a_rotated_card_from_an_older_version_says_what_to_do(tmp_path, capsys):
     assert "no grace_signature" in err and "roster remove a" in err
     assert main(["roster", "remove", "a", *roster]) == 0
     assert main(["roster", "add", str(tmp_path / "old.yaml"), *roster]) == 0
+
+
+@pytest.mark.parametrize("how", ["inline_spaces", "file_0644"])
+def test_check_refuses_the_status_token_the_node_would_refuse(tmp_path, capsys, how):
+    # Before: `check` never read the status token: it passed an inline token
+    # with spaces and a 0644 status.token_file that `run` then refused at
+    # start, after the peer port was already up.
+    assert main(["provision", "--out", str(tmp_path / "fed"), "--sites", "a,b"]) == 0
+    site = tmp_path / "fed" / "a" / "site.yaml"
+    cfg = yaml.safe_load(site.read_text())
+    status = cfg.setdefault("status", {})
+    status.pop("token_file", None)
+    secret = "SECRETSECRET with spaces 1234"
+    if how == "inline_spaces":
+        status["token"] = secret
+    else:
+        token = tmp_path / "token"
+        token.write_text(secret.replace(" ", "") + "\n")
+        os.chmod(token, 0o644)
+        status["token_file"] = str(token)
+    site.write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main(["check", "--config", str(site)]) == 2
+    out = capsys.readouterr()
+    assert "status.token" in out.err
+    assert "SECRET" not in out.err + out.out
+    if how == "file_0644":
+        os.chmod(token, 0o600)
+        assert main(["check", "--config", str(site)]) == 0

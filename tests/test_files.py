@@ -346,3 +346,35 @@ def test_a_state_dir_of_an_older_version_is_made_private_file_by_file(
         os.chmod(state / folder, 0o755)
         opener(state / folder)
         assert stat.S_IMODE((state / folder).stat().st_mode) == 0o700, folder
+
+
+def test_a_write_removes_the_temporaries_crashed_writes_left(tmp_path):
+    """A kill -9 during an atomic write leaves its randomly named temporary file;
+    nothing else deletes it, so a node in a crash loop (a 45 MB checkpoint each
+    time) filled its checkpoints folder. The first write in a folder removes
+    this module's own stale temporaries, and nothing else."""
+    import time
+
+    from p2pfl import files
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    old = time.time() - 3600
+    stale = [folder / f".ckpt-{n:08d}.bin.4242.0123abc{n}.tmp" for n in range(3)]
+    for path in stale:
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (old, old))
+    live = folder / ".ckpt-00000009.bin.4243.deadbeef.tmp"  # a write of a process started later
+    live.write_bytes(b"y")
+    os.utime(live, (time.time() + 60, time.time() + 60))
+    other = folder / ".notes.tmp"  # not this module's pattern
+    other.write_bytes(b"z")
+    os.utime(other, (old, old))
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"t")
+    link = folder / ".ckpt-00000008.bin.4244.feedface.tmp"
+    link.symlink_to(target)
+    files.atomic_write_bytes(folder / "ckpt-00000004.bin", b"data")
+    assert not any(p.exists() for p in stale)
+    assert live.exists() and other.exists() and link.is_symlink() and target.exists()
+    assert (folder / "ckpt-00000004.bin").read_bytes() == b"data"

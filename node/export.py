@@ -31,6 +31,7 @@ from p2pfl.files import PUBLIC_FILE, atomic_write_text
 from p2pfl.learning.dp import (
     DEFAULT_DELTA,
     LEDGER,
+    LedgerUnprivate,
     checked_history,
     history_prefix,
     ledger_epsilon,
@@ -140,6 +141,12 @@ def dp_spent(
             ) from None
         raise ExportError(
             f"training.dp is set but {ledger} records no private step: run the node first"
+        ) from None
+    except LedgerUnprivate as exc:  # not unreadable: restoring the file changes nothing
+        raise ExportError(
+            f"training.dp: {ledger}: {exc}, so no model card states one — export with "
+            "training.dp taken out of site.yaml (the card then says none), or train afresh "
+            "under it from a fresh state directory"
         ) from None
     except (OSError, ValueError) as exc:
         raise ExportError(

@@ -234,6 +234,10 @@ def test_export_states_no_epsilon_from_a_ledger_marked_unprivate(tmp_path: Path)
     with pytest.raises(UserError) as caught:
         dp_spent(config, 1, saved)
     assert "trained without training.dp after these private steps" in str(caught.value)
+    # how to go on, not "restore the file": a restored ledger is refused the same (the
+    # mark is a file of its own), and the ledger is readable, only not private
+    assert "training.dp taken out of site.yaml" in str(caught.value)
+    assert "restore the file" not in str(caught.value)
 
 
 def test_a_checkpoints_optimizer_state_of_another_optimizer_starts_afresh() -> None:

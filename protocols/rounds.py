@@ -374,7 +374,11 @@ class RoundLoop(Protocol, Generic[P]):
         if dp is None and not (finished and saved.get("dp_history") is not None):
             # a ledger here: what this run trains is not private, and it says so first
             # (not a restart after the last round of a private run: it trains nothing)
-            mark_unprivate(ctx.durable_file(LEDGER))
+            mark_unprivate(
+                ctx.durable_file(LEDGER),
+                private_checkpoint=bool(saved)
+                and (saved.get("dp_history") is not None or saved.get("dp_steps") is not None),
+            )
         if not saved or saved.get("protocol") != self.name:
             if dp is not None:  # a ledger of a run killed before its first checkpoint
                 dp.replan(dp.total_steps)

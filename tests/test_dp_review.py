@@ -337,3 +337,45 @@ def test_a_ledger_restored_from_a_backup_keeps_the_mark_of_a_run_in_the_clear(
     ledger.write_text(backup)  # restored
     with pytest.raises(LedgerUnprivate):
         read_ledger(ledger)
+
+
+def test_a_run_in_the_clear_on_a_private_checkpoint_without_its_ledger_leaves_the_mark(
+    two_sources: list[str], tmp_path: Path
+) -> None:
+    """The ledger lost, a start without training.dp resumed the private
+    checkpoint and found no ledger to mark, so it left no mark at all: killed
+    after it served a round trained in the clear and before that round's
+    checkpoint, its ledger restored (as dp_ledger_missing asks), a third
+    review's training.dp start resumed the private checkpoint and reported an ε
+    that left the clear model out. The mark file is written all the same."""
+
+    def configs(private: bool, rounds: int) -> list[Any]:
+        training: dict[str, Any] = {
+            "device": "cpu",
+            "steps_per_round": 1,
+            "dp_recipe": {"batch_size": 100_000, "physical_batch_size": 1024, "epochs": 1},
+        }
+        training.update({"dp": {"noise_multiplier": 1.0}} if private else {"recipe": "dp"})
+        return simulation_configs(
+            two_sources[:1],
+            protocol={"name": "fedavgp2p", "rounds": rounds},
+            data={"image_size": 8, "augment": "none"},
+            model={"name": "small_cnn_gn"},
+            training=training,
+            state_root=tmp_path / "state",
+        )
+
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    assert asyncio.run(simulate(configs(True, 1), network=network)).errors == {}
+    (ledger,) = (tmp_path / "ckpt").rglob(LEDGER)
+    backup = ledger.read_bytes()
+    ledger.unlink()  # lost
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    private = checkpoint.read_bytes()
+    clear = asyncio.run(simulate(configs(False, 2), network=network))
+    assert clear.errors == {} and clear.records  # round 2 trained in the clear, served
+    checkpoint.write_bytes(private)  # killed before its checkpoint of round 2
+    ledger.write_bytes(backup)  # restored, as dp_ledger_missing asks
+    network = InMemoryNetwork(inline_train=True, checkpoint_dir=tmp_path / "ckpt")
+    again = asyncio.run(simulate(configs(True, 2), network=network))
+    assert "trained without training.dp" in again.errors.get("site0", "")

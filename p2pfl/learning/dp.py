@@ -83,15 +83,18 @@ def read_ledger(path: Path) -> list[tuple[float, float, int]]:
     return checked_history(saved)
 
 
-def mark_unprivate(path: Path | None) -> None:
+def mark_unprivate(path: Path | None, *, private_checkpoint: bool = False) -> None:
     """A start without training.dp where a privacy ledger is (`path`): the
     ledger says so before anything is trained, so no later start under
     training.dp, nor `export`, states an ε that leaves out a model trained in
     the clear (review r1: a run without training.dp, killed after it served a
     round's model and before its checkpoint, left the private checkpoint
     before it to resume, and the ε reported then covered every model sent)."""
-    if path is None or not path.exists():
+    if path is None or not (path.exists() or private_checkpoint):
         return
+    # a missing ledger beside a checkpoint of private steps (`private_checkpoint`) is
+    # marked too: before a third review the run in the clear left no mark, and the
+    # ledger restored from a backup (as dp_ledger_missing asks) then read as private
     # beside it too: before review r1b an unreadable ledger was left unmarked, and
     # the copy restored from a backup (as dp_ledger_unreadable asks) read as private
     atomic_write_json(unprivate_marker(path), {UNPRIVATE: True, "ledger": path.name})

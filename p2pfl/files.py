@@ -38,7 +38,7 @@ PUBLIC_FILE = 0o644
 log = logging.getLogger(__name__)
 
 # The temporary file of an atomic write: `.NAME.PID.8HEX.tmp` (`_temporary`).
-_TEMPORARY = re.compile(r"\..+\.[0-9]+\.[0-9a-f]{8}\.tmp")
+_TEMPORARY = re.compile(r"\..+\.([0-9]+)\.[0-9a-f]{8}\.tmp")
 _STARTED = time.time()  # a temporary file older than this is no live write of this process
 _SWEPT: set[str] = set()  # folders whose stale temporaries this process has removed
 
@@ -55,19 +55,36 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
+def _alive(pid: int) -> bool:
+    """Whether `pid` is another live process (one whose write may be under way;
+    this process's own is judged by time, as a container's node is pid 1 at
+    every start)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True  # another account's, or a number no pid can be: keep it
+    return True
+
+
 def remove_stale_temporaries(folder: Path | str) -> int:
     """Delete the temporary files of this module's atomic writes in `folder`
     (its exact name pattern) that are regular files of this account last
-    written before this process started; returns how many. A concurrent
-    write of another live process is newer than that, and a file of another
-    account, a link or a name of another pattern is left alone."""
+    written before this process started by a process no longer alive (the
+    pid in the name); returns how many. A concurrent write of another live
+    process, a file of another account, a link or a name of another pattern
+    is left alone."""
     removed = 0
     try:
         names = os.listdir(folder)
     except OSError:
         return 0
     for name in names:
-        if not _TEMPORARY.fullmatch(name):
+        match = _TEMPORARY.fullmatch(name)
+        if match is None or _alive(int(match[1])):
             continue
         entry = os.path.join(folder, name)
         try:

@@ -360,11 +360,16 @@ def test_a_write_removes_the_temporaries_crashed_writes_left(tmp_path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     old = time.time() - 3600
-    stale = [folder / f".ckpt-{n:08d}.bin.4242.0123abc{n}.tmp" for n in range(3)]
+    dead = 999_999_999  # above any pid_max: no process
+    stale = [folder / f".ckpt-{n:08d}.bin.{dead}.0123abc{n}.tmp" for n in range(2)]
+    stale.append(folder / f".ckpt-00000002.bin.{os.getpid()}.01234567.tmp")  # pid 1 again
+    running = folder / f".ckpt-00000003.bin.{os.getppid()}.89abcdef.tmp"  # another live writer
+    running.write_bytes(b"r")
+    os.utime(running, (time.time() - 3600, time.time() - 3600))
     for path in stale:
         path.write_bytes(b"x" * 1000)
         os.utime(path, (old, old))
-    live = folder / ".ckpt-00000009.bin.4243.deadbeef.tmp"  # a write of a process started later
+    live = folder / f".ckpt-00000009.bin.{dead}.deadbeef.tmp"  # a write of a process started later
     live.write_bytes(b"y")
     os.utime(live, (time.time() + 60, time.time() + 60))
     other = folder / ".notes.tmp"  # not this module's pattern
@@ -372,9 +377,10 @@ def test_a_write_removes_the_temporaries_crashed_writes_left(tmp_path):
     os.utime(other, (old, old))
     target = tmp_path / "elsewhere"
     target.write_bytes(b"t")
-    link = folder / ".ckpt-00000008.bin.4244.feedface.tmp"
+    link = folder / f".ckpt-00000008.bin.{dead}.feedface.tmp"
     link.symlink_to(target)
     files.atomic_write_bytes(folder / "ckpt-00000004.bin", b"data")
     assert not any(p.exists() for p in stale)
     assert live.exists() and other.exists() and link.is_symlink() and target.exists()
+    assert running.exists()
     assert (folder / "ckpt-00000004.bin").read_bytes() == b"data"

@@ -46,13 +46,15 @@ def model_digest(state: dict[str, Tensor]) -> str:
 
 
 class ContributionLedger:
-    """(requester, model round) -> the digest of the model masked for it,
-    written to `path` (crash-safe) whenever it grows; None: kept in memory."""
+    """(requester, model round) -> the digests of every model masked for it
+    (a round re-served with another model, after a retraining, adds one: it
+    never replaces the row of the model masked before), written to `path`
+    (crash-safe) whenever it grows; None: kept in memory."""
 
     def __init__(self, path: Path | None, me: str) -> None:
         self.path = path
         self.me = me
-        self.contributed: dict[tuple[str, int], str] = {}
+        self.contributed: dict[tuple[str, int], tuple[str, ...]] = {}
         self.error: str | None = None  # set: this node refuses to contribute at all
         self.digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
         self.load()
@@ -62,7 +64,8 @@ class ContributionLedger:
             return
         try:
             rows = LEDGER.validate_json(self.path.read_bytes())
-            self.contributed = {(r.requester, r.round): r.model for r in rows}
+            for r in rows:
+                self._add(r.requester, r.round, r.model)
         except Exception as exc:  # noqa: BLE001 - any damage: refuse to contribute, say why
             # My own file: unreadable means damaged. Refuse to contribute until an
             # operator looks, rather than risk masking a model twice.
@@ -70,22 +73,32 @@ class ContributionLedger:
             log.error("%s: secure-aggregation ledger unreadable: %s", self.me, self.error)
 
     def masked(self, requester: str, model_round: int) -> str | None:
-        """The digest of the model of `model_round` masked for `requester`, if any."""
-        return self.contributed.get((requester, model_round))
+        """The digest of the last model of `model_round` masked for `requester`, if any."""
+        held = self.contributed.get((requester, model_round))
+        return held[-1] if held else None
 
     def holds(self, requester: str, digest: str) -> bool:
         """Whether this model is in one of `requester`'s sums, under any round: a
         model served unchanged in two rounds went into two sums of one requester
         when only its round was looked up (a review, 2026-11-28)."""
-        return any(r == requester and d == digest for (r, _), d in self.contributed.items())
+        return any(r == requester and digest in ds for (r, _), ds in self.contributed.items())
+
+    def _add(self, requester: str, model_round: int, digest: str) -> None:
+        held = self.contributed.get((requester, model_round), ())
+        if digest not in held:
+            self.contributed[(requester, model_round)] = (*held, digest)
 
     def record(self, requester: str, model_round: int, digest: str) -> None:
         """From now on this model is in one sum of this requester's, and in no other."""
-        self.contributed[(requester, model_round)] = digest
+        # Added, never replacing the model masked before under this round: a round
+        # re-served with another model overwrote it, and the first model, still
+        # served as another round, went into a second sum (a third review, 2026-11-28).
+        self._add(requester, model_round, digest)
         if self.path is not None:
             rows = [
                 {"requester": r, "round": m, "model": d}
-                for (r, m), d in sorted(self.contributed.items())
+                for (r, m), ds in sorted(self.contributed.items())
+                for d in ds
             ]
             atomic_write_text(self.path, json.dumps(rows), mode=0o600)
 
@@ -101,7 +114,9 @@ class ContributionLedger:
         """Drop the rows of models older than `model_round`, except a model still
         `served` (digests): forgotten by round alone, a model kept unchanged for
         longer went into a second sum of one requester (a review, 2026-11-28)."""
-        self.contributed = {
-            k: d for k, d in self.contributed.items() if k[1] >= model_round or d in served
+        kept = {
+            k: tuple(d for d in ds if k[1] >= model_round or d in served)
+            for k, ds in self.contributed.items()
         }
+        self.contributed = {k: ds for k, ds in kept.items() if ds}
         self.digests = {r: d for r, d in self.digests.items() if r >= model_round}

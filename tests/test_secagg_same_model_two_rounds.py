@@ -14,6 +14,7 @@ import torch
 from protocols.exchange import ServedModels
 from protocols.memory import InMemoryNetwork
 from protocols.secagg import SecAggError, secure_sum
+from protocols.secagg_ledger import ContributionLedger
 from protocols.secure_exchange import SecureExchange
 
 OPTIONS = dict(max_staleness=1, timeout=5.0, max_norm_ratio=10.0, max_weight_ratio=16.0)
@@ -154,3 +155,56 @@ def test_a_model_that_differs_only_in_a_counter_no_sum_carries_is_the_same_model
         return out
 
     assert asyncio.run(run()) == [["a", "v"], "too_few"]
+
+
+def test_a_round_re_served_with_another_model_keeps_the_first_models_row(tmp_path) -> None:
+    """A third review (2026-11-28): the ledger held one digest per (requester,
+    round), so a round re-served with another model (retrained after a crash)
+    replaced the row of the model masked before; that model, still served as
+    another round, then went into a second sum of the same requester."""
+
+    async def run() -> list[object]:
+        network = InMemoryNetwork()
+        exchanges = {}
+        for name in ("v", "a", "b"):
+            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
+            exchanges[name].start(network.join(name))
+        torch.manual_seed(0)
+        frozen = {"w": torch.randn(8)}
+        exchanges["v"].store.put(1, frozen, 10)
+        exchanges["v"].store.put(2, frozen, 10)  # kept unchanged: rounds 1 and 2
+        for r in (1, 2):
+            exchanges["a"].store.put(r, {"w": torch.full((8,), float(r))}, 10)
+            exchanges["b"].store.put(r, {"w": torch.full((8,), float(-r))}, 10)
+        requester = network.join("r")
+        out: list[object] = []
+        for r, partner in ((2, "a"), (2, "b"), (1, "b")):
+            try:
+                got = await secure_sum(
+                    requester,
+                    ["v", partner],
+                    round_no=r,
+                    max_round=r,
+                    reference={"w": torch.zeros(8)},
+                    timeout=2.0,
+                    weight_scale=10.0,
+                )
+                out.append(sorted(got.contributors))
+            except SecAggError as exc:
+                out.append(exc.reason)
+            if len(out) == 1:  # round 2 re-served with another model
+                exchanges["v"].store.put(2, {"w": frozen["w"] + 1}, 10)
+        ledger = exchanges["v"].contributor.ledger  # type: ignore[union-attr]
+        # the file keeps both rows of round 2: a restart still refuses the first model
+        reread = ContributionLedger(tmp_path / "ledger.json", "v")
+        for (who, r), digests in ledger.contributed.items():
+            for digest in digests:
+                reread.record(who, r, digest)
+        restarted = ContributionLedger(tmp_path / "ledger.json", "v")
+        out.append(restarted.holds("r", await ledger.digest(1, frozen)))
+        return out
+
+    first, second, third, remembered = asyncio.run(run())
+    assert first == ["a", "v"] and second == ["b", "v"]
+    assert third == "too_few"  # v refused the first model again: nobody masked
+    assert remembered is True

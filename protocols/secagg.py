@@ -381,7 +381,7 @@ class Contributor:
         while len(seen) > MAX_SEEN_SESSIONS:
             seen.popitem(last=False)
         digest = await self.ledger.digest(model_round, state)
-        if self.ledger.holds(requester, digest):
+        if self.ledger.refuses(requester, model_round, digest):
             raise masked_already(request.purpose, model_round)
         if not float(weight) > 0:  # no training data: nothing to add to anybody's sum
             raise SecAggError("no_weight", "my model has no weight")
@@ -483,7 +483,7 @@ class Contributor:
     async def _mask(self, session: Session, raw: dict[str, Any]) -> dict[str, Any]:
         me = self.ctx.me
         self._step(session, "share", "mask")
-        if self.ledger.holds(session.requester, session.digest):
+        if self.ledger.refuses(session.requester, session.model_round, session.digest):
             raise masked_already(session.request.purpose, session.model_round)
         body = parse(MaskBody, raw)
         if body is None:

@@ -56,6 +56,9 @@ class ContributionLedger:
         self.me = me
         self.contributed: dict[tuple[str, int], tuple[str, ...]] = {}
         self.error: str | None = None  # set: this node refuses to contribute at all
+        # rows written before the digest covered the summed entries only: their digest
+        # matches no model now, so they refuse their (requester, round) whatever model
+        self.legacy: set[tuple[str, int, str]] = set()
         self.digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
         self.load()
 
@@ -66,6 +69,8 @@ class ContributionLedger:
             rows = LEDGER.validate_json(self.path.read_bytes())
             for r in rows:
                 self._add(r.requester, r.round, r.model)
+                if not r.summed:
+                    self.legacy.add((r.requester, r.round, r.model))
         except Exception as exc:  # noqa: BLE001 - any damage: refuse to contribute, say why
             # My own file: unreadable means damaged. Refuse to contribute until an
             # operator looks, rather than risk masking a model twice.
@@ -83,6 +88,16 @@ class ContributionLedger:
         when only its round was looked up (a review, 2026-11-28)."""
         return any(r == requester and digest in ds for (r, _), ds in self.contributed.items())
 
+    def refuses(self, requester: str, model_round: int, digest: str) -> bool:
+        """Whether masking this model of `model_round` for `requester` could put a
+        model into two of its sums: it is in one (`holds`), or a row of an older
+        ledger, whose digest covered the counters too, holds that round: such a
+        row matched no model after the upgrade, and the same model served again
+        as its round went into a second sum (a third review, 2026-11-28)."""
+        return self.holds(requester, digest) or any(
+            (r, m) == (requester, model_round) for r, m, _ in self.legacy
+        )
+
     def _add(self, requester: str, model_round: int, digest: str) -> None:
         held = self.contributed.get((requester, model_round), ())
         if digest not in held:
@@ -96,7 +111,7 @@ class ContributionLedger:
         self._add(requester, model_round, digest)
         if self.path is not None:
             rows = [
-                {"requester": r, "round": m, "model": d}
+                {"requester": r, "round": m, "model": d, "summed": (r, m, d) not in self.legacy}
                 for (r, m), ds in sorted(self.contributed.items())
                 for d in ds
             ]
@@ -119,4 +134,5 @@ class ContributionLedger:
             for k, ds in self.contributed.items()
         }
         self.contributed = {k: ds for k, ds in kept.items() if ds}
+        self.legacy = {row for row in self.legacy if row[2] in self.contributed.get(row[:2], ())}
         self.digests = {r: d for r, d in self.digests.items() if r >= model_round}

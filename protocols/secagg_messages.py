@@ -110,6 +110,9 @@ class LedgerRow(_Strict):
     requester: Name
     round: int = Field(ge=0, le=2**31)
     model: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    # True: `model` is the digest of the summed entries only (since 2026-11-28);
+    # absent in a ledger written before, whose digests covered every entry
+    summed: bool = False
 
 
 class Shared(_Strict):

@@ -208,3 +208,56 @@ def test_a_round_re_served_with_another_model_keeps_the_first_models_row(tmp_pat
     assert first == ["a", "v"] and second == ["b", "v"]
     assert third == "too_few"  # v refused the first model again: nobody masked
     assert remembered is True
+
+
+def test_a_ledger_of_before_the_summed_digest_still_refuses_its_round(tmp_path) -> None:
+    """A third review (2026-11-28): a row written before the digest left the
+    counters out holds a digest no model matches now, so after the upgrade the
+    same model (with num_batches_tracked) served again as its round went into a
+    second sum of that requester; such a row refuses its round, and keeps
+    doing so when the ledger is written again."""
+    import hashlib
+    import json
+
+    def digest_of_before(state: dict[str, torch.Tensor]) -> str:  # every entry
+        digest = hashlib.sha256()
+        for name in sorted(state):
+            tensor = state[name].detach().contiguous().reshape(-1)
+            digest.update(f"{name}|{tensor.dtype}|{tuple(state[name].shape)}|".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    torch.manual_seed(0)
+    model = {"bn.weight": torch.randn(8), "bn.num_batches_tracked": torch.tensor(5)}
+    path = tmp_path / "secagg_ledger.json"
+    path.write_text(json.dumps([{"requester": "r", "round": 2, "model": digest_of_before(model)}]))
+
+    async def run() -> object:
+        network = InMemoryNetwork()
+        exchanges = {}
+        for name in ("v", "a"):
+            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
+            exchanges[name].start(network.join(name))
+        exchanges["v"].contributor.ledger = ContributionLedger(path, "v")  # type: ignore[union-attr]
+        exchanges["v"].store.put(2, model, 10)
+        other = {"bn.weight": torch.ones(8), "bn.num_batches_tracked": torch.tensor(5)}
+        exchanges["a"].store.put(2, other, 10)
+        try:
+            got = await secure_sum(
+                network.join("r"),
+                ["v", "a"],
+                round_no=2,
+                max_round=2,
+                reference={k: torch.zeros_like(t) for k, t in model.items()},
+                timeout=2.0,
+                weight_scale=10.0,
+            )
+            return sorted(got.contributors)
+        except SecAggError as exc:
+            return exc.reason
+
+    assert asyncio.run(run()) == "too_few"  # v refused: nobody masked
+    ledger = ContributionLedger(path, "v")
+    ledger.record("q", 3, "0" * 64)  # written again: the old row stays an old row
+    again = ContributionLedger(path, "v")
+    assert again.refuses("r", 2, "f" * 64) and not again.refuses("q", 2, "f" * 64)

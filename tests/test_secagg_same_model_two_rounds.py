@@ -20,13 +20,42 @@ from protocols.secure_exchange import SecureExchange
 OPTIONS = dict(max_staleness=1, timeout=5.0, max_norm_ratio=10.0, max_weight_ratio=16.0)
 
 
+def federation(*names: str) -> tuple[InMemoryNetwork, dict[str, SecureExchange]]:
+    """An in-memory network with a SecureExchange for each of `names`."""
+    network = InMemoryNetwork()
+    exchanges = {}
+    for name in names:
+        exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
+        exchanges[name].start(network.join(name))
+    return network, exchanges
+
+
+async def ask(
+    requester: object,
+    contributors: list[str],
+    round_no: int,
+    reference: dict[str, torch.Tensor] | None = None,
+) -> object:
+    """One secure sum of `contributors`' round-`round_no` models: who was in
+    it (sorted), or the requester's reason for none."""
+    try:
+        got = await secure_sum(
+            requester,  # type: ignore[arg-type]
+            contributors,
+            round_no=round_no,
+            max_round=round_no,
+            reference=reference if reference is not None else {"w": torch.zeros(8)},
+            timeout=2.0,
+            weight_scale=10.0,
+        )
+        return sorted(got.contributors)
+    except SecAggError as exc:
+        return exc.reason
+
+
 def two_sums(second_model_changes: bool) -> list[object]:
     async def run() -> list[object]:
-        network = InMemoryNetwork()
-        exchanges = {}
-        for name in ("v", "a", "b"):
-            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
-            exchanges[name].start(network.join(name))
+        network, exchanges = federation("v", "a", "b")
         torch.manual_seed(0)
         frozen = {"w": torch.randn(8)}
         exchanges["v"].store.put(1, frozen, 10)
@@ -38,19 +67,7 @@ def two_sums(second_model_changes: bool) -> list[object]:
         requester = network.join("r")
         out: list[object] = []
         for r, partner in ((1, "a"), (2, "b")):
-            try:
-                got = await secure_sum(
-                    requester,
-                    ["v", partner],
-                    round_no=r,
-                    max_round=r,
-                    reference={"w": torch.zeros(8)},
-                    timeout=2.0,
-                    weight_scale=10.0,
-                )
-                out.append(sorted(got.contributors))
-            except SecAggError as exc:
-                out.append(exc.reason)
+            out.append(await ask(requester, ["v", partner], r))
         refusals = [x["reason"] for x in network.rejections if x["peer"] == "r"]
         return [*out, refusals]
 
@@ -76,40 +93,21 @@ def test_a_model_kept_longer_than_the_ledgers_rounds_still_goes_into_one_sum() -
     sum of the requester it was already in."""
 
     async def run() -> list[object]:
-        network = InMemoryNetwork()
-        exchanges = {}
-        for name in ("v", "a", "b"):
-            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
-            exchanges[name].start(network.join(name))
+        network, exchanges = federation("v", "a", "b")
         torch.manual_seed(0)
         frozen = {"w": torch.randn(8)}
         requester, honest = network.join("r"), network.join("c")
         out: list[object] = []
-
-        async def ask(ctx: object, round_no: int, partner: str) -> object:
-            try:
-                got = await secure_sum(
-                    ctx,  # type: ignore[arg-type]
-                    ["v", partner],
-                    round_no=round_no,
-                    max_round=round_no,
-                    reference={"w": torch.zeros(8)},
-                    timeout=2.0,
-                    weight_scale=10.0,
-                )
-                return sorted(got.contributors)
-            except SecAggError as exc:
-                return exc.reason
 
         for r in range(1, 6):
             exchanges["v"].store.put(r, frozen, 10)
             exchanges["a"].store.put(r, {"w": torch.full((8,), float(r))}, 10)
             exchanges["b"].store.put(r, {"w": torch.full((8,), float(-r))}, 10)
             if r == 1:
-                out.append(await ask(requester, 1, "a"))
-        out.append(await ask(honest, 5, "a"))  # an honest requester's sum of round 5
-        out.append(await ask(requester, 5, "b"))
-        out.append(await ask(requester, 3, "b"))
+                out.append(await ask(requester, ["v", "a"], 1))
+        out.append(await ask(honest, ["v", "a"], 5))  # an honest requester's sum of round 5
+        out.append(await ask(requester, ["v", "b"], 5))
+        out.append(await ask(requester, ["v", "b"], 3))
         return out
 
     assert asyncio.run(run()) == [["a", "v"], ["a", "v"], "too_few", "too_few"]
@@ -123,11 +121,7 @@ def test_a_model_that_differs_only_in_a_counter_no_sum_carries_is_the_same_model
     review, 2026-11-28)."""
 
     async def run() -> list[object]:
-        network = InMemoryNetwork()
-        exchanges = {}
-        for name in ("v", "a", "b"):
-            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
-            exchanges[name].start(network.join(name))
+        network, exchanges = federation("v", "a", "b")
         torch.manual_seed(0)
         w = torch.randn(8)
         counter = "bn.num_batches_tracked"
@@ -139,19 +133,8 @@ def test_a_model_that_differs_only_in_a_counter_no_sum_carries_is_the_same_model
         requester = network.join("r")
         out: list[object] = []
         for r, partner in ((1, "a"), (2, "b")):
-            try:
-                got = await secure_sum(
-                    requester,
-                    ["v", partner],
-                    round_no=r,
-                    max_round=r,
-                    reference={"w": torch.zeros(8), counter: torch.tensor(0)},
-                    timeout=2.0,
-                    weight_scale=10.0,
-                )
-                out.append(sorted(got.contributors))
-            except SecAggError as exc:
-                out.append(exc.reason)
+            reference = {"w": torch.zeros(8), counter: torch.tensor(0)}
+            out.append(await ask(requester, ["v", partner], r, reference))
         return out
 
     assert asyncio.run(run()) == [["a", "v"], "too_few"]
@@ -164,11 +147,7 @@ def test_a_round_re_served_with_another_model_keeps_the_first_models_row(tmp_pat
     another round, then went into a second sum of the same requester."""
 
     async def run() -> list[object]:
-        network = InMemoryNetwork()
-        exchanges = {}
-        for name in ("v", "a", "b"):
-            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
-            exchanges[name].start(network.join(name))
+        network, exchanges = federation("v", "a", "b")
         torch.manual_seed(0)
         frozen = {"w": torch.randn(8)}
         exchanges["v"].store.put(1, frozen, 10)
@@ -179,19 +158,7 @@ def test_a_round_re_served_with_another_model_keeps_the_first_models_row(tmp_pat
         requester = network.join("r")
         out: list[object] = []
         for r, partner in ((2, "a"), (2, "b"), (1, "b")):
-            try:
-                got = await secure_sum(
-                    requester,
-                    ["v", partner],
-                    round_no=r,
-                    max_round=r,
-                    reference={"w": torch.zeros(8)},
-                    timeout=2.0,
-                    weight_scale=10.0,
-                )
-                out.append(sorted(got.contributors))
-            except SecAggError as exc:
-                out.append(exc.reason)
+            out.append(await ask(requester, ["v", partner], r))
             if len(out) == 1:  # round 2 re-served with another model
                 exchanges["v"].store.put(2, {"w": frozen["w"] + 1}, 10)
         ledger = exchanges["v"].contributor.ledger  # type: ignore[union-attr]
@@ -233,28 +200,13 @@ def test_a_ledger_of_before_the_summed_digest_still_refuses_its_round(tmp_path) 
     path.write_text(json.dumps([{"requester": "r", "round": 2, "model": digest_of_before(model)}]))
 
     async def run() -> object:
-        network = InMemoryNetwork()
-        exchanges = {}
-        for name in ("v", "a"):
-            exchanges[name] = SecureExchange(ServedModels(keep=3), **OPTIONS)
-            exchanges[name].start(network.join(name))
+        network, exchanges = federation("v", "a")
         exchanges["v"].contributor.ledger = ContributionLedger(path, "v")  # type: ignore[union-attr]
         exchanges["v"].store.put(2, model, 10)
         other = {"bn.weight": torch.ones(8), "bn.num_batches_tracked": torch.tensor(5)}
         exchanges["a"].store.put(2, other, 10)
-        try:
-            got = await secure_sum(
-                network.join("r"),
-                ["v", "a"],
-                round_no=2,
-                max_round=2,
-                reference={k: torch.zeros_like(t) for k, t in model.items()},
-                timeout=2.0,
-                weight_scale=10.0,
-            )
-            return sorted(got.contributors)
-        except SecAggError as exc:
-            return exc.reason
+        reference = {k: torch.zeros_like(t) for k, t in model.items()}
+        return await ask(network.join("r"), ["v", "a"], 2, reference)
 
     assert asyncio.run(run()) == "too_few"  # v refused: nobody masked
     ledger = ContributionLedger(path, "v")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from node.check_files import check_status_token, check_tls
 from p2pfl.config import (
     ConfigError,
     SiteConfig,
@@ -106,8 +107,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from protocols.selection import neighbour_count
 
     cfg, roster, _ = load_site(Path(args.config))
-    _check_tls(cfg, Path(args.config))
-    _check_status_token(cfg, Path(args.config))
+    check_tls(cfg, Path(args.config))
+    check_status_token(cfg, Path(args.config))
     check_model_name(cfg, Path(args.config))
     check_dp(cfg, Path(args.config))
     print(dump_config(cfg), end="")
@@ -122,50 +123,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"# ok: {cfg.node.name} in federation {cfg.federation.id!r} with {len(roster.names())} sites: {', '.join(roster.names())}"
     )
     return 0
-
-
-def _check_status_token(cfg: SiteConfig, path: Path) -> None:
-    """Read the status token as the node does (node/status.py `status_token`:
-    an inline token's text, a token file's mode and owner): `check` passed a
-    token with spaces and a 0644 status.token_file that the node refused at
-    start, after its peer port was up (a third key review). The node's own
-    STATE/status.token is left to the first start to make."""
-    from node.status import STATUS_TOKEN_FILE, inside, status_token
-
-    if not cfg.status.enabled:
-        return
-    state = Path(cfg.node.state_dir)
-    named = cfg.status.token_file
-    own = Path(named) if named else state / STATUS_TOKEN_FILE
-    if (
-        cfg.status.token
-        or (named and not inside(Path(named), state))
-        or own.is_symlink()
-        or own.exists()
-    ):
-        status_token(cfg, path)  # creates no file: the own one exists, or is not used
-
-
-def _check_tls(cfg: SiteConfig, path: Path) -> None:
-    """Load transport.tls as the node does (node/tls.py: the key files' checks,
-    then ssl): `check` passed a 0644 TLS key the node then refused (a key review)."""
-    import ssl
-
-    from node.tls import client_ssl_context, server_ssl_context
-
-    tls = cfg.transport.tls
-    if not tls:
-        return
-    for make in (server_ssl_context, client_ssl_context):
-        try:
-            make(str(tls.cert), str(tls.key), str(tls.ca))
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(
-                path,
-                "transport.tls",
-                f"cannot load the TLS files: {exc}",
-                "give the PEM certificate, its private key and the federation CA",
-            ) from None
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

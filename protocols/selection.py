@@ -19,7 +19,11 @@ node could send is refused, counted through `select(reject=...)` once per
 peer, reason and round, and the peer ranked as one without a vector (after the
 scored ones): an F1 outside [0, 1] (`gossip_f1_range`; 1e300 made a liar the
 most "dissimilar" peer of every node) and model statistics beyond 1e6
-(`gossip_stats_range`). A vector equal to mine is not refused, F1 or
+(`gossip_stats_range`), and a `recent` that is no list of at most
+max(n, 1024) names (`gossip_recent_malformed`; it ranked first, as overlapping
+nobody). A vector of another length than mine is left out unread: a heartbeat
+may hold millions of numbers, read at every ranking on the event loop before
+(a review, 2026-11-28). A vector equal to mine is not refused, F1 or
 statistics: honest ones collide (two sites perfect on their validation
 splits both send [1.0] * K; two that predict only the majority class of the
 same prevalence p both send [2p / (1 + p), 0]; nodes that merged the same
@@ -174,6 +178,7 @@ def _shuffled(names: list[str], rng: random.Random) -> list[str]:
 
 
 RANDOM_FALLBACKS_MIN = 32  # a random ranking is at least this long (or every peer)
+RECENT_MAX = 1024  # the longest `recent` read from a peer, or selection.n if more
 
 
 class RandomSelection(Heuristic):
@@ -209,12 +214,24 @@ class NLatestSelection(Heuristic):
 
     def rank(self, me, pool, rng, my_meta, history, k):  # type: ignore[no-untyped-def]
         circle = set(recent_neighbours(history, self.n)) | {me}
+        longest = max(self.n, RECENT_MAX)
 
         def overlap(peer: PeerInfo) -> int:
-            theirs = peer.meta.get(RECENT_KEY) or []
-            if not isinstance(theirs, list):
-                return 0
-            return len(circle & {str(x) for x in theirs})
+            theirs = peer.meta.get(RECENT_KEY)
+            if theirs is None:
+                return 0  # published nothing yet (its first round)
+            # A peer's n most recent neighbours: a list of at most n names. What
+            # no honest node sends (a dict, numbers, millions of names read at
+            # every FedSGDP2P step) ranked first, as overlapping nobody: refused,
+            # counted, and ranked after every peer that overlaps all of my circle.
+            if (
+                not isinstance(theirs, list)
+                or len(theirs) > longest
+                or not all(isinstance(x, str) for x in theirs)
+            ):
+                self.refuse(peer.name, "gossip_recent_malformed")
+                return len(circle) + 1
+            return len(circle & set(theirs))
 
         tiebreak = {name: i for i, name in enumerate(_shuffled([p.name for p in pool], rng))}
         return [p.name for p in sorted(pool, key=lambda p: (overlap(p), tiebreak[p.name]))]
@@ -264,6 +281,12 @@ def peer_vectors(
     honest F1 vectors take few values and collide (module docstring)."""
     out: dict[str, list[float]] = {}
     for peer in pool:
+        value = peer.meta.get(key)
+        if isinstance(value, list | tuple) and value and len(value) != len(mine):
+            # Left out unread: a heartbeat may hold millions of numbers, and
+            # checking each cost ~0.5 s per million at every ranking (FedSGDP2P
+            # ranks at every step), on the event loop.
+            continue
         theirs = _vector(peer.meta, key)
         if isinstance(theirs, str):
             heuristic.refuse(peer.name, theirs)

@@ -447,3 +447,52 @@ def test_an_honest_peer_with_my_very_f1_is_scored_and_ranked_by_similarity(
         ranking = rank(h, peers, my_meta={"f1": mine}, reject=lambda p, r: refused.append((p, r)))
         assert ranking == order, (name, prefer)
     assert refused == []
+
+
+# ---------------------------------------------------------------------- huge gossip
+# A review (rv_proto, 2026-11-28): a heartbeat may carry millions of numbers
+# (2 MB of msgpack fixints is 2 million), and every ranking read each of them
+# on the event loop: ~1 s per ranking for 2 million, at every FedSGDP2P step.
+
+
+class Unreadable(list):  # type: ignore[type-arg]
+    """A gossiped list whose elements must not be read (len is free)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("the ranking read a huge gossiped list element by element")
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        raise AssertionError("the ranking read a huge gossiped list element by element")
+
+
+@pytest.mark.parametrize(
+    ("heuristic", "key"),
+    [
+        (selection.create("f1", n=0), "f1"),
+        (selection.create("cosine", n=0), "f1"),
+        (selection.create("cosine", vector="model_stats", n=0), "model_stats"),
+    ],
+)
+def test_a_huge_gossiped_vector_is_left_out_unread(
+    heuristic: selection.Heuristic, key: str
+) -> None:
+    huge = Unreadable([0] * 100_000)
+    peers = [peer("a", **{key: [0.2, 0.3]}), peer("evil", **{key: huge})]
+    ranking = rank(heuristic, peers, my_meta={key: [0.5, 0.5]})
+    assert ranking == ["a", "evil"]  # scored first, the other length after
+
+
+def test_n_latest_refuses_a_recent_list_no_honest_node_sends_and_ranks_it_last() -> None:
+    h = selection.create("n_latest", n=1)
+    refused: list[tuple[str, str]] = []
+    hostiles = (Unreadable(["x"] * 100_000), {"a": 1}, "x", [1, 2], [["me"]])
+    for round_no, hostile in enumerate(hostiles, 1):
+        refused.clear()
+        peers = [peer("b", recent=["me"]), peer("c", recent=["x"]), peer("evil", recent=hostile)]
+        ranking = rank(h, peers, round_no=round_no, reject=lambda p, r: refused.append((p, r)))
+        # before: overlapping nobody, evil ranked first (b overlaps me)
+        assert ranking == ["c", "b", "evil"], hostile
+        assert refused == [("evil", "gossip_recent_malformed")]
+    # an honest list, empty before a node's first exchange, or none: read as before
+    assert rank(h, [peer("b", recent=["me"]), peer("c", recent=[])]) == ["c", "b"]
+    assert rank(h, [peer("b", recent=["me"]), peer("c")]) == ["c", "b"]

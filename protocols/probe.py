@@ -59,7 +59,9 @@ class Probe(RoundLoop[ProbeParams]):
         self.received[msg.sender] = self.received.get(msg.sender, 0) + 1
         if msg.round == round_no:
             got_this_round.add(msg.sender)
-        elif isinstance(msg.round, int) and msg.round > round_no:
+        elif isinstance(msg.round, int) and round_no < msg.round <= self.params.rounds:
+            # Only rounds this node will run: a member pushing probes of rounds
+            # 11, 12, ... 2^31 - 1 grew `early` by an entry a push, never read.
             self.early.setdefault(msg.round, set()).add(msg.sender)
 
     async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:

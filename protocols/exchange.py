@@ -392,6 +392,12 @@ class PlainExchange:
 # ---------------------------------------------------------------------- gradients
 
 
+def reply_refused(reply: Any) -> bool:
+    """Whether a gradient reply that brought nothing was refused (anything but
+    the honest answer that the step is gone from the neighbour's memory)."""
+    return not (isinstance(reply, dict) and reply.get("grad") is None)
+
+
 class GradientExchange:
     """FedSGDP2P's per-step gradients in the clear (`kind` "grad"), keyed by
     (round, step): the latest `keep` are served; a pull waits `timeout`."""
@@ -406,12 +412,14 @@ class GradientExchange:
         max_norm_ratio: float | None,
         max_weight_ratio: float | None,
         on_unavailable: Callable[[str], None] = lambda peer: None,
+        on_refused: Callable[[str], None] = lambda peer: None,
     ) -> None:
         self.keep = keep
         self.timeout = timeout
         self.max_norm_ratio = max_norm_ratio
         self.max_weight_ratio = max_weight_ratio
         self.on_unavailable = on_unavailable  # FedSGDP2P's backoff of a silent neighbour
+        self.on_refused = on_refused  # ... and of one whose gradient was refused
         self.served: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
         self.latest: tuple[int, int] = (0, 0)
 
@@ -455,6 +463,25 @@ class GradientExchange:
             log.info("%s %s: no gradient from %s (%s)", ctx.me, key, peer, exc.reason)
             self.on_unavailable(peer)
             return None
+        result = await self.checked(ctx, key, reference, peer, reply)
+        if result is None and reply_refused(reply):
+            # Refused (counted in `checked`): asked again at once, a neighbour that
+            # answers each step late with what is refused cost a wait every step,
+            # never backed off as a silent one is (a review, 2026-11-28).
+            self.on_refused(peer)
+        return result
+
+    async def checked(
+        self,
+        ctx: RoundContext,
+        key: tuple[int, int],
+        reference: dict[str, Tensor],
+        peer: str,
+        reply: Any,
+    ) -> tuple[str, dict[str, Tensor], int] | None:
+        """The reply's (peer, gradient, claimed batch size), or None: gone from
+        the neighbour's memory, or refused (logged and counted)."""
+        round_no, step = key
         if not isinstance(reply, dict):
             log.warning("%s %s: malformed gradient reply from %s", ctx.me, key, peer)
             ctx.reject(peer, "grad_malformed")

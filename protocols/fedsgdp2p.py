@@ -16,7 +16,8 @@ batch size is a claim, capped like a sample count (`max_weight_ratio`, the
 roster's max_samples; counted as `weight_capped`, logged as `weights_capped`).
 A neighbour that fails or does not answer within `step_timeout_s` is skipped,
 and then left out for 1, 2, 4, ... steps (at most one round's worth) until it
-answers again: the step goes on with what arrived.
+answers again: the step goes on with what arrived. A neighbour whose
+gradient is refused is backed off the same way.
 
 A round is `training.steps_per_round` steps when set (the same for every site,
 cycling through its reshuffled data), else `training.epochs` passes over the
@@ -68,6 +69,7 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
             "max_norm_ratio": params.max_norm_ratio,
             "max_weight_ratio": params.max_weight_ratio,
             "on_unavailable": self.failed,
+            "on_refused": self.back_off,
         }
         # protocol.compression: each step's g + e compressed once, with error
         # feedback (protocols/compressed_exchange.py); the residual e is checkpointed.
@@ -88,10 +90,17 @@ class FedSgdP2P(RoundLoop[FedSGDP2PParams]):
         """Skip a neighbour that did not answer for 1, 2, 4, ... steps (at most a
         round's worth): a neighbour stalled for a moment is back at once, a dead
         one costs a handful of timeouts per round rather than one per step."""
+        self.back_off(peer)
+        self.timeouts += 1
+
+    def back_off(self, peer: str) -> None:
+        """Skip `peer` for the next 1, 2, 4, ... steps: it did not answer, or
+        its gradient was refused (counted by the exchange; before a review of
+        2026-11-28 it was asked again at the next step, and one answering late
+        with what is refused cost a wait at every step)."""
         _, failures = self.backoff.get(peer, (0, 0))
         skip = min(2**failures, self.max_skip)
         self.backoff[peer] = (self.steps_done + 1 + skip, failures + 1)
-        self.timeouts += 1
 
     def candidates(self, ctx: RoundContext, step: int) -> list[PeerInfo]:
         """Alive peers that will take step `step` this round and are not backed off."""

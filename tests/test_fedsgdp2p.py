@@ -202,9 +202,29 @@ def test_a_huge_norm_gradient_is_refused_and_counted(sources: list[str]) -> None
     for key, value in alone.state_dict().items():
         assert torch.allclose(saved[key], value, atol=1e-6), key
     refused = [(r["node"], r["peer"], r["reason"]) for r in network.rejections]
-    assert refused == [("site0", "site1", "grad_huge_norm")] * 3
+    # asked at steps 1 and 3: a refused neighbour is backed off (1, 2, 4, ... steps)
+    assert refused == [("site0", "site1", "grad_huge_norm")] * 2
     (record,) = [r for r in network.records if r["node"] == "site0"]
     assert record["neighbours"] == 0.0
+    assert record["timeouts"] == 0  # a refusal is no timeout
+
+
+def test_a_neighbour_whose_gradients_are_refused_is_backed_off_like_a_silent_one(
+    sources: list[str],
+) -> None:
+    """A review (rv_proto, 2026-11-28): a neighbour whose gradient was refused
+    was asked again at the very next step, every step, where a silent one is
+    skipped for 1, 2, 4, ... steps; one answering each step just before
+    step_timeout_s with a NaN gradient cost that wait at every step."""
+    cfgs = configs(sources[:2], {"optimizer": "sgd", "lr": 0.1, "steps_per_round": 8}, rounds=1)
+    protos = [FedSgdP2P(cfgs[0].protocol), ScalingFedSgd(cfgs[1].protocol, scale=float("nan"))]  # type: ignore[arg-type]
+    network = InMemoryNetwork(inline_train=True)
+    run_protocols(cfgs, protos, network)
+    refused = [(r["node"], r["peer"], r["reason"]) for r in network.rejections]
+    # asked at steps 1, 3 and 6 of 8 (before: all 8)
+    assert refused == [("site0", "site1", "grad_non_finite")] * 3
+    (record,) = [r for r in network.records if r["node"] == "site0"]
+    assert record["steps"] == 8 and record["timeouts"] == 0
 
 
 def test_an_inflated_batch_size_is_capped_and_counted(sources: list[str]) -> None:

@@ -230,7 +230,7 @@ def _uncompressed(ctx: RoundContext, peer: str, reply: dict[str, Any], field: st
     peer sent a compressed format to a node that uses none."""
     if reply.get("format") not in (None, "none"):
         log.warning(
-            "%s: %s sent format %s, this node uses none", ctx.me, peer, repr(reply["format"])[:40]
+            "%s: %s sent format %s, this node uses none", ctx.me, peer, shown(reply["format"])
         )
         ctx.reject(peer, "compression_mismatch")
         return None

@@ -44,7 +44,8 @@ def incompatibility(
     an L2 norm more than that many times ours."""
     if not isinstance(state, dict):
         return "not_a_state_dict"
-    if set(state) != set(reference):
+    # The count first: a set of a peer's 5 million keys cost 0.6 s on the event loop.
+    if len(state) != len(reference) or any(key not in state for key in reference):
         return "key_mismatch"
     for key, ref in reference.items():
         value = state[key]

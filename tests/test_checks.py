@@ -17,7 +17,14 @@ from p2pfl.config import FedSGDP2PParams, SSFLParams, params_class
 from p2pfl.secure.identity import Card, IdentityError, LocalIdentity, Roster
 from protocols import create
 from protocols.base import NotReady
-from protocols.checks import admit, cap_claims, cap_weights, lower_median, own_weight_cap
+from protocols.checks import (
+    admit,
+    cap_claims,
+    cap_weights,
+    incompatibility,
+    lower_median,
+    own_weight_cap,
+)
 from protocols.memory import InMemoryNetwork, simulation_configs
 from protocols.stages import StageContext
 
@@ -313,3 +320,20 @@ def test_a_peer_cannot_replace_scatternets_fixed_features_or_poison_its_weights(
     assert all(
         torch.equal(v, filters[f"scattering.{k}"]) for k, v in model.scattering.named_buffers()
     )
+
+
+class Unlistable(dict):  # type: ignore[type-arg]
+    """A peer's state dict whose keys must not be listed one by one."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("listed every key of a peer's state dict on the event loop")
+
+
+def test_a_state_with_millions_of_keys_is_refused_by_its_count() -> None:
+    """A review (rv_proto, 2026-11-28): `set(state)` of a peer's reply with 5
+    million keys (a ~40 MB message) took 0.6 s on the event loop, where the
+    exchange calls `admit`."""
+    huge = Unlistable({f"k{i}": torch.zeros(1) for i in range(10_000)})
+    assert incompatibility(huge, {"w": torch.ones(3)}) == "key_mismatch"
+    # the same count with another key is refused as before, without listing
+    assert incompatibility(Unlistable({"v": torch.ones(3)}), {"w": torch.ones(3)}) == "key_mismatch"

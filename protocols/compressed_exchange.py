@@ -240,7 +240,7 @@ class CompressedExchange(PlainExchange):
     ) -> Any:
         """x_hat_ji: the copy the reply started from plus its decoded difference."""
         if reply.get("format") != self.fmt.setting:
-            return self.refuse(ctx, peer, "mismatch", f"format {reply.get('format')!r}"[:60])
+            return self.refuse(ctx, peer, "mismatch", f"format {shown(reply.get('format'))}")
         ref, new_id = _copy_id(reply.get("ref")), _copy_id(reply.get("id"))
         if ref is None or not new_id:
             return self.refuse(ctx, peer, "malformed", "ref or id")
@@ -567,7 +567,7 @@ async def relayed_model(
         if not isinstance(payload, dict):
             raise CompressionRefused("malformed", "not a map")
         if payload.get("compression") != fmt.setting:
-            raise CompressionRefused("mismatch", f"format {payload.get('compression')!r}"[:60])
+            raise CompressionRefused("mismatch", f"format {shown(payload.get('compression'))}")
         delta = await ctx.run_blocking(decode_state, payload.get("model"), reference, fmt, True)
         return add(zeros_like(reference), delta)
     except CompressionRefused as exc:

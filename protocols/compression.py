@@ -206,7 +206,7 @@ def decompress_tensor(item: Any, shape: tuple[int, ...], kinds: frozenset[str]) 
     elif kind == "int8b":
         block = item.get("block")
         if not isinstance(block, int) or isinstance(block, bool) or block not in BLOCKS:
-            raise CompressionRefused("bad_block", repr(block)[:20])
+            raise CompressionRefused("bad_block", shown(block, 20))
         _sized(values, n)
         scale = _tensor(item, "scale", torch.float32)
         _sized(scale, -(-n // block))
@@ -321,14 +321,18 @@ def entries_of(payload: Any, reference: dict[str, Tensor]) -> list[tuple[str, in
             raise CompressionRefused("malformed", "an entry is [name, shape]")
         name, shape = entry
         if name not in floats or name in seen:
-            raise CompressionRefused("key_mismatch", repr(name)[:40])
+            raise CompressionRefused("key_mismatch", shown(name))
         seen.add(name)
         if (
             not isinstance(shape, list)
             or not all(type(d) is int for d in shape)  # a tensor here compares as a tensor
             or shape != list(floats[name].shape)
         ):
-            raise CompressionRefused("shape_mismatch", f"{name}: {shape!r}"[:60])
+            # the peer's value by its type only, unless a short list of ints (a
+            # repr of the whole once logged 4 bytes per byte of a string it sent)
+            short = isinstance(shape, list) and len(shape) <= 8
+            told = shape if short and all(type(d) is int for d in shape) else shown(shape)
+            raise CompressionRefused("shape_mismatch", f"{name}: {told}"[:60])
         size = floats[name].numel()
         out.append((name, start, start + size))
         start += size

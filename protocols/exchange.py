@@ -312,9 +312,8 @@ class PlainExchange:
         if not self.round_fits(ctx, round_no, peer, reply):
             return None
         if parsed is None:
-            log.warning(
-                "%s round %d: %s sent num_train %r", ctx.me, round_no, peer, reply.get("num_train")
-            )
+            claim = shown(reply.get("num_train"))
+            log.warning("%s round %d: %s sent num_train %s", ctx.me, round_no, peer, claim)
             ctx.reject(peer, "model_bad_num_train")
             return None
         where = f" round {round_no}"
@@ -328,7 +327,8 @@ class PlainExchange:
 
     def no_model(self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]) -> None:
         """`peer` answered without a model: it has moved past the rounds asked."""
-        log.info("%s round %d: %s is past round %s", ctx.me, round_no, peer, reply.get("round"))
+        past = shown(reply.get("round"))
+        log.info("%s round %d: %s is past round %s", ctx.me, round_no, peer, past)
 
     def round_fits(
         self, ctx: RoundContext, round_no: int, peer: str, reply: dict[str, Any]

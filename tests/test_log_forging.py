@@ -152,3 +152,56 @@ def test_shown_and_one_line_cut_before_they_scan() -> None:
     assert shown("x" * 100).endswith("...") and len(shown("x" * 100)) < 60
     assert one_line("é\u202e\x1b\n", 10) == "????"
     assert one_line(HUGE, 20) == "timeout)?2026-11-27 "
+
+
+class BlockingCtx(Ctx):
+    async def run_blocking(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+
+async def test_a_peers_model_reply_values_are_logged_bounded_and_on_one_line(caplog) -> None:
+    """The same for a model reply, plain or compressed: its num_train, the round
+    of a reply without a model, a format, and a compressed payload's entry name,
+    entry shape and block. Until a review (rv_comp, 2026-11-28) num_train and
+    that round were logged whole (%r, %s: a 50 MB string wrote 200 MB to node.log
+    and held the event loop 4 s; the round's newlines forged lines) and the
+    others were repr'd whole before they were cut."""
+    from protocols.compressed_exchange import CompressedExchange
+    from protocols.compression import compress_state, parse
+    from protocols.exchange import PlainExchange, ServedModels
+
+    own = {"w": torch.zeros(4)}
+    options = {"max_staleness": 1, "timeout": 1.0, "max_norm_ratio": None, "max_weight_ratio": None}
+    caplog.set_level(logging.INFO)
+    hostile = (HUGE, [HUGE] * 1000, list(range(1_000_000)), HUGE.encode(), {HUGE: HUGE})
+    for value in hostile:
+        caplog.clear()
+        ctx = BlockingCtx({})
+        plain = PlainExchange(ServedModels(3), **options)
+        compressed = CompressedExchange(ServedModels(3), compression="int8", **options)
+        payload = compress_state(own, parse("int8"))
+        good = {"round": 1, "num_train": 4, "format": "int8", "ref": 0, "id": 5}
+        for exchange, reply in [
+            (plain, {"round": 1, "num_train": value, "state": own}),
+            (plain, {"round": value, "num_train": 4, "state": None}),  # past the round
+            (plain, {"round": 1, "num_train": 4, "state": own, "format": value}),
+            (compressed, {**good, "format": value, "state": payload}),
+            (compressed, {**good, "state": {**payload, "entries": [[value, [4]]]}}),
+            (compressed, {**good, "state": {**payload, "entries": [["w", value]]}}),
+            (compressed, {**good, "state": {**payload, "block": value}}),
+        ]:
+            ctx.reply = reply
+            assert await exchange.fetch(ctx, 1, own, "b", 1.0) is None  # type: ignore[arg-type]
+        lines = _logged(caplog, "protocols.exchange") + _logged(
+            caplog, "protocols.compressed_exchange"
+        )
+        assert len(lines) == 7, lines
+        assert all(one_short_line(line, 300) for line in lines), [line[:300] for line in lines]
+        assert ctx.rejected == [
+            "model_bad_num_train",
+            "compression_mismatch",
+            "compression_mismatch",
+            "compression_key_mismatch" if isinstance(value, str) else "compression_malformed",
+            "compression_shape_mismatch",
+            "compression_bad_block",
+        ], value if not isinstance(value, str) else value[:20]

@@ -70,6 +70,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ class CompressedExchange(PlainExchange):
         self.fmt: Format = parse(compression)
         self.sent: OrderedDict[str, dict[int, State]] = OrderedDict()  # requester -> copies
         self.held: OrderedDict[str, tuple[int, State]] = OrderedDict()  # sender -> its copy
-        self.limit = 1 << 16  # roster members tracked (set at start)
+        self.roster: Callable[[], list[str]] | None = None  # ctx.roster, set at start
         self.path: Path | None = None
         self.bytes_sent = self.bytes_received = self.dense_received = 0
         self.clamped = self.unsent = 0  # top-k: entries not sent, and those the band moved
@@ -178,8 +179,16 @@ class CompressedExchange(PlainExchange):
 
     # ------------------------------------------------------------------ sender side
 
+    @property
+    def limit(self) -> int:
+        """Roster members tracked: the roster as it is now. Until a review
+        (rv_comp, 2026-11-28) its size at start: a roster grown by a reload
+        (SIGHUP) evicted live pairs, so their next replies were refused and
+        counted as `compression_bad_ref` against honest peers."""
+        return max(1, len(self.roster())) if self.roster is not None else 1 << 16
+
     def start(self, ctx: RoundContext) -> None:
-        self.limit = max(1, len(ctx.roster()))
+        self.roster = ctx.roster
         self.path = copies_file(ctx)
         self.copies_dir = copies_file(ctx, "copies")
         self.load()

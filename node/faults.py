@@ -278,7 +278,7 @@ class FaultPlan:
                 and value
                 and all(isinstance(v, Tensor) for v in value.values())
             ):
-                out[key] = {k: _poison_tensor(t, mode, scale) for k, t in value.items()}
+                out[key] = {k: _poison_tensor(t, mode, scale, k) for k, t in value.items()}
         return out
 
     # ------------------------------------------------------------------ on a running node
@@ -346,7 +346,7 @@ def parse_slow_train(value: Any) -> float:
     return factor
 
 
-def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:
+def _poison_tensor(t: Tensor, mode: str, scale: float, name: str = "") -> Tensor:
     import torch  # only a poisoning node gets here: a relay's plan never imports torch
 
     if not t.is_floating_point():
@@ -363,5 +363,7 @@ def _poison_tensor(t: Tensor, mode: str, scale: float) -> Tensor:
         return t * 1e6
     if mode == "scaled_random":
         noise = torch.randn_like(t)
+        if name.endswith("running_var"):  # a negative variance is refused (checks.admit)
+            noise = noise.abs()
         return noise * (scale * float(t.norm()) / max(float(noise.norm()), 1e-12))
     raise ValueError(f"unknown poison mode {mode}")

@@ -3,8 +3,9 @@
 Every protocol merges what its peers send through two doors, both here:
 
 - `admit` (with `incompatibility` as its core): a peer's state dict or
-  gradient must have our keys, shapes and dtypes, finite values and (with
-  `max_norm_ratio`) an L2 norm at most that many times ours. A refusal is
+  gradient must have our keys, shapes and dtypes, finite values, (with
+  `max_norm_ratio`) an L2 norm at most that many times ours, and no negative
+  BatchNorm running variance. A refusal is
   logged and counted through `RoundContext.reject` as `<what>_<reason>`
   (`model_huge_norm`, `grad_shape_mismatch`, `relay_non_finite`, ...).
 - `cap_weights` / `cap_claims`: a sample count (or batch size) a peer claims
@@ -37,11 +38,18 @@ WEIGHT_CAPPED = "weight_capped"
 
 
 def incompatibility(
-    state: Any, reference: dict[str, Tensor], *, max_norm_ratio: float | None = None
+    state: Any,
+    reference: dict[str, Tensor],
+    *,
+    max_norm_ratio: float | None = None,
+    variances: bool = False,
 ) -> str | None:
     """Why a peer's state dict cannot be merged with ours (None if it can):
-    other keys, shapes or dtypes, non-finite values, or (with `max_norm_ratio`)
-    an L2 norm more than that many times ours."""
+    other keys, shapes or dtypes, non-finite values, (with `max_norm_ratio`)
+    an L2 norm more than that many times ours, or (with `variances`: one
+    peer's own state, as `admit` checks it) a negative BatchNorm running
+    variance. A secure sum's mean is not checked for that one: a narrow
+    ring's rounding may leave an honest variance near zero below it."""
     if not isinstance(state, dict):
         return "not_a_state_dict"
     # The count first: a set of a peer's 5 million keys cost 0.6 s on the event loop.
@@ -59,7 +67,36 @@ def incompatibility(
         theirs, ours = float_norm(state), float_norm(reference)
         if theirs > max_norm_ratio * max(ours, 1e-12):
             return "huge_norm"
+    if variances and any(_negative_variance(key, value) for key, value in state.items()):
+        return "negative_variance"
     return None
+
+
+def _negative_variance(key: str, value: Tensor) -> bool:
+    """A BatchNorm running variance (`*running_var`) below zero: no training
+    makes one, and a mean with it can be negative, which the node's every
+    evaluation turns into NaN (sqrt of var + eps). Finite and small, it
+    passed every other check until a review (rv_comp, 2026-11-28). Means,
+    medians, trimmed means and norm_clip of non-negative values stay
+    non-negative, so refusing it here keeps the merged variance valid."""
+    return (
+        key.endswith("running_var")
+        and value.is_floating_point()
+        and value.numel() > 0
+        and bool((value < 0).any())
+    )
+
+
+def clamp_variances(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state` with each negative BatchNorm running variance raised to zero (a
+    new dict; the other entries as they are): for a lossy reconstruction,
+    whose rounding takes an honest variance near zero below it (int8: to
+    -0.008 for a variance of 1e-3 sent as a difference from 0.5), which is
+    then not the peer's fault."""
+    return {
+        key: value.clamp(min=0) if _negative_variance(key, value) else value
+        for key, value in state.items()
+    }
 
 
 def float_norm(state: dict[str, Tensor]) -> float:
@@ -84,7 +121,7 @@ def admit(
     """Whether `state` from `peer` may be merged with `reference` (ours); if not,
     the refusal is logged and counted as `<what>_<reason>` (`what`: model, grad,
     relay). `where` says which round or step, for the log."""
-    problem = incompatibility(state, reference, max_norm_ratio=max_norm_ratio)
+    problem = incompatibility(state, reference, max_norm_ratio=max_norm_ratio, variances=True)
     if problem is None:
         return True
     log.warning("%s%s: %s from %s refused (%s)", ctx.me, where, what, peer, problem)

@@ -82,6 +82,7 @@ from torch import Tensor
 from p2pfl.files import atomic_write_bytes
 from p2pfl.text import shown
 from protocols.base import RoundContext
+from protocols.checks import clamp_variances
 from protocols.compression import (
     CompressionRefused,
     ErrorFeedback,
@@ -287,10 +288,13 @@ class CompressedExchange(PlainExchange):
         keyframe = base is None
         delta = decode_state(payload, reference, self.fmt, keyframe=keyframe)
         copy = add(zeros_like(reference) if base is None else base, delta)
+        # The term's variances at zero at least (the copy, the pair's reference,
+        # stays as both ends computed it): a difference's rounding can take an
+        # honest variance near zero below it, which `admit` would refuse.
         if keyframe or self.fmt.name != "topk":
-            return copy, copy
+            return copy, clamp_variances(copy)
         sent = split_positions(payload, reference)
-        term = topk_term(copy, delta, sent, reference)
+        term = clamp_variances(topk_term(copy, delta, sent, reference))
         unsent = clamped = 0
         for key, mask in sent.items():  # how often the band moved this node's own value
             unsent += int((~mask).sum())
@@ -307,8 +311,10 @@ class CompressedExchange(PlainExchange):
 
     def adopt(self, peer: str, reply: dict[str, Any], state: State) -> None:
         copy = self.pending.pop(peer, state)
-        if copy is state:  # a copy of its own: whatever the merge does to the term
-            copy = {k: v.clone() for k, v in state.items()}
+        # the term is the copy (no variance clamped): a copy of its own, whatever
+        # the merge does to the term
+        if all(copy[k] is state.get(k) for k in copy):
+            copy = {k: v.clone() for k, v in copy.items()}
         self.held[peer] = (int(reply["id"]), copy)
         self.held.move_to_end(peer)
         self.dirty = True

@@ -337,3 +337,35 @@ def test_a_state_with_millions_of_keys_is_refused_by_its_count() -> None:
     assert incompatibility(huge, {"w": torch.ones(3)}) == "key_mismatch"
     # the same count with another key is refused as before, without listing
     assert incompatibility(Unlistable({"v": torch.ones(3)}), {"w": torch.ones(3)}) == "key_mismatch"
+
+
+def test_a_negative_batchnorm_variance_is_refused_and_an_honest_one_merged() -> None:
+    """A peer's model whose BatchNorm running variances are negative is finite
+    and well within the norm bound (1.8 x ours here), and its mean with ours
+    made every evaluation logit of the node NaN (sqrt of var + eps): until a
+    review (rv_comp, 2026-11-28) it was merged; now it is refused and counted
+    (`model_negative_variance`). A variance of zero, or an honest model, is
+    merged and the node's evaluation stays finite."""
+    from p2pfl.learning.models import SmallCNN
+    from protocols.aggregate import weighted_mean
+
+    torch.manual_seed(0)
+    net, x = SmallCNN(), torch.randn(16, 1, 28, 28)
+    for _ in range(3):
+        net(x)  # running statistics of its own
+    ours = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    hostile = {k: -3 * v - 1 if k.endswith("running_var") else v for k, v in ours.items()}
+    zero = {k: torch.zeros_like(v) if k.endswith("running_var") else v for k, v in ours.items()}
+    network = InMemoryNetwork()
+    ctx = network.join("me")
+    assert not admit(ctx, "mallory", "model", hostile, ours, max_norm_ratio=10.0)
+    assert [(r["peer"], r["reason"]) for r in network.rejections] == [
+        ("mallory", "model_negative_variance")
+    ]
+    for honest in (zero, {k: v.clone() for k, v in ours.items()}):
+        assert admit(ctx, "p", "model", honest, ours, max_norm_ratio=10.0)
+        net.load_state_dict(weighted_mean([ours, honest], [1.0, 1.0]))
+        net.eval()
+        assert bool(torch.isfinite(net(x)).all())
+        net.train()
+    assert len(network.rejections) == 1

@@ -1,0 +1,111 @@
+"""Attacks on claims of docs/threat-model.md, docs/export.md and
+docs/configuration.md that no test attacked before (a claims review,
+2026-11-28): each test tries to break the sentence it names."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+from PIL import Image
+
+from node.cli import main
+
+
+def test_predicts_csv_is_this_accounts_only_whatever_the_umask(tmp_path, capsys):
+    """docs/export.md: predict's CSV "is created 0600, as it says what each of
+    the site's images shows". Under the usual umask 022, and over a 0644 file
+    already at the name (a previous run's, or one made by hand), the CSV comes
+    out 0600."""
+    import torch
+
+    from p2pfl.learning.export import Architecture, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("small_cnn", 1, 2, 16)
+    package = tmp_path / "pkg"
+    write_package(
+        package,
+        arch.build().state_dict(),
+        arch,
+        ["normal", "pneumonia"],
+        ["safetensors"],
+        torch.rand(4, 1, 16, 16),
+    )
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (16, 16), dtype=np.uint8)).save(
+            scans / f"DOE_JANE_{i}.png"
+        )
+    out = tmp_path / "shared"
+    out.mkdir(mode=0o755)
+    fresh, existing = out / "fresh.csv", out / "existing.csv"
+    existing.write_text("old\n")
+    os.chmod(existing, 0o644)
+    previous = os.umask(0o022)
+    try:
+        for target in (fresh, existing):
+            assert main(["predict", "--model", str(package), str(scans), "--csv", str(target)]) == 0
+    finally:
+        os.umask(previous)
+    capsys.readouterr()
+    for target in (fresh, existing):
+        assert stat.S_IMODE(target.stat().st_mode) == 0o600, (target, oct(target.stat().st_mode))
+        assert target.read_text().count("DOE_JANE_") == 3  # what it protects: a name per image
+
+
+def test_the_gossiped_f1_is_the_federated_models_never_the_personal_ones(tmp_path):
+    """docs/threat-model.md, Personalization: "The personal model's figures are
+    not gossiped (only the federated model's per-class F1 is ...)". Two
+    in-memory sites under the f1 heuristic with Ditto (whose personal model is
+    evaluated in the same module, swapped in): the per-class F1 each site sends
+    every roster member is that of its federated model on its validation split,
+    and not that of its personal model, which a strong personal pull (lambda
+    0) makes differ."""
+    import asyncio
+
+    import torch
+
+    from p2pfl.learning.data.partition import partition_dataset
+    from p2pfl.learning.evaluate import evaluate_site
+    from p2pfl.learning.train import LocalSite
+    from protocols.memory import InMemoryNetwork, simulate, simulation_configs
+    from protocols.selection import F1_KEY
+
+    partition_dataset("digits", 2, "dirichlet:0.5", tmp_path / "parts", seed=0)
+    configs = simulation_configs(
+        [str(tmp_path / "parts" / f"site_{i}.npz") for i in range(2)],
+        protocol={"name": "fedavgp2p", "rounds": 2, "fraction": 1.0, "round_timeout_s": 5.0},
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "none"},
+        training={
+            "epochs": 1,
+            "batch_size": 32,
+            "max_steps_per_epoch": 4,
+            "personalization": {"method": "ditto", "ditto_lambda": 0.0},
+        },
+        selection={"name": "f1"},
+    )
+    network = InMemoryNetwork(inline_train=True)
+    result = asyncio.run(simulate(configs, network=network))
+    assert result.errors == {}, result.errors
+    seen = {p.name: p.meta for p in network.join("observer").peers()}
+    for config in configs:
+        name = config.node.name
+        gossiped = seen[name][F1_KEY]
+        saved = network.saved_state(name)
+        assert saved is not None and saved["personal"]["state"] is not None
+        torch.manual_seed(0)
+        site = LocalSite.from_config(config)
+        figures = {}
+        for which, state in (
+            ("federated", saved["model"]),
+            ("personal", saved["personal"]["state"]),
+        ):
+            site.load_state_dict(state)
+            figures[which] = [float(x) for x in evaluate_site(site)["per_class_f1"]]
+        assert figures["personal"] != figures["federated"], (name, figures)  # the test can tell
+        assert gossiped == figures["federated"], (name, gossiped, figures)

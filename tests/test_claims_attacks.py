@@ -109,3 +109,44 @@ def test_the_gossiped_f1_is_the_federated_models_never_the_personal_ones(tmp_pat
             figures[which] = [float(x) for x in evaluate_site(site)["per_class_f1"]]
         assert figures["personal"] != figures["federated"], (name, figures)  # the test can tell
         assert gossiped == figures["federated"], (name, gossiped, figures)
+
+
+def test_a_relays_own_status_token_file_is_refused_if_a_link_or_others_may_read_it(tmp_path):
+    """docs/threat-model.md, Through a relay: the relay's own `status.token`
+    beside its relay.yaml is "refused if it is a link or others may read it"
+    (the cited test only made one). Planted as a link to a 0600 file holding a
+    good token, left 0644 by hand, or another account's: the relay's start
+    refuses it, naming the file, never its token."""
+    import pytest
+    from test_relay import write_relay_yaml
+
+    from node.relay_status import relay_status_token
+    from p2pfl.config import ConfigError
+    from p2pfl.config.relay import load_relay_config
+    from p2pfl.secure.identity import LocalIdentity, Roster
+
+    Roster([LocalIdentity.generate("a").card("127.0.0.1:7100")]).save(tmp_path / "roster.yaml")
+    path = write_relay_yaml(tmp_path / "r1", {"name": "r1"}, status={"port": 0})
+    own = tmp_path / "r1" / "status.token"
+    secret = "s" * 43
+    elsewhere = tmp_path / "elsewhere.token"
+    elsewhere.write_text(secret + "\n")
+    os.chmod(elsewhere, 0o600)
+
+    def refused(match: str) -> None:
+        with pytest.raises(ConfigError, match=match) as caught:
+            relay_status_token(load_relay_config(path), path)
+        assert secret not in str(caught.value) and str(own) in str(caught.value)
+
+    own.symlink_to(elsewhere)
+    refused("symbolic link")
+    own.unlink()
+    own.write_text(secret + "\n")
+    os.chmod(own, 0o644)
+    refused("others may read it")
+    os.chmod(own, 0o600)
+    if os.getuid() == 0:  # planted by another account (only root can give a file away)
+        os.chown(own, 4321, 4321)
+        refused("belongs to uid 4321")
+        os.chown(own, 0, 0)
+    assert relay_status_token(load_relay_config(path), path) == (secret, own)

@@ -150,3 +150,47 @@ def test_a_relays_own_status_token_file_is_refused_if_a_link_or_others_may_read_
         refused("belongs to uid 4321")
         os.chown(own, 0, 0)
     assert relay_status_token(load_relay_config(path), path) == (secret, own)
+
+
+def test_a_peer_learns_the_kind_of_a_sites_data_error_never_its_file_name(tmp_path):
+    """docs/threat-model.md, Other accounts on the node's host: a DataError names
+    a file, and a file name often names a patient; "heartbeats carry the kind
+    alone" (the cited test read only the failing node's own /status). Two real
+    daemons in this process: c's data folder holds DOE_JANE_MRN....png, which
+    cannot be read; what a shows of c (its /status and /peers, filled from c's
+    heartbeats) says DataError, and nowhere the patient's name."""
+    import json
+
+    from inproc_util import InProcessFederation
+    from test_log_privacy import PATIENT, _folder_with_a_patients_broken_file
+
+    from node.provision import provision
+    from p2pfl.learning.data.partition import partition_dataset
+
+    partition_dataset("digits", 1, "iid", tmp_path / "parts", seed=0)
+    source = _folder_with_a_patients_broken_file(tmp_path / "images")
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "c"],
+        protocol={"name": "fedavgp2p", "rounds": 1, "fraction": 1.0, "round_timeout_s": 5},
+        data_sources=[str(tmp_path / "parts" / "site_0.npz"), str(source)],
+        overrides={
+            "transport": {"heartbeat_s": 0.3, "suspect_after_s": 3.0, "dead_after_s": 6.0},
+            "node": {"startup_wait_s": 2},
+            "data": {"image_size": 8, "augment": "none"},
+            "training": {"max_steps_per_epoch": 1, "batch_size": 16, "threads": 1},
+        },
+    )
+
+    def c_failed_as_a_sees_it(status: dict) -> bool:
+        return "DataError" in json.dumps(status.get("peers"))
+
+    with InProcessFederation(plans) as fed:
+        fed["c"].wait_for(lambda s: bool(s.get("error")), 60, "c's failure")
+        seen = fed["a"].wait_for(c_failed_as_a_sees_it, 30, "c's failure heard by a")
+        graph = fed["a"].get("/peers")
+        fed.stop_all()
+    (c,) = [p for p in seen["peers"] if p["name"] == "c"]
+    assert c["error"] == "DataError", c  # the kind alone (a message would be cut at 80)
+    shown = json.dumps(seen) + json.dumps(graph)
+    assert PATIENT not in shown and "MRN" not in shown and ".png" not in shown, shown

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -194,3 +195,46 @@ def test_a_peer_learns_the_kind_of_a_sites_data_error_never_its_file_name(tmp_pa
     assert c["error"] == "DataError", c  # the kind alone (a message would be cut at 80)
     shown = json.dumps(seen) + json.dumps(graph)
     assert PATIENT not in shown and "MRN" not in shown and ".png" not in shown, shown
+
+
+GOOD_TOKEN = "Zq3" * 15  # 45 printable characters: a plausible token
+
+
+def test_check_never_prints_an_inline_status_token_good_or_refused(tmp_path, capsys):
+    """docs/configuration.md: `check` prints "the resolved config (status.token
+    masked)"; docs/threat-model.md: "No refusal prints key bytes or the status
+    token (`check` masks an inline token)". Neither was attacked. An inline
+    token is written into a provisioned site.yaml: a good one, and ones the node
+    refuses (too short, too long, with spaces, with a newline, not ASCII, not
+    a string); whatever `check` says, on stdout or stderr, holds no token."""
+    import yaml
+
+    from node.provision import provision
+
+    (plan,) = provision(tmp_path / "fed", ["solo"], protocol={"name": "fedavgp2p", "rounds": 1})
+    config = Path(plan.config_path)
+    raw = yaml.safe_load(config.read_text())
+    cases = [
+        (GOOD_TOKEN, 0),
+        ("S3cr" * 3, 2),  # 12 characters
+        ("L0ng" * 200, 2),  # 800 characters
+        ("Spaced out " * 5, 2),
+        ("Two\nLines" + "x" * 30, 2),
+        ("Gr\u00fc\u00dfe" + "y" * 30, 2),
+    ]
+    for token, expected in cases:
+        raw["status"] = {**raw.get("status", {}), "token": token}
+        raw["status"].pop("token_file", None)
+        config.write_text(yaml.safe_dump(raw))
+        os.chmod(config, 0o600)
+        code = main(["check", "--config", str(config)])
+        out, err = capsys.readouterr()
+        assert code == expected, (token[:20], code, err[-500:])
+        for part in {token, token.strip(), *token.split()} - {""}:
+            if len(part) >= 8:
+                assert part not in out + err, (token[:20], part, (out + err)[-800:])
+    raw["status"]["token"] = ["L1st", GOOD_TOKEN]  # not a string at all
+    config.write_text(yaml.safe_dump(raw))
+    code = main(["check", "--config", str(config)])
+    out, err = capsys.readouterr()
+    assert code == 2 and GOOD_TOKEN not in out + err, (out + err)[-800:]

@@ -290,3 +290,115 @@ def test_with_encryption_a_nodes_answer_to_a_request_is_sealed_to_the_requester(
         assert exc.reason in {"wrong_recipient", "decrypt_failed", "bad_ciphertext"}, exc.reason
     else:  # pragma: no cover - the hole this test is about
         raise AssertionError("a third roster member opened an answer sealed to bob")
+
+
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+WRITE_EVENTS = {
+    "os.rename",
+    "os.replace",
+    "os.remove",
+    "os.rmdir",
+    "os.mkdir",
+    "os.link",
+    "os.symlink",
+    "os.truncate",
+    "os.chmod",
+    "os.chown",
+    "shutil.copyfile",
+    "shutil.move",
+    "shutil.rmtree",
+}
+_WRITES: list[tuple[str, str]] | None = None  # recording while a list
+
+
+def _record_writes(event: str, args: tuple) -> None:
+    """An audit hook (PEP 578): every file this process opens for writing, and
+    every path it renames, links, removes or changes, while recording."""
+    if _WRITES is None:
+        return
+    if event == "open":
+        path, _mode, flags = (tuple(args) + (None, None))[:3]
+        named = isinstance(path, (str, bytes, os.PathLike))
+        if named and isinstance(flags, int) and flags & WRITE_FLAGS:
+            _WRITES.append((event, os.fsdecode(path)))
+    elif event in WRITE_EVENTS and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        _WRITES.append((event, os.fsdecode(args[0])))
+
+
+def test_a_relay_writes_nothing_to_disk_but_its_status_token(tmp_path, monkeypatch):
+    """docs/operations.md: the relay "holds no data, no keys but its TLS
+    certificate, trains nothing and writes nothing to disk but its status
+    token". A relay process in this process, watched by an audit hook for every
+    write, rename, link, removal or mode change of a file: it starts, admits
+    an outbound-only site, forwards a frame to it and back, refuses a plaintext
+    one, answers /status, reloads its roster and stops; the one file it wrote is
+    its status.token."""
+    import asyncio
+    import sys
+
+    import aiohttp
+    from test_relay import (
+        RelaySite,
+        codec,
+        frame,
+        make_roster,
+        post,
+        reason,
+        until,
+        write_relay_yaml,
+    )
+
+    from node.provision import free_ports
+    from node.relay_status import RelayProcess
+    from p2pfl.config.relay import load_relay_config
+    from p2pfl.secure.identity import LocalIdentity, Roster
+
+    global _WRITES
+    ids = {n: LocalIdentity.generate(n) for n in ("a", "b", "c", "d", "f", "x")}
+    make_roster(ids).save(tmp_path / "roster.yaml")
+    (port,) = free_ports(1)
+    path = write_relay_yaml(
+        tmp_path / "r1", {"name": "r1", "listen": f"127.0.0.1:{port}"}, status={"port": 0}
+    )
+    cfg = load_relay_config(path)
+    roster = Roster.load(tmp_path / "roster.yaml")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # imports' .pyc are not the relay's
+    sys.addaudithook(_record_writes)
+
+    async def scenario() -> None:
+        process = RelayProcess(cfg, roster, path)
+        await process.start()
+        url = f"http://127.0.0.1:{process.port}"
+        b = RelaySite(ids["b"], roster)
+        try:
+            assert await b.connect(url) == {"type": "ok"}
+            await until(lambda: "b" in process.server.links)
+            a = codec(ids, roster, "a")
+            status, _ = await post(url, frame(a, "b", {"round": 1, "x": "y" * 4096}))
+            assert status == 200 and len(b.received) == 1
+            status, body = await post(url, frame(a, "b", encrypt=False))
+            assert (status, reason(body)) == (403, "encryption_required")
+            base = f"http://127.0.0.1:{process.status_port}"
+            headers = {"Authorization": f"Bearer {process.token}"}
+            async with aiohttp.ClientSession() as s, s.get(base + "/status", headers=headers) as r:
+                assert r.status == 200
+            process.reload_roster()
+        finally:
+            await b.close()
+            await process.stop()
+
+    _WRITES = []
+    try:
+        asyncio.run(scenario())
+        written = list(_WRITES)
+    finally:
+        _WRITES = None
+    token = tmp_path / "r1" / "status.token"
+    assert token.is_file()
+    others = [(e, p) for e, p in written if Path(p).name not in {token.name}]
+    # create_exclusive's temporary names sit beside it, start with its name's dot form
+    others = [(e, p) for e, p in others if not Path(p).name.startswith(".status.token.")]
+    # (its folder, which exists, made sure of before the token is created in it)
+    others = [(e, p) for e, p in others if (e, Path(p)) != ("os.mkdir", token.parent)]
+    assert others == [], others
+    assert any("status.token" in Path(p).name for _, p in written), written  # the hook sees

@@ -402,3 +402,78 @@ def test_a_relay_writes_nothing_to_disk_but_its_status_token(tmp_path, monkeypat
     others = [(e, p) for e, p in others if (e, Path(p)) != ("os.mkdir", token.parent)]
     assert others == [], others
     assert any("status.token" in Path(p).name for _, p in written), written  # the hook sees
+
+
+def test_the_gates_grids_of_real_images_are_never_served(tmp_path, codecs):
+    """docs/configuration.md and docs/threat-model.md: the gate's evidence in
+    STATE/genbuffer (grids of real images) is "never served". /status names the
+    grid's path (the dashboard shows it to the operator): asked for at that
+    path, under the state directory, or by any route the dashboard or a peer
+    could reach, with the status token, nothing answers with it. The status
+    and peer apps hold only fixed routes (no static folder, no path parameter),
+    so no future file under the state directory can be served by a name."""
+    import asyncio
+
+    from test_status import TOKEN, fetch, populated_telemetry
+
+    from node.relay import RelayServer
+    from node.status import create_status_app, start_status_server
+    from node.transport import MESSAGE_PATH, MessageServer
+    from p2pfl.config import RelaySettings, TransportSection
+
+    state = tmp_path / "state"
+    grid = state / "genbuffer" / "privacy_gate.png"
+    grid.parent.mkdir(parents=True)
+    png = b"\x89PNG\r\n\x1a\n" + b"PATIENT-PIXELS" * 64
+    grid.write_bytes(png)
+    (state / "genbuffer" / "membership_audit_grid.png").write_bytes(png)
+    telemetry = populated_telemetry()
+    telemetry.set_privacy_gate({"enabled": True, "released": False, "files": {"grid": str(grid)}})
+    status_app = create_status_app(telemetry, node_name="a", protocol_name="feder", token=TOKEN)
+    peer = MessageServer(codecs["alice"], TransportSection(), None, lambda r, w: None)
+    relaying = MessageServer(codecs["alice"], TransportSection(), None, lambda r, w: None)
+    relay = RelayServer(
+        "alice",
+        "fed-test",
+        codecs["alice"].roster,
+        RelaySettings(),
+        max_message_bytes=8 << 20,
+        clock_skew_s=60,
+    )
+    relaying.extra_routes.append(relay.add_routes)
+    for app in (status_app, peer.app(), relaying.app()):
+        for resource in app.router.resources():
+            info = resource.get_info()
+            assert set(info) == {"path"}, info  # a fixed path: no prefix, no {name}
+    paths = {r.get_info()["path"] for r in status_app.router.resources()}
+    assert paths == {"/healthz", "/status", "/peers", "/metrics", "/history", "/"}
+    assert [r.get_info()["path"] for r in peer.app().router.resources()] == [MESSAGE_PATH]
+
+    asks = [
+        str(grid),
+        "/genbuffer/privacy_gate.png",
+        "/state/genbuffer/privacy_gate.png",
+        "/privacy_gate.png",
+        "/membership_audit_grid.png",
+        "/static/../genbuffer/privacy_gate.png",
+        "/%2e%2e/genbuffer/privacy_gate.png",
+        "/?file=genbuffer/privacy_gate.png",
+        "/status?file=" + str(grid),
+    ]
+
+    async def scenario() -> list[tuple[str, int, str]]:
+        runner, port = await start_status_server(status_app, "127.0.0.1", 0)
+        try:
+            answers = []
+            for ask in asks:
+                status, _, body = await fetch(
+                    f"http://127.0.0.1:{port}{ask}", {"Authorization": f"Bearer {TOKEN}"}
+                )
+                answers.append((ask, status, body))
+            return answers
+        finally:
+            await runner.cleanup()
+
+    for ask, status, body in asyncio.run(scenario()):
+        assert "PATIENT-PIXELS" not in body and "PNG" not in body, (ask, status)
+        assert status in (200, 404), (ask, status)  # 200: /status or the dashboard, by their name

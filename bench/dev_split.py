@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from p2pfl.files import PRIVATE_DIR, atomic_write_bytes
+from p2pfl.files import atomic_write_bytes, make_private_dirs
 
 SPLITS = ("train", "val", "test")
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     copy = dev_copy(source, args.seed)
     # the source's images: this account's only, whatever the umask (a review read a
     # 0600 source's copy at 0644); a folder that exists keeps its mode
-    args.out.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    make_private_dirs(args.out.parent)
     packed = io.BytesIO()
     np.savez_compressed(packed, **copy)
     atomic_write_bytes(args.out, packed.getbuffer())

@@ -49,7 +49,7 @@ from matplotlib.figure import Figure
 
 from bench.semisup_baselines import local_fixmatch, local_supervised
 from p2pfl.config import SiteConfig
-from p2pfl.files import PRIVATE_DIR, atomic_savez
+from p2pfl.files import atomic_savez, make_private_dirs
 from protocols.communities import choice_frequencies
 from protocols.memory import InMemoryNetwork, SimulationResult, simulate, simulation_configs
 from protocols.secagg import SECAGG_KIND
@@ -120,7 +120,7 @@ def build_sites(args: argparse.Namespace, seed: int, out: Path) -> list[str]:
         data = {k: archive[k] for k in archive.files}
     labels = {s: data[f"{s}_labels"].reshape(-1).astype(np.int64) for s in ("train", "val", "test")}
     pool = {c: rng.permutation(np.flatnonzero(labels["train"] == c)).tolist() for c in (0, 1)}
-    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    make_private_dirs(out)
     paths: list[str] = []
     for name, (_, size, share0) in SITES.items():
         n0 = int(round(size * share0))

@@ -69,10 +69,10 @@ from genbuffer.projection import audit_privacy, write_grid  # noqa: E402
 from genbuffer.train import resolve_device, train_generator  # noqa: E402
 from genbuffer.trainer import GanTrainer, prepare_images  # noqa: E402
 from p2pfl.files import (  # noqa: E402
-    PRIVATE_DIR,
     atomic_savefig,
     atomic_write_bytes,
     atomic_write_text,
+    make_private_dirs,
 )
 from p2pfl.learning.metrics import macro_f1  # noqa: E402
 from p2pfl.learning.models import create_model  # noqa: E402
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every output (the generator's copies of the site's images, grids of them, figures
     # measured on them) is this account's only, whatever the umask: a review read
     # buffer.bin, quality.png and summary.json at 0644. A folder that exists keeps its mode.
-    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    make_private_dirs(out)
     t_start = time.perf_counter()
     data = np.load(args.data)
     train_u8, train_labels = site_share(data, args.share, args.seed)

@@ -298,6 +298,30 @@ def atomic_savefig(
 _WARNED_DIRS: set[str] = set()  # make_private_dir warns once per folder and process
 
 
+def make_private_dirs(path: Path | str) -> Path:
+    """Create `path` and whichever of its parents are missing, each PRIVATE_DIR
+    whatever the umask; a folder that exists keeps its mode. `Path.mkdir(mode,
+    parents=True)` gives `mode` to the last folder only and the parents the
+    umask's bits: `partition --out new/deeper/parts` left `new` and `new/deeper`
+    0755 under umask 022, and a protocol's nested artifact folder in the state
+    directory too (a claims review, 2026-11-28)."""
+    path = Path(path)
+    missing: list[Path] = []
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+            continue  # made meanwhile by another process: keeps its mode
+        folder.chmod(PRIVATE_DIR)  # the umask may have taken more than group and other bits
+    return path
+
+
 def make_private_dir(path: Path | str) -> Path:
     """Create `path` (and its parents) and make it PRIVATE_DIR: a folder that
     already exists, made by `p2pfl-node provision` or an older version with the
@@ -306,8 +330,7 @@ def make_private_dir(path: Path | str) -> Path:
     Kubernetes volume root under fsGroup) is left as it is, with a WARNING once
     naming it and its mode: other accounts may list it. The files written
     through this module are created PRIVATE_FILE all the same."""
-    path = Path(path)
-    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    path = make_private_dirs(path)
     why = ""
     try:
         path.chmod(PRIVATE_DIR)

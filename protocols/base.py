@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from p2pfl.config import SiteConfig
+from p2pfl.files import make_private_dirs
 from p2pfl.text import MAX_REASON_CHARS, one_line
 
 # The phase of a node whose protocol stopped with an error: its peers see it
@@ -184,7 +185,8 @@ class RoundContext(ABC):
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             raise ValueError(f"artifact name {name!r} must be a relative path inside the node")
         path = self.storage_dir() / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # each folder it makes 0700, as the state directory's (a nested encoder_out)
+        make_private_dirs(path.parent)
         return path
 
     def storage_dir(self) -> Path:

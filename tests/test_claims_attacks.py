@@ -479,3 +479,79 @@ def test_the_gates_grids_of_real_images_are_never_served(tmp_path, codecs):
     for ask, status, body in asyncio.run(scenario()):
         assert "PATIENT-PIXELS" not in body and "PNG" not in body, (ask, status)
         assert status in (200, 404), (ask, status)  # 200: /status or the dashboard, by their name
+
+
+def _modes_below(root: Path, leaf: Path) -> dict[str, str]:
+    """The mode of each folder from `root` (excluded) down to `leaf` (included)."""
+    modes = {}
+    for folder in [leaf, *leaf.parents]:
+        if folder == root:
+            break
+        modes[str(folder.relative_to(root))] = oct(stat.S_IMODE(folder.stat().st_mode))
+    return modes
+
+
+def test_a_nested_artifact_folder_in_the_state_dir_is_0700_whatever_the_umask(tmp_path):
+    """docs/configuration.md: in the state directory "every folder [is created]
+    0700, whatever the umask". A protocol's artifact (Fed-MAE's `encoder_out`,
+    Fed-BEiT's `tokenizer_out`, FedER's relative `genbuffer.out_dir`) may name a
+    nested path: `encoder_out: models/fedmae/encoder.pt` made STATE/models and
+    STATE/models/fedmae 0755 under umask 022 (a claims review, 2026-11-28), open
+    to every local account until the next start narrowed them."""
+    from protocols.memory import InMemoryNetwork, simulation_configs
+
+    (config,) = simulation_configs(
+        ["digits"], protocol={"name": "fedavgp2p"}, state_root=tmp_path / "state"
+    )
+    state = Path(config.node.state_dir)
+    state.mkdir(parents=True, mode=0o700)
+    ctx = InMemoryNetwork().join(config.node.name, config)
+    previous = os.umask(0o022)
+    try:
+        path = ctx.artifact("models/fedmae/encoder.pt")
+    finally:
+        os.umask(previous)
+    assert path == state / "models" / "fedmae" / "encoder.pt"
+    modes = _modes_below(state, path.parent)
+    assert modes == {"models": "0o700", "models/fedmae": "0o700"}, modes
+
+
+def test_every_folder_partition_creates_is_0700_whatever_the_umask(tmp_path, capsys):
+    """docs/threat-model.md: `p2pfl-node partition` copies a source's images, and
+    "a folder it creates is 0700 (one that exists keeps its mode)". Asked for
+    `--out new/deeper/parts` under umask 022, it made `parts` 0700 but `new` and
+    `new/deeper` 0755 (a claims review, 2026-11-28); `tmp_path`, which exists,
+    keeps its mode."""
+    out = tmp_path / "new" / "deeper" / "parts"
+    before = stat.S_IMODE(tmp_path.stat().st_mode)
+    previous = os.umask(0o022)
+    try:
+        code = main(
+            ["partition", "--data", "digits", "--sites", "2", "--scheme", "iid", "--out", str(out)]
+        )
+    finally:
+        os.umask(previous)
+    capsys.readouterr()
+    assert code == 0
+    modes = _modes_below(tmp_path, out)
+    assert modes == {k: "0o700" for k in ("new", "new/deeper", "new/deeper/parts")}, modes
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == before
+
+
+def test_every_folder_the_dev_split_copy_makes_is_0700_whatever_the_umask(tmp_path):
+    """docs/threat-model.md: `python -m bench.dev_split` writes its copy of a
+    source's images 0600 "and a folder it makes for it 0700". Its own test made
+    `dev/a` and read `a` alone: `dev` came out 0755 under umask 022."""
+    from test_bench_dev_split import source
+
+    from bench import dev_split
+
+    source(tmp_path / "src.npz")
+    out = tmp_path / "dev" / "a" / "dev.npz"
+    previous = os.umask(0o022)
+    try:
+        dev_split.main([str(tmp_path / "src.npz"), "--out", str(out)])
+    finally:
+        os.umask(previous)
+    assert _modes_below(tmp_path, out.parent) == {"dev": "0o700", "dev/a": "0o700"}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from p2pfl.files import PRIVATE_DIR, atomic_savefig, atomic_write_bytes, atomic_write_text
+from p2pfl.files import atomic_savefig, atomic_write_bytes, atomic_write_text, make_private_dirs
 from p2pfl.learning.data.loaders import stratified_split
 from p2pfl.learning.data.sources import DataError, RawSplits, read_source
 
@@ -355,8 +355,7 @@ def partition_dataset(
     # copies of the source's images (and their labels): this account's only, whatever
     # the umask or the source's own mode (a review read a 0600 source's copies at 0644);
     # a folder that exists (`--out .`) keeps its mode, the files are 0600 all the same
-    out = Path(out)
-    out.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    out = make_private_dirs(out)  # each folder it makes 0700, its parents too
     site_rows: list[dict[str, Any]] = []
     for site, train_idx in enumerate(train_parts):
         arrays: dict[str, np.ndarray] = {"class_names": np.array(raw.class_names)}

@@ -555,3 +555,34 @@ def test_every_folder_the_dev_split_copy_makes_is_0700_whatever_the_umask(tmp_pa
         os.umask(previous)
     assert _modes_below(tmp_path, out.parent) == {"dev": "0o700", "dev/a": "0o700"}
     assert stat.S_IMODE(out.stat().st_mode) == 0o600
+
+
+def test_a_hard_link_to_another_accounts_key_in_the_keys_folder_is_refused(tmp_path):
+    """docs/threat-model.md (third key review): "A hard link to another
+    account's key file in the keys folder is refused (`st_uid` is the inode's)".
+    Another account's 0600 key, hard-linked at the site's key names (a name in
+    a folder this account owns, a plain file of mode 0600), is refused for
+    either key, naming the owner."""
+    import pytest
+
+    from p2pfl.secure.identity import IdentityError, LocalIdentity
+
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another uid needs root")
+    identity = LocalIdentity.generate("a")
+    sign, kex = identity.save(tmp_path / "keys")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for mine in (sign, kex):
+        planted = theirs / mine.name
+        planted.write_bytes(mine.read_bytes())
+        os.chmod(planted, 0o600)
+        os.chown(planted, 4321, 4321)
+        kept = mine.with_suffix(".kept")
+        os.replace(mine, kept)
+        os.link(planted, mine)
+        assert stat.S_ISREG(os.lstat(mine).st_mode) and os.lstat(mine).st_nlink == 2
+        with pytest.raises(IdentityError, match="belongs to uid 4321"):
+            LocalIdentity.load("a", sign, kex)
+        os.replace(kept, mine)
+    assert LocalIdentity.load("a", sign, kex).card().signing_key == identity.card().signing_key

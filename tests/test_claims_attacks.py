@@ -586,3 +586,53 @@ def test_a_hard_link_to_another_accounts_key_in_the_keys_folder_is_refused(tmp_p
             LocalIdentity.load("a", sign, kex)
         os.replace(kept, mine)
     assert LocalIdentity.load("a", sign, kex).card().signing_key == identity.card().signing_key
+
+
+async def test_a_stranger_signing_in_a_peers_name_cannot_spend_its_rate(identities, roster):
+    """docs/configuration.md: the receiver "rate-limits each peer (...; a peer
+    over its rate is refused before the signature check)". The bucket is keyed
+    by the claimed name, so the check that keeps a stranger from spending a
+    roster peer's rate is that only verified frames take tokens. A stranger
+    (carol's key) floods frames claiming to be bob, at 5 x bob's burst: each is
+    refused `bad_signature`, none `rate_limited`, and bob's own frames right
+    after are all taken."""
+    import aiohttp
+
+    from node.transport import MESSAGE_PATH, MessageServer
+    from p2pfl.config import TransportSection
+    from p2pfl.secure.identity import LocalIdentity
+    from p2pfl.secure.wire import WireCodec
+
+    fed = "fed-test"
+    alice = WireCodec(identities["alice"], roster, fed)
+    bob = WireCodec(identities["bob"], roster, fed)
+    carol = identities["carol"]
+    forger = WireCodec(LocalIdentity("bob", carol.signing, carol.agreement), roster, fed)
+    refused: list[str] = []
+    taken: list[str] = []
+
+    async def on_frame(incoming):
+        taken.append(incoming.header.sender)
+        return 200, None
+
+    cfg = TransportSection(rate_limit_per_s=0.5)  # burst max(10, rate): 10 frames, then 1 per 2 s
+    server = MessageServer(alice, cfg, on_frame, lambda reason, who: refused.append(reason))
+    port = await server.start("127.0.0.1", 0, None)
+    url = f"http://127.0.0.1:{port}{MESSAGE_PATH}"
+
+    async def send(session: aiohttp.ClientSession, codec: WireCodec, i: int) -> int:
+        body = codec.encode("probe", "alice", {"i": i}).to_bytes()
+        async with session.post(url, data=body) as response:
+            await response.read()
+            return response.status
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await send(session, bob, 0) == 200  # bob's bucket exists, 9 tokens left
+            forged = [await send(session, forger, i) for i in range(1, 51)]
+            honest = [await send(session, bob, i) for i in range(51, 60)]
+    finally:
+        await server.stop()
+    assert set(forged) == {401} and refused.count("bad_signature") == 50, refused
+    assert "rate_limited" not in refused, refused
+    assert honest == [200] * 9 and taken == ["bob"] * 10

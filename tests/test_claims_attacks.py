@@ -636,3 +636,45 @@ async def test_a_stranger_signing_in_a_peers_name_cannot_spend_its_rate(identiti
     assert set(forged) == {401} and refused.count("bad_signature") == 50, refused
     assert "rate_limited" not in refused, refused
     assert honest == [200] * 9 and taken == ["bob"] * 10
+
+
+def test_a_secure_ssfl_node_serves_no_plain_model(tmp_path):
+    """docs/threat-model.md: `protocol.secure_aggregation` covers SSFL ("A node
+    serves no plain model" was attacked for FedAVGP2P and FedPerl only). Three
+    in-memory SSFL sites under secure aggregation train and merge by secure
+    sums: no "model" message travels, and a roster member that asks a node for
+    its model gets none."""
+    import asyncio
+
+    import pytest
+
+    from p2pfl.learning.data.partition import partition_dataset
+    from protocols.base import PeerUnavailable
+    from protocols.memory import InMemoryNetwork, simulate, simulation_configs
+
+    partition_dataset("digits", 3, "iid", tmp_path / "parts", label_fraction=0.3, seed=0)
+    configs = simulation_configs(
+        [str(tmp_path / "parts" / f"site_{i}.npz") for i in range(3)],
+        protocol={
+            "name": "ssfl",
+            "rounds": 1,
+            "fraction": 1.0,
+            "secure_aggregation": True,
+            "round_timeout_s": 10.0,
+        },
+        state_root=tmp_path / "state",
+        data={"image_size": 8, "augment": "weak"},
+        training={"batch_size": 32, "device": "cpu", "max_steps_per_epoch": 2},
+    )
+    network = InMemoryNetwork(inline_train=True)
+    result = asyncio.run(simulate(configs, network=network))
+    assert result.errors == {}, result.errors
+    assert result.messages_sent("model") == 0
+    assert result.messages_sent("secagg") > 0  # the merge was a secure sum
+    spy = network.join("spy")
+
+    async def ask(round_no: int) -> None:
+        await spy.request("site0", "model", {"round": round_no}, timeout=0.5)
+
+    with pytest.raises(PeerUnavailable):
+        asyncio.run(ask(1))

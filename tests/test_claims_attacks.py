@@ -678,3 +678,31 @@ def test_a_secure_ssfl_node_serves_no_plain_model(tmp_path):
 
     with pytest.raises(PeerUnavailable):
         asyncio.run(ask(1))
+
+
+def test_provision_keeps_an_outbound_only_site_on_its_own_loopback(tmp_path):
+    """docs/operations.md: an outbound-only site "listens on its own loopback
+    only". The node binds what `node.listen` says; what makes it loopback is
+    provision: a site provisioned `--behind` a relay has no address on its card
+    and listens on 127.0.0.1, even where the other sites are given a host."""
+    import yaml
+
+    from node.provision import provision
+    from p2pfl.secure.identity import Roster
+
+    plans = provision(
+        tmp_path / "fed",
+        ["a", "b", "c"],
+        protocol={"name": "probe", "rounds": 1},
+        relays=["r1"],
+        behind=["c"],
+        hosts={"a": "10.1.2.3", "b": "10.1.2.4", "c": "10.1.2.5"},
+    )
+    roster = Roster.load(tmp_path / "fed" / "roster.yaml")
+    listen = {
+        p.name: yaml.safe_load(Path(p.config_path).read_text())["node"]["listen"] for p in plans
+    }
+    (c,) = [card for card in roster.cards() if card.name == "c"]
+    assert c.address is None and tuple(c.via) == ("r1",)
+    assert listen["c"].startswith("127.0.0.1:"), listen
+    assert listen["a"].startswith("10.1.2.3:"), listen  # (the others as asked)

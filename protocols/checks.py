@@ -48,8 +48,8 @@ def incompatibility(
     other keys, shapes or dtypes, non-finite values, (with `max_norm_ratio`)
     an L2 norm more than that many times ours, or (with `variances`: one
     peer's own state, as `admit` checks it) a negative BatchNorm running
-    variance. A secure sum's mean is not checked for that one: a narrow
-    ring's rounding may leave an honest variance near zero below it."""
+    variance. A secure sum's mean is not checked for that one: its
+    variances were raised to zero when it was decoded (`clamp_variances`)."""
     if not isinstance(state, dict):
         return "not_a_state_dict"
     # The count first: a set of a peer's 5 million keys cost 0.6 s on the event loop.
@@ -87,12 +87,20 @@ def _negative_variance(key: str, value: Tensor) -> bool:
     )
 
 
+def negative_variances(state: Mapping[str, Tensor]) -> int:
+    """How many BatchNorm running variance values of `state` are below zero."""
+    return sum(
+        int((value < 0).sum()) for key, value in state.items() if _negative_variance(key, value)
+    )
+
+
 def clamp_variances(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """`state` with each negative BatchNorm running variance raised to zero (a
     new dict; the other entries as they are): for a lossy reconstruction,
     whose rounding takes an honest variance near zero below it (int8: to
     -0.008 for a variance of 1e-3 sent as a difference from 0.5), which is
-    then not the peer's fault."""
+    then not the peer's fault; and for a secure sum's mean, which cannot say
+    which contributor sent one (`secagg_requester.secure_sum`)."""
     return {
         key: value.clamp(min=0) if _negative_variance(key, value) else value
         for key, value in state.items()

@@ -230,6 +230,7 @@ class FedPerl(SSFL):
         return {
             "anon_contributors": float(len(result.contributors)),
             "anon_dropped": float(len(result.dropped)),
+            "anon_variances_raised": float(result.variances_raised),
             "community_similarity": float(sum(sims) / len(sims)) if sims else 0.0,
         }
 

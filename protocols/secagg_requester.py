@@ -22,6 +22,7 @@ from torch import Tensor
 from p2pfl.config.protocols import narrow_entries, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.base import PeerUnavailable, RoundContext
+from protocols.checks import clamp_variances, negative_variances
 from protocols.masking import RING_BITS, WEIGHT_KEY, WIRE_DTYPE, WIRE_DTYPES
 from protocols.secagg_messages import (
     MAX_WEIGHT_SCALE,
@@ -131,6 +132,8 @@ class SecureSum:
     # reach, or a contributor sent values far off), and in which entries
     ring_edge: int = 0
     ring_edge_entries: dict[str, int] = field(default_factory=dict)
+    # BatchNorm running variance values its mean had below zero, raised to zero
+    variances_raised: int = 0
 
 
 async def secure_sum(
@@ -326,6 +329,21 @@ async def secure_sum(
 
     edge: dict[str, int] = {}
     mean, total = await ctx.run_blocking(rebuild_and_unmask)
+    # A variance below zero makes every evaluation NaN (sqrt of var + eps) once
+    # merged. An honest sum has none (a ring's rounding keeps a value at or above
+    # zero), a contributor's reaches the mean unseen, and the sum cannot say
+    # whose: its variances are raised to zero, logged, counted against nobody.
+    # Until a review (rv_comp2, 2026-11-28) every secure sum merged them.
+    raised = negative_variances(mean)
+    if raised:
+        mean = clamp_variances(mean)
+        log.warning(
+            "%s: secure sum of %s: %d BatchNorm running variance value(s) of its mean "
+            "below zero raised to zero (a contributor sent them; the sum cannot say which)",
+            me,
+            u3,
+            raised,
+        )
     return SecureSum(
         mean,
         total,
@@ -336,6 +354,7 @@ async def secure_sum(
         steps=steps,
         ring_edge=sum(edge.values()),
         ring_edge_entries=edge,
+        variances_raised=raised,
     )
 
 

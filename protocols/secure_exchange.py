@@ -327,6 +327,7 @@ class SecureExchange:
                 "neighbours_wanted": k,
                 "stale_models": sum(1 for r in rounds if r != round_no),
                 "secagg_dropped": sum(len(x.dropped) for x in sums),
+                "secagg_variances_raised": sum(x.variances_raised for x in sums),
                 **(
                     {"secagg_ring_edge_drops": self.ring_edge_drops}
                     if self.ring != RING_BITS

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from p2pfl.config.protocols import narrow_entries, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
+from p2pfl.text import shown
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.checks import clamp_variances, negative_variances
 from protocols.masking import RING_BITS, WEIGHT_KEY, WIRE_DTYPE, WIRE_DTYPES
@@ -198,7 +199,9 @@ async def secure_sum(
             log.info("%s: secagg %s: no answer from %s (%s)", me, phase, peer, exc.reason)
             return None
         if not isinstance(reply, dict) or "refused" in reply:
-            reason = reply.get("refused") if isinstance(reply, dict) else "malformed"
+            # the contributor's words, bounded: until a review (rv_comp2, 2026-11-28)
+            # logged whole, so a refusal of a megabyte wrote a megabyte, and forged lines
+            reason = shown(reply.get("refused")) if isinstance(reply, dict) else "malformed"
             log.warning("%s: secagg %s refused by %s: %s", me, phase, peer, reason)
             return None
         return reply

@@ -205,3 +205,31 @@ async def test_a_peers_model_reply_values_are_logged_bounded_and_on_one_line(cap
             "compression_shape_mismatch",
             "compression_bad_block",
         ], value if not isinstance(value, str) else value[:20]
+
+
+async def test_a_secure_sums_refusals_are_logged_bounded_and_on_one_line(caplog) -> None:
+    """The same for secure aggregation: a contributor's `refused` answer, as
+    its requester logs it. Until a review (rv_comp2, 2026-11-28) it was logged
+    whole: a refusal of a megabyte wrote a megabyte to node.log, and one with
+    newlines forged lines of its choosing. (A contributor's own refusals name
+    the requester's members by repr, and only roster names by text.)"""
+    from protocols.secagg import SecAggError, secure_sum
+
+    caplog.set_level(logging.INFO)
+    hostile = (FORGED, HUGE, [HUGE] * 1000, list(range(1_000_000)), HUGE.encode(), {HUGE: HUGE})
+    for value in hostile:
+        caplog.clear()
+        ctx = Ctx({"refused": value})
+        with pytest.raises(SecAggError):
+            await secure_sum(
+                ctx,  # type: ignore[arg-type]
+                ["b", "c"],
+                round_no=1,
+                max_round=1,
+                reference={"w": torch.zeros(4)},
+                timeout=1.0,
+                weight_scale=1.0,
+            )
+        lines = _logged(caplog, "protocols.secagg_requester")
+        assert len(lines) == 2, lines
+        assert all(one_short_line(line, 300) for line in lines), [line[:300] for line in lines]

@@ -18,6 +18,8 @@ import logging
 
 import torch
 from test_secagg import CONTRIBUTORS, REQUESTER, Federation
+from test_secagg_narrow_ring import Federation as NarrowFederation
+from test_secagg_narrow_ring import names
 
 from p2pfl.config import ModelSection
 from p2pfl.learning.site_model import create_site_model
@@ -74,3 +76,24 @@ def test_an_honest_secure_sum_raises_nothing() -> None:
     result = asyncio.run(fed.ask(CONTRIBUTORS))
     assert result.variances_raised == 0
     assert float(result.mean[VAR][0]) == 0.0 and float(result.mean[VAR][1]) >= 0.0
+
+
+def test_an_honest_narrow_ring_sum_raises_nothing() -> None:
+    """The same in an 8-bit ring (int8), whose stochastic rounding floors a
+    value at or above zero: a large BatchNorm's variances (4,096, so not in the
+    32-bit ring), a quarter at zero, far from the requester's own."""
+    torch.manual_seed(1)
+
+    def state(scale: float) -> dict[str, torch.Tensor]:
+        var = torch.rand(4096) * scale
+        var[:1000] = 0.0
+        var[1000:1500] = 1e-30
+        return {"bn.running_var": var, "bn.weight": torch.randn(4096)}
+
+    members = names(4)
+    weights = {n: float(10 + 7 * i) for i, n in enumerate(members)}
+    fed = NarrowFederation({n: state(1e-3) for n in members}, weights, 8)
+    result = fed.ask(members, state(1.0))
+    assert result.ring == 8 and result.ring_edge == 0
+    assert result.variances_raised == 0
+    assert float(result.mean["bn.running_var"].min()) >= 0.0

@@ -189,6 +189,90 @@ def test_dockerfile_copies_exist_and_cover_every_installed_package():
         assert secret in ignore
 
 
+def read_lock(path: Path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, sha256 hashes) of a `uv pip compile --generate-hashes` file."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    current = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip().rstrip("\\").strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("--hash="):
+            assert current, f"{path.name}: a hash before any requirement: {raw}"
+            algorithm, _, digest = line.removeprefix("--hash=").partition(":")
+            assert algorithm == "sha256" and re.fullmatch(r"[0-9a-f]{64}", digest), raw
+            out[current][1].append(digest)
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)==([A-Za-z0-9_.+!-]+)", line)
+        assert match, f"{path.name}: not one pinned version: {raw}"
+        current = canonical(match.group(1))
+        assert current not in out, f"{path.name}: {current} twice"
+        out[current] = (match.group(2), [])
+    return out
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_image_installs_every_package_by_its_hash():
+    """Supply chain: the build installs what scripts/deploy_lock.sh resolved, each
+    file checked against its sha256 (`--require-hashes`), nothing resolved at
+    build time (`--no-deps`), and `pip check` proves the set complete. Only the
+    cpu variant's torch pair comes by version alone, from PyTorch's CPU index."""
+    from packaging.requirements import Requirement
+
+    steps = dockerfile_instructions(DEPLOY / "Dockerfile")
+    args = build_args(steps)
+    run_text = re.sub(r"\s+", " ", " ".join(rest for w, rest in steps if w == "RUN"))
+    assert '--require-hashes --no-deps -r "deploy/requirements-${VARIANT}.lock"' in run_text
+    assert "--no-deps --no-build-isolation /src" in run_text  # the project itself, no resolver
+    assert "pip check" in run_text
+    cpu_branch = run_text[run_text.index("cpu)") : run_text.index("cuda)")]
+    assert "--no-deps" in cpu_branch and "${TORCH_CPU_INDEX}" in cpu_branch
+    every_pip = re.findall(r"pip install [^&;]*", run_text)
+    assert all("--no-deps" in call for call in every_pip), every_pip
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wanted = [Requirement(r) for r in project["project"]["dependencies"]]
+    wanted += [Requirement(r) for r in project["build-system"]["requires"]]
+    locks = {v: read_lock(DEPLOY / f"requirements-{v}.lock") for v in ("cpu", "cuda")}
+    for variant, lock in locks.items():
+        assert all(hashes for _, hashes in lock.values()), variant
+        for req in wanted:
+            name = canonical(req.name)
+            if variant == "cpu" and name in ("torch", "torchvision"):
+                continue  # from PyTorch's CPU index, by version (checked above)
+            assert name in lock, f"requirements-{variant}.lock lacks {name}"
+            assert req.specifier.contains(lock[name][0], prereleases=True), (variant, req)
+    cuda, cpu = locks["cuda"], locks["cpu"]
+    assert cuda["torch"][0] == args["TORCH_VERSION"]
+    assert cuda["torchvision"][0] == args["TORCHVISION_VERSION"]
+    only_torch = {n for n in cuda if n in ("torch", "torchvision", "triton")}
+    only_torch |= {n for n in cuda if n.startswith(("nvidia-", "cuda-"))}
+    assert not only_torch & set(cpu)  # the cpu image never installs CUDA wheels
+    assert set(cpu) == set(cuda) - only_torch  # and lacks nothing else
+    for name in cpu:
+        assert cpu[name] == cuda[name], name  # one resolution, two cuts
+
+
+def test_a_lock_that_does_not_pin_is_refused_by_the_reader(tmp_path):
+    """The lock reader above is what the test trusts: it fails on a range, a
+    missing hash or a hash of another algorithm."""
+    for text in (
+        "numpy>=2\n",
+        "numpy==2.0 \\\n    --hash=md5:0123\n",
+        "--hash=sha256:" + "0" * 64 + "\n",
+    ):
+        bad = tmp_path / "bad.lock"
+        bad.write_text(text)
+        with pytest.raises(AssertionError):
+            read_lock(bad)
+    unhashed = tmp_path / "unhashed.lock"
+    unhashed.write_text("numpy==2.0\n")
+    assert read_lock(unhashed) == {"numpy": ("2.0", [])}  # caught by the all(hashes) check
+
+
 # ----------------------------------------------------------------------------- compose
 
 

@@ -12,19 +12,22 @@ the signed digest, so a relay can neither read nor alter it (the receiver's
 WireCodec refuses a changed byte, `digest_mismatch`), nor forge a frame (it
 holds no site's key). It can delay or drop frames, which the senders' retries
 and the receivers' exactly-once handling already absorb. It keeps no replay
-state (the final receiver does), no keys, and writes nothing but its status
-token to disk (node/relay_status.py).
+state for delivery (the final receiver does; it remembers the ids it forwarded
+only so that copies wait apart from their sender's frames:
+node/relay_admission.py `Forwarded`), no keys, and writes nothing but its
+status token to disk (node/relay_status.py).
 
 Checks on a POST, in this order, each a refusal `{"reason": CODE}` counted by
 reason: the frame's prefix and header (bounded reads, idle timeout), version,
-federation, sender on the roster, its signature; the sender's turn
-(node/relay_admission.py: over its rate or its share, a signed frame waits in
-its sender's own queue, reads paused: `rate_limited`, `too_many_connections`);
-recipient connected here (`not_connected` 503: try its next relay; a stranger
-cannot learn who is connected), timestamp within the clock skew, `encrypted`
-(a relay never carries plaintext: `encryption_required`), size, the sender's
-token (a forger cannot drain a bucket), the recipient's pending frames and bytes
-(`queue_full` 503; one sender holds at most half of a recipient's slots, and
+federation, sender on the roster, its signature, timestamp within the clock
+skew, `encrypted` (a relay never carries plaintext: `encryption_required`),
+size; the sender's turn (node/relay_admission.py: over its rate or its
+share, a signed frame waits in its sender's own queue, reads paused:
+`rate_limited`, `too_many_connections`; a copy of a frame forwarded already
+waits in that sender's queue of copies to that recipient); recipient connected
+here (`not_connected` 503: try its next relay; a stranger cannot learn who is
+connected), the sender's token (a forger cannot drain a bucket), the
+recipient's pending frames and bytes (`queue_full` 503; one sender holds at most half of a recipient's slots, and
 of its bytes beyond its first frame), then the payload itself (exactly its
 length, its signed SHA-256, within read_idle_timeout_s + its size at
 min_upload_bytes_per_s: `upload_too_slow`). The frame is streamed down to the
@@ -59,7 +62,7 @@ import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from node.faults import FaultPlan
-from node.relay_admission import TOO_MANY_CONNECTIONS, Admission
+from node.relay_admission import TOO_MANY_CONNECTIONS, Admission, Forwarded, repeat_key
 from node.relay_handshake import Gatekeeper, SiteLink, SiteStats, refused_upgrade
 from node.relay_wire import (
     ABORT,
@@ -128,6 +131,7 @@ class RelayServer:
         self.stats: dict[str, SiteStats] = {}
         self.refusals: dict[str, int] = {}
         self.admission = Admission(settings)
+        self.forwarded = Forwarded(self.clock_skew_ms)  # copies wait apart (relay_admission)
         self._ids = itertools.count(1)
         self._sent: dict[int, int] = {}  # frame bytes sent down, per stream in progress
         self.gate = Gatekeeper(name, federation, settings, self._count)
@@ -238,12 +242,14 @@ class RelayServer:
 
     # ------------------------------------------------------------------ message
     def _precheck(
-        self, header: Header, header_bytes: bytes, signature: bytes
+        self, header: Header, header_bytes: bytes, signature: bytes, length: int | None
     ) -> tuple[str, str] | None:
         """The checks before the sender's turn: version, federation, sender on
-        the roster, its signature. Only a frame its sender signed waits in that
-        sender's queue: a stranger claiming a site's name is refused here and
-        can never take that site's places at the relay."""
+        the roster, its signature, then what else its signed header alone
+        decides (clock, encryption, size). Only a frame its sender signed waits
+        in that sender's queue: a stranger claiming a site's name is refused here
+        and can never take that site's places at the relay; nor does a copy of
+        an old frame wait there only to be refused `stale_timestamp` (a review)."""
         if header.version != VERSION:
             return "unsupported_version", f"version {header.version}"
         if header.federation != self.federation:
@@ -253,27 +259,29 @@ class RelayServer:
             return "unknown_sender", repr(header.sender[:64])
         if not sender.verify(signature, header_bytes):
             return "bad_signature", f"from {header.sender!r}"
-        return None
-
-    def _check(self, header: Header, head: int, length: int | None) -> tuple[str, str] | SiteLink:
-        """The rest of the header's checks, in the module docstring's order, once
-        the sender's turn came (no await in between: its token is still there):
-        the recipient's connection, or (reason, detail). Only after the
-        signature: a stranger must not learn who is connected here."""
-        link = self.links.get(header.recipient)
-        if link is None or header.recipient not in self.roster:
-            return "not_connected", f"{header.recipient[:64]!r} has no connection to this relay"
         skew = int(time.time() * 1000) - header.timestamp_ms
         if abs(skew) > self.clock_skew_ms:
             return "stale_timestamp", f"{skew / 1000:.0f} s off this relay's clock"
         if not header.encrypted:
             return "encryption_required", "a relay forwards encrypted payloads only"
-        frame_len = PREFIX_LEN + head + SIG_LEN + header.payload_len
+        frame_len = PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
         if frame_len > self.max_message_bytes:
             return "oversize", f"{frame_len} bytes"
         if length is not None and length != frame_len:
             return "digest_mismatch", "frame length does not match the header"
-        if not self.admission.take(header.sender):
+        return None
+
+    def _check(self, header: Header, head: int, gate: str) -> tuple[str, str] | SiteLink:
+        """The rest of the checks, in the module docstring's order, once the
+        turn of `gate` (the sender's, or its copies' to this recipient) came
+        (no await in between: its token is still there): the recipient's
+        connection, or (reason, detail). Only after the signature: a stranger
+        must not learn who is connected here."""
+        link = self.links.get(header.recipient)
+        if link is None or header.recipient not in self.roster:
+            return "not_connected", f"{header.recipient[:64]!r} has no connection to this relay"
+        frame_len = PREFIX_LEN + head + SIG_LEN + header.payload_len
+        if not self.admission.take(gate):
             return "rate_limited", f"over {self.settings.rate_limit_per_s:g} frames/s"
         limit = self.settings.max_pending_per_site
         max_bytes = self.settings.max_pending_bytes_per_site
@@ -314,17 +322,24 @@ class RelayServer:
         except TimeoutError:
             return self._refuse("truncated", f"no bytes for {idle:g} s")
         who = header.sender[:64]
-        if failed := self._precheck(header, rest[:header_len], rest[header_len:]):
+        if failed := self._precheck(header, rest[:header_len], rest[header_len:], length):
             return self._refuse(*failed, who=who)
-        if isinstance(turn := await self.admission.enter(header.sender), str):  # waited
+        # A copy of a frame forwarded already waits apart from its sender's
+        # other frames (node/relay_admission.py Forwarded): whoever replays it
+        # holds places of that sender to that recipient only.
+        gate = header.sender
+        if self.forwarded.seen(header.sender, header.msg_id):
+            gate = repeat_key(header.sender, header.recipient)
+        if isinstance(turn := await self.admission.enter(gate), str):  # waited
             response = self._refuse(turn, self.admission.why(turn), who)
             if turn == TOO_MANY_CONNECTIONS:
                 response.force_close()  # this sender has connections enough
             return response
         try:
-            checked = self._check(header, header_len, length)
+            checked = self._check(header, header_len, gate)
             if isinstance(checked, tuple):
                 return self._refuse(*checked, who=who)
+            self.forwarded.add(header.sender, header.msg_id, header.timestamp_ms)
             if self.faults is not None:  # a drill's kill records what was forwarded
                 self.faults.on_progress(
                     header.round,
@@ -518,6 +533,7 @@ class RelayServer:
         """A reloaded roster (SIGHUP): a site no longer listed, or whose card
         changed (keys, via), is disconnected; it authenticates again if it may."""
         self.admission.forget(self.roster.sites, roster.sites)  # cards compared: first
+        self.forwarded.forget(roster.sites)
         self.roster = roster
         for link in list(self.links.values()):
             entry = roster.sites.get(link.name)

@@ -51,6 +51,17 @@ closed). Such a connection churn is no worse than a stranger's: in the review,
 16 connect-send-close loops from another process turned over 3,340
 `too_many_connections` in 5 s against 3,070 `bad_signature` from a forger,
 the relay's process at 2.1 s of CPU either way (one run each, 2 loaded cores).
+
+A copy of a frame the relay forwarded already (`Forwarded`: its sender's id,
+remembered while its timestamp is within the clock skew) waits in a gate of
+its own, per sender and recipient (`repeat_key`), not in its sender's: the
+relay keeps no replay state, and a frame's signature holds for every copy, so
+whoever holds one (its recipient, another relay, an observer without TLS) could
+replay it from 40 connections and keep its sender's 8 places and queue of 32
+full, refusing every frame the sender sent anyone else through the relay
+(`too_many_connections`, rate_limited; a review). An honest retry of the same
+id still goes on, from that pair's gate; replays only ever reach the frame's
+own recipient, which refuses them `replayed`.
 """
 
 from __future__ import annotations
@@ -80,6 +91,49 @@ BURST_S = 0.25
 TOO_MANY_CONNECTIONS = "too_many_connections"
 # A frame whose sender's card a roster reload removed or changed while it waited.
 REVOKED = "unknown_sender"
+# The most ids of one sender's forwarded frames remembered (`Forwarded`): more
+# than an honest sender forwards within the clock skew; past it the oldest go
+# (a copy of one then waits in its sender's gate again, as before).
+MAX_REMEMBERED = 65536
+# Between a sender and a recipient in the key of a gate of copies (`repeat_key`):
+# no roster name holds it (p2pfl/secure/identity.py NAME_PATTERN).
+_PAIR = ">"
+
+
+def repeat_key(sender: str, recipient: str) -> str:
+    """The gate that copies of `sender`'s frames to `recipient` wait in."""
+    return f"{sender}{_PAIR}{recipient}"
+
+
+class Forwarded:
+    """The ids of the frames a relay forwarded, per sender, each until its
+    timestamp is past the clock skew (a copy is refused `stale_timestamp`
+    then, before any gate), at most MAX_REMEMBERED per sender."""
+
+    def __init__(self, skew_ms: int, limit: int = MAX_REMEMBERED) -> None:
+        self.skew_ms = skew_ms
+        self.limit = limit
+        self._ids: dict[str, dict[bytes, int]] = {}  # sender -> id -> valid until (epoch ms)
+
+    def seen(self, sender: str, msg_id: bytes) -> bool:
+        ids = self._ids.get(sender)
+        return ids is not None and msg_id in ids
+
+    def add(self, sender: str, msg_id: bytes, timestamp_ms: int) -> None:
+        ids = self._ids.setdefault(sender, {})
+        now = int(time.time() * 1000)
+        while ids:  # the oldest first: expired, or past the limit
+            oldest = next(iter(ids))
+            if ids[oldest] > now and len(ids) < self.limit:
+                break
+            del ids[oldest]
+        ids.pop(msg_id, None)
+        ids[msg_id] = timestamp_ms + self.skew_ms
+
+    def forget(self, senders: Mapping[str, RosterSite]) -> None:
+        """A reloaded roster: the ids of senders it no longer lists go."""
+        for sender in [s for s in self._ids if s not in senders]:
+            del self._ids[sender]
 
 
 @dataclass
@@ -125,7 +179,7 @@ class Admission:
         return gate
 
     async def enter(self, sender: str) -> SenderGate | str:
-        """Wait for `sender`'s turn: its gate when its frame may go on to the
+        """Wait for `sender`'s turn (or, for a `repeat_key`, its pair's): its gate when its frame may go on to the
         checks (its token is ready and stays so until the caller's next await;
         the caller then owes the gate a `leave()` once the frame is answered or
         refused), else the refusal's reason."""
@@ -178,10 +232,11 @@ class Admission:
         (admitted ones finish, as they did before the reload). A sender whose keys
         all still verify (unchanged, or rotated with the old key as its previous
         one) keeps its gate, spent bucket and queue included."""
-        for name, gate in list(self.gates.items()):
+        for key, gate in list(self.gates.items()):
+            name = key.partition(_PAIR)[0]  # a gate of copies: its sender's
             was, now = old.get(name), new.get(name)
             if was is None or now is None or not _keys(was) <= _keys(now):
-                del self.gates[name]
+                del self.gates[key]
                 gate.revoked = True
                 gate.freed.set()  # the head of its queue, waiting for a slot, sees it
 

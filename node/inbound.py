@@ -305,6 +305,8 @@ class Inbound:
         if msg_id in self._keeping:
             raise Rejection("in_progress", "a copy of it is being spooled")
         if self.spool.has(msg_id) or msg_id in self.journal:
+            if self.journal.sender(msg_id) not in ("", header.sender):
+                raise Rejection("id_taken", "another sender's push had that id")
             return 200, None  # a retry of something we already hold (after a restart)
         queue = self.inboxes.get(header.kind)
         share = self.sender_share()
@@ -422,7 +424,7 @@ class Inbound:
             )
             self.journal.append(missing)
         for msg_id, ts in self.journal.ids.items():
-            self.codec.replay.add(bytes.fromhex(msg_id), ts)
+            self.codec.replay.add(bytes.fromhex(msg_id), ts, self.journal.sender(msg_id))
         # Newest first, so that a kind with more spooled pushes than its inbox
         # holds keeps its newest (the inbox bounds pushes not yet consumed, the
         # spool those not yet checkpointed: FedER consumes and refuses old-round
@@ -496,7 +498,8 @@ class Inbound:
                 self.telemetry.record_rejection(reason, header.sender)
                 self.spool.remove(msg_id)
                 continue
-            self.codec.replay.add(header.msg_id, header.timestamp_ms)  # a resend is a replay
+            # a resend is a replay (of this sender's: ids are the sender's, p2pfl/secure/wire.py)
+            self.codec.replay.add(header.msg_id, header.timestamp_ms, header.sender)
             if payload is None:
                 dropped[header.kind] = dropped.get(header.kind, 0) + 1
                 self.telemetry.record_rejection("queue_full", header.sender)

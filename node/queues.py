@@ -169,6 +169,7 @@ class Journal:
         self.path = path
         self.remember = remember
         self.ids: OrderedDict[str, int] = OrderedDict()
+        self._senders: dict[str, str] = {}  # id -> its sender (ids are the sender's)
         # A torn last line after a crash is cut now, before anything is appended:
         # glued onto it, the next id would be lost from the journal for good.
         cut_torn_tail(path)
@@ -177,15 +178,22 @@ class Journal:
                 for line in fh:
                     try:
                         entry = json.loads(line)
-                        self._remember(entry["id"], int(entry.get("ts", 0)))
+                        self._remember(entry["id"], int(entry.get("ts", 0)), entry.get("from"))
                     except (ValueError, KeyError, TypeError):
                         log.warning("%s: unreadable journal line skipped", path)
                         continue
 
-    def _remember(self, msg_id: str, ts: int) -> None:
+    def _remember(self, msg_id: str, ts: int, sender: Any = None) -> None:
         self.ids[msg_id] = ts
+        if isinstance(sender, str) and sender:
+            self._senders[msg_id] = sender
         while len(self.ids) > self.remember:
-            self.ids.popitem(last=False)
+            old, _ = self.ids.popitem(last=False)
+            self._senders.pop(old, None)
+
+    def sender(self, msg_id: str) -> str:
+        """Who sent the push of this id ("" if not known)."""
+        return self._senders.get(msg_id, "")
 
     def __contains__(self, msg_id: object) -> bool:
         return msg_id in self.ids
@@ -195,7 +203,7 @@ class Journal:
             return
         append_lines(self.path, (json.dumps(e, separators=(",", ":")) for e in entries))
         for entry in entries:
-            self._remember(entry["id"], int(entry.get("ts", 0)))
+            self._remember(entry["id"], int(entry.get("ts", 0)), entry.get("from"))
 
 
 class Reservation:

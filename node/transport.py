@@ -71,6 +71,7 @@ STATUS_FOR_REASON = {
     "bad_signature": 401,
     "stale_timestamp": 401,
     "replayed": 409,  # this node finished with that id: the sender may count it delivered
+    "id_taken": 409,  # another sender used that id first: not acknowledged, not taken
     "in_progress": 409,  # a copy of that id is still arriving or being handled: ask again later
     "before_restart": 425,  # maybe a replay from before our restart: send again, freshly stamped
     "below_replay_floor": 425,  # stamped at or below the evicted ids' floor: send again, fresh
@@ -99,6 +100,9 @@ STATUS_FOR_REASON = {
 RELEASE_REASONS = frozenset(
     ("truncated", "digest_mismatch", "queue_full", "rate_limited", "storage_error")
     + ("too_many_held", "too_many_uploads", "upload_too_slow")
+    # (node/inbound.py: a push whose id another sender's journaled push had;
+    # kept reserved, its sender's next copy would be acknowledged `replayed`)
+    + ("id_taken",)
 )
 
 
@@ -277,7 +281,7 @@ class MessageServer:
         self._reserved_by: dict[str, int] = {}
         # Ids whose frame is being received or handled now: a copy of one is
         # `in_progress`, not `replayed` (which tells the sender it was delivered).
-        self._in_flight: set[bytes] = set()
+        self._in_flight: set[tuple[str, bytes]] = set()  # (sender, id): ids are the sender's
         self.isolated = False  # fault plan (node/faults.py): a partition, no answers at all
         # More routes on the peer port: a site that also relays (issue 31, node/relay.py).
         self.extra_routes: list[Callable[[web.Application], None]] = []
@@ -380,7 +384,7 @@ class MessageServer:
             if (
                 exc.reason == "replayed"
                 and claimed is not None
-                and claimed.msg_id in self._in_flight
+                and (claimed.sender, claimed.msg_id) in self._in_flight
             ):
                 # signature verified: a copy of a frame still arriving or being handled
                 return self._refuse("in_progress", exc.detail, sender)
@@ -394,7 +398,7 @@ class MessageServer:
             return self._refuse("truncated", "frame ended early", sender)
         except TimeoutError:
             return self._refuse("truncated", f"no bytes for {idle:g} s", sender)
-        self._in_flight.add(header.msg_id)
+        self._in_flight.add((header.sender, header.msg_id))
         try:
             return await self._admit(stream, prefix, rest, header)
         except asyncio.CancelledError:
@@ -403,7 +407,7 @@ class MessageServer:
             self.codec.release(header)
             raise
         finally:
-            self._in_flight.discard(header.msg_id)
+            self._in_flight.discard((header.sender, header.msg_id))
 
     async def _admit(
         self, stream: aiohttp.StreamReader, prefix: bytes, rest: bytes, header: Header

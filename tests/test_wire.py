@@ -204,6 +204,15 @@ def test_reason_replayed(codecs):
     reject(codecs["bob"], frame, "replayed")
 
 
+def test_reason_id_taken(codecs):
+    # An id another sender used first: refused, never `replayed` (whose signed
+    # acknowledgement would tell this sender its own message was taken).
+    first = codecs["carol"].encode("model", "bob", {"state": state_dict()})
+    codecs["bob"].decode(first.to_bytes())
+    frame = codecs["alice"].encode("model", "bob", {}, msg_id=first.header.msg_id).to_bytes()
+    reject(codecs["bob"], frame, "id_taken")
+
+
 def test_reason_below_replay_floor(codecs):
     # The replay cache evicted an id stamped `now`: anything stamped at or before
     # it that the cache does not hold may be a replay of it (refused, but not

@@ -13,8 +13,8 @@ so tampering is caught before decryption; the header stays clear and signed.
 
 Checks, in order, each a `WireError` reason: oversize, undecodable_header,
 unsupported_version, wrong_federation, unknown_sender, wrong_recipient,
-bad_signature, stale_timestamp, replayed, below_replay_floor, before_restart,
-encryption_required,
+bad_signature, stale_timestamp, id_taken, replayed, below_replay_floor,
+before_restart, encryption_required,
 digest_mismatch, decryption_failed, payload_schema. Nothing else escapes
 `WireCodec`.
 
@@ -31,6 +31,14 @@ ahead of time): a message from S stamped at or below floor[S] may have been
 accepted before the restart and is refused `before_restart`. A sender told
 `before_restart` sends again with a fresh timestamp (node/outbound.py), so a
 fresh message refused only for its stamp is delayed, never lost.
+
+Ids are the sender's: the replay cache notes which sender used each id, and
+an id another sender used first is refused `id_taken`, never `replayed`. Ids
+are random, but a relay, and without TLS anyone on the path, reads them in
+the clear header (and an outbox sends a push again with its same id): a roster
+member that saw another's id and used it first had the receiver answer that
+other sender's push `replayed`, with the signed acknowledgement below, and
+never process it (rv_net review).
 
 Acknowledgements: a receiver that took a push (or had already taken it:
 `replayed`) answers with its signature over `ack_message` (federation,
@@ -91,6 +99,7 @@ REASONS = (
     "wrong_recipient",
     "bad_signature",
     "stale_timestamp",
+    "id_taken",
     "replayed",
     "below_replay_floor",
     "before_restart",
@@ -195,6 +204,7 @@ class ReplayCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[bytes, int] = OrderedDict()
+        self._senders: dict[bytes, str] = {}  # who used each id ("": not known)
         self.floor_ms = 0
 
     def seen(self, msg_id: bytes, timestamp_ms: int) -> bool:
@@ -205,22 +215,32 @@ class ReplayCache:
         merely stamped at or below the floor."""
         return msg_id in self._ids
 
-    def reserve(self, msg_id: bytes, timestamp_ms: int) -> bool:
+    def taken_by_another(self, msg_id: bytes, sender: str) -> bool:
+        """Whether a held id was used by another sender than `sender` (one whose
+        sender is not known, from an older journal, counts as `sender`'s)."""
+        used_by = self._senders.get(msg_id, "")
+        return msg_id in self._ids and used_by not in ("", sender)
+
+    def reserve(self, msg_id: bytes, timestamp_ms: int, sender: str = "") -> bool:
         """Check-and-insert in one step (no await in between): True if the id was
         free and is now taken, False if seen (or at or below the floor)."""
         if self.seen(msg_id, timestamp_ms):
             return False
-        self.add(msg_id, timestamp_ms)
+        self.add(msg_id, timestamp_ms, sender)
         return True
 
     def release(self, msg_id: bytes) -> None:
         """Free an id reserved by a message that then had no effect (see WireCodec.release)."""
         self._ids.pop(msg_id, None)
+        self._senders.pop(msg_id, None)
 
-    def add(self, msg_id: bytes, timestamp_ms: int) -> None:
+    def add(self, msg_id: bytes, timestamp_ms: int, sender: str = "") -> None:
         self._ids[msg_id] = timestamp_ms
+        if sender:
+            self._senders[msg_id] = sender
         while len(self._ids) > self.capacity:
-            _, ts = self._ids.popitem(last=False)
+            old, ts = self._ids.popitem(last=False)
+            self._senders.pop(old, None)
             self.floor_ms = max(self.floor_ms, ts)
 
     def __len__(self) -> int:
@@ -406,6 +426,10 @@ class WireCodec:
                 "stale_timestamp",
                 f"{(now_ms - header.timestamp_ms) / 1000:.0f} s off this node's clock",
             )
+        if self.replay.taken_by_another(header.msg_id, header.sender):
+            # not this sender's message: no `replayed` (whose acknowledgement
+            # tells the sender its own message was taken)
+            raise WireError("id_taken", f"{header.id_hex} was used by another sender")
         if self.replay.holds(header.msg_id):
             raise WireError("replayed", header.id_hex)
         if self.replay.seen(header.msg_id, header.timestamp_ms):
@@ -434,7 +458,7 @@ class WireCodec:
             and total_len != PREFIX_LEN + len(header_bytes) + SIG_LEN + header.payload_len
         ):
             raise WireError("digest_mismatch", "frame length does not match the header")
-        if not self.replay.reserve(header.msg_id, header.timestamp_ms):
+        if not self.replay.reserve(header.msg_id, header.timestamp_ms, header.sender):
             raise WireError("replayed", header.id_hex)
         return header
 

@@ -43,7 +43,8 @@ is written: a sender that does not read it has its connection aborted
 Connections: a site proves who it is on the WebSocket upgrade request itself,
 before any WebSocket exists (node/relay_handshake.py: nonces, handshake slots).
 A second connection of a site replaces the first, whose pending forwards
-answer 502 `relay_lost`. Idle connections are cut by the WebSocket heartbeat
+answer 502 `relay_lost`; a connection the relay closes is aborted if the close
+takes longer than twice the WebSocket's wait for a close frame (SiteLink.close). Idle connections are cut by the WebSocket heartbeat
 (a ping, then no pong: idle_timeout_s in all). The routes (`add_routes`) are
 mounted by `p2pfl-node relay` (node/relay_status.py) or a site with relay.serve.
 """
@@ -189,7 +190,7 @@ class RelayServer:
         if not isinstance(accepted, tuple):
             return accepted  # refused, or gone mid-upgrade: counted
         card, ws = accepted
-        link = SiteLink(card.name, card, ws)
+        link = SiteLink(card.name, card, ws, transport=request.transport)
         previous = self.links.get(card.name)
         self.links[card.name] = link
         self._stats(card.name).connects += 1
@@ -208,7 +209,7 @@ class RelayServer:
         finally:
             self._drop(link, "connection closed")
         if not ws.closed:
-            await ws.close(code=WSCloseCode.PROTOCOL_ERROR)
+            await link.close(WSCloseCode.PROTOCOL_ERROR, "protocol error", self._close_s)
         return ws
 
     def _on_reply(self, link: SiteLink, data: bytes) -> bool:
@@ -232,10 +233,16 @@ class RelayServer:
             del self.links[link.name]
             log.info("RELAY %s: site %s disconnected (%s)", self.name, link.name, why)
 
+    @property
+    def _close_s(self) -> float:
+        """How long closing a site's connection may take: the WebSocket's own
+        wait for the site's close frame (relay_handshake.upgrade), twice."""
+        return 2 * min(10.0, self.settings.auth_timeout_s)
+
     def _disconnect(self, link: SiteLink, why: str) -> None:
         self._drop(link, why)
         task = asyncio.get_running_loop().create_task(
-            link.ws.close(code=WSCloseCode.GOING_AWAY, message=why[:100].encode())
+            link.close(WSCloseCode.GOING_AWAY, why, self._close_s)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -144,6 +144,23 @@ class SiteLink:
     by_sender: dict[str, int] = field(default_factory=dict)  # its pending frames per sender
     bytes_by_sender: dict[str, int] = field(default_factory=dict)  # pending_bytes per sender
     closed: bool = False
+    transport: asyncio.BaseTransport | None = None  # its TCP (or TLS) connection
+
+    async def close(self, code: int, why: str, within: float) -> None:
+        """Close the WebSocket, and abort its connection if that takes more than
+        `within` seconds: aiohttp's close waits for the site to take the close
+        frame with no deadline, so a site that reads nothing kept a replaced
+        connection open for good (its reader still took up to one message of
+        max_message_bytes; a review kept several such connections of one site
+        open), and a relay's shutdown waited on it."""
+        try:
+            async with asyncio.timeout(within):
+                await self.ws.close(code=code, message=why[:100].encode())
+        except (TimeoutError, ConnectionError, RuntimeError):
+            pass
+        finally:
+            if self.transport is not None:  # (closing too: close() waits to flush what it
+                self.transport.abort()  # does not read; abort drops it)
 
     def unhold(self, sender: str, nbytes: int) -> None:
         """`nbytes` of a frame of `sender` are no longer held for this site."""

@@ -171,6 +171,7 @@ class Outbound:
                         entry.peer,
                     )
                     self.telemetry.record_rejection("ack_unverified", entry.peer)
+                    self.client.answer_refused(entry.peer)
                     raise PeerUnavailable(entry.peer, "ack_unverified")
                 self.count_sent(entry.peer, entry.kind, message.nbytes)
                 log.info(
@@ -311,9 +312,11 @@ class Outbound:
             delivered = Delivered(header, obj, len(body))
         except WireError as exc:
             self.telemetry.record_rejection(exc.reason, peer)
+            self.client.answer_refused(peer)  # a relay's forgery, perhaps: its next relay next
             raise
         if delivered.header.sender != peer or delivered.header.kind != RESPONSE_PREFIX + kind:
             self.telemetry.record_rejection("payload_schema", peer)
+            self.client.answer_refused(peer)
             raise PeerUnavailable(peer, "response does not match the request")
         try:
             await self.marks.cover(peer, delivered.header.timestamp_ms)

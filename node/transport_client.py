@@ -11,7 +11,11 @@ A peer that accepts no inbound connection (issue 31: roster `address: null`,
 relay (node/relay_wire.py RELAY_MESSAGE_PATH) and a failed attempt (unreachable,
 timeout, 502/503) moves it to the next before the backoff, so a node fails over
 between relays and then keeps using the one that works. The relay answers with
-the final receiver's own answer, so an acknowledgement stays end to end.
+the final receiver's own answer, so an acknowledgement stays end to end; any
+other answer is unsigned and may be the relay's own, so every answer but a 200
+moves the link too, as does a 200 whose acknowledgement or frame does not
+verify (`answer_refused`): a relay refusing or forging everything cannot hold
+its peer's senders (rv_net review).
 
 A 503 `queue_full` is the peer saying "later" (its inbox, or this sender's
 share of it, is full), not a failure: it neither counts toward the breaker nor
@@ -51,7 +55,8 @@ ERROR_BODY_LIMIT = 4 * 1024
 RETRYABLE = {429, 500, 502, 503, 504}
 # Answers after which a relayed link tries its next relay: the relay is gone or
 # unhealthy (500, 502 relay_lost, 504), or the peer is not connected to it (503
-# not_connected). Not 429: a rate limit is the sender's own to wait out.
+# not_connected). On a relayed link, every answer but a 200 does too (`post`):
+# a refusal is unsigned, so it may be the relay's own.
 FAILOVER = RETRYABLE - {429}
 # The reason of a 503 that is the peer's own "later" (its inbox, or the share of
 # it a sender may hold, is full; a relay's frames in flight to it): raised to the
@@ -195,6 +200,14 @@ class MessageClient:
         if self._session is not None:
             await self._session.close()
 
+    def answer_refused(self, peer: str) -> None:
+        """The last answer through `peer`'s link was not `peer`'s own (its
+        acknowledgement or its frame did not verify): a relayed link tries its
+        next relay next, so a relay that forges answers cannot hold the link."""
+        link = self.links.get(peer)
+        if link is not None and link.relayed:
+            link.fail_over(link.url)
+
     def breaker_open(self, peer: str) -> bool:
         link = self.links.get(peer)
         return link is not None and not link.breaker.allow(time.monotonic())
@@ -255,6 +268,12 @@ class MessageClient:
                 status, body = 0, b""
                 last_reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
             if status and status not in RETRYABLE:
+                if status != 200 and link.relayed:
+                    # Unsigned: maybe the relay's own word, not the peer's. The
+                    # next message tries the next relay, so a relay that refuses
+                    # everything (403, 404, ...) cannot keep its peer's senders
+                    # off its other relays (rv_net review).
+                    link.fail_over(url)
                 link.breaker.success()
                 return status, body
             if status:
@@ -269,8 +288,8 @@ class MessageClient:
                 # retried here, the caller knows how long its message may wait.
                 link.fail_over(url)
                 raise TransportError(peer, LATER, status)
-            if not status or status in FAILOVER:
-                link.fail_over(url)
+            if not status or status in FAILOVER or link.relayed:
+                link.fail_over(url)  # (429 too, on a relayed link: maybe the relay's own)
             link.breaker.failure(
                 time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
             )

@@ -1,0 +1,117 @@
+"""A relay cannot keep an outbound-only site's senders off its other relays
+(rv_net review). A refusal is unsigned, so on a relayed link it may be the
+relay's own word: every answer but a 200, and a 200 whose acknowledgement or
+frame does not verify, moves the link to the peer's next relay. Before, a
+relay that answered 429 or a 4xx to everything (or a forged acknowledgement)
+held every sender on itself: the site was unreachable though its other relay
+was fine. Fake relays and a real MessageServer on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+from test_upload_fairness import codec, recorder
+
+from node.outbound import Outbound
+from node.queues import Outbox
+from node.relay_wire import RELAY_MESSAGE_PATH
+from node.telemetry import Telemetry
+from node.transport import MessageServer
+from node.transport_client import MessageClient, TransportError
+from p2pfl.config import TransportSection
+
+FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.02, "breaker_failures": 100}
+
+
+@contextlib.asynccontextmanager
+async def fake_relay(status: int, body: dict, hits: list[int]) -> AsyncIterator[str]:
+    """A relay that answers every POST `status` with JSON `body`: its HOST:PORT."""
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        hits.append(status)
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_post(RELAY_MESSAGE_PATH, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"), [(429, "rate_limited"), (403, "unknown_sender"), (404, "not_ready")]
+)
+async def test_a_relay_refusing_everything_does_not_hold_the_link(
+    identities, roster, status, reason
+):
+    alice = codec(identities, roster, "alice")
+    bad: list[int] = []
+    good: list[int] = []
+    async with (
+        fake_relay(status, {"reason": reason}, bad) as r1,
+        fake_relay(200, {"ok": True}, good) as r2,
+    ):
+        client = MessageClient(TransportSection(**FAST), None)
+        client.set_relayed_peer("bob", [r1, r2])
+        answers = []
+        try:
+            for _ in range(3):
+                try:
+                    answers.append((await client.post("bob", alice.encode("m", "bob", {})))[0])
+                except TransportError as exc:
+                    answers.append(exc.reason)
+        finally:
+            await client.close()
+    assert len(bad) == 1 and len(good) >= 2, (bad, good, answers)
+    assert answers[1:] == [200, 200], answers
+
+
+async def test_a_relay_forging_acknowledgements_does_not_hold_the_link(
+    tmp_path, identities, roster
+):
+    """r1 answers every push 200 with an acknowledgement bob never signed; r2
+    reaches bob (his real MessageServer). The push through r1 fails
+    (`ack_unverified`); the next goes through r2 and is delivered."""
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    processed: list[str] = []
+    server = MessageServer(bob, TransportSection(), recorder(bob, processed), lambda r, s: None)
+    server.extra_routes.append(lambda app: app.router.add_post(RELAY_MESSAGE_PATH, server.handle))
+    port = await server.start("127.0.0.1", 0, None)
+    forged: list[int] = []
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    out = Outbound(
+        name="alice",
+        cfg=SimpleNamespace(transport=client.cfg, wire=SimpleNamespace(encryption=False)),  # type: ignore[arg-type]
+        codec=alice,
+        client=client,
+        outbox=Outbox(tmp_path / "outbox"),
+        peers=None,  # type: ignore[arg-type]
+        telemetry=Telemetry("alice"),
+        marks=None,  # type: ignore[arg-type]
+        current_round=lambda: 0,
+    )
+    outcomes = []
+    try:
+        async with fake_relay(200, {"ok": True, "ack": "A" * 88}, forged) as r1:
+            client.set_relayed_peer("bob", [r1, f"127.0.0.1:{port}"])
+            for n in range(2):
+                try:
+                    await out.send_push("bob", "probe", {"n": n}, 0)
+                    outcomes.append("delivered")
+                except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+                    outcomes.append(getattr(exc, "reason", repr(exc)))
+    finally:
+        await client.close()
+        await server.stop()
+    assert outcomes == ["ack_unverified", "delivered"], outcomes
+    assert len(forged) == 1 and len(processed) == 1

@@ -274,7 +274,7 @@ class Outbound:
             self.count_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
             if status == 200:
                 try:
-                    return await self._open_response(peer, kind, body)
+                    return await self._open_response(peer, kind, body, message.header.round)
                 except WireError as exc:
                     if exc.reason not in SEND_AGAIN:
                         raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
@@ -289,8 +289,11 @@ class Outbound:
             if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop
                 await asyncio.sleep(min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
-    async def _open_response(self, peer: str, kind: str, body: bytes) -> Any:
+    async def _open_response(self, peer: str, kind: str, body: bytes, round_no: int) -> Any:
         """Verify and open the answer to our request; WireError (counted) if refused.
+        An answer names its request's round (node/inbound.py echoes it): one of
+        another round is refused, so a relay that withheld an answer cannot hand
+        it to a later round's request (rv_net review).
 
         The header is verified on the loop (it reserves the id); a payload of
         OFF_LOOP_BYTES or more is opened in a worker thread, as inbound ones
@@ -314,7 +317,11 @@ class Outbound:
             self.telemetry.record_rejection(exc.reason, peer)
             self.client.answer_refused(peer)  # a relay's forgery, perhaps: its next relay next
             raise
-        if delivered.header.sender != peer or delivered.header.kind != RESPONSE_PREFIX + kind:
+        if (
+            delivered.header.sender != peer
+            or delivered.header.kind != RESPONSE_PREFIX + kind
+            or delivered.header.round != round_no
+        ):
             self.telemetry.record_rejection("payload_schema", peer)
             self.client.answer_refused(peer)
             raise PeerUnavailable(peer, "response does not match the request")

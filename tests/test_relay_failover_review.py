@@ -75,6 +75,54 @@ async def test_a_relay_refusing_everything_does_not_hold_the_link(
     assert answers[1:] == [200, 200], answers
 
 
+async def _covered(peer: str, timestamp_ms: int) -> None:
+    """ReplayMarks.cover, with nothing to persist."""
+
+
+def outbound_of(tmp_path, sender, client: MessageClient, current_round: int = 0) -> Outbound:
+    return Outbound(
+        name=sender.identity.name,
+        cfg=SimpleNamespace(transport=client.cfg, wire=SimpleNamespace(encryption=False)),  # type: ignore[arg-type]
+        codec=sender,
+        client=client,
+        outbox=Outbox(tmp_path / "outbox"),
+        peers=None,  # type: ignore[arg-type]
+        telemetry=Telemetry(sender.identity.name),
+        marks=SimpleNamespace(cover=_covered),  # type: ignore[arg-type]
+        current_round=lambda: current_round,
+    )
+
+
+async def test_an_answer_withheld_from_an_earlier_round_is_refused(tmp_path, identities, roster):
+    """Attack: a relay keeps bob's answer to alice's round-5 request (answering
+    her 502, as it may) and hands it to her round-6 request. Before, an answer
+    was checked for its sender and kind only and alice took bob's round-5 answer
+    as his round-6 one; now an answer must name its request's round."""
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    withheld = bob.encode("resp:model", "alice", {"round": 5, "w": 1}, round=5).to_bytes()
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=withheld, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_post(RELAY_MESSAGE_PATH, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("bob", [f"127.0.0.1:{runner.addresses[0][1]}"])
+    try:
+        got = await outbound_of(tmp_path, alice, client, 6).request("bob", "model", {}, 2.0)
+    except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+        got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert got == "response does not match the request", got  # (before: bob's round-5 map)
+
+
 async def test_a_relay_forging_acknowledgements_does_not_hold_the_link(
     tmp_path, identities, roster
 ):
@@ -89,17 +137,7 @@ async def test_a_relay_forging_acknowledgements_does_not_hold_the_link(
     port = await server.start("127.0.0.1", 0, None)
     forged: list[int] = []
     client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    out = Outbound(
-        name="alice",
-        cfg=SimpleNamespace(transport=client.cfg, wire=SimpleNamespace(encryption=False)),  # type: ignore[arg-type]
-        codec=alice,
-        client=client,
-        outbox=Outbox(tmp_path / "outbox"),
-        peers=None,  # type: ignore[arg-type]
-        telemetry=Telemetry("alice"),
-        marks=None,  # type: ignore[arg-type]
-        current_round=lambda: 0,
-    )
+    out = outbound_of(tmp_path, alice, client)
     outcomes = []
     try:
         async with fake_relay(200, {"ok": True, "ack": "A" * 88}, forged) as r1:

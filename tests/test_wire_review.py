@@ -289,7 +289,7 @@ async def test_a_large_answer_is_opened_off_the_event_loop(
     alice = WireCodec(identities["alice"], roster, FED)
     bob = WireCodec(identities["bob"], roster, FED)
     answer = {"round": 1, "num_train": 3, "state": {"w": torch.ones(elements)}}
-    frame = bob.encode("resp:model", "alice", answer).to_bytes()
+    frame = bob.encode("resp:model", "alice", answer, round=1).to_bytes()  # its round echoed
     opened_in: list[int] = []
     original = alice.open_payload
 

@@ -57,6 +57,7 @@ import itertools
 import logging
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -342,6 +343,14 @@ class RelayServer:
             if turn == TOO_MANY_CONNECTIONS:
                 response.force_close()  # this sender has connections enough
             return response
+        left = False
+
+        def leave() -> None:  # once: when streamed (`_forward`), or however it ends
+            nonlocal left
+            if not left:
+                left = True
+                turn.leave()
+
         try:
             checked = self._check(header, header_len, gate)
             if isinstance(checked, tuple):
@@ -357,12 +366,17 @@ class RelayServer:
                         "refusals": sum(self.refusals.values()),
                     },
                 )
-            return await self._forward(checked, request, prefix + rest, header)
+            return await self._forward(checked, request, prefix + rest, header, leave)
         finally:
-            turn.leave()  # its place at the relay is free
+            leave()  # its place at the relay is free
 
     async def _forward(
-        self, link: SiteLink, request: web.Request, head: bytes, header: Header
+        self,
+        link: SiteLink,
+        request: web.Request,
+        head: bytes,
+        header: Header,
+        streamed: Callable[[], None],
     ) -> web.StreamResponse:
         """Stream a checked frame down the recipient's connection as its bytes
         arrive (node/relay_wire.py: DATA pieces, END once the payload's length
@@ -394,6 +408,11 @@ class RelayServer:
                 return self._refuse(*failure, who=sender)
             link.unhold(sender, held_bytes)
             held_bytes = 0
+            # Sent: waiting for the answer (a request its site holds open until
+            # its model is ready) holds no place of its sender's, only the
+            # recipient's slot; 8 such held requests, one per site, kept every
+            # other frame of their sender waiting, then rate_limited (rv_net review).
+            streamed()
             # the bytes that went down: the whole frame, or less when the site
             # answered (refused it on its header) before the relay sent it all
             self._account(sender, link.name, self._sent.get(stream_id, 0))

@@ -17,10 +17,11 @@ Per sender of a verified frame (node/relay.py: the header's cheap checks and
 the sender's signature ran first, so only a frame its sender signed ever waits
 in that sender's queue):
 - nothing of it waits, fewer than `HONEST_CONNECTIONS` of its frames are in
-  the relay's hands (admitted, not yet answered) and its token bucket holds a
-  token: on at once, no await;
+  the relay's hands (admitted, not yet sent on whole: a frame sent and waiting
+  for its answer, a request its site holds open, no longer counts; node/relay.py
+  `_forward`) and its token bucket holds a token: on at once, no await;
 - otherwise the frame joins the sender's FIFO queue; the head of the queue
-  waits for one of its frames to be answered and for a token, then the
+  waits for one of its frames to be sent on and for a token, then the
   relay's remaining checks run and the frame takes the token
   (node/relay.py `_check`);
 - a frame still waiting after `RATE_WAIT_S` is refused 429 `rate_limited`;
@@ -31,9 +32,13 @@ in that sender's queue):
   old card, are refused `unknown_sender` (they used to go on, each taking a
   token from a new gate's fresh burst); a card whose keys all still verify
   (unchanged, or rotated with the old key as its previous one) keeps its gate.
-An honest node opens at most 8 connections to one host
-(node/transport_client.py, `limit_per_host`), so it never has more than 8
-frames at a relay at once and never waits for that; a flooder with more
+An honest node opens at most 8 connections to one host for each peer behind
+it (node/transport_client.py, `limit_per_host`, a pool per outbound-only
+peer), so it has more than 8 frames being sent on at a relay at once only
+when it sends to several of them at once, and then waits its turn, not
+refused unless for 2 s (before, one pool and answered frames counted: 8
+requests held open by 8 sites kept every other frame of their sender,
+heartbeats included, waiting until refused: rv_net review); a flooder with more
 connections has its surplus held (each costs a socket and no CPU, but what
 aiohttp read of it before pausing stays in memory: up to twice its 256 KiB
 read_bufsize plus one 256 KiB recv; in the issue-31 review, tracemalloc

@@ -156,6 +156,12 @@ class MessageClient:
         self.ssl_context = ssl_context
         self.links: dict[str, PeerLink] = {}
         self._session: aiohttp.ClientSession | None = None
+        # An outbound-only peer's own pool of connections to its relays: with
+        # one pool for all, a request held open at each of 8 peers behind one
+        # relay (their models not ready yet) took all 8 connections to that
+        # relay, and every other message through it (heartbeats included)
+        # waited until it timed out (rv_net review).
+        self._relayed: dict[str, aiohttp.ClientSession] = {}
         self._rng = random.Random()
 
     def _url(self, address: str, path: str) -> str:
@@ -185,20 +191,32 @@ class MessageClient:
     def remove_peer(self, name: str) -> None:
         self.links.pop(name, None)
 
-    async def session(self) -> aiohttp.ClientSession:
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=64,
+            limit_per_host=8,
+            ssl=self.ssl_context if self.ssl_context is not None else False,
+            keepalive_timeout=CLIENT_KEEPALIVE_S,
+        )
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def session(self, link: PeerLink | None = None) -> aiohttp.ClientSession:
+        """The pooled session; a relayed `link`'s own (see `_relayed`)."""
+        if link is not None and link.relayed:
+            own = self._relayed.get(link.name)
+            if own is None or own.closed:
+                own = self._relayed[link.name] = self._new_session()
+            return own
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(
-                limit=64,
-                limit_per_host=8,
-                ssl=self.ssl_context if self.ssl_context is not None else False,
-                keepalive_timeout=CLIENT_KEEPALIVE_S,
-            )
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+            self._session = self._new_session()
         return self._session
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+        for own in list(self._relayed.values()):
+            await own.close()
+        self._relayed.clear()
 
     def answer_refused(self, peer: str) -> None:
         """The last answer through `peer`'s link was not `peer`'s own (its
@@ -313,7 +331,7 @@ class MessageClient:
         if link.blocked:
             await asyncio.sleep(min(timeout, 0.05))
             raise aiohttp.ClientConnectionError("blocked by fault injection")
-        session = await self.session()
+        session = await self.session(link)
         client_timeout = aiohttp.ClientTimeout(
             total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
         )

@@ -1,0 +1,65 @@
+"""Requests held open through a relay do not starve their sender's other
+messages (rv_net review). A request is held at its site until it can be
+answered (a model not ready yet); through one relay, 8 of them (one per
+outbound-only neighbour, or a secure sum's phase to 8 members) took all 8
+connections of the sender's one pool to that relay, and all 8 of its places
+at the relay, so every other message of the sender through that relay,
+heartbeats included, waited until it timed out. Real relay and client on
+127.0.0.1, real signed, encrypted frames (the helpers of tests/test_relay.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import test_relay
+from test_relay import FED, RelaySite, relay
+
+from node.transport_client import MessageClient
+from p2pfl.config import TransportSection
+from p2pfl.secure.identity import LocalIdentity, Roster
+from p2pfl.secure.wire import WireCodec
+
+HELD = [f"c{i}" for i in range(8)]
+
+
+def test_eight_requests_held_through_a_relay_do_not_stall_a_heartbeat_to_another_site():
+    ids = {n: LocalIdentity.generate(n) for n in ("a", "b", *HELD)}
+    behind = [dataclasses.replace(ids[n].card(), address=None, via=("r1",)) for n in ("b", *HELD)]
+    roster = Roster([ids["a"].card("127.0.0.1:7001"), *behind], None, relays={"r1": "x:1"})
+    a = WireCodec(ids["a"], roster, FED, require_encryption=True)
+
+    async def scenario() -> None:
+        ready = asyncio.Event()
+
+        async def held(body: bytes) -> tuple[int, bytes]:  # its model is not ready yet
+            await ready.wait()
+            return 404, b'{"reason": "not_ready"}'
+
+        async with relay(roster) as (server, url):
+            sites = [RelaySite(ids["b"], roster)] + [RelaySite(ids[n], roster, held) for n in HELD]
+            for site in sites:
+                await site.connect(url)
+            client = MessageClient(TransportSection(), None)
+            for name in ("b", *HELD):
+                client.set_relayed_peer(name, [url.removeprefix("http://")])
+            pulls = [
+                asyncio.create_task(
+                    client.post(n, a.encode("req:model", n, {}, encrypt=True), retries=0)
+                )
+                for n in HELD
+            ]
+            try:
+                await test_relay.until(lambda: sum(len(s.received) for s in sites[1:]) == 8)
+                beat = a.encode("heartbeat", "b", {"round": 1}, encrypt=True)
+                status, _ = await client.post("b", beat, timeout=4, retries=0)
+                assert status == 200
+            finally:
+                ready.set()
+                await asyncio.gather(*pulls, return_exceptions=True)
+                await client.close()
+                for site in sites:
+                    await site.close()
+            assert server.snapshot()["sites"]["a"]["active"] == 0  # no place leaked
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

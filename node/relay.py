@@ -210,7 +210,7 @@ class RelayServer:
         finally:
             self._drop(link, "connection closed")
         if not ws.closed:
-            await link.close(WSCloseCode.PROTOCOL_ERROR, "protocol error", self._close_s)
+            await link.close(WSCloseCode.PROTOCOL_ERROR, "protocol error", self.settings)
         return ws
 
     def _on_reply(self, link: SiteLink, data: bytes) -> bool:
@@ -234,16 +234,10 @@ class RelayServer:
             del self.links[link.name]
             log.info("RELAY %s: site %s disconnected (%s)", self.name, link.name, why)
 
-    @property
-    def _close_s(self) -> float:
-        """How long closing a site's connection may take: the WebSocket's own
-        wait for the site's close frame (relay_handshake.upgrade), twice."""
-        return 2 * min(10.0, self.settings.auth_timeout_s)
-
     def _disconnect(self, link: SiteLink, why: str) -> None:
         self._drop(link, why)
         task = asyncio.get_running_loop().create_task(
-            link.close(WSCloseCode.GOING_AWAY, why, self._close_s)
+            link.close(WSCloseCode.GOING_AWAY, why, self.settings)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -343,14 +337,7 @@ class RelayServer:
             if turn == TOO_MANY_CONNECTIONS:
                 response.force_close()  # this sender has connections enough
             return response
-        left = False
-
-        def leave() -> None:  # once: when streamed (`_forward`), or however it ends
-            nonlocal left
-            if not left:
-                left = True
-                turn.leave()
-
+        leave = turn.once()  # when streamed (`_forward`), or however it ends
         try:
             checked = self._check(header, header_len, gate)
             if isinstance(checked, tuple):

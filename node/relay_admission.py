@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from node.transport import TokenBucket
@@ -155,9 +155,21 @@ class SenderGate:
     revoked: bool = False  # its sender's card was removed or changed: none goes on
 
     def leave(self) -> None:
-        """A frame `enter` admitted is answered or refused: its place is free."""
+        """A frame `enter` admitted is sent on, answered or refused: its place is free."""
         self.active -= 1
         self.freed.set()
+
+    def once(self) -> Callable[[], None]:
+        """`leave`, for one frame: only its first call leaves."""
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                self.leave()
+
+        return leave
 
 
 class Admission:

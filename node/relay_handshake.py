@@ -146,15 +146,16 @@ class SiteLink:
     closed: bool = False
     transport: asyncio.BaseTransport | None = None  # its TCP (or TLS) connection
 
-    async def close(self, code: int, why: str, within: float) -> None:
+    async def close(self, code: int, why: str, settings: RelaySettings) -> None:
         """Close the WebSocket, and abort its connection if that takes more than
-        `within` seconds: aiohttp's close waits for the site to take the close
+        twice the WebSocket's own wait for the site's close frame (`upgrade`):
+        aiohttp's close waits for the site to take the close
         frame with no deadline, so a site that reads nothing kept a replaced
         connection open for good (its reader still took up to one message of
         max_message_bytes; a review kept several such connections of one site
         open), and a relay's shutdown waited on it."""
         try:
-            async with asyncio.timeout(within):
+            async with asyncio.timeout(2 * close_wait_s(settings)):
                 await self.ws.close(code=code, message=why[:100].encode())
         except (TimeoutError, ConnectionError, RuntimeError):
             pass
@@ -177,6 +178,11 @@ class SiteLink:
         for future in self.waiting.values():
             if not future.done():
                 future.set_result(None)
+
+
+def close_wait_s(settings: RelaySettings) -> float:
+    """How long a site's WebSocket waits for the site's close frame."""
+    return min(10.0, settings.auth_timeout_s)
 
 
 class HandshakeRefused(Exception):
@@ -347,7 +353,7 @@ class Gatekeeper:
             heartbeat=self.settings.idle_timeout_s * 2 / 3,
             max_msg_size=max_message_bytes + REPLY_OVERHEAD,  # an authenticated site only
             compress=False,  # ciphertext does not compress
-            timeout=min(10.0, self.settings.auth_timeout_s),  # for the peer's close frame
+            timeout=close_wait_s(self.settings),  # for the peer's close frame
         )
         try:
             await ws.prepare(request)

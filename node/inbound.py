@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership
-from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX
+from node.outbound import ANSWERS, REQUEST_PREFIX, RESPONSE_PREFIX
 from node.queues import Inboxes, Journal, ReplayMarks, Reservation, Spool, unlink_all
 from node.telemetry import Telemetry
 from node.transport import OFF_LOOP_BYTES, IncomingFrame, Rejection
@@ -221,6 +221,8 @@ class Inbound:
             self.faults.on_progress(header.round, self._step("asked", kind, query), own=False)
         deadline = time.monotonic() + min(control.wait_s, self.cfg.transport.request_timeout_s)
         payload = await self._answer(header.sender, kind, query, deadline)
+        if isinstance(payload, dict):  # (a copy: the handler's may be shared, a stored model)
+            payload = {**payload, ANSWERS: header.id_hex}  # which request this answers
         encrypt = self.cfg.wire.encryption
         if self.faults.active:
             poisoned = self.faults.poisoned_reply(

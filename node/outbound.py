@@ -59,13 +59,16 @@ from node.telemetry_records import TrafficCounter
 from node.transport import OFF_LOOP_BYTES
 from node.transport_client import ACK_LIMIT, MessageClient, TransportError, reason_of_response
 from p2pfl.config import SiteConfig
-from p2pfl.secure.wire import Delivered, WireCodec, WireError
+from p2pfl.secure.wire import Delivered, Header, WireCodec, WireError
 from protocols.base import PeerUnavailable
 
 log = logging.getLogger(__name__)
 
 REQUEST_PREFIX = "req:"
 RESPONSE_PREFIX = "resp:"
+# The key of an answer (a map) naming the id of the request it answers
+# (node/inbound.py adds it, `_open_response` checks and removes it).
+ANSWERS = "_answers"
 # Answers after which a request is asked again (until its timeout) rather than given up.
 ASK_AGAIN = (
     "not_ready",
@@ -274,7 +277,7 @@ class Outbound:
             self.count_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
             if status == 200:
                 try:
-                    return await self._open_response(peer, kind, body, message.header.round)
+                    return await self._open_response(peer, kind, body, message.header)
                 except WireError as exc:
                     if exc.reason not in SEND_AGAIN:
                         raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
@@ -289,11 +292,12 @@ class Outbound:
             if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop
                 await asyncio.sleep(min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
-    async def _open_response(self, peer: str, kind: str, body: bytes, round_no: int) -> Any:
-        """Verify and open the answer to our request; WireError (counted) if refused.
-        An answer names its request's round (node/inbound.py echoes it): one of
-        another round is refused, so a relay that withheld an answer cannot hand
-        it to a later round's request (rv_net review).
+    async def _open_response(self, peer: str, kind: str, body: bytes, asked: Header) -> Any:
+        """Verify and open the answer to our request `asked`; WireError (counted)
+        if refused. An answer names its request's round (node/inbound.py echoes
+        it) and, a map, its request's id (ANSWERS): another's is refused, so a
+        relay that withheld an answer cannot hand it to a later request (rv_net
+        review). An answer without the id (an older node's) is taken.
 
         The header is verified on the loop (it reserves the id); a payload of
         OFF_LOOP_BYTES or more is opened in a worker thread, as inbound ones
@@ -317,10 +321,12 @@ class Outbound:
             self.telemetry.record_rejection(exc.reason, peer)
             self.client.answer_refused(peer)  # a relay's forgery, perhaps: its next relay next
             raise
+        answers = obj.pop(ANSWERS, asked.id_hex) if isinstance(obj, dict) else asked.id_hex
         if (
             delivered.header.sender != peer
             or delivered.header.kind != RESPONSE_PREFIX + kind
-            or delivered.header.round != round_no
+            or delivered.header.round != asked.round
+            or answers != asked.id_hex
         ):
             self.telemetry.record_rejection("payload_schema", peer)
             self.client.answer_refused(peer)

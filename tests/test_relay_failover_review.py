@@ -123,6 +123,65 @@ async def test_an_answer_withheld_from_an_earlier_round_is_refused(tmp_path, ide
     assert got == "response does not match the request", got  # (before: bob's round-5 map)
 
 
+async def test_an_answer_to_another_request_of_the_same_round_is_refused(
+    tmp_path, identities, roster
+):
+    """The same within a round: an answer names the id of the request it
+    answers (node/inbound.py adds it, inside the signed, encrypted payload),
+    so a withheld answer handed to a later request of the same round and kind
+    is refused too; an answer without it (an older node's) is still taken."""
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    other = "ab" * 16  # the id of alice's earlier request, whose answer was withheld
+    answers = [
+        bob.encode("resp:model", "alice", {"w": 1, "_answers": other}, round=6).to_bytes(),
+        bob.encode("resp:model", "alice", {"w": 2}, round=6).to_bytes(),
+    ]
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answers.pop(0), content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_post(RELAY_MESSAGE_PATH, answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("bob", [f"127.0.0.1:{runner.addresses[0][1]}"])
+    out = outbound_of(tmp_path, alice, client, 6)
+    got = []
+    try:
+        for _ in range(2):
+            try:
+                got.append(await out.request("bob", "model", {}, 2.0))
+            except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+                got.append(getattr(exc, "reason", repr(exc)))
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert got == ["response does not match the request", {"w": 2}], got
+
+
+async def test_a_node_names_the_request_its_answer_answers(tmp_path, identities, roster):
+    from test_hostile_wire import incoming, make_inbound
+
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    inbound = make_inbound(tmp_path, bob, kinds=("model",), pushes=())
+    stored = {"round": 1, "w": 3}  # what a protocol's store hands out, shared
+
+    async def serve(sender: str, query: dict) -> dict:
+        return stored
+
+    inbound.handlers["model"] = serve
+    asked = alice.encode("req:model", "bob", {"_wait_s": 0.0})
+    status, chunks = await inbound.on_frame(incoming(bob, asked.to_bytes()))
+    answer = alice.decode(b"".join(bytes(c) for c in chunks))
+    assert status == 200 and answer.payload == {"round": 1, "w": 3, "_answers": asked.header.id_hex}
+    assert stored == {"round": 1, "w": 3}  # the handler's own map is left as it was
+
+
 async def test_a_relay_forging_acknowledgements_does_not_hold_the_link(
     tmp_path, identities, roster
 ):

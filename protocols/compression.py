@@ -328,11 +328,10 @@ def entries_of(payload: Any, reference: dict[str, Tensor]) -> list[tuple[str, in
             or not all(type(d) is int for d in shape)  # a tensor here compares as a tensor
             or shape != list(floats[name].shape)
         ):
-            # the peer's value by its type only, unless a short list of ints (a
-            # repr of the whole once logged 4 bytes per byte of a string it sent)
-            short = isinstance(shape, list) and len(shape) <= 8
-            told = shape if short and all(type(d) is int for d in shape) else shown(shape)
-            raise CompressionRefused("shape_mismatch", f"{name}: {told}"[:60])
+            # its first dimensions, each shown(): repr(shape)[:60] built the
+            # whole repr of a peer's million-item shape first (a review, 2026-11-28)
+            dims = [shown(d) for d in shape[:8]] if isinstance(shape, list) else shown(shape)
+            raise CompressionRefused("shape_mismatch", f"{shown(name)}: {dims}")
         size = floats[name].numel()
         out.append((name, start, start + size))
         start += size

@@ -624,3 +624,39 @@ def test_the_gradient_residual_survives_a_checkpoint() -> None:
     assert torch.equal(a["values"], b["values"]) and torch.equal(a["mask"], b["mask"])
     after.restore_residual({"w": "not a tensor"})  # a damaged entry is ignored
     assert after.residual is not None and set(after.residual) == {"w", "b"}
+
+
+class Unprintable(list):  # type: ignore[type-arg]
+    """A peer's field whose repr must not be built: f"{value!r}"[:60] built the
+    whole repr of a 20-million-item list (~60 MB, ~1 s) before cutting it, on
+    the event loop for a pulled model or a FedER relay (a review, 2026-11-28)."""
+
+    def __repr__(self) -> str:
+        raise AssertionError("repr of a peer's huge field")
+
+
+def test_a_huge_field_of_a_compressed_reply_or_relay_is_refused_without_printing_it() -> None:
+    huge = Unprintable([0] * 1000)
+    ex = exchange("int8")
+    ctx = Ctx()
+    reply = {"round": 1, "num_train": 10, "format": huge, "ref": 0, "id": 1, "state": {}}
+    assert asyncio.run(ex.decoded(ctx, "p", reply, OWN)) is None  # type: ignore[arg-type]
+    assert ctx.rejected == [("p", "compression_mismatch")]
+    push = {"round": 1, "buffer_hash": "x", "compression": huge, "model": {}}
+    assert asyncio.run(relayed_model(ctx, "p", push, OWN, parse("int8"))) is None  # type: ignore[arg-type]
+    assert ctx.rejected[-1] == ("p", "compression_mismatch")
+    # inside the payload: an entry's shape, an entry's name, an int8 block
+    payload = compress_state(OWN, parse("int8"))
+    for entry in payload["entries"]:
+        entry[1] = Unprintable([1] * 1000)
+    with pytest.raises(CompressionRefused, match="shape_mismatch"):
+        decode_state(payload, OWN, parse("int8"), keyframe=True)
+    payload = compress_state(OWN, parse("int8"))
+    payload["entries"][0][0] = "x" * 10_000_000
+    with pytest.raises(CompressionRefused) as refused:
+        decode_state(payload, OWN, parse("int8"), keyframe=True)
+    assert refused.value.reason == "key_mismatch" and len(str(refused.value)) < 200
+    payload = compress_state(OWN, parse("int8"))
+    payload["block"] = Unprintable([0] * 1000)
+    with pytest.raises(CompressionRefused, match="bad_block"):
+        decode_state(payload, OWN, parse("int8"), keyframe=True)

@@ -152,3 +152,25 @@ def test_a_huge_format_field_is_refused_without_printing_it(kind: str) -> None:
         got = asyncio.run(ex.collect(ctx, (1, 1), OWN, 8.0, ["p"], 1))  # type: ignore[arg-type]
     assert got.terms == []
     assert ctx.rejected == [("p", "compression_mismatch")]
+
+
+def test_a_huge_num_train_or_round_is_refused_without_printing_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`%r` of a refused num_train wrote a peer's whole list to the log: 5
+    million items, 15 MB in one line of node.log, 0.3 s on the event loop per
+    pull (a review, 2026-11-28); the round of a reply without a model too."""
+    ex = PlainExchange(
+        ServedModels(3), max_staleness=1, timeout=1.0, max_norm_ratio=10.0, max_weight_ratio=16.0
+    )
+    huge = Unprintable([0] * 1000)
+    with caplog.at_level("INFO", logger="protocols.exchange"):
+        ctx = Peer(model(num_train=huge))
+        got = asyncio.run(ex.collect(ctx, 1, OWN, 10.0, ["p"], 1))  # type: ignore[arg-type]
+        assert got.terms == [] and ctx.rejected == [("p", "model_bad_num_train")]
+        ctx = Peer(model(state=None, round=huge))
+        got = asyncio.run(ex.collect(ctx, 1, OWN, 10.0, ["p"], 1))  # type: ignore[arg-type]
+        assert got.terms == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("num_train <Unprintable>" in m for m in messages)
+    assert any("past round <Unprintable>" in m for m in messages)

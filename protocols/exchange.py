@@ -392,12 +392,6 @@ class PlainExchange:
 # ---------------------------------------------------------------------- gradients
 
 
-def reply_refused(reply: Any) -> bool:
-    """Whether a gradient reply that brought nothing was refused (anything but
-    the honest answer that the step is gone from the neighbour's memory)."""
-    return not (isinstance(reply, dict) and reply.get("grad") is None)
-
-
 class GradientExchange:
     """FedSGDP2P's per-step gradients in the clear (`kind` "grad"), keyed by
     (round, step): the latest `keep` are served; a pull waits `timeout`."""
@@ -464,10 +458,15 @@ class GradientExchange:
             self.on_unavailable(peer)
             return None
         result = await self.checked(ctx, key, reference, peer, reply)
-        if result is None and reply_refused(reply):
-            # Refused (counted in `checked`): asked again at once, a neighbour that
-            # answers each step late with what is refused cost a wait every step,
-            # never backed off as a silent one is (a review, 2026-11-28).
+        if result is None:
+            # Refused (counted in `checked`), or "gone": asked again at once, a
+            # neighbour that answers each step late with what is refused cost a
+            # wait every step, never backed off as a silent one is (a review,
+            # 2026-11-28). "Gone" too (a second review): an honest one comes
+            # from a neighbour more than `keep` steps ahead, which will answer
+            # the next steps alike, and a late {"grad": None} at every step
+            # cost the same wait as a refused gradient, uncounted and never
+            # backed off.
             self.on_refused(peer)
         return result
 

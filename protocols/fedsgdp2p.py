@@ -17,7 +17,8 @@ roster's max_samples; counted as `weight_capped`, logged as `weights_capped`).
 A neighbour that fails or does not answer within `step_timeout_s` is skipped,
 and then left out for 1, 2, 4, ... steps (at most one round's worth) until it
 answers again: the step goes on with what arrived. A neighbour whose
-gradient is refused is backed off the same way.
+gradient is refused, or that answers that the step is gone from its memory,
+is backed off the same way.
 
 A round is `training.steps_per_round` steps when set (the same for every site,
 cycling through its reshuffled data), else `training.epochs` passes over the

@@ -227,6 +227,39 @@ def test_a_neighbour_whose_gradients_are_refused_is_backed_off_like_a_silent_one
     assert record["steps"] == 8 and record["timeouts"] == 0
 
 
+class GoneFedSgd(FedSgdP2P):
+    """Answers every pull of a gradient with "gone" (`grad` None), as a
+    neighbour more than GRADIENTS_KEPT steps ahead does; counts the pulls."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params)
+        self.asked: list[Any] = []
+
+        async def serve(requester: str, query: dict[str, Any]) -> dict[str, Any]:
+            self.asked.append(query.get("step"))
+            return {"round": query.get("round"), "step": query.get("step"), "grad": None}
+
+        self.exchanger.serve = serve  # type: ignore[method-assign]
+
+
+def test_a_neighbour_answering_gone_at_every_step_is_backed_off_too(
+    sources: list[str],
+) -> None:
+    """A second review (rv_proto2, 2026-11-28): the first review backed off a
+    neighbour whose gradient is refused, but not one answering {"grad": None}
+    ("gone from my memory"), uncounted: answered late, at every step, it cost
+    the wait the first review removed. Now asked at steps 1, 3 and 6 of 8."""
+    cfgs = configs(sources[:2], {"optimizer": "sgd", "lr": 0.1, "steps_per_round": 8}, rounds=1)
+    gone = GoneFedSgd(cfgs[1].protocol)
+    protos = [FedSgdP2P(cfgs[0].protocol), gone]  # type: ignore[arg-type]
+    network = InMemoryNetwork(inline_train=True)
+    run_protocols(cfgs, protos, network)
+    assert gone.asked == [1, 3, 6]  # before: [1, 2, ..., 8]
+    assert network.rejections == []  # an honest answer: nothing counted
+    (record,) = [r for r in network.records if r["node"] == "site0"]
+    assert record["steps"] == 8 and record["timeouts"] == 0
+
+
 def test_an_inflated_batch_size_is_capped_and_counted(sources: list[str]) -> None:
     training = {"optimizer": "sgd", "lr": 0.1, "max_steps_per_epoch": 3}
     cfgs = configs(sources[:2], training, rounds=1)

@@ -157,7 +157,11 @@ class Node:
         )
         self.client.on_reject = self.telemetry.record_rejection
         self.server = MessageServer(
-            self.codec, cfg.transport, self.inbound.on_frame, self.inbound.on_reject
+            self.codec,
+            cfg.transport,
+            self.inbound.on_frame,
+            self.inbound.on_reject,
+            check_header=self.inbound.check_header,
         )
         self.relays = SiteRelays(
             cfg=cfg,

@@ -40,6 +40,11 @@ Bounds against a hostile peer (issue 28):
 - a peer may have `transport.max_held_per_peer` requests held open at once;
   one more is refused `too_many_held` (the upload reservation is not held
   while they wait: node/transport.py);
+- a heartbeat larger than an honest one can be (node/membership.py
+  `heartbeat_limit`: 1 MiB + 1 KiB a roster site + 80 bytes a `selection.n`)
+  is refused `heartbeat_oversize` from its signed header, before a byte of its
+  payload is read (`check_header`, called by node/transport.py); before, only
+  wire.max_message_bytes (512 MiB) bounded it;
 - payloads of `OFF_LOOP_BYTES` (16 KiB, node/transport.py) or more are opened
   (decrypted, decoded, checked finite) in a worker thread, not on the event
   loop: heartbeats and requests too.
@@ -59,7 +64,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from node.faults import FaultPlan
-from node.membership import HEARTBEAT, Membership
+from node.membership import HEARTBEAT, Membership, heartbeat_limit
 from node.outbound import ANSWERS, REQUEST_PREFIX, RESPONSE_PREFIX
 from node.queues import Inboxes, Journal, ReplayMarks, Reservation, Spool, unlink_all
 from node.telemetry import Telemetry
@@ -163,6 +168,19 @@ class Inbound:
             return kind in self._kinds or kind in self.handlers
         return kind in self._kinds or kind in self.inboxes.queues
 
+    def heartbeat_limit(self) -> int:
+        """The largest heartbeat payload taken (node/membership.py `heartbeat_limit`)."""
+        return heartbeat_limit(len(self.codec.roster.names()), self.cfg.selection.n)
+
+    def check_header(self, header: Header) -> None:
+        """What a verified header alone refuses, before its payload is read
+        (node/transport.py calls it, and `on_frame` again): a heartbeat larger
+        than an honest one can be (`heartbeat_oversize`)."""
+        if header.kind == HEARTBEAT and header.payload_len > (limit := self.heartbeat_limit()):
+            raise Rejection(
+                "heartbeat_oversize", f"{header.payload_len} bytes, at most {limit} taken"
+            )
+
     def on_reject(self, reason: str, sender: str | None) -> None:
         self.telemetry.record_rejection(reason, sender)
         log.debug("%s: rejected a message from %s: %s", self.name, sender, reason)
@@ -178,6 +196,7 @@ class Inbound:
             and not self.accepts_push(kind)
         ):
             raise Rejection("push_not_accepted", f"{kind[:64]} is requested, not pushed")
+        self.check_header(header)
         try:
             await self.marks.cover(header.sender, header.timestamp_ms)
         except OSError as exc:

@@ -36,6 +36,32 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT = "heartbeat"
 
+# The largest heartbeat payload a node takes (node/inbound.py `check_header`),
+# refused `heartbeat_oversize` before a byte of it is read. An honest one is:
+# its fixed fields (phase at most 64 characters, error 80) and published
+# metadata (per-class F1, model statistics, FedPerl's feature vector: 9 bytes
+# a number; the registered models gossip at most 534 numbers a vector, 1,000
+# classes 1,000 more), well inside HEARTBEAT_BASE_BYTES (about 110,000
+# numbers); its edges (2 per other roster site) and choices (1), each under
+# 200 bytes with names of at most 64 characters, inside HEARTBEAT_SITE_BYTES a
+# roster site; and `recent`, at most `selection.n` names, HEARTBEAT_NAME_BYTES
+# each. Before (a review, 2026-11-28) only wire.max_message_bytes (512 MiB)
+# bounded it: decoded in a thread that holds the interpreter lock, then kept
+# as the peer's metadata until its next heartbeat.
+HEARTBEAT_BASE_BYTES = 1 << 20
+HEARTBEAT_SITE_BYTES = 1 << 10
+HEARTBEAT_NAME_BYTES = 80
+
+
+def heartbeat_limit(roster_size: int, recent_n: int) -> int:
+    """The most bytes an honest heartbeat's payload takes in a federation of
+    `roster_size` sites whose `selection.n` is `recent_n` (see above)."""
+    return (
+        HEARTBEAT_BASE_BYTES
+        + HEARTBEAT_SITE_BYTES * max(0, roster_size)
+        + HEARTBEAT_NAME_BYTES * max(0, recent_n)
+    )
+
 
 class Progress(NamedTuple):
     """Where this node's protocol is, as its heartbeats tell it."""

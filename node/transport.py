@@ -92,6 +92,7 @@ STATUS_FOR_REASON = {
     "encoding_not_accepted": 415,  # a body sent with a Content-Encoding (gzip, ...): not inflated
     "too_many_held": 429,  # the peer already has transport.max_held_per_peer requests held open
     "too_many_uploads": 429,  # the peer's uploads in progress already reserve its share
+    "heartbeat_oversize": 413,  # larger than an honest heartbeat can be (node/inbound.py)
     "upload_too_slow": 408,  # slower than transport.min_upload_bytes_per_s
     "answer_too_slow": 408,  # (counted only) an answer its requester did not read in time
 }
@@ -262,9 +263,13 @@ class MessageServer:
         on_reject: RejectHook,
         *,
         uplink: Uplink | None = None,
+        check_header: Callable[[Header], None] | None = None,
     ) -> None:
         self.codec = codec
         self.cfg = cfg
+        # The node's own refusals of a verified header (Rejection), before its
+        # payload is read: a heartbeat larger than an honest one (node/inbound.py).
+        self.check_header = check_header
         # replies go out through the node's uplink, shared with its client
         self.uplink = uplink if uplink is not None else uplink_for(cfg)
         self.on_frame = on_frame
@@ -421,6 +426,11 @@ class MessageServer:
             )
         if not bucket.take():
             return self._refuse("rate_limited", "", sender, header)
+        if self.check_header is not None:
+            try:
+                self.check_header(header)
+            except Rejection as exc:
+                return self._refuse(exc.reason, exc.detail, sender, header)
         size = header.payload_len
         if self.reserved_bytes + size > self.reserve_limit:
             return self._refuse("queue_full", "too many large uploads in progress", sender, header)

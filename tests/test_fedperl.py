@@ -526,7 +526,7 @@ def test_extreme_feature_vectors_are_refused_and_the_node_keeps_training() -> No
         [
             ("e1", "gossip_features_range"),
             ("e2", "gossip_features_range"),
-            ("e3", "gossip_features_malformed"),
+            ("e3", "gossip_features_length"),  # its length is checked first now
             ("e4", "gossip_features_malformed"),
         ]
         * 2  # similarities() above, then peer_learning's own call: once per round
@@ -555,6 +555,47 @@ def test_vectors_of_another_length_are_refused_so_colluders_cannot_drop_mine() -
         ("c2", "gossip_features_length"),
         ("c3", "gossip_features_length"),
     ]
+
+
+class Unreadable(list):  # type: ignore[type-arg]
+    """A gossiped vector whose numbers must not be read (len is free)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("a huge feature vector read number by number")
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        raise AssertionError("a huge feature vector read number by number")
+
+
+def test_a_feature_vector_is_checked_by_type_and_length_before_its_numbers_are_read() -> None:
+    """A review (rv_proto2, 2026-11-28): every number of a peer's vector was
+    converted before its length was compared with mine, once a round per peer
+    on the event loop (20 million: about 1.6 s), and numbers sent as text or
+    booleans were taken ("1e5" as 100000.0, True as 1.0)."""
+    width = 8
+    mine = [0.01 * i for i in range(width)]
+    peers = {
+        "h1": {FEATURES_KEY: {"vector": [0.012 * i for i in range(width)]}},
+        "huge": {FEATURES_KEY: {"vector": Unreadable([0.0] * 100_000)}},
+        "text": {FEATURES_KEY: {"vector": ["1e5"] * width}},
+        "bools": {FEATURES_KEY: {"vector": [True] * width}},
+        "nested": {FEATURES_KEY: {"vector": [[0.0]] * width}},
+        "ints": {FEATURES_KEY: {"vector": list(range(width))}},  # numbers all the same
+    }
+    ctx = GossipContext("me", peers)
+    node = fedperl_node("me", mine, top_t=2, warmup_rounds=20)
+    sims = node.similarities(ctx)  # type: ignore[arg-type]
+    assert set(sims) == {"h1", "ints"}
+    assert sorted(ctx.rejected) == [
+        ("bools", "gossip_features_malformed"),
+        ("huge", "gossip_features_length"),
+        ("nested", "gossip_features_malformed"),
+        ("text", "gossip_features_malformed"),
+    ]
+    # without a vector of its own a node has no similarities and reads none
+    ctx = GossipContext("me", peers)
+    assert create("fedperl", top_t=2).similarities(ctx) == {}  # type: ignore[union-attr, arg-type]
+    assert ctx.rejected == []
 
 
 def test_a_nan_similarity_is_shown_as_none() -> None:

@@ -496,3 +496,18 @@ def test_n_latest_refuses_a_recent_list_no_honest_node_sends_and_ranks_it_last()
     # an honest list, empty before a node's first exchange, or none: read as before
     assert rank(h, [peer("b", recent=["me"]), peer("c", recent=[])]) == ["c", "b"]
     assert rank(h, [peer("b", recent=["me"]), peer("c")]) == ["c", "b"]
+
+
+def test_an_honest_recent_above_my_cap_is_refused_the_stated_limit() -> None:
+    """A second review (rv_proto2, 2026-11-28): the cap on `recent` is
+    max(my selection.n, 1024). The sites of a federation share `selection`,
+    and an honest peer sends at most its own n names; one configured with an
+    n above my cap (not enforced federation-wide) is refused and ranked last."""
+    names = [f"s{i}" for i in range(1500)]
+    h = selection.create("n_latest", n=1)
+    refused: list[tuple[str, str]] = []
+    peers = [peer("b", recent=["me"]), peer("honest", recent=names)]
+    ranking = rank(h, peers, reject=lambda p, r: refused.append((p, r)))
+    assert ranking == ["b", "honest"] and refused == [("honest", "gossip_recent_malformed")]
+    # with the same n as that peer it is read as before
+    assert rank(selection.create("n_latest", n=1500), peers)[0] == "honest"

@@ -21,6 +21,12 @@ from protocols.base import PeerUnavailable, Received, RoundContext
 from protocols.rounds import Round, RoundLoop
 
 PROBE_KIND = "probe"
+# Probes of at most this many rounds ahead are kept for their round: a peer
+# further ahead is not waited for long anyway (its probes of the rounds this
+# node has yet to run are already consumed), and a member pushing probes of
+# every later round of a long probe (rounds: 1,000,000) grew the memory by an
+# entry a push even after a first review capped them at the last round.
+EARLY_ROUNDS = 16
 
 
 class Probe(RoundLoop[ProbeParams]):
@@ -59,9 +65,13 @@ class Probe(RoundLoop[ProbeParams]):
         self.received[msg.sender] = self.received.get(msg.sender, 0) + 1
         if msg.round == round_no:
             got_this_round.add(msg.sender)
-        elif isinstance(msg.round, int) and round_no < msg.round <= self.params.rounds:
-            # Only rounds this node will run: a member pushing probes of rounds
-            # 11, 12, ... 2^31 - 1 grew `early` by an entry a push, never read.
+        elif isinstance(msg.round, int) and round_no < msg.round <= min(
+            self.params.rounds, round_no + EARLY_ROUNDS
+        ):
+            # Only rounds this node will run, and soon: a member pushing probes of
+            # rounds 11, 12, ... 2^31 - 1 grew `early` by an entry a push, never
+            # read (a review, 2026-11-28), and of rounds up to a long probe's last
+            # (a second review) by as many.
             self.early.setdefault(msg.round, set()).add(msg.sender)
 
     async def exchange(self, ctx: RoundContext, site: Any, rnd: Round) -> None:

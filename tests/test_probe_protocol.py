@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from p2pfl.config.protocols import ProbeParams
 from protocols.base import Received
-from protocols.probe import Probe
+from protocols.probe import EARLY_ROUNDS, Probe
 
 
 def test_probes_of_rounds_past_the_last_are_not_kept() -> None:
@@ -22,3 +22,17 @@ def test_probes_of_rounds_past_the_last_are_not_kept() -> None:
     # a probe of this round is taken as before
     probe.take(Received(sender="good", kind="probe", round=1, payload={}), 1, got)
     assert got == {"good"}
+
+
+def test_probes_of_rounds_far_ahead_of_a_long_probe_are_not_kept() -> None:
+    """A second review (rv_proto2, 2026-11-28): capped at the last round, a
+    probe of 1,000,000 rounds (the length the hostile-wire test runs) still
+    kept an entry for every later round a member pushed; now the next
+    EARLY_ROUNDS rounds only, and a peer one round ahead is still caught up."""
+    probe = Probe(ProbeParams(name="probe", rounds=1_000_000))
+    got: set[str] = set()
+    for r in range(2, 5000):
+        probe.take(Received(sender="evil", kind="probe", round=r, payload={}), 1, got)
+    assert sorted(probe.early) == list(range(2, 2 + EARLY_ROUNDS))
+    probe.take(Received(sender="good", kind="probe", round=2, payload={}), 1, got)
+    assert probe.early[2] == {"evil", "good"}

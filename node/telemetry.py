@@ -182,17 +182,28 @@ class Telemetry:
     # ---- what peers tell us about the rest of the graph ---------------------
 
     def local_edges(self) -> list[dict[str, Any]]:
-        """Edges this node took part in, in the shape `merge_remote_edges` accepts."""
+        """Edges this node took part in, in the shape `merge_remote_edges`
+        accepts: only those between roster sites. A peer drops the others, and
+        after a roster reload to fewer sites they made an honest heartbeat
+        larger than its bound (node/membership.py `heartbeat_limit`). All of
+        them until a roster is set."""
         with self._lock:
-            return [edge_dict(key, stats) for key, stats in sorted(self._edges.items())]
+            names = self._roster
+            return [
+                edge_dict(key, stats)
+                for key, stats in sorted(self._edges.items())
+                if names is None or (key[0] in names and key[1] in names)
+            ]
 
     def local_choices(self) -> list[dict[str, Any]]:
-        """This node's own choices, in the shape `merge_remote_choices` accepts."""
+        """This node's own choices of roster sites, in the shape
+        `merge_remote_choices` accepts (only those: as for `local_edges`)."""
         with self._lock:
+            names = self._roster
             return [
                 {"chooser": chooser, "chosen": chosen, "count": count}
                 for (chooser, chosen), count in sorted(self._choices.items())
-                if chooser == self.me
+                if chooser == self.me and (names is None or chosen in names)
             ]
 
     def set_roster(self, names: list[str]) -> None:

@@ -139,3 +139,22 @@ async def post(port: int, frame: bytes, send: int) -> Any:
         return await asyncio.wait_for(read_reply(reader), 10)
     finally:
         writer.close()
+
+
+def test_after_a_roster_reload_to_fewer_sites_the_heartbeat_still_fits() -> None:
+    """A heartbeat reported every edge and choice the node ever had, of sites
+    a reload removed too (peers drop those): 5,000 sites cut to 3 left 10,000
+    edges, 2 MB, refused by the peers' bound as if the node were hostile."""
+    names = site_names(5000)
+    beat = largest_honest_heartbeat(names, names[0], 1)
+    telemetry = Telemetry(names[0])
+    telemetry.set_roster(names)
+    for peer in names[1:]:
+        telemetry.record_sent(peer, "model", 1)
+        telemetry.record_choice(names[0], [peer])
+    telemetry.set_roster(names[:3])
+    edges, choices = telemetry.local_edges(), telemetry.local_choices()
+    assert [(e["source"], e["target"]) for e in edges] == [(names[0], n) for n in names[1:3]]
+    assert [c["chosen"] for c in choices] == names[1:3]
+    beat.update(edges=edges, choices=choices)
+    assert len(tensors.dumps(beat)) + 16 <= heartbeat_limit(3, 1)

@@ -57,7 +57,13 @@ from node.queues import Outbox, OutboxEntry, ReplayMarks
 from node.telemetry import Telemetry
 from node.telemetry_records import TrafficCounter
 from node.transport import OFF_LOOP_BYTES
-from node.transport_client import ACK_LIMIT, MessageClient, TransportError, reason_of_response
+from node.transport_client import (
+    ACK_LIMIT,
+    MessageClient,
+    TransportError,
+    reason_of_response,
+    signed_refusal,
+)
 from p2pfl.config import SiteConfig
 from p2pfl.secure.wire import Delivered, Header, WireCodec, WireError
 from protocols.base import PeerUnavailable
@@ -79,10 +85,15 @@ ASK_AGAIN = (
     "below_replay_floor",
     "in_progress",
     "too_many_uploads",
+    "id_taken",  # (signed, or not: a fresh request each time anyway)
 )
 # The peer restarted since this message's timestamp, or its replay cache's floor
 # is above it: encode it again with a fresh timestamp, it was not taken.
 SEND_AGAIN = frozenset({"before_restart", "below_replay_floor"})
+# The peer holds another sender's frame under this push's id (a relay saw the
+# id in the clear header and had it used first): the push was not taken under
+# it, so it goes again under a fresh id (rv_net2 review).
+ID_TAKEN = "id_taken"
 SEND_AGAIN_PAUSE_S = 0.25
 # A copy of this id is still arriving or being handled at the peer: not delivered
 # (yet), send it again with backoff.
@@ -194,6 +205,14 @@ class Outbound:
                 )
             elif reason in SEND_AGAIN:
                 pause = SEND_AGAIN_PAUSE_S
+            elif reason == ID_TAKEN:
+                if not self.codec.verify_ack(entry.peer, entry.msg_id, reason, ack_of(body)):
+                    # unsigned: maybe a relay's, which may have forwarded it
+                    self.telemetry.record_rejection("ack_unverified", entry.peer)
+                    self.client.answer_refused(entry.peer)
+                    raise PeerUnavailable(entry.peer, "ack_unverified")
+                pause = SEND_AGAIN_PAUSE_S
+                await asyncio.to_thread(self.outbox.rekey, entry, os.urandom(16))
             else:
                 raise PeerUnavailable(entry.peer, reason)
             if deadline - time.monotonic() <= pause:
@@ -208,6 +227,8 @@ class Outbound:
                 if reason == IN_PROGRESS
                 else "as its inbox (or this node's share of it) is full"
                 if reason == QUEUE_FULL
+                else "as another sender used its id first (a fresh id now)"
+                if reason == ID_TAKEN
                 else "as stamped before its restart"
                 if reason == "before_restart"
                 else "as stamped at or below its replay floor",
@@ -287,6 +308,10 @@ class Outbound:
                     )
                     continue
             reason = reason_of_response(status, body)
+            if signed_refusal(status, body) and not self.codec.verify_ack(
+                peer, message.header.msg_id, reason, ack_of(body)
+            ):
+                self.client.answer_refused(peer)  # not the peer's word: its next relay
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
             if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop

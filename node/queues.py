@@ -342,6 +342,14 @@ class Outbox:
         }
         atomic_write_bytes(self.dir / f"{entry.msg_id.hex()}.out", tensors.encode(record).chunks)
 
+    def rekey(self, entry: OutboxEntry, msg_id: bytes) -> None:
+        """`entry` under the fresh id `msg_id` from now on (its peer refused the
+        old one `id_taken`: node/outbound.py), on disk first, then in memory."""
+        old = entry.msg_id
+        entry.msg_id = msg_id
+        self.add(entry)
+        self.done(old)
+
     def done(self, msg_id: bytes) -> None:
         (self.dir / f"{msg_id.hex()}.out").unlink(missing_ok=True)
 

@@ -199,7 +199,7 @@ def content_encoding(request: web.BaseRequest) -> str | None:
 def _reject(reason: str, detail: str = "", ack: str | None = None) -> web.Response:
     body = {"reason": reason, "detail": detail[:200]}
     if ack is not None:
-        body["ack"] = ack  # `replayed`: the receiver's signed word that it holds the id
+        body["ack"] = ack  # `replayed`, `id_taken`: the receiver's signed word (wire.py)
     return web.json_response(body, status=STATUS_FOR_REASON.get(reason, 400))
 
 
@@ -393,10 +393,11 @@ class MessageServer:
             ):
                 # signature verified: a copy of a frame still arriving or being handled
                 return self._refuse("in_progress", exc.detail, sender)
-            if exc.reason == "replayed" and claimed is not None:
+            if exc.reason in ("replayed", "id_taken") and claimed is not None:
                 # raised only after the signature verified: the sender's own
-                # message, done with here; signed, so no relay can say so for us
-                ack = self.codec.sign_ack(claimed, "replayed")
+                # message, done with here (or another's id: never taken under
+                # it); signed, so no relay can say so for us
+                ack = self.codec.sign_ack(claimed, exc.reason)
                 return self._refuse(exc.reason, exc.detail, sender, ack=ack)
             return self._refuse(exc.reason, exc.detail, sender)
         except (asyncio.IncompleteReadError, ConnectionResetError, aiohttp.ClientPayloadError):
@@ -458,7 +459,8 @@ class MessageServer:
         try:
             status, body = await self.on_frame(received)
         except (WireError, Rejection) as exc:
-            return self._refuse(exc.reason, exc.detail, sender, header)
+            ack = self.codec.sign_ack(header, exc.reason) if exc.reason == "id_taken" else None
+            return self._refuse(exc.reason, exc.detail, sender, header, ack)
         except Exception as exc:  # noqa: BLE001 - a verified peer's frame: refused, counted
             # A case the checks missed (a decoder's RuntimeError once made a 500
             # with a logged traceback and nothing counted): one line, a reason.

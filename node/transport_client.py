@@ -65,6 +65,8 @@ FAILOVER = RETRYABLE - {429}
 # push refused 5 times opened the peer's circuit for breaker_reset_s, and the
 # client's 5 tries in about 3 s were all the push got (review 4, R2).
 LATER = "queue_full"
+# Refusals the receiver signs (p2pfl/secure/wire.py ACK_OUTCOMES): `signed_refusal`.
+SIGNED_REFUSALS = ("replayed", "id_taken")
 
 
 class ResponseRefused(Exception):
@@ -286,7 +288,7 @@ class MessageClient:
                 status, body = 0, b""
                 last_reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
             if status and status not in RETRYABLE:
-                if status != 200 and link.relayed:
+                if status != 200 and link.relayed and not signed_refusal(status, body):
                     # Unsigned: maybe the relay's own word, not the peer's. The
                     # next message tries the next relay, so a relay that refuses
                     # everything (403, 404, ...) cannot keep its peer's senders
@@ -383,6 +385,15 @@ def _reason_of(body: bytes) -> str | None:
         return None
     reason = obj.get("reason") if isinstance(obj, dict) else None
     return one_line(reason, MAX_REASON_CHARS) if isinstance(reason, str) and reason else None
+
+
+def signed_refusal(status: int, body: bytes) -> bool:
+    """A 409 whose reason the receiver signs (`replayed`, `id_taken`): its
+    caller verifies the signature (node/outbound.py) and moves the link on if
+    it does not verify (`answer_refused`). Failed over at once, an honest one
+    from the good relay sent the link back to the relay that had stolen the
+    id, which stole the next one too (rv_net2 review)."""
+    return status == 409 and _reason_of(body) in SIGNED_REFUSALS
 
 
 def reason_of_response(status: int, body: bytes) -> str:

@@ -263,7 +263,11 @@ _NONCE = bytes(12)  # every key is used for exactly one message
 
 
 ACK_CONTEXT = b"p2pfl-ack/v1\n"
-ACK_OUTCOMES = ("ok", "replayed")
+# `id_taken`: the receiver's signed word that it holds another sender's message
+# under that id, so the sender's was not taken under it and may go again under
+# a fresh one (node/outbound.py); unsigned, a relay that forwarded the push
+# could say so and have it processed twice (rv_net2 review).
+ACK_OUTCOMES = ("ok", "replayed", "id_taken")
 
 
 def ack_message(federation: str, receiver: str, sender: str, msg_id: bytes, outcome: str) -> bytes:
@@ -350,8 +354,9 @@ class WireCodec:
         )
 
     def sign_ack(self, header: Header, outcome: str) -> str:
-        """This node's signed word (base64) that it took (`ok`) or had already
-        taken (`replayed`) the verified message `header` describes."""
+        """This node's signed word (base64) that it took (`ok`), had already
+        taken (`replayed`), or holds another sender's message under the id of
+        (`id_taken`) the verified message `header` describes."""
         assert outcome in ACK_OUTCOMES, outcome
         data = ack_message(
             self.federation, self.identity.name, header.sender, header.msg_id, outcome

@@ -1,0 +1,120 @@
+"""An id another sender used first (`id_taken`) must not cost the honest
+sender its push (rv_net2 review). Ids are random, but a relay reads them in
+the clear header, and an outbox sends a push again with its same id: a relay
+run by a roster member (or its accomplice) saw alice's push to carol, answered
+alice 502 (a drop, which a relay may do) and used the id first. Alice's link
+then moved to carol's other, honest relay, as it should, but every copy of
+the push now carries a taken id: carol refused it `id_taken` and alice gave
+the push up, so one relay made carol unreachable for that push though her
+other relay was fine. Now a push refused `id_taken` takes a fresh id (its
+outbox record too) and is sent again. Fake relays and a real MessageServer
+on 127.0.0.1 (the helpers of tests/test_upload_fairness.py)."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+from test_relay_failover_review import FAST, outbound_of
+from test_upload_fairness import codec, post, recorder
+
+from node.relay_wire import RELAY_MESSAGE_PATH
+from node.transport import MESSAGE_PATH, MessageServer
+from node.transport_client import MessageClient
+from p2pfl.config import TransportSection
+from p2pfl.secure.wire import PREFIX_LEN, Header
+
+
+async def _serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post(RELAY_MESSAGE_PATH, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other_relay(
+    tmp_path, identities, roster
+):
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    carol = codec(identities, roster, "carol")
+    processed: list[str] = []
+    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
+    port = await server.start("127.0.0.1", 0, None)
+    stolen: list[str] = []
+
+    async def thief(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        x = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+        reply = await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
+        stolen.append(f"{x.hex()}:{reply.status}")
+        return web.json_response({"reason": "relay_lost"}, status=502)
+
+    async def honest(request: web.Request) -> web.Response:
+        frame = await request.read()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame) as r,
+        ):
+            return web.Response(status=r.status, body=await r.read(), headers=r.headers)
+
+    bad, r1 = await _serve(thief)
+    good, r2 = await _serve(honest)
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("carol", [r1, r2])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        try:
+            await out.send_push("carol", "probe", {"x": 1}, 0)
+            got = "delivered"
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        await bad.cleanup()
+        await good.cleanup()
+        await server.stop()
+    assert len(stolen) == 1 and stolen[0].endswith(":200"), stolen
+    assert got == "delivered", (got, stolen, processed)
+    assert len(processed) == 2 and processed[0] == stolen[0].split(":")[0], processed
+    assert not list((tmp_path / "outbox").glob("*.out"))  # nothing left to send again
+
+
+async def test_a_relays_own_id_taken_does_not_have_a_forwarded_push_sent_again(
+    tmp_path, identities, roster
+):
+    """The other side of the fix: a push goes again under a fresh id only on
+    carol's signed word. Attack: a relay forwards alice's push to carol (who
+    takes it) and answers alice 409 `id_taken` itself; taken at its word, alice
+    would send the push again under a fresh id and carol would process it
+    twice. Alice refuses the unsigned answer (`ack_unverified`), sends nothing
+    again, and her link leaves that relay."""
+    alice = codec(identities, roster, "alice")
+    carol = codec(identities, roster, "carol")
+    processed: list[str] = []
+    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
+    port = await server.start("127.0.0.1", 0, None)
+
+    async def forger(request: web.Request) -> web.Response:
+        assert (await post(port, await request.read())).status == 200  # forwarded, taken
+        return web.json_response({"reason": "id_taken", "ack": "AAAA"}, status=409)
+
+    bad, r1 = await _serve(forger)
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("carol", [r1, "127.0.0.1:9"])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        try:
+            await out.send_push("carol", "probe", {"x": 1}, 0)
+            got = "delivered"
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        await bad.cleanup()
+        await server.stop()
+    assert len(processed) == 1, processed  # once: never sent again under a fresh id
+    assert got == "ack_unverified", got
+    assert client.links["carol"].url.endswith("127.0.0.1:9" + RELAY_MESSAGE_PATH)

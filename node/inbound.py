@@ -65,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership, heartbeat_limit
-from node.outbound import ANSWERS, REQUEST_PREFIX, RESPONSE_PREFIX
+from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX, answer_id
 from node.queues import Inboxes, Journal, ReplayMarks, Reservation, Spool, unlink_all
 from node.telemetry import Telemetry
 from node.transport import OFF_LOOP_BYTES, IncomingFrame, Rejection
@@ -240,8 +240,6 @@ class Inbound:
             self.faults.on_progress(header.round, self._step("asked", kind, query), own=False)
         deadline = time.monotonic() + min(control.wait_s, self.cfg.transport.request_timeout_s)
         payload = await self._answer(header.sender, kind, query, deadline)
-        if isinstance(payload, dict):  # (a copy: the handler's may be shared, a stored model)
-            payload = {**payload, ANSWERS: header.id_hex}  # which request this answers
         encrypt = self.cfg.wire.encryption
         if self.faults.active:
             poisoned = self.faults.poisoned_reply(
@@ -250,7 +248,12 @@ class Inbound:
             if poisoned is not None:
                 return 200, poisoned
         reply = self.codec.encode(
-            RESPONSE_PREFIX + kind, header.sender, payload, round=header.round, encrypt=encrypt
+            RESPONSE_PREFIX + kind,
+            header.sender,
+            payload,
+            round=header.round,
+            encrypt=encrypt,
+            msg_id=answer_id(self.codec, header.sender, header.msg_id),  # names the request
         )
         self.count_sent(header.sender, RESPONSE_PREFIX + kind, reply.nbytes)
         if self.faults.active:

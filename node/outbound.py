@@ -43,11 +43,14 @@ Heartbeats are the membership's (node/membership.py) and not counted here.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,9 +75,26 @@ log = logging.getLogger(__name__)
 
 REQUEST_PREFIX = "req:"
 RESPONSE_PREFIX = "resp:"
-# The key of an answer (a map) naming the id of the request it answers
-# (node/inbound.py adds it, `_open_response` checks and removes it).
+# The key of an answer (a map) naming the id of the request it answers, as
+# nodes of one interim version sent it: checked and removed if present. A key
+# in the payload broke older requesters, whose strict schemas (secagg's
+# extra="forbid") refused every such answer (rv_net2 review): the answer's own
+# id names its request now (`answer_id`).
 ANSWERS = "_answers"
+ANSWER_CONTEXT = b"p2pfl-answer/v1\n"
+# Ids of the answers to this node's recent requests, remembered (`Outbound._asked`).
+ASKED_REMEMBERED = 16384
+
+
+def answer_id(codec: WireCodec, peer: str, request_id: bytes) -> bytes:
+    """The id the answer to request `request_id` carries, between this node
+    and `peer` (either side): keyed with their pair's secret, so a relay that
+    reads the request's id cannot take the answer's id first (`id_taken`), and
+    older requesters, which take any id, still read the answer unchanged."""
+    mac = hmac.new(codec.shared_secret(peer), ANSWER_CONTEXT + request_id, hashlib.sha256)
+    return mac.digest()[:16]
+
+
 # Answers after which a request is asked again (until its timeout) rather than given up.
 ASK_AGAIN = (
     "not_ready",
@@ -129,6 +149,9 @@ class Outbound:
     marks: ReplayMarks
     current_round: Callable[[], int]
     sent: TrafficCounter = field(default_factory=TrafficCounter)  # since start, no heartbeats
+    # the answer ids (`answer_id`) of recent requests: one of them on another
+    # request's answer is a withheld answer handed on, refused
+    _asked: OrderedDict[bytes, None] = field(default_factory=OrderedDict, init=False)
 
     def count_sent(self, peer: str, kind: str, nbytes: int) -> None:
         """A protocol message (push, request or response) went out."""
@@ -287,6 +310,9 @@ class Outbound:
                 round=self.current_round(),
                 encrypt=self.cfg.wire.encryption,
             )
+            self._asked[answer_id(self.codec, peer, message.header.msg_id)] = None
+            while len(self._asked) > ASKED_REMEMBERED:
+                self._asked.popitem(last=False)
             try:
                 status, body = await self.client.post(peer, message, timeout=remaining, retries=0)
             except TransportError as exc:
@@ -320,9 +346,10 @@ class Outbound:
     async def _open_response(self, peer: str, kind: str, body: bytes, asked: Header) -> Any:
         """Verify and open the answer to our request `asked`; WireError (counted)
         if refused. An answer names its request's round (node/inbound.py echoes
-        it) and, a map, its request's id (ANSWERS): another's is refused, so a
-        relay that withheld an answer cannot hand it to a later request (rv_net
-        review). An answer without the id (an older node's) is taken.
+        it) and, in its own id, its request (`answer_id`): an answer that
+        carries the answer id of another of our requests is refused, so a relay
+        that withheld an answer cannot hand it to a later request (rv_net
+        review). An answer with any other id (an older node's) is taken.
 
         The header is verified on the loop (it reserves the id); a payload of
         OFF_LOOP_BYTES or more is opened in a worker thread, as inbound ones
@@ -347,11 +374,13 @@ class Outbound:
             self.client.answer_refused(peer)  # a relay's forgery, perhaps: its next relay next
             raise
         answers = obj.pop(ANSWERS, asked.id_hex) if isinstance(obj, dict) else asked.id_hex
+        own = delivered.header.msg_id
         if (
             delivered.header.sender != peer
             or delivered.header.kind != RESPONSE_PREFIX + kind
             or delivered.header.round != asked.round
             or answers != asked.id_hex
+            or (own in self._asked and own != answer_id(self.codec, peer, asked.msg_id))
         ):
             self.telemetry.record_rejection("payload_schema", peer)
             self.client.answer_refused(peer)

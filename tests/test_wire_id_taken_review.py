@@ -8,7 +8,11 @@ the push now carries a taken id: carol refused it `id_taken` and alice gave
 the push up, so one relay made carol unreachable for that push though her
 other relay was fine. Now a push refused `id_taken` takes a fresh id (its
 outbox record too) and is sent again. Fake relays and a real MessageServer
-on 127.0.0.1 (the helpers of tests/test_upload_fairness.py)."""
+on 127.0.0.1 (the helpers of tests/test_upload_fairness.py).
+
+And the answer ids: an answer named its request by a key in its payload,
+which older requesters' strict schemas refused; its own id names it now,
+keyed with the pair's secret so that no relay can take it first."""
 
 from __future__ import annotations
 
@@ -118,3 +122,75 @@ async def test_a_relays_own_id_taken_does_not_have_a_forwarded_push_sent_again(
     assert len(processed) == 1, processed  # once: never sent again under a fresh id
     assert got == "ack_unverified", got
     assert client.links["carol"].url.endswith("127.0.0.1:9" + RELAY_MESSAGE_PATH)
+
+
+async def test_an_older_requesters_strict_schema_still_reads_a_nodes_answer(
+    tmp_path, identities, roster
+):
+    """Honest breakage: a node named the request its answer answers with a
+    key in the answer's payload (`_answers`, rv_net review). A node of the
+    version before, mid rolling upgrade (docs/operations.md: one site at a
+    time), reads secagg answers with schemas that refuse an unknown key
+    (protocols/secagg_messages.py, extra="forbid"): it refused every upgraded
+    contributor's answer `secagg_malformed`, and its secure sums failed. The
+    answer's id names the request now; the payload is the handler's own."""
+    from test_hostile_wire import incoming, make_inbound
+
+    from protocols.secagg_messages import Advertised, parse
+
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    inbound = make_inbound(tmp_path, bob, kinds=("secagg",), pushes=())
+    keys = {"c_pk": b"c" * 32, "s_pk": b"s" * 32, "b_hash": b"b" * 32, "tags": {}}
+
+    async def serve(sender: str, query: dict) -> dict:
+        return keys
+
+    inbound.handlers["secagg"] = serve
+    asked = alice.encode("req:secagg", "bob", {"_wait_s": 0.0})
+    status, chunks = await inbound.on_frame(incoming(bob, asked.to_bytes()))
+    answer = alice.decode(b"".join(bytes(c) for c in chunks))  # as an older requester does
+    assert status == 200 and parse(Advertised, answer.payload) is not None, answer.payload
+
+
+async def test_a_withheld_answer_handed_to_the_next_request_is_refused_by_its_id(
+    tmp_path, identities, roster
+):
+    """The binding the payload key gave, kept: a relay withholds bob's answer
+    to alice's request (answering her 502) and hands it to her next request of
+    the same round and kind; its id is the answer id of the first request,
+    refused. The third request's own answer is taken."""
+    from node.outbound import answer_id
+
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    seen: list[bytes] = []
+
+    def answer_to(request_id: bytes, w: int) -> bytes:
+        rid = answer_id(bob, "alice", request_id)
+        return bob.encode("resp:model", "alice", {"w": w}, round=6, msg_id=rid).to_bytes()
+
+    async def relay(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        seen.append(Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id)
+        if len(seen) == 1:
+            return web.json_response({"reason": "relay_lost"}, status=502)  # withheld
+        body = answer_to(seen[0], 1) if len(seen) == 2 else answer_to(seen[-1], 3)
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    runner, r1 = await _serve(relay)
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("bob", [r1])
+    out = outbound_of(tmp_path, alice, client, 6)
+    got = []
+    try:
+        for _ in range(2):
+            try:
+                got.append(await out.request("bob", "model", {}, 3.0))
+            except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+                got.append(getattr(exc, "reason", repr(exc)))
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert got == ["response does not match the request", {"w": 3}], (got, len(seen))

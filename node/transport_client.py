@@ -164,6 +164,7 @@ class MessageClient:
         # relay, and every other message through it (heartbeats included)
         # waited until it timed out (rv_net review).
         self._relayed: dict[str, aiohttp.ClientSession] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # pools of peers gone, closing
         self._rng = random.Random()
 
     def _url(self, address: str, path: str) -> str:
@@ -182,6 +183,7 @@ class MessageClient:
     def set_peer(self, name: str, address: str) -> None:
         """A peer reached directly at its HOST:PORT."""
         self._link(name, [self._url(address, MESSAGE_PATH)])
+        self._drop_pool(name)  # reached directly now: its relays' pool goes
 
     def set_relayed_peer(self, name: str, addresses: list[str]) -> None:
         """An outbound-only peer, reached through its relays (HOST:PORT each, in
@@ -192,6 +194,22 @@ class MessageClient:
 
     def remove_peer(self, name: str) -> None:
         self.links.pop(name, None)
+        self._drop_pool(name)
+
+    def _drop_pool(self, name: str) -> None:
+        """Close the pool of a peer no longer reached through relays (a roster
+        reload removed it, or gave it an address): kept, each pool of a peer
+        gone stayed open with its idle connections for the node's lifetime
+        (rv_net2 review)."""
+        own = self._relayed.pop(name, None)
+        if own is None or own.closed:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(own.close())
+        except RuntimeError:  # no loop running: nothing was ever sent through it
+            return
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -204,7 +222,7 @@ class MessageClient:
 
     async def session(self, link: PeerLink | None = None) -> aiohttp.ClientSession:
         """The pooled session; a relayed `link`'s own (see `_relayed`)."""
-        if link is not None and link.relayed:
+        if link is not None and link.relayed and self.links.get(link.name) is link:
             own = self._relayed.get(link.name)
             if own is None or own.closed:
                 own = self._relayed[link.name] = self._new_session()
@@ -219,6 +237,7 @@ class MessageClient:
         for own in list(self._relayed.values()):
             await own.close()
         self._relayed.clear()
+        await asyncio.gather(*self._closing)
 
     def answer_refused(self, peer: str) -> None:
         """The last answer through `peer`'s link was not `peer`'s own (its

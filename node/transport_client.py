@@ -15,7 +15,9 @@ the final receiver's own answer, so an acknowledgement stays end to end; any
 other answer is unsigned and may be the relay's own, so every answer but a 200
 moves the link too, as does a 200 whose acknowledgement or frame does not
 verify (`answer_refused`): a relay refusing or forging everything cannot hold
-its peer's senders (rv_net review).
+its peer's senders (rv_net review). An unsigned refusal from a relay that
+answered 200 lately moves it only at the STAY_REFUSALS-th in a row, and never
+back to a relay that failed or refused lately (`PeerLink.refused`, rv_net2).
 
 A 503 `queue_full` is the peer saying "later" (its inbox, or this sender's
 share of it, is full), not a failure: it neither counts toward the breaker nor
@@ -58,6 +60,9 @@ RETRYABLE = {429, 500, 502, 503, 504}
 # not_connected). On a relayed link, every answer but a 200 does too (`post`):
 # a refusal is unsigned, so it may be the relay's own.
 FAILOVER = RETRYABLE - {429}
+# Unsigned refusals a relayed link takes from a URL that answered 200 lately
+# before it tries the next (PeerLink.refused).
+STAY_REFUSALS = 3
 # The reason of a 503 that is the peer's own "later" (its inbox, or the share of
 # it a sender may hold, is full; a relay's frames in flight to it): raised to the
 # caller at once (node/outbound.py sends a push again with backoff until its
@@ -110,6 +115,11 @@ class PeerLink:
     breaker: Breaker = field(default_factory=Breaker)
     blocked: bool = False  # fault injection: drop everything to this peer
     current: int = 0  # the URL in use: the last that worked, or the next to try
+    # URL -> when (monotonic) it last failed or refused: `refused` keeps the
+    # link off it for a while
+    faulted: dict[str, float] = field(default_factory=dict)
+    worked: float = float("-inf")  # when the URL in use last answered 200
+    refusals: int = 0  # unsigned refusals from the URL in use since
 
     @property
     def url(self) -> str:
@@ -129,8 +139,35 @@ class PeerLink:
         """`failed` did not work: the next attempt goes to the next URL. Only once
         per failure of the URL in use: sends failing together on one relay must
         not step past the next one and back."""
+        self.faulted[failed] = time.monotonic()
         if len(self.urls) > 1 and self.url == failed:
             self.current = (self.current + 1) % len(self.urls)
+            self.worked, self.refusals = float("-inf"), 0
+
+    def answered(self, url: str) -> None:
+        """`url` answered 200 (its caller may still find it forged: `fail_over`)."""
+        if url == self.url:
+            self.worked, self.refusals = time.monotonic(), 0
+
+    def refused(self, failed: str, window_s: float) -> None:
+        """An unsigned refusal from `failed` (a relay's word, or the peer's
+        own: not_ready, queue_full, ...): the next URL, unless that one failed
+        or refused within `window_s`, or `failed` answered 200 within it and
+        has refused fewer than STAY_REFUSALS times since. Moved on every such
+        answer, one honest not_ready through the good relay sent the link back
+        to a relay that stalls, and the request waited there until it timed out
+        (rv_net2 review); a relay that refuses everything is still left at once,
+        one that passes heartbeats but refuses the rest after STAY_REFUSALS."""
+        now = time.monotonic()
+        following = self.urls[(self.current + 1) % len(self.urls)]
+        if failed != self.url or following == failed:
+            return
+        self.refusals += 1
+        if now - self.faulted.get(following, -window_s) < window_s or (
+            now - self.worked < window_s and self.refusals < STAY_REFUSALS
+        ):
+            return
+        self.fail_over(failed)
 
 
 class MessageClient:
@@ -312,7 +349,9 @@ class MessageClient:
                     # next message tries the next relay, so a relay that refuses
                     # everything (403, 404, ...) cannot keep its peer's senders
                     # off its other relays (rv_net review).
-                    link.fail_over(url)
+                    link.refused(url, self.cfg.breaker_reset_s)
+                elif status == 200:
+                    link.answered(url)
                 link.breaker.success()
                 return status, body
             if status:
@@ -325,10 +364,12 @@ class MessageClient:
                 # closed); the next attempt goes to the next relay, if any, so a
                 # congested relay does not hold the link (review 5); and not
                 # retried here, the caller knows how long its message may wait.
-                link.fail_over(url)
+                link.refused(url, self.cfg.breaker_reset_s)
                 raise TransportError(peer, LATER, status)
-            if not status or status in FAILOVER or link.relayed:
-                link.fail_over(url)  # (429 too, on a relayed link: maybe the relay's own)
+            if not status or status in FAILOVER:
+                link.fail_over(url)
+            elif link.relayed:  # (429: maybe the relay's own)
+                link.refused(url, self.cfg.breaker_reset_s)
             link.breaker.failure(
                 time.monotonic(), self.cfg.breaker_failures, self.cfg.breaker_reset_s
             )

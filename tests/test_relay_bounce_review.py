@@ -1,0 +1,108 @@
+"""A relayed link is not sent off a relay that works by one honest refusal
+(rv_net2 review). Every answer but a 200 moved a relayed link to the peer's
+next relay (rv_net review: a refusal is unsigned, maybe the relay's own), so
+one honest `not_ready` from the peer, through the relay that carried its
+heartbeats, sent the next attempt to a relay that stalls, and the request
+waited there until it timed out. Fake relays on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from test_relay_failover_review import FAST, outbound_of
+from test_upload_fairness import codec
+from test_wire_id_taken_review import _serve
+
+from node.outbound import answer_id
+from node.transport_client import MessageClient
+from p2pfl.config import TransportSection
+from p2pfl.secure.wire import PREFIX_LEN, Header
+
+
+async def test_one_honest_not_ready_does_not_send_a_request_to_a_stalling_relay(
+    tmp_path, identities, roster
+):
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    async def good(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
+        if not header.kind.startswith("req:"):
+            return web.json_response({"ok": True})  # a heartbeat, through
+        asked.append("good")
+        if len(asked) == 1:
+            return web.json_response({"reason": "not_ready"}, status=404)  # bob's own
+        rid = answer_id(bob, "alice", header.msg_id)
+        answer = bob.encode("resp:model", "alice", {"w": 1}, round=0, msg_id=rid)
+        return web.Response(body=answer.to_bytes(), content_type="application/octet-stream")
+
+    async def stall(request: web.Request) -> web.Response:
+        await request.read()
+        asked.append("stall")
+        await release.wait()
+        return web.json_response({"reason": "relay_lost"}, status=502)
+
+    g, r1 = await _serve(good)
+    s, r2 = await _serve(stall)
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("bob", [r1, r2])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
+        try:
+            got = await out.request("bob", "model", {}, 2.0)
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        release.set()
+        await client.close()
+        await g.cleanup()
+        await s.cleanup()
+    assert got == {"w": 1}, (got, asked)
+    assert asked == ["good", "good"], asked
+
+
+async def test_a_relay_passing_heartbeats_but_refusing_the_rest_is_left_soon(identities, roster):
+    """The other side: a relay that forwards heartbeats (so it answered 200
+    lately) and answers everything else 429 holds the link for STAY_REFUSALS
+    answers at most; then the peer's next relay carries its messages."""
+    from node.transport_client import STAY_REFUSALS
+
+    alice = codec(identities, roster, "alice")
+    hits: list[str] = []
+
+    async def selective(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        if Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).kind == "heartbeat":
+            return web.json_response({"ok": True})
+        hits.append("bad")
+        return web.json_response({"reason": "rate_limited"}, status=429)
+
+    async def good(request: web.Request) -> web.Response:
+        await request.read()
+        hits.append("good")
+        return web.json_response({"ok": True})
+
+    b, r1 = await _serve(selective)
+    g, r2 = await _serve(good)
+    client = MessageClient(TransportSection(**{**FAST, "retries": 0}), None)
+    client.set_relayed_peer("bob", [r1, r2])
+    answers = []
+    try:
+        assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
+        for _ in range(STAY_REFUSALS + 1):
+            try:
+                answers.append((await client.post("bob", alice.encode("m", "bob", {})))[0])
+            except Exception as exc:  # noqa: BLE001 - TransportError, reported
+                answers.append(getattr(exc, "reason", repr(exc)))
+    finally:
+        await client.close()
+        await b.cleanup()
+        await g.cleanup()
+    assert hits == ["bad"] * STAY_REFUSALS + ["good"], (hits, answers)

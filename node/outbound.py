@@ -234,6 +234,7 @@ class Outbound:
                     self.telemetry.record_rejection("ack_unverified", entry.peer)
                     self.client.answer_refused(entry.peer)
                     raise PeerUnavailable(entry.peer, "ack_unverified")
+                self.client.carrier_suspect(entry.peer)  # the relay saw the id
                 pause = SEND_AGAIN_PAUSE_S
                 await asyncio.to_thread(self.outbox.rekey, entry, os.urandom(16))
             else:

@@ -284,6 +284,16 @@ class MessageClient:
         if link is not None and link.relayed:
             link.fail_over(link.url)
 
+    def carrier_suspect(self, peer: str) -> None:
+        """The last answer through `peer`'s link, though `peer`'s own signed
+        word, says whoever carried the message may have misused it (`id_taken`:
+        someone used its id first): a relayed link counts it as a refusal of
+        that relay (`PeerLink.refused`). Else a relay that used every id it
+        carried first held the link with the peer's own answers (rv_net2)."""
+        link = self.links.get(peer)
+        if link is not None and link.relayed:
+            link.refused(link.url, self.cfg.breaker_reset_s)
+
     def breaker_open(self, peer: str) -> bool:
         link = self.links.get(peer)
         return link is not None and not link.breaker.allow(time.monotonic())

@@ -194,3 +194,53 @@ async def test_a_withheld_answer_handed_to_the_next_request_is_refused_by_its_id
         await client.close()
         await runner.cleanup()
     assert got == ["response does not match the request", {"w": 3}], (got, len(seen))
+
+
+async def test_a_relay_stealing_every_id_it_carries_does_not_hold_the_link(
+    tmp_path, identities, roster
+):
+    """The loop a fresh id opens: a relay that uses each id it carries first,
+    then forwards the push, hands back carol's own signed `id_taken`; a signed
+    409 does not move the link by itself, so alice sent every fresh id
+    through the thief again until the push timed out. A signed `id_taken`
+    counts as a refusal of the relay that carried it (the next relay, unless
+    that one failed lately)."""
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    carol = codec(identities, roster, "carol")
+    processed: list[str] = []
+    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
+    port = await server.start("127.0.0.1", 0, None)
+    stolen: list[bytes] = []
+
+    async def thief(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        x = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+        await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
+        stolen.append(x)
+        reply = await post(port, frame)  # carol's own answer: id_taken, signed
+        return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+
+    async def honest(request: web.Request) -> web.Response:
+        reply = await post(port, await request.read())
+        return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+
+    bad, r1 = await _serve(thief)
+    good, r2 = await _serve(honest)
+    client = MessageClient(TransportSection(request_timeout_s=3.0, **FAST), None)
+    client.set_relayed_peer("carol", [r1, r2])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        try:
+            await out.send_push("carol", "probe", {"x": 1}, 0)
+            got = "delivered"
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        await bad.cleanup()
+        await good.cleanup()
+        await server.stop()
+    assert got == "delivered", (got, len(stolen))
+    assert len(stolen) == 1 and len(processed) == 2, (len(stolen), processed)

@@ -167,7 +167,7 @@ class Outbound:
         try:
             await self._deliver(entry)
         finally:
-            self.outbox.done(entry.msg_id)
+            self.outbox.done(entry.file)
 
     async def _deliver(self, entry: OutboxEntry, *, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or self.cfg.transport.request_timeout_s)
@@ -291,7 +291,7 @@ class Outbound:
                             exc.reason,
                         )
                 await asyncio.sleep(self.cfg.transport.heartbeat_s)
-            self.outbox.done(entry.msg_id)
+            self.outbox.done(entry.file)
 
     # ------------------------------------------------------------------ requests
     async def request(self, peer: str, kind: str, query: dict[str, Any], timeout: float) -> Any:

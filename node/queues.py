@@ -323,6 +323,12 @@ class OutboxEntry:
     round: int
     payload: Any
     created: float
+    # the id its record is filed under: its first (`Outbox.rekey` keeps it)
+    file_id: bytes | None = None
+
+    @property
+    def file(self) -> bytes:
+        return self.file_id or self.msg_id
 
 
 class Outbox:
@@ -340,18 +346,20 @@ class Outbox:
             "created": entry.created,
             "payload": entry.payload,
         }
-        atomic_write_bytes(self.dir / f"{entry.msg_id.hex()}.out", tensors.encode(record).chunks)
+        atomic_write_bytes(self.dir / f"{entry.file.hex()}.out", tensors.encode(record).chunks)
 
     def rekey(self, entry: OutboxEntry, msg_id: bytes) -> None:
         """`entry` under the fresh id `msg_id` from now on (its peer refused the
-        old one `id_taken`: node/outbound.py), on disk first, then in memory."""
-        old = entry.msg_id
+        old one `id_taken`: node/outbound.py). Its record is replaced in place,
+        filed under its first id: a crash leaves the old id or the new one,
+        never both (two records, both sent again, one processed twice)."""
+        entry.file_id = entry.file
         entry.msg_id = msg_id
         self.add(entry)
-        self.done(old)
 
-    def done(self, msg_id: bytes) -> None:
-        (self.dir / f"{msg_id.hex()}.out").unlink(missing_ok=True)
+    def done(self, file: bytes) -> None:
+        """The record filed under `file` (an entry's `file`) goes."""
+        (self.dir / f"{file.hex()}.out").unlink(missing_ok=True)
 
     def pending(self) -> list[OutboxEntry]:
         out = []
@@ -366,6 +374,7 @@ class Outbox:
                         int(rec["round"]),
                         rec["payload"],
                         float(rec["created"]),
+                        bytes.fromhex(path.stem),
                     )
                 )
             except (tensors.CodecError, KeyError, TypeError, ValueError, OSError) as exc:

@@ -244,3 +244,25 @@ async def test_a_relay_stealing_every_id_it_carries_does_not_hold_the_link(
         await server.stop()
     assert got == "delivered", (got, len(stolen))
     assert len(stolen) == 1 and len(processed) == 2, (len(stolen), processed)
+
+
+def test_a_rekeyed_outbox_record_is_replaced_in_place(tmp_path):
+    """A push's fresh id replaces its outbox record in one atomic write, filed
+    under its first id: written as a new record and the old one then removed,
+    a crash in between left both, both were sent again after the restart, and
+    the receiver took the push under each id (the old one's `id_taken` gave it
+    yet another)."""
+    import os
+
+    from node.queues import Outbox, OutboxEntry
+
+    outbox = Outbox(tmp_path / "outbox")
+    first, fresh = os.urandom(16), os.urandom(16)
+    entry = OutboxEntry(first, "carol", "probe", 0, {"x": 1}, 1.0)
+    outbox.add(entry)
+    outbox.rekey(entry, fresh)
+    assert [p.name for p in (tmp_path / "outbox").glob("*.out")] == [f"{first.hex()}.out"]
+    (pending,) = outbox.pending()  # after a restart
+    assert (pending.msg_id, pending.file) == (fresh, first)
+    outbox.done(pending.file)
+    assert not outbox.pending()

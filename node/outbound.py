@@ -335,10 +335,11 @@ class Outbound:
                     )
                     continue
             reason = reason_of_response(status, body)
-            if signed_refusal(status, body) and not self.codec.verify_ack(
-                peer, message.header.msg_id, reason, ack_of(body)
-            ):
-                self.client.answer_refused(peer)  # not the peer's word: its next relay
+            if signed_refusal(status, body):
+                if not self.codec.verify_ack(peer, message.header.msg_id, reason, ack_of(body)):
+                    self.client.answer_refused(peer)  # not the peer's word: its next relay
+                elif reason == ID_TAKEN:
+                    self.client.carrier_suspect(peer)  # the relay saw the id (`_deliver`)
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
             if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop

@@ -266,3 +266,61 @@ def test_a_rekeyed_outbox_record_is_replaced_in_place(tmp_path):
     assert (pending.msg_id, pending.file) == (fresh, first)
     outbox.done(pending.file)
     assert not outbox.pending()
+
+
+async def test_a_relay_stealing_every_request_id_does_not_hold_the_link(
+    tmp_path, identities, roster
+):
+    """The same for requests: each attempt is a fresh request, and carol's
+    signed `id_taken` moved neither the link nor ended the request, so a
+    relay that used every request id first kept alice asking through itself
+    until the request timed out. Now the next attempt goes through the other
+    relay, and carol's answer is taken."""
+    from test_hostile_wire import make_inbound
+
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    carol = codec(identities, roster, "carol")
+    inbound = make_inbound(tmp_path / "carol", carol)  # takes probe pushes, model requests
+
+    async def serve(sender: str, query: dict) -> dict:
+        return {"w": 7}
+
+    inbound.handlers["model"] = serve
+    server = MessageServer(carol, TransportSection(), inbound.on_frame, lambda r, s: None)
+    port = await server.start("127.0.0.1", 0, None)
+    stolen: list[bytes] = []
+
+    async def relay_of(steal: bool):
+        async def forward(request: web.Request) -> web.Response:
+            frame = await request.read()
+            if steal:
+                n = int.from_bytes(frame[4:8], "big")
+                x = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+                await post(port, bob.encode("probe", "carol", {}, msg_id=x).to_bytes())
+                stolen.append(x)
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame) as r,
+            ):
+                return web.Response(status=r.status, body=await r.read(), headers=r.headers)
+
+        return await _serve(forward)
+
+    bad, r1 = await relay_of(True)
+    good, r2 = await relay_of(False)
+    client = MessageClient(TransportSection(request_timeout_s=3.0, **FAST), None)
+    client.set_relayed_peer("carol", [r1, r2])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        try:
+            got = await out.request("carol", "model", {}, 2.0)
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        await bad.cleanup()
+        await good.cleanup()
+        await server.stop()
+    assert got == {"w": 7}, (got, len(stolen))
+    assert len(stolen) == 1, len(stolen)

@@ -23,10 +23,17 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from node.outbound import ack_of
 from node.peers import PeerTable
 from node.queues import Inboxes
 from node.telemetry import Telemetry
-from node.transport_client import ACK_LIMIT, MessageClient, TransportError
+from node.transport_client import (
+    ACK_LIMIT,
+    MessageClient,
+    TransportError,
+    reason_of_response,
+    signed_refusal,
+)
 from p2pfl.config import SiteConfig
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import WireCodec, WireError
@@ -110,7 +117,7 @@ class Membership:
             HEARTBEAT, peer, beat, round=self.progress().round, encrypt=self.cfg.wire.encryption
         )
         try:
-            status, _ = await self.client.post(
+            status, body = await self.client.post(
                 peer,
                 message,
                 timeout=max(1.0, self.cfg.transport.heartbeat_s * 2),
@@ -120,6 +127,14 @@ class Membership:
             )
         except TransportError:
             return
+        if status == 200 or signed_refusal(status, body):
+            outcome = "ok" if status == 200 else reason_of_response(status, body)
+            if not self.codec.verify_ack(peer, message.header.msg_id, outcome, ack_of(body)):
+                # not the peer's word (a relay's 200 or 409): its next relay, as
+                # for a push (node/outbound.py); a relay forging the answers to
+                # heartbeats held them on itself, and the peer heard none (rv_net2)
+                self.client.answer_refused(peer)
+                return
         if status == 200:
             self.telemetry.record_sent(peer, HEARTBEAT, message.nbytes)
 

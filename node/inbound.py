@@ -61,8 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
+from node.control import HeartbeatControl, RequestControl, validated
 from node.faults import FaultPlan
 from node.membership import HEARTBEAT, Membership, heartbeat_limit
 from node.outbound import REQUEST_PREFIX, RESPONSE_PREFIX, answer_id
@@ -77,31 +76,7 @@ log = logging.getLogger(__name__)
 
 SENDER_SHARE_MIN = 8  # pushes of one kind one sender may hold (half a smaller inbox)
 
-MAX_WAIT_S = 3600.0  # the longest `_wait_s` a request may carry (then capped by the config)
 BUILTIN_KINDS = frozenset({HEARTBEAT})
-
-
-class RequestControl(BaseModel):
-    """What a request's query says to the node itself, not to the protocol."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-    wait_s: float = Field(0.0, alias="_wait_s", ge=0.0, le=MAX_WAIT_S)
-
-
-class HeartbeatControl(BaseModel):
-    """The numbers of a heartbeat the node acts on (node/peers.py reads them)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-    round: int = Field(0, ge=-1, le=2**31 - 1)
-
-
-def _control(schema: type[BaseModel], payload: Any) -> Any:
-    try:
-        return schema.model_validate(payload)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise WireError("payload_schema", f"{where}: {first['msg']}"[:120]) from None
 
 
 def _mtime(path: Path) -> float:
@@ -205,7 +180,7 @@ class Inbound:
         if kind == HEARTBEAT:
             beat = await self._open(incoming)
             if isinstance(beat, dict):
-                _control(HeartbeatControl, beat)
+                validated(HeartbeatControl, beat)
             self.membership.heard(header.sender, beat)
             return 200, None
         if self.faults.latency_s:
@@ -232,7 +207,7 @@ class Inbound:
         query = await self._open(incoming)
         if not isinstance(query, dict):
             raise WireError("payload_schema", "request query must be a map")
-        control = _control(RequestControl, query)
+        control = validated(RequestControl, query)
         query.pop("_wait_s", None)
         kind = header.kind[len(REQUEST_PREFIX) :]
         if self.faults.active:

@@ -181,6 +181,50 @@ def test_clear_errors(tmp_path: Path) -> None:
     assert err.value.reason == "corrupt_image"
 
 
+def _png_declaring(path: Path, width: int, height: int, rows: int) -> Path:
+    """A greyscale PNG whose header declares width x height but whose data holds
+    `rows` rows of zeros: a few hundred bytes for any declared size."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    data = zlib.compress(b"\0" * (width + 1) * rows)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("width", "height"),
+    [(60_000, 60_000), (10_000, 10_000)],
+    ids=["over-pillows-error-limit", "between-pillows-warning-and-error"],
+)
+def test_an_image_declaring_too_many_pixels_is_a_data_error(
+    tmp_path: Path, width: int, height: int
+) -> None:
+    """A 600-byte PNG declaring 60000 x 60000 raised Pillow's
+    DecompressionBombError, which is no DataError: `predict` died with a
+    traceback on the first such file of a folder, and a node's data folder
+    with one failed without the one-line, file-withheld DataError. One of
+    10000 x 10000 (Pillow only warns) was decoded whole, 100 MB and more per
+    file. Both are refused, from the header, as image_too_large."""
+    import warnings
+
+    root = _write_png_tree(tmp_path / "tree", size=10)
+    bomb = _png_declaring(root / "train" / "dog" / "bomb.png", width, height, rows=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no DecompressionBombWarning on stderr either
+        with pytest.raises(DataError) as err:
+            read_source(str(root))
+    assert err.value.reason == "image_too_large"
+    assert str(err.value).startswith(str(bomb)) and "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------------- partition
 
 

@@ -207,6 +207,30 @@ def test_no_pixel_data_refused(tmp_path: Path) -> None:
     assert error.reason == "corrupt_image" and "no pixel data" in str(error)
 
 
+def test_a_header_declaring_a_huge_image_is_refused_before_decoding(tmp_path: Path) -> None:
+    """A 1.3 kB RLE file whose Rows and Columns say 60000 x 60000 had pydicom's
+    decoder allocate 7.6 GB before it failed (a review). The size a header
+    declares is refused before any decoder runs; here 10000 x 10000 (100 M
+    pixels, over MAX_IMAGE_PIXELS), which the decoder used to allocate too."""
+    import tracemalloc
+
+    from pydicom.uid import RLELossless
+
+    ds = _dataset(np.zeros((16, 16), dtype=np.uint16), "MONOCHROME2")
+    ds.compress(RLELossless)
+    ds.Rows = ds.Columns = 10_000
+    path = tmp_path / "bomb.dcm"
+    ds.save_as(path, enforce_file_format=True)
+    tracemalloc.start()
+    try:
+        error = _refusal(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert error.reason == "image_too_large", error
+    assert peak < 20_000_000, peak  # no pixel buffer of the declared size
+
+
 @pytest.mark.skipif(get_decoder(JPEGLosslessSV1).is_available, reason="decoder installed")
 def test_missing_decoder_names_the_plugin(tmp_path: Path) -> None:
     ds = _dataset(np.zeros((4, 4), dtype=np.uint8), "MONOCHROME2")

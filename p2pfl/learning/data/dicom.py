@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2pfl.learning.data.errors import DataError
+from p2pfl.learning.data.errors import MAX_IMAGE_PIXELS, DataError
 
 if TYPE_CHECKING:
     from pydicom.dataset import Dataset
@@ -135,6 +135,18 @@ def _check_format(ds: Dataset, path: Path, forced: bool) -> str:
         raise _error(
             "multi_frame",
             f"{path}: DICOM file has {frames} frames; export one frame per file",
+        )
+    try:
+        pixels = int(ds.get("Rows") or 0) * int(ds.get("Columns") or 0)
+    except (TypeError, ValueError):
+        raise _error(
+            "corrupt_image", f"{path}: unreadable Rows or Columns — replace or remove the file"
+        ) from None
+    if pixels > MAX_IMAGE_PIXELS:  # before a decoder allocates what the header declares
+        raise _error(
+            "image_too_large",
+            f"{path}: the image declares more than {MAX_IMAGE_PIXELS} pixels — "
+            "downscale it or split it into tiles",
         )
     photometric = str(ds.get("PhotometricInterpretation") or "").strip().upper()
     if not photometric:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from p2pfl.learning.data.errors import DataError
+from p2pfl.learning.data.errors import MAX_IMAGE_PIXELS, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp", ".dcm")
 SPLITS = ("train", "val", "test")
@@ -210,10 +210,29 @@ def read_image_file(path: Path) -> np.ndarray:
         from p2pfl.learning.data.dicom import read_dicom  # lazy: pydicom only when needed
 
         return read_dicom(path)
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
+    too_large = DataError(
+        "image_too_large",
+        f"{path}: the image declares more than {MAX_IMAGE_PIXELS} pixels — "
+        "downscale it or split it into tiles",
+    )
     try:
-        with Image.open(path) as image:
+        with warnings.catch_warnings():  # refused below, not warned about
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)  # the header only
+    except Image.DecompressionBombError:
+        raise too_large from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DataError(
+            "corrupt_image", f"{path}: cannot decode image ({exc}) — replace or remove the file"
+        ) from None
+    try:
+        with image:
+            if image.width * image.height > MAX_IMAGE_PIXELS:  # before a pixel is decoded
+                raise too_large
             image.load()
             mode = image.mode
             if mode in ("I;16", "I;16B", "I;16L", "I", "F"):
@@ -223,6 +242,8 @@ def read_image_file(path: Path) -> np.ndarray:
             if mode in ("1", "L", "LA"):
                 return np.asarray(image.convert("L"), dtype=np.uint8)[..., None]
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except Image.DecompressionBombError:  # a later frame's header
+        raise too_large from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise DataError(
             "corrupt_image", f"{path}: cannot decode image ({exc}) — replace or remove the file"

@@ -10,8 +10,9 @@ inverted) and `.npz` files (every image of `images`, else of `test_images`,
 is searched recursively. Each image gets exactly the training preprocessing.
 
 Output: CSV with `file`, `prediction` (the class name), then one probability
-column per class, to --csv or stdout. A file that cannot be read is named on
-stderr with its reason, counted, and skipped. Exit status: 0 every file
+column per class, to --csv or stdout (a file name that is not UTF-8 as its
+bytes on disk). A file that cannot be read is named on stderr with its reason
+(unprintable characters escaped: one line each), counted, and skipped. Exit status: 0 every file
 predicted; 1 some files unreadable (the rest predicted); 2 nothing predicted
 or a bad model directory / argument.
 """
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from p2pfl.errors import UserError
-from p2pfl.files import atomic_write_text
+from p2pfl.files import atomic_write_bytes
 from p2pfl.learning.data.sources import (
     IMAGE_SUFFIXES,
     DataError,
@@ -85,13 +86,20 @@ def images_of(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield f"{path}[{i}]", image
 
 
+def one_line(text: str) -> str:
+    """`text` with each unprintable character (newline, control, the surrogate of
+    a byte that is not UTF-8) escaped: a file named with a newline forged a
+    second stderr line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def run_predict(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
     predictor = Predictor(args.model, args.runtime)
     files, failures = input_files(args.inputs)
     for name, reason in failures:
-        print(f"predict: {name}: {reason}", file=sys.stderr)
+        print(f"predict: {one_line(name)}: {reason}", file=sys.stderr)
     from tqdm import tqdm
 
     rows: list[list[str]] = []
@@ -118,17 +126,22 @@ def run_predict(args: argparse.Namespace) -> int:
                     flush()
         except DataError as exc:
             failures.append((str(path), str(exc)))
-            print(f"predict: {exc}", file=sys.stderr)
+            print(f"predict: {one_line(str(exc))}", file=sys.stderr)
     flush()
     header = ["file", "prediction", *predictor.classes]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)
     writer.writerows(rows)
+    # a file name's bytes that are not UTF-8 (os.fsdecode's surrogates) go out as
+    # they are on disk: strict UTF-8 raised on the first, and every row was lost
+    table = buffer.getvalue().encode("utf-8", "surrogateescape")
     if args.csv:
-        atomic_write_text(args.csv, buffer.getvalue())
+        atomic_write_bytes(args.csv, table)
     else:
-        sys.stdout.write(buffer.getvalue())
+        sys.stdout.flush()
+        sys.stdout.buffer.write(table)
+        sys.stdout.buffer.flush()
     summary = {
         "predicted": len(rows),
         "unreadable": len(failures),

@@ -67,3 +67,71 @@ def test_file_names_that_are_not_utf8_or_hold_a_newline_keep_the_run(
     assert main(["predict", "--model", str(package), str(folder)]) == 1
     table = capsysbinary.readouterr().out
     assert table.count(b"\n") == 3 and b"scan\xff.png," in table  # header and two rows
+
+
+def _without_safetensors(meta: dict, folder: Path) -> None:
+    import torch
+
+    (folder / "model.safetensors").unlink()
+    torch.save({"weight": torch.zeros(1)}, folder / "evil.pt")
+    meta["files"]["safetensors"]["file"] = "evil.pt"
+
+
+def _set(path: tuple[str, ...], value: object):
+    def mutate(meta: dict, folder: Path) -> None:
+        target = meta
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "says"),
+    [
+        (_set(("format_version",), "x"), "not a p2pfl-node model description"),
+        (_set(("format_version",), None), "not a p2pfl-node model description"),
+        (_set(("files", "safetensors"), "model.safetensors"), "not a p2pfl-node model"),
+        (_set(("architecture", "image_size"), 10**6), "image_size 8-1024"),
+        (_set(("architecture", "image_size"), 0), "image_size 8-1024"),
+        (_set(("architecture", "in_chans"), 10**9), "in_chans 1 or 3 or 4"),
+        (_set(("files", "safetensors", "file"), "../other/model.safetensors"), "not model.safe"),
+        (_set(("files", "safetensors", "file"), "/etc/passwd"), "not model.safetensors"),
+        (_without_safetensors, "not model.safetensors"),
+        (lambda meta, folder: "[" * 100_000, "not a p2pfl-node model description"),
+    ],
+    ids=[
+        "format-version-text",
+        "format-version-null",
+        "files-entry-no-object",
+        "image-size-huge",
+        "image-size-zero",
+        "in-chans-huge",
+        "file-out-of-the-package",
+        "file-absolute",
+        "file-torch-load",
+        "nested-json",
+    ],
+)
+def test_a_package_from_elsewhere_is_refused_in_one_line(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mutate, says: str
+) -> None:
+    """A package may come from another site. Its model.json used to be trusted:
+    a text format_version, a files entry that is no object or a deeply nested
+    document raised a traceback; image_size 10**6 or in_chans 10**9 asked torch
+    for terabytes (a RuntimeError traceback: a smaller value would have been
+    allocated); a file named outside the package, or a .pt that torch.load
+    unpickles (weights_only, yet not the safetensors docs/export.md promise),
+    was read. Each is refused in one line, exit 2, before a weight is read."""
+    import shutil
+
+    folder = tmp_path / "package"
+    shutil.copytree(package, folder)
+    meta = json.loads((folder / "model.json").read_text())
+    changed = mutate(meta, folder)
+    (folder / "model.json").write_text(changed if changed is not None else json.dumps(meta))
+    _png(tmp_path / "scan.png")
+    assert main(["predict", "--model", str(folder), str(tmp_path / "scan.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("p2pfl-node: ") and err.count("\n") == 1 and says in err, err

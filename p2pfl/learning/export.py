@@ -42,6 +42,9 @@ FORMATS = tuple(FILES)
 Runtime = Literal["auto", "torch", "onnx"]
 ONNX_TOLERANCE = 1e-4  # largest |p_onnx - p_torch| an export accepts
 Runner = Callable[[Tensor], np.ndarray]  # preprocessed N,C,H,W -> N x classes probabilities
+MAX_MODEL_JSON = 1 << 20  # bytes: a description with its class names
+IMAGE_SIZES = (8, 1024)  # data.image_size's range (p2pfl.config)
+CHANNELS = (1, 3, 4)  # what convert_images makes
 
 
 class ExportError(UserError):
@@ -293,7 +296,12 @@ class Predictor:
                 f"{self.dir}: no {MODEL_JSON} — point --model at a directory written by "
                 "`p2pfl-node export`"
             )
+        # A package may come from another site: every value is checked before it
+        # sizes anything (a review's image_size 10**6 asked torch for 4 TB, a
+        # nested model.json or a files entry that is no object raised a traceback)
         try:
+            if meta_path.stat().st_size > MAX_MODEL_JSON:
+                raise ValueError(f"larger than {MAX_MODEL_JSON} bytes")
             meta = json.loads(meta_path.read_text())
             arch = meta["architecture"]
             self.arch = Architecture(
@@ -303,22 +311,36 @@ class Predictor:
                 int(arch["image_size"]),
             )
             self.classes = [str(c) for c in meta["classes"]]
-            files = dict(meta["files"])
-        except (ValueError, KeyError, TypeError) as exc:
+            files = {str(fmt): dict(entry) for fmt, entry in dict(meta["files"]).items()}
+            version = int(meta.get("format_version", 0))
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ExportError(f"{meta_path}: not a p2pfl-node model description ({exc})") from None
-        if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        if version > FORMAT_VERSION:
             raise ExportError(
-                f"{meta_path}: format_version {meta['format_version']} is newer than this "
+                f"{meta_path}: format_version {version} is newer than this "
                 f"p2pfl-node reads ({FORMAT_VERSION}); upgrade p2pfl-node"
             )
-        if len(self.classes) != self.arch.num_classes:
+        low, high = IMAGE_SIZES
+        if not low <= self.arch.image_size <= high or self.arch.in_chans not in CHANNELS:
+            raise ExportError(
+                f"{meta_path}: image_size {self.arch.image_size} and in_chans "
+                f"{self.arch.in_chans} are not a model's input (image_size {low}-{high}, "
+                f"in_chans {' or '.join(map(str, CHANNELS))})"
+            )
+        if len(self.classes) != self.arch.num_classes or not self.classes:
             raise ExportError(
                 f"{meta_path}: {len(self.classes)} classes for a model with "
                 f"{self.arch.num_classes} outputs"
             )
         self.runtime = self._choose(runtime, files)
         entry = files[self.runtime_format]
-        path = self.dir / str(entry["file"])
+        if entry.get("file") != FILES[self.runtime_format]:
+            # no path out of the package, and no file torch.load would unpickle
+            raise ExportError(
+                f"{meta_path}: the {self.runtime_format} file is {str(entry.get('file'))[:80]!r},"
+                f" not {FILES[self.runtime_format]} — a package names the files export wrote"
+            )
+        path = self.dir / FILES[self.runtime_format]
         if not path.is_file():
             raise ExportError(f"{path}: missing (named in {MODEL_JSON})")
         # the bytes hashed are the bytes run (ONNX): no second read a writer could race

@@ -607,3 +607,51 @@ def test_predict_refuses_an_onnx_whose_weights_are_in_an_unhashed_file(tmp_path)
     weights.write_bytes((np.frombuffer(weights.read_bytes(), dtype=np.float32) * -3).tobytes())
     with pytest.raises(ExportError, match="weights are in another file"):
         Predictor(tmp_path, "onnx")
+
+
+def test_export_replaces_an_earlier_package_only_and_never_writes_through_a_link(tmp_path):
+    """--out used to be written into whatever it held: a link at model.json had
+    the unrelated file it pointed to overwritten with the description, an
+    earlier export's model.pt stayed beside a model.json that no longer named
+    it (shipped with the package, another model's code), and under umask 000
+    model.json was created 0777 through the link, model.onnx 0666. Now a folder
+    holding other files is refused, unchanged; an earlier package is replaced
+    (links at its names replaced, not followed, its other formats removed); the
+    files are 0644 whatever the umask, as the card is."""
+    import os
+    import stat
+
+    import torch
+
+    from p2pfl.learning.export import Architecture, ExportError, Predictor, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("small_cnn", 1, 2, 16)
+    state, check = arch.build().state_dict(), torch.rand(4, 1, 16, 16)
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "notes.txt").write_text("the operator's own\n")
+    with pytest.raises(ExportError, match="notes.txt") as refused:
+        write_package(mixed, state, arch, ["a", "b"], ["safetensors"], check)
+    assert "\n" not in str(refused.value)
+    assert sorted(p.name for p in mixed.iterdir()) == ["notes.txt"]
+
+    out = tmp_path / "package"
+    out.mkdir()
+    victim = tmp_path / "victim.json"
+    victim.write_text("unrelated\n")
+    (out / "model.json").symlink_to(victim)
+    (out / "model.pt").write_bytes(b"an earlier export's TorchScript")
+    (out / ".export-killed").mkdir()  # the scratch folder of an export that was killed
+    previous = os.umask(0)
+    try:
+        write_package(out, state, arch, ["a", "b"], ["safetensors"], check)
+    finally:
+        os.umask(previous)
+    assert victim.read_text() == "unrelated\n"
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.safetensors"]
+    for path in out.iterdir():
+        assert not path.is_symlink()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, (path, oct(path.stat().st_mode))
+    Predictor(out, "torch")

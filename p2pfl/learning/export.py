@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from p2pfl.errors import UserError
+from p2pfl.files import PUBLIC_FILE, atomic_write_text
 from p2pfl.learning.data.loaders import MEAN, STD, convert_images, to_float_tensor
 from p2pfl.learning.data.sources import UInt8Images
 
@@ -170,19 +174,31 @@ def write_package(
     net = WithSoftmax(model).eval()
     with torch.no_grad():
         reference = net(check_images).numpy()
+    _check_out(out)
     out.mkdir(parents=True, exist_ok=True)
+    # An earlier package's model.json goes first: a failed export leaves no
+    # description naming files this one replaced. Each file is written in a
+    # private folder of this call's own and renamed over its name (a link at the
+    # name is replaced, never written through: a review's model.json link had an
+    # unrelated file overwritten), PUBLIC_FILE whatever the umask.
+    (out / MODEL_JSON).unlink(missing_ok=True)
     files: dict[str, dict[str, Any]] = {}
-    for fmt in formats:
-        path = out / FILES[fmt]
-        run = _WRITERS[fmt](net, path, check_images, arch)
-        gap = float(np.abs(run(check_images) - reference).max()) if len(reference) else 0.0
-        if gap > ONNX_TOLERANCE:
-            path.unlink(missing_ok=True)
-            raise ExportError(
-                f"{fmt}: read back, its probabilities differ from torch's by {gap:.2e} "
-                f"(> {ONNX_TOLERANCE}); the export was removed"
-            )
-        files[fmt] = {"file": path.name, "sha256": sha256_of(path), "max_abs_diff": gap}
+    with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as scratch:
+        for fmt in formats:
+            path = Path(scratch) / FILES[fmt]
+            run = _WRITERS[fmt](net, path, check_images, arch)
+            gap = float(np.abs(run(check_images) - reference).max()) if len(reference) else 0.0
+            if gap > ONNX_TOLERANCE:
+                raise ExportError(
+                    f"{fmt}: read back, its probabilities differ from torch's by {gap:.2e} "
+                    f"(> {ONNX_TOLERANCE}); the export was removed"
+                )
+            files[fmt] = {"file": path.name, "sha256": sha256_of(path), "max_abs_diff": gap}
+        for fmt in FORMATS:  # an earlier export's file of a format not asked for now goes
+            (out / FILES[fmt]).unlink(missing_ok=True)
+        for fmt in formats:
+            os.chmod(Path(scratch) / FILES[fmt], PUBLIC_FILE)
+            os.replace(Path(scratch) / FILES[fmt], out / FILES[fmt])
     description = {
         "format_version": FORMAT_VERSION,
         "architecture": {
@@ -197,8 +213,36 @@ def write_package(
         "files": files,
         **(extra or {}),
     }
-    (out / MODEL_JSON).write_text(json.dumps(description, indent=2) + "\n")
+    atomic_write_text(out / MODEL_JSON, json.dumps(description, indent=2) + "\n", mode=PUBLIC_FILE)
     return description
+
+
+# what `export` writes into --out: a folder holding anything else is not overwritten
+PACKAGE_FILES = frozenset(
+    [MODEL_JSON, *FILES.values(), "model.onnx.data", "model_card.md", "model_card.json"]
+)
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out that is not a folder, or one holding files a package does
+    not: an export replaces an earlier package, never a folder's other files."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: exists and is not a folder — choose a new folder")
+    if not out.is_dir():
+        return
+    others = []
+    for entry in out.iterdir():
+        if entry.name.startswith(".export-") and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)  # the scratch folder of an export that was killed
+        elif entry.name not in PACKAGE_FILES or (entry.is_dir() and not entry.is_symlink()):
+            others.append(entry.name)
+    others.sort()
+    if others:
+        shown = ", ".join(repr(name)[1:-1] for name in others[:3])
+        raise ExportError(
+            f"--out {out}: holds files that are not a package's ({shown}"
+            f"{', ...' if len(others) > 3 else ''}) — choose a new or empty folder"
+        )
 
 
 # Each writer saves `net` to `path` and returns a runner of what it saved, read

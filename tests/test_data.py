@@ -279,6 +279,27 @@ def test_partition_copies_are_this_accounts_only_whatever_the_umask(tmp_path: Pa
     assert len(np.load(out / "site_1.npz")["train_images"]) == 30
 
 
+def test_repartitioning_into_fewer_sites_leaves_no_site_of_the_earlier_draw(
+    tmp_path: Path,
+) -> None:
+    """A folder partitioned into 5 sites, then into 3 (another seed), kept
+    site_3.npz and site_4.npz of the first draw beside partition.json's 3
+    sites: `provision --site-data` for 5 sites took them, and their images
+    are also in the new sites' train and test splits. They are removed; the
+    operator's own files stay."""
+    out = tmp_path / "p"
+    partition_dataset("digits", 5, "iid", out, seed=0)
+    (out / "site_notes.npz.txt").write_text("mine\n")
+    summary = partition_dataset("digits", 3, "iid", out, seed=7)
+    assert summary["sites"] == 3
+    assert sorted(p.name for p in out.glob("site_*")) == [
+        "site_0.npz",
+        "site_1.npz",
+        "site_2.npz",
+        "site_notes.npz.txt",
+    ]
+
+
 def test_global_test_gives_every_site_the_whole_test_split(tmp_path: Path) -> None:
     raw = read_source("digits")
     assert raw.test_images is not None and raw.val_labels is not None

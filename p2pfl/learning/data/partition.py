@@ -41,7 +41,8 @@ moving test images would change the other sites' class shares.
 
 Each site gets `site_<i>.npz` (MedMNIST keys, plus `class_names`), and the
 directory gets `partition.json` (per-site class counts) and `partition.png`
-(a stacked bar chart of the classes per site).
+(a stacked bar chart of the classes per site). An earlier partition's
+`site_<i>.npz` past this one's sites is removed.
 """
 
 from __future__ import annotations
@@ -423,6 +424,13 @@ def partition_dataset(
         "per_site": site_rows,
         "chart": "partition.png",
     }
+    # an earlier partition's sites past this one's are not this partition's: a
+    # 5-site federation provisioned from a folder re-partitioned into 3 took
+    # sites 3 and 4 of the earlier draw, whose images the new sites hold too
+    for stale in out.glob("site_*.npz"):
+        number = stale.name[len("site_") : -len(".npz")]
+        if number.isdigit() and int(number) >= sites:
+            stale.unlink()
     atomic_write_text(out / "partition.json", json.dumps(summary, indent=2) + "\n")
     _plot_distribution(
         train_counts,

@@ -36,6 +36,7 @@ from p2pfl.learning.data.sources import (
     IMAGE_SUFFIXES,
     DataError,
     as_nhwc_uint8,
+    image_files,
     read_image_file,
 )
 from p2pfl.learning.export import Predictor
@@ -58,9 +59,7 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[tuple[str, str]]]:
     missing: list[tuple[str, str]] = []
     for path in inputs:
         if path.is_dir():
-            files += sorted(
-                p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes
-            )
+            files += image_files(path, suffixes)
         elif path.is_file():
             files.append(path)
         else:

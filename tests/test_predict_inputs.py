@@ -135,3 +135,31 @@ def test_a_package_from_elsewhere_is_refused_in_one_line(
     assert main(["predict", "--model", str(folder), str(tmp_path / "scan.png")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("p2pfl-node: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_a_folder_deeper_than_the_recursion_limit_is_searched(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Path.rglob recursed once per level: a scan 1500 folders deep raised
+    RecursionError, a traceback for predict and for a node's data folder. The
+    walk now keeps a list instead; a link to a folder above (a loop) is not
+    followed."""
+    folder = tmp_path / "in"
+    deep = folder
+    folder.mkdir()
+    for _ in range(1500):  # one level at a time: mkdir(parents=True) recurses too
+        deep = deep / "d"
+        deep.mkdir()
+    _png(deep / "scan.png")
+    (deep / "loop").symlink_to(folder, target_is_directory=True)
+    out = tmp_path / "out.csv"
+    try:
+        assert main(["predict", "--model", str(package), str(folder), "--csv", str(out)]) == 0
+        assert out.read_text().count("scan.png") == 1
+        assert json.loads(capsys.readouterr().err.splitlines()[-1])["predicted"] == 1
+    finally:  # bottom up: shutil.rmtree (pytest's clean-up) recurses once per level too
+        while deep != tmp_path:
+            for entry in deep.iterdir():
+                entry.unlink()
+            deep.rmdir()
+            deep = deep.parent

@@ -14,6 +14,7 @@ problem with a source is a `DataError` naming the file and the fix.
 
 from __future__ import annotations
 
+import os
 import zipfile
 from dataclasses import dataclass
 from importlib import resources
@@ -250,10 +251,26 @@ def read_image_file(path: Path) -> np.ndarray:
         ) from None
 
 
-def _image_files(folder: Path) -> list[Path]:
-    return sorted(
-        p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-    )
+def image_files(folder: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[Path]:
+    """The files under `folder`, at any depth, whose suffix is one of `suffixes`,
+    sorted. Walked without recursion: Path.rglob raised RecursionError on a tree
+    1900 folders deep. A link to a folder is not followed (no loop), one to a
+    file is; a folder that cannot be listed is passed over, as rglob did."""
+    found: list[Path] = []
+    stack = [folder]
+    while stack:
+        current = stack.pop()
+        try:
+            with os.scandir(current) as entries:
+                for entry in entries:
+                    path = current / entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(path)
+                    elif path.suffix.lower() in suffixes and entry.is_file():
+                        found.append(path)
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def _stack(images: list[np.ndarray], files: list[Path], channels: int) -> UInt8Images:
@@ -285,7 +302,7 @@ def read_image_folder(root: str | Path) -> RawSplits:
             "missing_split",
             f"{root}: no train/ folder — an ImageFolder source needs train/<class>/*.png",
         )
-    class_names = sorted(d.name for d in train_dir.iterdir() if d.is_dir() and _image_files(d))
+    class_names = sorted(d.name for d in train_dir.iterdir() if d.is_dir() and image_files(d))
     if not class_names:
         raise DataError(
             "no_classes",
@@ -299,7 +316,7 @@ def read_image_folder(root: str | Path) -> RawSplits:
             continue
         files[split], labels[split] = [], []
         for sub in sorted(d for d in split_dir.iterdir() if d.is_dir()):
-            found = _image_files(sub)
+            found = image_files(sub)
             if not found:
                 continue
             if sub.name not in class_names:
@@ -311,7 +328,7 @@ def read_image_folder(root: str | Path) -> RawSplits:
             files[split] += found
             labels[split] += [class_names.index(sub.name)] * len(found)
     if (root / "unlabeled").is_dir():
-        files["unlabeled"] = _image_files(root / "unlabeled")
+        files["unlabeled"] = image_files(root / "unlabeled")
     decoded = {split: [read_image_file(f) for f in fs] for split, fs in files.items() if fs}
     all_images = [img for imgs in decoded.values() for img in imgs]
     all_files = [f for split in decoded for f in files[split]]

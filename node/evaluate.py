@@ -22,6 +22,7 @@ import torch
 from node.queues import Checkpoints
 from p2pfl.config import ConfigError, SiteConfig, load_config
 from p2pfl.errors import UserError
+from p2pfl.files import atomic_write_text
 from p2pfl.learning.metrics import classification_report
 from p2pfl.learning.train import LocalSite
 
@@ -222,7 +223,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
             f"ensemble of {len(models)} models: macro-F1 {e['macro_f1_mean']:.3f}, accuracy {e['accuracy_mean']:.3f}"
         )
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        # atomic (a crash leaves the earlier file, never half of one), a link at the
+        # name replaced rather than written through, this account's only as every
+        # figure of every site's test split is (it took the umask, through a link)
+        atomic_write_text(args.json, json.dumps(result, indent=2))
     print(
         json.dumps(
             {k: v for k, v in result.items() if k.endswith(("_mean", "_std"))}

@@ -655,3 +655,30 @@ def test_export_replaces_an_earlier_package_only_and_never_writes_through_a_link
         assert not path.is_symlink()
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, (path, oct(path.stat().st_mode))
     Predictor(out, "torch")
+
+
+def test_evaluates_json_is_written_whole_and_never_through_a_link(trained, tmp_path, capsys):
+    """`evaluate --json` wrote with Path.write_text: through a link at the name
+    (a review had an unrelated file overwritten), with the umask's mode (0644:
+    every figure of every site's test split, for any local account) and in
+    place (a crash left half a file). It is written atomically, 0600, a link
+    at the name replaced."""
+    import os
+    import stat
+
+    victim = tmp_path / "unrelated.txt"
+    victim.write_text("unrelated\n")
+    out = tmp_path / "eval.json"
+    out.symlink_to(victim)
+    previous = os.umask(0o022)
+    try:
+        code = main(
+            ["evaluate", "--federation-dir", str(trained.parent.parent), "--json", str(out)]
+        )
+    finally:
+        os.umask(previous)
+    assert code == 0
+    capsys.readouterr()
+    assert victim.read_text() == "unrelated\n"
+    assert not out.is_symlink() and stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert sorted(json.loads(out.read_text())["matrix"]) == ["a", "b"]

@@ -24,6 +24,7 @@ import csv
 import io
 import json
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,8 +79,13 @@ def images_of(path: Path) -> Iterator[tuple[str, np.ndarray]]:
             if key is None:
                 raise DataError("no_images", f"{path}: no array named {' or '.join(NPZ_KEYS)}")
             raw = np.asarray(arrays[key])
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        # BadZipFile is no OSError: a truncated .npz stopped the run with a traceback
         raise DataError("corrupt_npz", f"{path}: cannot read .npz ({exc})") from None
+    except MemoryError:  # a header may declare any shape: 9 TiB from a 300-byte file
+        raise DataError(
+            "corrupt_npz", f"{path}: its array declares more bytes than this machine holds"
+        ) from None
     images = as_nhwc_uint8(raw, f"{path}: {key}")  # as a data source's images are read
     for i, image in enumerate(images):
         yield f"{path}[{i}]", image

@@ -163,3 +163,47 @@ def test_a_folder_deeper_than_the_recursion_limit_is_searched(
                 entry.unlink()
             deep.rmdir()
             deep = deep.parent
+
+
+def _npz_declaring(path: Path, shape: tuple[int, ...]) -> Path:
+    """An .npz whose `images` (and `train_images`) header declares `shape`, with
+    100 bytes of data: a few hundred bytes for any declared size."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    header = io.BytesIO()
+    npy.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": shape})
+    labels = io.BytesIO()
+    np.save(labels, np.zeros(3, np.int64))
+    with zipfile.ZipFile(path, "w") as archive:
+        for key in ("images", "train_images"):
+            archive.writestr(f"{key}.npy", header.getvalue() + b"\0" * 100)
+        archive.writestr("train_labels.npy", labels.getvalue())
+    return path
+
+
+def test_an_npz_that_is_truncated_or_declares_terabytes_is_one_unreadable_file(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A truncated .npz raised zipfile.BadZipFile (no OSError) and one whose
+    header declares 10**7 x 1000 x 1000 raised numpy's MemoryError (9 TiB):
+    each stopped `predict` with a traceback, the latter a node's start too
+    (read_source). Each is one unreadable file, named in one line; the other
+    files are predicted."""
+    from p2pfl.learning.data import DataError, read_source
+
+    good = tmp_path / "good.npz"
+    np.savez(good, images=np.zeros((2, 20, 20), np.uint8))
+    truncated = tmp_path / "truncated.npz"
+    truncated.write_bytes(good.read_bytes()[:60])
+    bomb = _npz_declaring(tmp_path / "bomb.npz", (10**7, 1000, 1000))
+    argv = ["predict", "--model", str(package), str(truncated), str(bomb), str(good)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out.count("good.npz[") == 2
+    err = captured.err.splitlines()
+    assert json.loads(err[-1])["unreadable_files"] == [str(truncated), str(bomb)]
+    with pytest.raises(DataError, match="more bytes than this machine holds") as refused:
+        read_source(bomb)
+    assert str(refused.value).startswith(str(bomb))

@@ -123,6 +123,12 @@ def read_npz(path: str | Path) -> RawSplits:
             "corrupt_source",
             f"{path}: cannot read as .npz ({exc}) — regenerate the file (np.savez with uint8 arrays, no objects)",
         ) from None
+    except MemoryError:  # a header may declare any shape: 9 TiB from a 300-byte file
+        raise DataError(
+            "corrupt_source",
+            f"{path}: an array declares more bytes than this machine holds — "
+            "regenerate the file, or split the data set",
+        ) from None
     if "train_images" not in arrays or "train_labels" not in arrays:
         raise DataError(
             "missing_split",

@@ -207,3 +207,55 @@ def test_an_npz_that_is_truncated_or_declares_terabytes_is_one_unreadable_file(
     with pytest.raises(DataError, match="more bytes than this machine holds") as refused:
         read_source(bomb)
     assert str(refused.value).startswith(str(bomb))
+
+
+def _graph(kind: str):
+    from onnx import TensorProto, helper
+
+    image = helper.make_tensor_value_info(
+        "x" if kind == "input-named-x" else "image", TensorProto.FLOAT, ["N", 1, 16, 16]
+    )
+    out = helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, None)
+    if kind == "unknown-operator":
+        node = helper.make_node("Evil", [image.name], ["probabilities"], domain="com.evil")
+        opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.evil", 1)]
+    else:  # 256 "probabilities" per image
+        node = helper.make_node("Flatten", [image.name], ["probabilities"])
+        opsets = [helper.make_opsetid("", 17)]
+    graph = helper.make_graph([node], "g", [image], [out])
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("input-named-x", "not the one named 'image'"),
+        ("256-outputs", "shape (2, 256), not 2 x 2"),
+        ("unknown-operator", "onnxruntime cannot load it"),
+    ],
+)
+def test_an_onnx_graph_that_cannot_serve_is_refused_in_one_line(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, says: str
+) -> None:
+    """An ONNX graph from another site's package (hashed by its own model.json)
+    that names its input otherwise, answers 256 columns for 2 classes or uses
+    an operator onnxruntime lacks stopped `predict --runtime onnx` with a
+    ValueError, IndexError or onnxruntime's own error: tracebacks. The package
+    is refused in one line, exit 2, found on two blank images before any scan."""
+    import hashlib
+    import shutil
+
+    import onnx
+
+    folder = tmp_path / "package"
+    shutil.copytree(package, folder)
+    onnx.save_model(_graph(kind), str(folder / "model.onnx"))
+    meta = json.loads((folder / "model.json").read_text())
+    digest = hashlib.sha256((folder / "model.onnx").read_bytes()).hexdigest()
+    meta["files"]["onnx"] = {"file": "model.onnx", "sha256": digest}
+    (folder / "model.json").write_text(json.dumps(meta))
+    _png(tmp_path / "scan.png")
+    argv = ["predict", "--runtime", "onnx", "--model", str(folder), str(tmp_path / "scan.png")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("p2pfl-node: ") and err.count("\n") == 1 and says in err, err

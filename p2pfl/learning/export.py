@@ -100,19 +100,36 @@ def torch_runner(net: nn.Module) -> Runner:
     return run
 
 
-def onnx_runner(model: Path | bytes) -> Runner:
-    """onnxruntime on a model file, or on its bytes (what `Predictor` hashed)."""
+def onnx_runner(model: Path | bytes, where: str = "model.onnx") -> Runner:
+    """onnxruntime on a model file, or on its bytes (what `Predictor` hashed);
+    `where` names it in errors."""
     try:
         import onnxruntime as ort
     except ImportError:
         raise ExportError("ONNX needs onnxruntime: pip install onnxruntime") from None
     source = model if isinstance(model, bytes) else str(model)
-    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # its errors come back as exceptions, said in one line
+    try:
+        session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types for a bad graph
+        raise ExportError(f"{where}: onnxruntime cannot load it ({_first_line(exc)})") from None
+    names = [i.name for i in session.get_inputs()]
+    if names != ["image"]:
+        raise ExportError(
+            f"{where}: its inputs are {names!r:.100}, not the one named 'image' export writes"
+        )
 
     def run(x: Tensor) -> np.ndarray:
         return np.asarray(session.run(None, {"image": x.numpy()})[0])
 
     return run
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, at most 200 characters."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 def safetensors_model(arch: Architecture, path: Path) -> WithSoftmax:
@@ -400,8 +417,11 @@ class Predictor:
         self._run = (
             torch_runner(safetensors_model(self.arch, path))
             if self.runtime == "torch"
-            else onnx_runner(data)
+            else onnx_runner(data, str(path))
         )
+        # a package from elsewhere may hold a graph that fails or answers in
+        # another shape: found on two blank images, before any of the site's
+        self.predict_proba(torch.zeros(2, self.channels, self.image_size, self.image_size))
 
     @property
     def runtime_format(self) -> str:
@@ -430,5 +450,18 @@ class Predictor:
         return to_float_tensor(batch)
 
     def predict_proba(self, x: Tensor) -> np.ndarray:
-        """Preprocessed N,C,H,W -> N x classes probabilities."""
-        return self._run(x.float().contiguous())
+        """Preprocessed N,C,H,W -> N x classes probabilities; ExportError (one
+        line) for a model that fails or answers in another shape (an ONNX graph
+        of another site's making raised onnxruntime's own errors, and one of
+        256 outputs an IndexError, as tracebacks)."""
+        try:
+            proba = self._run(x.float().contiguous())
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+            raise ExportError(f"{self.dir}: the model fails to run ({_first_line(exc)})") from None
+        expected = (len(x), len(self.classes))
+        if np.shape(proba) != expected:
+            raise ExportError(
+                f"{self.dir}: the model answers {len(x)} images with shape "
+                f"{np.shape(proba)}, not {expected[0]} x {expected[1]} class probabilities"
+            )
+        return proba

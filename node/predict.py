@@ -23,6 +23,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import sys
 import zipfile
 from collections.abc import Iterator
@@ -98,9 +99,27 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+def check_destination(csv_path: Path) -> None:
+    """Refuse, before a scan is read, a --csv that cannot be written: a folder, or
+    one whose folder cannot be made or written (found only once every image was
+    predicted, a traceback that lost the run)."""
+    if csv_path.is_dir():
+        raise UserError(f"predict: --csv {csv_path}: is a folder — name a file")
+    try:
+        csv_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"predict: --csv {csv_path}: cannot make its folder ({exc.strerror})"
+        ) from None
+    if not os.access(csv_path.parent, os.W_OK | os.X_OK):
+        raise UserError(f"predict: --csv {csv_path}: its folder is not writable")
+
+
 def run_predict(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise UserError("predict: --batch-size must be at least 1")
+    if args.csv:
+        check_destination(args.csv)
     predictor = Predictor(args.model, args.runtime)
     files, failures = input_files(args.inputs)
     for name, reason in failures:
@@ -142,7 +161,12 @@ def run_predict(args: argparse.Namespace) -> int:
     # they are on disk: strict UTF-8 raised on the first, and every row was lost
     table = buffer.getvalue().encode("utf-8", "surrogateescape")
     if args.csv:
-        atomic_write_bytes(args.csv, table)
+        try:
+            atomic_write_bytes(args.csv, table)
+        except OSError as exc:
+            raise UserError(
+                f"predict: --csv {args.csv}: cannot write it ({exc.strerror})"
+            ) from None
     else:
         sys.stdout.flush()
         sys.stdout.buffer.write(table)

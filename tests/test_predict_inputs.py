@@ -259,3 +259,25 @@ def test_an_onnx_graph_that_cannot_serve_is_refused_in_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("p2pfl-node: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_a_csv_that_cannot_be_written_is_refused_before_a_scan_is_read(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--csv naming a folder, or a file under a path that cannot be a folder,
+    raised IsADirectoryError or FileNotFoundError once every image had been
+    predicted: a traceback, and the run lost. Refused first, in one line."""
+    _png(tmp_path / "scan.png")
+    (tmp_path / "plain").write_text("a file, not a folder\n")
+    for target in (tmp_path, tmp_path / "plain" / "out.csv"):
+        argv = [
+            "predict",
+            "--model",
+            str(package),
+            str(tmp_path / "scan.png"),
+            "--csv",
+            str(target),
+        ]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("p2pfl-node: predict: --csv") and err.count("\n") == 1, err

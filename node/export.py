@@ -278,8 +278,11 @@ def _cross_site(path: Path | None) -> dict[str, Any] | None:
             for k, v in doc.items()
             if k.endswith(("_mean", "_std")) and isinstance(v, (int, float))
         } | {"split": doc.get("split"), "sites": sorted(doc.get("matrix", {}))}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ExportError(f"{path}: not the JSON of `p2pfl-node evaluate --json` ({exc})") from None
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
+        # TypeError, RecursionError: a "matrix" that is a number, a nested document
+        raise ExportError(
+            f"{path}: not the JSON of `p2pfl-node evaluate --json` ({str(exc)[:200]!r})"
+        ) from None
 
 
 def model_card(

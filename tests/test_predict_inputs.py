@@ -1,4 +1,5 @@
-"""`p2pfl-node predict` on hostile inputs: file names, folders and packages.
+"""`p2pfl-node predict` on hostile inputs (file names, folders, .npz files and
+packages), and the files `export` reads besides the checkpoint.
 
 A package of an untrained small_cnn is written once for the module (safetensors
 only: a second or two); no federation is trained.
@@ -281,3 +282,22 @@ def test_a_csv_that_cannot_be_written_is_refused_before_a_scan_is_read(
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("p2pfl-node: predict: --csv") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "text", ['{"matrix": 5}', "[" * 100_000, '{"split": "test"'], ids=["number", "nested", "cut"]
+)
+def test_exports_cross_site_file_that_is_not_evaluates_is_refused_in_one_line(
+    tmp_path: Path, text: str
+) -> None:
+    """`export --cross-site` took a "matrix" that is a number (TypeError) or a
+    deeply nested document (RecursionError) as a traceback; each is an
+    ExportError of one line, as a cut file was."""
+    from node.export import _cross_site
+    from p2pfl.learning.export import ExportError
+
+    path = tmp_path / "eval.json"
+    path.write_text(text)
+    with pytest.raises(ExportError, match="not the JSON of") as refused:
+        _cross_site(path)
+    assert "\n" not in str(refused.value)

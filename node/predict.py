@@ -55,7 +55,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def input_files(inputs: list[Path]) -> tuple[list[Path], list[tuple[str, str]]]:
-    """(files to read, [(input, reason)] for inputs that do not exist)."""
+    """(files to read, [(input, reason)] for inputs that are no file or folder)."""
     suffixes = (*IMAGE_SUFFIXES, ".npz")
     files: list[Path] = []
     missing: list[tuple[str, str]] = []
@@ -64,6 +64,8 @@ def input_files(inputs: list[Path]) -> tuple[list[Path], list[tuple[str, str]]]:
             files += image_files(path, suffixes)
         elif path.is_file():
             files.append(path)
+        elif path.exists():  # a FIFO, a device: never opened (a FIFO would block)
+            missing.append((str(path), "not a regular file or a folder"))
         else:
             missing.append((str(path), "no such file or folder"))
     return files, missing

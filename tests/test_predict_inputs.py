@@ -301,3 +301,20 @@ def test_exports_cross_site_file_that_is_not_evaluates_is_refused_in_one_line(
     with pytest.raises(ExportError, match="not the JSON of") as refused:
         _cross_site(path)
     assert "\n" not in str(refused.value)
+
+
+def test_a_fifo_is_never_opened_and_named_for_what_it_is(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO named like a scan, given by name, was reported as "no such file
+    or folder"; it is "not a regular file", and neither it nor one in a
+    folder is opened (reading one blocks until a writer comes)."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    os.mkfifo(folder / "pipe.png")
+    _png(folder / "scan.png")
+    argv = ["predict", "--model", str(package), str(folder), str(folder / "pipe.png")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert f"predict: {folder / 'pipe.png'}: not a regular file or a folder" in err
+    assert json.loads(err[-1])["predicted"] == 1

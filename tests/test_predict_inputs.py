@@ -318,3 +318,31 @@ def test_a_fifo_is_never_opened_and_named_for_what_it_is(
     err = capsys.readouterr().err.splitlines()
     assert f"predict: {folder / 'pipe.png'}: not a regular file or a folder" in err
     assert json.loads(err[-1])["predicted"] == 1
+
+
+@pytest.mark.parametrize(
+    ("images", "says"),
+    [
+        (np.zeros((2, 0, 5), np.uint8), "5x0 pixels hold none"),
+        (np.full((2, 20, 20), np.nan, np.float32), "NaN or infinite"),
+    ],
+    ids=["no-pixels", "nan"],
+)
+def test_npz_images_without_pixels_or_with_nan_are_refused(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], images, says: str
+) -> None:
+    """An .npz of 0 x 5 images stopped `predict` with torch's RuntimeError at
+    its resize (a traceback; a data source read them without a word); one of
+    NaN floats was predicted as if every pixel were 0. Both are refused, one
+    unreadable file for predict and a DataError for a data source."""
+    from p2pfl.learning.data import DataError, read_source
+
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, images=images, train_images=images, train_labels=np.zeros(2, np.int64))
+    _png(tmp_path / "scan.png")
+    assert main(["predict", "--model", str(package), str(bad), str(tmp_path / "scan.png")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert json.loads(err[-1])["unreadable_files"] == [str(bad)]
+    assert any(says in line for line in err), err
+    with pytest.raises(DataError, match=says):
+        read_source(bad)

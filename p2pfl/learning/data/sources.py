@@ -68,6 +68,10 @@ def as_nhwc_uint8(images: np.ndarray, where: str) -> UInt8Images:
             f"{where}: images must be N,H,W or N,H,W,C with C in 1,3,4, got shape {images.shape} "
             "— store them as uint8 arrays in MedMNIST layout",
         )
+    if 0 in images.shape[1:3]:  # resizing one raised a RuntimeError (a traceback)
+        raise DataError(
+            "bad_shape", f"{where}: images of {images.shape[2]}x{images.shape[1]} pixels hold none"
+        )
     if images.dtype == np.uint8:
         return images
     if not np.issubdtype(images.dtype, np.number) or images.dtype == np.bool_:
@@ -75,6 +79,10 @@ def as_nhwc_uint8(images: np.ndarray, where: str) -> UInt8Images:
             "bad_dtype", f"{where}: images have dtype {images.dtype} — store uint8 pixels 0-255"
         )
     values = images.astype(np.float64)
+    if not np.isfinite(values).all():  # NaN became pixel 0, silently
+        raise DataError(
+            "bad_values", f"{where}: images hold NaN or infinite values — store uint8 pixels 0-255"
+        )
     if np.issubdtype(images.dtype, np.floating) and values.size and values.max() <= 1.0:
         values = values * 255.0
     return np.rint(values).clip(0, 255).astype(np.uint8)

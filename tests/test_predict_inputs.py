@@ -346,3 +346,20 @@ def test_npz_images_without_pixels_or_with_nan_are_refused(
     assert any(says in line for line in err), err
     with pytest.raises(DataError, match=says):
         read_source(bad)
+
+
+def test_a_float_tiff_with_nan_is_an_unreadable_file(tmp_path: Path) -> None:
+    """A 32-bit float TIFF holding NaN was read as pixels of 0 (with numpy's
+    RuntimeWarning on stderr); it is refused as bad_values."""
+    import warnings
+
+    from p2pfl.learning.data import DataError
+    from p2pfl.learning.data.sources import read_image_file
+
+    pixels = np.full((8, 8), np.nan, np.float32)
+    Image.fromarray(pixels, mode="F").save(tmp_path / "nan.tif")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(DataError, match="NaN or infinite") as refused:
+            read_image_file(tmp_path / "nan.tif")
+    assert refused.value.reason == "bad_values"

@@ -252,6 +252,8 @@ def read_image_file(path: Path) -> np.ndarray:
             mode = image.mode
             if mode in ("I;16", "I;16B", "I;16L", "I", "F"):
                 values = np.asarray(image, dtype=np.float64)
+                if not np.isfinite(values).all():  # a float TIFF's NaN became pixel 0
+                    raise DataError("bad_values", f"{path}: the image holds NaN or infinite values")
                 top = 65535.0 if mode.startswith("I;16") else max(float(values.max()), 1.0)
                 return np.rint(values / top * 255.0).clip(0, 255).astype(np.uint8)[..., None]
             if mode in ("1", "L", "LA"):

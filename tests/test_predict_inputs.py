@@ -78,6 +78,20 @@ def _without_safetensors(meta: dict, folder: Path) -> None:
     meta["files"]["safetensors"]["file"] = "evil.pt"
 
 
+def _mismatched_shape(meta: dict, folder: Path) -> None:
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = torch.zeros(3)
+    save_file(weights, str(folder / "model.safetensors"))
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    meta["files"]["safetensors"]["sha256"] = digest
+
+
 def _set(path: tuple[str, ...], value: object):
     def mutate(meta: dict, folder: Path) -> None:
         target = meta
@@ -101,6 +115,7 @@ def _set(path: tuple[str, ...], value: object):
         (_set(("files", "safetensors", "file"), "/etc/passwd"), "not model.safetensors"),
         (_without_safetensors, "not model.safetensors"),
         (lambda meta, folder: "[" * 100_000, "not a p2pfl-node model description"),
+        (_mismatched_shape, "size mismatch for"),
     ],
     ids=[
         "format-version-text",
@@ -113,6 +128,7 @@ def _set(path: tuple[str, ...], value: object):
         "file-absolute",
         "file-torch-load",
         "nested-json",
+        "mismatched-shape",
     ],
 )
 def test_a_package_from_elsewhere_is_refused_in_one_line(
@@ -124,7 +140,9 @@ def test_a_package_from_elsewhere_is_refused_in_one_line(
     for terabytes (a RuntimeError traceback: a smaller value would have been
     allocated); a file named outside the package, or a .pt that torch.load
     unpickles (weights_only, yet not the safetensors docs/export.md promise),
-    was read. Each is refused in one line, exit 2, before a weight is read."""
+    was read. Each is refused in one line, exit 2, before a weight is read. A
+    weight of another shape was refused saying only "Error(s) in loading
+    state_dict for SmallCNN:"; the line now says which weight did not fit."""
     import shutil
 
     folder = tmp_path / "package"

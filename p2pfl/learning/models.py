@@ -269,7 +269,9 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     except RuntimeError as exc:
         raise ModelError(
             "weights_mismatch",
-            f"{path}: weights do not fit the model: {str(exc).splitlines()[0]} — "
+            # torch's first line names only the class; the second says what did not fit
+            f"{path}: weights do not fit the model: "
+            f"{' '.join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]} — "
             "check model.name, data.channels and the number of classes",
         ) from None
     return model

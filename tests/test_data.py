@@ -300,6 +300,20 @@ def test_repartitioning_into_fewer_sites_leaves_no_site_of_the_earlier_draw(
     ]
 
 
+def test_partition_out_that_cannot_be_a_folder_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`partition --out FILE` (or a path through a file) raised FileExistsError,
+    a traceback once the whole source had been read; it is one line, exit 2."""
+    parser = add_partition_arguments(argparse.ArgumentParser())
+    (tmp_path / "plain").write_text("a file\n")
+    for out in (tmp_path / "plain", tmp_path / "plain" / "parts"):
+        args = parser.parse_args(["--data", "digits", "--sites", "2", "--out", str(out)])
+        assert run_partition(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"p2pfl-node partition: --out {out}") and err.count("\n") == 1
+
+
 def test_global_test_gives_every_site_the_whole_test_split(tmp_path: Path) -> None:
     raw = read_source("digits")
     assert raw.test_images is not None and raw.val_labels is not None

@@ -356,7 +356,12 @@ def partition_dataset(
     # copies of the source's images (and their labels): this account's only, whatever
     # the umask or the source's own mode (a review read a 0600 source's copies at 0644);
     # a folder that exists (`--out .`) keeps its mode, the files are 0600 all the same
-    out = make_private_dirs(out)  # each folder it makes 0700, its parents too
+    try:
+        out = make_private_dirs(out)  # each folder it makes 0700, its parents too
+    except OSError as exc:  # a file at the name or on its path: a traceback before
+        raise PartitionError(
+            "bad_out", f"--out {out}: cannot be made a folder ({exc.strerror}) — name a folder"
+        ) from None
     site_rows: list[dict[str, Any]] = []
     for site, train_idx in enumerate(train_parts):
         arrays: dict[str, np.ndarray] = {"class_names": np.array(raw.class_names)}

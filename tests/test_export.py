@@ -615,7 +615,7 @@ def test_export_replaces_an_earlier_package_only_and_never_writes_through_a_link
     earlier export's model.pt stayed beside a model.json that no longer named
     it (shipped with the package, another model's code), and under umask 000
     model.json was created 0777 through the link, model.onnx 0666. Now a folder
-    holding other files is refused, unchanged; an earlier package is replaced
+    holding other files, or a path through a file, is refused, unchanged; an earlier package is replaced
     (links at its names replaced, not followed, its other formats removed); the
     files are 0644 whatever the umask, as the card is."""
     import os
@@ -636,6 +636,9 @@ def test_export_replaces_an_earlier_package_only_and_never_writes_through_a_link
         write_package(mixed, state, arch, ["a", "b"], ["safetensors"], check)
     assert "\n" not in str(refused.value)
     assert sorted(p.name for p in mixed.iterdir()) == ["notes.txt"]
+    for through_a_file in (mixed / "notes.txt", mixed / "notes.txt" / "package"):
+        with pytest.raises(ExportError, match="--out"):  # FileExistsError, a traceback, before
+            write_package(through_a_file, state, arch, ["a", "b"], ["safetensors"], check)
 
     out = tmp_path / "package"
     out.mkdir()

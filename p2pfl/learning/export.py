@@ -192,7 +192,10 @@ def write_package(
     with torch.no_grad():
         reference = net(check_images).numpy()
     _check_out(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on its path: a traceback before
+        raise ExportError(f"--out {out}: cannot be made a folder ({exc.strerror})") from None
     # An earlier package's model.json goes first: a failed export leaves no
     # description naming files this one replaced. Each file is written in a
     # private folder of this call's own and renamed over its name (a link at the

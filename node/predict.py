@@ -12,9 +12,9 @@ is searched recursively. Each image gets exactly the training preprocessing.
 Output: CSV with `file`, `prediction` (the class name), then one probability
 column per class, to --csv or stdout (a file name that is not UTF-8 as its
 bytes on disk). A file that cannot be read is named on stderr with its reason
-(unprintable characters escaped: one line each), counted, and skipped. Exit status: 0 every file
-predicted; 1 some files unreadable (the rest predicted); 2 nothing predicted
-or a bad model directory / argument.
+(unprintable characters escaped: one line each), counted, and skipped. Exit
+status: 0 every file predicted; 1 some files unreadable (the rest predicted);
+2 nothing predicted or a bad model directory / argument.
 """
 
 from __future__ import annotations

@@ -146,6 +146,17 @@ def test_image_folder_rgb_to_gray(tmp_path: Path) -> None:
     assert data.train.tensors[0].shape[1:] == (1, 8, 8)
 
 
+def test_two_channels_are_refused_by_the_config() -> None:
+    """data.channels allowed 1 to 4, but images have 1, 3 or 4: `check` passed
+    `channels: 2` and the node stopped at its first image with convert_images'
+    ValueError, a traceback. The config refuses it."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="images have 1"):
+        DataSection(channels=2)
+    assert [DataSection(channels=c).channels for c in (1, 3, 4)] == [1, 3, 4]
+
+
 def test_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="not found") as err:
         read_source(str(tmp_path / "nope.npz"))

@@ -88,7 +88,9 @@ class DataSection(Section):
         description="'digits' (embedded), a MedMNIST-style .npz, or an ImageFolder directory",
     )
     image_size: int = Field(28, ge=8, le=1024)
-    channels: int = Field(1, ge=1, le=4)
+    channels: int = Field(
+        1, ge=1, le=4, description="1 (grey), 3 (RGB) or 4 (RGB and an opaque alpha)"
+    )
     val_fraction: float = Field(
         0.15, ge=0.0, lt=1.0, description="split off train when the source has no val split"
     )
@@ -99,6 +101,15 @@ class DataSection(Section):
         description="keep labels for this share of train; rest becomes unlabeled",
     )
     augment: Literal["none", "weak", "strong"] = "weak"
+
+    @field_validator("channels")
+    @classmethod
+    def _channels_images_have(cls, value: int) -> int:
+        # 2 passed `check` and the node then stopped at its first image with
+        # convert_images' ValueError, a traceback
+        if value not in (1, 3, 4):
+            raise ValueError(f"{value} channels: images have 1 (grey), 3 (RGB) or 4 (RGBA)")
+        return value
 
 
 class SiameseSection(Section):

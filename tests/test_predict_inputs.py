@@ -405,3 +405,27 @@ def test_a_class_name_a_spreadsheet_would_run_is_written_as_text(
     assert rows[0] == ["file", "prediction", "'" + formula, "b"]
     assert rows[1][1] in ("'" + formula, "b")
     assert not any(cell.startswith("=") for row in rows for cell in row)
+
+
+def test_an_onnx_file_larger_than_protobuf_allows_is_refused_unread(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`predict --runtime onnx` read model.onnx whole, to hash and run the same
+    bytes, whatever its size: a package from elsewhere with a 50 GB model.onnx
+    took 50 GB of memory before its hash could be checked. No ONNX model with
+    its weights inside exceeds protobuf's 2 GiB, so a larger file is refused
+    before a byte is read (a sparse file here: no disk is used)."""
+    import shutil
+
+    folder = tmp_path / "package"
+    shutil.copytree(package, folder)
+    with open(folder / "model.onnx", "wb") as f:
+        f.truncate(1 << 31)
+    meta = json.loads((folder / "model.json").read_text())
+    meta["files"]["onnx"] = {"file": "model.onnx", "sha256": "0" * 64}
+    (folder / "model.json").write_text(json.dumps(meta))
+    _png(tmp_path / "scan.png")
+    argv = ["predict", "--runtime", "onnx", "--model", str(folder), str(tmp_path / "scan.png")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "protobuf's limit" in err and err.count("\n") == 1, err

@@ -47,6 +47,7 @@ Runtime = Literal["auto", "torch", "onnx"]
 ONNX_TOLERANCE = 1e-4  # largest |p_onnx - p_torch| an export accepts
 Runner = Callable[[Tensor], np.ndarray]  # preprocessed N,C,H,W -> N x classes probabilities
 MAX_MODEL_JSON = 1 << 20  # bytes: a description with its class names
+MAX_ONNX = (1 << 31) - 1  # bytes: protobuf's limit on one message, weights inside
 IMAGE_SIZES = (8, 1024)  # data.image_size's range (p2pfl.config)
 CHANNELS = (1, 3, 4)  # what convert_images makes
 
@@ -407,6 +408,12 @@ class Predictor:
         path = self.dir / FILES[self.runtime_format]
         if not path.is_file():
             raise ExportError(f"{path}: missing (named in {MODEL_JSON})")
+        if self.runtime == "onnx" and path.stat().st_size > MAX_ONNX:
+            # read whole before it is hashed: a 50 GB file would have been read into memory
+            raise ExportError(
+                f"{path}: larger than an ONNX model with its weights inside can be "
+                f"({MAX_ONNX} bytes, protobuf's limit)"
+            )
         # the bytes hashed are the bytes run (ONNX): no second read a writer could race
         data = path.read_bytes() if self.runtime == "onnx" else b""
         digest = hashlib.sha256(data).hexdigest() if data else sha256_of(path)

@@ -157,6 +157,20 @@ def test_two_channels_are_refused_by_the_config() -> None:
     assert [DataSection(channels=c).channels for c in (1, 3, 4)] == [1, 3, 4]
 
 
+def test_one_stray_label_does_not_make_millions_of_classes(tmp_path: Path) -> None:
+    """An .npz without class_names names its classes 0..max label: one stray
+    label of 10**7 made 10**7 + 1 class names (1.2 GB, 3 s; 10**9 would not
+    fit in memory) before anything checked it. Past 10 000 unnamed classes
+    it is a DataError naming the label."""
+    path = tmp_path / "stray.npz"
+    np.savez(
+        path, train_images=np.zeros((4, 8, 8), np.uint8), train_labels=np.array([0, 1, 2, 10**7])
+    )
+    with pytest.raises(DataError, match="label 10000000 without class_names") as err:
+        read_source(str(path))
+    assert err.value.reason == "bad_labels"
+
+
 def test_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="not found") as err:
         read_source(str(tmp_path / "nope.npz"))

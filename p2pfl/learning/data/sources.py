@@ -27,6 +27,7 @@ from p2pfl.learning.data.errors import MAX_IMAGE_PIXELS, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp", ".dcm")
 SPLITS = ("train", "val", "test")
+MAX_UNNAMED_CLASSES = 10_000  # classes an .npz without class_names may have (labels 0..K-1)
 
 UInt8Images = NDArray[np.uint8]
 Labels = NDArray[np.int64]
@@ -172,6 +173,12 @@ def read_npz(path: str | Path) -> RawSplits:
             for s in SPLITS
             if raw[f"{s}_labels"] is not None and len(raw[f"{s}_labels"])
         )  # type: ignore[union-attr]
+        if top >= MAX_UNNAMED_CLASSES:  # one stray label of 10**9 was 10**9 class names
+            raise DataError(
+                "bad_labels",
+                f"{path}: label {top} without class_names would make {top + 1} classes — "
+                "fix the label, or add class_names to the .npz",
+            )
         class_names = [str(c) for c in range(top + 1)]
     return _finish(RawSplits(source=str(path), class_names=class_names, **raw))  # type: ignore[arg-type]
 

@@ -328,10 +328,12 @@ def entries_of(payload: Any, reference: dict[str, Tensor]) -> list[tuple[str, in
             or not all(type(d) is int for d in shape)  # a tensor here compares as a tensor
             or shape != list(floats[name].shape)
         ):
-            # its first dimensions, each shown(): repr(shape)[:60] built the
-            # whole repr of a peer's million-item shape first (a review, 2026-11-28)
-            dims = [shown(d) for d in shape[:8]] if isinstance(shape, list) else shown(shape)
-            raise CompressionRefused("shape_mismatch", f"{shown(name)}: {dims}")
+            # a short list of ints as it is, anything else by shown(): repr(shape)[:60]
+            # built the whole repr of a peer's million-item shape first, and a list of
+            # eight shown() strings made a line of 1,400 characters (reviews, 2026-11-28)
+            short = isinstance(shape, list) and len(shape) <= 8
+            told = shape if short and all(type(d) is int for d in shape) else shown(shape)
+            raise CompressionRefused("shape_mismatch", f"{shown(name)}: {told}")
         size = floats[name].numel()
         out.append((name, start, start + size))
         start += size

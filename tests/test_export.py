@@ -660,6 +660,36 @@ def test_export_replaces_an_earlier_package_only_and_never_writes_through_a_link
     Predictor(out, "torch")
 
 
+def test_a_failed_re_export_keeps_the_earlier_package(tmp_path, monkeypatch):
+    """An export into a folder holding an earlier package removed that
+    package's model.json before writing a file of its own, so an export that
+    then failed (an ONNX read back outside tolerance, onnxruntime missing, a
+    full disk, a kill) left a folder `predict` refused: the site's working
+    package lost to a failed attempt. The new files are now all written and
+    checked first; the earlier package is replaced only after that."""
+    import torch
+
+    from p2pfl.learning import export as export_module
+    from p2pfl.learning.export import Architecture, ExportError, Predictor, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("small_cnn", 1, 2, 16)
+    state, check = arch.build().state_dict(), torch.rand(4, 1, 16, 16)
+    out = tmp_path / "package"
+    write_package(out, state, arch, ["a", "b"], ["safetensors"], check)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fails(*args, **kwargs):
+        raise ExportError("onnx: read back, its probabilities differ (a review's stand-in)")
+
+    monkeypatch.setitem(export_module._WRITERS, "onnx", fails)
+    retrained = Architecture("small_cnn", 1, 2, 16).build().state_dict()
+    with pytest.raises(ExportError, match="a review's stand-in"):
+        write_package(out, retrained, arch, ["a", "b"], ["safetensors", "onnx"], check)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    Predictor(out, "torch")
+
+
 def test_evaluates_json_is_written_whole_and_never_through_a_link(trained, tmp_path, capsys):
     """`evaluate --json` wrote with Path.write_text: through a link at the name
     (a review had an unrelated file overwritten), with the umask's mode (0644:

@@ -197,12 +197,14 @@ def write_package(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file on its path: a traceback before
         raise ExportError(f"--out {out}: cannot be made a folder ({exc.strerror})") from None
-    # An earlier package's model.json goes first: a failed export leaves no
-    # description naming files this one replaced. Each file is written in a
-    # private folder of this call's own and renamed over its name (a link at the
-    # name is replaced, never written through: a review's model.json link had an
-    # unrelated file overwritten), PUBLIC_FILE whatever the umask.
-    (out / MODEL_JSON).unlink(missing_ok=True)
+    # Each file is written and checked in a private folder of this call's own,
+    # and only then renamed over its name (a link at the name is replaced, never
+    # written through: a review's model.json link had an unrelated file
+    # overwritten), PUBLIC_FILE whatever the umask. An earlier package is left
+    # whole until every new file is checked (a failed export removed its
+    # model.json first: the working package lost), then its model.json goes
+    # first: a crash among the renames leaves no description naming files this
+    # one replaced, a folder predict refuses, never a mixed package.
     files: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as scratch:
         for fmt in formats:
@@ -215,6 +217,7 @@ def write_package(
                     f"(> {ONNX_TOLERANCE}); the export was removed"
                 )
             files[fmt] = {"file": path.name, "sha256": sha256_of(path), "max_abs_diff": gap}
+        (out / MODEL_JSON).unlink(missing_ok=True)
         for fmt in FORMATS:  # an earlier export's file of a format not asked for now goes
             (out / FILES[fmt]).unlink(missing_ok=True)
         for fmt in formats:

@@ -11,7 +11,8 @@ is searched recursively. Each image gets exactly the training preprocessing.
 
 Output: CSV with `file`, `prediction` (the class name), then one probability
 column per class, to --csv or stdout (a file name that is not UTF-8 as its
-bytes on disk). A file that cannot be read is named on stderr with its reason
+bytes on disk; a class or file name a spreadsheet would run as a formula with a
+leading apostrophe). A file that cannot be read is named on stderr with its reason
 (unprintable characters escaped: one line each), counted, and skipped. Exit
 status: 0 every file predicted; 1 some files unreadable (the rest predicted);
 2 nothing predicted or a bad model directory / argument.
@@ -101,15 +102,14 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
-def as_cell(class_name: str) -> str:
-    """A class name as the CSV shows it: one that a spreadsheet would run as a
-    formula (starting with = + - @, a tab or a carriage return) gets a leading
-    apostrophe. Class names come from model.json, which a package from another
-    site writes: "=HYPERLINK(...)" was written as it stood, a formula in every
-    row of the clinic's predictions.csv."""
-    return (
-        "'" + class_name if class_name.startswith(("=", "+", "-", "@", "\t", "\r")) else class_name
-    )
+def as_cell(text: str) -> str:
+    """A class or file name as the CSV shows it: one that a spreadsheet would run
+    as a formula (starting with = + - @, a tab or a carriage return) gets a
+    leading apostrophe. Class names come from model.json, which a package from
+    another site writes: "=HYPERLINK(...)" was written as it stood, a formula in
+    every row of the clinic's predictions.csv; a file named so (predicted from
+    its own folder) was, after a first review, still written as it stood."""
+    return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
 
 
 def check_destination(csv_path: Path) -> None:
@@ -149,7 +149,9 @@ def run_predict(args: argparse.Namespace) -> int:
             return
         proba = predictor.predict_proba(torch.cat(batch))
         for name, p in zip(names, proba, strict=True):
-            rows.append([name, classes[int(np.argmax(p))], *(f"{float(v):.6f}" for v in p)])
+            rows.append(
+                [as_cell(name), classes[int(np.argmax(p))], *(f"{float(v):.6f}" for v in p)]
+            )
         batch.clear()
         names.clear()
 

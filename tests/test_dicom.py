@@ -231,6 +231,51 @@ def test_a_header_declaring_a_huge_image_is_refused_before_decoding(tmp_path: Pa
     assert peak < 20_000_000, peak  # no pixel buffer of the declared size
 
 
+def test_a_deflated_dataset_is_refused_before_it_is_inflated_past_any_image(
+    tmp_path: Path,
+) -> None:
+    """The pixel limit is read from Rows and Columns, after pydicom has read the
+    dataset; a Deflated Explicit VR file is inflated whole by pydicom first, so a
+    600 kB file of 10 x 10 pixels whose pixel data inflates to 600 MB took
+    gigabytes before any check (a review: 1.7 GB from 390 kB, at deflate's
+    1000-fold). Its inflated size is now counted as it streams, in bounded
+    memory, and one larger than any image the limit allows is refused; an
+    honest deflated image still reads."""
+    import tracemalloc
+    import zlib
+
+    from pydicom.uid import DeflatedExplicitVRLittleEndian
+
+    pixels = np.arange(100, dtype=np.uint16).reshape(10, 10)
+    ds = _dataset(pixels, "MONOCHROME2")
+    ds.file_meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
+    honest = tmp_path / "honest.dcm"
+    ds.save_as(honest, enforce_file_format=True)
+    assert np.array_equal(read_dicom(honest), read_dicom(_write(tmp_path / "plain.dcm", pixels)))
+
+    raw = honest.read_bytes()
+    start = 144 + int.from_bytes(raw[140:144], "little")  # after the file meta group
+    dataset = zlib.decompress(raw[start:], -zlib.MAX_WBITS)
+    assert dataset[-212:-200] == b"\xe0\x7f\x10\x00OW\x00\x00" + (200).to_bytes(4, "little")
+    size = 600_000_000
+    deflater = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    body = [deflater.compress(dataset[:-208] + size.to_bytes(4, "little"))]
+    zeros = bytes(1 << 20)
+    body += [deflater.compress(zeros) for _ in range(size >> 20)]
+    body += [deflater.compress(bytes(size - (size >> 20 << 20))), deflater.flush()]
+    bomb = tmp_path / "bomb.dcm"
+    bomb.write_bytes(raw[:start] + b"".join(body))
+    assert bomb.stat().st_size < 1_000_000
+    tracemalloc.start()
+    try:
+        error = _refusal(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert error.reason == "image_too_large", error
+    assert peak < 20_000_000, peak
+
+
 @pytest.mark.skipif(get_decoder(JPEGLosslessSV1).is_available, reason="decoder installed")
 def test_missing_decoder_names_the_plugin(tmp_path: Path) -> None:
     ds = _dataset(np.zeros((4, 4), dtype=np.uint8), "MONOCHROME2")

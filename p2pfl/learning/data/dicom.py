@@ -72,12 +72,59 @@ def _silenced() -> Iterator[None]:
             logger.removeFilter(drop)
 
 
+# The most bytes a Deflated Explicit VR dataset may inflate to: the pixel data of
+# the largest image MAX_IMAGE_PIXELS allows (3 samples of 16 bits) and 1 MiB of
+# attributes. pydicom inflates such a dataset whole before any attribute can be
+# checked, and deflate expands up to about 1000-fold.
+MAX_INFLATED_BYTES = 6 * MAX_IMAGE_PIXELS + (1 << 20)
+
+
+def _check_inflated_size(path: Path) -> None:
+    """Refuse a Deflated Explicit VR file whose dataset inflates past
+    MAX_INFLATED_BYTES, counted as it streams (never held); any other file, or
+    one whose file meta cannot be read, is left to dcmread."""
+    import zlib
+
+    from pydicom.filereader import _read_file_meta_info, read_preamble
+    from pydicom.uid import DeflatedExplicitVRLittleEndian
+
+    try:
+        fp = open(path, "rb")  # noqa: SIM115 - closed below, on every path
+    except OSError:
+        return  # dcmread says why
+    with fp:
+        try:
+            read_preamble(fp, False)
+            syntax = _read_file_meta_info(fp).get("TransferSyntaxUID")
+        except Exception:  # noqa: BLE001 - not a file with a DICM header: dcmread says why
+            return
+        if syntax != DeflatedExplicitVRLittleEndian:
+            return
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        total = 0
+        while chunk := fp.read(1 << 16):
+            while chunk:
+                try:
+                    total += len(inflater.decompress(chunk, 1 << 20))
+                except zlib.error:
+                    return  # damaged: dcmread says so
+                if total > MAX_INFLATED_BYTES:
+                    raise _error(
+                        "image_too_large",
+                        f"{path}: its deflated dataset inflates past {MAX_INFLATED_BYTES} "
+                        "bytes, more than any image of at most "
+                        f"{MAX_IMAGE_PIXELS} pixels — replace or re-export the file",
+                    )
+                chunk = inflater.unconsumed_tail
+
+
 def _read_dataset(path: Path) -> tuple[Dataset, bool]:
     """The dataset, and whether it was read without a DICM header (force=True)."""
     import pydicom
     from pydicom.errors import InvalidDicomError
     from pydicom.uid import ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
+    _check_inflated_size(path)
     forced = False
     try:
         try:

@@ -171,6 +171,30 @@ def test_one_stray_label_does_not_make_millions_of_classes(tmp_path: Path) -> No
     assert err.value.reason == "bad_labels"
 
 
+def test_class_names_are_few_enough_and_distinct(tmp_path: Path) -> None:
+    """The 10 000-class limit held only without class_names: an .npz of 400 kB
+    whose class_names were 10**8 empty strings (compressed ~1000-fold) made a
+    model of 10**8 outputs at a node's start, and duplicate names made a model
+    with two outputs for one class (and a predictions CSV with two columns of
+    one name). Both are a DataError now, before any class is built."""
+    images, labels = np.zeros((4, 8, 8), np.uint8), np.array([0, 1, 0, 1])
+    many = tmp_path / "many.npz"
+    np.savez_compressed(
+        many, train_images=images, train_labels=labels, class_names=np.full(10_001, "", "<U1")
+    )
+    with pytest.raises(DataError, match="10001 class names") as err:
+        read_source(str(many))
+    assert err.value.reason == "bad_labels"
+    twice = tmp_path / "twice.npz"
+    np.savez(twice, train_images=images, train_labels=labels, class_names=np.array(["a", "a"]))
+    with pytest.raises(DataError, match="'a' twice") as err:
+        read_source(str(twice))
+    assert err.value.reason == "bad_labels"
+    fine = tmp_path / "fine.npz"
+    np.savez(fine, train_images=images, train_labels=labels, class_names=np.array(["-", "a"]))
+    assert read_source(str(fine)).class_names == ["-", "a"]
+
+
 def test_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="not found") as err:
         read_source(str(tmp_path / "nope.npz"))

@@ -27,7 +27,7 @@ from p2pfl.learning.data.errors import MAX_IMAGE_PIXELS, DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp", ".dcm")
 SPLITS = ("train", "val", "test")
-MAX_UNNAMED_CLASSES = 10_000  # classes an .npz without class_names may have (labels 0..K-1)
+MAX_CLASSES = 10_000  # classes an .npz may have: class_names, or labels 0..K-1 without
 
 UInt8Images = NDArray[np.uint8]
 Labels = NDArray[np.int64]
@@ -166,14 +166,26 @@ def read_npz(path: str | Path) -> RawSplits:
     )
     _check_same_size(raw, str(path))
     if "class_names" in arrays:
-        class_names = [str(c) for c in arrays["class_names"].tolist()]
+        names = arrays["class_names"]
+        if names.size > MAX_CLASSES:  # 10**8 empty names compress to 400 kB
+            raise DataError(
+                "bad_labels",
+                f"{path}: {names.size} class names, more than {MAX_CLASSES} — fix class_names",
+            )
+        class_names = [str(c) for c in names.tolist()]
+        seen: set[str] = set()
+        twice = next((c for c in class_names if c in seen or seen.add(c)), None)
+        if twice is not None:  # two outputs of one class
+            raise DataError(
+                "bad_labels", f"{path}: class_names holds {twice[:40]!r} twice — fix class_names"
+            )
     else:
         top = max(
             int(raw[f"{s}_labels"].max())
             for s in SPLITS
             if raw[f"{s}_labels"] is not None and len(raw[f"{s}_labels"])
         )  # type: ignore[union-attr]
-        if top >= MAX_UNNAMED_CLASSES:  # one stray label of 10**9 was 10**9 class names
+        if top >= MAX_CLASSES:  # one stray label of 10**9 was 10**9 class names
             raise DataError(
                 "bad_labels",
                 f"{path}: label {top} without class_names would make {top + 1} classes — "

@@ -274,6 +274,36 @@ def test_an_image_declaring_too_many_pixels_is_a_data_error(
     assert str(err.value).startswith(str(bomb)) and "\n" not in str(err.value)
 
 
+def test_a_tiff_declaring_a_huge_tile_is_refused_before_decoding(tmp_path: Path) -> None:
+    """The pixel limit counted width x height only: a 200-byte TIFF of 10 x 10
+    pixels declaring one 32768 x 32768 tile had libtiff allocate the tile, 1 GB,
+    before it failed (corrupt_image). A tile or strip larger than the limit is
+    refused from the header as image_too_large; an honest tiled TIFF reads."""
+    import struct
+    import zlib
+
+    from p2pfl.learning.data.sources import read_image_file
+
+    def tiff(path: Path, tile: int, pixels: bytes) -> Path:
+        data = zlib.compress(pixels)
+        entries = [(256, 3, 10), (257, 3, 10), (258, 3, 8), (259, 3, 8), (262, 3, 1)]
+        entries += [(277, 3, 1), (322, 4, tile), (323, 4, tile), (324, 4, 8)]
+        entries += [(325, 4, len(data))]
+        out = b"II*\0" + struct.pack("<I", 8 + len(data)) + data
+        out += struct.pack("<H", len(entries))
+        for tag, kind, value in entries:
+            packed = struct.pack("<HH", value, 0) if kind == 3 else struct.pack("<I", value)
+            out += struct.pack("<HHI", tag, kind, 1) + packed
+        path.write_bytes(out + struct.pack("<I", 0))
+        return path
+
+    honest = read_image_file(tiff(tmp_path / "honest.tif", 16, bytes(range(256))))
+    assert honest.shape == (10, 10, 1) and honest[0, 1, 0] == 1 and honest[1, 0, 0] == 16
+    with pytest.raises(DataError) as err:
+        read_image_file(tiff(tmp_path / "bomb.tif", 32768, b"\0" * 64))
+    assert err.value.reason == "image_too_large", err.value
+
+
 # ---------------------------------------------------------------------- partition
 
 

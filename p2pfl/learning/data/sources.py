@@ -267,6 +267,9 @@ def read_image_file(path: Path) -> np.ndarray:
         with image:
             if image.width * image.height > MAX_IMAGE_PIXELS:  # before a pixel is decoded
                 raise too_large
+            tags = getattr(image, "tag_v2", None)  # a TIFF's: libtiff allocates a whole tile
+            if tags is not None and _product(tags.get(322), tags.get(323)) > MAX_IMAGE_PIXELS:
+                raise too_large
             image.load()
             mode = image.mode
             if mode in ("I;16", "I;16B", "I;16L", "I", "F"):
@@ -284,6 +287,16 @@ def read_image_file(path: Path) -> np.ndarray:
         raise DataError(
             "corrupt_image", f"{path}: cannot decode image ({exc}) — replace or remove the file"
         ) from None
+
+
+def _product(*values: object) -> int:
+    """The product of header values that should be whole numbers (0 if one is not)."""
+    product = 1
+    for value in values:
+        if not isinstance(value, int):
+            return 0
+        product *= value
+    return product
 
 
 def image_files(folder: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[Path]:

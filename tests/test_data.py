@@ -379,6 +379,22 @@ def test_repartitioning_into_fewer_sites_leaves_no_site_of_the_earlier_draw(
     ]
 
 
+def test_repartitioning_a_site_file_into_its_own_folder_keeps_it(tmp_path: Path) -> None:
+    """The earlier draw's sites past the new count were removed whatever they
+    were: `partition --data p/site_4.npz --out p --sites 2` (one site's data
+    split further, in place) deleted site_4.npz, the very source it had just
+    read, and a folder named site_9.npz stopped the run with IsADirectoryError.
+    The source and anything but a file are left alone."""
+    out = tmp_path / "p"
+    partition_dataset("digits", 5, "iid", out, seed=0)
+    source = (out / "site_4.npz").read_bytes()
+    (out / "site_9.npz").mkdir()
+    partition_dataset(str(out / "site_4.npz"), 2, "iid", out, seed=1)
+    assert (out / "site_4.npz").read_bytes() == source
+    assert (out / "site_9.npz").is_dir()
+    assert not (out / "site_2.npz").exists() and not (out / "site_3.npz").exists()
+
+
 def test_partition_out_that_cannot_be_a_folder_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

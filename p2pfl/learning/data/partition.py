@@ -432,9 +432,20 @@ def partition_dataset(
     # an earlier partition's sites past this one's are not this partition's: a
     # 5-site federation provisioned from a folder re-partitioned into 3 took
     # sites 3 and 4 of the earlier draw, whose images the new sites hold too
+    # (never the source just read, split further in its own folder, nor anything
+    # but a file: a review's source was deleted, a folder raised IsADirectoryError)
+    source_path = Path(source)
     for stale in out.glob("site_*.npz"):
         number = stale.name[len("site_") : -len(".npz")]
-        if number.isdigit() and int(number) >= sites:
+        if not (number.isdigit() and int(number) >= sites):
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            continue
+        try:
+            is_source = source_path.exists() and stale.samefile(source_path)
+        except OSError:  # a dangling link
+            is_source = False
+        if not is_source:
             stale.unlink()
     atomic_write_text(out / "partition.json", json.dumps(summary, indent=2) + "\n")
     _plot_distribution(

@@ -276,6 +276,38 @@ def test_a_deflated_dataset_is_refused_before_it_is_inflated_past_any_image(
     assert peak < 20_000_000, peak
 
 
+def test_pixel_data_far_longer_than_declared_is_refused_before_decoding(tmp_path: Path) -> None:
+    """Pixel data of many frames' length behind Rows x Columns of one (and no
+    Number of Frames) was decoded as that many frames, then refused for its
+    shape: 40 MB behind 10 x 10 pixels took 200 MB and more of copies first
+    (a deflated one, 400 MB, 1.7 GB). Uncompressed pixel data twice as long as
+    the one frame declared, or longer, is refused before it is decoded; one
+    padded by a few bytes still reads."""
+    import tracemalloc
+
+    pixels = np.arange(100, dtype=np.uint16).reshape(10, 10)
+    padded = _dataset(pixels, "MONOCHROME2")
+    padded.PixelData = pixels.tobytes() + b"\0" * 8
+    padded.save_as(tmp_path / "padded.dcm", enforce_file_format=True)
+    assert np.array_equal(
+        read_dicom(tmp_path / "padded.dcm"), read_dicom(_write(tmp_path / "plain.dcm", pixels))
+    )
+    size = 40_000_000
+    ds = _dataset(pixels, "MONOCHROME2")
+    ds.PixelData = bytes(size)
+    path = tmp_path / "long.dcm"
+    ds.save_as(path, enforce_file_format=True)
+    del ds
+    tracemalloc.start()
+    try:
+        error = _refusal(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert error.reason == "corrupt_image" and "twice" in str(error), error
+    assert peak < 1.5 * size, peak
+
+
 @pytest.mark.skipif(get_decoder(JPEGLosslessSV1).is_available, reason="decoder installed")
 def test_missing_decoder_names_the_plugin(tmp_path: Path) -> None:
     ds = _dataset(np.zeros((4, 4), dtype=np.uint8), "MONOCHROME2")

@@ -195,6 +195,7 @@ def _check_format(ds: Dataset, path: Path, forced: bool) -> str:
             f"{path}: the image declares more than {MAX_IMAGE_PIXELS} pixels — "
             "downscale it or split it into tiles",
         )
+    _check_pixel_length(ds, path, pixels)
     photometric = str(ds.get("PhotometricInterpretation") or "").strip().upper()
     if not photometric:
         raise _error(
@@ -230,6 +231,31 @@ def _check_format(ds: Dataset, path: Path, forced: bool) -> str:
                 "or re-export the file uncompressed",
             )
     return photometric
+
+
+def _check_pixel_length(ds: Dataset, path: Path, pixels: int) -> None:
+    """Refuse uncompressed pixel data at least twice one frame's length: pydicom
+    decoded it as that many frames (copies of all of it) before its shape was
+    refused. A few bytes of padding are a frame still."""
+    data = ds.get("PixelData")
+    try:
+        encapsulated = bool(ds.file_meta.TransferSyntaxUID.is_encapsulated)
+    except (AttributeError, ValueError):  # not a transfer syntax pydicom knows
+        return
+    if encapsulated or not isinstance(data, bytes):
+        return
+    try:
+        bits = int(ds.get("BitsAllocated") or 0) * int(ds.get("SamplesPerPixel") or 1)
+    except (TypeError, ValueError):
+        return  # the decoder says what is wrong
+    frame = (pixels * bits + 7) // 8
+    if frame and len(data) >= 2 * frame:
+        raise _error(
+            "corrupt_image",
+            f"{path}: DICOM pixel data of {len(data)} bytes is at least twice the "
+            f"{frame} bytes of the one frame Rows x Columns declare — replace or "
+            "re-export the file",
+        )
 
 
 def _stored_range(ds: Dataset) -> tuple[float, float]:

@@ -134,12 +134,21 @@ def run_predict(args: argparse.Namespace) -> int:
     if args.csv:
         check_destination(args.csv)
     predictor = Predictor(args.model, args.runtime)
+    classes = [as_cell(c) for c in predictor.classes]
+    # two columns of one name: a reader keyed by name took one class's
+    # probability for the other's ("a" twice, or "=x" beside "'=x")
+    seen: set[str] = set()
+    twice = next((c for c in classes if c in seen or seen.add(c)), None)
+    if twice is not None:
+        raise UserError(
+            f"predict: {args.model}: model.json names the class column {one_line(twice[:80])!r} "
+            "twice — a package names each class once"
+        )
     files, failures = input_files(args.inputs)
     for name, reason in failures:
         print(f"predict: {one_line(name)}: {reason}", file=sys.stderr)
     from tqdm import tqdm
 
-    classes = [as_cell(c) for c in predictor.classes]
     rows: list[list[str]] = []
     names: list[str] = []
     batch: list[torch.Tensor] = []

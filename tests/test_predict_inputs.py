@@ -434,6 +434,28 @@ def test_a_file_name_a_spreadsheet_would_run_is_written_as_text(
     assert files == expected, files
 
 
+def test_a_package_naming_one_class_column_twice_is_refused(
+    package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """model.json's classes ["a", "a"], or ["=x", "'=x"] (the first written
+    '=x once neutralised), gave the CSV two probability columns of one name:
+    a reader keyed by name (csv.DictReader, a spreadsheet lookup) took one
+    class's probability for the other's. Such a package is refused, exit 2."""
+    import shutil
+
+    _png(tmp_path / "scan.png")
+    for classes in (["a", "a"], ["=x", "'=x"]):
+        folder = tmp_path / f"package{len(classes[1])}"
+        shutil.copytree(package, folder)
+        meta = json.loads((folder / "model.json").read_text())
+        meta["classes"] = classes
+        (folder / "model.json").write_text(json.dumps(meta))
+        assert main(["predict", "--model", str(folder), str(tmp_path / "scan.png")]) == 2
+        captured = capsys.readouterr()
+        assert "twice" in captured.err and captured.err.count("\n") == 1, captured.err
+        assert captured.out == ""
+
+
 def test_an_onnx_file_larger_than_protobuf_allows_is_refused_unread(
     package: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

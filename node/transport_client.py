@@ -16,7 +16,8 @@ other answer is unsigned and may be the relay's own, so every answer but a 200
 moves the link too, as does a 200 whose acknowledgement or frame does not
 verify (`answer_refused`): a relay refusing or forging everything cannot hold
 its peer's senders (rv_net review). An unsigned refusal from a relay that
-answered 200 lately moves it only at the STAY_REFUSALS-th in a row, and never
+answered 200 lately moves it only at the STAY_REFUSALS-th in a row (a
+heartbeat's 200 does not end the row), and never
 back to a relay that failed or refused lately (`PeerLink.refused`, rv_net2).
 
 A 503 `queue_full` is the peer saying "later" (its inbox, or this sender's
@@ -144,10 +145,17 @@ class PeerLink:
             self.current = (self.current + 1) % len(self.urls)
             self.worked, self.refusals = float("-inf"), 0
 
-    def answered(self, url: str) -> None:
-        """`url` answered 200 (its caller may still find it forged: `fail_over`)."""
+    def answered(self, url: str, *, probe: bool = False) -> None:
+        """`url` answered 200 (its caller may still find it forged: `fail_over`).
+        A heartbeat's (`probe`) says the relay works, but does not end a row of
+        refusals: the heartbeat loop's 200s come between a node's other
+        messages, and a relay that forwarded heartbeats and refused the rest,
+        one message between two heartbeats, held the link for good (read-back
+        review)."""
         if url == self.url:
-            self.worked, self.refusals = time.monotonic(), 0
+            self.worked = time.monotonic()
+            if not probe:
+                self.refusals = 0
 
     def refused(self, failed: str, window_s: float) -> None:
         """An unsigned refusal from `failed` (a relay's word, or the peer's
@@ -361,7 +369,7 @@ class MessageClient:
                     # off its other relays (rv_net review).
                     link.refused(url, self.cfg.breaker_reset_s)
                 elif status == 200:
-                    link.answered(url)
+                    link.answered(url, probe=probe)
                 link.breaker.success()
                 return status, body
             if status:

@@ -106,3 +106,47 @@ async def test_a_relay_passing_heartbeats_but_refusing_the_rest_is_left_soon(ide
         await b.cleanup()
         await g.cleanup()
     assert hits == ["bad"] * STAY_REFUSALS + ["good"], (hits, answers)
+
+
+async def test_heartbeats_between_the_refusals_do_not_keep_the_link_on_that_relay(
+    identities, roster
+):
+    """Read-back review: the heartbeat loop's 200s come between a node's other
+    messages, and each reset the count of refusals, so a relay that forwards
+    heartbeats but refuses the rest, one message between two heartbeats, held
+    the link for good. The refusals count until the URL's next non-heartbeat
+    200 (or a move); a heartbeat's 200 only says the relay works."""
+    from node.transport_client import STAY_REFUSALS
+
+    alice = codec(identities, roster, "alice")
+    hits: list[str] = []
+
+    async def selective(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        if Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).kind == "heartbeat":
+            return web.json_response({"ok": True})
+        hits.append("bad")
+        return web.json_response({"reason": "forbidden"}, status=403)
+
+    async def good(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        if Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).kind != "heartbeat":
+            hits.append("good")
+        return web.json_response({"ok": True})
+
+    b, r1 = await _serve(selective)
+    g, r2 = await _serve(good)
+    client = MessageClient(TransportSection(**{**FAST, "retries": 0}), None)
+    client.set_relayed_peer("bob", [r1, r2])
+    try:
+        for _ in range(STAY_REFUSALS + 1):
+            beat = alice.encode("heartbeat", "bob", {})
+            assert (await client.post("bob", beat, probe=True))[0] == 200
+            await client.post("bob", alice.encode("m", "bob", {}))
+    finally:
+        await client.close()
+        await b.cleanup()
+        await g.cleanup()
+    assert hits == ["bad"] * STAY_REFUSALS + ["good"], hits

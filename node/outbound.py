@@ -62,6 +62,7 @@ from node.telemetry_records import TrafficCounter
 from node.transport import OFF_LOOP_BYTES
 from node.transport_client import (
     ACK_LIMIT,
+    HELD_PREFIX,
     MessageClient,
     TransportError,
     reason_of_response,
@@ -73,7 +74,7 @@ from protocols.base import PeerUnavailable
 
 log = logging.getLogger(__name__)
 
-REQUEST_PREFIX = "req:"
+REQUEST_PREFIX = HELD_PREFIX  # "req:" (node/transport_client.py: may be held open)
 RESPONSE_PREFIX = "resp:"
 # The key of an answer (a map) naming the id of the request it answers, as
 # nodes of one interim version sent it: checked and removed if present. A key

@@ -32,11 +32,14 @@ in that sender's queue):
   old card, are refused `unknown_sender` (they used to go on, each taking a
   token from a new gate's fresh burst); a card whose keys all still verify
   (unchanged, or rotated with the old key as its previous one) keeps its gate.
-An honest node opens at most 8 connections to one host for each peer behind
-it (node/transport_client.py, `limit_per_host`, a pool per outbound-only
-peer), so it has more than 8 frames being sent on at a relay at once only
-when it sends to several of them at once, and then waits its turn, not
-refused unless for 2 s (before, one pool and answered frames counted: 8
+An honest node uploads at most 8 frames to one relay at once
+(node/transport_client.py RELAY_UPLOADS; a request's place is free once its
+last byte is written, so requests held open at their sites hold none), so it
+has more than 8 frames being sent on at a relay only for the moment between
+its last byte and the relay's streaming it on, and never waits long (with a
+pool per outbound-only peer and no such cap, a heartbeat broadcast to 100 of
+them was refused `too_many_connections` past the queue: read-back review;
+before, one pool and answered frames counted: 8
 requests held open by 8 sites kept every other frame of their sender,
 heartbeats included, waiting until refused: rv_net review); a flooder with more
 connections has its surplus held (each costs a socket and no CPU, but what

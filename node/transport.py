@@ -143,19 +143,27 @@ class ChunksPayload(Payload):
     This is where a node's payload bytes go out, requests and replies alike:
     with an `uplink` (transport.link_mbit, node/link.py) they go out at its rate."""
 
-    def __init__(self, chunks: list[bytes | memoryview], uplink: Uplink | None = None) -> None:
+    def __init__(
+        self,
+        chunks: list[bytes | memoryview],
+        uplink: Uplink | None = None,
+        sent: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(b"", content_type="application/octet-stream")
         self._chunks = chunks
         self._size = sum(len(c) for c in chunks)
         self._uplink = uplink
+        self._sent = sent  # called once its last byte is written (node/transport_client.py)
 
     async def write(self, writer: Any) -> None:
         if self._uplink is None:
             for chunk in self._chunks:
                 await writer.write(chunk)
-            return
-        async for piece in self._uplink.slices(self._chunks):
-            await writer.write(piece)
+        else:
+            async for piece in self._uplink.slices(self._chunks):
+                await writer.write(piece)
+        if self._sent is not None:
+            self._sent()
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("binary frame")

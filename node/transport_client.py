@@ -71,6 +71,14 @@ STAY_REFUSALS = 3
 # push refused 5 times opened the peer's circuit for breaker_reset_s, and the
 # client's 5 tries in about 3 s were all the push got (review 4, R2).
 LATER = "queue_full"
+# Frames this node uploads to one relay at once (`MessageClient._relay_gate`):
+# the relay holds 8 of a sender's frames being sent on and queues 32 more
+# (node/relay_admission.py HONEST_CONNECTIONS); one more is refused
+# `too_many_connections`.
+RELAY_UPLOADS = 8
+# The kinds whose frame the receiver may hold open before it answers (requests:
+# node/outbound.py REQUEST_PREFIX): their place is free once sent.
+HELD_PREFIX = "req:"
 # Refusals the receiver signs (p2pfl/secure/wire.py ACK_OUTCOMES): `signed_refusal`.
 SIGNED_REFUSALS = ("replayed", "id_taken")
 
@@ -210,6 +218,15 @@ class MessageClient:
         # waited until it timed out (rv_net review).
         self._relayed: dict[str, aiohttp.ClientSession] = {}
         self._closing: set[asyncio.Task[None]] = set()  # pools of peers gone, closing
+        # Per relay URL, the uploads to it in progress (RELAY_UPLOADS at most):
+        # with a pool per peer, a heartbeat broadcast to 100 outbound-only
+        # peers behind one relay reached it on 100 connections at once, and the
+        # relay refused those past its 8 in hand and 32 queued
+        # `too_many_connections` (read-back review). Held until the answer, or
+        # for a request until its last byte is written: a request held open at
+        # its site while the answer waits holds no place (the rv_net review's
+        # starvation).
+        self._relay_gates: dict[str, asyncio.Semaphore] = {}
         self._rng = random.Random()
 
     def _url(self, address: str, path: str) -> str:
@@ -412,20 +429,46 @@ class MessageClient:
             await asyncio.sleep(min(timeout, 0.05))
             raise aiohttp.ClientConnectionError("blocked by fault injection")
         session = await self.session(link)
-        client_timeout = aiohttp.ClientTimeout(
-            total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
-        )
-        async with session.post(
-            url, data=ChunksPayload(message.chunks, self.uplink), timeout=client_timeout
-        ) as resp:
-            if resp.status == 200:
-                return resp.status, await self._read_body(resp, limit)
-            try:  # a refusal: its status is the answer, its body a few bytes of reason
-                return resp.status, await self._read_body(resp, ERROR_BODY_LIMIT)
-            except ResponseRefused as exc:
-                if self.on_reject is not None:
-                    self.on_reject(exc.reason, link.name)
-                return resp.status, b""
+        gate = self._relay_gate(url) if link.relayed else None
+        if gate is not None:
+            began = time.monotonic()
+            await asyncio.wait_for(gate.acquire(), timeout)  # TimeoutError: as a slow relay
+            timeout = max(0.05, timeout - (time.monotonic() - began))
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if gate is not None and not released:
+                released = True
+                gate.release()
+
+        try:
+            client_timeout = aiohttp.ClientTimeout(
+                total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
+            )
+            # A request's place is free once its last byte is written (its site
+            # may hold it open for long); anything else's once it is answered.
+            held = message.header.kind.startswith(HELD_PREFIX)
+            payload = ChunksPayload(message.chunks, self.uplink, sent=release if held else None)
+            async with session.post(url, data=payload, timeout=client_timeout) as resp:
+                release()
+                if resp.status == 200:
+                    return resp.status, await self._read_body(resp, limit)
+                try:  # a refusal: its status is the answer, its body a few bytes of reason
+                    return resp.status, await self._read_body(resp, ERROR_BODY_LIMIT)
+                except ResponseRefused as exc:
+                    if self.on_reject is not None:
+                        self.on_reject(exc.reason, link.name)
+                    return resp.status, b""
+        finally:
+            release()
+
+    def _relay_gate(self, url: str) -> asyncio.Semaphore:
+        """The uploads to relay `url` in progress (RELAY_UPLOADS at most)."""
+        gate = self._relay_gates.get(url)
+        if gate is None:
+            gate = self._relay_gates[url] = asyncio.Semaphore(RELAY_UPLOADS)
+        return gate
 
     async def _read_body(self, resp: aiohttp.ClientResponse, limit: int | None) -> bytes:
         limit = self.max_message_bytes if limit is None else min(limit, self.max_message_bytes)

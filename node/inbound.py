@@ -70,6 +70,7 @@ from node.telemetry import Telemetry
 from node.transport import OFF_LOOP_BYTES, IncomingFrame, Rejection
 from p2pfl.config import SiteConfig
 from p2pfl.secure.wire import PREFIX_LEN, SIG_LEN, Header, WireCodec, WireError
+from p2pfl.text import shown
 from protocols.base import Handler, NotReady, Offers, Received
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ class Inbound:
 
     def on_reject(self, reason: str, sender: str | None) -> None:
         self.telemetry.record_rejection(reason, sender)
-        log.debug("%s: rejected a message from %s: %s", self.name, sender, reason)
+        # `sender` is the name a refused header claims, unverified: shown()
+        log.debug("%s: rejected a message from %s: %s", self.name, shown(sender), reason)
 
     async def on_frame(self, incoming: IncomingFrame) -> tuple[int, Any]:
         header = incoming.header

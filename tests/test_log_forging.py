@@ -233,3 +233,21 @@ async def test_a_secure_sums_refusals_are_logged_bounded_and_on_one_line(caplog)
         lines = _logged(caplog, "protocols.secagg_requester")
         assert len(lines) == 2, lines
         assert all(one_short_line(line, 300) for line in lines), [line[:300] for line in lines]
+
+
+def test_a_strangers_claimed_sender_name_is_logged_on_one_short_line(caplog) -> None:
+    """Read-back review: a refused frame's sender is the name its header claims,
+    unverified (a stranger's `unknown_sender`, `bad_signature`), and the node's
+    debug line of every refusal wrote it whole, newlines included."""
+    from node.inbound import Inbound
+
+    counted: list[tuple[str, str | None]] = []
+    node = types.SimpleNamespace(
+        name="a",
+        telemetry=types.SimpleNamespace(record_rejection=lambda r, s: counted.append((r, s))),
+    )
+    with caplog.at_level(logging.DEBUG, logger="node.inbound"):
+        Inbound.on_reject(node, "unknown_sender", FORGED[:64])  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(one_short_line(line, 200) for line in lines), lines
+    assert counted == [("unknown_sender", FORGED[:64])]  # counted as claimed (telemetry bounds it)

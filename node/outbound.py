@@ -62,7 +62,6 @@ from node.telemetry_records import TrafficCounter
 from node.transport import OFF_LOOP_BYTES
 from node.transport_client import (
     ACK_LIMIT,
-    HELD_PREFIX,
     MessageClient,
     TransportError,
     reason_of_response,
@@ -74,7 +73,7 @@ from protocols.base import PeerUnavailable
 
 log = logging.getLogger(__name__)
 
-REQUEST_PREFIX = HELD_PREFIX  # "req:" (node/transport_client.py: may be held open)
+REQUEST_PREFIX = "req:"
 RESPONSE_PREFIX = "resp:"
 # The key of an answer (a map) naming the id of the request it answers, as
 # nodes of one interim version sent it: checked and removed if present. A key
@@ -316,7 +315,9 @@ class Outbound:
             while len(self._asked) > ASKED_REMEMBERED:
                 self._asked.popitem(last=False)
             try:
-                status, body = await self.client.post(peer, message, timeout=remaining, retries=0)
+                status, body = await self.client.post(
+                    peer, message, timeout=remaining, retries=0, held=True
+                )
             except TransportError as exc:
                 reason = exc.reason
                 if exc.reason == "circuit_open":

@@ -76,9 +76,6 @@ LATER = "queue_full"
 # (node/relay_admission.py HONEST_CONNECTIONS); one more is refused
 # `too_many_connections`.
 RELAY_UPLOADS = 8
-# The kinds whose frame the receiver may hold open before it answers (requests:
-# node/outbound.py REQUEST_PREFIX): their place is free once sent.
-HELD_PREFIX = "req:"
 # Refusals the receiver signs (p2pfl/secure/wire.py ACK_OUTCOMES): `signed_refusal`.
 SIGNED_REFUSALS = ("replayed", "id_taken")
 
@@ -343,6 +340,7 @@ class MessageClient:
         retries: int | None = None,
         probe: bool = False,
         answer_limit: int | None = None,
+        held: bool = False,
     ) -> tuple[int, bytes]:
         """POST a frame; returns (status, body) of the final attempt or raises TransportError.
 
@@ -350,7 +348,9 @@ class MessageClient:
         closes it. So heartbeats are the half-open probe and data waits for them.
         `answer_limit`: the most bytes the answer may have (ACK_LIMIT for a push
         or a heartbeat, whose answers are a few bytes of JSON); max_message_bytes
-        by default (a request's answer carries a payload)."""
+        by default (a request's answer carries a payload). `held` (requests):
+        the receiver may hold it open before it answers, so its place among the
+        uploads to a relay (RELAY_UPLOADS) is free once its last byte is written."""
         link = self.links.get(peer)
         if link is None:
             raise TransportError(peer, "unknown_peer")
@@ -366,7 +366,7 @@ class MessageClient:
             url = link.url
             try:
                 status, body = await self._attempt(
-                    link, url, message, max(0.05, deadline - now), answer_limit
+                    link, url, message, max(0.05, deadline - now), answer_limit, held
                 )
             except ResponseRefused as exc:
                 if self.on_reject is not None:
@@ -424,6 +424,7 @@ class MessageClient:
         message: OutgoingMessage,
         timeout: float,
         limit: int | None,
+        held: bool = False,
     ) -> tuple[int, bytes]:
         if link.blocked:
             await asyncio.sleep(min(timeout, 0.05))
@@ -446,9 +447,8 @@ class MessageClient:
             client_timeout = aiohttp.ClientTimeout(
                 total=timeout, sock_connect=min(timeout, self.cfg.connect_timeout_s)
             )
-            # A request's place is free once its last byte is written (its site
-            # may hold it open for long); anything else's once it is answered.
-            held = message.header.kind.startswith(HELD_PREFIX)
+            # A request's place (`held`) is free once its last byte is written
+            # (its site may hold it open for long); anything else's once answered.
             payload = ChunksPayload(message.chunks, self.uplink, sent=release if held else None)
             async with session.post(url, data=payload, timeout=client_timeout) as resp:
                 release()

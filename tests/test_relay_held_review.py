@@ -45,7 +45,7 @@ def test_eight_requests_held_through_a_relay_do_not_stall_a_heartbeat_to_another
                 client.set_relayed_peer(name, [url.removeprefix("http://")])
             pulls = [
                 asyncio.create_task(
-                    client.post(n, a.encode("req:model", n, {}, encrypt=True), retries=0)
+                    client.post(n, a.encode("req:model", n, {}, encrypt=True), retries=0, held=True)
                 )
                 for n in HELD
             ]

@@ -375,7 +375,12 @@ class Outbound:
             delivered = Delivered(header, obj, len(body))
         except WireError as exc:
             self.telemetry.record_rejection(exc.reason, peer)
-            self.client.answer_refused(peer)  # a relay's forgery, perhaps: its next relay next
+            if exc.reason not in SEND_AGAIN:
+                # a relay's forgery, perhaps: its next relay next. Not for one
+                # refused for this node's own replay state (its signature
+                # verified first): asked again through the same relay, as before
+                # a read-back review moved it, on restarts, to a stalling relay.
+                self.client.answer_refused(peer)
             raise
         answers = obj.pop(ANSWERS, asked.id_hex) if isinstance(obj, dict) else asked.id_hex
         own = delivered.header.msg_id

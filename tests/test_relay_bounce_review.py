@@ -8,6 +8,7 @@ waited there until it timed out. Fake relays on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 from test_relay_failover_review import FAST, outbound_of
@@ -150,3 +151,56 @@ async def test_heartbeats_between_the_refusals_do_not_keep_the_link_on_that_rela
         await b.cleanup()
         await g.cleanup()
     assert hits == ["bad"] * STAY_REFUSALS + ["good"], hits
+
+
+async def test_an_answer_refused_for_this_nodes_own_replay_state_does_not_move_the_link(
+    tmp_path, identities, roster
+):
+    """Read-back review: an answer refused `before_restart` or
+    `below_replay_floor` is bob's own, signed, and refused for this node's
+    replay state (right after its restart, its marks ahead of bob's stamps):
+    the request is asked again, as before. But every refused answer also moved
+    the link (`answer_refused`, for a relay's forgery), so the next attempt
+    went to a relay that stalls, and the request timed out there."""
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    async def good(request: web.Request) -> web.Response:
+        frame = await request.read()
+        n = int.from_bytes(frame[4:8], "big")
+        header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
+        if not header.kind.startswith("req:"):
+            return web.json_response({"ok": True})  # a heartbeat, through
+        asked.append("good")
+        rid = answer_id(bob, "alice", header.msg_id)
+        answer = bob.encode("resp:model", "alice", {"w": 1}, round=0, msg_id=rid)
+        return web.Response(body=answer.to_bytes(), content_type="application/octet-stream")
+
+    async def stall(request: web.Request) -> web.Response:
+        await request.read()
+        asked.append("stall")
+        await release.wait()
+        return web.json_response({"reason": "relay_lost"}, status=502)
+
+    g, r1 = await _serve(good)
+    s, r2 = await _serve(stall)
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("bob", [r1, r2])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
+        # the first answer is stamped at or below alice's replay floor
+        alice.replay.floor_ms = int(time.time() * 1000) + 150
+        try:
+            got = await out.request("bob", "model", {}, 2.0)
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        release.set()
+        await client.close()
+        await g.cleanup()
+        await s.cleanup()
+    assert got == {"w": 1}, (got, asked)
+    assert "stall" not in asked, asked

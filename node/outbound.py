@@ -303,6 +303,8 @@ class Outbound:
             remaining = deadline - time.monotonic()
             if remaining <= 0.05:
                 raise PeerUnavailable(peer, reason)
+            if peer not in self.client.links:  # a roster reload removed it meanwhile
+                raise PeerUnavailable(peer, "not in roster")  # (encode, answer_id: WireError)
             # A fresh message per attempt: a retried request must not look like a replay.
             message = self.codec.encode(
                 REQUEST_PREFIX + kind,

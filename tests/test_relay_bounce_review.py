@@ -204,3 +204,34 @@ async def test_an_answer_refused_for_this_nodes_own_replay_state_does_not_move_t
         await s.cleanup()
     assert got == {"w": 1}, (got, asked)
     assert "stall" not in asked, asked
+
+
+async def test_a_peer_removed_by_a_reload_while_asked_is_unavailable_not_a_wire_error(
+    tmp_path, identities, roster
+):
+    """Read-back review: a request asks again after a failed attempt; a roster
+    reload in between that removed the peer made the next attempt's answer id
+    (`answer_id`, keyed with the pair's secret; and with encryption its
+    encoding) raise WireError `unknown_sender` out of `request`, where every
+    protocol expects PeerUnavailable."""
+    from node.transport_client import TransportError
+    from p2pfl.secure.identity import Roster
+
+    alice = codec(identities, roster, "alice")
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_peer("bob", "127.0.0.1:9")
+    out = outbound_of(tmp_path, alice, client)
+
+    async def reloaded(peer, message, **_):  # type: ignore[no-untyped-def]
+        alice.set_roster(Roster([c for c in roster.cards() if c.name != "bob"]))
+        client.remove_peer("bob")
+        raise TransportError(peer, "unreachable")
+
+    client.post = reloaded  # type: ignore[method-assign]
+    try:
+        got = await out.request("bob", "model", {}, 2.0)
+    except Exception as exc:  # noqa: BLE001 - reported
+        got = type(exc).__name__
+    finally:
+        await client.close()
+    assert got == "PeerUnavailable", got

@@ -133,7 +133,7 @@ class Membership:
                 # not the peer's word (a relay's 200 or 409): its next relay, as
                 # for a push (node/outbound.py); a relay forging the answers to
                 # heartbeats held them on itself, and the peer heard none (rv_net2)
-                self.client.answer_refused(peer)
+                self.client.answer_refused(peer, message)
                 return
         if status == 200:
             self.telemetry.record_sent(peer, HEARTBEAT, message.nbytes)

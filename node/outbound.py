@@ -68,7 +68,7 @@ from node.transport_client import (
     signed_refusal,
 )
 from p2pfl.config import SiteConfig
-from p2pfl.secure.wire import Delivered, Header, WireCodec, WireError
+from p2pfl.secure.wire import Delivered, OutgoingMessage, WireCodec, WireError
 from protocols.base import PeerUnavailable
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class Outbound:
                         entry.peer,
                     )
                     self.telemetry.record_rejection("ack_unverified", entry.peer)
-                    self.client.answer_refused(entry.peer)
+                    self.client.answer_refused(entry.peer, message)
                     raise PeerUnavailable(entry.peer, "ack_unverified")
                 self.count_sent(entry.peer, entry.kind, message.nbytes)
                 log.info(
@@ -232,9 +232,9 @@ class Outbound:
                 if not self.codec.verify_ack(entry.peer, entry.msg_id, reason, ack_of(body)):
                     # unsigned: maybe a relay's, which may have forwarded it
                     self.telemetry.record_rejection("ack_unverified", entry.peer)
-                    self.client.answer_refused(entry.peer)
+                    self.client.answer_refused(entry.peer, message)
                     raise PeerUnavailable(entry.peer, "ack_unverified")
-                self.client.carrier_suspect(entry.peer)  # the relay saw the id
+                self.client.carrier_suspect(entry.peer, message)  # the relay saw the id
                 pause = SEND_AGAIN_PAUSE_S
                 await asyncio.to_thread(self.outbox.rekey, entry, os.urandom(16))
             else:
@@ -329,7 +329,7 @@ class Outbound:
             self.count_sent(peer, REQUEST_PREFIX + kind, message.nbytes)
             if status == 200:
                 try:
-                    return await self._open_response(peer, kind, body, message.header)
+                    return await self._open_response(peer, kind, body, message)
                 except WireError as exc:
                     if exc.reason not in SEND_AGAIN:
                         raise PeerUnavailable(peer, f"bad response: {exc.reason}") from None
@@ -341,16 +341,18 @@ class Outbound:
             reason = reason_of_response(status, body)
             if signed_refusal(status, body):
                 if not self.codec.verify_ack(peer, message.header.msg_id, reason, ack_of(body)):
-                    self.client.answer_refused(peer)  # not the peer's word: its next relay
+                    self.client.answer_refused(peer, message)  # not the peer's word: its next relay
                 elif reason == ID_TAKEN:
-                    self.client.carrier_suspect(peer)  # the relay saw the id (`_deliver`)
+                    self.client.carrier_suspect(peer, message)  # the relay saw the id (`_deliver`)
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
             if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop
                 await asyncio.sleep(min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
-    async def _open_response(self, peer: str, kind: str, body: bytes, asked: Header) -> Any:
-        """Verify and open the answer to our request `asked`; WireError (counted)
+    async def _open_response(
+        self, peer: str, kind: str, body: bytes, request: OutgoingMessage
+    ) -> Any:
+        """Verify and open the answer to our `request`; WireError (counted)
         if refused. An answer names its request's round (node/inbound.py echoes
         it) and, in its own id, its request (`answer_id`): an answer that
         carries the answer id of another of our requests is refused, so a relay
@@ -361,6 +363,7 @@ class Outbound:
         OFF_LOOP_BYTES or more is opened in a worker thread, as inbound ones
         are: a 61 MiB answer decoded on the loop stalled it 4 s, a 244 MiB one
         past transport.dead_after_s (wire review, finding 4)."""
+        asked = request.header
         try:
             header, payload = self.codec.verify_frame(bytearray(body))
             try:
@@ -382,7 +385,7 @@ class Outbound:
                 # refused for this node's own replay state (its signature
                 # verified first): asked again through the same relay, as before
                 # a read-back review moved it, on restarts, to a stalling relay.
-                self.client.answer_refused(peer)
+                self.client.answer_refused(peer, request)
             raise
         answers = obj.pop(ANSWERS, asked.id_hex) if isinstance(obj, dict) else asked.id_hex
         own = delivered.header.msg_id
@@ -394,7 +397,7 @@ class Outbound:
             or (own in self._asked and own != answer_id(self.codec, peer, asked.msg_id))
         ):
             self.telemetry.record_rejection("payload_schema", peer)
-            self.client.answer_refused(peer)
+            self.client.answer_refused(peer, request)
             raise PeerUnavailable(peer, "response does not match the request")
         try:
             await self.marks.cover(peer, delivered.header.timestamp_ms)

@@ -298,15 +298,19 @@ class MessageClient:
         self._relayed.clear()
         await asyncio.gather(*self._closing)
 
-    def answer_refused(self, peer: str) -> None:
-        """The last answer through `peer`'s link was not `peer`'s own (its
-        acknowledgement or its frame did not verify): a relayed link tries its
-        next relay next, so a relay that forges answers cannot hold the link."""
+    def answer_refused(self, peer: str, message: OutgoingMessage | None = None) -> None:
+        """The answer to `message` through `peer`'s link was not `peer`'s own
+        (its acknowledgement or its frame did not verify): a relayed link tries
+        its next relay next, so a relay that forges answers cannot hold the
+        link. Only if the relay that carried it is still the one in use
+        (`carried_by`): the forged answers to two messages carried together
+        moved the link to the next relay and then back to the forger (read-back
+        review)."""
         link = self.links.get(peer)
         if link is not None and link.relayed:
-            link.fail_over(link.url)
+            link.fail_over(_carrier(link, message))
 
-    def carrier_suspect(self, peer: str) -> None:
+    def carrier_suspect(self, peer: str, message: OutgoingMessage | None = None) -> None:
         """The last answer through `peer`'s link, though `peer`'s own signed
         word, says whoever carried the message may have misused it (`id_taken`:
         someone used its id first): a relayed link counts it as a refusal of
@@ -314,7 +318,7 @@ class MessageClient:
         carried first held the link with the peer's own answers (rv_net2)."""
         link = self.links.get(peer)
         if link is not None and link.relayed:
-            link.refused(link.url, self.cfg.breaker_reset_s)
+            link.refused(_carrier(link, message), self.cfg.breaker_reset_s)
 
     def breaker_open(self, peer: str) -> bool:
         link = self.links.get(peer)
@@ -388,6 +392,7 @@ class MessageClient:
                 elif status == 200:
                     link.answered(url, probe=probe)
                 link.breaker.success()
+                message.carried_by = url
                 return status, body
             if status:
                 last_reason = _reason_of(body) or f"http_{status}"
@@ -506,6 +511,11 @@ def _reason_of(body: bytes) -> str | None:
         return None
     reason = obj.get("reason") if isinstance(obj, dict) else None
     return one_line(reason, MAX_REASON_CHARS) if isinstance(reason, str) and reason else None
+
+
+def _carrier(link: PeerLink, message: OutgoingMessage | None) -> str:
+    """The URL that carried `message`'s last answer (the one in use if unknown)."""
+    return getattr(message, "carried_by", None) or link.url
 
 
 def signed_refusal(status: int, body: bytes) -> bool:

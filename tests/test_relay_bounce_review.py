@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from aiohttp import web
-from test_relay_failover_review import FAST, outbound_of
+from test_relay_failover_review import FAST, fake_relay, outbound_of
 from test_upload_fairness import codec
 from test_wire_id_taken_review import _serve
 
@@ -235,3 +235,47 @@ async def test_a_peer_removed_by_a_reload_while_asked_is_unavailable_not_a_wire_
     finally:
         await client.close()
     assert got == "PeerUnavailable", got
+
+
+async def test_forged_answers_to_concurrent_messages_move_the_link_once(
+    tmp_path, identities, roster
+):
+    """Read-back review: a 200 whose acknowledgement does not verify moves the
+    link off the relay that carried it (`answer_refused`), but it moved the
+    link off the URL in use then: two pushes carried together by a relay that
+    forges acknowledgements moved it to the good relay, then back to the forger."""
+    alice = codec(identities, roster, "alice")
+    forged: list[int] = []
+    async with fake_relay(200, {"ok": True, "ack": "forged"}, forged) as r1:
+        gate = asyncio.Event()
+
+        async def good(request: web.Request) -> web.Response:
+            await request.read()
+            return web.json_response({"ok": True})
+
+        g, r2 = await _serve(good)
+        client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+        client.set_relayed_peer("bob", [r1, r2])
+        out = outbound_of(tmp_path, alice, client)
+        real_post = client.post
+
+        async def together(*args, **kwargs):  # type: ignore[no-untyped-def]
+            answer = await real_post(*args, **kwargs)
+            if len(forged) < 2:
+                await gate.wait()  # both answered by the forger before either is checked
+            gate.set()
+            return answer
+
+        client.post = together  # type: ignore[method-assign]
+        try:
+            got = await asyncio.gather(
+                out.send_push("bob", "m", {}, 0),
+                out.send_push("bob", "m", {}, 0),
+                return_exceptions=True,
+            )
+            url = client.links["bob"].url
+        finally:
+            await client.close()
+            await g.cleanup()
+    assert [getattr(x, "reason", x) for x in got] == ["ack_unverified"] * 2, got
+    assert url.startswith(f"http://{r2}"), (url, r1, r2)

@@ -180,6 +180,9 @@ class Header:
 class OutgoingMessage:
     header: Header
     chunks: list[bytes | memoryview]  # frame prefix, header, signature, payload pieces
+    # the URL whose answer it got last (node/transport_client.py: a relay's, for
+    # `answer_refused` and `carrier_suspect` to move the link off that relay)
+    carried_by: str | None = None
 
     @property
     def nbytes(self) -> int:

@@ -715,3 +715,50 @@ def test_evaluates_json_is_written_whole_and_never_through_a_link(trained, tmp_p
     assert victim.read_text() == "unrelated\n"
     assert not out.is_symlink() and stat.S_IMODE(out.stat().st_mode) == 0o600
     assert sorted(json.loads(out.read_text())["matrix"]) == ["a", "b"]
+
+
+def test_the_weights_run_are_the_bytes_hashed_not_a_second_read(tmp_path, monkeypatch):
+    """model.safetensors was hashed, then read again from disk to load: a local
+    writer who swapped the file in between had weights run that no hash checked
+    (a review, rv_io2, 2026-11-28). The swap is made here at the moment the
+    package's bytes are hashed; the predictor must run the weights it hashed."""
+    import hashlib
+
+    import torch
+
+    import p2pfl.learning.export as export
+    from p2pfl.learning.export import Architecture, Predictor, write_package
+
+    torch.manual_seed(0)
+    arch = Architecture("small_cnn", 1, 2, 16)
+    state, check = arch.build().state_dict(), torch.rand(4, 1, 16, 16)
+    write_package(tmp_path, state, arch, ["a", "b"], ["safetensors"], check)
+    weights = tmp_path / "model.safetensors"
+    other = tmp_path.parent / "other"
+    write_package(
+        other, {k: v + 1.0 for k, v in state.items()}, arch, ["a", "b"], ["safetensors"], check
+    )
+
+    class Racing:
+        """hashlib, with a writer swapping the file as soon as it is hashed."""
+
+        @staticmethod
+        def sha256(*args):  # type: ignore[no-untyped-def]
+            digest = hashlib.sha256(*args)
+            weights.write_bytes((other / "model.safetensors").read_bytes())
+            return digest
+
+        @staticmethod
+        def file_digest(handle, name):  # type: ignore[no-untyped-def]
+            digest = hashlib.file_digest(handle, name)
+            weights.write_bytes((other / "model.safetensors").read_bytes())
+            return digest
+
+    monkeypatch.setattr(export, "hashlib", Racing)
+    predictor = Predictor(tmp_path, "torch")
+    expected = arch.build()
+    expected.load_state_dict(state)
+    x = torch.rand(3, 1, 16, 16)
+    with torch.no_grad():
+        want = torch.softmax(expected.eval()(x), dim=1)
+    assert np.allclose(predictor.predict_proba(x), want.numpy(), atol=1e-5)

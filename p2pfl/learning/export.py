@@ -133,12 +133,21 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
 
 
-def safetensors_model(arch: Architecture, path: Path) -> WithSoftmax:
-    """The network model.json describes, with the weights of `path` (strict)."""
-    from p2pfl.learning.models import ModelError, load_weights
+def safetensors_model(arch: Architecture, path: Path, data: bytes | None = None) -> WithSoftmax:
+    """The network model.json describes, with the weights of `path` (strict): from
+    `data`, the file's bytes as they were hashed, when given."""
+    from p2pfl.learning.models import ModelError, load_state, load_weights
 
     try:
-        return WithSoftmax(load_weights(arch.build(), path))
+        if data is None:
+            return WithSoftmax(load_weights(arch.build(), path))
+        from safetensors.torch import load
+
+        try:
+            state = load(data)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad bytes
+            raise ExportError(f"{path}: cannot read weights ({_first_line(exc)})") from None
+        return WithSoftmax(load_state(arch.build(), state, path))
     except ModelError as exc:
         raise ExportError(str(exc)) from None
 
@@ -411,15 +420,17 @@ class Predictor:
         path = self.dir / FILES[self.runtime_format]
         if not path.is_file():
             raise ExportError(f"{path}: missing (named in {MODEL_JSON})")
-        if self.runtime == "onnx" and path.stat().st_size > MAX_ONNX:
+        if path.stat().st_size > MAX_ONNX:
             # read whole before it is hashed: a 50 GB file would have been read into memory
             raise ExportError(
                 f"{path}: larger than an ONNX model with its weights inside can be "
-                f"({MAX_ONNX} bytes, protobuf's limit)"
+                f"({MAX_ONNX} bytes, protobuf's limit), and than any weights file export writes"
             )
-        # the bytes hashed are the bytes run (ONNX): no second read a writer could race
-        data = path.read_bytes() if self.runtime == "onnx" else b""
-        digest = hashlib.sha256(data).hexdigest() if data else sha256_of(path)
+        # the bytes hashed are the bytes run, for both runtimes: no second read a
+        # writer could race (until 2026-11-28 model.safetensors was hashed, then
+        # read again to load, and a file swapped in between was run unchecked)
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
         if digest != entry.get("sha256"):
             raise ExportError(
                 f"{path}: its SHA-256 differs from {MODEL_JSON}'s — the file was changed or "
@@ -428,7 +439,7 @@ class Predictor:
         if self.runtime == "onnx":
             _refuse_external_weights(data, path)
         self._run = (
-            torch_runner(safetensors_model(self.arch, path))
+            torch_runner(safetensors_model(self.arch, path, data))
             if self.runtime == "torch"
             else onnx_runner(data, str(path))
         )

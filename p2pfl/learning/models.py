@@ -263,7 +263,11 @@ def read_weights_file(path: str | Path) -> dict[str, Tensor]:
 
 def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """Load a local weights file into `model` (strict)."""
-    state = read_weights_file(path)
+    return load_state(model, read_weights_file(path), path)
+
+
+def load_state(model: nn.Module, state: dict[str, Tensor], path: str | Path) -> nn.Module:
+    """Load `state`, read from `path`, into `model` (strict)."""
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:

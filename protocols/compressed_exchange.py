@@ -311,9 +311,10 @@ class CompressedExchange(PlainExchange):
 
     def adopt(self, peer: str, reply: dict[str, Any], state: State) -> None:
         copy = self.pending.pop(peer, state)
-        # the term is the copy (no variance clamped): a copy of its own, whatever
-        # the merge does to the term
-        if all(copy[k] is state.get(k) for k in copy):
+        # a copy of its own wherever it shares a tensor with the term (all of
+        # them, or all but the variances `clamp_variances` raised), whatever the
+        # merge does to the term
+        if any(copy[k] is state.get(k) for k in copy):
             copy = {k: v.clone() for k, v in copy.items()}
         self.held[peer] = (int(reply["id"]), copy)
         self.held.move_to_end(peer)

@@ -11,14 +11,56 @@ import asyncio
 import time
 
 from aiohttp import web
+from relay_review_util import serve_relay
 from test_relay_failover_review import FAST, fake_relay, outbound_of
 from test_upload_fairness import codec
-from test_wire_id_taken_review import _serve
 
 from node.outbound import answer_id
 from node.transport_client import MessageClient
 from p2pfl.config import TransportSection
 from p2pfl.secure.wire import PREFIX_LEN, Header
+
+
+def _header(frame: bytes) -> Header:
+    n = int.from_bytes(frame[4:8], "big")
+    return Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
+
+
+def _answering(bob, asked: list[str], not_ready_first: bool):
+    """A relay that passes heartbeats and hands back bob's answer to each
+    request (his own `not_ready` to the first, if `not_ready_first`)."""
+
+    async def good(request: web.Request) -> web.Response:
+        header = _header(await request.read())
+        if not header.kind.startswith("req:"):
+            return web.json_response({"ok": True})  # a heartbeat, through
+        asked.append("good")
+        if not_ready_first and len(asked) == 1:
+            return web.json_response({"reason": "not_ready"}, status=404)  # bob's own
+        rid = answer_id(bob, "alice", header.msg_id)
+        answer = bob.encode("resp:model", "alice", {"w": 1}, round=0, msg_id=rid)
+        return web.Response(body=answer.to_bytes(), content_type="application/octet-stream")
+
+    return good
+
+
+def _stalling(asked: list[str], release: asyncio.Event):
+    async def stall(request: web.Request) -> web.Response:
+        await request.read()
+        asked.append("stall")
+        await release.wait()
+        return web.json_response({"reason": "relay_lost"}, status=502)
+
+    return stall
+
+
+async def _bob_via(first, second, section: TransportSection):
+    """Two fake relays of bob's, in that order, and a client that reaches him."""
+    a, r1 = await serve_relay(first)
+    b, r2 = await serve_relay(second)
+    client = MessageClient(section, None)
+    client.set_relayed_peer("bob", [r1, r2])
+    return a, b, client
 
 
 async def test_one_honest_not_ready_does_not_send_a_request_to_a_stalling_relay(
@@ -29,29 +71,11 @@ async def test_one_honest_not_ready_does_not_send_a_request_to_a_stalling_relay(
     asked: list[str] = []
     release = asyncio.Event()
 
-    async def good(request: web.Request) -> web.Response:
-        frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
-        if not header.kind.startswith("req:"):
-            return web.json_response({"ok": True})  # a heartbeat, through
-        asked.append("good")
-        if len(asked) == 1:
-            return web.json_response({"reason": "not_ready"}, status=404)  # bob's own
-        rid = answer_id(bob, "alice", header.msg_id)
-        answer = bob.encode("resp:model", "alice", {"w": 1}, round=0, msg_id=rid)
-        return web.Response(body=answer.to_bytes(), content_type="application/octet-stream")
-
-    async def stall(request: web.Request) -> web.Response:
-        await request.read()
-        asked.append("stall")
-        await release.wait()
-        return web.json_response({"reason": "relay_lost"}, status=502)
-
-    g, r1 = await _serve(good)
-    s, r2 = await _serve(stall)
-    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    client.set_relayed_peer("bob", [r1, r2])
+    g, s, client = await _bob_via(
+        _answering(bob, asked, True),
+        _stalling(asked, release),
+        TransportSection(request_timeout_s=5.0, **FAST),
+    )
     out = outbound_of(tmp_path, alice, client)
     try:
         assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
@@ -78,9 +102,7 @@ async def test_a_relay_passing_heartbeats_but_refusing_the_rest_is_left_soon(ide
     hits: list[str] = []
 
     async def selective(request: web.Request) -> web.Response:
-        frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        if Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).kind == "heartbeat":
+        if _header(await request.read()).kind == "heartbeat":
             return web.json_response({"ok": True})
         hits.append("bad")
         return web.json_response({"reason": "rate_limited"}, status=429)
@@ -90,10 +112,7 @@ async def test_a_relay_passing_heartbeats_but_refusing_the_rest_is_left_soon(ide
         hits.append("good")
         return web.json_response({"ok": True})
 
-    b, r1 = await _serve(selective)
-    g, r2 = await _serve(good)
-    client = MessageClient(TransportSection(**{**FAST, "retries": 0}), None)
-    client.set_relayed_peer("bob", [r1, r2])
+    b, g, client = await _bob_via(selective, good, TransportSection(**{**FAST, "retries": 0}))
     answers = []
     try:
         assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
@@ -123,24 +142,17 @@ async def test_heartbeats_between_the_refusals_do_not_keep_the_link_on_that_rela
     hits: list[str] = []
 
     async def selective(request: web.Request) -> web.Response:
-        frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        if Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).kind == "heartbeat":
+        if _header(await request.read()).kind == "heartbeat":
             return web.json_response({"ok": True})
         hits.append("bad")
         return web.json_response({"reason": "forbidden"}, status=403)
 
     async def good(request: web.Request) -> web.Response:
-        frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        if Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).kind != "heartbeat":
+        if _header(await request.read()).kind != "heartbeat":
             hits.append("good")
         return web.json_response({"ok": True})
 
-    b, r1 = await _serve(selective)
-    g, r2 = await _serve(good)
-    client = MessageClient(TransportSection(**{**FAST, "retries": 0}), None)
-    client.set_relayed_peer("bob", [r1, r2])
+    b, g, client = await _bob_via(selective, good, TransportSection(**{**FAST, "retries": 0}))
     try:
         for _ in range(STAY_REFUSALS + 1):
             beat = alice.encode("heartbeat", "bob", {})
@@ -167,27 +179,11 @@ async def test_an_answer_refused_for_this_nodes_own_replay_state_does_not_move_t
     asked: list[str] = []
     release = asyncio.Event()
 
-    async def good(request: web.Request) -> web.Response:
-        frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        header = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n])
-        if not header.kind.startswith("req:"):
-            return web.json_response({"ok": True})  # a heartbeat, through
-        asked.append("good")
-        rid = answer_id(bob, "alice", header.msg_id)
-        answer = bob.encode("resp:model", "alice", {"w": 1}, round=0, msg_id=rid)
-        return web.Response(body=answer.to_bytes(), content_type="application/octet-stream")
-
-    async def stall(request: web.Request) -> web.Response:
-        await request.read()
-        asked.append("stall")
-        await release.wait()
-        return web.json_response({"reason": "relay_lost"}, status=502)
-
-    g, r1 = await _serve(good)
-    s, r2 = await _serve(stall)
-    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    client.set_relayed_peer("bob", [r1, r2])
+    g, s, client = await _bob_via(
+        _answering(bob, asked, False),
+        _stalling(asked, release),
+        TransportSection(request_timeout_s=5.0, **FAST),
+    )
     out = outbound_of(tmp_path, alice, client)
     try:
         assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
@@ -253,7 +249,7 @@ async def test_forged_answers_to_concurrent_messages_move_the_link_once(
             await request.read()
             return web.json_response({"ok": True})
 
-        g, r2 = await _serve(good)
+        g, r2 = await serve_relay(good)
         client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
         client.set_relayed_peer("bob", [r1, r2])
         out = outbound_of(tmp_path, alice, client)

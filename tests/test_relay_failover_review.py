@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
-from test_upload_fairness import codec, recorder
+from relay_review_util import recording_server, serve_relay
+from test_upload_fairness import codec
 
 from node.outbound import Outbound, answer_id
 from node.queues import Outbox
 from node.relay_wire import RELAY_MESSAGE_PATH
 from node.telemetry import Telemetry
-from node.transport import MessageServer
 from node.transport_client import MessageClient, TransportError
 from p2pfl.config import TransportSection
 
@@ -93,6 +93,26 @@ def outbound_of(tmp_path, sender, client: MessageClient, current_round: int = 0)
     )
 
 
+async def ask_bob_twice(tmp_path, alice, relay, wait_s: float) -> list:
+    """alice (in round 6) asks bob for his model twice through one fake relay
+    that `relay` answers; each answer, or the reason it was refused."""
+    runner, r1 = await serve_relay(relay)
+    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
+    client.set_relayed_peer("bob", [r1])
+    out = outbound_of(tmp_path, alice, client, 6)
+    got = []
+    try:
+        for _ in range(2):
+            try:
+                got.append(await out.request("bob", "model", {}, wait_s))
+            except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+                got.append(getattr(exc, "reason", repr(exc)))
+    finally:
+        await client.close()
+        await runner.cleanup()
+    return got
+
+
 async def test_an_answer_withheld_from_an_earlier_round_is_refused(tmp_path, identities, roster):
     """Attack: a relay keeps bob's answer to alice's round-5 request (answering
     her 502, as it may) and hands it to her round-6 request. Before, an answer
@@ -142,24 +162,7 @@ async def test_an_answer_to_another_request_of_the_same_round_is_refused(
         await request.read()
         return web.Response(body=answers.pop(0), content_type="application/octet-stream")
 
-    app = web.Application()
-    app.router.add_post(RELAY_MESSAGE_PATH, answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    client.set_relayed_peer("bob", [f"127.0.0.1:{runner.addresses[0][1]}"])
-    out = outbound_of(tmp_path, alice, client, 6)
-    got = []
-    try:
-        for _ in range(2):
-            try:
-                got.append(await out.request("bob", "model", {}, 2.0))
-            except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
-                got.append(getattr(exc, "reason", repr(exc)))
-    finally:
-        await client.close()
-        await runner.cleanup()
+    got = await ask_bob_twice(tmp_path, alice, answer, 2.0)
     assert got == ["response does not match the request", {"w": 2}], got
 
 
@@ -195,9 +198,7 @@ async def test_a_relay_forging_acknowledgements_does_not_hold_the_link(
     alice = codec(identities, roster, "alice")
     bob = codec(identities, roster, "bob")
     processed: list[str] = []
-    server = MessageServer(bob, TransportSection(), recorder(bob, processed), lambda r, s: None)
-    server.extra_routes.append(lambda app: app.router.add_post(RELAY_MESSAGE_PATH, server.handle))
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(bob, processed, relay_route=True)
     forged: list[int] = []
     client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
     out = outbound_of(tmp_path, alice, client)

@@ -11,13 +11,12 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from relay_review_util import recording_server
 from test_relay_failover_review import FAST, fake_relay
-from test_upload_fairness import codec, recorder
+from test_upload_fairness import codec
 
 from node.membership import Membership, Progress
-from node.relay_wire import RELAY_MESSAGE_PATH
 from node.telemetry import Telemetry
-from node.transport import MessageServer
 from node.transport_client import MessageClient
 from p2pfl.config import TransportSection
 
@@ -31,9 +30,7 @@ async def test_a_relay_answering_heartbeats_itself_does_not_hold_them(
     alice = codec(identities, roster, "alice")
     bob = codec(identities, roster, "bob")
     heard: list[str] = []
-    server = MessageServer(bob, TransportSection(), recorder(bob, heard), lambda r, s: None)
-    server.extra_routes.append(lambda app: app.router.add_post(RELAY_MESSAGE_PATH, server.handle))
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(bob, heard, relay_route=True)
     forged: list[int] = []
     client = MessageClient(TransportSection(**FAST), None)
     tcfg = TransportSection(heartbeat_s=0.5)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 
-from test_upload_fairness import codec, post, recorder
+from relay_review_util import recording_server
+from test_upload_fairness import codec, post
 
 from node.outbound import ack_of
-from node.transport import MessageServer
-from p2pfl.config import TransportSection
 
 
 async def test_another_senders_use_of_an_id_gets_no_acknowledgement_for_it(identities, roster):
@@ -30,8 +29,7 @@ async def test_another_senders_use_of_an_id_gets_no_acknowledgement_for_it(ident
     bob = codec(identities, roster, "bob")
     carol = codec(identities, roster, "carol")
     processed: list[str] = []
-    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(carol, processed)
     try:
         pushed = alice.encode("probe", "carol", {"x": 1})
         x = pushed.header.msg_id
@@ -55,8 +53,7 @@ async def test_a_senders_own_copy_is_still_acknowledged_replayed(identities, ros
     alice = codec(identities, roster, "alice")
     carol = codec(identities, roster, "carol")
     processed: list[str] = []
-    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(carol, processed)
     try:
         pushed = alice.encode("probe", "carol", {"x": 1})
         assert (await post(port, pushed.to_bytes())).status == 200

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
-from test_relay_failover_review import FAST, outbound_of
-from test_upload_fairness import codec, post, recorder
+from relay_review_util import recording_server, serve_relay
+from test_relay_failover_review import FAST, ask_bob_twice, outbound_of
+from test_upload_fairness import codec, post
 
 from node.relay_wire import RELAY_MESSAGE_PATH
 from node.transport import MESSAGE_PATH, MessageServer
@@ -28,13 +29,28 @@ from p2pfl.config import TransportSection
 from p2pfl.secure.wire import PREFIX_LEN, Header
 
 
-async def _serve(handler) -> tuple[web.AppRunner, str]:
-    app = web.Application()
-    app.router.add_post(RELAY_MESSAGE_PATH, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+def _msg_id(frame: bytes) -> bytes:
+    n = int.from_bytes(frame[4:8], "big")
+    return Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+
+
+async def _push_to_carol(tmp_path, alice, relays, timeout_s, cleanups):
+    """alice pushes a probe to carol through `relays`; the outcome (its
+    reason, or "delivered") and the client, everything in `cleanups` closed."""
+    client = MessageClient(TransportSection(request_timeout_s=timeout_s, **FAST), None)
+    client.set_relayed_peer("carol", relays)
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        try:
+            await out.send_push("carol", "probe", {"x": 1}, 0)
+            got = "delivered"
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        for cleanup in cleanups:
+            await cleanup()
+    return got, client
 
 
 async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other_relay(
@@ -44,14 +60,12 @@ async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other
     bob = codec(identities, roster, "bob")
     carol = codec(identities, roster, "carol")
     processed: list[str] = []
-    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(carol, processed)
     stolen: list[str] = []
 
     async def thief(request: web.Request) -> web.Response:
         frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        x = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+        x = _msg_id(frame)
         reply = await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
         stolen.append(f"{x.hex()}:{reply.status}")
         return web.json_response({"reason": "relay_lost"}, status=502)
@@ -64,22 +78,11 @@ async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other
         ):
             return web.Response(status=r.status, body=await r.read(), headers=r.headers)
 
-    bad, r1 = await _serve(thief)
-    good, r2 = await _serve(honest)
-    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    client.set_relayed_peer("carol", [r1, r2])
-    out = outbound_of(tmp_path, alice, client)
-    try:
-        try:
-            await out.send_push("carol", "probe", {"x": 1}, 0)
-            got = "delivered"
-        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
-            got = getattr(exc, "reason", repr(exc))
-    finally:
-        await client.close()
-        await bad.cleanup()
-        await good.cleanup()
-        await server.stop()
+    bad, r1 = await serve_relay(thief)
+    good, r2 = await serve_relay(honest)
+    got, client = await _push_to_carol(
+        tmp_path, alice, [r1, r2], 5.0, [bad.cleanup, good.cleanup, server.stop]
+    )
     assert len(stolen) == 1 and stolen[0].endswith(":200"), stolen
     assert got == "delivered", (got, stolen, processed)
     assert len(processed) == 2 and processed[0] == stolen[0].split(":")[0], processed
@@ -98,27 +101,16 @@ async def test_a_relays_own_id_taken_does_not_have_a_forwarded_push_sent_again(
     alice = codec(identities, roster, "alice")
     carol = codec(identities, roster, "carol")
     processed: list[str] = []
-    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(carol, processed)
 
     async def forger(request: web.Request) -> web.Response:
         assert (await post(port, await request.read())).status == 200  # forwarded, taken
         return web.json_response({"reason": "id_taken", "ack": "AAAA"}, status=409)
 
-    bad, r1 = await _serve(forger)
-    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    client.set_relayed_peer("carol", [r1, "127.0.0.1:9"])
-    out = outbound_of(tmp_path, alice, client)
-    try:
-        try:
-            await out.send_push("carol", "probe", {"x": 1}, 0)
-            got = "delivered"
-        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
-            got = getattr(exc, "reason", repr(exc))
-    finally:
-        await client.close()
-        await bad.cleanup()
-        await server.stop()
+    bad, r1 = await serve_relay(forger)
+    got, client = await _push_to_carol(
+        tmp_path, alice, [r1, "127.0.0.1:9"], 5.0, [bad.cleanup, server.stop]
+    )
     assert len(processed) == 1, processed  # once: never sent again under a fresh id
     assert got == "ack_unverified", got
     assert client.links["carol"].url.endswith("127.0.0.1:9" + RELAY_MESSAGE_PATH)
@@ -172,27 +164,13 @@ async def test_a_withheld_answer_handed_to_the_next_request_is_refused_by_its_id
 
     async def relay(request: web.Request) -> web.Response:
         frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        seen.append(Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id)
+        seen.append(_msg_id(frame))
         if len(seen) == 1:
             return web.json_response({"reason": "relay_lost"}, status=502)  # withheld
         body = answer_to(seen[0], 1) if len(seen) == 2 else answer_to(seen[-1], 3)
         return web.Response(body=body, content_type="application/octet-stream")
 
-    runner, r1 = await _serve(relay)
-    client = MessageClient(TransportSection(request_timeout_s=5.0, **FAST), None)
-    client.set_relayed_peer("bob", [r1])
-    out = outbound_of(tmp_path, alice, client, 6)
-    got = []
-    try:
-        for _ in range(2):
-            try:
-                got.append(await out.request("bob", "model", {}, 3.0))
-            except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
-                got.append(getattr(exc, "reason", repr(exc)))
-    finally:
-        await client.close()
-        await runner.cleanup()
+    got = await ask_bob_twice(tmp_path, alice, relay, 3.0)
     assert got == ["response does not match the request", {"w": 3}], (got, len(seen))
 
 
@@ -209,14 +187,12 @@ async def test_a_relay_stealing_every_id_it_carries_does_not_hold_the_link(
     bob = codec(identities, roster, "bob")
     carol = codec(identities, roster, "carol")
     processed: list[str] = []
-    server = MessageServer(carol, TransportSection(), recorder(carol, processed), lambda r, s: None)
-    port = await server.start("127.0.0.1", 0, None)
+    server, port = await recording_server(carol, processed)
     stolen: list[bytes] = []
 
     async def thief(request: web.Request) -> web.Response:
         frame = await request.read()
-        n = int.from_bytes(frame[4:8], "big")
-        x = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+        x = _msg_id(frame)
         await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
         stolen.append(x)
         reply = await post(port, frame)  # carol's own answer: id_taken, signed
@@ -226,22 +202,11 @@ async def test_a_relay_stealing_every_id_it_carries_does_not_hold_the_link(
         reply = await post(port, await request.read())
         return web.Response(status=reply.status, body=reply.body, content_type="application/json")
 
-    bad, r1 = await _serve(thief)
-    good, r2 = await _serve(honest)
-    client = MessageClient(TransportSection(request_timeout_s=3.0, **FAST), None)
-    client.set_relayed_peer("carol", [r1, r2])
-    out = outbound_of(tmp_path, alice, client)
-    try:
-        try:
-            await out.send_push("carol", "probe", {"x": 1}, 0)
-            got = "delivered"
-        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
-            got = getattr(exc, "reason", repr(exc))
-    finally:
-        await client.close()
-        await bad.cleanup()
-        await good.cleanup()
-        await server.stop()
+    bad, r1 = await serve_relay(thief)
+    good, r2 = await serve_relay(honest)
+    got, client = await _push_to_carol(
+        tmp_path, alice, [r1, r2], 3.0, [bad.cleanup, good.cleanup, server.stop]
+    )
     assert got == "delivered", (got, len(stolen))
     assert len(stolen) == 1 and len(processed) == 2, (len(stolen), processed)
 
@@ -295,8 +260,7 @@ async def test_a_relay_stealing_every_request_id_does_not_hold_the_link(
         async def forward(request: web.Request) -> web.Response:
             frame = await request.read()
             if steal:
-                n = int.from_bytes(frame[4:8], "big")
-                x = Header.unpack(frame[PREFIX_LEN : PREFIX_LEN + n]).msg_id
+                x = _msg_id(frame)
                 await post(port, bob.encode("probe", "carol", {}, msg_id=x).to_bytes())
                 stolen.append(x)
             async with (
@@ -305,7 +269,7 @@ async def test_a_relay_stealing_every_request_id_does_not_hold_the_link(
             ):
                 return web.Response(status=r.status, body=await r.read(), headers=r.headers)
 
-        return await _serve(forward)
+        return await serve_relay(forward)
 
     bad, r1 = await relay_of(True)
     good, r2 = await relay_of(False)

@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         site_labels, cfg.holdout_fraction, cfg.holdout_min_images, cfg.seed
     )
     train_u8, train_labels, holdout_u8 = site_u8[members], site_labels[members], site_u8[holdout]
+    holdout_labels = site_labels[holdout]
     log.info("%d members train the GAN, %d held out", len(members), len(holdout))
 
     # 1. GAN, two stages + reference.
@@ -373,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             out / f"gate_{name}",
             holdout_uint8=holdout_u8,
             seed=args.seed,
+            real_labels=train_labels,
+            holdout_labels=holdout_labels,
         )
         gate_json.update(
             {

@@ -34,7 +34,11 @@ holdout). The attacker's score is -nearest(x): a member should be closer.
                     reported, with the spread of 200 such splits (the attack's
                     null distribution for this holdout size), because such audits
                     can report a split bias as membership ("Membership Inference
-                    or Data-Split Bias?", 2025).
+                    or Data-Split Bias?", 2025). Given the holdout's labels, each
+                    halving is stratified by class (`stratified_halves`): the
+                    classes sit at different distances from the synthetic set,
+                    so an unstratified halving with more of one class in one half
+                    reads as membership in the control.
 
 Files in `out_dir`: membership_audit.json (figures and per-image distances),
 membership_audit_hist.png and membership_audit_grid.png (closest member and
@@ -99,6 +103,55 @@ def holdout_split(
     if len(holdout) < min_images:
         return everything, everything[:0]
     return np.setdiff1d(everything, holdout), holdout
+
+
+def stratified_pick(labels: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` sorted indices into `labels` (all of them when fewer), chosen at random
+    within each class in proportion to its size (largest remainders), so the picks keep
+    the class mix."""
+    labels = np.asarray(labels).reshape(-1)
+    n = len(labels)
+    if count >= n:
+        return np.arange(n)
+    classes, sizes = np.unique(labels, return_counts=True)
+    quota = count * sizes / n
+    take = np.floor(quota).astype(np.int64)
+    order = np.argsort(-(quota - take), kind="stable")
+    take[order[: count - int(take.sum())]] += 1
+    picks = [
+        rng.permutation(np.flatnonzero(labels == c))[:k]
+        for c, k in zip(classes, take, strict=True)
+        if k > 0
+    ]
+    return np.sort(np.concatenate(picks))
+
+
+def stratified_halves(
+    labels: np.ndarray | None, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint halves of range(n) that cover it. Given labels, each class is split
+    in half at random and a class's odd image goes to the half that is smaller so far,
+    so the halves differ by at most one image and hold the same class mix up to one
+    image per class. Without labels, one random permutation cut at n // 2."""
+    if labels is None:
+        perm = rng.permutation(n)
+        return perm[: n // 2], perm[n // 2 :]
+    labels = np.asarray(labels).reshape(-1)
+    if len(labels) != n:
+        raise ValueError(f"{len(labels)} labels for {n} holdout images")
+    first: list[np.ndarray] = []
+    second: list[np.ndarray] = []
+    sizes = [0, 0]
+    for c in np.unique(labels):
+        of_class = rng.permutation(np.flatnonzero(labels == c))
+        cut = len(of_class) // 2
+        if len(of_class) % 2 and sizes[0] <= sizes[1]:
+            cut += 1
+        first.append(of_class[:cut])
+        second.append(of_class[cut:])
+        sizes[0] += cut
+        sizes[1] += len(of_class) - cut
+    return np.concatenate(first), np.concatenate(second)
 
 
 # ---------------------------------------------------------------------- distances
@@ -221,9 +274,11 @@ def membership_audit(
     near_copy_distance: float,
     seed: int = 0,
     grid_count: int = 8,
+    holdout_labels: np.ndarray | None = None,
 ) -> MembershipAudit:
     """The test on [-1, 1] images of the same shape; writes its files to `out_dir`
-    (made 0700, the files 0600: they show and measure private images)."""
+    (made 0700, the files 0600: they show and measure private images).
+    holdout_labels (one per holdout image) stratify the control's halvings by class."""
     from .projection import write_grid
 
     if len(holdout) < 2 or len(members) < 1 or len(synthetic) < 1:
@@ -247,16 +302,16 @@ def membership_audit(
     to_mem, _ = nearest(e_syn, e_mem[torch.as_tensor(sub)])
     to_hold, _ = nearest(e_syn, e_hold[: len(sub)])
     closer = float((to_mem < to_hold).double().mean() + 0.5 * (to_mem == to_hold).double().mean())
-    # Control: two random halves of the holdout, which the GAN never saw.
-    half = len(d_hold) // 2
-    perm = rng.permutation(len(d_hold))
-    a, b = d_hold[perm[:half]], d_hold[perm[half:]]
+    # Control: two random halves of the holdout (class-stratified given its labels),
+    # which the GAN never saw.
+    first, second = stratified_halves(holdout_labels, len(d_hold), rng)
+    a, b = d_hold[first], d_hold[second]
     control = distance_auc(a, b)
     control_interval = bootstrap_interval(a, b, seed + 2)
     null = []
     for _ in range(CONTROL_REPEATS):
-        p = rng.permutation(len(d_hold))
-        null.append(distance_auc(d_hold[p[:half]], d_hold[p[half:]]))
+        p, q = stratified_halves(holdout_labels, len(d_hold), rng)
+        null.append(distance_auc(d_hold[p], d_hold[q]))
     near_mem = float((d_mem < near_copy_distance).mean())
     near_hold = float((d_hold < near_copy_distance).mean())
     files = {
@@ -328,26 +383,39 @@ def audit_buffer(
     *,
     near_copy_distance: float,
     seed: int = 0,
+    members_labels: np.ndarray | None = None,
+    holdout_labels: np.ndarray | None = None,
 ) -> MembershipAudit:
-    """membership_audit on a buffer dict and the site's uint8 images (at most gate_images of each)."""
+    """membership_audit on a buffer dict and the site's uint8 images (at most gate_images
+    of each; with labels, picked within each class in proportion, and the control's
+    halvings stratified by class)."""
     from .trainer import prepare_images
 
     synthetic = buffer["images"].float() / 127.5 - 1.0
     rng = np.random.default_rng(seed)
 
-    def pick(images: np.ndarray) -> Tensor:
+    def pick(images: np.ndarray, labels: np.ndarray | None) -> tuple[Tensor, np.ndarray | None]:
         count = min(section.gate_images, len(images))
-        chosen = np.sort(rng.choice(len(images), size=count, replace=False))
-        return prepare_images(images[chosen], synthetic.shape[-1])
+        if labels is None:
+            chosen = np.sort(rng.choice(len(images), size=count, replace=False))
+            return prepare_images(images[chosen], synthetic.shape[-1]), None
+        labels = np.asarray(labels).reshape(-1)
+        if len(labels) != len(images):
+            raise ValueError(f"{len(labels)} labels for {len(images)} images")
+        chosen = stratified_pick(labels, count, rng)
+        return prepare_images(images[chosen], synthetic.shape[-1]), labels[chosen]
 
+    members, _ = pick(members_uint8, members_labels)
+    holdout, picked_holdout_labels = pick(holdout_uint8, holdout_labels)
     return membership_audit(
         synthetic,
-        pick(members_uint8),
-        pick(holdout_uint8),
+        members,
+        holdout,
         metric,
         out_dir,
         near_copy_distance=near_copy_distance,
         seed=seed,
+        holdout_labels=picked_holdout_labels,
     )
 
 

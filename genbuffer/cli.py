@@ -239,8 +239,9 @@ def _site_training_arrays(config: GenbufferConfig) -> tuple[np.ndarray, np.ndarr
 
 def _members_and_holdout(
     section: GenbufferSection, images: np.ndarray, labels: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(member images, member labels, holdout images): the node's split (audit.holdout_split)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(member images, member labels, holdout images, holdout labels): the node's split
+    (audit.holdout_split)."""
     from .audit import holdout_split
 
     members, holdout = holdout_split(
@@ -251,7 +252,7 @@ def _members_and_holdout(
         len(holdout),
         len(images),
     )
-    return images[members], labels[members], images[holdout]
+    return images[members], labels[members], images[holdout], labels[holdout]
 
 
 def _tighten_state_dir(config: GenbufferConfig) -> None:
@@ -282,7 +283,7 @@ def _cmd_train(config: GenbufferConfig, args: argparse.Namespace) -> int:
         section = section.model_copy(update={"train_reference": False})
     _tighten_state_dir(config)  # train_generator makes out_dir itself, once LPIPS is ready
     images, labels, num_classes = _site_training_arrays(config)
-    images, labels, _ = _members_and_holdout(section, images, labels)
+    images, labels, _, _ = _members_and_holdout(section, images, labels)
     # Subnormal floats make long CPU runs many times slower; the flag is process-wide,
     # so it is switched off again (the default) when training returns.
     torch.set_flush_denormal(True)
@@ -366,9 +367,19 @@ def _gate(
     metric = build_perceptual_distance(
         section.lpips_backbone, section.lpips_weights, min_size=section.lpips_min_size
     )
-    members, _, holdout = _members_and_holdout(section, *_site_training_arrays(config)[:2])
+    members, member_labels, holdout, holdout_labels = _members_and_holdout(
+        section, *_site_training_arrays(config)[:2]
+    )
     decision = check_buffer(
-        buffer, members, metric, section, private, holdout_uint8=holdout, seed=section.seed
+        buffer,
+        members,
+        metric,
+        section,
+        private,
+        holdout_uint8=holdout,
+        seed=section.seed,
+        real_labels=member_labels,
+        holdout_labels=holdout_labels,
     )
     if not decision.released:
         raise PrivacyGateRefused(decision)
@@ -408,7 +419,7 @@ def _cmd_audit(config: GenbufferConfig, args: argparse.Namespace) -> int:
             section.lpips_backbone,
         )
     # The projection audit asks whether the GAN stored its training images: the members.
-    images, labels, _ = _members_and_holdout(section, *_site_training_arrays(config)[:2])
+    images, labels, _, _ = _members_and_holdout(section, *_site_training_arrays(config)[:2])
     rng = np.random.default_rng(section.seed)
     picks = np.sort(
         rng.choice(len(images), size=min(section.audit_images, len(images)), replace=False)

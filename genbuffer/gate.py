@@ -115,13 +115,17 @@ def check_buffer(
     *,
     holdout_uint8: np.ndarray | None = None,
     seed: int = 0,
+    real_labels: np.ndarray | None = None,
+    holdout_labels: np.ndarray | None = None,
 ) -> GateDecision:
     """Decide whether `buffer` may leave the site, write the evidence to `out_dir`
     (the private genbuffer folder: it is made 0700, the files 0600).
 
     real_uint8: the images the generator trained on (the members); holdout_uint8:
     the site's images kept out of its training (audit.holdout_split), or None/empty
-    when the site has none, and the membership test is skipped."""
+    when the site has none, and the membership test is skipped. real_labels and
+    holdout_labels, when given, keep the membership test's picks and its control's
+    halvings stratified by class (audit.stratified_pick, audit.stratified_halves)."""
     from .audit import audit_buffer, embed, nearest, no_holdout
     from .projection import write_grid
     from .trainer import prepare_images
@@ -163,6 +167,8 @@ def check_buffer(
             out_dir,
             near_copy_distance=distance,
             seed=seed,
+            members_labels=real_labels,
+            holdout_labels=holdout_labels,
         )
         assert audit.auc is not None and audit.near_copy_excess is not None
         if audit.auc > section.gate_max_auc:

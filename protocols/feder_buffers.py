@@ -216,4 +216,6 @@ def gate_buffer(
         out_dir,
         holdout_uint8=data.train_uint8[holdout],
         seed=seed,
+        real_labels=np.asarray(data.train_labels)[members],
+        holdout_labels=np.asarray(data.train_labels)[holdout],
     )

@@ -26,6 +26,9 @@ from genbuffer.audit import (
     MEMBERSHIP_JSON,
     distance_auc,
     holdout_split,
+    membership_audit,
+    stratified_halves,
+    stratified_pick,
 )
 from genbuffer.buffer import buffer_content_hash
 from genbuffer.gate import GATE_GRID, check_buffer, gate_status
@@ -76,6 +79,81 @@ def test_the_holdout_is_stratified_disjoint_deterministic_and_needs_enough_image
     assert len(holdout) == 0 and len(members) == 60
     # a class of one image keeps it
     assert 149 in holdout_split(np.r_[np.zeros(149), 1], 0.5, 1, seed=0)[0]
+
+
+def test_the_control_halves_and_the_picks_keep_the_class_mix():
+    labels = np.repeat(np.arange(3), [41, 100, 9])
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        first, second = stratified_halves(labels, len(labels), rng)
+        assert sorted(np.r_[first, second].tolist()) == list(range(150))
+        assert abs(len(first) - len(second)) <= 1
+        diff = np.bincount(labels[first], minlength=3) - np.bincount(labels[second], minlength=3)
+        assert np.abs(diff).max() <= 1, diff
+    first, second = stratified_halves(None, 7, rng)
+    assert sorted(np.r_[first, second].tolist()) == list(range(7)) and len(first) == 3
+    with pytest.raises(ValueError, match="labels for"):
+        stratified_halves(labels[:10], 11, rng)
+    picks = stratified_pick(labels, 30, rng)
+    assert len(picks) == 30 and len(np.unique(picks)) == 30
+    assert np.bincount(labels[picks], minlength=3).tolist() == [8, 20, 2]
+    assert len(stratified_pick(labels, 500, rng)) == 150
+
+
+def test_the_control_reads_no_membership_into_classes_at_different_distances(tmp_path, metric):
+    """A holdout whose two classes sit far apart from the synthetic set: a halving with
+    more of the near class in one half reads as 'membership' in the control. Over 40
+    seeded halvings (data and seeds fixed, so the figures do not move), stratified by
+    class the control's spread is half the unstratified one (0.023 against 0.044), and
+    1 control in 40 leaves 0.5 +- 0.05 against 14."""
+    labels = np.repeat([0, 1], [60, 140])
+    rng = np.random.default_rng(0)
+    d = np.where(labels == 0, 0.1, 0.9) + rng.normal(0, 0.01, len(labels))
+    stratified, plain = [], []
+    for seed in range(40):
+        r = np.random.default_rng(seed)
+        a, b = stratified_halves(labels, len(d), r)
+        stratified.append(distance_auc(d[a], d[b]))
+        a, b = stratified_halves(None, len(d), r)
+        plain.append(distance_auc(d[a], d[b]))
+    stratified, plain = np.array(stratified), np.array(plain)
+    assert stratified.std() < 0.6 * plain.std(), (stratified.std(), plain.std())
+    assert (abs(stratified - 0.5) > 0.05).sum() <= 2, stratified
+    assert (abs(plain - 0.5) > 0.05).sum() >= 8, plain
+
+
+def test_the_audit_stratifies_its_control_when_it_has_the_holdout_labels(tmp_path, metric, site):
+    images, labels, members, holdout, others, other_labels = site
+    section = tiny_section()
+    decision = check_buffer(
+        as_buffer(others, other_labels),
+        images[members],
+        metric,
+        section,
+        tmp_path,
+        holdout_uint8=images[holdout],
+        real_labels=labels[members],
+        holdout_labels=labels[holdout],
+    )
+    m = decision.membership
+    assert m["available"] and m["holdout"] == 75
+    assert abs(m["control_auc"] - 0.5) < 0.15, m
+    assert m["control_null_range"][0] < 0.5 < m["control_null_range"][1], m
+    with pytest.raises(ValueError, match="labels for"):
+        check_buffer(
+            as_buffer(others, other_labels),
+            images[members],
+            metric,
+            section,
+            tmp_path / "bad",
+            holdout_uint8=images[holdout],
+            holdout_labels=labels[holdout][:-1],
+        )
+    x = torch.rand(4, 1, 16, 16) * 2 - 1
+    with pytest.raises(ValueError, match="labels for"):
+        membership_audit(
+            x, x, x, metric, tmp_path / "m", near_copy_distance=0.1, holdout_labels=np.zeros(3)
+        )
 
 
 def test_distance_auc_is_the_rank_statistic():

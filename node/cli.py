@@ -26,8 +26,8 @@ from p2pfl.config import (
     load_config,
     protocol_names,
 )
-from p2pfl.config.protocols import secagg_ring_problem
 from p2pfl.config.secagg_guarantees import secagg_guarantee_lines
+from p2pfl.config.secagg_ring import secagg_ring_problem
 from p2pfl.errors import UserError
 from p2pfl.secure.identity import (
     ADDRESS_PLACEHOLDER,

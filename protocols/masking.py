@@ -23,7 +23,7 @@ never sent in clear), so the n values it is summed with cannot carry the sum
 past an int32: the decoded sum is exact, never wrapped. With a clip norm C no
 honest entry is refused while n * ceil(C * 2^20) <= 2^31 - 1; `check` refuses
 a clip norm for which that fails with the roster's other sites as n
-(p2pfl/config/protocols.py `secagg_ring_overflow`). Not finite: refused too.
+(p2pfl/config/secagg_ring.py `secagg_ring_overflow`). Not finite: refused too.
 
 Masks are ChaCha20 keystreams (`cryptography`): key = the 32-byte pair secret,
 nonce = SHA-256 of the state-dict entry name, counter 0, so both ends of a
@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 from torch import Tensor
 
-from p2pfl.config.protocols import (
+from p2pfl.config.secagg_ring import (
     SECAGG_FIXED_POINT_BITS,
     SECAGG_MAX_CONTRIBUTORS,
     SECAGG_RING_BITS,

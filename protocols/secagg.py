@@ -155,7 +155,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from p2pfl.config.protocols import narrow_entries, secagg_calibration_ring
+from p2pfl.config.secagg_ring import narrow_entries, secagg_calibration_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.async_exchange import staleness_factor
 from protocols.base import PeerUnavailable, RoundContext

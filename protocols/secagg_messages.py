@@ -12,8 +12,8 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from p2pfl.config.protocols import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM, SECAGG_RING_BITS
 from p2pfl.config.secagg_guarantees import secagg_least_threshold
+from p2pfl.config.secagg_ring import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM, SECAGG_RING_BITS
 
 SECAGG_KIND = "secagg"
 MIN_SUM = SECAGG_MIN_SUM  # a sum over fewer contributions is an individual model

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
-from p2pfl.config.protocols import narrow_entries, secagg_entry_ring
+from p2pfl.config.secagg_ring import narrow_entries, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from protocols.masking import (
     FIXED_POINT_BITS,

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
-from p2pfl.config.protocols import narrow_entries, secagg_entry_ring
+from p2pfl.config.secagg_ring import narrow_entries, secagg_entry_ring
 from p2pfl.learning.state import averaged_keys
 from p2pfl.text import shown
 from protocols.base import PeerUnavailable, RoundContext

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor
 
-from p2pfl.config.protocols import secagg_calibration_ring, secagg_ring_bits
+from p2pfl.config.secagg_ring import secagg_calibration_ring, secagg_ring_bits
 from protocols.async_exchange import AsyncCompressedExchange, AsyncExchange, staleness_factor
 from protocols.base import RoundContext
 from protocols.checks import cap_sum, incompatibility, own_weight_cap

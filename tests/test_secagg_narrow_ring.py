@@ -22,7 +22,8 @@ from tensor_util import tensors_in
 
 from node.cli import main
 from p2pfl.config import ModelSection
-from p2pfl.config.protocols import SECAGG_WIDE_ENTRY, FedAvgP2PParams
+from p2pfl.config.protocols import FedAvgP2PParams
+from p2pfl.config.secagg_ring import SECAGG_WIDE_ENTRY
 from p2pfl.learning.site_model import create_site_model
 from p2pfl.learning.state import averaged_keys
 from p2pfl.secure import tensors

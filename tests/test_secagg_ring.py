@@ -19,7 +19,8 @@ import yaml
 
 from node.cli import main
 from p2pfl.config import ModelSection
-from p2pfl.config.protocols import FedAvgP2PParams, secagg_ring_overflow
+from p2pfl.config.protocols import FedAvgP2PParams
+from p2pfl.config.secagg_ring import secagg_ring_overflow
 from p2pfl.learning.site_model import create_site_model
 from p2pfl.learning.state import averaged_keys
 from p2pfl.secure import tensors

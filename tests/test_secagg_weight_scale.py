@@ -18,7 +18,7 @@ import asyncio
 import pytest
 import torch
 
-from p2pfl.config.protocols import narrow_entries
+from p2pfl.config.secagg_ring import narrow_entries
 from protocols.exchange import ServedModels
 from protocols.memory import InMemoryNetwork
 from protocols.secagg import MIN_WEIGHT_SHARE, SecAggError, secure_sum

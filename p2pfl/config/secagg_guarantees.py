@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from p2pfl.config.protocols import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM
+from p2pfl.config.secagg_ring import SECAGG_MAX_CONTRIBUTORS, SECAGG_MIN_SUM
 
 
 def secagg_least_threshold(others: int) -> int:

@@ -105,7 +105,9 @@ Rules every contributor enforces (the requester is not trusted):
     context), weighted by (t - tau + 1)^-a; a model already in one of R's sums
     is refused as `not_newer` (benign: R asks every round), and R's earlier
     asynchronous sessions it has not masked in end with R's new one.
-Every message is checked against protocols/secagg_messages.py's schemas first.
+Every message is checked against protocols/secagg_messages.py's schemas first;
+Round 0's checks of the request, its model and the weight it is masked with are
+protocols/secagg_admission.py's.
 
 Arithmetic: fixed point (protocols/masking.py: scale 2^20, uint32 with
 wraparound, int32 on the wire: the bytes of a float32 model), so every mask
@@ -155,11 +157,14 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from p2pfl.config.secagg_ring import narrow_entries, secagg_calibration_ring
-from p2pfl.learning.state import averaged_keys
-from protocols.async_exchange import staleness_factor
 from protocols.base import PeerUnavailable, RoundContext
 from protocols.masking import RING_BITS
+from protocols.secagg_admission import (
+    check_contributors,
+    check_model,
+    check_terms,
+    session_weight,
+)
 from protocols.secagg_ledger import ContributionLedger
 from protocols.secagg_messages import (
     FRESHEST_PURPOSE,
@@ -312,70 +317,20 @@ class Contributor:
     # Round 0: AdvertiseKeys
     async def _advertise(self, requester: str, request: SessionRequest) -> dict[str, Any]:
         me = self.ctx.me
-        group = set(request.contributors)
-        if len(group) != len(request.contributors):
-            raise SecAggError("bad_contributors", "a contributor is listed twice")
-        if me not in group:
-            raise SecAggError("not_a_contributor")
-        if requester in group:
-            raise SecAggError("requester_is_contributor")
-        if not group <= set(self.ctx.roster()):
-            raise SecAggError("unknown_contributor")
-        if len(group) < self.min_sum:
-            # The requester picks a sum's size: in a sum of 2 one contributor
-            # colluding with it sees the other's model (a review, 2026-11-27).
-            raise SecAggError(
-                "sum_too_small",
-                f"{len(group)} contributors, I answer sums of {self.min_sum} or more",
-            )
+        group = check_contributors(request, requester, me, self.ctx.roster(), self.min_sum)
         if self.ledger.error is not None:
             raise SecAggError("ledger_unreadable", self.ledger.error)
         seen = self.seen.setdefault(requester, OrderedDict())
         if request.session in seen:
             raise SecAggError("session_reused", "a session id is never opened twice")
-        if request.max_round < request.round:
-            raise SecAggError("bad_request", "max_round < round")
-        freshest = request.purpose == FRESHEST_PURPOSE
-        if freshest != (request.at_round is not None):
-            raise SecAggError("bad_request", "at_round is given with the freshest purpose only")
-        if freshest and (self.staleness_exponent is None or self.staleness_bound is None):
-            raise SecAggError("not_asynchronous", "I answer no asynchronous sums")
-        if (
-            self.max_weight is not None
-            and MIN_WEIGHT_SHARE * request.weight_scale > self.max_weight
-        ):
-            # My card keeps me under the floor W / 2^12 the card-less are raised to:
-            # a W this large rounds my model out of the sum while theirs stays in,
-            # and a sum of two is then the other one's model (found by a review).
-            raise SecAggError(
-                "weight_scale_too_large",
-                f"W = {request.weight_scale:g} > 2^12 x my card's {self.max_weight:g} samples",
-            )
-        if request.ring not in (self.ring, secagg_calibration_ring(self.ring)):
-            raise SecAggError(
-                "ring_mismatch",
-                f"this federation sums in a {self.ring}-bit ring (16 bits to calibrate), "
-                f"not {request.ring}",
-            )
-        if (request.steps is None) != (request.ring == RING_BITS):
-            raise SecAggError("bad_steps", "steps come with a narrow ring, and only then")
+        asynchronous = self.staleness_exponent is not None and self.staleness_bound is not None
+        check_terms(request, asynchronous=asynchronous, max_weight=self.max_weight, ring=self.ring)
         # NotReady (the request is held open) until that round is trained
         model = self.source(request.round, request.max_round, request.purpose)
         if model is None:
             raise SecAggError("too_new")
         model_round, state, weight = model
-        # before any work on the model (its digest, the clip): steps that do not name
-        # exactly my large entries end the session here (clipping keeps every size)
-        if request.steps is not None and set(request.steps) != set(
-            narrow_entries(request.ring, {k: state[k].numel() for k in averaged_keys(state)})
-        ):
-            raise SecAggError("bad_steps", "the steps do not name my model's large entries")
-        if freshest and request.at_round - model_round > self.staleness_bound:  # type: ignore[operator]
-            # My own bound, whatever window the requester asked: every weight I mask in
-            # an asynchronous sum is at least (bound + 1)^-a of my sample count.
-            raise SecAggError(
-                "too_stale", f"my model of round {model_round} for round {request.at_round}"
-            )
+        check_model(request, model_round, state, self.staleness_bound)
         # Taken before the first await: a concurrent copy of this request is refused.
         seen[request.session] = None
         while len(seen) > MAX_SEEN_SESSIONS:
@@ -383,20 +338,13 @@ class Contributor:
         digest = await self.ledger.digest(model_round, state)
         if self.ledger.refuses(requester, model_round, digest):
             raise masked_already(request.purpose, model_round)
-        if not float(weight) > 0:  # no training data: nothing to add to anybody's sum
-            raise SecAggError("no_weight", "my model has no weight")
-        if self.max_weight is not None:
-            weight = min(weight, self.max_weight)
-        if freshest:  # FedAsync's staleness weight, against the requester's round
-            assert request.at_round is not None and self.staleness_exponent is not None
-            weight *= staleness_factor(request.at_round - model_round, self.staleness_exponent)
-        weight = min(float(weight), request.weight_scale)  # w/W <= 1: the ring's bound
-        # ...and w/W >= 2^-12: a tiny site counts a little more, never rounds away
-        # (never past its roster card, which the requester's cap_sum holds it to)
-        floor = MIN_WEIGHT_SHARE * request.weight_scale
-        if self.max_weight is not None:
-            floor = min(floor, self.max_weight)
-        weight = max(weight, floor)
+        weight = session_weight(
+            request,
+            model_round,
+            weight,
+            max_weight=self.max_weight,
+            staleness_exponent=self.staleness_exponent,
+        )
         clipped = await self._clipped(state)
         # Fits at full weight in the largest sum of this roster, or no sum: one answer
         # to every request. Against the request's w/W and size, a requester searching
@@ -405,7 +353,7 @@ class Contributor:
         if not await asyncio.to_thread(fits_ring, clipped, 1.0, most, ring=request.ring):
             raise SecAggError("out_of_range", f"an entry of my model does not fit a sum of {most}")
         await self._forget_before(model_round - self.keep_rounds)
-        if freshest:
+        if request.purpose == FRESHEST_PURPOSE:
             # A new asynchronous session from this requester supersedes its earlier
             # ones I have not masked in: it retries with other contributors when one
             # had nothing new, and those sessions would never end (nothing of mine is

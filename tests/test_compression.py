@@ -563,7 +563,8 @@ def test_feder_relays_a_compressed_model_and_refuses_a_bad_one(
     taken; another format or a NaN scale is refused with its reason, counted,
     and the node trains its own model on."""
     from genbuffer.buffer import buffer_content_hash
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
     from protocols.site import build_site
 
     partition_dataset("digits", 2, "iid", tmp_path / "parts", seed=0)

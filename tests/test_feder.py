@@ -16,7 +16,7 @@ from p2pfl.learning.data import site_data_from_arrays
 from p2pfl.learning.data.partition import partition_dataset
 from p2pfl.learning.models import create_model
 from p2pfl.learning.train import LocalSite
-from protocols.feder import derive_ring, ring_successor
+from protocols.feder_relays import derive_ring, ring_successor
 from protocols.memory import InMemoryNetwork, simulate, simulation_configs
 
 # TINY_GAN with a cheaper quality score and gate: the quality CNN trains 20 steps,
@@ -274,7 +274,8 @@ def test_a_relayed_model_must_fit_the_receivers_own(tmp_path: Path, scale: float
     """The relayed model replaces the receiver's: one 1000 times the norm of the
     receiver's current model is refused and counted, and the receiver trains
     its own model on; one of the same size is taken."""
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
     from protocols.site import build_site
 
     parts = tmp_path / "parts"
@@ -325,7 +326,8 @@ def test_a_relayed_model_must_fit_the_receivers_own(tmp_path: Path, scale: float
 def test_a_relay_of_another_round_is_refused_not_taken(tmp_path: Path) -> None:
     """A stale (or replayed) relay must not replace the round's own: the one of
     round 0 that arrives first is refused and counted, the round-1 relay is taken."""
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
     from protocols.site import build_site
 
     parts = tmp_path / "parts"
@@ -401,7 +403,8 @@ def _run_victim(cfg, pushes: list, members: tuple[str, ...] = ("mallory",), serv
     """`members` join the roster and play no protocol (`serves`: the buffer
     handler of each that has one); `pushes` (sender, round, payload) reach the
     victim's inbox, in order, before it starts; then it runs."""
-    from protocols.feder import BUFFER_KIND, RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import BUFFER_KIND, RELAY_KIND
 
     network = InMemoryNetwork(inline_train=True)
     victim = FedER(cfg.protocol)  # type: ignore[arg-type]
@@ -545,8 +548,9 @@ def test_kept_buffers_are_bounded_per_sender_and_in_all_also_through_a_checkpoin
     an older version, with more, is cut to the bound, and a kept buffer that
     fails today's checks is dropped on resume instead of failing `fit`."""
     from p2pfl.config import FedERParams
-    from protocols.feder import MAX_KEPT_BUFFERS, FedER
+    from protocols.feder import FedER
     from protocols.feder_buffers import replay_images
+    from protocols.feder_relays import MAX_KEPT_BUFFERS
 
     node = FedER(FedERParams(name="feder_a"))
     node.own_buffer, node.num_classes, node.image_size, node.channels = _buffer(), 2, 8, 1
@@ -641,7 +645,7 @@ def test_ring_predecessors_mirror_the_successor_a_sender_picks() -> None:
     """Whatever members are dead, the member whose successor is `me` (in its own
     view) is among `me`'s predecessors (in `me`'s view), and that list holds
     exactly one member `me` considers alive: the last."""
-    from protocols.feder import ring_predecessors
+    from protocols.feder_relays import ring_predecessors
 
     names = [f"n{i}" for i in range(7)]
     rng = np.random.default_rng(0)
@@ -728,7 +732,8 @@ def test_a_relay_from_behind_a_dead_predecessor_is_taken(tmp_path: Path, dies: s
     it still thinks bob alive, as soon as it learns otherwise in the round (a
     relay still waiting when the round's time is up is refused, so `received`
     says which happened; no wall-clock bound)."""
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
 
     names = ["bob", "zed", "victim"]
     ring = derive_ring(names, seed=0, round_no=1)
@@ -779,7 +784,7 @@ def test_with_random_successors_each_sender_has_one_relay_per_round(tmp_path: Pa
 
 
 def _predecessor(names: list[str], seed: int, round_no: int) -> str:
-    from protocols.feder import ring_predecessors
+    from protocols.feder_relays import ring_predecessors
 
     ring = derive_ring(names, seed=seed, round_no=round_no)
     (pred,) = ring_predecessors(ring, "victim", set(names) - {"victim"})
@@ -826,7 +831,8 @@ def test_a_pull_never_outlasts_the_round_and_intake_ends_at_the_deadline(
     intake loop ran on after the deadline while the inbox held anything. Now a
     pull ends by the round's deadline, and intake ends there too: what is
     still queued is refused by the next round (`relay_wrong_round`), counted."""
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
 
     timeout = 3.0
     names = ["bob", "zed", "victim"]
@@ -954,7 +960,8 @@ def test_a_held_early_relay_survives_a_restart(tmp_path: Path) -> None:
     the relay itself was not saved: a node restarted after round 1 lost its
     round-2 relay and trained that round alone. The checkpoint now keeps held
     relays, and the restarted node takes it in its round, checked in full."""
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
 
     cfg1 = _victim_config(tmp_path, rounds=1)
     cfg2 = _victim_config(tmp_path, rounds=2)

@@ -451,7 +451,8 @@ def test_a_restart_with_the_gate_on_checks_the_buffer_the_checkpoint_kept(tmp_pa
     from genbuffer.gate import PrivacyGateRefused
     from p2pfl.learning.data import load_site_data
     from protocols.base import NotReady
-    from protocols.feder import RELAY_KIND, FedER
+    from protocols.feder import FedER
+    from protocols.feder_relays import RELAY_KIND
 
     def config(rounds: int, gate: bool):
         (c,) = simulation_configs(

@@ -328,7 +328,7 @@ def run_feder(opts: Options, selected: set[str]) -> dict[str, dict[str, Any]]:
     before round 1 it pushes its ring successor a correctly signed relay whose
     model is a real initial model x `feder_scale` (plus a small valid buffer).
     The relayed model replaces the receiver's own (Alg. 1)."""
-    from protocols.feder import derive_ring, ring_successor
+    from protocols.feder_relays import derive_ring, ring_successor
 
     folder = fresh(opts.out / "feder")
     names = ["f0", "f1", "f2", "m"]

@@ -353,7 +353,7 @@ class RelayServer:
                         "refusals": sum(self.refusals.values()),
                     },
                 )
-            return await self._forward(checked, request, prefix + rest, header, leave)
+            return await self._forward(checked, request, prefix + rest, header, leave, gate)
         finally:
             leave()  # its place at the relay is free
 
@@ -364,6 +364,7 @@ class RelayServer:
         head: bytes,
         header: Header,
         streamed: Callable[[], None],
+        gate: str,
     ) -> web.StreamResponse:
         """Stream a checked frame down the recipient's connection as its bytes
         arrive (node/relay_wire.py: DATA pieces, END once the payload's length
@@ -379,12 +380,20 @@ class RelayServer:
         link.by_sender[sender] = link.by_sender.get(sender, 0) + 1
         link.bytes_by_sender[sender] = link.bytes_by_sender.get(sender, 0) + frame_len
         held_bytes = frame_len
-        stream_id = next(self._ids)
         future: asyncio.Future[tuple[int, bytes] | None] = (
             asyncio.get_running_loop().create_future()
         )
-        link.waiting[stream_id] = future
+        stream_id, sending = -1, False
         try:
+            # as many frames of its `gate` (sender, or its copies) at one site as it
+            # has places here, as when each held its place until answered
+            # (`streamed()` below): freed once sent, 16 of a flooder's frames at a
+            # site held an honest heartbeat there about twice as long
+            most, wait_s = self.admission.max_active, self.settings.forward_timeout_s
+            if not (sending := await link.send_turn(gate, most, wait_s)):
+                return self._refuse("queue_full", f"{sender}'s frames to {link.name!r}", sender)
+            stream_id = next(self._ids)  # after the wait: a site opens only growing ids
+            link.waiting[stream_id] = future
             try:
                 failure = await self._stream(link, request.content, stream_id, head, header, future)
             except asyncio.CancelledError:  # the sender's connection went away mid-upload
@@ -419,6 +428,8 @@ class RelayServer:
                 return self._refuse("plaintext_answer", f"from {link.name!r}", sender)
             return await self._answer(request, status, body, sender)
         finally:
+            if sending:
+                link.sent_done(gate)
             self._sent.pop(stream_id, None)
             link.waiting.pop(stream_id, None)
             link.pending -= 1

@@ -145,6 +145,10 @@ class SiteLink:
     bytes_by_sender: dict[str, int] = field(default_factory=dict)  # pending_bytes per sender
     closed: bool = False
     transport: asyncio.BaseTransport | None = None  # its TCP (or TLS) connection
+    # per gate (a sender, or its copies: node/relay_admission.py): its frames
+    # being sent down or awaiting their answers (`send_turn`)
+    sent_by_gate: dict[str, int] = field(default_factory=dict)
+    _room: dict[str, asyncio.Event] = field(default_factory=dict)  # a gate's waiters
 
     async def close(self, code: int, why: str, settings: RelaySettings) -> None:
         """Close the WebSocket, and abort its connection if that takes more than
@@ -172,12 +176,43 @@ class SiteLink:
         else:
             self.bytes_by_sender.pop(sender, None)
 
+    async def send_turn(self, gate: str, limit: int, wait_s: float) -> bool:
+        """Wait until fewer than `limit` frames of `gate` (node/relay.py: the
+        sender's, or its copies' to this site) are being sent down or awaiting
+        their answers here (or the connection is gone), then count one more
+        (`sent_done` gives it back): False if that took over `wait_s`. The
+        caller still holds its place in that gate (node/relay_admission.py)
+        while it waits; freed once its frame is sent, that place no longer
+        bounded how many of a flooder's frames waited at their recipient."""
+        if self.sent_by_gate.get(gate, 0) >= limit and not self.closed:
+            try:
+                async with asyncio.timeout(wait_s):
+                    while self.sent_by_gate.get(gate, 0) >= limit and not self.closed:
+                        await self._room.setdefault(gate, asyncio.Event()).wait()
+            except TimeoutError:
+                return False
+        self.sent_by_gate[gate] = self.sent_by_gate.get(gate, 0) + 1
+        return True
+
+    def sent_done(self, gate: str) -> None:
+        """A frame `send_turn` counted is answered, refused or dropped."""
+        left = self.sent_by_gate.get(gate, 0) - 1
+        if left > 0:
+            self.sent_by_gate[gate] = left
+        else:
+            self.sent_by_gate.pop(gate, None)
+        if (room := self._room.pop(gate, None)) is not None:
+            room.set()  # its waiters look again
+
     def fail(self) -> None:
         """The connection is gone: every waiting forward answers relay_lost."""
         self.closed = True
         for future in self.waiting.values():
             if not future.done():
                 future.set_result(None)
+        for room in self._room.values():  # (and a frame waiting for its turn goes on
+            room.set()  # to find the connection closed)
+        self._room.clear()
 
 
 def close_wait_s(settings: RelaySettings) -> float:

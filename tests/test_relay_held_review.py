@@ -63,3 +63,54 @@ def test_eight_requests_held_through_a_relay_do_not_stall_a_heartbeat_to_another
             assert server.snapshot()["sites"]["a"]["active"] == 0  # no place leaked
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_flooder_has_no_more_frames_at_a_site_at_once_than_its_places():
+    """Freed once sent, a frame's place no longer bounded how many of its
+    sender's frames waited at their recipient: a flooder's 16 connections had
+    16 frames at once ahead of an honest heartbeat there (8 before), which
+    waited about twice as long (bench/attacks relay_flood). Its 9th frame now
+    waits at the relay, in its place, until one of the 8 is answered, and the
+    site still opens only growing stream ids (node/relay_tunnel.py drops a
+    lower one)."""
+    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
+    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
+    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
+    m = WireCodec(ids["m"], roster, FED, require_encryption=True)
+
+    async def scenario() -> None:
+        ready = asyncio.Event()
+        c = RelaySite(ids["c"], roster)
+
+        async def slow(body: bytes) -> tuple[int, bytes]:  # a site busy with the flood
+            await ready.wait()
+            return await c.verify(body)
+
+        c.answer = slow
+        opened: list[int] = []
+        one = c._one
+
+        async def recorded(stream_id: int, body: bytes) -> None:
+            opened.append(stream_id)
+            await one(stream_id, body)
+
+        c._one = recorded  # type: ignore[method-assign]
+        async with relay(roster, rate_limit_per_s=100) as (server, url):
+            await c.connect(url)
+            frames = [m.encode("heartbeat", "c", {"round": i}, encrypt=True) for i in range(12)]
+            posts = [asyncio.create_task(test_relay.post(url, f.to_bytes())) for f in frames]
+            try:
+                await test_relay.until(lambda: len(c.received) >= 8)
+                await asyncio.sleep(0.3)
+                assert len(c.received) == 8  # the other 4 wait at the relay
+                ready.set()
+                answers = await asyncio.gather(*posts)
+                assert [status for status, _ in answers] == [200] * 12
+                assert len(c.received) == 12 and opened == sorted(opened)
+            finally:
+                ready.set()
+                await asyncio.gather(*posts, return_exceptions=True)
+                await c.close()
+            assert server.snapshot()["sites"]["m"]["active"] == 0  # no place leaked
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -385,10 +385,8 @@ class RelayServer:
         )
         stream_id, sending = -1, False
         try:
-            # as many frames of its `gate` (sender, or its copies) at one site as it
-            # has places here, as when each held its place until answered
-            # (`streamed()` below): freed once sent, 16 of a flooder's frames at a
-            # site held an honest heartbeat there about twice as long
+            # no more of its gate's frames at one site than it has places, each waiting
+            # in its place for that (node/relay_admission.py, SiteLink.send_turn)
             most, wait_s = self.admission.max_active, self.settings.forward_timeout_s
             if not (sending := await link.send_turn(gate, most, wait_s)):
                 return self._refuse("queue_full", f"{sender}'s frames to {link.name!r}", sender)

@@ -20,6 +20,14 @@ in that sender's queue):
   the relay's hands (admitted, not yet sent on whole: a frame sent and waiting
   for its answer, a request its site holds open, no longer counts; node/relay.py
   `_forward`) and its token bucket holds a token: on at once, no await;
+- yet at most `HONEST_CONNECTIONS` of a gate's frames are at one site at once
+  (sent down, their answers awaited: node/relay_handshake.py
+  `SiteLink.send_turn`); one more waits for one of them to be answered, in its
+  place here. An honest node never waits for that (at most 8 connections to a
+  peer's relay, a pool per outbound-only peer); freed once sent with no such
+  bound, a flooder's 16 connections had 16 frames at once ahead of an honest
+  heartbeat at their recipient, not 8, which waited about twice as long
+  (bench/attacks/relay.py relay_flood);
 - otherwise the frame joins the sender's FIFO queue; the head of the queue
   waits for one of its frames to be sent on and for a token, then the
   relay's remaining checks run and the frame takes the token

@@ -385,9 +385,9 @@ class RelayServer:
         )
         stream_id, sending = -1, False
         try:
-            # no more of its gate's frames at one site than it has places, each waiting
-            # in its place for that (node/relay_admission.py, SiteLink.send_turn)
-            most, wait_s = self.admission.max_active, self.settings.forward_timeout_s
+            # no more of its gate's frames at one site than it has places, one more waiting
+            # in its place, as long as in its queue (node/relay_admission.py, send_turn)
+            most, wait_s = self.admission.max_active, self.admission.wait_s
             if not (sending := await link.send_turn(gate, most, wait_s)):
                 return self._refuse("queue_full", f"{sender}'s frames to {link.name!r}", sender)
             stream_id = next(self._ids)  # after the wait: a site opens only growing ids

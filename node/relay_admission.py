@@ -23,8 +23,9 @@ in that sender's queue):
 - yet at most `HONEST_CONNECTIONS` of a gate's frames are at one site at once
   (sent down, their answers awaited: node/relay_handshake.py
   `SiteLink.send_turn`); one more waits for one of them to be answered, in its
-  place here. An honest node never waits for that (at most 8 connections to a
-  peer's relay, a pool per outbound-only peer); freed once sent with no such
+  place here, `RATE_WAIT_S` at most, then is refused 503 `queue_full`. An
+  honest node never waits for that (at most 8 connections to a peer's relay,
+  a pool per outbound-only peer); freed once sent with no such
   bound, a flooder's 16 connections had 16 frames at once ahead of an honest
   heartbeat at their recipient, not 8, which waited about twice as long
   (bench/attacks/relay.py relay_flood);

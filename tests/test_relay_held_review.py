@@ -114,3 +114,41 @@ def test_a_flooder_has_no_more_frames_at_a_site_at_once_than_its_places():
             assert server.snapshot()["sites"]["m"]["active"] == 0  # no place leaked
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_frame_past_its_senders_frames_held_at_a_site_waits_no_longer_than_in_its_queue():
+    """The 9th frame of a sender to a site that holds 8 of them waits in its
+    place only as long as a frame waits in its sender's queue, then is refused
+    503 queue_full and its place is free: held frames cannot keep the sender's
+    places for longer than that."""
+    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
+    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
+    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
+    m = WireCodec(ids["m"], roster, FED, require_encryption=True)
+
+    async def scenario() -> None:
+        ready = asyncio.Event()
+
+        async def held(body: bytes) -> tuple[int, bytes]:
+            await ready.wait()
+            return 404, b'{"reason": "not_ready"}'
+
+        c = RelaySite(ids["c"], roster, held)
+        async with relay(roster) as (server, url):
+            server.admission.wait_s = 0.3
+            await c.connect(url)
+            frames = [m.encode("req:model", "c", {}, encrypt=True) for _ in range(9)]
+            posts = [asyncio.create_task(test_relay.post(url, f.to_bytes())) for f in frames]
+            try:
+                await test_relay.until(lambda: len(c.received) >= 8)
+                done, _ = await asyncio.wait(posts, timeout=5, return_when="FIRST_COMPLETED")
+                (status, body), *_ = [t.result() for t in done]
+                assert (status, test_relay.reason(body)) == (503, "queue_full")
+                assert len(c.received) == 8
+                assert server.snapshot()["sites"]["m"]["active"] == 0  # its place is free
+            finally:
+                ready.set()
+                await asyncio.gather(*posts, return_exceptions=True)
+                await c.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

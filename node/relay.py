@@ -65,46 +65,33 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from node.faults import FaultPlan
 from node.relay_admission import TOO_MANY_CONNECTIONS, Admission, Forwarded, repeat_key
-from node.relay_handshake import Gatekeeper, SiteLink, SiteStats, refused_upgrade
+from node.relay_handshake import (
+    PROTOCOL_ERROR,
+    Gatekeeper,
+    SiteLink,
+    SiteStats,
+    refusal,
+    refused_upgrade,
+)
 from node.relay_wire import (
     ABORT,
-    AUTH_STATUS_FOR_REASON,
     DATA,
     END,
     RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
     RELAY_MESSAGE_PATH,
-    RELAY_STATUS_FOR_REASON,
     RelayWireError,
     encrypted_frame,
     pack_forward,
     send_message,
     unpack_reply,
 )
-from node.transport import STATUS_FOR_REASON, content_encoding
+from node.transport import content_encoding
 from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import Roster
 from p2pfl.secure.wire import MAGIC, MAX_HEADER, PREFIX_LEN, SIG_LEN, VERSION, Header, WireError
 
 log = logging.getLogger(__name__)
-
-# HTTP status of every refusal a relay answers; the transport's where they mean the same.
-REFUSAL_STATUS = {
-    **STATUS_FOR_REASON,
-    **RELAY_STATUS_FOR_REASON,
-    **AUTH_STATUS_FOR_REASON,
-    "relay_closing": 503,  # the relay is shutting down: try the site's next relay
-    "reply_malformed": 502,  # the recipient answered with a status that is not a final one
-    TOO_MANY_CONNECTIONS: 429,  # the sender's queue is full (node/relay_admission.py)
-}
-PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
-
-
-def refusal(reason: str, detail: str = "") -> web.Response:
-    """A refusal as node/transport.py answers one: JSON {"reason", "detail"}."""
-    return web.json_response(
-        {"reason": reason, "detail": detail[:200]}, status=REFUSAL_STATUS.get(reason, 400)
-    )
 
 
 class RelayServer:

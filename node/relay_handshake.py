@@ -72,6 +72,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.client_middlewares import ClientHandlerType, ClientMiddlewareType
 
+from node.relay_admission import TOO_MANY_CONNECTIONS
 from node.relay_wire import (
     AUTH_STATUS_FOR_REASON,
     AUTH_TIMEOUT,
@@ -82,10 +83,12 @@ from node.relay_wire import (
     RELAY_CHALLENGE_PATH,
     RELAY_CONNECT_PATH,
     RELAY_PROTOCOL,
+    RELAY_STATUS_FOR_REASON,
     SIGNATURE_HEADER,
     SITE_HEADER,
     auth_message,
 )
+from node.transport import STATUS_FOR_REASON
 from p2pfl.config import RelaySettings
 from p2pfl.secure.identity import Card, LocalIdentity, Roster
 
@@ -396,6 +399,25 @@ class Gatekeeper:
             self._count("handshake_lost", card.name)
             return ws
         return card, ws
+
+
+# HTTP status of every refusal a relay answers; the transport's where they mean the same.
+REFUSAL_STATUS = {
+    **STATUS_FOR_REASON,
+    **RELAY_STATUS_FOR_REASON,
+    **AUTH_STATUS_FOR_REASON,
+    "relay_closing": 503,  # the relay is shutting down: try the site's next relay
+    "reply_malformed": 502,  # the recipient answered with a status that is not a final one
+    TOO_MANY_CONNECTIONS: 429,  # the sender's queue is full (node/relay_admission.py)
+}
+PROTOCOL_ERROR = "reply_malformed"  # a site sent something that is not a REPLY: closed
+
+
+def refusal(reason: str, detail: str = "") -> web.Response:
+    """A refusal as node/transport.py answers one: JSON {"reason", "detail"}."""
+    return web.json_response(
+        {"reason": reason, "detail": detail[:200]}, status=REFUSAL_STATUS.get(reason, 400)
+    )
 
 
 def refused_upgrade(reason: str, detail: str = "") -> web.Response:

@@ -501,11 +501,16 @@ class RoundLoop(Protocol, Generic[P]):
         of a node under secure aggregation; the last merged model's stay published
         (the heuristics rank by them, and randomly before a node has its own)."""
         read = self.gossip_read(ctx)
-        merged_any = bool(self.merged and self.merged[-1][1])
+        merged_any = self.merged_last_round()
         if per_class_f1 is not None and selection.F1_KEY in read and merged_any:
             self.publish(ctx, selection.F1_KEY, [float(x) for x in per_class_f1])
         if selection.MODEL_STATS_KEY in read and merged_any:
             self.publish(ctx, selection.MODEL_STATS_KEY, [float(x) for x in stats])
+
+    def merged_last_round(self) -> bool:
+        """Whether the last round merged a peer's model: a figure of the model
+        after one that merged none is of the site's own model, and is not gossiped."""
+        return bool(self.merged and self.merged[-1][1])
 
     def update_recent(self, ctx: RoundContext) -> None:
         """H1: the n most recent neighbours, gossiped for the others' overlap test

@@ -140,6 +140,13 @@ class SSFL(FedAvgP2P):
             stats = await ctx.run_blocking(site.model_stats_vector)
         self.update_gossip(ctx, metrics.pop("per_class_f1"), stats)
         read = self.gossip_read(ctx)
-        if metrics.get("val_accuracy") is not None and communities.VAL_ACCURACY_KEY in read:
+        # As F1: only after a round that merged a peer's model (a review, rv_sa:
+        # under secure aggregation a node whose sums failed gossiped its own
+        # model's accuracy); the last merged model's stays, and my gate reads it.
+        if (
+            metrics.get("val_accuracy") is not None
+            and communities.VAL_ACCURACY_KEY in read
+            and self.merged_last_round()
+        ):
             self.publish(ctx, communities.VAL_ACCURACY_KEY, float(metrics["val_accuracy"]))
         return {name: float(v) for name, v in metrics.items() if v is not None}

@@ -247,3 +247,42 @@ def test_a_round_that_merged_nothing_does_not_gossip_the_sites_own_f1() -> None:
     ]
     ranking = F1Selection(n=0).select("me", peers, 1, round_no=4, seed=0, my_meta=ctx.published)
     assert ranking == ["far", "near"]
+
+
+def test_a_round_that_merged_nothing_does_not_gossip_the_sites_own_val_accuracy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The F1 and model_stats reviews' attack on FedPerl's validation accuracy
+    (rv_sa review): under secure aggregation, a node whose secure sums failed
+    (silent peers, too few contributors) gossiped the validation accuracy of its
+    own model, trained on its images alone, to every roster member. It goes out
+    only after a round that merged a peer's model, as F1 does; the last merged
+    model's stays published, and the node's own validation gate reads it."""
+    import protocols.ssfl as ssfl_module
+
+    protocol = create("fedperl", policy="validation", secure_aggregation=True)
+    assert isinstance(protocol, RoundLoop)
+    ctx = Recorder(SelectionSection(name="random"))
+    accuracy = {"value": 0.0}
+
+    def fake_evaluate(site: Any, keys: Any = None) -> dict[str, Any]:
+        return {"per_class_f1": [0.5, 0.5], "val_accuracy": accuracy["value"]}
+
+    async def run_blocking(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    ctx.run_blocking = run_blocking  # type: ignore[attr-defined]
+    monkeypatch.setattr(ssfl_module, "evaluate_site", fake_evaluate)
+
+    def evaluate(round_no: int, merged: list[list[Any]], value: float) -> None:
+        protocol.merged.append([round_no, merged])
+        accuracy["value"] = value
+        asyncio.run(protocol.evaluate_round(ctx, object()))  # type: ignore[arg-type]
+
+    evaluate(1, [], 0.91)  # the site's own model: not published
+    assert VAL_ACCURACY_KEY not in ctx.published
+    evaluate(2, [["a", 2], ["b", 2]], 0.7)  # merged a secure sum: published
+    assert ctx.published[VAL_ACCURACY_KEY] == 0.7
+    evaluate(3, [], 0.93)  # its own model again: round 2's stays
+    assert ctx.published[VAL_ACCURACY_KEY] == 0.7
+    assert protocol.gossip[VAL_ACCURACY_KEY] == 0.7

@@ -34,9 +34,11 @@ def model_digest(state: dict[str, Tensor]) -> str:
     """What identifies a model for the ledger: SHA-256 over the name, dtype,
     shape and bytes of every entry a secure sum adds (`averaged_keys`: the
     floating-point ones). A round retrained into another model, or a new job
-    in the same state directory, is another model; one that differs only in a
-    counter no sum carries (BatchNorm's num_batches_tracked) is the same
-    model, since its sums would be the same (a second review, 2026-11-28)."""
+    in the same state directory, is another model (though the round a restart
+    cut off is refused to its requesters: `ContributionLedger.refuses`); one
+    that differs only in a counter no sum carries (BatchNorm's
+    num_batches_tracked) is the same model, since its sums would be the same
+    (a second review, 2026-11-28)."""
     digest = hashlib.sha256()
     for name in sorted(averaged_keys(state)):
         tensor = state[name].detach().to("cpu").contiguous().reshape(-1)
@@ -60,6 +62,9 @@ class ContributionLedger:
         # matches no model now, so they refuse their (requester, round) whatever model
         self.legacy: set[tuple[str, int, str]] = set()
         self.digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
+        # the newest round of a ledger read from disk: the round a restart cut off,
+        # which the node trains again from the same checkpoint (`refuses`)
+        self.restarted_round: int | None = None
         self.load()
 
     def load(self) -> None:
@@ -67,6 +72,7 @@ class ContributionLedger:
             return
         try:
             rows = LEDGER.validate_json(self.path.read_bytes())
+            self.restarted_round = max((r.round for r in rows), default=None)
             for r in rows:
                 self._add(r.requester, r.round, r.model)
                 if not r.summed:
@@ -93,9 +99,19 @@ class ContributionLedger:
         model into two of its sums: it is in one (`holds`), or a row of an older
         ledger, whose digest covered the counters too, holds that round: such a
         row matched no model after the upgrade, and the same model served again
-        as its round went into a second sum (a third review, 2026-11-28)."""
-        return self.holds(requester, digest) or any(
-            (r, m) == (requester, model_round) for r, m, _ in self.legacy
+        as its round went into a second sum (a third review, 2026-11-28). Or the
+        round is the one a restart cut off and `requester` has a model of it:
+        retrained from the same checkpoint on the same images, the new model is
+        a near copy of the one masked before (another digest), and a requester
+        chaining such sums over three restarted sites, {v, h}, {h', g},
+        {g', v'}, read v's model off them (a review, rv_sa, 2026-11-28)."""
+        return (
+            self.holds(requester, digest)
+            or any((r, m) == (requester, model_round) for r, m, _ in self.legacy)
+            or (
+                model_round == self.restarted_round
+                and self.masked(requester, model_round) is not None
+            )
         )
 
     def _add(self, requester: str, model_round: int, digest: str) -> None:

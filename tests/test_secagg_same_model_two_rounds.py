@@ -213,3 +213,69 @@ def test_a_ledger_of_before_the_summed_digest_still_refuses_its_round(tmp_path) 
     ledger.record("q", 3, "0" * 64)  # written again: the old row stays an old row
     again = ContributionLedger(path, "v")
     assert again.refuses("r", 2, "f" * 64) and not again.refuses("q", 2, "f" * 64)
+
+
+def test_a_round_retrained_after_a_restart_goes_into_no_second_sum_of_a_requester(
+    tmp_path,
+) -> None:
+    """A review (rv_sa, 2026-11-28): a node that restarts mid-round retrains that
+    round from the same checkpoint on the same images, a near copy of the model
+    it masked before the restart (another shuffle and augmentation, so another
+    digest), and the ledger took it into a second sum of the same requester.
+    With three sites restarted so (a rolling upgrade, a power cut), a requester
+    alone chained sums {v, h}, {h', g}, {g', v'} and read (S1 - S2 + S3) / 2 as
+    v's model, off only by the retrainings' differences. The newest round a
+    restarted node's ledger holds is now refused to a requester that has a
+    model of it in a sum; the next rounds are new models, as before."""
+    from protocols.secagg_requester import SecureSum
+
+    names = ("v", "h", "g")
+    torch.manual_seed(0)
+    first = {n: {"w": torch.randn(64)} for n in names}  # masked before the restart
+    retrained = {n: {"w": first[n]["w"] + 1e-3 * torch.randn(64)} for n in names}
+
+    async def run() -> list[object]:
+        network, exchanges = federation(*names)
+        for n in names:
+            exchanges[n].contributor.ledger = ContributionLedger(tmp_path / f"{n}.json", n)  # type: ignore[union-attr]
+            exchanges[n].store.put(1, first[n], 10)
+        requester = network.join("r")
+
+        def restart(n: str) -> None:  # what survives: the ledger; round 1 retrained
+            exchanges[n].contributor.ledger = ContributionLedger(tmp_path / f"{n}.json", n)  # type: ignore[union-attr]
+            exchanges[n].store.put(1, retrained[n], 10)
+
+        async def total(contributors: list[str], round_no: int = 1) -> object:
+            try:
+                got: SecureSum = await secure_sum(
+                    requester,
+                    contributors,
+                    round_no=round_no,
+                    max_round=round_no,
+                    reference={"w": torch.zeros(64)},
+                    timeout=2.0,
+                    weight_scale=10.0,
+                )
+            except SecAggError as exc:
+                return exc.reason
+            return got.mean["w"] * (got.total_weight / 10.0)
+
+        out = [await total(["v", "h"])]
+        restart("h")
+        out.append(await total(["h", "g"]))
+        restart("g")
+        restart("v")
+        out.append(await total(["g", "v"]))
+        # the next round is a new model, and joins a sum as before
+        for n in names:
+            exchanges[n].store.put(2, {"w": torch.randn(64)}, 10)
+        out.append(await total(["v", "h"], 2))
+        return out
+
+    s1, s2, s3, later = asyncio.run(run())
+    assert isinstance(s1, torch.Tensor) and isinstance(later, torch.Tensor)
+    if isinstance(s2, torch.Tensor) and isinstance(s3, torch.Tensor):
+        peeled = (s1 - s2 + s3) / 2
+        error = float((peeled - first["v"]["w"]).abs().max())
+        raise AssertionError(f"v's model peeled by one requester, off by {error:.1e} at most")
+    assert s2 == "too_few" and s3 == "too_few"  # h, then v, refused: nobody masked

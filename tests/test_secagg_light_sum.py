@@ -20,7 +20,7 @@ from protocols.fedavgp2p import FedAvgP2P
 from protocols.memory import InMemoryNetwork
 from protocols.secagg_requester import SecureSum
 from protocols.secure_exchange import SecureExchange
-from protocols.selection import MODEL_STATS_KEY
+from protocols.selection import F1_KEY, MODEL_STATS_KEY
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -86,14 +86,17 @@ def test_colluders_that_are_all_of_a_sum_make_the_merge_the_requesters_own_model
     share = total / (own_weight + total)
     assert float((merged["w"] - own["w"]).abs().max()) <= share * 1.01
     # ...and it counts as a round that merged peers' models: the statistics of a
-    # model within 0.2% of the site's own go out to every roster member
+    # model within 0.2% of the site's own, or its per-class F1, go out to every
+    # roster member
     protocol = FedAvgP2P(FedAvgP2PParams(name="fedavgp2p", secure_aggregation=True))
-    recorder = SimpleNamespace(
-        me="me",
-        config=SimpleNamespace(selection=SelectionSection(name="cosine", vector="model_stats")),
-        published={},
-    )
-    recorder.publish = lambda key, value: recorder.published.__setitem__(key, value)  # type: ignore[attr-defined]
     protocol.merged = [[1, [["c1", 1], ["c2", 1]]]]
-    protocol.update_gossip(recorder, None, [0.1, 0.2])  # type: ignore[arg-type]
-    assert MODEL_STATS_KEY in recorder.published
+    for section, key in (
+        (SelectionSection(name="cosine", vector="model_stats"), MODEL_STATS_KEY),
+        (SelectionSection(name="f1"), F1_KEY),
+    ):
+        published: dict[str, object] = {}
+        recorder = SimpleNamespace(
+            me="me", config=SimpleNamespace(selection=section), publish=published.__setitem__
+        )
+        protocol.update_gossip(recorder, [0.9, 0.0, 0.8], [0.1, 0.2])  # type: ignore[arg-type]
+        assert key in published

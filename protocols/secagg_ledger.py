@@ -34,8 +34,8 @@ def model_digest(state: dict[str, Tensor]) -> str:
     """What identifies a model for the ledger: SHA-256 over the name, dtype,
     shape and bytes of every entry a secure sum adds (`averaged_keys`: the
     floating-point ones). A round retrained into another model, or a new job
-    in the same state directory, is another model (though the round a restart
-    cut off is refused to its requesters: `ContributionLedger.refuses`); one
+    in the same state directory, is another model (though the rounds a restart
+    may train again are refused to their requesters: `ContributionLedger.refuses`); one
     that differs only in a counter no sum carries (BatchNorm's
     num_batches_tracked) is the same model, since its sums would be the same
     (a second review, 2026-11-28)."""
@@ -62,8 +62,9 @@ class ContributionLedger:
         # matches no model now, so they refuse their (requester, round) whatever model
         self.legacy: set[tuple[str, int, str]] = set()
         self.digests: dict[int, tuple[dict[str, Tensor], str]] = {}  # round -> (model, digest)
-        # the newest round of a ledger read from disk: the round a restart cut off,
-        # which the node trains again from the same checkpoint (`refuses`)
+        # the newest round of a ledger read from disk: a restart trains again the
+        # round it cut off, and every round after the checkpoint it resumes from
+        # (`refuses`)
         self.restarted_round: int | None = None
         self.load()
 
@@ -104,12 +105,18 @@ class ContributionLedger:
         retrained from the same checkpoint on the same images, the new model is
         a near copy of the one masked before (another digest), and a requester
         chaining such sums over three restarted sites, {v, h}, {h', g},
-        {g', v'}, read v's model off them (a review, rv_sa, 2026-11-28)."""
+        {g', v'}, read v's model off them (a review, rv_sa, 2026-11-28). Every
+        round up to it: resumed from an older checkpoint (the newest torn,
+        node/queues.py Checkpoints) or none (the checkpoints gone, the ledger
+        kept), a node trains older rounds again too, and the newest round
+        alone let v's round-1 model be peeled so (a review, rv2, 2026-11-28)."""
+        newest = self.restarted_round
         return (
             self.holds(requester, digest)
             or any((r, m) == (requester, model_round) for r, m, _ in self.legacy)
             or (
-                model_round == self.restarted_round
+                newest is not None
+                and model_round <= newest
                 and self.masked(requester, model_round) is not None
             )
         )

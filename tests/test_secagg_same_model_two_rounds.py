@@ -279,3 +279,71 @@ def test_a_round_retrained_after_a_restart_goes_into_no_second_sum_of_a_requeste
         error = float((peeled - first["v"]["w"]).abs().max())
         raise AssertionError(f"v's model peeled by one requester, off by {error:.1e} at most")
     assert s2 == "too_few" and s3 == "too_few"  # h, then v, refused: nobody masked
+
+
+def test_every_round_a_restart_trains_again_goes_into_no_second_sum_of_a_requester(
+    tmp_path,
+) -> None:
+    """A review (rv2, 2026-11-28): a restart trains again every round after the
+    checkpoint it resumes from, and that is not always the ledger's newest
+    round alone. The newest checkpoint torn (node/queues.py Checkpoints skips
+    it for an older one, three kept), or the checkpoints gone with the ledger
+    kept, the node trains rounds 1 and 2 again from round 0's model: its
+    round-1 model then was a near copy of one masked before, under a round
+    older than the ledger's newest, and went into a second sum of the same
+    requester. Three sites restarted so, a requester alone chained {v, h},
+    {h', g}, {g', v'} of round 1 and read v's round-1 model off them. Every
+    round up to the ledger's newest is refused now to a requester that has a
+    model of it in a sum."""
+    from protocols.secagg_requester import SecureSum
+
+    names = ("v", "h", "g")
+    torch.manual_seed(0)
+    first = {n: {"w": torch.randn(64)} for n in names}  # round 1, masked before
+    second = {n: {"w": torch.randn(64)} for n in names}  # round 2, masked before
+    again = {n: {"w": first[n]["w"] + 1e-3 * torch.randn(64)} for n in names}
+
+    async def run() -> list[object]:
+        network, exchanges = federation(*names)
+        for n in names:
+            exchanges[n].contributor.ledger = ContributionLedger(tmp_path / f"{n}.json", n)  # type: ignore[union-attr]
+            exchanges[n].store.put(1, first[n], 10)
+            exchanges[n].store.put(2, second[n], 10)
+        requester = network.join("r")
+
+        def restart(n: str) -> None:  # from round 0's checkpoint: rounds 1 and 2 again
+            exchanges[n].contributor.ledger = ContributionLedger(tmp_path / f"{n}.json", n)  # type: ignore[union-attr]
+            exchanges[n].store.models.clear()
+            exchanges[n].store.put(1, again[n], 10)
+
+        async def total(contributors: list[str], round_no: int) -> object:
+            try:
+                got: SecureSum = await secure_sum(
+                    requester,
+                    contributors,
+                    round_no=round_no,
+                    max_round=round_no,
+                    reference={"w": torch.zeros(64)},
+                    timeout=2.0,
+                    weight_scale=10.0,
+                )
+            except SecAggError as exc:
+                return exc.reason
+            return got.mean["w"] * (got.total_weight / 10.0)
+
+        out = [await total(["v", "h"], 1)]
+        assert isinstance(await total(["v", "h", "g"], 2), torch.Tensor)  # newest: 2
+        restart("h")
+        out.append(await total(["h", "g"], 1))
+        restart("g")
+        restart("v")
+        out.append(await total(["g", "v"], 1))
+        return out
+
+    s1, s2, s3 = asyncio.run(run())
+    assert isinstance(s1, torch.Tensor)
+    if isinstance(s2, torch.Tensor) and isinstance(s3, torch.Tensor):
+        peeled = (s1 - s2 + s3) / 2
+        error = float((peeled - first["v"]["w"]).abs().max())
+        raise AssertionError(f"v's round-1 model peeled by one requester, off by {error:.1e}")
+    assert s2 == "too_few" and s3 == "too_few"  # h, then v, refused: nobody masked

@@ -152,3 +152,70 @@ def test_a_frame_past_its_senders_frames_held_at_a_site_waits_no_longer_than_in_
                 await c.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_frames_waiting_for_their_turn_at_a_site_leave_nothing_behind():
+    """A hostile review (rv2) of the wait for a turn at a site: a frame whose
+    sender went away mid-wait (its handler cancelled), one refused after the
+    wait, and one waiting when the site's connection failed each give back
+    what they held: no count of the gate's frames at the site, no waiter's
+    event, no place of the sender's, no slot of the site's. The one waiting
+    when the connection failed answers at once (relay_lost), not after the
+    wait."""
+    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
+    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
+    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
+    m = WireCodec(ids["m"], roster, FED, require_encryption=True)
+
+    async def scenario() -> None:
+        ready = asyncio.Event()
+
+        async def held(body: bytes) -> tuple[int, bytes]:
+            await ready.wait()
+            return 404, b'{"reason": "not_ready"}'
+
+        c = RelaySite(ids["c"], roster, held)
+        async with relay(roster, rate_limit_per_s=100) as (server, url):
+            server.admission.wait_s = 30.0  # the cancelled ones are surely mid-wait
+            await c.connect(url)
+            link = server.links["c"]
+            frames = [m.encode("req:model", "c", {}, encrypt=True) for _ in range(12)]
+            posts = [asyncio.create_task(test_relay.post(url, f.to_bytes())) for f in frames[:8]]
+            try:
+                await test_relay.until(lambda: len(c.received) >= 8)
+                # two more, whose senders go away while they wait for a turn
+                gone = [
+                    asyncio.create_task(test_relay.post(url, f.to_bytes())) for f in frames[8:10]
+                ]
+                await test_relay.until(lambda: link.pending == 10)
+                for task in gone:
+                    task.cancel()
+                await asyncio.gather(*gone, return_exceptions=True)
+                await test_relay.until(lambda: link.pending == 8)
+                assert link.sent_by_gate == {"m": 8}
+                assert server.admission.gates["m"].active == 0  # every place free again
+                # one refused after its wait: its waiter's event stays until a frame is answered
+                server.admission.wait_s = 0.3
+                status, body = await test_relay.post(url, frames[10].to_bytes())
+                assert (status, test_relay.reason(body)) == (503, "queue_full")
+                assert link.pending == 8 and link.sent_by_gate == {"m": 8}
+                # one waiting when the site's connection fails: answered at once
+                server.admission.wait_s = 30.0
+                last = asyncio.create_task(test_relay.post(url, frames[11].to_bytes()))
+                await test_relay.until(lambda: link.pending == 9)
+                began = asyncio.get_running_loop().time()
+                await c.close()
+                status, body = await asyncio.wait_for(last, 10)
+                assert asyncio.get_running_loop().time() - began < 5
+                assert (status, test_relay.reason(body)) == (502, "relay_lost")
+                await asyncio.gather(*posts, return_exceptions=True)
+                assert link.pending == 0 and link.pending_bytes == 0
+                assert link.sent_by_gate == {} and link._room == {}
+                assert link.by_sender == {} and link.bytes_by_sender == {}
+                assert server.admission.gates["m"].active == 0
+            finally:
+                ready.set()
+                await asyncio.gather(*posts, return_exceptions=True)
+                await c.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from node.outbound import ack_of
+from node.outbound import acknowledged
 from node.peers import PeerTable
 from node.queues import Inboxes
 from node.telemetry import Telemetry
@@ -129,11 +129,10 @@ class Membership:
             return
         if status == 200 or signed_refusal(status, body):
             outcome = "ok" if status == 200 else reason_of_response(status, body)
-            if not self.codec.verify_ack(peer, message.header.msg_id, outcome, ack_of(body)):
+            if not acknowledged(self.codec, self.client, peer, message, outcome, body):
                 # not the peer's word (a relay's 200 or 409): its next relay, as
-                # for a push (node/outbound.py); a relay forging the answers to
-                # heartbeats held them on itself, and the peer heard none (rv_net2)
-                self.client.answer_refused(peer, message)
+                # for a push; a relay forging the answers to heartbeats held
+                # them on itself, and the peer heard none (rv_net2)
                 return
         if status == 200:
             self.telemetry.record_sent(peer, HEARTBEAT, message.nbytes)

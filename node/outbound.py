@@ -135,6 +135,25 @@ def ack_of(body: bytes) -> Any:
     return ack if isinstance(ack, str) else None
 
 
+def acknowledged(
+    codec: WireCodec,
+    client: MessageClient,
+    peer: str,
+    message: OutgoingMessage,
+    outcome: str,
+    body: bytes,
+) -> bool:
+    """Whether `body` carries `peer`'s signed acknowledgement of `message` with
+    `outcome`. If not, the answer is not the peer's word (a relay's, or anyone's
+    on the path): the next attempt to `peer` goes through its next relay
+    (`MessageClient.answer_refused`), so a relay forging or refusing answers
+    cannot hold the link on itself (rv_net, rv_net2)."""
+    if codec.verify_ack(peer, message.header.msg_id, outcome, ack_of(body)):
+        return True
+    client.answer_refused(peer, message)
+    return False
+
+
 @dataclass(kw_only=True, eq=False)
 class Outbound:
     """Pushes (through the outbox) and requests, and the protocol traffic they make."""
@@ -194,7 +213,7 @@ class Outbound:
                 status, body, reason = exc.status or 503, b"", exc.reason
             if status == 200 or (status == 409 and reason == "replayed"):
                 outcome = "ok" if status == 200 else "replayed"
-                if not self.codec.verify_ack(entry.peer, entry.msg_id, outcome, ack_of(body)):
+                if not acknowledged(self.codec, self.client, entry.peer, message, outcome, body):
                     # Not the receiver's signed word: whoever answered (a relay, or
                     # someone on the path) may have dropped the push. Not delivered.
                     log.warning(
@@ -208,7 +227,6 @@ class Outbound:
                         entry.peer,
                     )
                     self.telemetry.record_rejection("ack_unverified", entry.peer)
-                    self.client.answer_refused(entry.peer, message)
                     raise PeerUnavailable(entry.peer, "ack_unverified")
                 self.count_sent(entry.peer, entry.kind, message.nbytes)
                 log.info(
@@ -229,10 +247,9 @@ class Outbound:
             elif reason in SEND_AGAIN:
                 pause = SEND_AGAIN_PAUSE_S
             elif reason == ID_TAKEN:
-                if not self.codec.verify_ack(entry.peer, entry.msg_id, reason, ack_of(body)):
+                if not acknowledged(self.codec, self.client, entry.peer, message, reason, body):
                     # unsigned: maybe a relay's, which may have forwarded it
                     self.telemetry.record_rejection("ack_unverified", entry.peer)
-                    self.client.answer_refused(entry.peer, message)
                     raise PeerUnavailable(entry.peer, "ack_unverified")
                 self.client.carrier_suspect(entry.peer, message)  # the relay saw the id
                 pause = SEND_AGAIN_PAUSE_S
@@ -339,11 +356,14 @@ class Outbound:
                     )
                     continue
             reason = reason_of_response(status, body)
-            if signed_refusal(status, body):
-                if not self.codec.verify_ack(peer, message.header.msg_id, reason, ack_of(body)):
-                    self.client.answer_refused(peer, message)  # not the peer's word: its next relay
-                elif reason == ID_TAKEN:
-                    self.client.carrier_suspect(peer, message)  # the relay saw the id (`_deliver`)
+            # a signed refusal that is not the peer's word sends the next attempt to its
+            # next relay (`acknowledged`); the peer's id_taken says the relay saw the id
+            if (
+                signed_refusal(status, body)
+                and acknowledged(self.codec, self.client, peer, message, reason, body)
+                and reason == ID_TAKEN
+            ):
+                self.client.carrier_suspect(peer, message)  # (`_deliver`)
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
             if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop

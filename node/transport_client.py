@@ -515,7 +515,7 @@ def _reason_of(body: bytes) -> str | None:
 
 def _carrier(link: PeerLink, message: OutgoingMessage | None) -> str:
     """The URL that carried `message`'s last answer (the one in use if unknown)."""
-    return getattr(message, "carried_by", None) or link.url
+    return (message.carried_by if message is not None else None) or link.url
 
 
 def signed_refusal(status: int, body: bytes) -> bool:

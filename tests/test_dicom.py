@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import tracemalloc
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,17 @@ def _refusal(path: Path) -> DataError:
     assert message.startswith(str(path)), message
     assert "\n" not in message
     return caught.value
+
+
+def _refusal_and_peak(path: Path) -> tuple[DataError, int]:
+    """`_refusal(path)`, and the peak of the memory Python allocated meanwhile."""
+    tracemalloc.start()
+    try:
+        error = _refusal(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return error, peak
 
 
 def _write_garbage(path: Path) -> Path:
@@ -212,8 +224,6 @@ def test_a_header_declaring_a_huge_image_is_refused_before_decoding(tmp_path: Pa
     decoder allocate 7.6 GB before it failed (a review). The size a header
     declares is refused before any decoder runs; here 10000 x 10000 (100 M
     pixels, over MAX_IMAGE_PIXELS), which the decoder used to allocate too."""
-    import tracemalloc
-
     from pydicom.uid import RLELossless
 
     ds = _dataset(np.zeros((16, 16), dtype=np.uint16), "MONOCHROME2")
@@ -221,12 +231,7 @@ def test_a_header_declaring_a_huge_image_is_refused_before_decoding(tmp_path: Pa
     ds.Rows = ds.Columns = 10_000
     path = tmp_path / "bomb.dcm"
     ds.save_as(path, enforce_file_format=True)
-    tracemalloc.start()
-    try:
-        error = _refusal(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    error, peak = _refusal_and_peak(path)
     assert error.reason == "image_too_large", error
     assert peak < 20_000_000, peak  # no pixel buffer of the declared size
 
@@ -241,7 +246,6 @@ def test_a_deflated_dataset_is_refused_before_it_is_inflated_past_any_image(
     1000-fold). Its inflated size is now counted as it streams, in bounded
     memory, and one larger than any image the limit allows is refused; an
     honest deflated image still reads."""
-    import tracemalloc
     import zlib
 
     from pydicom.uid import DeflatedExplicitVRLittleEndian
@@ -266,12 +270,7 @@ def test_a_deflated_dataset_is_refused_before_it_is_inflated_past_any_image(
     bomb = tmp_path / "bomb.dcm"
     bomb.write_bytes(raw[:start] + b"".join(body))
     assert bomb.stat().st_size < 1_000_000
-    tracemalloc.start()
-    try:
-        error = _refusal(bomb)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    error, peak = _refusal_and_peak(bomb)
     assert error.reason == "image_too_large", error
     assert peak < 20_000_000, peak
 
@@ -283,8 +282,6 @@ def test_pixel_data_far_longer_than_declared_is_refused_before_decoding(tmp_path
     (a deflated one, 400 MB, 1.7 GB). Uncompressed pixel data twice as long as
     the one frame declared, or longer, is refused before it is decoded; one
     padded by a few bytes still reads."""
-    import tracemalloc
-
     pixels = np.arange(100, dtype=np.uint16).reshape(10, 10)
     padded = _dataset(pixels, "MONOCHROME2")
     padded.PixelData = pixels.tobytes() + b"\0" * 8
@@ -298,12 +295,7 @@ def test_pixel_data_far_longer_than_declared_is_refused_before_decoding(tmp_path
     path = tmp_path / "long.dcm"
     ds.save_as(path, enforce_file_format=True)
     del ds
-    tracemalloc.start()
-    try:
-        error = _refusal(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    error, peak = _refusal_and_peak(path)
     assert error.reason == "corrupt_image" and "twice" in str(error), error
     assert peak < 1.5 * size, peak
 

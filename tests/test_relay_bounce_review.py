@@ -54,6 +54,19 @@ def _stalling(asked: list[str], release: asyncio.Event):
     return stall
 
 
+def _refusing_but_heartbeats(hits: list[str], status: int, reason: str):
+    """A relay that passes heartbeats and refuses everything else
+    `status` `reason`, noting "bad" in `hits` for each refusal."""
+
+    async def selective(request: web.Request) -> web.Response:
+        if _header(await request.read()).kind == "heartbeat":
+            return web.json_response({"ok": True})
+        hits.append("bad")
+        return web.json_response({"reason": reason}, status=status)
+
+    return selective
+
+
 async def _bob_via(first, second, section: TransportSection):
     """Two fake relays of bob's, in that order, and a client that reaches him."""
     a, r1 = await serve_relay(first)
@@ -63,22 +76,25 @@ async def _bob_via(first, second, section: TransportSection):
     return a, b, client
 
 
-async def test_one_honest_not_ready_does_not_send_a_request_to_a_stalling_relay(
-    tmp_path, identities, roster
-):
+async def _ask_bob_past_a_staller(tmp_path, identities, roster, not_ready_first, before=None):
+    """alice sends bob a heartbeat through his answering relay (`_answering`),
+    calls `before(alice)` if given, then asks him for his model, his stalling
+    relay next in line; his answer (or the reason for none) and the relays asked."""
     alice = codec(identities, roster, "alice")
     bob = codec(identities, roster, "bob")
     asked: list[str] = []
     release = asyncio.Event()
 
     g, s, client = await _bob_via(
-        _answering(bob, asked, True),
+        _answering(bob, asked, not_ready_first),
         _stalling(asked, release),
         TransportSection(request_timeout_s=5.0, **FAST),
     )
     out = outbound_of(tmp_path, alice, client)
     try:
         assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
+        if before is not None:
+            before(alice)
         try:
             got = await out.request("bob", "model", {}, 2.0)
         except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
@@ -88,6 +104,13 @@ async def test_one_honest_not_ready_does_not_send_a_request_to_a_stalling_relay(
         await client.close()
         await g.cleanup()
         await s.cleanup()
+    return got, asked
+
+
+async def test_one_honest_not_ready_does_not_send_a_request_to_a_stalling_relay(
+    tmp_path, identities, roster
+):
+    got, asked = await _ask_bob_past_a_staller(tmp_path, identities, roster, True)
     assert got == {"w": 1}, (got, asked)
     assert asked == ["good", "good"], asked
 
@@ -101,17 +124,12 @@ async def test_a_relay_passing_heartbeats_but_refusing_the_rest_is_left_soon(ide
     alice = codec(identities, roster, "alice")
     hits: list[str] = []
 
-    async def selective(request: web.Request) -> web.Response:
-        if _header(await request.read()).kind == "heartbeat":
-            return web.json_response({"ok": True})
-        hits.append("bad")
-        return web.json_response({"reason": "rate_limited"}, status=429)
-
     async def good(request: web.Request) -> web.Response:
         await request.read()
         hits.append("good")
         return web.json_response({"ok": True})
 
+    selective = _refusing_but_heartbeats(hits, 429, "rate_limited")
     b, g, client = await _bob_via(selective, good, TransportSection(**{**FAST, "retries": 0}))
     answers = []
     try:
@@ -141,17 +159,12 @@ async def test_heartbeats_between_the_refusals_do_not_keep_the_link_on_that_rela
     alice = codec(identities, roster, "alice")
     hits: list[str] = []
 
-    async def selective(request: web.Request) -> web.Response:
-        if _header(await request.read()).kind == "heartbeat":
-            return web.json_response({"ok": True})
-        hits.append("bad")
-        return web.json_response({"reason": "forbidden"}, status=403)
-
     async def good(request: web.Request) -> web.Response:
         if _header(await request.read()).kind != "heartbeat":
             hits.append("good")
         return web.json_response({"ok": True})
 
+    selective = _refusing_but_heartbeats(hits, 403, "forbidden")
     b, g, client = await _bob_via(selective, good, TransportSection(**{**FAST, "retries": 0}))
     try:
         for _ in range(STAY_REFUSALS + 1):
@@ -174,30 +187,11 @@ async def test_an_answer_refused_for_this_nodes_own_replay_state_does_not_move_t
     the request is asked again, as before. But every refused answer also moved
     the link (`answer_refused`, for a relay's forgery), so the next attempt
     went to a relay that stalls, and the request timed out there."""
-    alice = codec(identities, roster, "alice")
-    bob = codec(identities, roster, "bob")
-    asked: list[str] = []
-    release = asyncio.Event()
 
-    g, s, client = await _bob_via(
-        _answering(bob, asked, False),
-        _stalling(asked, release),
-        TransportSection(request_timeout_s=5.0, **FAST),
-    )
-    out = outbound_of(tmp_path, alice, client)
-    try:
-        assert (await client.post("bob", alice.encode("heartbeat", "bob", {})))[0] == 200
-        # the first answer is stamped at or below alice's replay floor
+    def floor_ahead(alice) -> None:  # the first answer is stamped at or below alice's replay floor
         alice.replay.floor_ms = int(time.time() * 1000) + 150
-        try:
-            got = await out.request("bob", "model", {}, 2.0)
-        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
-            got = getattr(exc, "reason", repr(exc))
-    finally:
-        release.set()
-        await client.close()
-        await g.cleanup()
-        await s.cleanup()
+
+    got, asked = await _ask_bob_past_a_staller(tmp_path, identities, roster, False, floor_ahead)
     assert got == {"w": 1}, (got, asked)
     assert "stall" not in asked, asked
 

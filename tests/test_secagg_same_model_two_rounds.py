@@ -15,6 +15,7 @@ from protocols.exchange import ServedModels
 from protocols.memory import InMemoryNetwork
 from protocols.secagg import SecAggError, secure_sum
 from protocols.secagg_ledger import ContributionLedger
+from protocols.secagg_requester import SecureSum
 from protocols.secure_exchange import SecureExchange
 
 OPTIONS = dict(max_staleness=1, timeout=5.0, max_norm_ratio=10.0, max_weight_ratio=16.0)
@@ -51,6 +52,24 @@ async def ask(
         return sorted(got.contributors)
     except SecAggError as exc:
         return exc.reason
+
+
+async def weighted_sum(requester: object, contributors: list[str], round_no: int) -> object:
+    """One secure sum of `contributors`' round-`round_no` 64-value models
+    (weight 10 each): its weighted sum, or the requester's reason for none."""
+    try:
+        got: SecureSum = await secure_sum(
+            requester,  # type: ignore[arg-type]
+            contributors,
+            round_no=round_no,
+            max_round=round_no,
+            reference={"w": torch.zeros(64)},
+            timeout=2.0,
+            weight_scale=10.0,
+        )
+    except SecAggError as exc:
+        return exc.reason
+    return got.mean["w"] * (got.total_weight / 10.0)
 
 
 def two_sums(second_model_changes: bool) -> list[object]:
@@ -227,8 +246,6 @@ def test_a_round_retrained_after_a_restart_goes_into_no_second_sum_of_a_requeste
     v's model, off only by the retrainings' differences. The newest round a
     restarted node's ledger holds is now refused to a requester that has a
     model of it in a sum; the next rounds are new models, as before."""
-    from protocols.secagg_requester import SecureSum
-
     names = ("v", "h", "g")
     torch.manual_seed(0)
     first = {n: {"w": torch.randn(64)} for n in names}  # masked before the restart
@@ -245,31 +262,16 @@ def test_a_round_retrained_after_a_restart_goes_into_no_second_sum_of_a_requeste
             exchanges[n].contributor.ledger = ContributionLedger(tmp_path / f"{n}.json", n)  # type: ignore[union-attr]
             exchanges[n].store.put(1, retrained[n], 10)
 
-        async def total(contributors: list[str], round_no: int = 1) -> object:
-            try:
-                got: SecureSum = await secure_sum(
-                    requester,
-                    contributors,
-                    round_no=round_no,
-                    max_round=round_no,
-                    reference={"w": torch.zeros(64)},
-                    timeout=2.0,
-                    weight_scale=10.0,
-                )
-            except SecAggError as exc:
-                return exc.reason
-            return got.mean["w"] * (got.total_weight / 10.0)
-
-        out = [await total(["v", "h"])]
+        out = [await weighted_sum(requester, ["v", "h"], 1)]
         restart("h")
-        out.append(await total(["h", "g"]))
+        out.append(await weighted_sum(requester, ["h", "g"], 1))
         restart("g")
         restart("v")
-        out.append(await total(["g", "v"]))
+        out.append(await weighted_sum(requester, ["g", "v"], 1))
         # the next round is a new model, and joins a sum as before
         for n in names:
             exchanges[n].store.put(2, {"w": torch.randn(64)}, 10)
-        out.append(await total(["v", "h"], 2))
+        out.append(await weighted_sum(requester, ["v", "h"], 2))
         return out
 
     s1, s2, s3, later = asyncio.run(run())
@@ -295,8 +297,6 @@ def test_every_round_a_restart_trains_again_goes_into_no_second_sum_of_a_request
     {h', g}, {g', v'} of round 1 and read v's round-1 model off them. Every
     round up to the ledger's newest is refused now to a requester that has a
     model of it in a sum."""
-    from protocols.secagg_requester import SecureSum
-
     names = ("v", "h", "g")
     torch.manual_seed(0)
     first = {n: {"w": torch.randn(64)} for n in names}  # round 1, masked before
@@ -316,28 +316,14 @@ def test_every_round_a_restart_trains_again_goes_into_no_second_sum_of_a_request
             exchanges[n].store.models.clear()
             exchanges[n].store.put(1, again[n], 10)
 
-        async def total(contributors: list[str], round_no: int) -> object:
-            try:
-                got: SecureSum = await secure_sum(
-                    requester,
-                    contributors,
-                    round_no=round_no,
-                    max_round=round_no,
-                    reference={"w": torch.zeros(64)},
-                    timeout=2.0,
-                    weight_scale=10.0,
-                )
-            except SecAggError as exc:
-                return exc.reason
-            return got.mean["w"] * (got.total_weight / 10.0)
-
-        out = [await total(["v", "h"], 1)]
-        assert isinstance(await total(["v", "h", "g"], 2), torch.Tensor)  # newest: 2
+        out = [await weighted_sum(requester, ["v", "h"], 1)]
+        newest = await weighted_sum(requester, ["v", "h", "g"], 2)
+        assert isinstance(newest, torch.Tensor)  # newest: 2
         restart("h")
-        out.append(await total(["h", "g"], 1))
+        out.append(await weighted_sum(requester, ["h", "g"], 1))
         restart("g")
         restart("v")
-        out.append(await total(["g", "v"], 1))
+        out.append(await weighted_sum(requester, ["g", "v"], 1))
         return out
 
     s1, s2, s3 = asyncio.run(run())

@@ -23,6 +23,26 @@ from p2pfl.secure.wire import WireCodec
 HELD = [f"c{i}" for i in range(8)]
 
 
+def _m_and_relayed_c() -> tuple[dict[str, LocalIdentity], Roster, WireCodec]:
+    """m (an address) and c (behind relay r1): their identities, the roster,
+    and m's codec."""
+    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
+    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
+    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
+    return ids, roster, WireCodec(ids["m"], roster, FED, require_encryption=True)
+
+
+def _held_until(ready: asyncio.Event):
+    """A site's answer held until `ready`, then `not_ready` (its model is not
+    ready yet)."""
+
+    async def held(body: bytes) -> tuple[int, bytes]:
+        await ready.wait()
+        return 404, b'{"reason": "not_ready"}'
+
+    return held
+
+
 def test_eight_requests_held_through_a_relay_do_not_stall_a_heartbeat_to_another_site():
     ids = {n: LocalIdentity.generate(n) for n in ("a", "b", *HELD)}
     behind = [dataclasses.replace(ids[n].card(), address=None, via=("r1",)) for n in ("b", *HELD)]
@@ -31,11 +51,7 @@ def test_eight_requests_held_through_a_relay_do_not_stall_a_heartbeat_to_another
 
     async def scenario() -> None:
         ready = asyncio.Event()
-
-        async def held(body: bytes) -> tuple[int, bytes]:  # its model is not ready yet
-            await ready.wait()
-            return 404, b'{"reason": "not_ready"}'
-
+        held = _held_until(ready)  # its model is not ready yet
         async with relay(roster) as (server, url):
             sites = [RelaySite(ids["b"], roster)] + [RelaySite(ids[n], roster, held) for n in HELD]
             for site in sites:
@@ -73,10 +89,7 @@ def test_a_flooder_has_no_more_frames_at_a_site_at_once_than_its_places():
     waits at the relay, in its place, until one of the 8 is answered, and the
     site still opens only growing stream ids (node/relay_tunnel.py drops a
     lower one)."""
-    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
-    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
-    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
-    m = WireCodec(ids["m"], roster, FED, require_encryption=True)
+    ids, roster, m = _m_and_relayed_c()
 
     async def scenario() -> None:
         ready = asyncio.Event()
@@ -121,19 +134,11 @@ def test_a_frame_past_its_senders_frames_held_at_a_site_waits_no_longer_than_in_
     place only as long as a frame waits in its sender's queue, then is refused
     503 queue_full and its place is free: held frames cannot keep the sender's
     places for longer than that."""
-    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
-    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
-    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
-    m = WireCodec(ids["m"], roster, FED, require_encryption=True)
+    ids, roster, m = _m_and_relayed_c()
 
     async def scenario() -> None:
         ready = asyncio.Event()
-
-        async def held(body: bytes) -> tuple[int, bytes]:
-            await ready.wait()
-            return 404, b'{"reason": "not_ready"}'
-
-        c = RelaySite(ids["c"], roster, held)
+        c = RelaySite(ids["c"], roster, _held_until(ready))
         async with relay(roster) as (server, url):
             server.admission.wait_s = 0.3
             await c.connect(url)
@@ -162,19 +167,11 @@ def test_frames_waiting_for_their_turn_at_a_site_leave_nothing_behind():
     event, no place of the sender's, no slot of the site's. The one waiting
     when the connection failed answers at once (relay_lost), not after the
     wait."""
-    ids = {n: LocalIdentity.generate(n) for n in ("m", "c")}
-    card_c = dataclasses.replace(ids["c"].card(), address=None, via=("r1",))
-    roster = Roster([ids["m"].card("127.0.0.1:7001"), card_c], None, relays={"r1": "x:1"})
-    m = WireCodec(ids["m"], roster, FED, require_encryption=True)
+    ids, roster, m = _m_and_relayed_c()
 
     async def scenario() -> None:
         ready = asyncio.Event()
-
-        async def held(body: bytes) -> tuple[int, bytes]:
-            await ready.wait()
-            return 404, b'{"reason": "not_ready"}'
-
-        c = RelaySite(ids["c"], roster, held)
+        c = RelaySite(ids["c"], roster, _held_until(ready))
         async with relay(roster, rate_limit_per_s=100) as (server, url):
             server.admission.wait_s = 30.0  # the cancelled ones are surely mid-wait
             await c.connect(url)

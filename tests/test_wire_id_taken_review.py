@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
+from fault_util import HttpReply
 from relay_review_util import recording_server, serve_relay
 from test_relay_failover_review import FAST, ask_bob_twice, outbound_of
 from test_upload_fairness import codec, post
@@ -53,6 +54,25 @@ async def _push_to_carol(tmp_path, alice, relays, timeout_s, cleanups):
     return got, client
 
 
+async def _use_its_id_first(port: int, bob, frame: bytes) -> tuple[bytes, HttpReply]:
+    """A thieving relay's move: bob's heartbeat to carol (on `port`) under
+    `frame`'s id, sent first; the id and carol's reply."""
+    x = _msg_id(frame)
+    return x, await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
+
+
+async def _push_past_a_thief(tmp_path, alice, thief, honest, server, timeout_s):
+    """alice pushes to carol through relays answering `thief` then `honest`;
+    the outcome, as `_push_to_carol` gives it, everything closed (carol's
+    `server` too)."""
+    bad, r1 = await serve_relay(thief)
+    good, r2 = await serve_relay(honest)
+    got, _ = await _push_to_carol(
+        tmp_path, alice, [r1, r2], timeout_s, [bad.cleanup, good.cleanup, server.stop]
+    )
+    return got
+
+
 async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other_relay(
     tmp_path, identities, roster
 ):
@@ -64,9 +84,7 @@ async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other
     stolen: list[str] = []
 
     async def thief(request: web.Request) -> web.Response:
-        frame = await request.read()
-        x = _msg_id(frame)
-        reply = await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
+        x, reply = await _use_its_id_first(port, bob, await request.read())
         stolen.append(f"{x.hex()}:{reply.status}")
         return web.json_response({"reason": "relay_lost"}, status=502)
 
@@ -78,11 +96,7 @@ async def test_a_push_whose_id_a_relay_used_first_is_delivered_through_the_other
         ):
             return web.Response(status=r.status, body=await r.read(), headers=r.headers)
 
-    bad, r1 = await serve_relay(thief)
-    good, r2 = await serve_relay(honest)
-    got, client = await _push_to_carol(
-        tmp_path, alice, [r1, r2], 5.0, [bad.cleanup, good.cleanup, server.stop]
-    )
+    got = await _push_past_a_thief(tmp_path, alice, thief, honest, server, 5.0)
     assert len(stolen) == 1 and stolen[0].endswith(":200"), stolen
     assert got == "delivered", (got, stolen, processed)
     assert len(processed) == 2 and processed[0] == stolen[0].split(":")[0], processed
@@ -192,8 +206,7 @@ async def test_a_relay_stealing_every_id_it_carries_does_not_hold_the_link(
 
     async def thief(request: web.Request) -> web.Response:
         frame = await request.read()
-        x = _msg_id(frame)
-        await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
+        x, _ = await _use_its_id_first(port, bob, frame)
         stolen.append(x)
         reply = await post(port, frame)  # carol's own answer: id_taken, signed
         return web.Response(status=reply.status, body=reply.body, content_type="application/json")
@@ -202,11 +215,7 @@ async def test_a_relay_stealing_every_id_it_carries_does_not_hold_the_link(
         reply = await post(port, await request.read())
         return web.Response(status=reply.status, body=reply.body, content_type="application/json")
 
-    bad, r1 = await serve_relay(thief)
-    good, r2 = await serve_relay(honest)
-    got, client = await _push_to_carol(
-        tmp_path, alice, [r1, r2], 3.0, [bad.cleanup, good.cleanup, server.stop]
-    )
+    got = await _push_past_a_thief(tmp_path, alice, thief, honest, server, 3.0)
     assert got == "delivered", (got, len(stolen))
     assert len(stolen) == 1 and len(processed) == 2, (len(stolen), processed)
 

@@ -1,0 +1,125 @@
+"""A hostile peer's final review of a relay's turn per gate at a site
+(node/relay_handshake.py `SiteLink.send_turn` / `sent_done`), which the relay's
+`_forward` (node/relay.py) awaits for every frame of a sender, or of its
+copies, before streaming it down the site's connection.
+
+tests/test_relay_held_review.py attacks it through a running relay (a flooder's
+frames at a site at once, one past them waiting, a cancelled waiter, a failed
+connection). These attack the turn itself with what a relay under a flood
+sees and no relay test can time exactly: many frames of one gate at once, some
+of their senders gone mid-wait, some timing out, answers coming back in any
+order, a site's connection failing with waiters, and another gate's frames
+meanwhile. The turn must never let more than its limit through at once, never
+hold one gate's frames behind another's, and leave no count or event behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any, cast
+
+from node.relay_handshake import SiteLink
+from p2pfl.secure.identity import LocalIdentity
+
+LIMIT = 8
+
+
+def _link() -> SiteLink:
+    card = LocalIdentity.generate("c").card()
+    return SiteLink("c", card, cast(Any, None))
+
+
+def test_a_flood_of_one_gate_never_has_more_than_its_limit_at_the_site_and_leaves_nothing():
+    """60 frames of one gate at once, held a random while each; 10 of their
+    senders go away mid-wait; the rest wait 0.15 s at most. At no moment are
+    more than LIMIT counted, every one counted is given back, and no count or
+    waiter's event is left once all are done."""
+    rng = random.Random(7)
+
+    async def scenario() -> None:
+        link = _link()
+        at_once = most = 0
+        refused = taken = 0
+
+        async def frame(hold: float) -> None:
+            nonlocal at_once, most, refused, taken
+            if not await link.send_turn("a", LIMIT, 0.15):
+                refused += 1
+                return
+            taken += 1
+            at_once += 1
+            most = max(most, at_once)
+            assert link.sent_by_gate["a"] <= LIMIT
+            try:
+                await asyncio.sleep(hold)
+            finally:
+                at_once -= 1
+                link.sent_done("a")
+
+        tasks = [asyncio.create_task(frame(rng.uniform(0.0, 0.05))) for _ in range(60)]
+        await asyncio.sleep(0.01)
+        for task in rng.sample(tasks[LIMIT:], 10):  # senders gone mid-wait
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert most == LIMIT
+        assert taken + refused + sum(t.cancelled() for t in tasks) == 60
+        assert link.sent_by_gate == {}
+        assert link._room == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_full_gate_does_not_hold_another_gates_frame():
+    """A flooder's gate full at the site with more of its frames waiting: an
+    honest sender's frame (another gate) to the same site takes its turn at
+    once, no await of the flooder's answers."""
+
+    async def scenario() -> None:
+        link = _link()
+        for _ in range(LIMIT):
+            assert await link.send_turn("flooder", LIMIT, 1.0)
+        waiters = [asyncio.create_task(link.send_turn("flooder", LIMIT, 5.0)) for _ in range(LIMIT)]
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        assert await link.send_turn("honest", LIMIT, 5.0)
+        assert time.monotonic() - start < 0.05
+        link.sent_done("honest")
+        assert "honest" not in link.sent_by_gate and "honest" not in link._room
+        for _ in range(LIMIT):  # the flooder's answers let its waiters on, one each
+            link.sent_done("flooder")
+            await asyncio.sleep(0)
+        assert all(await asyncio.gather(*waiters))
+        assert link.sent_by_gate == {"flooder": LIMIT}
+        for _ in range(LIMIT):
+            link.sent_done("flooder")
+        assert link.sent_by_gate == {} and link._room == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_failed_connection_lets_every_waiter_on_at_once_and_the_counts_return_to_zero():
+    """The site's connection fails with 20 frames of two gates waiting for a
+    turn: each goes on at once (to find the connection closed and answer
+    relay_lost), none after its wait, and once each gives its turn back no
+    count or event is left; a frame arriving after the failure does not wait."""
+
+    async def scenario() -> None:
+        link = _link()
+        for gate in ("a", "b"):
+            for _ in range(LIMIT):
+                assert await link.send_turn(gate, LIMIT, 1.0)
+        waiting = [asyncio.create_task(link.send_turn(g, LIMIT, 30.0)) for g in ("a", "b") * 10]
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        link.fail()
+        assert all(await asyncio.gather(*waiting))
+        assert time.monotonic() - start < 0.5
+        assert await link.send_turn("a", LIMIT, 30.0)  # closed: no wait
+        for gate, n in (("a", LIMIT + 10 + 1), ("b", LIMIT + 10)):
+            for _ in range(n):
+                link.sent_done(gate)
+        assert link.sent_by_gate == {} and link._room == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))

@@ -306,7 +306,11 @@ class Inbound:
         if msg_id in self._keeping:
             raise Rejection("in_progress", "a copy of it is being spooled")
         if self.spool.has(msg_id) or msg_id in self.journal:
-            if self.journal.sender(msg_id) not in ("", header.sender):
+            # (the spool's sender too: once the replay cache dropped a spooled
+            # id, another sender's push under it was answered 200 and counted
+            # delivered unprocessed: final review)
+            held_by = self.journal.sender(msg_id) or self.spool.sender(msg_id)
+            if held_by not in ("", header.sender):
                 raise Rejection("id_taken", "another sender's push had that id")
             return 200, None  # a retry of something we already hold (after a restart)
         queue = self.inboxes.get(header.kind)
@@ -359,6 +363,7 @@ class Inbound:
         msg_id = header.id_hex
         try:
             await asyncio.to_thread(self.spool.persist, msg_id, incoming.frame)
+            self.spool.sent_by(msg_id, header.sender)  # (in `_keeping` until then)
             # The transport checked the sender against the roster before the payload
             # streamed in; a reload (SIGHUP) since then may have removed it, and
             # drop_unlisted ran too early for this push. Checked again here, on the
@@ -501,6 +506,7 @@ class Inbound:
                 continue
             # a resend is a replay (of this sender's: ids are the sender's, p2pfl/secure/wire.py)
             self.codec.replay.add(header.msg_id, header.timestamp_ms, header.sender)
+            self.spool.sent_by(msg_id, header.sender)
             if payload is None:
                 dropped[header.kind] = dropped.get(header.kind, 0) + 1
                 self.telemetry.record_rejection("queue_full", header.sender)

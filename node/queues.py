@@ -126,12 +126,24 @@ class Spool:
         # The ids on disk, kept in memory: `has` is asked for every push, on the
         # event loop, and a stat there would wait on the directory's lock.
         self._ids = {p.stem for p in self.dir.glob("*.frame")}
+        # who sent each spooled push (node/inbound.py: an id is its sender's, also
+        # once the replay cache dropped it; `recover` tells those read at start)
+        self._senders: dict[str, str] = {}
 
     def path(self, msg_id: str) -> Path:
         return self.dir / f"{msg_id}.frame"
 
     def has(self, msg_id: str) -> bool:
         return msg_id in self._ids
+
+    def sender(self, msg_id: str) -> str:
+        """Who sent the spooled push of this id ("" if not known)."""
+        return self._senders.get(msg_id, "")
+
+    def sent_by(self, msg_id: str, sender: str) -> None:
+        """`sender` sent the spooled push of this id (node/inbound.py)."""
+        if msg_id in self._ids:
+            self._senders[msg_id] = sender
 
     def persist(self, msg_id: str, frame: bytearray | bytes) -> Path:
         path = self.path(msg_id)
@@ -141,12 +153,14 @@ class Spool:
 
     def remove(self, msg_id: str) -> None:
         self._ids.discard(msg_id)
+        self._senders.pop(msg_id, None)
         self.path(msg_id).unlink(missing_ok=True)
 
     def set_aside(self, msg_id: str) -> None:
         """An unreadable frame: renamed `.corrupt` (the newest KEEP_CORRUPT are
         kept across starts) and no longer held: a resend is taken afresh."""
         self._ids.discard(msg_id)
+        self._senders.pop(msg_id, None)
         path = self.path(msg_id)
         path.rename(path.with_suffix(".corrupt"))
 
@@ -156,6 +170,7 @@ class Spool:
         milliseconds). Only for journaled ids: a restart deletes leftovers."""
         for msg_id in msg_ids:
             self._ids.discard(msg_id)
+            self._senders.pop(msg_id, None)
         return [self.path(m) for m in msg_ids]
 
     def pending(self) -> list[Path]:

@@ -123,3 +123,58 @@ def test_a_failed_connection_lets_every_waiter_on_at_once_and_the_counts_return_
         assert link.sent_by_gate == {} and link._room == {}
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+# ------------------------------------------- an id held in the spool, not the cache
+async def test_a_spooled_pushs_id_stays_its_senders_once_the_replay_cache_dropped_it(
+    tmp_path, identities, roster
+):
+    """Attack: bob (a relaying roster member) sees alice's push to carol go by
+    with id X, holds it, and sends carol a push of his own under X first, of a
+    kind carol keeps spooled a while (not yet consumed, so not journaled).
+    Carol's traffic (or bob's) then pushes X out of her bounded replay cache,
+    and bob forwards alice's push, stamped after the cache's floor. Carol must
+    refuse it `id_taken` (unacknowledged: alice sends it again under a fresh
+    id), never answer it 200 as "a retry of something we already hold", which
+    counted alice's push delivered while carol held only bob's."""
+    import os
+
+    from test_hostile_wire import incoming, make_inbound
+    from test_upload_fairness import codec
+
+    from node.transport import Rejection
+    from p2pfl.secure.wire import WireError
+
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    carol = codec(identities, roster, "carol", replay_cache_size=16)
+    inbound = make_inbound(tmp_path, carol)
+    alices = alice.encode("probe", "carol", {"x": 1})
+    x = alices.header.msg_id
+    bobs = bob.encode("probe", "carol", {"x": 2}, msg_id=x)
+    assert await inbound.on_frame(incoming(carol, bobs.to_bytes())) == (200, None)
+    assert inbound.spool.has(x.hex()) and x.hex() not in inbound.journal  # held, unconsumed
+    for _ in range(16):  # other traffic: X leaves the bounded cache
+        carol.replay.add(os.urandom(16), bobs.header.timestamp_ms, "bob")
+    assert not carol.replay.holds(x)
+    await asyncio.sleep(0.005)  # stamped after the cache's floor (X's own stamp)
+    late = alice.encode("probe", "carol", {"x": 1}, msg_id=x)  # its retry, stamped later
+    try:
+        answer = await inbound.on_frame(incoming(carol, late.to_bytes()))
+    except (Rejection, WireError) as exc:
+        assert exc.reason == "id_taken", exc
+    else:
+        raise AssertionError(f"alice's push answered {answer} while carol holds bob's under X")
+    # and after a restart, the push read back from the spool is still bob's
+    restarted = codec(identities, roster, "carol", replay_cache_size=16)
+    again = make_inbound(tmp_path, restarted)
+    assert again.recover([]) == 1
+    for _ in range(16):
+        restarted.replay.add(os.urandom(16), bobs.header.timestamp_ms, "bob")
+    assert not restarted.replay.holds(x)
+    try:
+        answer = await again.on_frame(incoming(restarted, late.to_bytes()))
+    except (Rejection, WireError) as exc:
+        assert exc.reason == "id_taken", exc
+    else:
+        raise AssertionError(f"after a restart alice's push answered {answer}")

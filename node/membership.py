@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from node.outbound import acknowledged
+from node.outbound import ID_TAKEN, acknowledged
 from node.peers import PeerTable
 from node.queues import Inboxes
 from node.telemetry import Telemetry
@@ -134,6 +134,11 @@ class Membership:
                 # for a push; a relay forging the answers to heartbeats held
                 # them on itself, and the peer heard none (rv_net2)
                 return
+            if outcome == ID_TAKEN:
+                # the peer's word that someone used this heartbeat's id first: a
+                # refusal of the relay that carried it, as for a push; else a relay
+                # stealing every heartbeat's id held them on itself (final review)
+                self.client.carrier_suspect(peer, message)
         if status == 200:
             self.telemetry.record_sent(peer, HEARTBEAT, message.nbytes)
 

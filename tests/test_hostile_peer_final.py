@@ -178,3 +178,77 @@ async def test_a_spooled_pushs_id_stays_its_senders_once_the_replay_cache_droppe
         assert exc.reason == "id_taken", exc
     else:
         raise AssertionError(f"after a restart alice's push answered {answer}")
+
+
+# ------------------------------------------------- heartbeats through an id thief
+async def test_a_relay_stealing_every_heartbeat_id_does_not_hold_the_heartbeats(identities, roster):
+    """Attack: a relay run by bob uses the id of each heartbeat alice sends
+    carol through it first (bob's own heartbeat to carol under that id), then
+    forwards alice's, and hands back carol's own signed `id_taken`. A push or
+    a request so refused counts against the relay that carried it
+    (`carrier_suspect`); a heartbeat did not, so its link stayed on the thief
+    and carol heard none of alice's heartbeats (at times only heartbeats flow,
+    so nothing else moved it) though carol's other relay was fine."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from relay_review_util import recording_server, serve_relay
+    from test_relay_failover_review import FAST
+    from test_upload_fairness import codec, post
+    from test_wire_id_taken_review import _msg_id
+
+    from node.membership import Membership, Progress
+    from node.telemetry import Telemetry
+    from node.transport_client import MessageClient
+    from p2pfl.config import TransportSection
+
+    alice = codec(identities, roster, "alice")
+    bob = codec(identities, roster, "bob")
+    carol = codec(identities, roster, "carol")
+    heard: list[str] = []
+    server, port = await recording_server(carol, heard)
+    stolen: list[bytes] = []
+
+    async def thief(request: web.Request) -> web.Response:
+        frame = await request.read()
+        x = _msg_id(frame)
+        await post(port, bob.encode("heartbeat", "carol", {}, msg_id=x).to_bytes())
+        stolen.append(x)
+        reply = await post(port, frame)  # carol's own answer: id_taken, signed
+        return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+
+    async def honest(request: web.Request) -> web.Response:
+        reply = await post(port, await request.read())
+        return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+
+    bad, r1 = await serve_relay(thief)
+    good, r2 = await serve_relay(honest)
+    client = MessageClient(TransportSection(**FAST), None)
+    member = Membership(
+        name="alice",
+        cfg=SimpleNamespace(  # type: ignore[arg-type]
+            transport=TransportSection(heartbeat_s=0.5), wire=SimpleNamespace(encryption=False)
+        ),
+        roster=alice.roster,
+        codec=alice,
+        client=client,
+        peers=None,  # type: ignore[arg-type]
+        telemetry=Telemetry("alice"),
+        inboxes=None,  # type: ignore[arg-type]
+        progress=lambda: Progress(0, "train", False),
+        spawn=lambda coro, name: coro.close(),
+    )
+    try:
+        for peer in list(client.links):
+            client.remove_peer(peer)
+        client.set_relayed_peer("carol", [r1, r2])
+        for _ in range(6):
+            await member.broadcast()
+            await asyncio.sleep(0.05)
+    finally:
+        await client.close()
+        await bad.cleanup()
+        await good.cleanup()
+        await server.stop()
+    alices = [h for h in heard if bytes.fromhex(h) not in stolen]  # bob's are the stolen
+    assert len(stolen) <= 3 and len(alices) >= 3, (len(stolen), len(alices))

@@ -106,6 +106,9 @@ ASK_AGAIN = (
     "in_progress",
     "too_many_uploads",
     "id_taken",  # (signed, or not: a fresh request each time anyway)
+    # a copy was taken first (a relay that sent it twice kept the first answer):
+    # asked again, a fresh request, as for `id_taken` (final review)
+    "replayed",
 )
 # The peer restarted since this message's timestamp, or its replay cache's floor
 # is above it: encode it again with a fresh timestamp, it was not taken.
@@ -357,16 +360,18 @@ class Outbound:
                     continue
             reason = reason_of_response(status, body)
             # a signed refusal that is not the peer's word sends the next attempt to its
-            # next relay (`acknowledged`); the peer's id_taken says the relay saw the id
+            # next relay (`acknowledged`); the peer's id_taken says the relay saw the
+            # id (`_deliver`), its replayed that the relay sent a copy first: never
+            # this node, which sends a request once (retries=0)
             if (
                 signed_refusal(status, body)
                 and acknowledged(self.codec, self.client, peer, message, reason, body)
-                and reason == ID_TAKEN
+                and reason in (ID_TAKEN, "replayed")
             ):
-                self.client.carrier_suspect(peer, message)  # (`_deliver`)
+                self.client.carrier_suspect(peer, message)
             if reason not in ASK_AGAIN:
                 raise PeerUnavailable(peer, reason)
-            if reason in SEND_AGAIN:  # answered at once: pause, not a busy loop
+            if reason in SEND_AGAIN or reason == "replayed":  # at once: pause, not a busy loop
                 await asyncio.sleep(min(SEND_AGAIN_PAUSE_S, max(0.0, deadline - time.monotonic())))
 
     async def _open_response(

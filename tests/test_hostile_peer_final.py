@@ -252,3 +252,70 @@ async def test_a_relay_stealing_every_heartbeat_id_does_not_hold_the_heartbeats(
         await server.stop()
     alices = [h for h in heard if bytes.fromhex(h) not in stolen]  # bob's are the stolen
     assert len(stolen) <= 3 and len(alices) >= 3, (len(stolen), len(alices))
+
+
+# ------------------------------------------------- a request delivered twice by its relay
+async def test_a_relay_delivering_every_request_twice_does_not_hold_the_link(
+    tmp_path, identities, roster
+):
+    """Attack: a relay forwards each request alice sends carol through it
+    twice, keeps carol's answer to the first copy (encrypted for alice, it
+    reads nothing, but alice never gets it) and hands alice carol's signed
+    409 `replayed` to the second. A signed `replayed` moved neither the link
+    nor asked again: the request failed at once (`replayed`), and every
+    request through that relay did, though carol's other relay was fine. Now
+    it counts against the relay that carried it, as a signed `id_taken`
+    does, and the request is asked again (a fresh id): carol's answer comes
+    through the other relay."""
+    import aiohttp
+    from aiohttp import web
+    from relay_review_util import serve_relay
+    from test_hostile_wire import make_inbound
+    from test_relay_failover_review import FAST, outbound_of
+    from test_upload_fairness import codec
+
+    from node.transport import MESSAGE_PATH, MessageServer
+    from node.transport_client import MessageClient
+    from p2pfl.config import TransportSection
+
+    alice = codec(identities, roster, "alice")
+    carol = codec(identities, roster, "carol")
+    inbound = make_inbound(tmp_path / "carol", carol)
+
+    async def serve(sender: str, query: dict) -> dict:
+        return {"w": 7}
+
+    inbound.handlers["model"] = serve
+    server = MessageServer(carol, TransportSection(), inbound.on_frame, lambda r, s: None)
+    port = await server.start("127.0.0.1", 0, None)
+    doubled: list[int] = []
+
+    async def relay_of(twice: bool):
+        async def forward(request: web.Request) -> web.Response:
+            frame = await request.read()
+            async with aiohttp.ClientSession() as s:
+                for _ in range(2 if twice else 1):
+                    async with s.post(f"http://127.0.0.1:{port}{MESSAGE_PATH}", data=frame) as r:
+                        status, body, headers = r.status, await r.read(), r.headers
+                doubled.extend([status] if twice else [])
+            return web.Response(status=status, body=body, headers=headers)
+
+        return await serve_relay(forward)
+
+    bad, r1 = await relay_of(True)
+    good, r2 = await relay_of(False)
+    client = MessageClient(TransportSection(request_timeout_s=3.0, **FAST), None)
+    client.set_relayed_peer("carol", [r1, r2])
+    out = outbound_of(tmp_path, alice, client)
+    try:
+        try:
+            got = await out.request("carol", "model", {}, 2.0)
+        except Exception as exc:  # noqa: BLE001 - PeerUnavailable, reported
+            got = getattr(exc, "reason", repr(exc))
+    finally:
+        await client.close()
+        await bad.cleanup()
+        await good.cleanup()
+        await server.stop()
+    assert got == {"w": 7}, (got, doubled)
+    assert doubled == [409], doubled

@@ -319,3 +319,24 @@ async def test_a_relay_delivering_every_request_twice_does_not_hold_the_link(
         await server.stop()
     assert got == {"w": 7}, (got, doubled)
     assert doubled == [409], doubled
+
+
+def test_a_relay_forwarding_one_message_in_three_keeps_the_link_a_stated_limit() -> None:
+    """docs/threat-model.md, Through a relay (deny service): a relay that forwards
+    one non-heartbeat message in every three and refuses the other two unsigned
+    keeps the link on itself, since each 200 ends the row of refusals before the
+    third (STAY_REFUSALS). Unsigned, an honest `not_ready` reads the same, and
+    treating it as the relay's sent requests to a stalling relay (rv_net2). A
+    limit, pinned here: if it is ever closed, this test says so."""
+    from node.transport_client import STAY_REFUSALS, PeerLink
+
+    bad, good = "http://r1/m", "http://r2/m"
+    link = PeerLink("bob", [bad, good])
+    for _ in range(200):
+        link.answered(bad)
+        for _ in range(STAY_REFUSALS - 1):
+            link.refused(bad, 30.0)
+    assert link.url == bad
+    # three refusals in a row do move it
+    link.refused(bad, 30.0)
+    assert link.url == good
